@@ -1,0 +1,12 @@
+"""fdam-ray: federated deep AUC maximization (CODA+, CODASCA and baselines) on Ray.
+
+Yuan, Guo, Xu, Ying, Yang. "Federated Deep AUC Maximization for Heterogeneous
+Data with a Constant Communication Complexity." ICML 2021.
+"""
+
+from fdam_ray.api import train, train_arrays
+from fdam_ray.config import Config, ConfigError, build_config
+from fdam_ray.federation import DivergenceError, RunResult, run
+
+__all__ = ["Config", "ConfigError", "DivergenceError", "RunResult", "build_config", "run", "train", "train_arrays"]
+__version__ = "0.1.0"

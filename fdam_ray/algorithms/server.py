@@ -1,0 +1,92 @@
+"""Server side of a round (ALGORITHMS.md s.3): running means, extrapolation eta_g, projection.
+
+    v_r     = v_{r-1} + eta_g (mean_k v^k - v_{r-1})
+    alpha_r = alpha_{r-1} + eta_g (mean_k alpha^k - alpha_{r-1}), projected to >= 0 for auc_margin
+    c       = mean_k c^k
+    float buffers (BatchNorm statistics): plain mean; integer buffers: max
+
+Updates are folded into sums as they arrive and dropped, so the server holds a
+fixed number of state-sized buffers whatever the number of clients.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fdam_ray.state import ClientUpdate, GlobalState, StepStats
+
+
+class RoundReducer:
+    """Folds client updates of one round into the next global state.
+
+    Args:
+        previous: the global state the round started from.
+        global_lr: eta_g.
+        alpha_nonnegative: project alpha onto alpha >= 0 (auc_margin).
+        control_variates: average the clients' control variates into the global c.
+    """
+
+    def __init__(
+        self, previous: GlobalState, *, global_lr: float, alpha_nonnegative: bool, control_variates: bool
+    ) -> None:
+        self.previous = previous
+        self.global_lr = global_lr
+        self.alpha_nonnegative = alpha_nonnegative
+        self.control_variates = control_variates
+        self.count = 0
+        self.bytes_up = 0
+        self.stats: list[StepStats] = []
+        self._v = np.zeros_like(previous.v)
+        self._alpha = np.zeros_like(previous.alpha)
+        self._buffers = np.zeros_like(previous.buffers)
+        self._counters = np.zeros_like(previous.counters)
+        if control_variates:
+            self._c_v = np.zeros_like(previous.v)
+            self._c_alpha = np.zeros_like(previous.alpha)
+
+    def fold(self, update: ClientUpdate) -> None:
+        """Add one client's update to the running sums."""
+        np.add(self._v, update.v, out=self._v)
+        np.add(self._alpha, update.alpha, out=self._alpha)
+        np.add(self._buffers, update.buffers, out=self._buffers)
+        np.maximum(self._counters, update.counters, out=self._counters)
+        if self.control_variates:
+            if update.c_v is None or update.c_alpha is None:
+                raise ValueError(f"client {update.client_id} sent no control variate")
+            np.add(self._c_v, update.c_v, out=self._c_v)
+            np.add(self._c_alpha, update.c_alpha, out=self._c_alpha)
+        self.count += 1
+        self.bytes_up += update.nbytes
+        self.stats.append(update.stats)
+
+    def _extrapolate(self, mean: np.ndarray, prev: np.ndarray) -> np.ndarray:
+        if self.global_lr == 1.0:
+            return mean
+        out = mean - prev
+        out *= np.float32(self.global_lr)
+        out += prev
+        return out
+
+    def finish(self, *, steps: int) -> GlobalState:
+        """The global state after this round (``steps`` local steps were taken)."""
+        if self.count == 0:
+            raise RuntimeError("no client update reached the server this round")
+        inv = np.float32(1.0 / self.count)
+        prev = self.previous
+        v = self._extrapolate(self._v * inv, prev.v)
+        alpha = self._extrapolate(self._alpha * inv, prev.alpha)
+        if self.alpha_nonnegative:
+            np.maximum(alpha, 0, out=alpha)
+        c_v = c_alpha = None
+        if self.control_variates:
+            c_v, c_alpha = self._c_v * inv, self._c_alpha * inv
+        return GlobalState(
+            v=v.astype(np.float32, copy=False),
+            alpha=alpha.astype(np.float32, copy=False),
+            buffers=self._buffers * inv,
+            counters=self._counters,
+            c_v=c_v,
+            c_alpha=c_alpha,
+            round=prev.round + 1,
+            iteration=prev.iteration + steps,
+        )

@@ -1,0 +1,132 @@
+"""One federated client: its data shard, its model replica and its control variate.
+
+The same class runs in the driver process (inline executor) and inside a Ray
+actor; it imports no Ray. Everything it receives and returns is numpy buffers
+or small dataclasses (:mod:`fdam_ray.state`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from fdam_ray.algorithms import Algorithm
+from fdam_ray.data import DataSource, Split, TensorSampler
+from fdam_ray.flat import FlatModel
+from fdam_ray.models import build_model
+from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, Moments, RoundPlan, Scores, StepStats
+
+EVAL_BATCH = 1024
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> the first visible GPU if any, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda but no GPU is visible to this process")
+    return torch.device(name)
+
+
+class Replica:
+    """A model replica in flat storage that can load a global state and score samples."""
+
+    def __init__(self, config, source: DataSource, *, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.algorithm = Algorithm.from_config(config)
+        self.objective = self.algorithm.objective(source.num_tasks)
+        model = build_model(config.model, source.input_shape, source.num_tasks,
+                            width=config.model_width, seed=config.seed)
+        self.flat = FlatModel(model, aux_size=self.objective.aux_size, device=device)
+
+    @torch.no_grad()
+    def score(self, split: Split) -> np.ndarray:
+        """Sigmoid scores (n, T) of the current model on ``split`` (eval mode, then back to train mode)."""
+        model = self.flat.model
+        model.eval()
+        try:
+            t = self.objective.num_tasks
+            out = [torch.sigmoid(model(split.x[i : i + EVAL_BATCH].to(self.device)).reshape(-1, t))
+                   for i in range(0, len(split), EVAL_BATCH)]
+        finally:
+            model.train()
+        return torch.cat(out).cpu().numpy()
+
+    def scores_of(self, state: GlobalState, split: Split, client_id: int = -1) -> Scores:
+        self.flat.load(state)
+        return Scores(client_id, self.score(split), split.y.cpu().numpy())
+
+
+class Client(Replica):
+    """A client: builds its own shard from the data source spec, then runs local rounds.
+
+    Args:
+        config: the run's validated config.
+        source: the data source spec; the client calls ``source.client_shard(client_id)``.
+        client_id: k in 0..K-1.
+        device: where its model and data live.
+    """
+
+    def __init__(self, config, source: DataSource, client_id: int, *, device: torch.device) -> None:
+        super().__init__(config, source, device=device)
+        self.client_id = client_id
+        shard = source.client_shard(client_id)
+        self.train = shard.train.to(device)
+        self.test = None if shard.test is None else shard.test.to(device)
+        self.sampler = TensorSampler(self.train, config.batch_size, seed=config.seed * 1_000_003 + client_id)
+        self.solver = self.algorithm.solver(self.flat, self.objective)
+
+    def info(self) -> ClientInfo:
+        positives, labelled = self.train.label_counts()
+        return ClientInfo(self.client_id, len(self.train), 0 if self.test is None else len(self.test),
+                          positives, labelled, self.flat.state_size)
+
+    def configure(self, positive_ratio: np.ndarray) -> None:
+        """Set the global p of the objective (the same on every client)."""
+        self.objective.set_positive_ratio(positive_ratio, device=self.device)
+
+    def begin_stage(self, reference: np.ndarray, reset_control_variate: bool) -> None:
+        """Start a stage: new proximal centre v_ref and, by default, a zero control variate."""
+        self.solver.set_reference(reference)
+        if reset_control_variate:
+            self.solver.reset_control_variate()
+
+    def local_round(self, state: GlobalState, plan: RoundPlan) -> ClientUpdate:
+        """Run ``plan.steps`` local steps from the global state and return the end point."""
+        start = time.perf_counter()
+        self.solver.begin(state)
+        loss_sum = torch.zeros((), device=self.device)
+        samples = 0
+        for _ in range(plan.steps):
+            x, y = self.sampler.next()
+            loss_sum += self.solver.step(x, y, plan.lr)
+            samples += x.shape[0]
+        self.solver.end(state, plan.steps, plan.lr)
+        v, alpha, buffers, counters = self.flat.export()
+        cv = self.solver.control_variate()
+        loss = float(loss_sum) / plan.steps
+        stats = StepStats(self.client_id, loss, plan.steps, samples, time.perf_counter() - start)
+        return ClientUpdate(self.client_id, v, alpha, buffers, counters,
+                            None if cv is None else cv[0], None if cv is None else cv[1], stats)
+
+    def evaluate(self, state: GlobalState) -> Scores | None:
+        """Scores of the global model on this client's own test split (None if it has none)."""
+        return None if self.test is None else self.scores_of(state, self.test, self.client_id)
+
+    @torch.no_grad()
+    def score_moments(self, state: GlobalState) -> Moments:
+        """Per-task sums of h over the training positives and negatives (for CODA's closed-form alpha)."""
+        self.flat.load(state)
+        h = self.score(self.train)
+        y = self.train.y.cpu().numpy()
+        pos, neg = y == 1, y == 0
+        return Moments((h * pos).sum(0), pos.sum(0), (h * neg).sum(0), neg.sum(0))
+
+    def get_control_variate(self) -> tuple[np.ndarray, np.ndarray] | None:
+        return self.solver.control_variate()
+
+    def set_control_variate(self, c_v: np.ndarray, c_alpha: np.ndarray) -> None:
+        self.solver.set_control_variate(c_v, c_alpha)

@@ -1,0 +1,257 @@
+"""Run configuration: one flat set of plain names shared by YAML files, the CLI and Tune.
+
+Every field is declared once in :data:`FIELDS` with its type, default, allowed
+values and the paper's symbol. :func:`build_config` is the only way to make a
+:class:`Config`: it rejects unknown keys, coerces types, applies the chosen
+algorithm's preset defaults for fields the user left unset, and checks every
+value, raising :class:`ConfigError` (a ``ValueError``) that names the field, the
+value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import yaml
+
+from fdam_ray.algorithms.presets import PRESETS
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type or out of range."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    name: str
+    kind: str  # "int", "float", "bool", "str", "int_list", "batch"
+    default: Any
+    doc: str
+    choices: tuple[str, ...] | None = None
+    check: Callable[[Any], bool] | None = None
+    allowed: str = ""
+    optional: bool = False
+
+
+def _f(name, kind, default, doc, *, choices=None, check=None, allowed="", optional=False):
+    return Field(name, kind, default, doc, choices, check, allowed, optional)
+
+
+_pos = (lambda v: v > 0, "> 0")
+_nonneg = (lambda v: v >= 0, ">= 0")
+_ge1 = (lambda v: v >= 1, ">= 1")
+
+MODEL_NAMES = ("linear", "mlp", "cnn", "resnet20", "densenet121")
+# "arrays" is set by fdam_ray.train_arrays (bring-your-own data), not by hand.
+DATASET_NAMES = ("digits", "synthetic", "arrays")
+
+FIELDS: tuple[Field, ...] = (
+    # -- algorithm ---------------------------------------------------------------
+    _f("algorithm", "str", "codasca", "Named preset: objective x drift correction (ALGORITHMS.md s.4).",
+       choices=tuple(PRESETS)),
+    _f("objective", "str", None, "Loss: auc_square (paper eq. 2), auc_margin (AUC-M) or bce; "
+       "default from the algorithm preset.", choices=("auc_square", "auc_margin", "bce"), optional=True),
+    _f("margin", "float", 1.0, "m, the margin of auc_margin.", check=_pos[0], allowed=_pos[1]),
+    _f("num_clients", "int", 4, "K, number of federated clients.", check=_ge1[0], allowed=_ge1[1]),
+    _f("local_steps", "int", 10, "I, local steps per communication round (I_0 for the geometric schedule).",
+       check=_ge1[0], allowed=_ge1[1]),
+    _f("lr", "float", 0.1, "eta (eta_l for CODASCA), local step size.", check=_pos[0], allowed=_pos[1]),
+    _f("global_lr", "float", 1.0, "eta_g, server extrapolation; 1 is plain averaging.",
+       check=_pos[0], allowed=_pos[1]),
+    _f("prox_weight", "float", 0.002, "gamma, weight of the proximal term towards the stage reference.",
+       check=_nonneg[0], allowed=_nonneg[1]),
+    _f("weight_decay", "float", 0.0, "wd, L2 weight decay on v.", check=_nonneg[0], allowed=_nonneg[1]),
+    _f("grad_clip", "float", None, "Element-wise clip of the model gradient to [-clip, clip]; null = off.",
+       check=_pos[0], allowed=_pos[1], optional=True),
+    _f("batch_size", "batch", 32, "B, local minibatch size; 0 or 'full' = full-batch gradients.",
+       allowed=">= 0 or 'full'"),
+    _f("iterations", "int", 2000, "t, total local steps per client.", check=_ge1[0], allowed=_ge1[1]),
+    _f("positive_ratio", "float", None, "p in the objective; null = global positive ratio from client counts.",
+       check=lambda v: 0 < v < 1, allowed="in (0, 1)", optional=True),
+    # -- schedule -----------------------------------------------------------------
+    _f("schedule", "str", "stagewise", "stagewise (decay every T0) or geometric (I_s grows by rho).",
+       choices=("stagewise", "geometric")),
+    _f("stage_length", "int", 1000, "T0, iterations per stage (stagewise).", check=_ge1[0], allowed=_ge1[1]),
+    _f("lr_decay", "float", 3.0, "Divisor of lr at each stage end (stagewise).", check=_ge1[0], allowed=_ge1[1]),
+    _f("reference_point", "str", "average", "Proximal centre of the next stage: average of the stage's "
+       "round-end global iterates, or the last one.", choices=("average", "last")),
+    _f("reset_control_variates", "bool", True, "Zero the control variates at each stage start."),
+    _f("stage_growth", "float", 2.0, "rho, growth of I_s and shrink of lr per stage (geometric).",
+       check=_ge1[0], allowed=_ge1[1]),
+    _f("rounds_per_stage", "int", 10, "R, rounds per stage (geometric).", check=_ge1[0], allowed=_ge1[1]),
+    # -- data ---------------------------------------------------------------------
+    _f("dataset", "str", "digits", "Dataset name.", choices=DATASET_NAMES),
+    _f("data_root", "str", None, "Folder of an on-disk dataset.", optional=True),
+    _f("partition", "str", "ih", "How a labelled dataset is split over clients: ih (class-disjoint, "
+       "the paper's) or dirichlet.", choices=("ih", "dirichlet")),
+    _f("imratio", "float", 0.1, "Positive fraction kept on each client (IH and Dirichlet partitions).",
+       check=lambda v: 0 < v <= 0.5, allowed="in (0, 0.5]"),
+    _f("dirichlet_concentration", "float", 0.5, "Dirichlet concentration per class over clients "
+       "(smaller = more heterogeneous).", check=_pos[0], allowed=_pos[1]),
+    _f("positive_classes", "int_list", None, "Original classes labelled positive; null = dataset default.",
+       optional=True),
+    _f("test_fraction", "float", 0.3, "Held-out fraction for datasets without a test split (digits).",
+       check=lambda v: 0 < v < 1, allowed="in (0, 1)"),
+    _f("heterogeneity", "float", 1.0, "Synthetic data: spread of each client's class-centre shift.",
+       check=_nonneg[0], allowed=_nonneg[1]),
+    _f("num_features", "int", 20, "Synthetic data: feature dimension.", check=_ge1[0], allowed=_ge1[1]),
+    _f("samples_per_client", "int", 500, "Synthetic data: training samples per client.",
+       check=_ge1[0], allowed=_ge1[1]),
+    # -- model --------------------------------------------------------------------
+    _f("model", "str", "cnn", "Scoring network.", choices=MODEL_NAMES),
+    _f("model_width", "int", 32, "Width of mlp hidden layers / cnn channels.", check=_ge1[0], allowed=_ge1[1]),
+    # -- run ----------------------------------------------------------------------
+    _f("eval_every", "int", 100, "Evaluate the global model every this many iterations (at round ends).",
+       check=_ge1[0], allowed=_ge1[1]),
+    _f("seed", "int", 0, "Seed of model init, partitions and sampling.", check=_nonneg[0], allowed=_nonneg[1]),
+    _f("executor", "str", "inline", "inline: every client in the driver process, one after another.",
+       choices=("inline",)),
+    _f("device", "str", "auto", "auto uses a GPU when one is visible.", choices=("auto", "cpu", "cuda")),
+    _f("threads_per_client", "int", None, "torch intra-op threads per client process; null = leave as is.",
+       check=_ge1[0], allowed=_ge1[1], optional=True),
+    _f("out_dir", "str", "runs", "Folder under which run folders are made."),
+    _f("run_name", "str", None, "Run folder name; null = time stamp, algorithm and dataset.", optional=True),
+)
+
+FIELD_BY_NAME = {f.name: f for f in FIELDS}
+
+Config = dataclasses.make_dataclass(
+    "Config",
+    [(f.name, Any, dataclasses.field(default=f.default)) for f in FIELDS],
+    frozen=True,
+    namespace={
+        "__doc__": "A validated run configuration; build it with :func:`build_config`.",
+        "to_dict": lambda self: dataclasses.asdict(self),
+        "replace": lambda self, **changes: build_config({**dataclasses.asdict(self), **changes}),
+        "full_batch": property(lambda self: self.batch_size == 0),
+    },
+)
+
+
+def _fail(name: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"config field '{name}': {value!r} is not allowed ({allowed})")
+
+
+def _coerce(field: Field, value: Any) -> Any:
+    if value is None:
+        if field.optional:
+            return None
+        raise _fail(field.name, value, f"a value is required; {field.allowed or field.kind}".rstrip("; "))
+    kind = field.kind
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        raise _fail(field.name, value, "true or false")
+    if kind == "int":
+        if isinstance(value, bool):
+            raise _fail(field.name, value, "an integer")
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int):
+            raise _fail(field.name, value, "an integer" + (f" {field.allowed}" if field.allowed else ""))
+    elif kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _fail(field.name, value, "a number" + (f" {field.allowed}" if field.allowed else ""))
+        value = float(value)
+        if not math.isfinite(value):
+            raise _fail(field.name, value, "a finite number")
+    elif kind == "str":
+        if not isinstance(value, str):
+            choices = f", one of {', '.join(field.choices)}" if field.choices else ""
+            raise _fail(field.name, value, "a string" + choices)
+        if field.choices and value not in field.choices:
+            hint = difflib.get_close_matches(value, field.choices, n=1)
+            extra = f"; did you mean '{hint[0]}'?" if hint else ""
+            raise _fail(field.name, value, f"one of {', '.join(field.choices)}{extra}")
+        return value
+    elif kind == "batch":
+        if value == "full":
+            return 0
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise _fail(field.name, value, field.allowed)
+        return value
+    elif kind == "int_list":
+        if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
+            raise _fail(field.name, value, "a list of integers")
+        return tuple(value)
+    if field.check is not None and not field.check(value):
+        raise _fail(field.name, value, field.allowed)
+    return value
+
+
+def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> Config:
+    """Make a validated :class:`Config` from a mapping (and keyword overrides).
+
+    Fields the user does not set take the algorithm preset's default, then the
+    field's own default. Raises :class:`ConfigError` on the first bad value.
+    """
+    given = dict(values or {})
+    given.update(overrides)
+    for key in given:
+        if key not in FIELD_BY_NAME:
+            hint = difflib.get_close_matches(key, FIELD_BY_NAME, n=1)
+            extra = f"; did you mean '{hint[0]}'?" if hint else ""
+            raise ConfigError(f"unknown config field '{key}'{extra} (see `fdam fields` for the list)")
+    algorithm = _coerce(FIELD_BY_NAME["algorithm"], given.get("algorithm", "codasca"))
+    preset = PRESETS[algorithm]
+    merged: dict[str, Any] = {}
+    for field in FIELDS:
+        if field.name in given:
+            merged[field.name] = _coerce(field, given[field.name])
+        elif field.name in preset.defaults:
+            merged[field.name] = _coerce(field, preset.defaults[field.name])
+        else:
+            merged[field.name] = field.default if field.default is None else _coerce(field, field.default)
+    for name, value in preset.fixed.items():
+        if name in given and merged[name] != value:
+            raise _fail(name, merged[name], f"algorithm '{algorithm}' requires {name} = {value!r}")
+        merged[name] = value
+    if merged["objective"] not in preset.objectives:
+        raise _fail("objective", merged["objective"],
+                    f"algorithm '{algorithm}' takes one of {', '.join(preset.objectives)}")
+    return Config(**merged)
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["lr=0.1", "model=mlp"]`` -> ``{"lr": 0.1, "model": "mlp"}`` (values parsed as YAML scalars)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override '{item}' is not of the form key=value")
+        try:
+            out[key.strip()] = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError:
+            out[key.strip()] = raw
+    return out
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Read a YAML config file into a mapping (validated later by :func:`build_config`)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file '{path}' does not exist") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file '{path}' is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping of field: value, not {type(data).__name__}")
+    return data
+
+
+def describe_fields() -> str:
+    """A plain-text table of every field, its default and its meaning (for `fdam fields`)."""
+    rows = []
+    for f in FIELDS:
+        allowed = ", ".join(f.choices) if f.choices else f.allowed
+        rows.append(f"{f.name:<24} {f.default!s:<10} {f.doc}" + (f" [{allowed}]" if allowed else ""))
+    return "\n".join(rows)

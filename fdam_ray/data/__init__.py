@@ -1,0 +1,22 @@
+"""Datasets, partitions and samplers (torch, numpy and scikit-learn only)."""
+
+from __future__ import annotations
+
+from fdam_ray.data.base import DataSource, Shard, Split, TensorSampler, as_labels
+
+__all__ = ["DataSource", "Shard", "Split", "TensorSampler", "as_labels", "make_source"]
+
+
+def make_source(config) -> DataSource:
+    """The data source a config names (``arrays`` is made by :func:`fdam_ray.train_arrays`)."""
+    if config.dataset == "digits":
+        from fdam_ray.data.digits import DigitsSource
+
+        return DigitsSource(config)
+    if config.dataset == "synthetic":
+        from fdam_ray.data.synthetic import SyntheticSource
+
+        return SyntheticSource(config)
+    if config.dataset == "arrays":
+        raise ValueError("dataset 'arrays' takes in-memory data: call fdam_ray.train_arrays(config, clients, test)")
+    raise ValueError(f"dataset {config.dataset!r} has no loader")

@@ -1,0 +1,46 @@
+"""Evaluation of the global model: pooled test AUC, per-task AUC, per-client AUC (ALGORITHMS.md s.6).
+
+The test AUC is computed once over pooled scores: the global test set scored on
+the driver, or, when a dataset has no global test set, the union of the
+clients' own test splits. Per-client AUC is reported for clients that hold a
+test split of their own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fdam_ray.client import Replica
+from fdam_ray.data import DataSource
+from fdam_ray.executors import Executor
+from fdam_ray.metrics import mean_auc, pooled, task_aucs
+from fdam_ray.state import GlobalState
+
+
+class Evaluator:
+    def __init__(self, replica: Replica, source: DataSource, executor: Executor) -> None:
+        self.replica = replica
+        self.test = source.test_set()
+        self.task_names = source.task_names
+        self.executor = executor
+
+    def __call__(self, state: GlobalState) -> dict:
+        parts = self.executor.evaluate(state)
+        if self.test is not None:
+            s = self.replica.scores_of(state, self.test)
+            scores, labels = s.scores, s.labels
+        elif parts:
+            scores, labels = pooled([(p.scores, p.labels) for p in parts])
+        else:
+            raise ValueError("the dataset has neither a test set nor client test splits")
+        aucs = task_aucs(scores, labels)
+        out: dict = {"test_auc": mean_auc(aucs), "test_samples": len(labels)}
+        if len(aucs) > 1:
+            out["task_auc"] = {name: _num(a) for name, a in zip(self.task_names, aucs, strict=True)}
+        if parts:
+            out["client_auc"] = {str(p.client_id): _num(mean_auc(task_aucs(p.scores, p.labels))) for p in parts}
+        return out
+
+
+def _num(x: float) -> float | None:
+    return None if np.isnan(x) else round(float(x), 6)

@@ -1,0 +1,15 @@
+"""Executors: how the clients of a federation run (in-process, or as Ray actors)."""
+
+from __future__ import annotations
+
+from fdam_ray.executors.base import Executor
+
+__all__ = ["Executor", "make_executor"]
+
+
+def make_executor(name: str) -> Executor:
+    if name == "inline":
+        from fdam_ray.executors.inline import InlineExecutor
+
+        return InlineExecutor()
+    raise ValueError(f"executor {name!r} is not known (inline)")

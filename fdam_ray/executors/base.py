@@ -1,0 +1,63 @@
+"""How the K clients of a federation run: the interface every executor implements.
+
+The driver loop (:mod:`fdam_ray.federation`) talks only to this interface; the
+algorithms never see it. An executor owns the clients, hands each round's
+global state to all of them and passes every :class:`ClientUpdate` to the
+driver's ``fold`` callback as soon as it has it (so nothing holds K updates at
+once).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+
+import numpy as np
+
+from fdam_ray.data import DataSource
+from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, Moments, RoundPlan, Scores
+
+
+class Executor(abc.ABC):
+    """Runs the clients of one federation."""
+
+    @abc.abstractmethod
+    def start(self, config, source: DataSource) -> list[ClientInfo]:
+        """Create the K clients (each builds its own shard) and return what they report."""
+
+    @abc.abstractmethod
+    def configure(self, positive_ratio: np.ndarray) -> None:
+        """Give every client the global positive ratio p."""
+
+    @abc.abstractmethod
+    def begin_stage(self, reference: np.ndarray, reset_control_variates: bool) -> None:
+        """Start a stage on every client: proximal centre and (optionally) zero control variates."""
+
+    @abc.abstractmethod
+    def run_round(self, state: GlobalState, plan: RoundPlan, fold: Callable[[ClientUpdate], None]) -> None:
+        """Run one round on every client from ``state``; call ``fold`` once per client update."""
+
+    @abc.abstractmethod
+    def evaluate(self, state: GlobalState) -> list[Scores]:
+        """Scores of ``state`` on the clients' own test splits (clients without one are left out)."""
+
+    @abc.abstractmethod
+    def score_moments(self, state: GlobalState) -> list[Moments]:
+        """Every client's score sums over its training positives and negatives."""
+
+    @abc.abstractmethod
+    def control_variates(self) -> list[tuple[np.ndarray, np.ndarray] | None]:
+        """Every client's control variate c^k (for checkpoints)."""
+
+    @abc.abstractmethod
+    def set_control_variates(self, values: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Restore every client's control variate."""
+
+    def shutdown(self) -> None:  # noqa: B027 (optional hook)
+        """Release the clients."""
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

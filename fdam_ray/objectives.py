@@ -1,0 +1,114 @@
+"""AUC min-max objectives and the BCE baseline (ALGORITHMS.md s.1).
+
+For K clients with a shared positive ratio p, the per-sample objective with
+P = [y = 1], N = [y = 0] and score h = sigmoid(model(x)) in [0, 1] is
+
+    auc_square (Yuan et al. 2021, eq. 2):
+        F = (1-p)(h-a)^2 P + p(h-b)^2 N + 2(1+alpha)(p h N - (1-p) h P) - p(1-p) alpha^2
+    auc_margin (AUC-M with margin m; alpha >= 0):
+        F = (1-p)(h-a)^2 P + p(h-b)^2 N + 2 alpha (p(1-p) m + p h N - (1-p) h P) - p(1-p) alpha^2
+
+and the model is trained to min over v = (w, a, b), max over alpha. ``bce`` is
+binary cross-entropy on h and has no a, b or alpha.
+
+Multi-label: with T tasks, a, b, alpha and p are length-T vectors, labels are
+(B, T) with NaN for a missing label. A task's minibatch estimate is the mean of
+F over the samples that have a label for it; the loss is the mean over the
+tasks that have at least one such sample in the batch (a task with none adds
+nothing, rather than a zero that would shrink the others' weight).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F_nn
+
+OBJECTIVES = ("auc_square", "auc_margin", "bce")
+
+
+class Objective:
+    """A minibatch objective over logits and labels.
+
+    Args:
+        name: ``auc_square``, ``auc_margin`` or ``bce``.
+        num_tasks: T, the number of outputs of the model.
+        margin: m of ``auc_margin``.
+    """
+
+    def __init__(self, name: str, *, num_tasks: int, margin: float = 1.0) -> None:
+        if name not in OBJECTIVES:
+            raise ValueError(f"objective {name!r} is not one of {', '.join(OBJECTIVES)}")
+        if num_tasks < 1:
+            raise ValueError(f"num_tasks must be >= 1, got {num_tasks}")
+        self.name = name
+        self.num_tasks = num_tasks
+        self.margin = float(margin)
+        self.p: torch.Tensor | None = None
+
+    @property
+    def has_auxiliary(self) -> bool:
+        """Whether the objective has the extra primal a, b and the dual alpha."""
+        return self.name != "bce"
+
+    @property
+    def alpha_nonnegative(self) -> bool:
+        return self.name == "auc_margin"
+
+    @property
+    def aux_size(self) -> int:
+        """Length of each of a, b, alpha (0 for bce)."""
+        return self.num_tasks if self.has_auxiliary else 0
+
+    def set_positive_ratio(self, p: np.ndarray | float, device: torch.device | str = "cpu") -> None:
+        """Fix p (one value, or one per task) for every later call."""
+        arr = np.broadcast_to(np.asarray(p, dtype=np.float64), (self.num_tasks,)).copy()
+        if np.any(arr <= 0) or np.any(arr >= 1):
+            raise ValueError(f"positive ratio p must lie in (0, 1) for every task, got {arr.tolist()}")
+        self.p = torch.as_tensor(arr, dtype=torch.float32, device=device)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        alpha: torch.Tensor,
+    ) -> torch.Tensor:
+        logits = logits.reshape(logits.shape[0], -1)
+        labels = labels.reshape(logits.shape)
+        valid = ~torch.isnan(labels)
+        pos = (labels == 1).to(logits.dtype)
+        neg = (labels == 0).to(logits.dtype)
+        count = valid.sum(0).to(logits.dtype)
+        if self.name == "bce":
+            target = torch.nan_to_num(labels, nan=0.0)
+            per = F_nn.binary_cross_entropy_with_logits(logits, target, reduction="none") * valid
+        else:
+            if self.p is None:
+                raise RuntimeError("set_positive_ratio() must be called before the AUC objective is used")
+            p = self.p
+            h = torch.sigmoid(logits)
+            q = p * (1 - p)
+            per = (1 - p) * (h - a) ** 2 * pos + p * (h - b) ** 2 * neg
+            cross = p * h * neg - (1 - p) * h * pos
+            if self.name == "auc_square":
+                per = per + 2 * (1 + alpha) * cross
+            else:
+                per = per + 2 * alpha * (q * self.margin * valid + cross)
+            per = per - q * alpha**2 * valid
+        has = count > 0
+        task_means = per.sum(0)[has] / count[has]
+        return task_means.mean()
+
+
+def closed_form_alpha(
+    mean_pos: np.ndarray, mean_neg: np.ndarray, objective: str, margin: float = 1.0
+) -> np.ndarray:
+    """alpha* for fixed v: E[h|neg] - E[h|pos] (square), max(0, m + E[h|neg] - E[h|pos]) (margin)."""
+    gap = np.asarray(mean_neg, dtype=np.float64) - np.asarray(mean_pos, dtype=np.float64)
+    if objective == "auc_square":
+        return gap
+    if objective == "auc_margin":
+        return np.maximum(0.0, margin + gap)
+    raise ValueError(f"closed-form alpha exists for auc_square and auc_margin, not {objective!r}")

@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+torch.set_num_threads(1)
+
+
+def gaussian_clients(num_clients=3, n=40, d=5, seed=0, shift=1.0, pos_frac=0.25):
+    """Small heterogeneous Gaussian clients (X float32, y 0/1) plus a test set."""
+    rng = np.random.default_rng(seed)
+    u = rng.standard_normal(d)
+    out = []
+    for k in range(num_clients):
+        n_pos = max(1, int(pos_frac * n) + k)
+        y = np.r_[np.ones(n_pos), np.zeros(n - n_pos)]
+        X = rng.standard_normal((n, d)) + np.outer(2 * y - 1, u) * 0.8 + shift * rng.standard_normal(d)
+        out.append((X.astype(np.float32), y.astype(np.float32)))
+    yt = np.r_[np.ones(50), np.zeros(50)]
+    Xt = (rng.standard_normal((100, d)) + np.outer(2 * yt - 1, u) * 0.8).astype(np.float32)
+    return out, (Xt, yt.astype(np.float32))
+
+
+@pytest.fixture
+def clients_and_test():
+    return gaussian_clients()

@@ -1,0 +1,105 @@
+"""An independent NumPy implementation of CODA+ / CODASCA for a linear scorer with full-batch gradients.
+
+Written from ALGORITHMS.md with hand-derived gradients (no autograd), float64.
+h = sigmoid(X w + w0); v = (w, w0, a, b).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def sigmoid(z):
+    return 1.0 / (1.0 + np.exp(-z))
+
+
+def objective_grads(v, alpha, X, y, p, objective, margin):
+    """Full-batch gradients (g_v, g_alpha) of the mean of F over (X, y), single task."""
+    d = X.shape[1]
+    w, w0, a, b = v[:d], v[d], v[d + 1], v[d + 2]
+    h = sigmoid(X @ w + w0)
+    P, N = (y == 1).astype(float), (y == 0).astype(float)
+    coef = alpha if objective == "auc_margin" else 1.0 + alpha
+    dF_dh = 2 * (1 - p) * (h - a) * P + 2 * p * (h - b) * N + 2 * coef * (p * N - (1 - p) * P)
+    dF_dz = dF_dh * h * (1 - h)
+    n = len(y)
+    g = np.empty_like(v)
+    g[:d] = X.T @ dF_dz / n
+    g[d] = dF_dz.mean()
+    g[d + 1] = np.mean(-2 * (1 - p) * (h - a) * P)
+    g[d + 2] = np.mean(-2 * p * (h - b) * N)
+    cross = p * h * N - (1 - p) * h * P
+    if objective == "auc_margin":
+        g_alpha = np.mean(2 * (p * (1 - p) * margin + cross)) - 2 * p * (1 - p) * alpha
+    else:
+        g_alpha = np.mean(2 * cross) - 2 * p * (1 - p) * alpha
+    return g, g_alpha
+
+
+def run_oracle(
+    clients,
+    v0,
+    *,
+    objective="auc_margin",
+    margin=1.0,
+    lr=0.1,
+    local_steps=4,
+    iterations=16,
+    global_lr=1.0,
+    prox_weight=0.0,
+    weight_decay=0.0,
+    control_variates=False,
+    stage_length=10**9,
+    lr_decay=3.0,
+    reference_point="average",
+    reset_control_variates=True,
+):
+    """Returns (v, alpha, c_v, c_alpha) after ``iterations`` local steps (stagewise schedule)."""
+    K = len(clients)
+    p = sum((y == 1).sum() for _, y in clients) / sum(len(y) for _, y in clients)
+    v, alpha = v0.astype(np.float64).copy(), 0.0
+    ref = v.copy()
+    c_v, c_a = np.zeros_like(v), 0.0
+    ck_v = [np.zeros_like(v) for _ in range(K)]
+    ck_a = [0.0] * K
+    done, stage_start, eta = 0, 0, lr
+    ref_sum, ref_n = np.zeros_like(v), 0
+    while done < iterations:
+        steps = min(local_steps, iterations - done)
+        vs, als = [], []
+        for k, (X, y) in enumerate(clients):
+            vk, ak = v.copy(), alpha
+            for _ in range(steps):
+                g, ga = objective_grads(vk, ak, X, y, p, objective, margin)
+                dv = g + prox_weight * (vk - ref) + weight_decay * vk
+                if control_variates:
+                    dv = dv - ck_v[k] + c_v
+                    ga = ga - ck_a[k] + c_a
+                vk = vk - eta * dv
+                ak = ak + eta * ga
+                if objective == "auc_margin":
+                    ak = max(ak, 0.0)
+            if control_variates:
+                ck_v[k] = ck_v[k] - c_v + (v - vk) / (steps * eta)
+                ck_a[k] = ck_a[k] - c_a + (ak - alpha) / (steps * eta)
+            vs.append(vk)
+            als.append(ak)
+        v = v + global_lr * (np.mean(vs, axis=0) - v)
+        alpha = alpha + global_lr * (np.mean(als) - alpha)
+        if objective == "auc_margin":
+            alpha = max(alpha, 0.0)
+        if control_variates:
+            c_v, c_a = np.mean(ck_v, axis=0), float(np.mean(ck_a))
+        done += steps
+        ref_sum += v
+        ref_n += 1
+        if done - stage_start >= stage_length and done < iterations:
+            stage_start = done
+            eta /= lr_decay
+            ref = ref_sum / ref_n if reference_point == "average" else v.copy()
+            ref_sum, ref_n = np.zeros_like(v), 0
+            if reset_control_variates:
+                c_v, c_a = np.zeros_like(v), 0.0
+                ck_v = [np.zeros_like(v) for _ in range(K)]
+                ck_a = [0.0] * K
+    return v, alpha, c_v, c_a
