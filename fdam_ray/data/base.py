@@ -75,7 +75,7 @@ def as_labels(y: np.ndarray | torch.Tensor, *, what: str) -> torch.Tensor:
     bad = ~(np.isnan(arr) | (arr == 0) | (arr == 1))
     if bad.any():
         i, t = np.argwhere(bad)[0]
-        raise ValueError(f"{what}: label {arr[i, t]!r} at row {i}, task {t} is not 0, 1 or NaN (missing)")
+        raise ValueError(f"{what}: label {float(arr[i, t])!r} at row {i}, task {t} is not 0, 1 or NaN (missing)")
     return torch.from_numpy(arr.astype(np.float32))
 
 

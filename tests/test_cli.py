@@ -1,0 +1,105 @@
+"""The `fdam` command: the default job end to end, outputs, and bad input (one line, exit 2, nothing written)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fdam_ray.cli import main
+from fdam_ray.config import ConfigError, build_config
+
+
+def test_default_job_reaches_a_band_an_untrained_model_cannot(tmp_path, capsys):
+    # The default job (digits-IH, K=4, CODASCA, cnn) with fewer iterations.
+    rc = main(["train", f"out_dir={tmp_path}", "run_name=r", "iterations=300", "eval_every=100"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "test AUC" in out and "run folder:" in out
+    run = tmp_path / "r"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["iteration"] == 0 and records[-1]["iteration"] == 300
+    assert records[0]["test_auc"] < 0.75  # untrained
+    assert records[-1]["test_auc"] > 0.95
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["final_test_auc"] == records[-1]["test_auc"]
+    assert summary["rounds"] == 30 and summary["bytes_up"] > 0
+    saved = torch.load(run / "model.pt", weights_only=True)
+    assert set(saved) >= {"model", "a", "b", "alpha"}
+    assert any("running_mean" in k for k in saved["model"])
+    cfg = (run / "config.yaml").read_text()
+    assert "algorithm: codasca" in cfg and "num_clients: 4" in cfg
+
+
+def test_config_file_and_overrides(tmp_path, capsys):
+    conf = tmp_path / "c.yaml"
+    conf.write_text("algorithm: coda_plus\nmodel: mlp\nlocal_steps: 5\niterations: 20\neval_every: 10\n")
+    assert main(["train", "--config", str(conf), f"out_dir={tmp_path}", "run_name=x", "local_steps=4"]) == 0
+    saved = (tmp_path / "x" / "config.yaml").read_text()
+    assert "algorithm: coda_plus" in saved and "local_steps: 4" in saved and "model: mlp" in saved
+
+
+BAD = [
+    (["foo=1"], "unknown config field 'foo'"),
+    (["lr=0"], "config field 'lr': 0.0 is not allowed (> 0)"),
+    (["lr=-0.1"], "'lr': -0.1"),
+    (["local_steps=0"], "config field 'local_steps': 0 is not allowed (>= 1)"),
+    (["imratio=0.6"], "config field 'imratio': 0.6 is not allowed (in (0, 0.5])"),
+    (["imratio=0"], "'imratio': 0.0"),
+    (["num_clients=6"], "num_clients=6 is more than the 5 positive classes"),
+    (["imratio=0.001"], "is left with no positives"),
+    (["algorithm=codasc"], "did you mean 'codasca'"),
+    (["model=vgg"], "config field 'model': 'vgg' is not allowed"),
+    (["dataset=imagenet"], "config field 'dataset': 'imagenet' is not allowed"),
+    (["lr=fast"], "config field 'lr': 'fast' is not allowed (a number"),
+    (["local_steps=2.5"], "'local_steps': 2.5 is not allowed (an integer"),
+    (["algorithm=fedavg", "objective=auc_square"], "algorithm 'fedavg' takes one of bce"),
+    (["algorithm=npa", "local_steps=4"], "algorithm 'npa' requires local_steps = 1"),
+    (["model=resnet20", "dataset=synthetic"], "needs image inputs"),
+    (["lr"], "not of the form key=value"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_line_exit_2_nothing_written(args, message, tmp_path, capsys):
+    out_dir = tmp_path / "runs"
+    rc = main(["train", f"out_dir={out_dir}", *args])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not out_dir.exists()
+
+
+def test_missing_config_file_is_reported(tmp_path, capsys):
+    assert main(["train", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_existing_run_folder_is_not_overwritten(tmp_path, capsys):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "keep.txt").write_text("x")
+    assert main(["train", f"out_dir={tmp_path}", "run_name=r", "iterations=2"]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert (tmp_path / "r" / "keep.txt").read_text() == "x"
+
+
+def test_build_config_applies_preset_defaults_and_user_values():
+    assert build_config(algorithm="fedavg").objective == "bce"
+    assert build_config(algorithm="fedavg").prox_weight == 0.0
+    assert build_config(algorithm="fedavg", prox_weight=0.1).prox_weight == 0.1
+    assert build_config(algorithm="centralized").num_clients == 1
+    assert build_config(batch_size="full").batch_size == 0
+    with pytest.raises(ConfigError, match="centralized' requires num_clients = 1"):
+        build_config(algorithm="centralized", num_clients=3)
+    cfg = build_config(lr=0.5)
+    assert build_config(cfg.to_dict()) == cfg  # a saved config reloads to the same config
+
+
+def test_console_script_fields_lists_every_name():
+    out = subprocess.run([sys.executable, "-m", "fdam_ray", "fields"], capture_output=True, text=True, check=True)
+    for name in ("local_steps", "global_lr", "prox_weight", "stage_length", "lr_decay", "num_clients", "imratio"):
+        assert name in out.stdout
