@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from fdam_ray.algorithms import Algorithm
-from fdam_ray.data import DataSource, Split, TensorSampler
+from fdam_ray.data import AnySplit, DataSource, iter_batches, make_sampler
 from fdam_ray.flat import FlatModel
 from fdam_ray.models import build_model
 from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, Moments, RoundPlan, Scores, StepStats
@@ -43,19 +43,18 @@ class Replica:
         self.flat = FlatModel(model, aux_size=self.objective.aux_size, device=device)
 
     @torch.no_grad()
-    def score(self, split: Split) -> np.ndarray:
+    def score(self, split: AnySplit) -> np.ndarray:
         """Sigmoid scores (n, T) of the current model on ``split`` (eval mode, then back to train mode)."""
         model = self.flat.model
         model.eval()
         try:
             t = self.objective.num_tasks
-            out = [torch.sigmoid(model(split.x[i : i + EVAL_BATCH].to(self.device)).reshape(-1, t))
-                   for i in range(0, len(split), EVAL_BATCH)]
+            out = [torch.sigmoid(model(x).reshape(-1, t)) for x, _ in iter_batches(split, EVAL_BATCH, self.device)]
         finally:
             model.train()
         return torch.cat(out).cpu().numpy()
 
-    def scores_of(self, state: GlobalState, split: Split, client_id: int = -1) -> Scores:
+    def scores_of(self, state: GlobalState, split: AnySplit, client_id: int = -1) -> Scores:
         self.flat.load(state)
         return Scores(client_id, self.score(split), split.y.cpu().numpy())
 
@@ -76,7 +75,8 @@ class Client(Replica):
         shard = source.client_shard(client_id)
         self.train = shard.train.to(device)
         self.test = None if shard.test is None else shard.test.to(device)
-        self.sampler = TensorSampler(self.train, config.batch_size, seed=config.seed * 1_000_003 + client_id)
+        self.sampler = make_sampler(self.train, config.batch_size, seed=config.seed * 1_000_003 + client_id,
+                                    device=device)
         self.solver = self.algorithm.solver(self.flat, self.objective)
 
     def info(self) -> ClientInfo:

@@ -101,20 +101,24 @@ FIELDS: tuple[Field, ...] = (
     _f("num_features", "int", 20, "Synthetic data: feature dimension.", check=_ge1[0], allowed=_ge1[1]),
     _f("samples_per_client", "int", 500, "Synthetic data: training samples per client.",
        check=_ge1[0], allowed=_ge1[1]),
+    # -- on-disk datasets (loaders) ----------------------------------------------
     # -- model --------------------------------------------------------------------
     _f("model", "str", "cnn", "Scoring network.", choices=MODEL_NAMES),
     _f("model_width", "int", 32, "Width of mlp hidden layers / cnn channels.", check=_ge1[0], allowed=_ge1[1]),
+    # -- models: weights, pre-training ---------------------------------------------
     # -- run ----------------------------------------------------------------------
     _f("eval_every", "int", 100, "Evaluate the global model every this many iterations (at round ends).",
        check=_ge1[0], allowed=_ge1[1]),
     _f("seed", "int", 0, "Seed of model init, partitions and sampling.", check=_nonneg[0], allowed=_nonneg[1]),
     _f("executor", "str", "inline", "inline: every client in the driver process, one after another.",
        choices=("inline",)),
+    # -- ray executor --------------------------------------------------------------
     _f("device", "str", "auto", "auto uses a GPU when one is visible.", choices=("auto", "cpu", "cuda")),
     _f("threads_per_client", "int", None, "torch intra-op threads per client process; null = leave as is.",
        check=_ge1[0], allowed=_ge1[1], optional=True),
     _f("out_dir", "str", "runs", "Folder under which run folders are made."),
     _f("run_name", "str", None, "Run folder name; null = time stamp, algorithm and dataset.", optional=True),
+    # -- outputs, progress, checkpoints --------------------------------------------
 )
 
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
@@ -185,14 +189,33 @@ def _coerce(field: Field, value: Any) -> Any:
     return value
 
 
+def _flatten_sections(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Sections to flat names: ``model: {name: cnn, weights: W}`` or ``model.weights=W`` -> ``model_weights``.
+
+    A section's ``name`` key sets the field named like the section (``model``).
+    """
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, Mapping):
+            for sub, v in value.items():
+                out[key if sub == "name" else f"{key}_{sub}"] = v
+        elif "." in key:
+            section, _, sub = key.partition(".")
+            out[section if sub == "name" else f"{section}_{sub}"] = value
+        else:
+            out[key] = value
+    return out
+
+
 def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> Config:
     """Make a validated :class:`Config` from a mapping (and keyword overrides).
 
     Fields the user does not set take the algorithm preset's default, then the
-    field's own default. Raises :class:`ConfigError` on the first bad value.
+    field's own default. Nested sections are accepted and flattened (see
+    :func:`_flatten_sections`). Raises :class:`ConfigError` on the first bad value.
     """
-    given = dict(values or {})
-    given.update(overrides)
+    given = _flatten_sections(values or {})
+    given.update(_flatten_sections(overrides))
     for key in given:
         if key not in FIELD_BY_NAME:
             hint = difflib.get_close_matches(key, FIELD_BY_NAME, n=1)

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
-from fdam_ray.data.base import DataSource, Shard, Split, TensorSampler, as_labels
+from fdam_ray.data.base import (
+    AnySplit,
+    DatasetSplit,
+    DataSource,
+    LoaderSampler,
+    Shard,
+    Split,
+    TensorSampler,
+    as_labels,
+    iter_batches,
+    make_sampler,
+)
 
-__all__ = ["DataSource", "Shard", "Split", "TensorSampler", "as_labels", "make_source"]
+__all__ = ["AnySplit", "DataSource", "DatasetSplit", "LoaderSampler", "Shard", "Split", "TensorSampler",
+           "as_labels", "iter_batches", "make_sampler", "make_source"]
 
 
 def make_source(config) -> DataSource:

@@ -41,11 +41,63 @@ class Split:
 
 
 @dataclasses.dataclass
+class DatasetSplit:
+    """Samples read lazily from a ``torch.utils.data.Dataset`` (images on disk), labels known up front.
+
+    ``dataset[i]`` returns ``(x, y)`` with ``y`` a float32 tensor of shape (T,)
+    equal to ``labels[i]``. Batches are read by a DataLoader (``num_workers``
+    processes; pinned memory and non-blocking copies when the device is a GPU).
+    """
+
+    dataset: torch.utils.data.Dataset
+    labels: np.ndarray
+    num_workers: int = 0
+
+    def __post_init__(self) -> None:
+        self.labels = np.asarray(self.labels, dtype=np.float32).reshape(len(self.labels), -1)
+        if len(self.dataset) != len(self.labels):
+            raise ValueError(f"dataset has {len(self.dataset)} samples but {len(self.labels)} labels")
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def y(self) -> torch.Tensor:
+        return torch.from_numpy(self.labels)
+
+    def to(self, device: torch.device | str) -> DatasetSplit:
+        return self  # batches move to the device as they are read
+
+    def label_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        return (self.labels == 1).sum(0).astype(np.int64), (~np.isnan(self.labels)).sum(0).astype(np.int64)
+
+
+AnySplit = Split | DatasetSplit
+
+
+def _loader(split: DatasetSplit, batch_size: int, device: torch.device, sampler=None):
+    return torch.utils.data.DataLoader(
+        split.dataset, batch_size=batch_size, sampler=sampler, shuffle=False, num_workers=split.num_workers,
+        pin_memory=device.type == "cuda", persistent_workers=False,
+    )
+
+
+def iter_batches(split: AnySplit, batch_size: int, device: torch.device):
+    """(x, y) batches of a split in order, on ``device`` (for evaluation)."""
+    if isinstance(split, Split):
+        for i in range(0, len(split), batch_size):
+            yield split.x[i : i + batch_size].to(device), split.y[i : i + batch_size].to(device)
+        return
+    for x, y in _loader(split, batch_size, device):
+        yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+
+@dataclasses.dataclass
 class Shard:
     """One client's data: its training samples and, where it has one, its own test split."""
 
-    train: Split
-    test: Split | None = None
+    train: AnySplit
+    test: AnySplit | None = None
 
 
 class DataSource(abc.ABC):
@@ -61,7 +113,7 @@ class DataSource(abc.ABC):
         """Build client ``client_id``'s shard (called where that client runs)."""
 
     @abc.abstractmethod
-    def test_set(self) -> Split | None:
+    def test_set(self) -> AnySplit | None:
         """The global test set, or None when the clients' own test splits together are the test set."""
 
 
@@ -117,3 +169,62 @@ class TensorSampler:
         self.generator.set_state(state["generator"])
         self._order = state["order"].to(self.split.x.device)
         self._pos = int(state["pos"])
+
+
+class _FromPosition(torch.utils.data.Sampler):
+    def __init__(self, order: torch.Tensor, start: int) -> None:
+        self.order, self.start = order, start
+
+    def __iter__(self):
+        return iter(self.order[self.start :].tolist())
+
+    def __len__(self) -> int:
+        return len(self.order) - self.start
+
+
+class LoaderSampler:
+    """Minibatches of a :class:`DatasetSplit` through a DataLoader: seeded shuffles, epoch after epoch."""
+
+    def __init__(self, split: DatasetSplit, batch_size: int, *, seed: int, device: torch.device) -> None:
+        if batch_size == 0:
+            raise ValueError("batch_size=0 (full batch) needs in-memory data; this dataset is read from disk")
+        if len(split) == 0:
+            raise ValueError("a client has no training samples")
+        self.split, self.batch_size, self.device = split, batch_size, device
+        self.generator = torch.Generator().manual_seed(seed)
+        self._epoch_state = self.generator.get_state()
+        self._consumed = 0
+        self._iter = None
+
+    def _new_epoch(self, start: int = 0) -> None:
+        self._epoch_state = self.generator.get_state()
+        order = torch.randperm(len(self.split), generator=self.generator)
+        self._consumed = start
+        self._iter = iter(_loader(self.split, self.batch_size, self.device, _FromPosition(order, start)))
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._iter is None:
+            self._new_epoch()
+        try:
+            x, y = next(self._iter)
+        except StopIteration:
+            self._new_epoch()
+            x, y = next(self._iter)
+        self._consumed += x.shape[0]
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def get_state(self) -> dict:
+        return {"epoch_generator": self._epoch_state, "consumed": self._consumed, "started": self._iter is not None}
+
+    def set_state(self, state: dict) -> None:
+        self._iter = None
+        if state["started"]:
+            self.generator.set_state(state["epoch_generator"])
+            self._new_epoch(start=int(state["consumed"]))
+
+
+def make_sampler(split: AnySplit, batch_size: int, *, seed: int, device: torch.device):
+    """The sampler that fits the split: tensors in memory, or a DataLoader over a dataset."""
+    if isinstance(split, DatasetSplit):
+        return LoaderSampler(split, batch_size, seed=seed, device=device)
+    return TensorSampler(split, batch_size, seed=seed)
