@@ -1,0 +1,141 @@
+"""Time per local step inside ``Client.local_round`` against a bare PyTorch loop.
+
+Both sides run the same network, minibatch size, thread count and math per
+step (forward, AUC-margin objective, backward, primal step with the proximal
+term and a control-variate correction, dual ascent with projection); the bare
+loop does it the way one would write it by hand, over the parameter list with
+``torch._foreach`` ops. Blocks of the two alternate so machine noise hits both
+alike; the ratio is of the medians.
+
+    python benchmarks/step_overhead.py [--models cnn resnet20] [--steps 20] [--repeats 7]
+
+Last line: ``RESULT model=... step_ratio=...`` (the worst model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fdam_ray.client import Client
+from fdam_ray.config import build_config
+from fdam_ray.data.arrays import ArraysSource
+from fdam_ray.models import build_model
+from fdam_ray.objectives import Objective
+from fdam_ray.state import RoundPlan
+
+LR, GAMMA = 0.05, 0.002
+
+
+def make_data(n: int, shape: tuple[int, ...], seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, *shape)).astype(np.float32)
+    y = (rng.random(n) < 0.2).astype(np.float32)
+    return x, y
+
+
+class BareLoop:
+    """A hand-written primal-dual loop over the parameter list (no flat buffers)."""
+
+    def __init__(self, model_name: str, shape, x, y, batch: int, seed: int) -> None:
+        self.model = build_model(model_name, shape, 1, seed=seed)
+        self.a, self.b = torch.zeros(1, requires_grad=True), torch.zeros(1, requires_grad=True)
+        self.alpha = torch.zeros(1, requires_grad=True)
+        self.params = [*self.model.parameters(), self.a, self.b]
+        self.ref = [p.detach().clone() for p in self.params]
+        self.corr = [torch.zeros_like(p) for p in self.params]  # c - c^k
+        self.obj = Objective("auc_margin", num_tasks=1)
+        self.obj.set_positive_ratio(0.2)
+        self.x, self.y = torch.from_numpy(x), torch.from_numpy(y).reshape(-1, 1)
+        self.batch = batch
+        self.gen = torch.Generator().manual_seed(seed)
+        self.order, self.pos = torch.randperm(len(self.y), generator=self.gen), 0
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            if self.pos + self.batch > len(self.order):
+                self.order, self.pos = torch.randperm(len(self.y), generator=self.gen), 0
+            idx = self.order[self.pos : self.pos + self.batch]
+            self.pos += self.batch
+            for p in [*self.params, self.alpha]:
+                p.grad = None
+            loss = self.obj(self.model(self.x[idx]), self.y[idx], self.a, self.b, self.alpha)
+            loss.backward()
+            with torch.no_grad():
+                grads = [p.grad for p in self.params]
+                d = torch._foreach_add(grads, torch._foreach_sub(self.params, self.ref), alpha=GAMMA)
+                torch._foreach_add_(d, self.corr)
+                torch._foreach_add_(self.params, d, alpha=-LR)
+                self.alpha.add_(self.alpha.grad, alpha=LR).clamp_(min=0)
+
+
+def measure(model_name: str, shape, *, batch: int, steps: int, repeats: int, threads: int) -> dict:
+    torch.set_num_threads(threads)
+    x, y = make_data(max(1024, 4 * batch), shape)
+    cfg = build_config(dataset="arrays", num_clients=1, model=model_name, batch_size=batch, algorithm="codasca",
+                       objective="auc_margin", lr=LR, prox_weight=GAMMA, executor="inline")
+    client = Client(cfg, ArraysSource([(x, y)], (x[:64], y[:64])), 0, device=torch.device("cpu"))
+    client.configure(np.array([0.2]))
+    state = client.flat.initial_state()
+    state.c_v, state.c_alpha = np.zeros_like(state.v), np.zeros_like(state.alpha)
+    client.begin_stage(state.v.copy(), True)
+    bare = BareLoop(model_name, shape, x, y, batch, seed=cfg.seed)
+    plan = RoundPlan(round=1, stage=1, steps=steps, lr=LR, iteration=0)
+    client.local_round(state, plan)  # warm-up both
+    bare.run(steps)
+    ours, theirs = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        client.local_round(state, plan)
+        ours.append((time.perf_counter() - t0) / steps)
+        t0 = time.perf_counter()
+        bare.run(steps)
+        theirs.append((time.perf_counter() - t0) / steps)
+    o, t = statistics.median(ours), statistics.median(theirs)
+    return {"model": model_name, "params": client.flat.num_weights, "client_ms": 1e3 * o, "bare_ms": 1e3 * t,
+            "ratio": o / t}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["cnn", "resnet20"])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "step_overhead.md"))
+    args = parser.parse_args()
+    rows = [measure(m, (3, 32, 32), batch=args.batch, steps=args.steps, repeats=args.repeats, threads=args.threads)
+            for m in args.models]
+    lines = [
+        "# Step overhead: Client.local_round vs a bare PyTorch loop",
+        "",
+        f"Command: `python benchmarks/step_overhead.py --models {' '.join(args.models)} --batch {args.batch} "
+        f"--steps {args.steps} --repeats {args.repeats} --threads {args.threads}`",
+        "",
+        f"Inputs 3x32x32, batch {args.batch}, {args.threads} torch thread(s), CPU; medians of {args.repeats} "
+        f"alternating blocks of {args.steps} steps.",
+        "",
+        "| model | weights | client ms/step | bare loop ms/step | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['params']:,} | {r['client_ms']:.2f} | {r['bare_ms']:.2f} | "
+                     f"{r['ratio']:.3f} |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    for r in rows:
+        print(f"RESULT model={r['model']} step_ratio={r['ratio']:.3f} client_ms={r['client_ms']:.2f} "
+              f"bare_ms={r['bare_ms']:.2f}")
+    worst = max(rows, key=lambda r: r["ratio"])
+    print(f"RESULT model={worst['model']} step_ratio={worst['ratio']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
