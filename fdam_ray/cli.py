@@ -1,4 +1,9 @@
-"""The ``fdam`` command: ``fdam train [--config FILE.yaml] [key=value ...]`` and ``fdam fields``."""
+"""The ``fdam`` command.
+
+    fdam train [--config FILE.yaml] [--resume RUN_DIR] [--quiet] [key=value ...]
+    fdam plot RUN_DIR [RUN_DIR ...] [--out DIR]
+    fdam fields
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,9 @@ def _print_record(rec: dict) -> None:
     loss_s = f"{loss:9.4f}" if loss is not None else "        -"
     line = (f"iter {rec['iteration']:>7}  round {rec['round']:>5}  stage {rec['stage']:>2}  lr {rec['lr']:<8.4g}"
             f" loss {loss_s}  test AUC {rec['test_auc']:.4f}  [{rec['wall_s']:.1f} s]")
-    print(line, flush=True)
+    from tqdm.auto import tqdm
+
+    tqdm.write(line)  # keeps a progress bar, if one is shown, intact
 
 
 def _summary(summary: dict) -> str:
@@ -25,20 +32,36 @@ def _summary(summary: dict) -> str:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from fdam_ray.federation import DivergenceError, run
+    from fdam_ray.federation import DivergenceError, resume, run
 
     values = load_config_file(args.config) if args.config else {}
     values.update(parse_overrides(args.overrides))
-    config = build_config(values)
-    print(f"fdam train: {config.algorithm} on {config.dataset}, K={config.num_clients}, I={config.local_steps}, "
-          f"{config.iterations} iterations, model {config.model}, executor {config.executor}", flush=True)
+    on_eval = None if args.quiet else _print_record
+    progress = not args.quiet and not args.no_progress and sys.stderr.isatty()
     try:
-        result = run(config, on_eval=None if args.quiet else _print_record)
+        if args.resume:
+            print(f"fdam train: resuming {args.resume}", flush=True)
+            result = resume(args.resume, values, on_eval=on_eval, progress=progress)
+        else:
+            config = build_config(values)
+            print(f"fdam train: {config.algorithm} on {config.dataset}, K={config.num_clients}, "
+                  f"I={config.local_steps}, {config.iterations} iterations, model {config.model}, "
+                  f"executor {config.executor}", flush=True)
+            result = run(config, on_eval=on_eval, progress=progress)
     except DivergenceError as exc:
         print(f"fdam: run diverged: {exc}", file=sys.stderr)
         return 1
     print(_summary(result.summary))
     print(f"run folder: {result.run_dir}")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from fdam_ray.plots import plot_runs
+
+    out = args.out or (args.runs[0] if len(args.runs) == 1 else "plots")
+    for path in plot_runs(args.runs, out):
+        print(path)
     return 0
 
 
@@ -54,9 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train one federation",
                            description="Train one federation. With no arguments: CODASCA on digits-IH, K=4.")
     train.add_argument("--config", help="YAML file of config fields")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     train.add_argument("--quiet", action="store_true", help="print only the summary")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar (evaluation lines only)")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="config fields (see `fdam fields`)")
     train.set_defaults(func=cmd_train)
+    plot = sub.add_parser("plot", help="draw PNG figures of one or several run folders")
+    plot.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    plot.add_argument("--out", help="folder for the PNGs (default: the run folder, or ./plots for several runs)")
+    plot.set_defaults(func=cmd_plot)
     fields = sub.add_parser("fields", help="list every config field with its default and meaning")
     fields.set_defaults(func=cmd_fields)
     return parser

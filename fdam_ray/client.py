@@ -130,3 +130,16 @@ class Client(Replica):
 
     def set_control_variate(self, c_v: np.ndarray, c_alpha: np.ndarray) -> None:
         self.solver.set_control_variate(c_v, c_alpha)
+
+    def get_state(self) -> dict:
+        """What a checkpoint needs to continue this client exactly: c^k and the sampler's position."""
+        cv = self.solver.control_variate()
+        return {"client_id": self.client_id, "c_v": None if cv is None else cv[0],
+                "c_alpha": None if cv is None else cv[1], "sampler": self.sampler.get_state()}
+
+    def set_state(self, state: dict) -> None:
+        if state["client_id"] != self.client_id:
+            raise ValueError(f"state of client {state['client_id']} given to client {self.client_id}")
+        if state["c_v"] is not None:
+            self.solver.set_control_variate(state["c_v"], state["c_alpha"])
+        self.sampler.set_state(state["sampler"])

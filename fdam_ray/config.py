@@ -119,7 +119,14 @@ FIELDS: tuple[Field, ...] = (
     _f("out_dir", "str", "runs", "Folder under which run folders are made."),
     _f("run_name", "str", None, "Run folder name; null = time stamp, algorithm and dataset.", optional=True),
     # -- outputs, progress, checkpoints --------------------------------------------
+    _f("checkpoint_every", "int", 100, "Write a checkpoint every this many rounds (and at the end); 0 = only "
+       "at the end.", check=_nonneg[0], allowed=_nonneg[1]),
+    _f("tensorboard", "bool", True, "Write TensorBoard event files into the run folder (needs tensorboard)."),
 )
+
+# Fields that may differ when a run is resumed (they change how it runs, not what it computes).
+RESUME_MAY_CHANGE = {"iterations", "eval_every", "checkpoint_every", "tensorboard", "executor", "device",
+                     "threads_per_client", "out_dir"}
 
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
 

@@ -1,4 +1,4 @@
-"""The driver loop: rounds, stages, evaluation, metrics and run outputs.
+"""The driver loop: rounds, stages, evaluation, checkpoints and run outputs.
 
 One round (ALGORITHMS.md s.3): the executor runs every client from the global
 state, the :class:`RoundReducer` folds their updates as they arrive and
@@ -10,13 +10,17 @@ paper's analysis restarts from the stage output; with the default
 ``reference_point: average`` the two differ only in the start point, and
 restarting a deep network from an average of iterates would also need its
 BatchNorm statistics recomputed).
+
+Everything the loop carries from round to round is in :class:`LoopState`; a
+checkpoint is that, the clients' states (control variates, sampler positions)
+and the config, so a resumed run continues the same run.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -24,7 +28,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
 from fdam_ray.algorithms import Algorithm
 from fdam_ray.client import Replica, resolve_device
@@ -32,14 +35,15 @@ from fdam_ray.data import DataSource, make_source
 from fdam_ray.evaluation import Evaluator
 from fdam_ray.executors import Executor, make_executor
 from fdam_ray.objectives import closed_form_alpha
+from fdam_ray.outputs import RunWriter
 from fdam_ray.schedules import Schedule
-from fdam_ray.state import ClientInfo, GlobalState
+from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, RoundPlan
 
 log = logging.getLogger(__name__)
 
 
 class DivergenceError(RuntimeError):
-    """The global state or a client's loss became NaN or infinite."""
+    """The global state, a client's update or its loss became NaN or infinite."""
 
 
 @dataclasses.dataclass
@@ -68,6 +72,34 @@ class RunResult:
     run_dir: Path | None
 
 
+@dataclasses.dataclass
+class LoopState:
+    """What the driver loop carries between rounds (all of it goes into a checkpoint)."""
+
+    state: GlobalState
+    reference: np.ndarray  # proximal centre of the current stage
+    ref_sum: np.ndarray  # float64 sum of this stage's round-end v (reference_point: average)
+    ref_count: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    samples: int = 0
+    train_s: float = 0.0
+    wall_offset: float = 0.0  # wall time of earlier sessions of a resumed run
+    loss_sum: float = 0.0
+    loss_rounds: int = 0
+    next_eval: int = 0
+    history: list[dict] = dataclasses.field(default_factory=list)
+
+    def to_payload(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "state"}
+        d["state"] = dataclasses.asdict(self.state)
+        return d
+
+    @classmethod
+    def from_payload(cls, d: dict) -> LoopState:
+        return cls(**{**d, "state": GlobalState(**d["state"])})
+
+
 def global_positive_ratio(infos: list[ClientInfo]) -> np.ndarray:
     """p per task: all clients' positives over all clients' labelled samples."""
     pos = np.sum([i.positives for i in infos], axis=0).astype(np.float64)
@@ -85,7 +117,8 @@ def make_run_dir(config) -> Path:
     if config.run_name:
         path = root / config.run_name
         if path.exists() and any(path.iterdir()):
-            raise ValueError(f"run folder '{path}' already exists and is not empty; choose another run_name")
+            raise ValueError(f"run folder '{path}' already exists and is not empty; choose another run_name "
+                             "or continue it with --resume")
     else:
         base = f"{datetime.now():%Y%m%d-%H%M%S}-{config.algorithm}-{config.dataset}"
         path, n = root / base, 1
@@ -93,6 +126,30 @@ def make_run_dir(config) -> Path:
             path, n = root / f"{base}-{n}", n + 1
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+class Progress:
+    """A progress bar over iterations (tqdm) with round, stage, lr, last test AUC and rate."""
+
+    def __init__(self, total: int, initial: int) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, unit="it", dynamic_ncols=True, leave=True)
+        self.auc = float("nan")
+
+    def update(self, plan: RoundPlan, steps: int, auc: float | None = None) -> None:
+        if auc is not None:
+            self.auc = auc
+        self.bar.set_postfix(round=plan.round, stage=plan.stage, lr=f"{plan.lr:.3g}", auc=f"{self.auc:.4f}",
+                             refresh=False)
+        self.bar.update(steps)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _finite(x: np.ndarray | None) -> bool:
+    return x is None or math.isfinite(float(np.sum(x, dtype=np.float64)))
 
 
 class Federation:
@@ -106,6 +163,7 @@ class Federation:
         self.replica = Replica(config, source, device=resolve_device(config.device))
         self.num_clients = source.num_clients
 
+    # -- start -----------------------------------------------------------------------
     def _start(self) -> GlobalState:
         cfg = self.config
         infos = self.executor.start(cfg, self.source)
@@ -122,7 +180,6 @@ class Federation:
         if self.replica.objective.has_auxiliary:
             self.replica.objective.set_positive_ratio(p)
             self.executor.configure(p)
-        self.infos = infos
         state = self.replica.flat.initial_state()
         if self.algorithm.control_variates:
             state.c_v = np.zeros_like(state.v)
@@ -137,91 +194,147 @@ class Federation:
             np.float32
         )
 
-    def run(self, *, save: bool, on_eval: Callable[[dict], None] | None = None) -> RunResult:
-        cfg = self.config
-        state = self._start()
-        run_dir = make_run_dir(cfg) if save else None
-        metrics_file = None
-        if run_dir is not None:
-            (run_dir / "config.yaml").write_text(yaml.safe_dump(_plain(cfg.to_dict()), sort_keys=False))
-            metrics_file = open(run_dir / "metrics.jsonl", "w", encoding="utf-8")
-        evaluator = Evaluator(self.replica, self.source, self.executor)
-        history: list[dict] = []
-        bytes_up = bytes_down = samples = 0
-        train_s = 0.0
-        loss_sum, loss_rounds = 0.0, 0
-        started = time.perf_counter()
-        K = self.num_clients
+    # -- one round --------------------------------------------------------------------
+    def _round(self, loop: LoopState, plan: RoundPlan, ends_stage: bool) -> None:
+        cfg, K = self.config, self.num_clients
+        t0 = time.perf_counter()
+        reducer = self.algorithm.reducer(loop.state)
 
-        def record(plan_round: int, stage: int, lr: float) -> None:
-            nonlocal loss_sum, loss_rounds
-            rec = {
-                "iteration": state.iteration, "round": plan_round, "stage": stage, "lr": lr,
-                "train_loss": loss_sum / loss_rounds if loss_rounds else None,
-                **evaluator(state),
-                "bytes_up": bytes_up, "bytes_down": bytes_down,
-                "wall_s": round(time.perf_counter() - started, 3),
-                "samples_per_s": round(samples / train_s, 1) if train_s else None,
-            }
-            loss_sum, loss_rounds = 0.0, 0
-            history.append(rec)
-            log.info("iteration %d round %d stage %d: test AUC %.4f", rec["iteration"], plan_round, stage,
-                     rec["test_auc"])
-            if metrics_file is not None:
-                metrics_file.write(json.dumps(rec) + "\n")
-                metrics_file.flush()
+        def fold(update: ClientUpdate) -> None:
+            if not (math.isfinite(update.stats.loss) and _finite(update.v) and _finite(update.alpha)
+                    and _finite(update.c_v)):
+                raise DivergenceError(f"round {plan.round}: client {update.client_id} sent a NaN or infinite "
+                                      f"update (loss {update.stats.loss}); lower lr or set grad_clip")
+            reducer.fold(update)
+
+        self.executor.run_round(loop.state, plan, fold)
+        loop.bytes_down += K * loop.state.nbytes
+        loop.bytes_up += reducer.bytes_up
+        state = reducer.finish(steps=plan.steps)
+        if not (_finite(state.v) and _finite(state.alpha)):
+            raise DivergenceError(f"round {plan.round}: the global state became NaN or infinite after the server "
+                                  "step; lower lr or global_lr")
+        loop.train_s += time.perf_counter() - t0
+        loop.samples += sum(s.samples for s in reducer.stats)
+        loop.loss_sum += float(np.mean([s.loss for s in reducer.stats]))
+        loop.loss_rounds += 1
+        if cfg.reference_point == "average":
+            loop.ref_sum += state.v
+            loop.ref_count += 1
+        if ends_stage:
+            if self.algorithm.recompute_alpha:
+                self._recompute_alpha(state)
+            loop.reference = ((loop.ref_sum / loop.ref_count).astype(np.float32)
+                              if cfg.reference_point == "average" else state.v.copy())
+            loop.ref_sum[:], loop.ref_count = 0.0, 0
+            if cfg.reset_control_variates and state.c_v is not None:
+                state.c_v = np.zeros_like(state.c_v)
+                state.c_alpha = np.zeros_like(state.c_alpha)
+            self.executor.begin_stage(loop.reference, cfg.reset_control_variates)
+            loop.bytes_down += K * loop.reference.nbytes
+        loop.state = state
+
+    def _record(self, loop: LoopState, evaluator: Evaluator, plan_round: int, stage: int, lr: float,
+                started: float) -> dict:
+        rec = {
+            "iteration": loop.state.iteration, "round": plan_round, "stage": stage, "lr": lr,
+            "train_loss": loop.loss_sum / loop.loss_rounds if loop.loss_rounds else None,
+            **evaluator(loop.state),
+            "bytes_up": loop.bytes_up, "bytes_down": loop.bytes_down,
+            "wall_s": round(loop.wall_offset + time.perf_counter() - started, 3),
+            "samples_per_s": round(loop.samples / loop.train_s, 1) if loop.train_s else None,
+        }
+        loop.loss_sum, loop.loss_rounds = 0.0, 0
+        loop.history.append(rec)
+        log.info("iteration %d round %d stage %d: test AUC %.4f", rec["iteration"], plan_round, stage,
+                 rec["test_auc"])
+        return rec
+
+    def _checkpoint_payload(self, loop: LoopState, started: float) -> dict:
+        loop_payload = loop.to_payload()
+        loop_payload["wall_offset"] = loop.wall_offset + time.perf_counter() - started
+        return {"config": self.config.to_dict(), "loop": loop_payload, "clients": self.executor.client_states(),
+                "positive_ratio": self.positive_ratio, "torch_rng": torch.get_rng_state()}
+
+    # -- the run ----------------------------------------------------------------------
+    def run(self, *, run_dir: Path | Callable[[], Path] | None, on_eval: Callable[[dict], None] | None = None,
+            progress: bool = False, resume: dict | None = None) -> RunResult:
+        """Run (or, with ``resume``, continue) the federation.
+
+        ``run_dir`` may be a function making the folder: it is called only once the
+        clients have started, so bad data never leaves a half-made run folder.
+        """
+        cfg = self.config
+        initial = self._start()
+        if callable(run_dir):
+            run_dir = run_dir()
+        started = time.perf_counter()
+        if resume is None:
+            loop = LoopState(state=initial, reference=initial.v.copy(),
+                             ref_sum=np.zeros_like(initial.v, dtype=np.float64), next_eval=cfg.eval_every)
+            self.executor.begin_stage(loop.reference, True)
+            loop.bytes_down += self.num_clients * loop.reference.nbytes
+        else:
+            loop = LoopState.from_payload(resume["loop"])
+            self.executor.begin_stage(loop.reference, False)
+            self.executor.restore_client_states(resume["clients"])
+            torch.set_rng_state(resume["torch_rng"])
+        writer = None
+        if run_dir is not None:
+            writer = RunWriter(run_dir, tensorboard=cfg.tensorboard, history=loop.history)
+            writer.write_config(cfg.to_dict())
+            if resume is not None:
+                writer.event("resumed at round %d, iteration %d", loop.state.round, loop.state.iteration)
+        evaluator = Evaluator(self.replica, self.source, self.executor)
+        bar = Progress(cfg.iterations, loop.state.iteration) if progress else None
+
+        def record(plan_round: int, stage: int, lr: float) -> dict:
+            rec = self._record(loop, evaluator, plan_round, stage, lr, started)
+            if writer is not None:
+                writer.record(rec)
             if on_eval is not None:
                 on_eval(rec)
+            return rec
+
+        def checkpoint() -> None:
+            if writer is not None:
+                writer.checkpoint(self._checkpoint_payload(loop, started))
 
         try:
-            reference = state.v.copy()
-            self.executor.begin_stage(reference, True)
-            bytes_down += K * reference.nbytes
-            ref_sum, ref_count = np.zeros_like(state.v, dtype=np.float64), 0
-            record(0, 1, cfg.lr)
-            next_eval = cfg.eval_every
-            plan = None
+            if resume is None:
+                record(0, 1, cfg.lr)
+            last_checkpoint = loop.state.round
             for plan, ends_stage in Schedule(cfg).plans():
-                t0 = time.perf_counter()
-                reducer = self.algorithm.reducer(state)
-                self.executor.run_round(state, plan, reducer.fold)
-                bytes_down += K * state.nbytes
-                bytes_up += reducer.bytes_up
-                state = reducer.finish(steps=plan.steps)
-                train_s += time.perf_counter() - t0
-                samples += sum(s.samples for s in reducer.stats)
-                losses = [s.loss for s in reducer.stats]
-                if not (np.isfinite(losses).all() and np.isfinite(state.v).all() and np.isfinite(state.alpha).all()):
-                    bad = [s.client_id for s in reducer.stats if not np.isfinite(s.loss)]
-                    raise DivergenceError(
-                        f"round {plan.round}: the state became NaN or infinite"
-                        + (f" (loss of client(s) {bad})" if bad else "") + "; lower lr or set grad_clip"
-                    )
-                loss_sum += float(np.mean(losses))
-                loss_rounds += 1
-                if cfg.reference_point == "average":
-                    ref_sum += state.v
-                    ref_count += 1
-                if ends_stage:
-                    if self.algorithm.recompute_alpha:
-                        self._recompute_alpha(state)
-                    reference = (ref_sum / ref_count).astype(np.float32) if cfg.reference_point == "average" \
-                        else state.v.copy()
-                    ref_sum[:], ref_count = 0.0, 0
-                    if cfg.reset_control_variates and state.c_v is not None:
-                        state.c_v = np.zeros_like(state.c_v)
-                        state.c_alpha = np.zeros_like(state.c_alpha)
-                    self.executor.begin_stage(reference, cfg.reset_control_variates)
-                    bytes_down += K * reference.nbytes
-                if state.iteration >= next_eval or state.iteration >= cfg.iterations:
-                    record(plan.round, plan.stage, plan.lr)
-                    next_eval = (state.iteration // cfg.eval_every + 1) * cfg.eval_every
+                if plan.round <= loop.state.round:
+                    continue  # done before the checkpoint this run resumed from
+                self._round(loop, plan, ends_stage)
+                if ends_stage and writer is not None:
+                    writer.event("stage %d ended at iteration %d (round %d)", plan.stage, loop.state.iteration,
+                                 plan.round)
+                auc = None
+                if loop.state.iteration >= loop.next_eval or loop.state.iteration >= cfg.iterations:
+                    auc = record(plan.round, plan.stage, plan.lr)["test_auc"]
+                    loop.next_eval = (loop.state.iteration // cfg.eval_every + 1) * cfg.eval_every
+                if cfg.checkpoint_every and plan.round % cfg.checkpoint_every == 0:
+                    checkpoint()
+                    last_checkpoint = plan.round
+                if bar is not None:
+                    bar.update(plan, plan.steps, auc)
+            if last_checkpoint != loop.state.round:
+                checkpoint()
+            return self._finish(loop, writer, started)
+        except DivergenceError as exc:
+            if writer is not None:
+                writer.event("run stopped: %s", exc, level=logging.ERROR)
+            raise
         finally:
-            if metrics_file is not None:
-                metrics_file.close()
-        return self._finish(state, history, run_dir, started, train_s, samples)
+            if bar is not None:
+                bar.close()
+            if writer is not None:
+                writer.close()
 
-    def _finish(self, state, history, run_dir, started, train_s, samples) -> RunResult:
+    def _finish(self, loop: LoopState, writer: RunWriter | None, started: float) -> RunResult:
+        state, history = loop.state, loop.history
         flat = self.replica.flat
         flat.load(state)
         n_w, m = flat.num_weights, flat.aux_size
@@ -236,26 +349,20 @@ class Federation:
             "best_iteration": history[best]["iteration"],
             "iterations": state.iteration,
             "rounds": state.round,
-            "bytes_up": history[-1]["bytes_up"],
-            "bytes_down": history[-1]["bytes_down"],
-            "wall_s": round(time.perf_counter() - started, 3),
-            "samples_per_s": round(samples / train_s, 1) if train_s else None,
+            "bytes_up": loop.bytes_up,
+            "bytes_down": loop.bytes_down,
+            "wall_s": round(loop.wall_offset + time.perf_counter() - started, 3),
+            "samples_per_s": round(loop.samples / loop.train_s, 1) if loop.train_s else None,
             "positive_ratio": [round(float(x), 6) for x in self.positive_ratio],
-            "run_dir": None if run_dir is None else str(run_dir),
+            "run_dir": None if writer is None else str(writer.dir),
         }
         cv = None if state.c_v is None else (state.c_v, state.c_alpha)
-        if run_dir is not None:
-            torch.save(
-                {"model": model_state, "a": torch.from_numpy(a), "b": torch.from_numpy(b),
-                 "alpha": torch.from_numpy(state.alpha.copy()), "task_names": list(self.source.task_names)},
-                run_dir / "model.pt",
-            )
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        return RunResult(self.config, model_state, a, b, state.alpha.copy(), cv, history, summary, state, run_dir)
-
-
-def _plain(d: dict) -> dict:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+        if writer is not None:
+            writer.finish({"model": model_state, "a": torch.from_numpy(a), "b": torch.from_numpy(b),
+                           "alpha": torch.from_numpy(state.alpha.copy()),
+                           "task_names": list(self.source.task_names)}, summary)
+        return RunResult(self.config, model_state, a, b, state.alpha.copy(), cv, history, summary, state,
+                         None if writer is None else writer.dir)
 
 
 def run(
@@ -265,6 +372,7 @@ def run(
     executor: Executor | None = None,
     save: bool = True,
     on_eval: Callable[[dict], None] | None = None,
+    progress: bool = False,
 ) -> RunResult:
     """Train one federation as ``config`` says and return its :class:`RunResult`.
 
@@ -272,12 +380,49 @@ def run(
         config: a validated :class:`fdam_ray.config.Config`.
         source: the data (default: the dataset the config names).
         executor: how clients run (default: the config's ``executor``).
-        save: write the run folder (config, metrics.jsonl, model.pt, summary.json).
+        save: write a run folder (see :mod:`fdam_ray.outputs`) under ``config.out_dir``.
         on_eval: called with every evaluation record as it is made.
+        progress: show a progress bar over iterations.
     """
     source = source if source is not None else make_source(config)
     if source.num_clients != config.num_clients:
         raise ValueError(f"the data has {source.num_clients} clients but num_clients={config.num_clients}")
     executor = executor if executor is not None else make_executor(config.executor)
     with executor:
-        return Federation(config, source, executor).run(save=save, on_eval=on_eval)
+        fed = Federation(config, source, executor)
+        return fed.run(run_dir=(lambda: make_run_dir(config)) if save else None, on_eval=on_eval, progress=progress)
+
+
+def resume(
+    run_dir: str | Path,
+    changes: dict | None = None,
+    *,
+    source: DataSource | None = None,
+    on_eval: Callable[[dict], None] | None = None,
+    progress: bool = False,
+) -> RunResult:
+    """Continue the run in ``run_dir`` from its last checkpoint.
+
+    ``changes`` may alter only fields in :data:`fdam_ray.config.RESUME_MAY_CHANGE`
+    (how the run executes, or a longer ``iterations``); anything else means a
+    different run and is refused.
+    """
+    from fdam_ray.checkpoint import load_checkpoint
+    from fdam_ray.config import RESUME_MAY_CHANGE, ConfigError, build_config
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ValueError(f"--resume: '{run_dir}' is not a run folder")
+    payload = load_checkpoint(run_dir / "checkpoint.pt")
+    saved = build_config(payload["config"])
+    changes = dict(changes or {})
+    wanted = build_config({**saved.to_dict(), **changes})
+    differ = [k for k in saved.to_dict() if saved.to_dict()[k] != wanted.to_dict()[k] and k not in RESUME_MAY_CHANGE]
+    if differ:
+        detail = ", ".join(f"{k}: {getattr(saved, k)!r} -> {getattr(wanted, k)!r}" for k in differ)
+        raise ConfigError(f"cannot resume '{run_dir}' with a different config ({detail}); only "
+                          f"{', '.join(sorted(RESUME_MAY_CHANGE))} may change")
+    source = source if source is not None else make_source(wanted)
+    with make_executor(wanted.executor) as executor:
+        return Federation(wanted, source, executor).run(run_dir=run_dir, on_eval=on_eval, progress=progress,
+                                                         resume=payload)

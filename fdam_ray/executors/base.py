@@ -46,12 +46,12 @@ class Executor(abc.ABC):
         """Every client's score sums over its training positives and negatives."""
 
     @abc.abstractmethod
-    def control_variates(self) -> list[tuple[np.ndarray, np.ndarray] | None]:
-        """Every client's control variate c^k (for checkpoints)."""
+    def client_states(self) -> list[dict]:
+        """Every client's resumable state (``Client.get_state()``: control variate, sampler position)."""
 
     @abc.abstractmethod
-    def set_control_variates(self, values: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        """Restore every client's control variate."""
+    def restore_client_states(self, states: list[dict]) -> None:
+        """Give every client back the state :meth:`client_states` returned (``Client.set_state``)."""
 
     def shutdown(self) -> None:  # noqa: B027 (optional hook)
         """Release the clients."""

@@ -48,12 +48,12 @@ class InlineExecutor(Executor):
     def score_moments(self, state: GlobalState) -> list[Moments]:
         return [c.score_moments(state) for c in self.clients]
 
-    def control_variates(self) -> list[tuple[np.ndarray, np.ndarray] | None]:
-        return [c.get_control_variate() for c in self.clients]
+    def client_states(self) -> list[dict]:
+        return [c.get_state() for c in self.clients]
 
-    def set_control_variates(self, values: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        for c, (c_v, c_alpha) in zip(self.clients, values, strict=True):
-            c.set_control_variate(c_v, c_alpha)
+    def restore_client_states(self, states: list[dict]) -> None:
+        for c, s in zip(self.clients, states, strict=True):
+            c.set_state(s)
 
     def shutdown(self) -> None:
         self.clients = []

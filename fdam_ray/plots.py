@@ -1,0 +1,128 @@
+"""Figures of one or several run folders (``fdam plot``).
+
+    auc_vs_iterations.png   test AUC against iterations, one curve per run (the paper's top-row figure)
+    auc_vs_local_steps.png  final test AUC against I, CODA+ and CODASCA side by side (its bottom row);
+                            runs that share algorithm and I (seeds) give a mean with a min-max band
+    auc_vs_bytes.png        test AUC against megabytes communicated
+    task_auc.png            final per-task AUC bars (multi-label runs only)
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+
+class Run:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        metrics = self.path / "metrics.jsonl"
+        if not metrics.is_file():
+            raise ValueError(f"'{path}' is not a run folder (it has no metrics.jsonl)")
+        self.history = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        if not self.history:
+            raise ValueError(f"'{path}' has no evaluation records yet")
+        cfg_file = self.path / "config.yaml"
+        self.config = yaml.safe_load(cfg_file.read_text()) if cfg_file.is_file() else {}
+        self.algorithm = self.config.get("algorithm", "?")
+        self.local_steps = self.config.get("local_steps")
+
+    @property
+    def label(self) -> str:
+        return f"{self.algorithm} I={self.local_steps}"
+
+    def series(self, key: str) -> np.ndarray:
+        return np.array([np.nan if h.get(key) is None else h[key] for h in self.history], dtype=float)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _labels(runs: list[Run]) -> list[str]:
+    labels = [r.label for r in runs]
+    counts = defaultdict(int)
+    for lab in labels:
+        counts[lab] += 1
+    return [f"{r.label} ({r.path.name})" if counts[r.label] > 1 else r.label for r in runs]
+
+
+def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
+    """Draw every figure that the given runs support into ``out_dir``; return the files written."""
+    runs = [Run(Path(p)) for p in run_dirs]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plt = _pyplot()
+    written = []
+    labels = _labels(runs)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run, label in zip(runs, labels, strict=True):
+        ax.plot(run.series("iteration"), run.series("test_auc"), marker=".", label=label)
+    ax.set(xlabel="iteration", ylabel="test AUC (pooled)", title="Test AUC during training")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    written.append(_save(fig, out / "auc_vs_iterations.png", plt))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run, label in zip(runs, labels, strict=True):
+        mb = (run.series("bytes_up") + run.series("bytes_down")) / 1e6
+        ax.plot(np.maximum(mb, 1e-3), run.series("test_auc"), marker=".", label=label)
+    ax.set_xscale("log")
+    ax.set(xlabel="megabytes communicated (up + down)", ylabel="test AUC (pooled)", title="AUC against communication")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    written.append(_save(fig, out / "auc_vs_bytes.png", plt))
+
+    by_alg: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for run in runs:
+        if run.algorithm in ("coda_plus", "codasca") and run.local_steps:
+            by_alg[run.algorithm][int(run.local_steps)].append(run.history[-1]["test_auc"])
+    if by_alg:
+        names = [a for a in ("coda_plus", "codasca") if a in by_alg]
+        fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), sharey=True, squeeze=False)
+        for ax, name in zip(axes[0], names, strict=True):
+            steps = sorted(by_alg[name])
+            vals = [np.array(by_alg[name][i]) for i in steps]
+            mean = [v.mean() for v in vals]
+            ax.plot(steps, mean, marker="o", label="mean")
+            ax.fill_between(steps, [v.min() for v in vals], [v.max() for v in vals], alpha=0.2, label="min-max")
+            ax.set_xscale("log", base=2)
+            ax.set(xlabel="local steps I", title={"coda_plus": "CODA+", "codasca": "CODASCA"}[name])
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel("final test AUC")
+        axes[0][0].legend(fontsize=8)
+        written.append(_save(fig, out / "auc_vs_local_steps.png", plt))
+
+    multi = [(r, lab) for r, lab in zip(runs, labels, strict=True) if r.history[-1].get("task_auc")]
+    if multi:
+        tasks = list(multi[0][0].history[-1]["task_auc"])
+        fig, ax = plt.subplots(figsize=(max(6, 1.5 * len(tasks) * len(multi) / 2), 4.5))
+        width = 0.8 / len(multi)
+        x = np.arange(len(tasks))
+        for i, (run, label) in enumerate(multi):
+            vals = [run.history[-1]["task_auc"].get(t) or np.nan for t in tasks]
+            ax.bar(x + i * width - 0.4 + width / 2, vals, width, label=label)
+        ax.set_xticks(x, tasks, rotation=20)
+        ax.set(ylabel="final test AUC", title="AUC per task")
+        lo = np.nanmin([v or np.nan for r, _ in multi for v in r.history[-1]["task_auc"].values()])
+        ax.set_ylim(max(0.0, lo - 0.05), 1.0)
+        ax.legend(fontsize=8)
+        written.append(_save(fig, out / "task_auc.png", plt))
+    return written
+
+
+def _save(fig, path: Path, plt) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
