@@ -56,6 +56,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from fdam_ray.tuning import load_space, run_sweep
+
+    if args.resume and not args.space:
+        from fdam_ray.tuning import space_of_sweep
+
+        space = space_of_sweep(args.resume)
+    else:
+        if not args.space:
+            raise ConfigError("fdam tune needs a search-space file (see tune/*.yaml) or --resume DIR")
+        space = load_space(args.space, parse_overrides(args.overrides))
+    out = run_sweep(space, resume_dir=args.resume, address=args.address)
+    print(f"sweep results: {out / 'sweep_results.md'}")
+    if (out / "best_config.yaml").exists():
+        print(f"best config:   {out / 'best_config.yaml'}  (fdam train --config {out / 'best_config.yaml'})")
+    print(f"figure:        {out / 'top_trials.png'}")
+    return 0
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from fdam_ray.plots import plot_runs
 
@@ -82,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="no progress bar (evaluation lines only)")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="config fields (see `fdam fields`)")
     train.set_defaults(func=cmd_train)
+    tune = sub.add_parser("tune", help="sweep hyper-parameters with Ray Tune; every trial is a whole federation")
+    tune.add_argument("space", nargs="?", help="search-space YAML file (base / search / tune sections)")
+    tune.add_argument("overrides", nargs="*", metavar="key=value",
+                      help="base config fields, or tune.OPTION=value for the tune section")
+    tune.add_argument("--resume", metavar="DIR", help="continue the sweep stored in DIR")
+    tune.add_argument("--address", help="Ray cluster to connect to (default: RAY_ADDRESS, else a local Ray)")
+    tune.set_defaults(func=cmd_tune)
     plot = sub.add_parser("plot", help="draw PNG figures of one or several run folders")
     plot.add_argument("runs", nargs="+", metavar="RUN_DIR")
     plot.add_argument("--out", help="folder for the PNGs (default: the run folder, or ./plots for several runs)")

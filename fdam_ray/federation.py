@@ -258,11 +258,16 @@ class Federation:
 
     # -- the run ----------------------------------------------------------------------
     def run(self, *, run_dir: Path | Callable[[], Path] | None, on_eval: Callable[[dict], None] | None = None,
-            progress: bool = False, resume: dict | None = None) -> RunResult:
+            progress: bool = False, resume: dict | None = None,
+            report: Callable[[dict, Callable[[], dict]], None] | None = None,
+            checkpoints: bool = True) -> RunResult:
         """Run (or, with ``resume``, continue) the federation.
 
         ``run_dir`` may be a function making the folder: it is called only once the
         clients have started, so bad data never leaves a half-made run folder.
+        ``report(record, make_checkpoint)`` is called at every evaluation with a function
+        that returns the checkpoint payload of that moment (Tune trials report with it, and
+        pass ``checkpoints=False``: Tune keeps their checkpoints, not the run folder).
         """
         cfg = self.config
         initial = self._start()
@@ -294,10 +299,12 @@ class Federation:
                 writer.record(rec)
             if on_eval is not None:
                 on_eval(rec)
+            if report is not None:
+                report(rec, lambda: self._checkpoint_payload(loop, started))
             return rec
 
         def checkpoint() -> None:
-            if writer is not None:
+            if writer is not None and checkpoints:
                 writer.checkpoint(self._checkpoint_payload(loop, started))
 
         try:
@@ -313,8 +320,8 @@ class Federation:
                                  plan.round)
                 auc = None
                 if loop.state.iteration >= loop.next_eval or loop.state.iteration >= cfg.iterations:
-                    auc = record(plan.round, plan.stage, plan.lr)["test_auc"]
                     loop.next_eval = (loop.state.iteration // cfg.eval_every + 1) * cfg.eval_every
+                    auc = record(plan.round, plan.stage, plan.lr)["test_auc"]
                 if cfg.checkpoint_every and plan.round % cfg.checkpoint_every == 0:
                     checkpoint()
                     last_checkpoint = plan.round

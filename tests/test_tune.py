@@ -1,0 +1,115 @@
+"""Tune sweeps over whole federations: grid, ASHA early stopping, resume after a stop, best config."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import yaml
+
+from fdam_ray.cli import main
+from fdam_ray.config import ConfigError
+from fdam_ray.tuning import load_space, run_sweep
+
+BASE = dict(algorithm="codasca", dataset="synthetic", heterogeneity=1.0, num_clients=2, samples_per_client=200,
+            model="mlp", model_width=8, batch_size=32, iterations=120, eval_every=30, stage_length=60,
+            executor="inline", threads_per_client=1, tensorboard=False)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def read_rows(sweep_dir):
+    with open(sweep_dir / "sweep_results.csv", newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def write_space(tmp_path, search, tune_opts, base=None, name="space.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump({"base": {**BASE, **(base or {})}, "search": search,
+                                    "tune": {"storage_path": str(tmp_path / "sweeps"), **tune_opts}}))
+    return path
+
+
+def test_grid_sweep_picks_the_best_trial_and_its_config_trains(tmp_path, ray_session, capsys):
+    space = load_space(str(write_space(tmp_path, {"lr": {"grid": [0.2, 0.002]}, "local_steps": {"grid": [2, 10]}},
+                                       {"name": "grid", "driver_cpus": 1})))
+    out = run_sweep(space)
+    rows = read_rows(out)
+    assert len(rows) == 4
+    aucs = [float(r["final_test_auc"]) for r in rows]
+    assert aucs == sorted(aucs, reverse=True)  # sorted by the metric
+    assert all(r["iterations"] == "120" for r in rows)
+    assert float(rows[0]["lr"]) == 0.2 and aucs[0] > aucs[-1] + 0.05  # the large lr learns in 120 iterations
+    best = yaml.safe_load((out / "best_config.yaml").read_text())
+    assert best["lr"] == 0.2 and best["local_steps"] == int(rows[0]["local_steps"])
+    assert (out / "top_trials.png").stat().st_size > 5000
+    rc = main(["train", "--config", str(out / "best_config.yaml"), f"out_dir={tmp_path / 'runs'}", "iterations=20",
+               "--quiet"])
+    assert rc == 0 and "final test AUC" in capsys.readouterr().out
+
+
+def test_asha_stops_weak_trials_early(tmp_path, ray_session):
+    space = load_space(str(write_space(
+        tmp_path, {"lr": {"grid": [0.3, 0.1, 0.001, 0.0003]}},
+        {"name": "asha", "scheduler": "asha", "grace_period": 30, "reduction_factor": 2, "driver_cpus": 1,
+         "max_concurrent_trials": 2})))
+    out = run_sweep(space)
+    iterations = sorted(int(r["iterations"]) for r in read_rows(out))
+    assert iterations[0] < 120 and iterations[-1] == 120
+
+
+def test_bad_space_files_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="search field 'learning_rate' is not a config field"):
+        load_space(str(write_space(tmp_path, {"learning_rate": {"grid": [0.1]}}, {})))
+    with pytest.raises(ConfigError, match=r"config field 'lr': -1\.0 is not allowed"):
+        load_space(str(write_space(tmp_path, {"lr": {"grid": [0.1, -1.0]}}, {})))
+    with pytest.raises(ConfigError, match="unknown tune option 'schedular'"):
+        load_space(str(write_space(tmp_path, {"lr": {"grid": [0.1]}}, {"schedular": "asha"})))
+    with pytest.raises(ConfigError, match="grid takes only"):
+        load_space(str(write_space(tmp_path, {"lr": {"loguniform": [0.001, 0.1]}}, {})))
+
+
+def test_a_stopped_sweep_resumes_and_finishes_every_trial(tmp_path):
+    space = write_space(tmp_path, {"lr": {"grid": [0.2, 0.05, 0.01, 0.002]}},
+                        {"name": "stopme", "driver_cpus": 1, "max_concurrent_trials": 2},
+                        base={"iterations": 600, "eval_every": 60})
+    sweep = tmp_path / "sweeps" / "stopme"
+    env = {**os.environ, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "fdam_ray", "tune", str(space)], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and not list(sweep.glob("trial_*/checkpoint_000001")):
+            time.sleep(0.5)
+        assert list(sweep.glob("trial_*/checkpoint_000001")), "no trial reported in time"
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl+C: Tune saves the experiment state and exits
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    unfinished = [d for d in sweep.glob("trial_*") if not _finished(d)]
+    assert unfinished, "the sweep finished before it was stopped"
+    rc = subprocess.run([sys.executable, "-m", "fdam_ray", "tune", "--resume", str(sweep)], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=400)
+    assert rc.returncode == 0, rc.stderr[-2000:]
+    rows = read_rows(sweep)
+    assert len(rows) == 4 and all(r["iterations"] == "600" for r in rows)
+    resumed = [d for d in unfinished if "resumed at round" in (d / "run" / "train.log").read_text()]
+    assert resumed, "no trial continued from its checkpoint"
+
+
+def _finished(trial_dir: Path) -> bool:
+    log = trial_dir / "run" / "train.log"
+    return log.exists() and "iteration 600 " in log.read_text()
