@@ -45,9 +45,9 @@ _pos = (lambda v: v > 0, "> 0")
 _nonneg = (lambda v: v >= 0, ">= 0")
 _ge1 = (lambda v: v >= 1, ">= 1")
 
-MODEL_NAMES = ("linear", "mlp", "cnn", "resnet20", "densenet121")
+MODEL_NAMES = ("linear", "mlp", "cnn", "resnet20", "densenet121", "densenet161")
 # "arrays" is set by fdam_ray.train_arrays (bring-your-own data), not by hand.
-DATASET_NAMES = ("digits", "synthetic", "arrays")
+DATASET_NAMES = ("digits", "synthetic", "arrays", "cifar10", "cifar100", "imagefolder", "mnist5k")
 
 FIELDS: tuple[Field, ...] = (
     # -- algorithm ---------------------------------------------------------------
@@ -102,10 +102,32 @@ FIELDS: tuple[Field, ...] = (
     _f("samples_per_client", "int", 500, "Synthetic data: training samples per client.",
        check=_ge1[0], allowed=_ge1[1]),
     # -- on-disk datasets (loaders) ----------------------------------------------
+    _f("download", "bool", False, "cifar10/cifar100: fetch the official archive into data_root when its files "
+       "are missing (torchvision); off = read local files only."),
+    _f("negative_classes", "int_list", None, "Original classes labelled negative; null = every class that is "
+       "not positive (classes in neither list are left out).", optional=True),
+    _f("image_size", "int", None, "Side of the square images a loader resizes to; null = the dataset's "
+       "default (imagefolder 224).", check=_ge1[0], allowed=_ge1[1], optional=True),
+    _f("augment", "bool", False, "Random augmentation of training images (cifar: padded crop and flip; "
+       "imagefolder: resized crop and flip)."),
+    _f("data_workers", "int", 0, "DataLoader worker processes per client for datasets read from disk.",
+       check=_nonneg[0], allowed=_nonneg[1]),
     # -- model --------------------------------------------------------------------
     _f("model", "str", "cnn", "Scoring network.", choices=MODEL_NAMES),
     _f("model_width", "int", 32, "Width of mlp hidden layers / cnn channels.", check=_ge1[0], allowed=_ge1[1]),
     # -- models: weights, pre-training ---------------------------------------------
+    _f("model_weights", "str", None, "Local file of initial network weights (a state_dict saved with "
+       "torch.save, or a run's model.pt); a classifier head of another size is re-initialised. Never "
+       "downloaded.", optional=True),
+    _f("pretrain_iterations", "int", 0, "Two-stage recipe: iterations of BCE pre-training (fedavg) before the "
+       "AUC run, which keeps the pre-trained body and re-initialises the head; 0 = off.",
+       check=_nonneg[0], allowed=_nonneg[1]),
+    _f("pretrain_lr", "float", None, "Step size of pre-training; null = lr.", check=_pos[0], allowed=_pos[1],
+       optional=True),
+    _f("pretrain_batch_size", "batch", None, "Minibatch of pre-training; null = batch_size.",
+       allowed=">= 0 or 'full'", optional=True),
+    _f("pretrain_federated", "bool", True, "Pre-train on all clients (fedavg); false = on client 0's data "
+       "alone (e.g. the first source)."),
     # -- run ----------------------------------------------------------------------
     _f("eval_every", "int", 100, "Evaluate the global model every this many iterations (at round ends).",
        check=_ge1[0], allowed=_ge1[1]),

@@ -38,6 +38,7 @@ from fdam_ray.objectives import closed_form_alpha
 from fdam_ray.outputs import RunWriter
 from fdam_ray.schedules import Schedule
 from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, RoundPlan
+from fdam_ray.weights import load_weights, read_weights
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class RunResult:
         summary: best and final test AUC, rounds, bytes moved, wall time, samples/s.
         state: the final global state as flat buffers.
         run_dir: where outputs were written (None when nothing was saved).
+        pretrain: the BCE pre-training run of the two-stage recipe (``pretrain_iterations`` > 0), else None.
     """
 
     config: object
@@ -70,6 +72,7 @@ class RunResult:
     summary: dict
     state: GlobalState
     run_dir: Path | None
+    pretrain: RunResult | None = None
 
 
 @dataclasses.dataclass
@@ -380,6 +383,7 @@ def run(
     save: bool = True,
     on_eval: Callable[[dict], None] | None = None,
     progress: bool = False,
+    initial_model_state: dict[str, torch.Tensor] | None = None,
 ) -> RunResult:
     """Train one federation as ``config`` says and return its :class:`RunResult`.
 
@@ -390,14 +394,33 @@ def run(
         save: write a run folder (see :mod:`fdam_ray.outputs`) under ``config.out_dir``.
         on_eval: called with every evaluation record as it is made.
         progress: show a progress bar over iterations.
+        initial_model_state: network weights to start from (a ``state_dict``; default: the
+            ``model_weights`` file if set, else the seeded initialisation). With
+            ``pretrain_iterations`` > 0 they start the pre-training run (:mod:`fdam_ray.pretrain`),
+            and this run starts from its body with a fresh classifier head.
     """
     source = source if source is not None else make_source(config)
     if source.num_clients != config.num_clients:
         raise ValueError(f"the data has {source.num_clients} clients but num_clients={config.num_clients}")
+    weights_from = "initial_model_state"
+    if initial_model_state is None and config.model_weights:
+        initial_model_state = read_weights(config.model_weights)
+        weights_from = f"model_weights '{config.model_weights}'"
+    pretrained = None
+    if config.pretrain_iterations:
+        from fdam_ray.pretrain import pretrain
+
+        pretrained, initial_model_state = pretrain(config, source=source, save=save, progress=progress,
+                                                   initial_model_state=initial_model_state)
+        weights_from = "pre-trained weights"
     executor = executor if executor is not None else make_executor(config.executor)
     with executor:
         fed = Federation(config, source, executor)
-        return fed.run(run_dir=(lambda: make_run_dir(config)) if save else None, on_eval=on_eval, progress=progress)
+        if initial_model_state is not None:
+            load_weights(fed.replica.flat.model, initial_model_state, source=weights_from)
+        result = fed.run(run_dir=(lambda: make_run_dir(config)) if save else None, on_eval=on_eval, progress=progress)
+    result.pretrain = pretrained
+    return result
 
 
 def resume(

@@ -91,20 +91,32 @@ def resnet20(input_shape: tuple[int, ...], num_tasks: int, width: int) -> nn.Mod
     return ResNet20(_image_shape("resnet20", input_shape)[0], num_tasks)
 
 
-def densenet121(input_shape: tuple[int, ...], num_tasks: int, width: int) -> nn.Module:
-    """torchvision's DenseNet-121 (random init), first convolution adapted to the input channels."""
-    from torchvision.models import densenet121 as tv_densenet121
+def _densenet(name: str, input_shape: tuple[int, ...], num_tasks: int) -> nn.Module:
+    """A torchvision DenseNet (random init, T outputs), first convolution adapted to the input channels."""
+    import torchvision.models
 
-    channels, height, width_px = _image_shape("densenet121", input_shape)
+    channels, height, width_px = _image_shape(name, input_shape)
     if min(height, width_px) < 32:
-        raise ValueError(f"model 'densenet121' needs images of at least 32x32, the dataset gives {height}x{width_px}")
-    model = tv_densenet121(weights=None, num_classes=num_tasks)
+        raise ValueError(f"model '{name}' needs images of at least 32x32, the dataset gives {height}x{width_px}")
+    model = getattr(torchvision.models, name)(weights=None, num_classes=num_tasks)
     if channels != 3:
-        model.features.conv0 = nn.Conv2d(channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
+        conv0 = model.features.conv0
+        model.features.conv0 = nn.Conv2d(channels, conv0.out_channels, kernel_size=7, stride=2, padding=3, bias=False)
     return model
 
 
-BUILDERS = {"linear": linear, "mlp": mlp, "cnn": cnn, "resnet20": resnet20, "densenet121": densenet121}
+def densenet121(input_shape: tuple[int, ...], num_tasks: int, width: int) -> nn.Module:
+    """torchvision's DenseNet-121 (random init), first convolution adapted to the input channels."""
+    return _densenet("densenet121", input_shape, num_tasks)
+
+
+def densenet161(input_shape: tuple[int, ...], num_tasks: int, width: int) -> nn.Module:
+    """torchvision's DenseNet-161 (random init, about 26.5M weights), first convolution adapted likewise."""
+    return _densenet("densenet161", input_shape, num_tasks)
+
+
+BUILDERS = {"linear": linear, "mlp": mlp, "cnn": cnn, "resnet20": resnet20, "densenet121": densenet121,
+            "densenet161": densenet161}
 
 
 def build_model(

@@ -29,6 +29,18 @@ def make_source(config) -> DataSource:
         from fdam_ray.data.synthetic import SyntheticSource
 
         return SyntheticSource(config)
+    if config.dataset in ("cifar10", "cifar100"):
+        from fdam_ray.data.cifar import Cifar10Source, Cifar100Source
+
+        return Cifar10Source(config) if config.dataset == "cifar10" else Cifar100Source(config)
+    if config.dataset == "imagefolder":
+        from fdam_ray.data.imagefolder import ImageFolderSource
+
+        return ImageFolderSource(config)
+    if config.dataset == "mnist5k":
+        from fdam_ray.data.mnist5k import Mnist5kSource
+
+        return Mnist5kSource(config)
     if config.dataset == "arrays":
         raise ValueError("dataset 'arrays' takes in-memory data: call fdam_ray.train_arrays(config, clients, test)")
     raise ValueError(f"dataset {config.dataset!r} has no loader")

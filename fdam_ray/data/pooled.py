@@ -1,4 +1,4 @@
-"""Multi-class datasets binarised by a list of positive classes and split over clients."""
+"""Multi-class datasets binarised by lists of positive (and negative) classes and split over clients."""
 
 from __future__ import annotations
 
@@ -8,15 +8,19 @@ import functools
 import numpy as np
 import torch
 
-from fdam_ray.data.base import DataSource, Shard, Split
+from fdam_ray.data.base import AnySplit, DataSource, Shard, Split
 from fdam_ray.data.partition import dirichlet_partition, ih_partition
 
 
 class ClassPoolSource(DataSource):
     """A labelled pool of classes -> binary task, partitioned with ``ih`` or ``dirichlet``.
 
-    Subclasses provide :meth:`load_pool` and the default positive classes. The test
-    set keeps every class, untouched.
+    Subclasses provide :meth:`load_pool` and the default positive classes, and
+    may override :meth:`make_split` to read samples lazily (the pool's ``x`` is
+    then whatever :meth:`make_split` understands: file names, uint8 images).
+    With ``negative_classes`` unset every class that is not positive is
+    negative; set, the classes in neither list are left out of training and
+    test. The test set keeps every used class, untouched.
     """
 
     default_positive_classes: tuple[int, ...] = ()
@@ -28,36 +32,68 @@ class ClassPoolSource(DataSource):
         self.concentration = config.dirichlet_concentration
         self.seed = config.seed
         self.positive_classes = tuple(config.positive_classes or self.default_positive_classes)
+        self.negative_classes = None if config.negative_classes is None else tuple(config.negative_classes)
+        if self.negative_classes is not None:
+            both = sorted(set(self.positive_classes) & set(self.negative_classes))
+            if both:
+                raise ValueError(f"classes {both} are in both positive_classes and negative_classes")
 
     @abc.abstractmethod
     def load_pool(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(x_train, classes_train, x_test, classes_test) as numpy arrays."""
 
-    def _binary(self, classes: np.ndarray) -> torch.Tensor:
+    def make_split(self, x: np.ndarray, classes: np.ndarray, *, client_id: int | None) -> AnySplit:
+        """A split of pool samples ``x`` of original classes ``classes`` (default: tensors in memory).
+
+        ``client_id`` is the client whose training split this is, None for the test set.
+        """
+        return Split(torch.from_numpy(x), self.binary_labels(classes))
+
+    def binary_labels(self, classes: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.isin(classes, self.positive_classes).astype(np.float32)).reshape(-1, 1)
 
     @functools.cached_property
     def _pool(self):
-        return self.load_pool()
+        pool = self.load_pool()
+        known = set(np.unique(pool[1]).tolist())
+        for name, listed in (("positive_classes", self.positive_classes),
+                             ("negative_classes", self.negative_classes or ())):
+            unknown = sorted(set(listed) - known)
+            if unknown:
+                raise ValueError(f"{name}: classes {unknown} are not in the training data "
+                                 f"(its classes are {min(known)}..{max(known)})")
+        return pool
+
+    def _used(self, classes: np.ndarray) -> np.ndarray:
+        """Indices of the samples whose class is positive or negative."""
+        if self.negative_classes is None:
+            return np.arange(len(classes))
+        return np.flatnonzero(np.isin(classes, self.positive_classes + self.negative_classes))
 
     def client_indices(self) -> list[np.ndarray]:
         """Every client's training indices into the pool (deterministic in the seed)."""
-        classes = self._pool[1]
+        used = self._used(self._pool[1])
+        classes = self._pool[1][used]
         rng = np.random.default_rng([self.seed, 7919])
         if self.partition == "ih":
-            return ih_partition(classes, self.positive_classes, num_clients=self.num_clients,
-                                imratio=self.imratio, rng=rng)
-        return dirichlet_partition(classes, self.positive_classes, num_clients=self.num_clients,
-                                   imratio=self.imratio, concentration=self.concentration, rng=rng)
+            parts = ih_partition(classes, self.positive_classes, num_clients=self.num_clients,
+                                 imratio=self.imratio, rng=rng)
+        else:
+            parts = dirichlet_partition(classes, self.positive_classes, num_clients=self.num_clients,
+                                        imratio=self.imratio, concentration=self.concentration, rng=rng)
+        return [used[p] for p in parts]
 
     def client_shard(self, client_id: int) -> Shard:
         x, classes, _, _ = self._pool
         idx = self.client_indices()[client_id]
-        return Shard(train=Split(torch.from_numpy(x[idx]), self._binary(classes[idx])))
+        return Shard(train=self.make_split(x[idx], classes[idx], client_id=client_id))
 
-    def test_set(self) -> Split:
+    def test_set(self) -> AnySplit:
         _, _, x_test, classes_test = self._pool
-        return Split(torch.from_numpy(x_test), self._binary(classes_test))
+        used = self._used(classes_test)
+        if len(used) < len(classes_test):
+            x_test, classes_test = x_test[used], classes_test[used]
+        return self.make_split(x_test, classes_test, client_id=None)
 
     def __getstate__(self):
         state = dict(self.__dict__)

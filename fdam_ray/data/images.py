@@ -1,0 +1,105 @@
+"""Image datasets read one sample at a time by a DataLoader (see :class:`~fdam_ray.data.base.DatasetSplit`).
+
+:class:`ArrayImages` holds uint8 images in memory (CIFAR: 50000 x 3 x 32 x 32
+bytes, a quarter of the float32 size) and converts each sample when it is
+read; :class:`FileImages` holds file names and opens each image when it is
+read (ImageNet-style folders). Random augmentation draws from a generator of
+the dataset's own, seeded per client, so a run with ``data_workers=0`` is
+reproducible; inside DataLoader worker processes it draws from the torch seed
+the DataLoader gives each worker.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from PIL import Image
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def split_seed(seed: int, client_id: int) -> int:
+    """A 63-bit seed for one client's augmentation draws."""
+    return int(np.random.SeedSequence([seed, 31, client_id]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
+class _LazyImages(torch.utils.data.Dataset):
+    """Samples ``(transform(image i), label i)``; subclasses say how image i is loaded."""
+
+    def __init__(self, labels: torch.Tensor, transform: Callable, *, augment_seed: int | None) -> None:
+        self.labels = labels.reshape(len(labels), -1).to(torch.float32)
+        self.transform = transform
+        self.generator = None if augment_seed is None else torch.Generator().manual_seed(augment_seed)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def load(self, index: int):
+        raise NotImplementedError
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image = self.load(index)
+        if self.generator is not None and torch.utils.data.get_worker_info() is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                x = self.transform(image)
+        else:
+            x = self.transform(image)
+        return x, self.labels[index]
+
+
+class ArrayImages(_LazyImages):
+    """uint8 images (n, C, H, W) in memory; ``transform`` maps one uint8 (C, H, W) tensor to float32."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform: Callable, *,
+                 augment_seed: int | None = None) -> None:
+        if images.dtype != torch.uint8 or images.dim() != 4:
+            raise ValueError(f"ArrayImages takes uint8 images of shape (n, C, H, W), got {images.dtype} "
+                             f"{tuple(images.shape)}")
+        super().__init__(labels, transform, augment_seed=augment_seed)
+        self.images = images
+
+    def load(self, index: int) -> torch.Tensor:
+        return self.images[index]
+
+
+class FileImages(_LazyImages):
+    """Image files ``root/relpath`` opened as RGB PIL images; ``transform`` maps one to float32 (C, H, W)."""
+
+    def __init__(self, root: str, relpaths: np.ndarray, labels: torch.Tensor, transform: Callable, *,
+                 augment_seed: int | None = None) -> None:
+        super().__init__(labels, transform, augment_seed=augment_seed)
+        self.root = root
+        self.relpaths = relpaths  # a numpy bytes array: compact for a million names
+
+    def load(self, index: int) -> Image.Image:
+        path = os.path.join(self.root, os.fsdecode(self.relpaths[index]))
+        with Image.open(path) as image:
+            return image.convert("RGB")
+
+
+def cifar_transform(mean: tuple[float, ...], std: tuple[float, ...], *, augment: bool) -> Callable:
+    """uint8 (3, 32, 32) -> normalised float32; with ``augment`` a 4-pixel padded random crop and a flip."""
+    from torchvision.transforms import v2
+
+    steps = [v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip()] if augment else []
+    return v2.Compose([*steps, v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
+
+
+def folder_transform(size: int, *, augment: bool) -> Callable:
+    """PIL image -> normalised float32 (3, size, size).
+
+    Evaluation (and training without ``augment``): resize the short side to
+    size / 0.875, centre crop. With ``augment``: random resized crop and flip.
+    """
+    from torchvision import transforms as T
+
+    if augment:
+        steps = [T.RandomResizedCrop(size), T.RandomHorizontalFlip()]
+    else:
+        steps = [T.Resize(round(size / 0.875)), T.CenterCrop(size)]
+    return T.Compose([*steps, T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
