@@ -47,7 +47,8 @@ _ge1 = (lambda v: v >= 1, ">= 1")
 
 MODEL_NAMES = ("linear", "mlp", "cnn", "resnet20", "densenet121", "densenet161")
 # "arrays" is set by fdam_ray.train_arrays (bring-your-own data), not by hand.
-DATASET_NAMES = ("digits", "synthetic", "arrays", "cifar10", "cifar100", "imagefolder", "mnist5k")
+DATASET_NAMES = ("digits", "synthetic", "arrays", "cifar10", "cifar100", "imagefolder", "mnist5k", "chestxray")
+CHESTXRAY_SOURCES = ("chexpert", "nih", "padchest", "mimic", "vindr")
 
 FIELDS: tuple[Field, ...] = (
     # -- algorithm ---------------------------------------------------------------
@@ -102,14 +103,44 @@ FIELDS: tuple[Field, ...] = (
     _f("samples_per_client", "int", 500, "Synthetic data: training samples per client.",
        check=_ge1[0], allowed=_ge1[1]),
     # -- on-disk datasets (loaders) ----------------------------------------------
+    _f("chestxray_sources", "str_list", CHESTXRAY_SOURCES, "chestxray: the organisations, in client order "
+       "(a list, or names joined by commas).", choices=CHESTXRAY_SOURCES,
+       check=lambda v: len(set(v)) == len(v), allowed="each source once"),
+    _f("chestxray_chexpert_root", "str", None, "chestxray: folder with CheXpert's train.csv, valid.csv, train/.",
+       optional=True),
+    _f("chestxray_nih_root", "str", None, "chestxray: folder with NIH's Data_Entry_2017*.csv and images*/.",
+       optional=True),
+    _f("chestxray_padchest_root", "str", None, "chestxray: folder with PadChest's labels CSV and numbered "
+       "image folders.", optional=True),
+    _f("chestxray_mimic_root", "str", None, "chestxray: folder with MIMIC-CXR-JPG's mimic-cxr-2.0.0-*.csv.gz "
+       "and files/.", optional=True),
+    _f("chestxray_vindr_root", "str", None, "chestxray: folder with VinDr-CXR's image_labels_train.csv (or "
+       "Kaggle train.csv) and train/ images as PNG/JPEG.", optional=True),
+    _f("chestxray_clients", "str", "source", "chestxray: source = one client per organisation; patient = "
+       "num_clients clients, each a patient group inside one organisation.", choices=("source", "patient")),
+    _f("chestxray_clients_per_source", "int_list", None, "chestxray, clients=patient: clients per source in "
+       "chestxray_sources order (sum = num_clients); null = as even as possible.", optional=True),
+    _f("chestxray_test_fraction", "float", 0.05, "chestxray: fraction of each organisation's patients held out "
+       "as its test split (fixed seed: the same patients for every run).",
+       check=lambda v: 0 < v < 1, allowed="in (0, 1)"),
+    _f("chestxray_test_split", "str", "holdout", "chestxray: holdout (by patient) or official (CheXpert "
+       "valid.csv, MIMIC's test split, NIH test_list.txt; others fall back to holdout).",
+       choices=("holdout", "official")),
+    _f("chestxray_uncertain", "str_list", ("zeros", "ones", "zeros", "ones", "zeros"), "chestxray: uncertain "
+       "(-1) labels per task (Cardiomegaly, Edema, Consolidation, Atelectasis, Pleural Effusion), or one for "
+       "all: ones, zeros or ignore (missing).", choices=("ones", "zeros", "ignore"),
+       check=lambda v: len(v) in (1, 5), allowed="1 or 5 policies"),
+    _f("chestxray_blank", "str", "zeros", "chestxray: blank (not mentioned) labels: zeros (negative) or ignore "
+       "(missing).", choices=("zeros", "ignore")),
+    _f("chestxray_frontal_only", "bool", True, "chestxray: keep frontal (PA/AP) views only."),
     _f("download", "bool", False, "cifar10/cifar100: fetch the official archive into data_root when its files "
        "are missing (torchvision); off = read local files only."),
     _f("negative_classes", "int_list", None, "Original classes labelled negative; null = every class that is "
        "not positive (classes in neither list are left out).", optional=True),
     _f("image_size", "int", None, "Side of the square images a loader resizes to; null = the dataset's "
-       "default (imagefolder 224).", check=_ge1[0], allowed=_ge1[1], optional=True),
+       "default (imagefolder 224, chestxray 320).", check=_ge1[0], allowed=_ge1[1], optional=True),
     _f("augment", "bool", False, "Random augmentation of training images (cifar: padded crop and flip; "
-       "imagefolder: resized crop and flip)."),
+       "imagefolder: resized crop and flip; chestxray: the paper's random affine)."),
     _f("data_workers", "int", 0, "DataLoader worker processes per client for datasets read from disk.",
        check=_nonneg[0], allowed=_nonneg[1]),
     # -- model --------------------------------------------------------------------
@@ -213,6 +244,15 @@ def _coerce(field: Field, value: Any) -> Any:
         ):
             raise _fail(field.name, value, "a list of integers")
         return tuple(value)
+    elif kind == "str_list":
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) for v in value):
+            raise _fail(field.name, value, "a non-empty list of names" + (f" from {', '.join(field.choices)}"
+                                                                         if field.choices else ""))
+        if field.choices and any(v not in field.choices for v in value):
+            raise _fail(field.name, value, f"each one of {', '.join(field.choices)}")
+        value = tuple(value)
     if field.check is not None and not field.check(value):
         raise _fail(field.name, value, field.allowed)
     return value

@@ -41,6 +41,10 @@ def make_source(config) -> DataSource:
         from fdam_ray.data.mnist5k import Mnist5kSource
 
         return Mnist5kSource(config)
+    if config.dataset == "chestxray":
+        from fdam_ray.data.chestxray import ChestXraySource
+
+        return ChestXraySource(config)
     if config.dataset == "arrays":
         raise ValueError("dataset 'arrays' takes in-memory data: call fdam_ray.train_arrays(config, clients, test)")
     raise ValueError(f"dataset {config.dataset!r} has no loader")

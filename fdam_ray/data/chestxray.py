@@ -1,0 +1,290 @@
+"""Multi-source chest X-rays with five tasks (the paper's ChestXray-IH, s.5 "Chest X-ray datasets").
+
+Five binary tasks as in the CheXpert competition: Cardiomegaly, Edema,
+Consolidation, Atelectasis and Pleural Effusion, from up to five organisations
+(CheXpert, NIH ChestX-ray14, PadChest, MIMIC-CXR-JPG, VinDr-CXR), each read
+from its files as distributed (:mod:`fdam_ray.data.chestxray_readers`).
+
+Labels. An uncertain label (-1) follows a per-task policy: ``ones``, ``zeros``
+or ``ignore`` (NaN, left out of that task's loss and AUC); the default is
+LibAUC's: ones for Edema and Atelectasis, zeros for the other three. A blank
+(not mentioned) is negative by default (``chestxray_blank=ignore`` makes it
+NaN). A task a source does not label (Edema in VinDr-CXR's Kaggle variant) is
+NaN for that source, never negative. Images with no label left are skipped.
+
+Clients. ``chestxray_clients=source``: one client per organisation (the
+paper's multi-source CheXpert experiment). ``patient``: K clients, each inside
+one organisation (the paper's K = 16 ChestXray-IH split: "each machine only
+owns samples from one organization without overlapping patients"); an
+organisation's patients are dealt into its clients' groups (seeded by
+``seed``), so no patient is on two clients. Each organisation's test split is a
+``chestxray_test_fraction`` of its patients (5% as in the paper), drawn with a
+fixed seed so that every run, whatever its seed and whichever sources it lists,
+tests on the same patients; with ``chestxray_test_split=official`` the
+publisher's own test split is used where the reader has one. The clients'
+test splits together are the pooled test set, so the run reports pooled,
+per-client and per-task AUC.
+
+Images: grayscale (16-bit PNGs scaled by their own range), resized to
+``image_size`` (320 by default, as in the paper), with ``augment`` the
+paper's random affine map for training, then 3 channels with ImageNet's
+normalisation; ``data_workers`` DataLoader processes per client read them.
+
+Data stays where it lives: the driver reads nothing; ``client_shard(k)`` reads
+only client k's organisation's label files, and images are read lazily, batch
+by batch, through a DataLoader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from fdam_ray.data.base import DatasetSplit, DataSource, Shard
+from fdam_ray.data.chestxray_readers import READERS, TASKS, SourceTable
+
+log = logging.getLogger(__name__)
+
+SOURCES = tuple(READERS)  # chexpert, nih, padchest, mimic, vindr (the paper's order of adding sources)
+POLICIES = ("ones", "zeros", "ignore")
+DEFAULT_UNCERTAIN = ("zeros", "ones", "zeros", "ones", "zeros")  # LibAUC: U-ones for Edema, Atelectasis
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+DEFAULT_IMAGE_SIZE = 320  # the paper's multi-source experiments
+SPLIT_SEED = 20210718  # the held-out test patients are the same for every run seed
+WIDE_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
+
+
+def task_policies(uncertain: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """One policy for every task, or one per task in the order of ``TASKS``."""
+    uncertain = tuple(uncertain)
+    if len(uncertain) == 1:
+        uncertain = uncertain * len(TASKS)
+    if len(uncertain) != len(TASKS) or any(p not in POLICIES for p in uncertain):
+        raise ValueError(f"chestxray_uncertain: {list(uncertain)} must be one policy or one per task "
+                         f"({', '.join(TASKS)}), each one of {', '.join(POLICIES)}")
+    return uncertain
+
+
+def apply_label_policy(codes: np.ndarray, present: tuple[bool, ...], uncertain: tuple[str, ...],
+                       blank: str = "zeros") -> np.ndarray:
+    """Raw codes (1, 0, -1, NaN = blank) -> labels (1, 0, NaN = missing) under the policies."""
+    labels = np.array(codes, dtype=np.float32, copy=True)
+    value = {"ones": 1.0, "zeros": 0.0, "ignore": np.nan}
+    for t, policy in enumerate(task_policies(uncertain)):
+        column = codes[:, t]
+        if not present[t]:
+            labels[:, t] = np.nan
+            continue
+        labels[column == -1, t] = value[policy]
+        labels[np.isnan(column), t] = value[blank]
+    return labels
+
+
+def read_gray(path: str, size: int) -> np.ndarray:
+    """A grayscale image in [0, 1], resized to ``size`` x ``size``.
+
+    8-bit images are divided by 255. 16-bit (and wider) images, such as
+    PadChest's PNGs whose stored bit depth varies by scanner, are scaled by
+    their own minimum and maximum: converting them to 8-bit directly would clip
+    nearly every pixel to white.
+    """
+    with Image.open(path) as img:
+        if img.mode in WIDE_MODES:
+            a = np.array(img, dtype=np.float32)
+            lo, hi = float(a.min()), float(a.max())
+            a = (a - lo) / (hi - lo) if hi > lo else np.zeros_like(a)
+            return np.array(Image.fromarray(a).resize((size, size), Image.Resampling.BILINEAR), dtype=np.float32)
+        img.draft("L", (size, size))  # JPEG: decode at a reduced scale when the image is much larger
+        small = img.convert("L").resize((size, size), Image.Resampling.BILINEAR)
+        return np.array(small, dtype=np.float32) / 255.0
+
+
+class ChestXrayImages(torch.utils.data.Dataset):
+    """Images read from disk on demand: grayscale, resized, augmented (training), 3 channels, normalised.
+
+    The augmentation is the paper's recipe (Yuan et al.'s CheXpert training):
+    a random affine map with rotation in [-15, 15] degrees, translation up to
+    5% horizontally and 10% vertically, scale in [0.95, 1.05], mid-grey fill.
+    Its draws come from a generator of the dataset's own (``augment_seed``), so
+    a run with ``data_workers=0`` is reproducible; inside DataLoader worker
+    processes they come from the torch seed the DataLoader gives each worker.
+    The 3 channels are normalised with ImageNet's mean and std (for
+    ImageNet-pretrained DenseNets).
+    """
+
+    def __init__(self, paths: np.ndarray, labels: np.ndarray, *, image_size: int,
+                 augment_seed: int | None = None) -> None:
+        from torchvision import transforms
+
+        self.paths = np.asarray(paths, dtype=object)
+        self.labels = np.asarray(labels, dtype=np.float32)
+        self.image_size = image_size
+        self.generator = None if augment_seed is None else torch.Generator().manual_seed(augment_seed)
+        self.affine = transforms.RandomAffine(degrees=(-15, 15), translate=(0.05, 0.1), scale=(0.95, 1.05),
+                                              interpolation=transforms.InterpolationMode.BILINEAR, fill=128 / 255)
+        self.mean = torch.tensor(IMAGENET_MEAN).reshape(3, 1, 1)
+        self.std = torch.tensor(IMAGENET_STD).reshape(3, 1, 1)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def _augment(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.utils.data.get_worker_info() is not None:
+            return self.affine(x)
+        seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.affine(x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.from_numpy(read_gray(self.paths[i], self.image_size)).unsqueeze(0)
+        if self.generator is not None:
+            x = self._augment(x)
+        x = (x.expand(3, -1, -1) - self.mean) / self.std
+        return x, torch.from_numpy(self.labels[i])
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientPlace:
+    """Where a client sits: its organisation and its patient group there (``group`` of ``groups``)."""
+
+    source: str
+    group: int
+    groups: int
+
+
+def client_places(config) -> list[ClientPlace]:
+    """Every client's organisation and group, from the config alone (nothing is read)."""
+    sources = tuple(config.chestxray_sources)
+    per_source = config.chestxray_clients_per_source
+    if config.chestxray_clients == "source":
+        if per_source is not None:
+            raise ValueError("chestxray_clients_per_source is for chestxray_clients=patient; with 'source' every "
+                             "organisation is one client")
+        counts = [1] * len(sources)
+        if config.num_clients != len(sources):
+            raise ValueError(f"chestxray_clients=source makes one client per source ({len(sources)}: "
+                             f"{', '.join(sources)}) but num_clients={config.num_clients}; set num_clients="
+                             f"{len(sources)} or chestxray_clients=patient")
+    elif per_source is not None:
+        counts = list(per_source)
+        if len(counts) != len(sources) or min(counts) < 1 or sum(counts) != config.num_clients:
+            raise ValueError(f"chestxray_clients_per_source={counts} must give each of the {len(sources)} sources "
+                             f"({', '.join(sources)}) at least 1 client and sum to num_clients={config.num_clients}")
+    else:
+        if config.num_clients < len(sources):
+            raise ValueError(f"chestxray_clients=patient puts each client inside one organisation, so num_clients="
+                             f"{config.num_clients} must be at least the number of sources ({len(sources)})")
+        base, extra = divmod(config.num_clients, len(sources))
+        counts = [base + (i < extra) for i in range(len(sources))]
+    return [ClientPlace(s, g, n) for s, n in zip(sources, counts, strict=True) for g in range(n)]
+
+
+def _source_seed(name: str) -> int:
+    return zlib.crc32(name.encode())
+
+
+class ChestXraySource(DataSource):
+    """The chest X-ray federation a config describes (``dataset: chestxray``); see the module docstring."""
+
+    num_tasks = len(TASKS)
+    task_names = TASKS
+
+    def __init__(self, config) -> None:
+        sources = tuple(config.chestxray_sources)
+        if not sources:
+            raise ValueError(f"chestxray_sources is empty; list some of {', '.join(SOURCES)}")
+        self.roots: dict[str, Path] = {}
+        for name in sources:
+            root = getattr(config, f"chestxray_{name}_root")
+            if not root:
+                raise ValueError(f"chestxray_sources lists '{name}' but chestxray_{name}_root is not set; set it to "
+                                 f"the folder of the {name} files or drop '{name}' from chestxray_sources")
+            self.roots[name] = Path(root).expanduser()
+        self.places = client_places(config)
+        self.num_clients = len(self.places)
+        self.uncertain = task_policies(config.chestxray_uncertain)
+        self.blank = config.chestxray_blank
+        self.frontal_only = config.chestxray_frontal_only
+        self.official_test = config.chestxray_test_split == "official"
+        self.test_fraction = config.chestxray_test_fraction
+        self.image_size = config.image_size or DEFAULT_IMAGE_SIZE
+        self.augment = config.augment
+        self.num_workers = config.data_workers
+        self.seed = config.seed
+        self.input_shape = (3, self.image_size, self.image_size)
+        self._cache: dict[str, tuple[SourceTable, np.ndarray]] = {}
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_cache"] = {}  # a spec travels without its data
+        return state
+
+    def table(self, name: str) -> tuple[SourceTable, np.ndarray]:
+        """One organisation's images after the frontal filter, and their labels after the policies."""
+        if name not in self._cache:
+            raw = READERS[name](self.roots[name], official_test=self.official_test)
+            labels = apply_label_policy(raw.codes, raw.present, self.uncertain, self.blank)
+            keep = ~np.isnan(labels).all(axis=1)
+            if self.frontal_only:
+                keep &= raw.frontal
+            table = SourceTable(raw.paths[keep], raw.patients[keep], raw.frontal[keep], raw.codes[keep], raw.present,
+                                None if raw.official_test is None else raw.official_test[keep])
+            log.info("%s: %d of %d images kept (frontal only: %s)", name, int(keep.sum()), len(raw), self.frontal_only)
+            self._cache = {name: (table, labels[keep])}  # one organisation at a time in memory
+        return self._cache[name]
+
+    def client_rows(self, client_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """Client ``client_id``'s training rows and test rows in its organisation's :meth:`table`."""
+        if not 0 <= client_id < self.num_clients:
+            raise ValueError(f"client_id {client_id} is not in 0..{self.num_clients - 1}")
+        place = self.places[client_id]
+        table, _ = self.table(place.source)
+        patients = table.patients.astype(str)
+        unique = np.unique(patients)
+        if table.official_test is not None:
+            is_test = table.official_test
+            test_patients = np.unique(patients[is_test])
+        else:
+            if len(unique) < 2:
+                raise ValueError(f"{place.source}: {len(unique)} patient(s) left after filtering; a test split "
+                                 "held out by patient needs at least 2")
+            n_test = min(len(unique) - 1, max(1, round(self.test_fraction * len(unique))))
+            rng = np.random.default_rng([SPLIT_SEED, _source_seed(place.source)])
+            test_patients = rng.choice(unique, n_test, replace=False)
+            is_test = np.isin(patients, test_patients)
+        train_patients = np.setdiff1d(unique, test_patients)  # a test patient's other images are not trained on
+        if len(train_patients) < place.groups:
+            raise ValueError(f"{place.source}: {len(train_patients)} training patients cannot fill {place.groups} "
+                             "clients")
+        rng = np.random.default_rng([self.seed, _source_seed(place.source)])
+        train_group = np.array_split(rng.permutation(train_patients), place.groups)[place.group]
+        test_group = np.array_split(rng.permutation(np.unique(test_patients)), place.groups)[place.group]
+        train = np.flatnonzero(np.isin(patients, train_group))
+        test = np.flatnonzero(is_test & np.isin(patients, test_group))
+        return train, test
+
+    def _split(self, table: SourceTable, labels: np.ndarray, rows: np.ndarray, augment_seed: int | None
+               ) -> DatasetSplit:
+        dataset = ChestXrayImages(table.paths[rows], labels[rows], image_size=self.image_size,
+                                  augment_seed=augment_seed)
+        return DatasetSplit(dataset, labels[rows], num_workers=self.num_workers)
+
+    def client_shard(self, client_id: int) -> Shard:
+        train, test = self.client_rows(client_id)
+        table, labels = self.table(self.places[client_id].source)
+        if len(train) == 0:
+            raise ValueError(f"chest X-ray client {client_id} ({self.places[client_id].source}) has no training images")
+        seed = int(np.random.SeedSequence([self.seed, 4099, client_id]).generate_state(1, np.uint64)[0] >> 1)
+        return Shard(self._split(table, labels, train, seed if self.augment else None),
+                     self._split(table, labels, test, None) if len(test) else None)
+
+    def test_set(self) -> None:
+        return None
