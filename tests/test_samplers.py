@@ -70,3 +70,27 @@ def test_iter_batches_reads_a_dataset_in_order():
 def test_full_batch_needs_in_memory_data():
     with pytest.raises(ValueError, match="full batch"):
         LoaderSampler(DatasetSplit(Indexed(3), np.zeros(3)), 0, seed=0, device=torch.device("cpu"))
+
+
+class Augmenting(Indexed):
+    """Adds a draw from its own generator to every sample, like the image datasets' augmentation."""
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.generator = torch.Generator().manual_seed(11)
+
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return x + torch.rand(1, generator=self.generator), y
+
+
+def test_loader_sampler_state_includes_the_augmentation_generator():
+    make = lambda: LoaderSampler(DatasetSplit(Augmenting(9), np.zeros(9)), 4, seed=3,
+                                 device=torch.device("cpu"))
+    s = make()
+    drain(s, 3)
+    state = s.get_state()
+    rest = drain(s, 4)
+    t = make()
+    t.set_state(state)
+    assert drain(t, 4) == rest

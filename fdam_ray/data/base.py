@@ -213,11 +213,21 @@ class LoaderSampler:
         self._consumed += x.shape[0]
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
+    def _augment_generator(self) -> torch.Generator | None:
+        # Datasets that augment from a generator of their own expose it as ``generator`` (data/images.py,
+        # data/chestxray.py); with data_workers=0 its state follows the batches consumed exactly.
+        return getattr(self.split.dataset, "generator", None)
+
     def get_state(self) -> dict:
-        return {"epoch_generator": self._epoch_state, "consumed": self._consumed, "started": self._iter is not None}
+        augment = self._augment_generator()
+        return {"epoch_generator": self._epoch_state, "consumed": self._consumed, "started": self._iter is not None,
+                "augment": None if augment is None else augment.get_state()}
 
     def set_state(self, state: dict) -> None:
         self._iter = None
+        augment = self._augment_generator()
+        if augment is not None and state.get("augment") is not None:
+            augment.set_state(state["augment"])
         if state["started"]:
             self.generator.set_state(state["epoch_generator"])
             self._new_epoch(start=int(state["consumed"]))
