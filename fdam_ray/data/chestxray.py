@@ -48,6 +48,7 @@ from PIL import Image
 
 from fdam_ray.data.base import DatasetSplit, DataSource, Shard
 from fdam_ray.data.chestxray_readers import READERS, TASKS, SourceTable
+from fdam_ray.data.images import read_errors
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def read_gray(path: str, size: int) -> np.ndarray:
     their own minimum and maximum: converting them to 8-bit directly would clip
     nearly every pixel to white.
     """
-    with Image.open(path) as img:
+    with read_errors(path), Image.open(path) as img:
         if img.mode in WIDE_MODES:
             a = np.array(img, dtype=np.float32)
             lo, hi = float(a.min()), float(a.max())

@@ -11,6 +11,7 @@ the DataLoader gives each worker.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 
@@ -67,6 +68,15 @@ class ArrayImages(_LazyImages):
         return self.images[index]
 
 
+@contextlib.contextmanager
+def read_errors(path: str):
+    """Turn a missing, truncated or undecodable image file into a ValueError that names it."""
+    try:
+        yield
+    except (OSError, SyntaxError, ValueError) as exc:  # PIL raises all three for damaged files
+        raise ValueError(f"cannot read image '{path}': {type(exc).__name__}: {exc}") from None
+
+
 class FileImages(_LazyImages):
     """Image files ``root/relpath`` opened as RGB PIL images; ``transform`` maps one to float32 (C, H, W)."""
 
@@ -78,7 +88,7 @@ class FileImages(_LazyImages):
 
     def load(self, index: int) -> Image.Image:
         path = os.path.join(self.root, os.fsdecode(self.relpaths[index]))
-        with Image.open(path) as image:
+        with read_errors(path), Image.open(path) as image:
             return image.convert("RGB")
 
 
