@@ -32,10 +32,13 @@ def _summary(summary: dict) -> str:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from fdam_ray.executors.errors import ClientError
     from fdam_ray.federation import DivergenceError, resume, run
 
     values = load_config_file(args.config) if args.config else {}
     values.update(parse_overrides(args.overrides))
+    if args.address:
+        values["address"] = args.address
     on_eval = None if args.quiet else _print_record
     progress = not args.quiet and not args.no_progress and sys.stderr.isatty()
     try:
@@ -50,6 +53,13 @@ def cmd_train(args: argparse.Namespace) -> int:
             result = run(config, on_eval=on_eval, progress=progress)
     except DivergenceError as exc:
         print(f"fdam: run diverged: {exc}", file=sys.stderr)
+        return 1
+    except ClientError as exc:
+        if isinstance(exc, ValueError):
+            raise  # the client rejected its data or config: one line, like any bad input
+        print(f"fdam: {exc}", file=sys.stderr)
+        for note in getattr(exc, "__notes__", ()):
+            print(note, file=sys.stderr)
         return 1
     print(_summary(result.summary))
     print(f"run folder: {result.run_dir}")
@@ -99,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     train.add_argument("--quiet", action="store_true", help="print only the summary")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (evaluation lines only)")
+    train.add_argument("--address", help="Ray cluster to connect to (the config field address; default: "
+                       "RAY_ADDRESS, else a local Ray)")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="config fields (see `fdam fields`)")
     train.set_defaults(func=cmd_train)
     tune = sub.add_parser("tune", help="sweep hyper-parameters with Ray Tune; every trial is a whole federation")
@@ -118,7 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # key=value given after an option (fdam train --config f.yaml lr=0.1)
+        if hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+            args.overrides = [*(args.overrides or []), *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -94,21 +94,26 @@ class Client(Replica):
         if reset_control_variate:
             self.solver.reset_control_variate()
 
-    def local_round(self, state: GlobalState, plan: RoundPlan) -> ClientUpdate:
-        """Run ``plan.steps`` local steps from the global state and return the end point."""
-        start = time.perf_counter()
+    def local_round(self, state: GlobalState, plan: RoundPlan, *, copy: bool = True) -> ClientUpdate:
+        """Run ``plan.steps`` local steps from the global state and return the end point.
+
+        ``copy=False`` returns views of the client's buffers (valid until its next call), for a caller
+        that serialises the update at once (a Ray actor returning it): one copy of the state fewer.
+        """
         self.solver.begin(state)
+        start = time.perf_counter()
         loss_sum = torch.zeros((), device=self.device)
         samples = 0
         for _ in range(plan.steps):
             x, y = self.sampler.next()
             loss_sum += self.solver.step(x, y, plan.lr)
             samples += x.shape[0]
+        loss = float(loss_sum) / plan.steps  # waits for the steps on a GPU
+        compute_s = time.perf_counter() - start  # the steps alone: loading and exporting the state are transfer
         self.solver.end(state, plan.steps, plan.lr)
-        v, alpha, buffers, counters = self.flat.export()
-        cv = self.solver.control_variate()
-        loss = float(loss_sum) / plan.steps
-        stats = StepStats(self.client_id, loss, plan.steps, samples, time.perf_counter() - start)
+        v, alpha, buffers, counters = self.flat.export(copy=copy)
+        cv = self.solver.control_variate(copy=copy)
+        stats = StepStats(self.client_id, loss, plan.steps, samples, compute_s)
         return ClientUpdate(self.client_id, v, alpha, buffers, counters,
                             None if cv is None else cv[0], None if cv is None else cv[1], stats)
 

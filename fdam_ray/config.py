@@ -163,9 +163,31 @@ FIELDS: tuple[Field, ...] = (
     _f("eval_every", "int", 100, "Evaluate the global model every this many iterations (at round ends).",
        check=_ge1[0], allowed=_ge1[1]),
     _f("seed", "int", 0, "Seed of model init, partitions and sampling.", check=_nonneg[0], allowed=_nonneg[1]),
-    _f("executor", "str", "inline", "inline: every client in the driver process, one after another.",
-       choices=("inline",)),
+    _f("executor", "str", "ray", "ray: every client a Ray actor, all in parallel; inline: every client in the "
+       "driver process, one after another (debuggers work).", choices=("ray", "inline")),
     # -- ray executor --------------------------------------------------------------
+    _f("address", "str", None, "Ray cluster to connect to (host:port, ray://host:port, auto); null = "
+       "RAY_ADDRESS if set, else start a local Ray (a Ray already running in this process is reused).",
+       optional=True),
+    _f("cpus_per_client", "float", 1.0, "CPUs Ray reserves for each client actor (fractions allowed); the "
+       "client runs max(1, int(this)) torch threads unless threads_per_client says otherwise.",
+       check=_pos[0], allowed=_pos[1]),
+    _f("gpus_per_client", "float", 0.0, "GPUs per client actor; a fraction shares a GPU (0.25 = four clients "
+       "per GPU); 0 = CPU only.", check=lambda v: v == 0 or 0 < v <= 1 or float(v).is_integer(),
+       allowed="0, a fraction in (0, 1], or a whole number"),
+    _f("placement_strategy", "str", "PACK", "How the clients' placement group spreads over nodes (Ray's "
+       "strategies).", choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")),
+    _f("gpu_memory_cap", "bool", True, "With a fractional gpus_per_client, cap each client's CUDA memory to "
+       "that fraction of the GPU."),
+    _f("eval_on", "str", "clients", "Where the global model is scored: clients (each actor scores a slice of "
+       "the test set, in parallel) or driver.", choices=("clients", "driver")),
+    _f("on_client_failure", "str", "retry", "A client actor that dies or raises: retry (replace it and re-run "
+       "its call, at most max_client_retries times, then stop the run), drop (the same retries, then go on "
+       "without it) or abort (stop at once).", choices=("retry", "drop", "abort")),
+    _f("max_client_retries", "int", 2, "Replacements of one client within one call before on_client_failure "
+       "gives up on it.", check=_nonneg[0], allowed=_nonneg[1]),
+    _f("ray_timeout_s", "float", 1800.0, "Longest wait for any Ray call (a client's round, a placement group); "
+       "a client that does not answer in time counts as failed.", check=_pos[0], allowed=_pos[1]),
     _f("device", "str", "auto", "auto uses a GPU when one is visible.", choices=("auto", "cpu", "cuda")),
     _f("threads_per_client", "int", None, "torch intra-op threads per client process; null = leave as is.",
        check=_ge1[0], allowed=_ge1[1], optional=True),
@@ -179,7 +201,9 @@ FIELDS: tuple[Field, ...] = (
 
 # Fields that may differ when a run is resumed (they change how it runs, not what it computes).
 RESUME_MAY_CHANGE = {"iterations", "eval_every", "checkpoint_every", "tensorboard", "executor", "device",
-                     "threads_per_client", "out_dir"}
+                     "threads_per_client", "out_dir", "address", "cpus_per_client", "gpus_per_client",
+                     "placement_strategy", "gpu_memory_cap", "eval_on", "on_client_failure", "max_client_retries",
+                     "ray_timeout_s"}
 
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
 
@@ -194,6 +218,7 @@ Config = dataclasses.make_dataclass(
         "full_batch": property(lambda self: self.batch_size == 0),
     },
 )
+Config.__module__ = __name__  # picklable by reference (configs travel to Ray actors and Tune trials)
 
 
 def _fail(name: str, value: Any, allowed: str) -> ConfigError:

@@ -1,8 +1,9 @@
 """Evaluation of the global model: pooled test AUC, per-task AUC, per-client AUC (ALGORITHMS.md s.6).
 
 The test AUC is computed once over pooled scores: the global test set scored on
-the driver, or, when a dataset has no global test set, the union of the
-clients' own test splits. Per-client AUC is reported for clients that hold a
+the driver (or in slices on the clients, when the executor offers it), or,
+when a dataset has no global test set, the union of the clients' own test
+splits. Per-client AUC is reported for clients that hold a
 test split of their own.
 """
 
@@ -27,7 +28,7 @@ class Evaluator:
     def __call__(self, state: GlobalState) -> dict:
         parts = self.executor.evaluate(state)
         if self.test is not None:
-            s = self.replica.scores_of(state, self.test)
+            s = self.executor.score_test_set(state) or self.replica.scores_of(state, self.test)
             scores, labels = s.scores, s.labels
         elif parts:
             scores, labels = pooled([(p.scores, p.labels) for p in parts])

@@ -96,12 +96,14 @@ class FlatModel:
         for (m, n), value in zip(self._counter_slots, state.counters.tolist(), strict=True):
             m._buffers[n].fill_(value)
 
-    def _np(self, t: torch.Tensor) -> np.ndarray:
-        return t.detach().to("cpu", copy=True).numpy()
+    def _np(self, t: torch.Tensor, copy: bool = True) -> np.ndarray:
+        return t.detach().to("cpu", copy=copy).numpy()
 
-    def export(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Copies of (v, alpha, buffers, counters) as numpy arrays."""
-        return self._np(self.v), self._np(self.alpha), self._np(self.buffers), self.counters()
+    def export(self, *, copy: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(v, alpha, buffers, counters) as numpy arrays: copies, or with ``copy=False`` views of the flat
+        buffers where they live on the CPU (for a caller that serialises them before the model changes)."""
+        return (self._np(self.v, copy), self._np(self.alpha, copy), self._np(self.buffers, copy),
+                self.counters())
 
     def initial_state(self) -> GlobalState:
         v, alpha, buffers, counters = self.export()

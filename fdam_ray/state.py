@@ -78,7 +78,7 @@ class StepStats:
     loss: float
     steps: int
     samples: int
-    compute_s: float
+    compute_s: float  # seconds of the local steps (loading the state and exporting the update excluded)
 
 
 @dataclasses.dataclass

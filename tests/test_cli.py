@@ -15,7 +15,7 @@ from fdam_ray.config import ConfigError, build_config
 
 def test_default_job_reaches_a_band_an_untrained_model_cannot(tmp_path, capsys):
     # The default job (digits-IH, K=4, CODASCA, cnn) with fewer iterations.
-    rc = main(["train", f"out_dir={tmp_path}", "run_name=r", "iterations=300", "eval_every=100"])
+    rc = main(["train", f"out_dir={tmp_path}", "run_name=r", "iterations=300", "eval_every=100", "executor=inline"])
     assert rc == 0
     out = capsys.readouterr().out
     assert "test AUC" in out and "run folder:" in out
@@ -37,7 +37,8 @@ def test_default_job_reaches_a_band_an_untrained_model_cannot(tmp_path, capsys):
 def test_config_file_and_overrides(tmp_path, capsys):
     conf = tmp_path / "c.yaml"
     conf.write_text("algorithm: coda_plus\nmodel: mlp\nlocal_steps: 5\niterations: 20\neval_every: 10\n")
-    assert main(["train", "--config", str(conf), f"out_dir={tmp_path}", "run_name=x", "local_steps=4"]) == 0
+    assert main(["train", "--config", str(conf), f"out_dir={tmp_path}", "run_name=x", "local_steps=4",
+                 "executor=inline"]) == 0
     saved = (tmp_path / "x" / "config.yaml").read_text()
     assert "algorithm: coda_plus" in saved and "local_steps: 4" in saved and "model: mlp" in saved
 
@@ -66,7 +67,7 @@ BAD = [
 @pytest.mark.parametrize("args,message", BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_bad_input_is_one_line_exit_2_nothing_written(args, message, tmp_path, capsys):
     out_dir = tmp_path / "runs"
-    rc = main(["train", f"out_dir={out_dir}", *args])
+    rc = main(["train", f"out_dir={out_dir}", "executor=inline", *args])
     err = capsys.readouterr().err
     assert rc == 2
     assert message in err
@@ -82,7 +83,7 @@ def test_missing_config_file_is_reported(tmp_path, capsys):
 def test_existing_run_folder_is_not_overwritten(tmp_path, capsys):
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "keep.txt").write_text("x")
-    assert main(["train", f"out_dir={tmp_path}", "run_name=r", "iterations=2"]) == 2
+    assert main(["train", f"out_dir={tmp_path}", "run_name=r", "iterations=2", "executor=inline"]) == 2
     assert "already exists" in capsys.readouterr().err
     assert (tmp_path / "r" / "keep.txt").read_text() == "x"
 

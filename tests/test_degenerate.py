@@ -9,7 +9,8 @@ from conftest import gaussian_clients
 import fdam_ray
 from fdam_ray.algorithms.local import LocalSolver
 
-BASE = dict(model="mlp", model_width=8, batch_size="full", eval_every=1000, seed=3, lr=0.2, prox_weight=0.01)
+BASE = dict(model="mlp", model_width=8, batch_size="full", eval_every=1000, seed=3, lr=0.2, prox_weight=0.01,
+            executor="inline")
 
 
 def same_state(r1, r2, exact=True):

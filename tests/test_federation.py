@@ -10,7 +10,7 @@ import fdam_ray
 from fdam_ray.metrics import task_aucs
 from fdam_ray.objectives import closed_form_alpha
 
-BASE = dict(model="linear", batch_size="full", eval_every=5, seed=0, lr=0.3)
+BASE = dict(model="linear", batch_size="full", eval_every=5, seed=0, lr=0.3, executor="inline")
 
 
 @pytest.mark.parametrize("objective", ["auc_square", "auc_margin"])

@@ -17,7 +17,7 @@ def initial_v(d: int, seed: int = 0) -> np.ndarray:
     return np.r_[w, b, 0.0, 0.0]
 
 
-BASE = dict(model="linear", batch_size="full", eval_every=1000, seed=0)
+BASE = dict(model="linear", batch_size="full", eval_every=1000, seed=0, executor="inline")
 
 CASES = [
     # one round, CODA+, square loss

@@ -79,9 +79,9 @@ class LocalSolver:
         """Start a round from the global state (and compute this round's correction c - c^k)."""
         self.flat.load(state)
         with torch.no_grad():
-            self.v_start.copy_(self.flat.v)
-            self.alpha_start.copy_(self.flat.alpha)
-            if self.control_variates:
+            if self.control_variates:  # the start point is needed only for the c^k update in end()
+                self.v_start.copy_(self.flat.v)
+                self.alpha_start.copy_(self.flat.alpha)
                 if state.c_v is None or state.c_alpha is None:
                     raise ValueError("the algorithm uses control variates but the global state carries none")
                 torch.sub(torch.from_numpy(state.c_v).to(self.corr_v.device), self.c_v, out=self.corr_v)
@@ -128,10 +128,12 @@ class LocalSolver:
             self.alpha_start.sub_(self.flat.alpha)
             self.c_alpha.copy_(self.corr_alpha).neg_().sub_(self.alpha_start, alpha=scale)
 
-    def control_variate(self) -> tuple[np.ndarray, np.ndarray] | None:
+    def control_variate(self, *, copy: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
+        """c^k as numpy arrays (copies, or with ``copy=False`` views where it lives on the CPU)."""
         if not self.control_variates:
             return None
-        return self.c_v.detach().cpu().numpy().copy(), self.c_alpha.detach().cpu().numpy().copy()
+        c_v, c_alpha = self.c_v.detach().cpu().numpy(), self.c_alpha.detach().cpu().numpy()
+        return (c_v.copy(), c_alpha.copy()) if copy else (c_v, c_alpha)
 
     def set_control_variate(self, c_v: np.ndarray, c_alpha: np.ndarray) -> None:
         if self.control_variates:

@@ -34,6 +34,7 @@ class RoundReducer:
         self.alpha_nonnegative = alpha_nonnegative
         self.control_variates = control_variates
         self.count = 0
+        self._finished = False
         self.bytes_up = 0
         self.stats: list[StepStats] = []
         self._v = np.zeros_like(previous.v)
@@ -60,30 +61,40 @@ class RoundReducer:
         self.stats.append(update.stats)
 
     def _extrapolate(self, mean: np.ndarray, prev: np.ndarray) -> np.ndarray:
-        if self.global_lr == 1.0:
-            return mean
-        out = mean - prev
-        out *= np.float32(self.global_lr)
-        out += prev
-        return out
+        if self.global_lr != 1.0:
+            mean -= prev
+            mean *= np.float32(self.global_lr)
+            mean += prev
+        return mean
 
     def finish(self, *, steps: int) -> GlobalState:
-        """The global state after this round (``steps`` local steps were taken)."""
+        """The global state after this round (``steps`` local steps were taken).
+
+        The running sums become the new state in place (no state-sized copies on the driver's critical
+        path), so a reducer finishes once.
+        """
         if self.count == 0:
             raise RuntimeError("no client update reached the server this round")
+        if self._finished:
+            raise RuntimeError("this round's reducer has already finished")
+        self._finished = True
         inv = np.float32(1.0 / self.count)
         prev = self.previous
-        v = self._extrapolate(self._v * inv, prev.v)
-        alpha = self._extrapolate(self._alpha * inv, prev.alpha)
+        for total in (self._v, self._alpha, self._buffers):
+            total *= inv
+        v = self._extrapolate(self._v, prev.v)
+        alpha = self._extrapolate(self._alpha, prev.alpha)
         if self.alpha_nonnegative:
             np.maximum(alpha, 0, out=alpha)
         c_v = c_alpha = None
         if self.control_variates:
-            c_v, c_alpha = self._c_v * inv, self._c_alpha * inv
+            self._c_v *= inv
+            self._c_alpha *= inv
+            c_v, c_alpha = self._c_v, self._c_alpha
         return GlobalState(
             v=v.astype(np.float32, copy=False),
             alpha=alpha.astype(np.float32, copy=False),
-            buffers=self._buffers * inv,
+            buffers=self._buffers,
             counters=self._counters,
             c_v=c_v,
             c_alpha=c_alpha,

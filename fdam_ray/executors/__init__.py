@@ -12,4 +12,8 @@ def make_executor(name: str) -> Executor:
         from fdam_ray.executors.inline import InlineExecutor
 
         return InlineExecutor()
-    raise ValueError(f"executor {name!r} is not known (inline)")
+    if name == "ray":
+        from fdam_ray.executors.ray_executor import RayExecutor
+
+        return RayExecutor()
+    raise ValueError(f"executor {name!r} is not known (ray, inline)")

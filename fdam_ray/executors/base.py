@@ -53,6 +53,10 @@ class Executor(abc.ABC):
     def restore_client_states(self, states: list[dict]) -> None:
         """Give every client back the state :meth:`client_states` returned (``Client.set_state``)."""
 
+    def score_test_set(self, state: GlobalState) -> Scores | None:
+        """Scores of ``state`` on the global test set computed by the clients, or None: the driver scores it."""
+        return None
+
     def shutdown(self) -> None:  # noqa: B027 (optional hook)
         """Release the clients."""
 

@@ -1,0 +1,70 @@
+"""Ray helpers for tests: one local session per module (CPUs pinned), and data that misbehaves on purpose.
+
+Ray workers get this folder on ``PYTHONPATH``, so classes and functions
+defined here or in test modules can run inside actors and tasks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import numpy as np
+import ray
+import torch
+
+from fdam_ray.data import DatasetSplit, DataSource, Shard
+
+NUM_CPUS = 4  # logical CPUs; clients run one torch thread each, so 4 of them share the 2 cores
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@contextlib.contextmanager
+def ray_session(num_cpus: int = NUM_CPUS):
+    """Start Ray unless this process already runs it; shut it down (and undo its env changes) at the end."""
+    if ray.is_initialized():
+        yield
+        return
+    saved = dict(os.environ)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, saved.get("PYTHONPATH")) if p)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        os.environ.clear()
+        os.environ.update(saved)  # ray.init sets RAY_AUTH_MODE=token for this process
+
+
+class SleepyDataset(torch.utils.data.Dataset):
+    """Samples that take ``delay_s`` each to read: a client whose round does not finish in time."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, delay_s: float) -> None:
+        self.x, self.y, self.delay_s = x, y, delay_s
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        time.sleep(self.delay_s)
+        return torch.from_numpy(self.x[i]), torch.from_numpy(self.y[i])
+
+
+class SlowClientSource(DataSource):
+    """Wraps a source; client ``slow`` reads its training samples through a :class:`SleepyDataset`."""
+
+    def __init__(self, inner: DataSource, slow: int, delay_s: float) -> None:
+        self.inner, self.slow, self.delay_s = inner, slow, delay_s
+        self.num_clients, self.num_tasks = inner.num_clients, inner.num_tasks
+        self.input_shape, self.task_names = inner.input_shape, inner.task_names
+
+    def client_shard(self, client_id: int) -> Shard:
+        shard = self.inner.client_shard(client_id)
+        if client_id != self.slow:
+            return shard
+        x, y = shard.train.x.numpy(), shard.train.y.numpy()
+        return Shard(DatasetSplit(SleepyDataset(x, y, self.delay_s), y), shard.test)
+
+    def test_set(self):
+        return self.inner.test_set()

@@ -1,0 +1,179 @@
+"""The executor contract: the same tests run against the inline executor and the Ray executor.
+
+The oracle is a set of :class:`fdam_ray.client.Client` objects built in the test
+process from the same data source spec: whatever runs the clients, a round
+must fold exactly their updates, once per client, in client order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+from conftest import gaussian_clients
+from raytest import ray_session
+
+from fdam_ray.algorithms import Algorithm
+from fdam_ray.client import Client, Replica
+from fdam_ray.config import build_config
+from fdam_ray.data.arrays import ArraysSource
+from fdam_ray.executors import make_executor
+from fdam_ray.state import ClientUpdate, RoundPlan
+
+K = 3
+CPU = torch.device("cpu")
+
+
+def make_source() -> ArraysSource:
+    clients, test = gaussian_clients(num_clients=K, n=40)
+    client_tests, _ = gaussian_clients(num_clients=K, n=20, seed=5)
+    return ArraysSource(clients, test, client_tests)
+
+
+def make_config(executor: str):
+    return build_config(dict(dataset="arrays", num_clients=K, model="mlp", model_width=8, batch_size=8,
+                             algorithm="codasca", seed=1, executor=executor, cpus_per_client=0.5))
+
+
+def assert_update_equal(got: ClientUpdate, want: ClientUpdate) -> None:
+    assert got.client_id == want.client_id
+    for name in ("v", "alpha", "buffers", "c_v", "c_alpha"):
+        np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-6, atol=1e-7, err_msg=name)
+    np.testing.assert_array_equal(got.counters, want.counters)
+    assert got.stats.steps == want.stats.steps and got.stats.samples == want.stats.samples
+    assert got.stats.loss == pytest.approx(want.stats.loss, rel=1e-5)
+
+
+class ExecutorContract:
+    """What every executor must do; subclasses name the executor."""
+
+    executor_name: str
+    scores_test_set_on_clients: bool
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def started(cls):
+        with ray_session() if cls.executor_name == "ray" else contextlib.nullcontext():
+            source, config = make_source(), make_config(cls.executor_name)
+            executor = make_executor(cls.executor_name)
+            infos = executor.start(config, source)
+            yield executor, source, config, infos
+            executor.shutdown()
+
+    @pytest.fixture
+    def ready(self, started):
+        """The executor's clients and fresh oracle clients in the same state (p, stage, c^k, sampler)."""
+        executor, source, config, _ = started
+        oracle = [Client(config, source, k, device=CPU) for k in range(K)]
+        replica = Replica(config, source, device=CPU)
+        p = np.array([0.3])
+        reference = replica.flat.initial_state().v
+        executor.configure(p)
+        executor.begin_stage(reference, True)
+        executor.restore_client_states([c.get_state() for c in oracle])
+        for c in oracle:
+            c.configure(p)
+            c.begin_stage(reference, True)
+        state = replica.flat.initial_state()
+        state.c_v, state.c_alpha = np.zeros_like(state.v), np.zeros_like(state.alpha)
+        return executor, oracle, replica, state, config, source
+
+    def test_start_reports_every_client_in_order(self, started):
+        _, source, config, infos = started
+        size = Replica(config, source, device=CPU).flat.state_size
+        assert [i.client_id for i in infos] == list(range(K))
+        for k, info in enumerate(infos):
+            y = source.client_shard(k).train.y.numpy()
+            assert info.num_train == len(y) and info.num_test == 20
+            np.testing.assert_array_equal(info.positives, (y == 1).sum(0))
+            assert info.state_size == size
+
+    def test_a_round_folds_each_clients_own_update_once_in_client_order(self, ready):
+        executor, oracle, _, state, _, _ = ready
+        plan = RoundPlan(round=1, stage=1, steps=3, lr=0.1, iteration=0)
+        folded: list[ClientUpdate] = []
+        executor.run_round(state, plan, folded.append)
+        assert [u.client_id for u in folded] == list(range(K))
+        for got, client in zip(folded, oracle, strict=True):
+            assert_update_equal(got, client.local_round(state, plan))
+
+    def test_control_variates_stay_with_the_clients_across_rounds(self, ready):
+        executor, oracle, _, state, config, _ = ready
+        algorithm = Algorithm.from_config(config)
+        for r in (1, 2, 3):
+            plan = RoundPlan(round=r, stage=1, steps=2, lr=0.1, iteration=2 * (r - 1))
+            reducer, expected = algorithm.reducer(state), algorithm.reducer(state)
+            executor.run_round(state, plan, reducer.fold)
+            for c in oracle:
+                expected.fold(c.local_round(state, plan))
+            state, want = reducer.finish(steps=2), expected.finish(steps=2)
+            np.testing.assert_allclose(state.v, want.v, rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(state.c_v, want.c_v, rtol=1e-5, atol=1e-6)
+            assert np.abs(state.c_v).max() > 0  # control variates are in play
+        for got, c in zip(executor.client_states(), oracle, strict=True):
+            np.testing.assert_allclose(got["c_v"], c.get_state()["c_v"], rtol=1e-5, atol=1e-6)
+
+    def test_a_stage_start_with_reset_zeroes_control_variates_and_without_keeps_them(self, ready):
+        executor, _, _, state, _, _ = ready
+        executor.run_round(state, RoundPlan(1, 1, 2, 0.1, 0), lambda u: None)
+        kept = executor.client_states()
+        assert all(np.abs(s["c_v"]).max() > 0 for s in kept)
+        executor.begin_stage(state.v, False)
+        for a, b in zip(executor.client_states(), kept, strict=True):
+            np.testing.assert_array_equal(a["c_v"], b["c_v"])
+        executor.begin_stage(state.v, True)
+        assert all(not np.any(s["c_v"]) and not np.any(s["c_alpha"]) for s in executor.client_states())
+
+    def test_restored_client_states_replay_the_same_round(self, ready):
+        executor, _, _, state, _, _ = ready
+        plan = RoundPlan(1, 1, 3, 0.1, 0)
+        saved = executor.client_states()
+        first: list[ClientUpdate] = []
+        executor.run_round(state, plan, first.append)
+        executor.restore_client_states(saved)
+        again: list[ClientUpdate] = []
+        executor.run_round(state, plan, again.append)
+        for a, b in zip(again, first, strict=True):
+            assert_update_equal(a, b)
+
+    def test_evaluate_returns_each_clients_scores_on_its_own_test_split(self, ready):
+        executor, oracle, _, state, _, _ = ready
+        state.v = state.v + np.float32(0.05)  # not the initial model
+        got = executor.evaluate(state)
+        assert [s.client_id for s in got] == list(range(K))
+        for s, c in zip(got, oracle, strict=True):
+            want = c.evaluate(state)
+            np.testing.assert_allclose(s.scores, want.scores, rtol=1e-6)
+            np.testing.assert_array_equal(s.labels, want.labels)
+
+    def test_score_moments_are_the_clients_sums_over_their_training_data(self, ready):
+        executor, oracle, _, state, _, _ = ready
+        got = executor.score_moments(state)
+        for m, c in zip(got, oracle, strict=True):
+            want = c.score_moments(state)
+            np.testing.assert_allclose(m.sum_pos, want.sum_pos, rtol=1e-5)
+            np.testing.assert_allclose(m.sum_neg, want.sum_neg, rtol=1e-5)
+            np.testing.assert_array_equal(m.num_pos, want.num_pos)
+
+    def test_global_test_set_scores_equal_the_drivers_or_are_left_to_it(self, ready):
+        executor, _, replica, state, _, source = ready
+        got = executor.score_test_set(state)
+        if not self.scores_test_set_on_clients:
+            assert got is None
+            return
+        want = replica.scores_of(state, source.test_set())
+        np.testing.assert_allclose(got.scores, want.scores, rtol=1e-6, atol=1e-7)
+        np.testing.assert_array_equal(got.labels, want.labels)
+
+
+class TestInlineExecutor(ExecutorContract):
+    executor_name = "inline"
+    scores_test_set_on_clients = False
+
+
+class TestRayExecutor(ExecutorContract):
+    executor_name = "ray"
+    scores_test_set_on_clients = True
+

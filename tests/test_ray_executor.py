@@ -1,0 +1,328 @@
+"""The Ray executor: same math as inline, failures survived or reported, placement, devices, streaming."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import threading
+import time
+import weakref
+
+import numpy as np
+import pytest
+import ray
+import torch
+from conftest import gaussian_clients
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from raytest import SlowClientSource, ray_session
+
+import fdam_ray
+from fdam_ray.cli import main
+from fdam_ray.config import build_config
+from fdam_ray.data import Split, make_source
+from fdam_ray.data.arrays import ArraysSource
+from fdam_ray.executors import ray_actor
+from fdam_ray.executors.errors import ClientError, ClientInputError, ClusterConnectionError
+from fdam_ray.executors.inline import InlineExecutor
+from fdam_ray.executors.ray_executor import RayExecutor
+from fdam_ray.executors.ray_session import check_cluster_access, ensure_ray
+from fdam_ray.federation import run
+from fdam_ray.state import RoundPlan
+
+HALF = dict(cpus_per_client=0.5)  # K clients fit the module's 4 logical CPUs
+ARRAYS = dict(model="mlp", model_width=8, batch_size="full", eval_every=2, seed=2, lr=0.2, local_steps=2, **HALF)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def session():
+    with ray_session():
+        yield
+
+
+def no_leftover_groups() -> bool:
+    return all(g["state"] == "REMOVED" for g in placement_group_table().values())
+
+
+def arrays_run(cfg: dict, clients, test, executor=None, source=None):
+    config = build_config(dict(cfg, dataset="arrays", num_clients=len(clients)))
+    return run(config, source=source or ArraysSource(clients, test), executor=executor, save=False)
+
+
+# -- same math ------------------------------------------------------------------------------
+def test_three_rounds_of_codasca_on_digits_equal_the_inline_run():
+    cfg = dict(dataset="digits", num_clients=3, model="cnn", model_width=8, batch_size=16, local_steps=4,
+               iterations=12, eval_every=4, seed=7, algorithm="codasca", global_lr=1.1, **HALF)
+    inline = run(build_config(dict(cfg, executor="inline")), save=False)
+    on_ray = run(build_config(dict(cfg, executor="ray", eval_on="clients")), save=False)
+    assert on_ray.state.round == 3
+    for name in ("v", "alpha", "buffers", "c_v", "c_alpha"):
+        np.testing.assert_allclose(getattr(on_ray.state, name), getattr(inline.state, name), rtol=0, atol=1e-6,
+                                   err_msg=name)
+    assert np.abs(inline.state.c_v).max() > 1e-3 and np.abs(inline.state.buffers).max() > 0
+    assert [h["test_auc"] for h in on_ray.history] == pytest.approx([h["test_auc"] for h in inline.history],
+                                                                    abs=1e-6)
+    assert no_leftover_groups()
+
+
+def test_updates_are_folded_one_at_a_time_in_client_order():
+    clients, test = gaussian_clients(num_clients=3)
+    source = ArraysSource(clients, test)
+    config = build_config(dict(ARRAYS, dataset="arrays", num_clients=3, algorithm="codasca"))
+    with RayExecutor() as ex:
+        ex.start(config, source)
+        state = fdam_ray.client.Replica(config, source, device=torch.device("cpu")).flat.initial_state()
+        state.c_v, state.c_alpha = np.zeros_like(state.v), np.zeros_like(state.alpha)
+        ex.configure(np.array([0.3]))
+        ex.begin_stage(state.v, True)
+        seen, alive_at_fold = [], []
+
+        def fold(update):
+            gc.collect()
+            alive_at_fold.append(sum(r() is not None for r in seen))
+            seen.append(weakref.ref(update))
+
+        ex.run_round(state, RoundPlan(1, 1, 2, 0.1, 0), fold)
+    assert len(seen) == 3 and alive_at_fold == [0, 0, 0]  # the driver held one update at a time
+
+
+# -- failures ---------------------------------------------------------------------------------
+class KillDuringRound(RayExecutor):
+    """Kills client ``victim``'s actor in round ``at_round``: its process by pid, or with ``ray.kill``."""
+
+    def __init__(self, victim: int, at_round: int, how: str) -> None:
+        super().__init__()
+        self.victim, self.at_round, self.how = victim, at_round, how
+
+    def run_round(self, state, plan, fold):
+        if plan.round == self.at_round:
+            if self.how == "pid":
+                pid = self.client_info()[self.victim]["pid"]
+                threading.Timer(0.02, os.kill, (pid, signal.SIGKILL)).start()
+            else:
+                ray.kill(self.actors[self.victim])
+        super().run_round(state, plan, fold)
+
+
+def test_a_killed_client_process_is_replaced_and_the_run_ends_near_the_undisturbed_one(caplog):
+    cfg = dict(dataset="digits", num_clients=4, model="cnn", model_width=8, batch_size=32, local_steps=25,
+               iterations=200, eval_every=100, seed=3, algorithm="codasca", lr=0.1, **HALF)
+    undisturbed = run(build_config(dict(cfg, executor="inline")), save=False)
+    executor = KillDuringRound(victim=1, at_round=2, how="pid")
+    with caplog.at_level(logging.WARNING, logger="fdam_ray"):
+        disturbed = run(build_config(dict(cfg, executor="ray")), executor=executor, save=False)
+    [event] = executor.events
+    assert (event["client"], event["round"], event["action"]) == (1, 2, "local_round")
+    assert "died" in event["error"] and event["outcome"].startswith("replaced")
+    assert "client 1 failed in round 2 (local_round)" in caplog.text
+    assert disturbed.state.round == 8
+    assert abs(disturbed.summary["final_test_auc"] - undisturbed.summary["final_test_auc"]) <= 0.01
+
+
+class AdoptGlobalC(InlineExecutor):
+    """Inline oracle of a replacement in round ``at_round``: c^k of client ``victim`` set to the global c."""
+
+    def __init__(self, victim: int, at_round: int) -> None:
+        super().__init__()
+        self.victim, self.at_round = victim, at_round
+
+    def run_round(self, state, plan, fold):
+        if plan.round == self.at_round:
+            self.clients[self.victim].set_control_variate(state.c_v, state.c_alpha)
+        super().run_round(state, plan, fold)
+
+
+def test_a_replaced_client_restarts_from_the_global_control_variate():
+    clients, test = gaussian_clients(num_clients=3)
+    cfg = dict(ARRAYS, algorithm="codasca", iterations=10, positive_ratio=0.3)
+    executor = KillDuringRound(victim=2, at_round=3, how="ray.kill")
+    got = arrays_run(dict(cfg, executor="ray"), clients, test, executor=executor)
+    want = arrays_run(dict(cfg, executor="inline"), clients, test, executor=AdoptGlobalC(victim=2, at_round=3))
+    plain = arrays_run(dict(cfg, executor="inline"), clients, test)
+    assert [(e["client"], e["round"]) for e in executor.events] == [(2, 3)]
+    np.testing.assert_allclose(got.state.v, want.state.v, atol=1e-6)
+    np.testing.assert_allclose(got.state.c_v, want.state.c_v, atol=1e-6)
+    assert np.abs(got.state.v - plain.state.v).max() > 1e-4  # the replacement did change the run
+
+
+def poisoned(clients, test, bad: int) -> ArraysSource:
+    """Client ``bad`` holds samples of the wrong width: its first local step raises in the model."""
+    source = ArraysSource(clients, test)
+    x = source.trains[bad].x
+    source.trains[bad] = Split(torch.cat([x, x], 1), source.trains[bad].y)
+    return source
+
+
+def test_an_exception_in_client_code_reaches_the_driver_with_client_round_and_traceback():
+    clients, test = gaussian_clients(num_clients=3)
+    executor = RayExecutor()
+    with pytest.raises(ClientError) as info:
+        arrays_run(dict(ARRAYS, iterations=6, executor="ray", on_client_failure="abort"), clients, test,
+                   executor=executor, source=poisoned(clients, test, bad=1))
+    err = info.value
+    assert (err.client_id, err.round, err.action) == (1, 1, "local_round")
+    assert str(err).startswith("client 1 failed in round 1 (local_round): RuntimeError:")
+    assert "\n" not in str(err)
+    assert "in local_round" in err.traceback and "in step" in err.traceback and "mat1 and mat2" in err.traceback
+    assert any("client 1's traceback" in note for note in err.__notes__)
+    assert [e["outcome"] for e in executor.events] == ["abort"]
+    assert no_leftover_groups()
+
+
+def test_retry_replaces_a_failing_client_up_to_the_limit_then_stops_the_run():
+    clients, test = gaussian_clients(num_clients=2)
+    executor = RayExecutor()
+    with pytest.raises(ClientError, match="client 0 failed in round 1"):
+        arrays_run(dict(ARRAYS, iterations=6, executor="ray", on_client_failure="retry", max_client_retries=1),
+                   clients, test, executor=executor, source=poisoned(clients, test, bad=0))
+    assert [e["outcome"] for e in executor.events] == ["replaced (attempt 1 of 1)", "abort"]
+
+
+def test_drop_goes_on_without_the_failing_client():
+    clients, test = gaussian_clients(num_clients=3)
+    cfg = dict(ARRAYS, algorithm="codasca", iterations=8, positive_ratio=0.3)
+    executor = RayExecutor()
+    got = arrays_run(dict(cfg, executor="ray", on_client_failure="drop", max_client_retries=0), clients, test,
+                     executor=executor, source=poisoned(clients, test, bad=1))
+    without = arrays_run(dict(cfg, executor="inline"), [clients[0], clients[2]], test)
+    assert [(e["client"], e["round"], e["outcome"]) for e in executor.events] == [(1, 1, "dropped")]
+    assert got.state.round == 4
+    np.testing.assert_allclose(got.state.v, without.state.v, atol=1e-6)
+    assert got.summary["final_test_auc"] == pytest.approx(without.summary["final_test_auc"], abs=1e-6)
+
+
+def test_bad_client_input_is_not_retried_and_the_cli_says_it_in_one_line(tmp_path, capsys):
+    rc = main(["train", f"out_dir={tmp_path / 'runs'}", "imratio=0.001", "cpus_per_client=0.5"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "is left with no positives" in err and "(start)" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()
+    clients, test = gaussian_clients(num_clients=2)
+    source = ArraysSource(clients, test)
+    source.trains[1] = Split(source.trains[1].x[:0], source.trains[1].y[:0])
+    executor = RayExecutor()
+    with pytest.raises(ClientInputError, match=r"client 1 failed in round 0 \(start\).*no training samples"):
+        arrays_run(dict(ARRAYS, iterations=2, executor="ray"), clients, test, executor=executor, source=source)
+    assert [e["outcome"] for e in executor.events] == ["abort"]
+
+
+def test_a_client_that_does_not_answer_in_time_fails_instead_of_hanging():
+    clients, test = gaussian_clients(num_clients=2)
+    source = SlowClientSource(ArraysSource(clients, test), slow=1, delay_s=30.0)
+    config = build_config(dict(ARRAYS, batch_size=4, dataset="arrays", num_clients=2, on_client_failure="abort"))
+    with RayExecutor() as ex:
+        ex.start(config, source)
+        ex.timeout = 2.0  # after start-up, which may be slow on a loaded machine
+        state = fdam_ray.client.Replica(config, source, device=torch.device("cpu")).flat.initial_state()
+        state.c_v, state.c_alpha = np.zeros_like(state.v), np.zeros_like(state.alpha)
+        ex.configure(np.array([0.3]))
+        ex.begin_stage(state.v, True)
+        t0 = time.monotonic()
+        with pytest.raises(ClientError, match="client 1 failed in round 1 \\(local_round\\): no answer within "
+                                              "ray_timeout_s=2 s"):
+            ex.run_round(state, RoundPlan(1, 1, 2, 0.1, 0), lambda u: None)
+        assert time.monotonic() - t0 < 15
+
+
+# -- placement, devices, threads ------------------------------------------------------------------
+def federation_in_bundle_zero(config_values: dict, clients, test) -> dict:
+    """A driver running in bundle 0 of a placement group, as a Ray Tune trial does."""
+    seen = {}
+    ex = RayExecutor()
+
+    def look(rec):
+        seen.update(where=ex.client_info(), groups=len(placement_group_table()))
+
+    result = run(build_config(config_values), source=ArraysSource(clients, test), executor=ex, save=False,
+                 on_eval=look)
+    return {"v": result.state.v, "bundles": ex.bundle_of, **seen}
+
+
+def test_inside_a_placement_group_the_clients_take_its_bundles_one_to_k():
+    clients, test = gaussian_clients(num_clients=2)
+    cfg = dict(ARRAYS, algorithm="codasca", iterations=4, dataset="arrays", num_clients=2)
+    group = placement_group([{"CPU": 0.5}] * 3)
+    ray.get(group.ready(), timeout=60)
+    groups_before = len(placement_group_table())
+    try:
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0,
+                                                    placement_group_capture_child_tasks=True)
+        task = ray.remote(federation_in_bundle_zero).options(num_cpus=0.5, scheduling_strategy=strategy)
+        got = ray.get(task.remote(dict(cfg, executor="ray"), clients, test), timeout=300)
+    finally:
+        remove_placement_group(group)
+    assert got["bundles"] == {0: 1, 1: 2}
+    assert {w["placement_group_id"] for w in got["where"].values()} == {group.id.hex()}
+    assert got["groups"] == groups_before  # no group of its own
+    want = arrays_run(dict(cfg, executor="inline"), clients, test)
+    np.testing.assert_allclose(got["v"], want.state.v, atol=1e-6)
+
+
+def test_own_group_has_the_chosen_strategy_and_clients_run_int_cpus_threads():
+    clients, test = gaussian_clients(num_clients=2)
+    config = build_config(dict(ARRAYS, dataset="arrays", num_clients=2, cpus_per_client=2.0,
+                               placement_strategy="SPREAD"))
+    with RayExecutor() as ex:
+        ex.start(config, ArraysSource(clients, test))
+        table = placement_group_table(ex.placement_group)
+        where = ex.client_info()
+    assert table["strategy"] == "SPREAD" and [b["CPU"] for b in table["bundles"].values()] == [2.0, 2.0]
+    assert [w["threads"] for w in where.values()] == [2, 2]
+    assert all(w["device"] == "cpu" and not w["gpu_ids"] for w in where.values())
+    assert no_leftover_groups()
+
+
+def test_client_device_follows_the_gpus_ray_assigned(monkeypatch):
+    fractions = []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: fractions.append((f, d)))
+    monkeypatch.setattr(ray_actor.ray, "get_gpu_ids", lambda: ["3"])
+    assert ray_actor.actor_device("auto", gpu_share=0.25, memory_cap=True) == torch.device("cuda", 0)
+    assert ray_actor.actor_device("cuda", gpu_share=1.0, memory_cap=True) == torch.device("cuda", 0)
+    assert ray_actor.actor_device("auto", gpu_share=0.5, memory_cap=False) == torch.device("cuda", 0)
+    assert ray_actor.actor_device("cpu", gpu_share=0.5, memory_cap=True) == torch.device("cpu")
+    assert fractions == [(0.25, torch.device("cuda", 0))]
+    monkeypatch.setattr(ray_actor.ray, "get_gpu_ids", lambda: [])
+    assert ray_actor.actor_device("auto", gpu_share=0.0, memory_cap=True) == torch.device("cpu")
+    with pytest.raises(ValueError, match="set gpus_per_client > 0"):
+        ray_actor.actor_device("cuda", gpu_share=0.0, memory_cap=True)
+
+
+def test_a_group_the_cluster_cannot_hold_is_a_clear_error_not_a_hang():
+    ex = RayExecutor()
+    ex.config = build_config(dict(ARRAYS, dataset="arrays", num_clients=2, gpus_per_client=1.0))
+    ex.timeout = 1.0
+    with pytest.raises(ValueError, match="GPU: 2 needed, 0 in the cluster"):
+        ex._place(2, local=True)  # a local Ray this process started: nothing will join, fail at once
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="was not placed within ray_timeout_s=1 s"):
+        ex._place(2, local=False)  # a cluster might grow: wait, but not for ever
+    assert time.monotonic() - t0 < 10 and no_leftover_groups()
+
+
+# -- sessions and clusters ----------------------------------------------------------------------
+def test_a_running_ray_is_reused_and_the_cli_trains_on_it(tmp_path, capsys):
+    assert ensure_ray(address="10.255.255.1:6379", cpus_needed=64) is False  # no connection attempted
+    rc = main(["train", f"out_dir={tmp_path}", "run_name=r", "num_clients=2", "iterations=20", "eval_every=10",
+               "local_steps=5", "model=mlp", "cpus_per_client=0.5", "--address", "10.255.255.1:6379"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "executor ray" in out
+    assert "address: 10.255.255.1:6379" in (tmp_path / "r" / "config.yaml").read_text()
+
+
+def test_an_address_without_a_cluster_fails_fast_with_what_to_check():
+    t0 = time.monotonic()
+    with pytest.raises(ClusterConnectionError, match=r"no Ray cluster answers at 127\.0\.0\.1:1"):
+        check_cluster_access("127.0.0.1:1")
+    with pytest.raises(ClusterConnectionError, match="host:port"):
+        check_cluster_access("localhost")
+    assert time.monotonic() - t0 < 10
+
+
+def test_make_source_spec_is_small_and_carries_no_data():
+    import pickle
+
+    spec = make_source(build_config(dict(dataset="digits")))
+    spec.client_shard(0)  # loads the pool into the driver's copy
+    assert len(pickle.dumps(spec)) < 2000
