@@ -443,6 +443,9 @@ def resume(
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ValueError(f"--resume: '{run_dir}' is not a run folder")
+    if not (run_dir / "checkpoint.pt").exists():
+        raise ValueError(f"--resume: '{run_dir}' has no checkpoint.pt (not a run folder, or its run stopped "
+                         "before the first checkpoint)")
     payload = load_checkpoint(run_dir / "checkpoint.pt")
     saved = build_config(payload["config"])
     changes = dict(changes or {})

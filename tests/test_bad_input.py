@@ -1,0 +1,133 @@
+"""The bad-input catalogue (README, "Bad input"): what the user sees, and that nothing already written changes.
+
+Every case runs `fdam train ...` in a folder that already holds an earlier run;
+afterwards that run's files are byte-for-byte the same, the message is one
+line on stderr without a traceback, and the exit code is 2. Cases that fail
+before training starts leave no new run folder behind.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from pathlib import Path
+
+import chestxray_fixtures
+import pytest
+
+from fdam_ray.cli import main
+
+FAST = ["executor=inline", "tensorboard=false"]
+
+
+def chexpert(tmp: Path, edit=None) -> str:
+    root = chestxray_fixtures.write_chexpert(tmp / "cx")
+    if edit:
+        edit(root)
+    return f"chestxray_chexpert_root={root}"
+
+
+def drop_column(root: Path) -> None:
+    path = root / "train.csv"
+    rows = list(csv.reader(path.open()))
+    i = rows[0].index("Frontal/Lateral")
+    with path.open("w", newline="") as fh:
+        csv.writer(fh).writerows([r[:i] + r[i + 1:] for r in rows])
+
+
+def bad_label(root: Path) -> None:
+    path = root / "train.csv"
+    lines = path.read_text().splitlines()
+    lines[2] = lines[2].replace(",1.0,", ",2.0,", 1)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def garbage_image(root: Path) -> None:
+    for img in sorted((root / "train").rglob("*.jpg")):
+        img.write_bytes(b"not a jpeg")
+
+
+CXR = ["dataset=chestxray", "chestxray_sources=chexpert", "num_clients=1", "model=cnn", "image_size=16",
+       "batch_size=4", "iterations=4"]
+
+
+def small_run(tmp: Path) -> Path:
+    assert main(["train", f"out_dir={tmp / 'runs'}", "run_name=old", "dataset=synthetic", "model=mlp",
+                 "iterations=6", "local_steps=3", *FAST, "--quiet"]) == 0
+    return tmp / "runs" / "old"
+
+
+def truncate_checkpoint(run: Path) -> None:
+    ck = run / "checkpoint.pt"
+    ck.write_bytes(ck.read_bytes()[:200])
+
+
+# (id, args builder, message that must appear, fails before training starts)
+CASES = [
+    ("unknown key", lambda t: ["lern_rate=0.1"], "unknown config field 'lern_rate'", True),
+    ("wrong type", lambda t: ["local_steps=many"], "config field 'local_steps': 'many' is not allowed", True),
+    ("lr not positive", lambda t: ["lr=0"], "config field 'lr': 0.0 is not allowed (> 0)", True),
+    ("imratio out of range", lambda t: ["imratio=0.7"], "'imratio': 0.7 is not allowed (in (0, 0.5])", True),
+    ("unknown algorithm", lambda t: ["algorithm=fedprox"], "'algorithm': 'fedprox' is not allowed (one of", True),
+    ("preset conflict", lambda t: ["algorithm=npa", "local_steps=8"], "algorithm 'npa' requires local_steps = 1",
+     True),
+    ("impossible IH partition", lambda t: ["num_clients=6"], "num_clients=6 is more than the 5 positive classes",
+     True),
+    ("client without positives", lambda t: ["imratio=0.001"], "is left with no positives", True),
+    ("model needs images", lambda t: ["dataset=synthetic", "model=resnet20"], "needs image inputs", True),
+    ("config file not a mapping", lambda t: ["--config", str(_write(t / "c.yaml", "- lr\n- 0.1\n"))],
+     "must hold a mapping of field: value", True),
+    ("missing dataset folder", lambda t: ["dataset=cifar10", f"data_root={t / 'nowhere'}"],
+     "lacks data_batch_1", True),
+    ("missing weights file", lambda t: [f"model_weights={t / 'w.pt'}"], "is not a file (weights are read from a",
+     True),
+    ("CSV missing a column", lambda t: [*CXR, chexpert(t, drop_column)],
+     "CheXpert labels file lacks column(s) ['Frontal/Lateral']", True),
+    ("label outside 1, 0, -1, blank", lambda t: [*CXR, chexpert(t, bad_label)],
+     "column 'Cardiomegaly': label '2.0' is not 1, 0, -1 (uncertain) or blank", True),
+    ("unreadable image", lambda t: [*CXR, chexpert(t, garbage_image)], "cannot read image", False),
+    ("run folder exists", lambda t: ["run_name=old"], "already exists and is not empty", True),
+    ("resume with another config", lambda t: ["--resume", str(t / "runs" / "old"), "lr=0.5"],
+     "cannot resume", True),
+    ("resume a folder without checkpoint", lambda t: ["--resume", str(t)], "has no checkpoint.pt", True),
+    ("truncated checkpoint", lambda t: (truncate_checkpoint(t / "runs" / "old"),
+                                        ["--resume", str(t / "runs" / "old")])[1],
+     "cannot be read (damaged, truncated or not an fdam-ray checkpoint)", True),
+]
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def snapshot(root: Path) -> dict:
+    return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("name,args,message,early", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(name, args, message, early, tmp_path, capsys):
+    old = small_run(tmp_path)
+    built = args(tmp_path)
+    before = snapshot(old)  # after the case has set itself up (a truncated checkpoint stays as it is)
+    capsys.readouterr()
+    argv = ["train", *built] if built[:1] == ["--resume"] else ["train", f"out_dir={tmp_path / 'runs'}", *built,
+                                                                  *FAST]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert snapshot(old) == before
+    runs = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    if early:
+        assert runs == ["old"]
+
+
+def test_readme_lists_every_case():
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    table = readme[readme.index("## Bad input"):]
+    rows = [line for line in table.splitlines() if line.startswith("|")]
+    assert len(rows) - 2 >= 15
+    for name, _, message, _ in CASES:
+        assert re.search(re.escape(message.replace("|", "\\|")), table), f"README lacks {name!r}: {message}"
