@@ -43,8 +43,10 @@ def write_space(tmp_path, search, tune_opts, base=None, name="space.yaml"):
 
 
 def test_grid_sweep_picks_the_best_trial_and_its_config_trains(tmp_path, ray_session, capsys):
+    # Client actors inside each trial's placement group: 0.5 + 2 x 0.25 CPU, so two trials share 2 CPUs.
     space = load_space(str(write_space(tmp_path, {"lr": {"grid": [0.2, 0.002]}, "local_steps": {"grid": [2, 10]}},
-                                       {"name": "grid", "driver_cpus": 1})))
+                                       {"name": "grid", "driver_cpus": 0.5},
+                                       base={"executor": "ray", "cpus_per_client": 0.25})))
     out = run_sweep(space)
     rows = read_rows(out)
     assert len(rows) == 4
@@ -56,7 +58,7 @@ def test_grid_sweep_picks_the_best_trial_and_its_config_trains(tmp_path, ray_ses
     assert best["lr"] == 0.2 and best["local_steps"] == int(rows[0]["local_steps"])
     assert (out / "top_trials.png").stat().st_size > 5000
     rc = main(["train", "--config", str(out / "best_config.yaml"), f"out_dir={tmp_path / 'runs'}", "iterations=20",
-               "--quiet"])
+               "executor=inline", "--quiet"])
     assert rc == 0 and "final test AUC" in capsys.readouterr().out
 
 
