@@ -291,6 +291,14 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['overhead_ms'] / r['floor_ms']:.2f} | {met} |")
     lines += [
         "",
+        "Reading the table: a round moves K+1 states through Ray's object store (the state down once, K updates "
+        "up), each a write into freshly mapped shared memory that costs several plain copies; the clients also "
+        "copy the state into their models. With more client processes than cores (K = 4 on 2 cores), the "
+        "clients' own steps and copies compete for the cores, so part of the other clients' compute shows up as "
+        "overhead; at K = 2 there is no oversubscription. Updates are folded in client order (bit-identical "
+        "runs, equal to the inline executor's), so an update that arrives before a lower-numbered one waits "
+        "for its turn.",
+        "",
         f"Driver memory at N = {mem_n:,} floats ({mem_n * 4 / 2**20:.1f} MiB per state), each K in a fresh driver "
         "process, before 4 rounds (after 2 warm-up rounds) and the peak during them (sampled after every fold and "
         "every 1 ms). Private = the driver's own memory (RssAnon); RSS also counts the object-store pages the "

@@ -8,6 +8,8 @@ must fold exactly their updates, once per client, in client order.
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -177,3 +179,37 @@ class TestRayExecutor(ExecutorContract):
     executor_name = "ray"
     scores_test_set_on_clients = True
 
+
+
+def test_an_update_without_copies_is_views_of_the_clients_buffers_and_equal_to_the_copied_one():
+    # The Ray actor returns copy=False updates (Ray serialises them at once): one state copy fewer per round.
+    source, config = make_source(), make_config("inline")
+    a, b = Client(config, source, 0, device=CPU), Client(config, source, 0, device=CPU)
+    replica = Replica(config, source, device=CPU)
+    state = replica.flat.initial_state()
+    state.c_v, state.c_alpha = np.zeros_like(state.v), np.zeros_like(state.alpha)
+    for c in (a, b):
+        c.configure(np.array([0.3]))
+        c.begin_stage(state.v, True)
+    plan = RoundPlan(1, 1, 2, 0.1, 0)
+    views, copies = a.local_round(state, plan, copy=False), b.local_round(state, plan)
+    assert np.shares_memory(views.v, a.flat.v.numpy()) and np.shares_memory(views.c_v, a.solver.c_v.numpy())
+    assert not np.shares_memory(copies.v, b.flat.v.numpy())
+    assert_update_equal(views, copies)
+
+
+def test_the_core_and_the_inline_executor_import_without_ray():
+    code = (
+        "import sys\n"
+        "class NoRay:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'ray' or name.startswith('ray.'):\n"
+        "            raise ImportError('ray is blocked')\n"
+        "sys.meta_path.insert(0, NoRay())\n"
+        "import fdam_ray, fdam_ray.cli, fdam_ray.executors.inline, fdam_ray.executors.errors\n"
+        "from fdam_ray.executors import make_executor\n"
+        "make_executor('inline')\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -133,3 +133,30 @@ def test_ray_job_submit_runs_a_federation_on_the_cluster(cluster):
     assert "succeeded" in r.stdout + r.stderr
     summary = json.loads((out / "job" / "summary.json").read_text())
     assert summary["rounds"] == 4
+
+
+def test_without_an_address_a_local_ray_starts_with_its_dashboard_on_localhost():
+    code = (
+        "import ray\n"
+        "from fdam_ray.executors.ray_session import ensure_ray\n"
+        "assert ensure_ray(address=None, cpus_needed=3) is True\n"
+        "assert ensure_ray(address=None, cpus_needed=3) is False  # the second call reuses it\n"
+        "print(ray.cluster_resources()['CPU'], ray.get_runtime_context().gcs_address)\n"
+        "print(ray._private.worker.global_worker.node.address_info['webui_url'])\n"
+        "ray.shutdown()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    cpus, webui = out.stdout.split("\n")[0].split()[0], out.stdout.split("\n")[1]
+    assert float(cpus) >= 3  # at least what the clients reserve, even on a 2-core machine
+    assert webui.startswith("127.0.0.1:")
+
+
+def test_ray_address_from_the_environment_is_checked_before_connecting():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["RAY_ADDRESS"] = f"127.0.0.1:{_free_port()}"  # nothing listens there
+    t0 = time.monotonic()
+    r = _fdam(["train", *SMALL_RUN, "out_dir=/nonexistent/never"], env, timeout=120)
+    assert r.returncode == 2 and f"no Ray cluster answers at {env['RAY_ADDRESS']}" in r.stderr, r.stderr[-2000:]
+    assert time.monotonic() - t0 < 30

@@ -67,6 +67,17 @@ def test_three_rounds_of_codasca_on_digits_equal_the_inline_run():
     assert no_leftover_groups()
 
 
+def test_with_eval_on_driver_the_driver_scores_the_global_test_set():
+    clients, test = gaussian_clients(num_clients=2)
+    cfg = dict(ARRAYS, algorithm="coda_plus", iterations=4, executor="ray")
+    executor = RayExecutor()
+    on_driver = arrays_run(dict(cfg, eval_on="driver"), clients, test, executor=executor)
+    assert executor._test_size == 0  # the clients did not load the test set
+    on_clients = arrays_run(dict(cfg, eval_on="clients"), clients, test)
+    assert [h["test_auc"] for h in on_driver.history] == pytest.approx([h["test_auc"] for h in on_clients.history],
+                                                                        abs=1e-9)
+
+
 def test_updates_are_folded_one_at_a_time_in_client_order():
     clients, test = gaussian_clients(num_clients=3)
     source = ArraysSource(clients, test)
