@@ -8,6 +8,7 @@ must fold exactly their updates, once per client, in client order.
 from __future__ import annotations
 
 import contextlib
+import re
 import subprocess
 import sys
 
@@ -213,3 +214,22 @@ def test_the_core_and_the_inline_executor_import_without_ray():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("executor", "dask", "one of ray, inline"),
+    ("cpus_per_client", 0, "'cpus_per_client': 0.0 is not allowed (> 0)"),
+    ("gpus_per_client", 1.5, "0, a fraction in (0, 1], or a whole number"),
+    ("gpus_per_client", -0.5, "'gpus_per_client': -0.5"),
+    ("placement_strategy", "pack", "one of PACK, SPREAD, STRICT_PACK, STRICT_SPREAD"),
+    ("eval_on", "gpu", "one of clients, driver"),
+    ("on_client_failure", "ignore", "one of retry, drop, abort"),
+    ("max_client_retries", -1, "'max_client_retries': -1 is not allowed (>= 0)"),
+    ("ray_timeout_s", 0, "'ray_timeout_s': 0.0 is not allowed (> 0)"),
+])
+def test_bad_executor_fields_are_refused_with_what_is_allowed(field, value, message):
+    from fdam_ray.config import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        build_config({field: value})
+    assert build_config(gpus_per_client=2).gpus_per_client == 2.0 and build_config().executor == "ray"
