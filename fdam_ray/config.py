@@ -179,6 +179,9 @@ FIELDS: tuple[Field, ...] = (
        "strategies).", choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")),
     _f("gpu_memory_cap", "bool", True, "With a fractional gpus_per_client, cap each client's CUDA memory to "
        "that fraction of the GPU."),
+    _f("fold_order", "str", "arrival", "ray executor: fold client updates as they arrive (arrival) or in client "
+       "order (client: bit-for-bit repeatable runs, equal to the inline executor's; waits for late clients).",
+       choices=("arrival", "client")),
     _f("eval_on", "str", "clients", "Where the global model is scored: clients (each actor scores a slice of "
        "the test set, in parallel) or driver.", choices=("clients", "driver")),
     _f("on_client_failure", "str", "retry", "A client actor that dies or raises: retry (replace it and re-run "
@@ -202,8 +205,8 @@ FIELDS: tuple[Field, ...] = (
 # Fields that may differ when a run is resumed (they change how it runs, not what it computes).
 RESUME_MAY_CHANGE = {"iterations", "eval_every", "checkpoint_every", "tensorboard", "executor", "device",
                      "threads_per_client", "out_dir", "address", "cpus_per_client", "gpus_per_client",
-                     "placement_strategy", "gpu_memory_cap", "eval_on", "on_client_failure", "max_client_retries",
-                     "ray_timeout_s"}
+                     "placement_strategy", "gpu_memory_cap", "eval_on", "fold_order", "on_client_failure",
+                     "max_client_retries", "ray_timeout_s", "data_workers"}
 
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
 

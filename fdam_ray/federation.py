@@ -199,7 +199,7 @@ class Federation:
 
     # -- one round --------------------------------------------------------------------
     def _round(self, loop: LoopState, plan: RoundPlan, ends_stage: bool) -> None:
-        cfg, K = self.config, self.num_clients
+        cfg = self.config
         t0 = time.perf_counter()
         reducer = self.algorithm.reducer(loop.state)
 
@@ -211,7 +211,7 @@ class Federation:
             reducer.fold(update)
 
         self.executor.run_round(loop.state, plan, fold)
-        loop.bytes_down += K * loop.state.nbytes
+        loop.bytes_down += self.executor.active_clients * loop.state.nbytes
         loop.bytes_up += reducer.bytes_up
         state = reducer.finish(steps=plan.steps)
         if not (_finite(state.v) and _finite(state.alpha)):
@@ -234,7 +234,7 @@ class Federation:
                 state.c_v = np.zeros_like(state.c_v)
                 state.c_alpha = np.zeros_like(state.c_alpha)
             self.executor.begin_stage(loop.reference, cfg.reset_control_variates)
-            loop.bytes_down += K * loop.reference.nbytes
+            loop.bytes_down += self.executor.active_clients * loop.reference.nbytes
         loop.state = state
 
     def _record(self, loop: LoopState, evaluator: Evaluator, plan_round: int, stage: int, lr: float,

@@ -53,6 +53,11 @@ class Executor(abc.ABC):
     def restore_client_states(self, states: list[dict]) -> None:
         """Give every client back the state :meth:`client_states` returned (``Client.set_state``)."""
 
+    @property
+    @abc.abstractmethod
+    def active_clients(self) -> int:
+        """How many clients take part in rounds now (fewer than K after a client was dropped)."""
+
     def score_test_set(self, state: GlobalState) -> Scores | None:
         """Scores of ``state`` on the global test set computed by the clients, or None: the driver scores it."""
         return None

@@ -55,5 +55,9 @@ class InlineExecutor(Executor):
         for c, s in zip(self.clients, states, strict=True):
             c.set_state(s)
 
+    @property
+    def active_clients(self) -> int:
+        return len(self.clients)
+
     def shutdown(self) -> None:
         self.clients = []

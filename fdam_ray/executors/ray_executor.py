@@ -3,11 +3,13 @@
 One round (ARCHITECTURE.md, "One round, as data"): the driver puts the global
 state in the object store once (flat numpy buffers, read without a copy by
 actors on the same node), calls ``local_round`` on every actor, and passes
-each update to the reducer's ``fold`` as soon as it and the updates of all
-lower-numbered clients have arrived. So the sum is taken in client order (a
-run is bit-for-bit repeatable and equal to the inline executor's), and an
-update that arrives early waits in the object store, not in driver memory:
-the driver maps one update at a time whatever K is.
+each update to the reducer's ``fold`` as soon as it arrives (``ray.wait``), so
+the driver maps one update at a time whatever K is. Float sums depend on
+their order, so such a run matches the inline executor to float32 rounding
+(about 1e-7 relative), not bit for bit. ``fold_order: client`` folds in client
+order instead (an update that arrives early waits in the object store, not in
+driver memory): runs are then bit-for-bit repeatable and equal to the inline
+executor's, at the price of waiting for a late low-numbered client.
 
 Placement: all actors live in one placement group of K bundles (``PACK`` by
 default). When this code itself runs inside a placement group (a Ray Tune
@@ -153,34 +155,36 @@ class RayExecutor(Executor):
 
     # -- calls on every client, with failures handled ---------------------------------------
     def _each(self, action: str, submit: Callable[[int, Any], Any],
-              clients: list[int] | None = None) -> Iterator[tuple[int, Any]]:
-        """Call every live client (or ``clients``); yield ``(k, result)`` in client order, each in its turn.
+              clients: list[int] | None = None, *, ordered: bool = True) -> Iterator[tuple[int, Any]]:
+        """Call every live client (or ``clients``); yield ``(k, result)`` in client order, or with
+        ``ordered=False`` as results arrive.
 
-        Results that arrive early are fetched (an error shows at once) but are
-        views into the object store, touched only when consumed.
+        In client order, results that arrive early are fetched (an error shows at
+        once) but are views into the object store, touched only when consumed.
         """
-        order = list(self.live if clients is None else clients)
-        attempts = dict.fromkeys(order, 0)
+        remaining = list(self.live if clients is None else clients)
+        attempts = dict.fromkeys(remaining, 0)
         pending: dict[Any, tuple[int, float]] = {}
         results: dict[int, Any] = {}
 
         def launch(k: int) -> None:
             pending[submit(k, self.actors[k])] = (k, time.monotonic() + self.timeout)
 
-        for k in order:
+        for k in remaining:
             launch(k)
-        i = 0
-        while i < len(order):
-            k = order[i]
-            if k in results:
-                i += 1
-                yield k, results.pop(k)
+        while True:
+            ready = remaining[:1] if ordered else list(remaining)
+            settled = [k for k in ready if k in results or k not in self.live]
+            if settled:
+                for k in settled:
+                    remaining.remove(k)
+                    if k in results:
+                        yield k, results.pop(k)
                 continue
-            if k not in self.live:
-                i += 1
-                continue
+            if not remaining:
+                return
             if not pending:
-                raise RuntimeError(f"client {k} has neither a result nor a call in flight")
+                raise RuntimeError(f"client {remaining[0]} has neither a result nor a call in flight")
             now = time.monotonic()
             wait_s = max(0.0, min(d for _, d in pending.values()) - now)
             done, _ = ray.wait(list(pending), num_returns=1, timeout=wait_s)
@@ -293,7 +297,7 @@ class RayExecutor(Executor):
         def call(k: int, actor) -> Any:
             return actor.local_round.remote(ref, plan, k in self._adopt_global_c)
 
-        for k, update in self._each("local_round", call):
+        for k, update in self._each("local_round", call, ordered=self.config.fold_order == "client"):
             fold(update)
             del update
             self._adopt_global_c.discard(k)
@@ -337,6 +341,10 @@ class RayExecutor(Executor):
                 self._drop(k)
         for _ in self._each("restore_client_states", lambda k, a: a.set_state.remote(states[k])):
             pass
+
+    @property
+    def active_clients(self) -> int:
+        return len(self.live)
 
     def client_info(self) -> dict[int, dict]:
         """Process id, node, placement group and device of every live client's actor."""
