@@ -341,3 +341,96 @@ def test_make_source_spec_is_small_and_carries_no_data():
     spec = make_source(build_config(dict(dataset="digits")))
     spec.client_shard(0)  # loads the pool into the driver's copy
     assert len(pickle.dumps(spec)) < 2000
+
+
+# -- checkpoints and what crosses to the driver ---------------------------------------------
+class StopInRound(RayExecutor):
+    def __init__(self, at_round: int) -> None:
+        super().__init__()
+        self.at_round = at_round
+
+    def run_round(self, state, plan, fold):
+        if plan.round == self.at_round:
+            raise KeyboardInterrupt
+        super().run_round(state, plan, fold)
+
+
+def test_a_ray_run_stopped_and_resumed_ends_within_1e6_of_an_uninterrupted_run(tmp_path):
+    clients, test = gaussian_clients(num_clients=3, n=50)
+    cfg = dict(ARRAYS, algorithm="codasca", batch_size=8, local_steps=3, iterations=30, stage_length=12,
+               checkpoint_every=3, executor="ray", out_dir=str(tmp_path), run_name="r", tensorboard=False)
+    config = build_config(dict(cfg, dataset="arrays", num_clients=3))
+    with pytest.raises(KeyboardInterrupt):
+        run(config, source=ArraysSource(clients, test), executor=StopInRound(8), save=True)
+    resumed = fdam_ray.federation.resume(tmp_path / "r", source=ArraysSource(clients, test))
+    whole = arrays_run(dict(cfg, executor="inline"), clients, test)
+    for name in ("v", "alpha", "buffers", "c_v", "c_alpha"):
+        np.testing.assert_allclose(getattr(resumed.state, name), getattr(whole.state, name), rtol=0, atol=1e-6,
+                                   err_msg=name)
+    assert [h["iteration"] for h in resumed.history] == [h["iteration"] for h in whole.history]
+    assert "resumed at round 6" in (tmp_path / "r" / "train.log").read_text()
+
+
+class Recording(RayExecutor):
+    """Keeps every object an actor returned to the driver."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.returned: list = []
+
+    def _each(self, action, submit, clients=None, *, ordered=True):
+        for k, result in super()._each(action, submit, clients, ordered=ordered):
+            self.returned.append((action, result))
+            yield k, result
+
+
+def _arrays_in(obj):
+    if isinstance(obj, np.ndarray):
+        yield obj
+    elif isinstance(obj, torch.Tensor):
+        yield obj.numpy()
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _arrays_in(v)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _arrays_in(v)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for f in obj.__dataclass_fields__:
+            yield from _arrays_in(getattr(obj, f))
+
+
+def test_no_training_sample_crosses_from_an_actor_to_the_driver():
+    clients, test = gaussian_clients(num_clients=3, n=60)
+    client_tests, _ = gaussian_clients(num_clients=3, n=20, seed=5)
+    source = ArraysSource(clients, test, client_tests)
+    ex = Recording()
+    config = build_config(dict(ARRAYS, dataset="arrays", num_clients=3, algorithm="coda", batch_size=8,
+                               iterations=8, stage_length=4, executor="ray", eval_on="clients",
+                               checkpoint_every=2))
+    result = run(config, source=source, executor=ex, save=False)
+    state_size = result.state.v.size
+    train_rows = [x.tobytes() for x, _ in clients]
+    actions = {a for a, _ in ex.returned}
+    assert {"start", "local_round", "evaluate", "score_moments"} <= actions
+    for action, obj in ex.returned:
+        for arr in _arrays_in(obj):
+            if arr.dtype.kind != "f":
+                continue
+            assert arr.size <= max(state_size, len(test[1]), 20), (action, arr.shape)
+            if arr.size >= 5:
+                assert not any(arr.tobytes() in rows for rows in train_rows), action
+
+
+def test_a_local_ray_started_for_a_run_binds_its_dashboard_to_localhost(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import ray; from fdam_ray.executors.ray_session import ensure_ray; ensure_ray(address=None, "
+            "cpus_needed=1); print(ray._private.worker._global_node.address_info['webui_url']); ray.shutdown()")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    url = out.stdout.strip().splitlines()[-1]
+    assert url.startswith("127.0.0.1:"), url
