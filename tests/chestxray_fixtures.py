@@ -77,9 +77,10 @@ def _chexpert_row(part: str, prefix: str, patient: int, study: int, view: str, f
             ("AP" if patient % 3 else "PA") if frontal else "", *findings]
 
 
-def write_chexpert(base: Path, *, prefix: str = "CheXpert-v1.0-small/", rows=CHEXPERT_ROWS) -> Path:
+def write_chexpert(base: Path, *, prefix: str = "CheXpert-v1.0-small/", rows=CHEXPERT_ROWS,
+                   valid_rows=CHEXPERT_VALID_ROWS) -> Path:
     root = base / "CheXpert-v1.0-small"
-    for part, table in (("train", rows), ("valid", CHEXPERT_VALID_ROWS)):
+    for part, table in (("train", rows), ("valid", valid_rows)):
         out = []
         for i, (patient, study, view, frontal, values) in enumerate(table):
             out.append(_chexpert_row(part, prefix, patient, study, view, frontal, values))
@@ -180,10 +181,10 @@ MIMIC_STUDIES = {
 }
 
 
-def write_mimic(base: Path) -> Path:
+def write_mimic(base: Path, *, studies=MIMIC_STUDIES) -> Path:
     root = base / "mimic"
     labels, meta, split = [], [], []
-    for i, (study, (subject, part, values)) in enumerate(MIMIC_STUDIES.items()):
+    for i, (study, (subject, part, values)) in enumerate(studies.items()):
         if values is not None:
             by_name = dict(zip(TASKS, values, strict=True))
             labels.append([subject, study, *[by_name.get(f, "") for f in MIMIC_FINDINGS]])
@@ -217,14 +218,14 @@ def vindr_reads(i: int) -> list[tuple[str, tuple[int, ...]]]:
     return [(f"R{1 + i % 8}", first), (f"R{9 + i % 6}", second), ("R15", (0, 0, 0, 0, 0))]
 
 
-def write_vindr(base: Path, *, edema_column: bool = True) -> Path:
+def write_vindr(base: Path, *, edema_column: bool = True, images=VINDR_IMAGES, reads=vindr_reads) -> Path:
     """PhysioNet's image_labels_train.csv; without the Edema column it is the variant that lacks that task."""
     root = base / "vindr"
     header = ["image_id", "rad_id", *[f for f in VINDR_FINDINGS if edema_column or f != "Edema"]]
     out = []
-    for i, image in enumerate(VINDR_IMAGES):
+    for i, image in enumerate(images):
         write_image(root / "train" / f"{image}.png", seed=500 + i)
-        for rad, marks in vindr_reads(i):
+        for rad, marks in reads(i):
             by_name = dict(zip(VINDR_TASK_COLUMNS, marks, strict=True))
             row = {f: str(by_name.get(f, 0)) for f in VINDR_FINDINGS}
             row["No finding"] = str(int(not any(marks)))

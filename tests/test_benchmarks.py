@@ -1,0 +1,221 @@
+"""The benchmark scripts: derived figures on hand-made inputs, and each script's core on a tiny grid."""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import _common as C  # noqa: E402
+import _objective as O  # noqa: E402
+
+RESULT = re.compile(r"^RESULT( [A-Za-z_][A-Za-z0-9_]*=(-?[0-9.e+-]+|nan|inf))+$")
+
+
+def parse_result(line: str) -> dict[str, float]:
+    assert RESULT.match(line), line
+    return {k: float(v) for k, v in (item.split("=") for item in line.split()[1:])}
+
+
+# -- derived figures on hand-made inputs -------------------------------------------------------------
+def test_imax_is_the_largest_window_within_tolerance_of_i1():
+    means = {1: 0.900, 4: 0.899, 16: 0.8951, 64: 0.880, 256: 0.870}
+    assert C.imax(means, 0.005) == 16
+    assert C.imax(means, 0.0005) == 1
+    assert C.imax(means, 0.05) == 256
+
+
+def test_imax_counts_only_drops_and_fails_nan():
+    assert C.imax({1: 0.90, 4: 0.95, 16: 0.80}, 0.005) == 4  # better than I = 1 passes
+    assert C.imax({1: 0.90, 4: 0.899, 16: math.nan}, 0.005) == 4  # all seeds diverged fails
+    assert C.imax({1: 0.90, 4: 0.80, 16: 0.898}, 0.005) == 16  # the largest passing I, as defined
+    with pytest.raises(ValueError, match="I = 1"):
+        C.imax({4: 0.9, 16: 0.9}, 0.005)
+
+
+def test_loglog_slope_recovers_power_laws():
+    ks = [2, 4, 8, 16]
+    assert C.loglog_slope(ks, [3 * k for k in ks]) == pytest.approx(1.0)
+    assert C.loglog_slope(ks, [7.0] * 4) == pytest.approx(0.0, abs=1e-12)
+    assert C.loglog_slope(ks, [k**0.5 for k in ks]) == pytest.approx(0.5)
+    assert C.loglog_slope(ks, [2.0, math.nan, 8.0, 16.0]) == pytest.approx(1.0)  # NaN points left out
+    assert math.isnan(C.loglog_slope(ks, [1.0, math.nan, math.nan, None]))
+
+
+def test_rounds_to_target_on_auc_and_on_objective():
+    curve = [(0, 0, 0.5, None, 0.0), (10, 1, 0.8, 1.0, -0.02), (20, 2, 0.91, 1.0, -0.05), (30, 3, 0.95, 1.0, -0.06)]
+    assert C.rounds_to_target(curve, 0.9) == 2
+    assert C.rounds_to_target(curve, 0.99) is None
+    assert C.rounds_to_target(curve, -0.05, objective=True) == 2
+    assert C.rounds_to_target(curve, -0.1, objective=True) is None
+
+
+def test_stats_and_group_pool_seeds():
+    results = [{"spec": {"algorithm": a, "seed": s}, "final_auc": v}
+               for a, s, v in [("x", 0, 0.8), ("x", 1, 0.9), ("y", 0, math.nan), ("y", 1, 0.7)]]
+    g = C.group(results, ["algorithm"])
+    assert g[("x",)].mean == pytest.approx(0.85)
+    assert g[("x",)].std == pytest.approx(np.std([0.8, 0.9], ddof=1))
+    assert g[("y",)].n == 1 and g[("y",)].failed == 1
+    assert "1 diverged" in g[("y",)].fmt()
+
+
+def test_result_line_format():
+    line = C.result_line(imax_codasca=256, imax_coda_plus=16, ratio=16.0, slope=math.nan, gain=-0.012345)
+    assert line == "RESULT imax_codasca=256 imax_coda_plus=16 ratio=16 slope=nan gain=-0.01235"
+    parse_result(line)
+    with pytest.raises(ValueError):
+        C.result_line(**{"bad name": 1})
+
+
+def test_write_results_keeps_the_hand_written_notes(tmp_path):
+    path = tmp_path / "r.md"
+    C.write_results(path, "T", "python x", "| a |\n|---|\n| 1 |")
+    path.write_text(path.read_text() + f"\n{C.NOTES_MARKER}\nmy reading\n")
+    C.write_results(path, "T", "python x --again", "| a |\n|---|\n| 2 |")
+    text = path.read_text()
+    assert "| 2 |" in text and "| 1 |" not in text and "`python x --again`" in text
+    assert text.endswith(f"{C.NOTES_MARKER}\nmy reading\n")
+
+
+# -- the primal objective ----------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["auc_square", "auc_margin"])
+def test_primal_objective_is_the_saddle_value_of_the_library_objective(name):
+    from fdam_ray.objectives import Objective
+
+    rng = np.random.default_rng(0)
+    y = (rng.random(200) < 0.3).astype(np.float32)
+    h = np.clip(0.5 + 0.2 * (2 * y - 1) + 0.15 * rng.standard_normal(200), 0.01, 0.99)
+    p = y.mean()
+    obj = Objective(name, num_tasks=1, margin=0.7)
+    obj.set_positive_ratio(p)
+    logits = torch.tensor(np.log(h / (1 - h)), dtype=torch.float64).reshape(-1, 1)
+    labels = torch.tensor(y).reshape(-1, 1)
+    a, b = h[y == 1].mean(), h[y == 0].mean()
+    alpha = b - a if name == "auc_square" else max(0.0, 0.7 + b - a)
+
+    def f(a_, b_, al_):
+        t = lambda v: torch.tensor([v], dtype=torch.float64)
+        return float(obj(logits, labels, t(a_), t(b_), t(al_)))
+
+    phi = O.primal_objective(h, y, name, margin=0.7)
+    assert phi == pytest.approx(f(a, b, alpha), rel=1e-6, abs=1e-9)
+    for d in (0.05, -0.05):  # a minimum in a, b and a maximum in alpha
+        assert f(a + d, b, alpha) > phi and f(a, b + d, alpha) > phi
+        if name == "auc_square" or alpha + d >= 0:
+            assert f(a, b, alpha + d) < phi
+
+
+def test_probe_objective_at_the_start_matches_the_central_reference():
+    from fdam_ray.config import build_config
+    from fdam_ray.data import make_source
+
+    spec = {"dataset": "synthetic", "num_clients": 3, "samples_per_client": 60, "num_features": 5,
+            "model": "linear", "objective": "auc_square", "algorithm": "codasca", "iterations": 8,
+            "local_steps": 4, "lr": 0.5, "batch_size": 16, "eval_every": 4, "seed": 3}
+    r = C.run_one({**spec, "_objective": True})
+    phis = [c[4] for c in r["curve"]]
+    assert len(phis) == 3 and all(math.isfinite(x) for x in phis)
+    cfg = build_config({**C.RUN_DEFAULTS, **spec})
+    start, best = O.reference_objective(cfg, make_source(cfg))
+    assert phis[0] == pytest.approx(start, abs=1e-6)
+    assert best < min(phis)  # the central full-batch fit beats 8 federated steps
+    stopped = C.run_one({**spec, "_stop_objective_at": phis[1]})
+    assert stopped["reached"] and stopped["rounds"] == 1
+
+
+# -- each script on a tiny grid -----------------------------------------------------------------------
+def test_comm_window_script(tmp_path):
+    import comm_window
+
+    out = tmp_path / "cw.md"
+    line = comm_window.main(["--dataset", "digits", "--clients", "2", "--iterations", "8", "--grid", "1", "2", "4",
+                             "--seeds", "0", "1", "--lrs", "0.1", "0.5", "--prox-weights", "0",
+                             "--out", str(out)])
+    values = parse_result(line)
+    assert set(values) == {"imax_codasca", "imax_coda_plus", "ratio"}
+    assert values["imax_codasca"] in (1, 2, 4) and values["imax_coda_plus"] in (1, 2, 4)
+    assert values["ratio"] == pytest.approx(values["imax_codasca"] / values["imax_coda_plus"])
+    text = out.read_text()
+    assert "Command: `python benchmarks/comm_window.py --dataset digits" in text
+    assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_comm_window_rejects_a_grid_without_one(tmp_path):
+    import comm_window
+
+    with pytest.raises(SystemExit):
+        comm_window.parse_args(["--grid", "4", "16", "--out", str(tmp_path / "x.md")])
+
+
+def test_rounds_vs_clients_script(tmp_path):
+    import rounds_vs_clients
+
+    out = tmp_path / "rv.md"
+    line = rounds_vs_clients.main(["--clients", "2", "4", "--local-steps", "4", "--lrs", "1.0", "--iterations", "32",
+                                   "--samples", "60", "--features", "5", "--seeds", "0", "--target-fraction", "0.5",
+                                   "--sqrt-k", "--out", str(out)])
+    values = parse_result(line)
+    assert set(values) == {"slope_coda_plus", "slope_codasca", "slope_codasca_sqrtk"}
+    assert "| 2 |" in out.read_text() and out.with_suffix(".png").exists()
+
+
+def test_vs_fedavg_script(tmp_path):
+    import vs_fedavg
+
+    out = tmp_path / "vf.md"
+    line = vs_fedavg.main(["--dataset", "digits", "--clients", "2", "--iterations", "8", "--local-steps", "4",
+                           "--seeds", "0", "--lrs", "0.3", "--prox-weights", "0", "--out", str(out)])
+    values = parse_result(line)
+    assert {"codasca", "fedavg", "scaffold", "coda_plus", "gain_vs_fedavg", "gain_vs_scaffold"} == set(values)
+    assert values["gain_vs_fedavg"] == pytest.approx(values["codasca"] - values["fedavg"], abs=1e-3)
+    assert "| FedAvg | bce |" in out.read_text()
+
+
+def test_multi_source_miniature_is_readable_and_carries_the_labels(tmp_path):
+    import multi_source
+    from PIL import Image
+
+    from fdam_ray.data.chestxray_readers import READERS
+
+    roots = multi_source.generate(tmp_path, 40, seed=0)
+    assert list(roots) == list(multi_source.SOURCES)
+    pattern = multi_source._pattern(4) > 0.5  # Pleural Effusion's blobs
+    for name, root in roots.items():
+        table = READERS[name](root, official_test=True)
+        assert len(table) >= 40
+        pixels = np.array([np.asarray(Image.open(p), dtype=np.float64)[pattern].mean() for p in table.paths])
+        pos, neg = table.codes[:, 4] == 1, table.codes[:, 4] == 0
+        if pos.sum() >= 2:  # the task's pattern is brighter where its label is positive
+            assert pixels[pos].mean() > pixels[neg].mean(), name
+    chexpert = READERS["chexpert"](roots["chexpert"], official_test=True)
+    assert chexpert.official_test.sum() == 20  # the generated valid.csv: the target validation set
+
+
+def test_multi_source_script(tmp_path):
+    import multi_source
+
+    out = tmp_path / "ms.md"
+    line = multi_source.main(["--quick", "--images", "40", "--sources", "2", "--iterations", "4",
+                              "--pretrain-iterations", "2", "--local-steps", "2", "--stage-length", "4",
+                              "--batch-size", "8", "--seeds", "0", "--shifts", "1", "--out", str(out)])
+    values = parse_result(line)
+    assert set(values) == {"auc_k1", "auc_k2", "gain"}
+    assert 0 <= values["auc_k1"] <= 1 and values["gain"] == pytest.approx(values["auc_k2"] - values["auc_k1"],
+                                                                           abs=1e-3)
+    assert "| 2 | chexpert, nih |" in out.read_text()
+
+
+def test_multi_source_needs_every_real_root_it_uses(tmp_path):
+    import multi_source
+
+    with pytest.raises(SystemExit):
+        multi_source.parse_args(["--chexpert-root", str(tmp_path), "--sources", "2"])
