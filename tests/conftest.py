@@ -26,6 +26,23 @@ def gaussian_clients(num_clients=3, n=40, d=5, seed=0, shift=1.0, pos_frac=0.25)
     return out, (Xt, yt.astype(np.float32))
 
 
+def arrays_in(obj):
+    """Every numpy array inside a nested result (dataclasses, dicts, lists, tensors): what crossed to the driver."""
+    if isinstance(obj, np.ndarray):
+        yield obj
+    elif isinstance(obj, torch.Tensor):
+        yield obj.numpy()
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from arrays_in(v)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from arrays_in(v)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for f in obj.__dataclass_fields__:
+            yield from arrays_in(getattr(obj, f))
+
+
 @pytest.fixture
 def clients_and_test():
     return gaussian_clients()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import ray
 import torch
-from conftest import gaussian_clients
+from conftest import arrays_in, gaussian_clients
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raytest import SlowClientSource, ray_session
@@ -384,22 +384,6 @@ class Recording(RayExecutor):
             yield k, result
 
 
-def _arrays_in(obj):
-    if isinstance(obj, np.ndarray):
-        yield obj
-    elif isinstance(obj, torch.Tensor):
-        yield obj.numpy()
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _arrays_in(v)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _arrays_in(v)
-    elif hasattr(obj, "__dataclass_fields__"):
-        for f in obj.__dataclass_fields__:
-            yield from _arrays_in(getattr(obj, f))
-
-
 def test_no_training_sample_crosses_from_an_actor_to_the_driver():
     clients, test = gaussian_clients(num_clients=3, n=60)
     client_tests, _ = gaussian_clients(num_clients=3, n=20, seed=5)
@@ -414,7 +398,7 @@ def test_no_training_sample_crosses_from_an_actor_to_the_driver():
     actions = {a for a, _ in ex.returned}
     assert {"start", "local_round", "evaluate", "score_moments"} <= actions
     for action, obj in ex.returned:
-        for arr in _arrays_in(obj):
+        for arr in arrays_in(obj):
             if arr.dtype.kind != "f":
                 continue
             assert arr.size <= max(state_size, len(test[1]), 20), (action, arr.shape)

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import arrays_in
 
 import fdam_ray
 from fdam_ray.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -215,24 +216,12 @@ def test_no_training_sample_crosses_to_the_driver(tmp_path, monkeypatch):
         monkeypatch.setattr(Client, name, spy)
     run(cfg(tmp_path, algorithm="coda", iterations=24))
 
-    def arrays(obj):
-        if isinstance(obj, np.ndarray):
-            yield obj
-        elif isinstance(obj, torch.Tensor):
-            yield obj.numpy()
-        elif isinstance(obj, dict):
-            for v in obj.values():
-                yield from arrays(v)
-        elif hasattr(obj, "__dataclass_fields__"):
-            for f in obj.__dataclass_fields__:
-                yield from arrays(getattr(obj, f))
-
     assert len(returned) > 20
     for client, out in returned:
         train_bytes = client.train.x.numpy().tobytes()
         # model-state buffers, or scores/labels of the client's own test split; never a feature array
         limit = max(client.flat.state_size, len(client.test) * client.test.y.shape[1])
-        for arr in arrays(out):
+        for arr in arrays_in(out):
             if arr.dtype.kind == "f":
                 assert arr.size <= limit
                 if arr.size >= 20:
