@@ -18,8 +18,6 @@ from fdam_ray.flat import FlatModel
 from fdam_ray.models import build_model
 from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, Moments, RoundPlan, Scores, StepStats
 
-EVAL_BATCH = 1024
-
 
 def resolve_device(name: str) -> torch.device:
     """``auto`` -> the first visible GPU if any, else CPU."""
@@ -48,8 +46,8 @@ class Replica:
         model = self.flat.model
         model.eval()
         try:
-            t = self.objective.num_tasks
-            out = [torch.sigmoid(model(x).reshape(-1, t)) for x, _ in iter_batches(split, EVAL_BATCH, self.device)]
+            t, batches = self.objective.num_tasks, iter_batches(split, self.config.eval_batch_size, self.device)
+            out = [torch.sigmoid(model(x).reshape(-1, t)) for x, _ in batches]
         finally:
             model.train()
         return torch.cat(out).cpu().numpy()

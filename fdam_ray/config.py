@@ -160,6 +160,8 @@ FIELDS: tuple[Field, ...] = (
     _f("pretrain_federated", "bool", True, "Pre-train on all clients (fedavg); false = on client 0's data "
        "alone (e.g. the first source)."),
     # -- run ----------------------------------------------------------------------
+    _f("eval_batch_size", "int", 256, "Samples scored at once when evaluating (lower it for large images).",
+       check=_ge1[0], allowed=_ge1[1]),
     _f("eval_every", "int", 100, "Evaluate the global model every this many iterations (at round ends).",
        check=_ge1[0], allowed=_ge1[1]),
     _f("seed", "int", 0, "Seed of model init, partitions and sampling.", check=_nonneg[0], allowed=_nonneg[1]),
@@ -206,7 +208,7 @@ FIELDS: tuple[Field, ...] = (
 RESUME_MAY_CHANGE = {"iterations", "eval_every", "checkpoint_every", "tensorboard", "executor", "device",
                      "threads_per_client", "out_dir", "address", "cpus_per_client", "gpus_per_client",
                      "placement_strategy", "gpu_memory_cap", "eval_on", "fold_order", "on_client_failure",
-                     "max_client_retries", "ray_timeout_s", "data_workers"}
+                     "max_client_retries", "ray_timeout_s", "data_workers", "eval_batch_size"}
 
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
 
