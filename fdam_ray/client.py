@@ -108,12 +108,20 @@ class Client(Replica):
             samples += x.shape[0]
         loss = float(loss_sum) / plan.steps  # waits for the steps on a GPU
         compute_s = time.perf_counter() - start  # the steps alone: loading and exporting the state are transfer
-        self.solver.end(state, plan.steps, plan.lr)
+        self.solver.end(plan.steps, plan.lr)
         v, alpha, buffers, counters = self.flat.export(copy=copy)
         cv = self.solver.control_variate(copy=copy)
-        stats = StepStats(self.client_id, loss, plan.steps, samples, compute_s)
+        stats = StepStats(self.client_id, loss, plan.steps, samples, compute_s, finite=self._finite())
         return ClientUpdate(self.client_id, v, alpha, buffers, counters,
                             None if cv is None else cv[0], None if cv is None else cv[1], stats)
+
+    @torch.no_grad()
+    def _finite(self) -> bool:
+        """Whether the round's end point and c^k hold no NaN or infinity (one check where they live)."""
+        parts = [self.flat.v, self.flat.alpha, self.flat.buffers]
+        if self.solver.control_variates:
+            parts += [self.solver.c_v, self.solver.c_alpha]
+        return bool(torch.stack([torch.isfinite(t).all() for t in parts]).all())
 
     def evaluate(self, state: GlobalState) -> Scores | None:
         """Scores of the global model on this client's own test split (None if it has none)."""
@@ -127,9 +135,6 @@ class Client(Replica):
         y = self.train.y.cpu().numpy()
         pos, neg = y == 1, y == 0
         return Moments((h * pos).sum(0), pos.sum(0), (h * neg).sum(0), neg.sum(0))
-
-    def get_control_variate(self) -> tuple[np.ndarray, np.ndarray] | None:
-        return self.solver.control_variate()
 
     def set_control_variate(self, c_v: np.ndarray, c_alpha: np.ndarray) -> None:
         self.solver.set_control_variate(c_v, c_alpha)

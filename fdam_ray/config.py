@@ -220,7 +220,6 @@ Config = dataclasses.make_dataclass(
         "__doc__": "A validated run configuration; build it with :func:`build_config`.",
         "to_dict": lambda self: dataclasses.asdict(self),
         "replace": lambda self, **changes: build_config({**dataclasses.asdict(self), **changes}),
-        "full_batch": property(lambda self: self.batch_size == 0),
     },
 )
 Config.__module__ = __name__  # picklable by reference (configs travel to Ray actors and Tune trials)

@@ -19,16 +19,27 @@ from fdam_ray.state import GlobalState
 
 
 class Evaluator:
+    """Scores the global model; the driver loads the global test set only if the clients do not score it."""
+
     def __init__(self, replica: Replica, source: DataSource, executor: Executor) -> None:
         self.replica = replica
-        self.test = source.test_set()
+        self.source = source
         self.task_names = source.task_names
         self.executor = executor
+        self._test_loaded = False
+        self._test = None
+
+    def _driver_test_set(self):
+        if not self._test_loaded:
+            self._test, self._test_loaded = self.source.test_set(), True
+        return self._test
 
     def __call__(self, state: GlobalState) -> dict:
         parts = self.executor.evaluate(state)
-        if self.test is not None:
-            s = self.executor.score_test_set(state) or self.replica.scores_of(state, self.test)
+        s = self.executor.score_test_set(state)
+        if s is None and self._driver_test_set() is not None:
+            s = self.replica.scores_of(state, self._test)
+        if s is not None:
             scores, labels = s.scores, s.labels
         elif parts:
             scores, labels = pooled([(p.scores, p.labels) for p in parts])

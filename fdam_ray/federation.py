@@ -2,10 +2,11 @@
 
 One round (ALGORITHMS.md s.3): the executor runs every client from the global
 state, the :class:`RoundReducer` folds their updates as they arrive and
-applies the server step. At a stage end the proximal centre moves (to the
-average of the stage's round-end global iterates, or the last one), CODA
-recomputes alpha in closed form, and control variates are zeroed unless the
-config keeps them. A new stage starts from the last global iterate (the
+applies the server step. When a stage ends (applied just before the first
+round of the next one) the proximal centre moves (to the average of the
+stage's round-end global iterates, or the last one), CODA recomputes alpha in
+closed form, and control variates are zeroed unless the config keeps them. A
+new stage starts from the last global iterate (the
 paper's analysis restarts from the stage output; with the default
 ``reference_point: average`` the two differ only in the start point, and
 restarting a deep network from an average of iterates would also need its
@@ -23,7 +24,6 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +35,8 @@ from fdam_ray.data import DataSource, make_source
 from fdam_ray.evaluation import Evaluator
 from fdam_ray.executors import Executor, make_executor
 from fdam_ray.objectives import closed_form_alpha
-from fdam_ray.outputs import RunWriter
-from fdam_ray.schedules import Schedule
+from fdam_ray.outputs import Progress, RunWriter, make_run_dir
+from fdam_ray.schedules import Position, Schedule
 from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, RoundPlan
 from fdam_ray.weights import load_weights, read_weights
 
@@ -92,15 +92,17 @@ class LoopState:
     loss_rounds: int = 0
     next_eval: int = 0
     history: list[dict] = dataclasses.field(default_factory=list)
+    position: Position = dataclasses.field(default_factory=Position)  # in the schedule, after the last round
 
     def to_payload(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "state"}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["state"] = dataclasses.asdict(self.state)
+        d["position"] = dataclasses.asdict(self.position)
         return d
 
     @classmethod
     def from_payload(cls, d: dict) -> LoopState:
-        return cls(**{**d, "state": GlobalState(**d["state"])})
+        return cls(**{**d, "state": GlobalState(**d["state"]), "position": Position(**d["position"])})
 
 
 def global_positive_ratio(infos: list[ClientInfo]) -> np.ndarray:
@@ -114,47 +116,6 @@ def global_positive_ratio(infos: list[ClientInfo]) -> np.ndarray:
     return pos / lab
 
 
-def make_run_dir(config) -> Path:
-    """Create the run folder (refusing to reuse a non-empty one)."""
-    root = Path(config.out_dir)
-    if config.run_name:
-        path = root / config.run_name
-        if path.exists() and any(path.iterdir()):
-            raise ValueError(f"run folder '{path}' already exists and is not empty; choose another run_name "
-                             "or continue it with --resume")
-    else:
-        base = f"{datetime.now():%Y%m%d-%H%M%S}-{config.algorithm}-{config.dataset}"
-        path, n = root / base, 1
-        while path.exists():
-            path, n = root / f"{base}-{n}", n + 1
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-class Progress:
-    """A progress bar over iterations (tqdm) with round, stage, lr, last test AUC and rate."""
-
-    def __init__(self, total: int, initial: int) -> None:
-        from tqdm.auto import tqdm
-
-        self.bar = tqdm(total=total, initial=initial, unit="it", dynamic_ncols=True, leave=True)
-        self.auc = float("nan")
-
-    def update(self, plan: RoundPlan, steps: int, auc: float | None = None) -> None:
-        if auc is not None:
-            self.auc = auc
-        self.bar.set_postfix(round=plan.round, stage=plan.stage, lr=f"{plan.lr:.3g}", auc=f"{self.auc:.4f}",
-                             refresh=False)
-        self.bar.update(steps)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
-def _finite(x: np.ndarray | None) -> bool:
-    return x is None or math.isfinite(float(np.sum(x, dtype=np.float64)))
-
-
 class Federation:
     """Runs one federation from a config; see :func:`run`."""
 
@@ -163,7 +124,10 @@ class Federation:
         self.source = source
         self.executor = executor
         self.algorithm = Algorithm.from_config(config)
-        self.replica = Replica(config, source, device=resolve_device(config.device))
+        # Under Ray the driver's replica only loads states and, with eval_on=driver, scores: it stays on
+        # the CPU, outside Ray's GPU accounting (the clients hold the GPU shares).
+        device = resolve_device(config.device) if config.executor == "inline" else torch.device("cpu")
+        self.replica = Replica(config, source, device=device)
         self.num_clients = source.num_clients
 
     # -- start -----------------------------------------------------------------------
@@ -189,23 +153,40 @@ class Federation:
             state.c_alpha = np.zeros_like(state.alpha)
         return state
 
-    def _recompute_alpha(self, state: GlobalState) -> None:
+    def _recompute_alpha(self, loop: LoopState) -> None:
+        """CODA: alpha <- its closed form from the current v, by one extra round of score sums."""
+        state = loop.state
         m = self.executor.score_moments(state)
+        loop.bytes_down += self.executor.active_clients * state.nbytes
+        loop.bytes_up += sum(x.sum_pos.nbytes + x.num_pos.nbytes + x.sum_neg.nbytes + x.num_neg.nbytes for x in m)
         mean_pos = np.sum([x.sum_pos for x in m], 0) / np.maximum(np.sum([x.num_pos for x in m], 0), 1)
         mean_neg = np.sum([x.sum_neg for x in m], 0) / np.maximum(np.sum([x.num_neg for x in m], 0), 1)
         state.alpha = closed_form_alpha(mean_pos, mean_neg, self.config.objective, self.config.margin).astype(
             np.float32
         )
 
-    # -- one round --------------------------------------------------------------------
-    def _round(self, loop: LoopState, plan: RoundPlan, ends_stage: bool) -> None:
+    def _switch_stage(self, loop: LoopState) -> None:
+        """The stage that just ended hands over: CODA's alpha, the new proximal centre, control variates."""
+        cfg = self.config
+        if self.algorithm.recompute_alpha:
+            self._recompute_alpha(loop)
+        loop.reference = ((loop.ref_sum / loop.ref_count).astype(np.float32)
+                          if cfg.reference_point == "average" and loop.ref_count else loop.state.v.copy())
+        loop.ref_sum[:], loop.ref_count = 0.0, 0
+        if cfg.reset_control_variates and loop.state.c_v is not None:
+            loop.state.c_v = np.zeros_like(loop.state.c_v)
+            loop.state.c_alpha = np.zeros_like(loop.state.c_alpha)
+        self.executor.begin_stage(loop.reference, cfg.reset_control_variates)
+        loop.bytes_down += self.executor.active_clients * loop.reference.nbytes
+
+    def _round(self, loop: LoopState, plan: RoundPlan) -> None:
         cfg = self.config
         t0 = time.perf_counter()
         reducer = self.algorithm.reducer(loop.state)
 
         def fold(update: ClientUpdate) -> None:
-            if not (math.isfinite(update.stats.loss) and _finite(update.v) and _finite(update.alpha)
-                    and _finite(update.c_v)):
+            # each client checks its own update (in parallel, where its buffers live); the driver trusts it
+            if not (update.stats.finite and math.isfinite(update.stats.loss)):
                 raise DivergenceError(f"round {plan.round}: client {update.client_id} sent a NaN or infinite "
                                       f"update (loss {update.stats.loss}); lower lr or set grad_clip")
             reducer.fold(update)
@@ -214,7 +195,7 @@ class Federation:
         loop.bytes_down += self.executor.active_clients * loop.state.nbytes
         loop.bytes_up += reducer.bytes_up
         state = reducer.finish(steps=plan.steps)
-        if not (_finite(state.v) and _finite(state.alpha)):
+        if not all(math.isfinite(float(np.sum(x))) for x in (state.v, state.alpha, state.buffers)):
             raise DivergenceError(f"round {plan.round}: the global state became NaN or infinite after the server "
                                   "step; lower lr or global_lr")
         loop.train_s += time.perf_counter() - t0
@@ -224,17 +205,6 @@ class Federation:
         if cfg.reference_point == "average":
             loop.ref_sum += state.v
             loop.ref_count += 1
-        if ends_stage:
-            if self.algorithm.recompute_alpha:
-                self._recompute_alpha(state)
-            loop.reference = ((loop.ref_sum / loop.ref_count).astype(np.float32)
-                              if cfg.reference_point == "average" else state.v.copy())
-            loop.ref_sum[:], loop.ref_count = 0.0, 0
-            if cfg.reset_control_variates and state.c_v is not None:
-                state.c_v = np.zeros_like(state.c_v)
-                state.c_alpha = np.zeros_like(state.c_alpha)
-            self.executor.begin_stage(loop.reference, cfg.reset_control_variates)
-            loop.bytes_down += self.executor.active_clients * loop.reference.nbytes
         loop.state = state
 
     def _record(self, loop: LoopState, evaluator: Evaluator, plan_round: int, stage: int, lr: float,
@@ -281,7 +251,7 @@ class Federation:
             loop = LoopState(state=initial, reference=initial.v.copy(),
                              ref_sum=np.zeros_like(initial.v, dtype=np.float64), next_eval=cfg.eval_every)
             self.executor.begin_stage(loop.reference, True)
-            loop.bytes_down += self.num_clients * loop.reference.nbytes
+            loop.bytes_down += self.executor.active_clients * loop.reference.nbytes
         else:
             loop = LoopState.from_payload(resume["loop"])
             self.executor.begin_stage(loop.reference, False)
@@ -313,14 +283,17 @@ class Federation:
         try:
             if resume is None:
                 record(0, 1, cfg.lr)
+                checkpoint()  # a run stopped before its first periodic checkpoint can still be resumed
             last_checkpoint = loop.state.round
-            for plan, ends_stage in Schedule(cfg).plans():
-                if plan.round <= loop.state.round:
-                    continue  # done before the checkpoint this run resumed from
-                self._round(loop, plan, ends_stage)
-                if ends_stage and writer is not None:
-                    writer.event("stage %d ended at iteration %d (round %d)", plan.stage, loop.state.iteration,
-                                 plan.round)
+            schedule = Schedule(cfg, loop.position)
+            for plan, starts_stage in schedule.plans():
+                if starts_stage:
+                    self._switch_stage(loop)
+                    if writer is not None:
+                        writer.event("stage %d began at iteration %d (round %d)", plan.stage, plan.iteration,
+                                     plan.round)
+                self._round(loop, plan)
+                loop.position = dataclasses.replace(schedule.position)
                 auc = None
                 if loop.state.iteration >= loop.next_eval or loop.state.iteration >= cfg.iterations:
                     loop.next_eval = (loop.state.iteration // cfg.eval_every + 1) * cfg.eval_every

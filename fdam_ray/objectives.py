@@ -98,6 +98,8 @@ class Objective:
                 per = per + 2 * alpha * (q * self.margin * valid + cross)
             per = per - q * alpha**2 * valid
         has = count > 0
+        if not bool(has.any()):  # no labelled sample in this batch: nothing to learn from it
+            return (per * 0).sum()
         task_means = per.sum(0)[has] / count[has]
         return task_means.mean()
 

@@ -15,12 +15,14 @@ from __future__ import annotations
 import csv
 import json
 import logging
+from datetime import datetime
 from pathlib import Path
 
 import torch
 import yaml
 
 from fdam_ray.checkpoint import save_checkpoint
+from fdam_ray.state import RoundPlan
 
 log = logging.getLogger(__name__)
 _notice_given = False
@@ -116,3 +118,40 @@ class RunWriter:
         self._handler.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def make_run_dir(config) -> Path:
+    """Create the run folder (refusing to reuse a non-empty one)."""
+    root = Path(config.out_dir)
+    if config.run_name:
+        path = root / config.run_name
+        if path.exists() and any(path.iterdir()):
+            raise ValueError(f"run folder '{path}' already exists and is not empty; choose another run_name "
+                             "or continue it with --resume")
+    else:
+        base = f"{datetime.now():%Y%m%d-%H%M%S}-{config.algorithm}-{config.dataset}"
+        path, n = root / base, 1
+        while path.exists():
+            path, n = root / f"{base}-{n}", n + 1
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class Progress:
+    """A progress bar over iterations (tqdm) with round, stage, lr, last test AUC and rate."""
+
+    def __init__(self, total: int, initial: int) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, unit="it", dynamic_ncols=True, leave=True)
+        self.auc = float("nan")
+
+    def update(self, plan: RoundPlan, steps: int, auc: float | None = None) -> None:
+        if auc is not None:
+            self.auc = auc
+        self.bar.set_postfix(round=plan.round, stage=plan.stage, lr=f"{plan.lr:.3g}", auc=f"{self.auc:.4f}",
+                             refresh=False)
+        self.bar.update(steps)
+
+    def close(self) -> None:
+        self.bar.close()

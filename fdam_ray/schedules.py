@@ -1,18 +1,22 @@
 """Stage schedules (ALGORITHMS.md s.5): which rounds run, with how many local steps and which lr.
 
-``stagewise`` (the paper's experiments): rounds of I local steps; a stage ends at
-the first round end at or after T0 iterations into the stage, then lr is
-divided by ``lr_decay``. When T0 is not a multiple of I the switch therefore
-falls up to I - 1 iterations late (warned once).
+``stagewise`` (the paper's experiments): rounds of I local steps; stage s ends at
+the first round end at or after s x T0 iterations, then lr is divided by
+``lr_decay``. When T0 is not a multiple of I a switch therefore falls up to
+I - 1 iterations late, without the delays adding up over stages (warned once).
 
 ``geometric`` (the theory): stage s runs R rounds of I_s = I_0 rho^(s-1) local
 steps with lr_s = lr_0 / rho^(s-1), so lr_s I_s stays constant.
 
-Both stop after ``iterations`` local steps; the last round is shortened if needed.
+Both stop after ``iterations`` local steps; the last round is shortened if
+needed. A stage switch is announced with the first round of the new stage
+(``starts_stage``), so a run resumed with more iterations than it was started
+with picks up a switch its old last round would have made.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 
@@ -21,10 +25,20 @@ from fdam_ray.state import RoundPlan
 log = logging.getLogger(__name__)
 
 
-class Schedule:
-    """Generates the :class:`RoundPlan` of every round; ``ends_stage`` tells the driver when to switch."""
+@dataclasses.dataclass
+class Position:
+    """Where a run is in its schedule, after its last finished round (saved in checkpoints)."""
 
-    def __init__(self, config) -> None:
+    done: int = 0  # iterations done
+    round: int = 0
+    stage: int = 1
+    stage_rounds: int = 0  # rounds done in the current stage
+
+
+class Schedule:
+    """Generates the :class:`RoundPlan` of every remaining round from a :class:`Position`."""
+
+    def __init__(self, config, position: Position | None = None) -> None:
         self.kind = config.schedule
         self.iterations = config.iterations
         self.local_steps = config.local_steps
@@ -33,32 +47,35 @@ class Schedule:
         self.lr_decay = config.lr_decay
         self.growth = config.stage_growth
         self.rounds_per_stage = config.rounds_per_stage
+        self.position = dataclasses.replace(position) if position is not None else Position()
         if self.kind == "stagewise" and self.stage_length % self.local_steps and self.stage_length < self.iterations:
             log.warning(
-                "stage_length=%d is not a multiple of local_steps=%d: each stage switch happens at the first "
-                "round end at or after stage_length iterations into the stage",
+                "stage_length=%d is not a multiple of local_steps=%d: stage s switches at the first round end "
+                "at or after s x stage_length iterations",
                 self.stage_length, self.local_steps,
             )
 
+    def _stage_over(self, p: Position) -> bool:
+        if p.stage_rounds == 0:
+            return False
+        if self.kind == "stagewise":
+            return p.done >= p.stage * self.stage_length
+        return p.stage_rounds >= self.rounds_per_stage
+
     def plans(self) -> Iterator[tuple[RoundPlan, bool]]:
-        """Yield (plan, ends_stage) for every round of the run."""
-        done, rnd, stage, stage_start, stage_rounds = 0, 0, 1, 0, 0
-        while done < self.iterations:
+        """Yield ``(plan, starts_stage)`` for every remaining round; ``self.position`` is the position after
+        the round just yielded (what a checkpoint written after that round must hold)."""
+        p = self.position
+        while p.done < self.iterations:
+            starts_stage = self._stage_over(p)
+            if starts_stage:
+                p.stage, p.stage_rounds = p.stage + 1, 0
             if self.kind == "stagewise":
-                steps, lr = self.local_steps, self.lr / self.lr_decay ** (stage - 1)
+                steps, lr = self.local_steps, self.lr / self.lr_decay ** (p.stage - 1)
             else:
-                factor = self.growth ** (stage - 1)
+                factor = self.growth ** (p.stage - 1)
                 steps, lr = max(1, round(self.local_steps * factor)), self.lr / factor
-            steps = min(steps, self.iterations - done)
-            rnd += 1
-            stage_rounds += 1
-            after = done + steps
-            if self.kind == "stagewise":
-                ends = after - stage_start >= self.stage_length
-            else:
-                ends = stage_rounds >= self.rounds_per_stage
-            ends = ends and after < self.iterations
-            yield RoundPlan(round=rnd, stage=stage, steps=steps, lr=lr, iteration=done), ends
-            done = after
-            if ends:
-                stage, stage_start, stage_rounds = stage + 1, done, 0
+            steps = min(steps, self.iterations - p.done)
+            plan = RoundPlan(round=p.round + 1, stage=p.stage, steps=steps, lr=lr, iteration=p.done)
+            p.done, p.round, p.stage_rounds = p.done + steps, p.round + 1, p.stage_rounds + 1
+            yield plan, starts_stage

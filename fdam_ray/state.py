@@ -43,13 +43,6 @@ class GlobalState:
         """Bytes one client receives per round."""
         return _nbytes(self.v, self.alpha, self.buffers, self.counters, self.c_v, self.c_alpha)
 
-    def copy(self) -> GlobalState:
-        def cp(x):
-            return None if x is None else x.copy()
-
-        return GlobalState(cp(self.v), cp(self.alpha), cp(self.buffers), cp(self.counters),
-                           cp(self.c_v), cp(self.c_alpha), self.round, self.iteration)
-
 
 @dataclasses.dataclass
 class RoundPlan:
@@ -79,6 +72,7 @@ class StepStats:
     steps: int
     samples: int
     compute_s: float  # seconds of the local steps (loading the state and exporting the update excluded)
+    finite: bool = True  # every value of the update (v, alpha, buffers, c^k) is finite
 
 
 @dataclasses.dataclass

@@ -229,7 +229,6 @@ def space_of_sweep(sweep_dir: str | Path) -> Space:
 
 def run_sweep(space: Space, *, resume_dir: str | None = None, address: str | None = None):
     """Run (or resume) a sweep and write its tables, best config and figure; returns the output folder."""
-    import ray
     from ray import tune
 
     base_config = build_config(space.base)
@@ -243,8 +242,9 @@ def run_sweep(space: Space, *, resume_dir: str | None = None, address: str | Non
         (exp_dir / SPACE_FILE).write_text(yaml.safe_dump(
             {"base": space.base, "search": space.search, "tune": dataclasses.asdict(space.options)},
             sort_keys=False), encoding="utf-8")
-    if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    from fdam_ray.executors.ray_session import ensure_ray
+
+    ensure_ray(address=address, cpus_needed=1)
     trainable = tune.with_resources(
         tune.with_parameters(federation_trial, base=space.base),
         tune.PlacementGroupFactory(trial_bundles(base_config, space.options.driver_cpus),

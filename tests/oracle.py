@@ -62,7 +62,7 @@ def run_oracle(
     c_v, c_a = np.zeros_like(v), 0.0
     ck_v = [np.zeros_like(v) for _ in range(K)]
     ck_a = [0.0] * K
-    done, stage_start, eta = 0, 0, lr
+    done, stage, eta = 0, 1, lr
     ref_sum, ref_n = np.zeros_like(v), 0
     while done < iterations:
         steps = min(local_steps, iterations - done)
@@ -93,8 +93,8 @@ def run_oracle(
         done += steps
         ref_sum += v
         ref_n += 1
-        if done - stage_start >= stage_length and done < iterations:
-            stage_start = done
+        if done >= stage * stage_length and done < iterations:  # stage s ends at the first round end >= s T0
+            stage += 1
             eta /= lr_decay
             ref = ref_sum / ref_n if reference_point == "average" else v.copy()
             ref_sum, ref_n = np.zeros_like(v), 0

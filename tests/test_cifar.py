@@ -112,8 +112,10 @@ def test_cifar10_default_split_and_class_lists(cifar10):
         assert set(written["y_train"][ix].tolist()) <= used
     test = src.test_set()
     assert len(test) == 50 and float(test.y.sum()) == 20
-    with pytest.raises(ValueError, match=r"classes \[12\] are not in the training data"):
+    with pytest.raises(ValueError, match=r"classes \[12\] are not in the test data"):
         make_source(build_config(dataset="cifar10", data_root=str(root), positive_classes=[12])).test_set()
+    with pytest.raises(ValueError, match=r"classes \[12\] are not in the training data"):
+        make_source(build_config(dataset="cifar10", data_root=str(root), positive_classes=[12])).client_shard(0)
     with pytest.raises(ValueError, match="both positive_classes and negative_classes"):
         make_source(build_config(dataset="cifar10", data_root=str(root), positive_classes=[1],
                                  negative_classes=[1, 2]))

@@ -28,7 +28,7 @@ def test_codasca_with_zero_control_variates_equals_coda_plus(monkeypatch, client
     plus = fdam_ray.train_arrays(dict(cfg, algorithm="coda_plus"), clients, test)
     sca = fdam_ray.train_arrays(dict(cfg, algorithm="codasca"), clients, test)
     assert np.abs(plus.state.v - sca.state.v).max() > 1e-4  # real control variates change the run
-    monkeypatch.setattr(LocalSolver, "end", lambda self, state, steps, lr: None)  # c^k stays 0
+    monkeypatch.setattr(LocalSolver, "end", lambda self, steps, lr: None)  # c^k stays 0
     forced = fdam_ray.train_arrays(dict(cfg, algorithm="codasca"), clients, test)
     same_state(plus, forced)
     np.testing.assert_array_equal(forced.control_variates[0], 0)
@@ -42,22 +42,16 @@ def test_codasca_with_one_round_per_stage_equals_coda_plus(clients_and_test):
                fdam_ray.train_arrays(dict(cfg, algorithm="codasca"), clients, test))
 
 
-def test_coda_plus_with_one_local_step_equals_npa(clients_and_test):
-    clients, test = clients_and_test
-    cfg = dict(BASE, iterations=10, stage_length=5)
-    same_state(fdam_ray.train_arrays(dict(cfg, algorithm="coda_plus", local_steps=1), clients, test),
-               fdam_ray.train_arrays(dict(cfg, algorithm="npa"), clients, test))
-
-
-def test_coda_plus_with_one_local_step_equals_one_client_with_the_total_batch():
+def test_coda_plus_with_one_local_step_equals_npa_with_the_same_total_batch():
     # Equal-size shards, full batch: the mean of K client gradients is the gradient of the union,
-    # so K clients with I = 1 equal one client holding all K shards (NPA's "same total batch").
+    # so K clients with I = 1 equal NPA whose (one) machine takes the K x B total batch each step.
     clients, test = gaussian_clients(num_clients=4, n=30)
-    cfg = dict(BASE, iterations=8, stage_length=4, positive_ratio=0.3, local_steps=1)
-    fed = fdam_ray.train_arrays(dict(cfg, algorithm="coda_plus"), clients, test)
+    cfg = dict(BASE, iterations=8, stage_length=4, positive_ratio=0.3)
+    fed = fdam_ray.train_arrays(dict(cfg, algorithm="coda_plus", local_steps=1), clients, test)
     union = [(np.concatenate([c[0] for c in clients]), np.concatenate([c[1] for c in clients]))]
-    cen = fdam_ray.train_arrays(dict(cfg, algorithm="centralized"), union, test)
-    same_state(fed, cen, exact=False)
+    npa = fdam_ray.train_arrays(dict(cfg, algorithm="npa"), union, test)
+    same_state(fed, npa, exact=False)
+    assert npa.state.round == fed.state.round == 8  # NPA averages after every step
 
 
 def test_one_client_with_one_local_step_equals_centralized(clients_and_test):

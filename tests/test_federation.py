@@ -40,10 +40,10 @@ def test_coda_sets_alpha_to_its_closed_form_at_stage_end(objective, clients_and_
     seen = {}
     orig = Federation._recompute_alpha
 
-    def spy(self, state):
-        orig(self, state)
-        seen["alpha"] = state.alpha.copy()
-        seen["v"] = state.v.copy()
+    def spy(self, loop):
+        orig(self, loop)
+        seen["alpha"] = loop.state.alpha.copy()
+        seen["v"] = loop.state.v.copy()
 
     Federation._recompute_alpha = spy
     try:

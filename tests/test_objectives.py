@@ -114,3 +114,12 @@ def test_bad_positive_ratio_is_refused():
     obj = Objective("auc_square", num_tasks=2)
     with pytest.raises(ValueError, match="positive ratio"):
         obj.set_positive_ratio([0.2, 1.0])
+
+
+def test_a_batch_without_any_label_adds_nothing_instead_of_nan():
+    obj = Objective("auc_margin", num_tasks=2)
+    obj.set_positive_ratio([0.3, 0.4])
+    alpha = torch.zeros(2, requires_grad=True)
+    loss = obj(torch.randn(3, 2), torch.full((3, 2), float("nan")), torch.zeros(2), torch.zeros(2), alpha)
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and torch.all(alpha.grad == 0)

@@ -418,3 +418,13 @@ def test_a_local_ray_started_for_a_run_binds_its_dashboard_to_localhost(tmp_path
     assert out.returncode == 0, out.stderr[-2000:]
     url = out.stdout.strip().splitlines()[-1]
     assert url.startswith("127.0.0.1:"), url
+
+
+@pytest.mark.parametrize("eval_on", ["clients", "driver"])
+def test_the_driver_never_loads_the_training_pool(eval_on):
+    config = build_config(dict(dataset="digits", num_clients=2, model="linear", iterations=4, local_steps=2,
+                               eval_every=2, executor="ray", eval_on=eval_on, **HALF))
+    source = make_source(config)
+    result = run(config, source=source, save=False)
+    assert result.history[-1]["test_samples"] == 540  # the whole digits test set was scored
+    assert "_pool" not in source.__dict__  # the clients loaded their shards in their own processes

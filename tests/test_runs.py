@@ -45,7 +45,7 @@ def test_run_folder_holds_every_output(tmp_path):
     assert lines[0].startswith("iteration,round,stage,lr,train_loss,test_auc") and "client_auc.2" in lines[0]
     assert len(lines) == 1 + len(r.history)
     log = (r.run_dir / "train.log").read_text()
-    assert log.count("test_auc") == len(r.history) and "stage 1 ended" in log
+    assert log.count("test_auc") == len(r.history) and "stage 2 began at iteration 21" in log
     saved = torch.load(r.run_dir / "model.pt", weights_only=True)
     model = fdam_ray.models.build_model("mlp", (20,), 1, width=16)
     model.load_state_dict(saved["model"])
@@ -153,11 +153,10 @@ def test_divergence_names_round_and_client_and_keeps_last_good_checkpoint(tmp_pa
 
     original = Client.local_round
 
-    def poisoned(self, state, plan):
-        update = original(self, state, plan)
+    def poisoned(self, state, plan, **kw):
         if plan.round == 6 and self.client_id == 1:
-            update.v[0] = np.nan
-        return update
+            self.solver.prox_ref[0] = np.nan  # its next step turns v into NaN
+        return original(self, state, plan, **kw)
 
     monkeypatch.setattr(Client, "local_round", poisoned)
     with pytest.raises(fdam_ray.DivergenceError, match="round 6: client 1 sent a NaN"):
@@ -226,3 +225,33 @@ def test_no_training_sample_crosses_to_the_driver(tmp_path, monkeypatch):
                 assert arr.size <= limit
                 if arr.size >= 20:
                     assert arr.tobytes() not in train_bytes
+
+
+def test_resume_with_more_iterations_makes_the_stage_switch_the_shorter_run_left_out(tmp_path):
+    # 24 iterations end exactly where stage 2 would end; resumed to 36 the switch must still happen.
+    longer = run(cfg(tmp_path / "a", iterations=36, stage_length=12, algorithm="coda"))
+    run(cfg(tmp_path / "b", iterations=24, stage_length=12, algorithm="coda"))
+    resumed = resume(tmp_path / "b" / "run", {"iterations": 36})
+    for name in ("v", "alpha", "buffers", "counters"):
+        np.testing.assert_array_equal(getattr(resumed.state, name), getattr(longer.state, name), err_msg=name)
+    # the shorter run also evaluated at its end (iteration 24); every record of the longer run is there too
+    by_iteration = {h["iteration"]: h for h in resumed.history}
+    for h in longer.history:
+        assert by_iteration[h["iteration"]]["test_auc"] == h["test_auc"]
+        assert by_iteration[h["iteration"]]["bytes_down"] == h["bytes_down"]
+    assert "stage 3 began at iteration 24" in (tmp_path / "b" / "run" / "train.log").read_text()
+
+
+def test_a_run_stopped_before_its_first_periodic_checkpoint_can_be_resumed(tmp_path, monkeypatch):
+    original = InlineExecutor.run_round
+
+    def crash(self, state, plan, fold):
+        if plan.round == 2:
+            raise KeyboardInterrupt
+        return original(self, state, plan, fold)
+
+    monkeypatch.setattr(InlineExecutor, "run_round", crash)
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg(tmp_path, checkpoint_every=100))
+    monkeypatch.setattr(InlineExecutor, "run_round", original)
+    assert resume(tmp_path / "run").state.iteration == 60

@@ -12,23 +12,40 @@ def plans(**kw):
     return list(Schedule(build_config(**kw)).plans())
 
 
-def test_stagewise_switches_at_round_ends_and_decays_lr(caplog):
+def switches(out):
+    return [p.iteration for p, starts in out if starts]  # iterations done when each new stage begins
+
+
+def test_stagewise_switches_at_the_first_round_end_after_each_multiple_of_t0(caplog):
     with caplog.at_level(logging.WARNING):
         out = plans(iterations=50, local_steps=4, stage_length=10, lr=0.9, lr_decay=3)
     assert "not a multiple" in caplog.text
     steps = [p.steps for p, _ in out]
     assert sum(steps) == 50 and steps[-1] == 2  # last round shortened to hit the budget
-    ends = [p.iteration + p.steps for p, e in out if e]
-    assert ends == [12, 24, 36, 48]  # first round end at or after 10 iterations into each stage
+    assert switches(out) == [12, 20, 32, 40]  # at or after 10, 20, 30, 40: late by < I, never drifting
     lrs = {p.stage: p.lr for p, _ in out}
     assert lrs == pytest.approx({1: 0.9, 2: 0.3, 3: 0.1, 4: 0.1 / 3, 5: 0.1 / 9})
+
+
+def test_a_schedule_continues_from_a_saved_position_even_with_a_longer_budget():
+    full = plans(iterations=36, local_steps=3, stage_length=12)
+    first = Schedule(build_config(iterations=24, local_steps=3, stage_length=12))
+    head = list(first.plans())
+    assert switches(head) == [12]  # the switch due at 24 is not made: the run ends there
+    rest = list(Schedule(build_config(iterations=36, local_steps=3, stage_length=12), first.position).plans())
+    assert [(p, s) for p, s in head + rest] == full  # resumed with more iterations: the same schedule
+    assert switches(rest) == [24]
+    short = Schedule(build_config(iterations=25, local_steps=3))
+    list(short.plans())
+    more = list(Schedule(build_config(iterations=30, local_steps=3), short.position).plans())
+    assert [p.steps for p, _ in more] == [3, 2] and more[-1][0].iteration + more[-1][0].steps == 30
 
 
 def test_stagewise_without_warning_when_multiple(caplog):
     with caplog.at_level(logging.WARNING):
         out = plans(iterations=40, local_steps=5, stage_length=20)
     assert "not a multiple" not in caplog.text
-    assert [p.round for p, e in out if e] == [4]
+    assert [p.round for p, starts in out if starts] == [5]
 
 
 def test_geometric_grows_local_steps_and_shrinks_lr():

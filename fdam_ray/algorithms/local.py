@@ -116,7 +116,7 @@ class LocalSolver:
                     flat.alpha.clamp_(min=0)
         return loss.detach()
 
-    def end(self, state: GlobalState, steps: int, lr: float) -> None:
+    def end(self, steps: int, lr: float) -> None:
         """Update c^k from the round's movement (no-op without control variates)."""
         if not self.control_variates:
             return

@@ -80,6 +80,9 @@ class ImageFolderSource(ClassPoolSource):
         """Relative file names (bytes) and class numbers of the train and val images."""
         return (*self._scan("train"), *self._scan("val"))
 
+    def load_test(self):
+        return self._scan("val")
+
     def make_split(self, x: np.ndarray, classes: np.ndarray, *, client_id: int | None) -> DatasetSplit:
         labels = self.binary_labels(classes)
         augment = self.augment and client_id is not None

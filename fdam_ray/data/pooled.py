@@ -31,6 +31,8 @@ class ClassPoolSource(DataSource):
         self.imratio = config.imratio
         self.concentration = config.dirichlet_concentration
         self.seed = config.seed
+        if config.positive_classes is not None and not config.positive_classes:
+            raise ValueError("positive_classes: [] names no class; give at least one, or null for the default")
         self.positive_classes = tuple(config.positive_classes or self.default_positive_classes)
         self.negative_classes = None if config.negative_classes is None else tuple(config.negative_classes)
         if self.negative_classes is not None:
@@ -42,6 +44,10 @@ class ClassPoolSource(DataSource):
     def load_pool(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(x_train, classes_train, x_test, classes_test) as numpy arrays."""
 
+    def load_test(self) -> tuple[np.ndarray, np.ndarray]:
+        """(x_test, classes_test) alone; sources whose test files are separate read only those."""
+        return self.load_pool()[2:]
+
     def make_split(self, x: np.ndarray, classes: np.ndarray, *, client_id: int | None) -> AnySplit:
         """A split of pool samples ``x`` of original classes ``classes`` (default: tensors in memory).
 
@@ -52,16 +58,19 @@ class ClassPoolSource(DataSource):
     def binary_labels(self, classes: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.isin(classes, self.positive_classes).astype(np.float32)).reshape(-1, 1)
 
-    @functools.cached_property
-    def _pool(self):
-        pool = self.load_pool()
-        known = set(np.unique(pool[1]).tolist())
+    def _check_classes(self, classes: np.ndarray, part: str) -> None:
+        known = set(np.unique(classes).tolist())
         for name, listed in (("positive_classes", self.positive_classes),
                              ("negative_classes", self.negative_classes or ())):
             unknown = sorted(set(listed) - known)
             if unknown:
-                raise ValueError(f"{name}: classes {unknown} are not in the training data "
+                raise ValueError(f"{name}: classes {unknown} are not in the {part} data "
                                  f"(its classes are {min(known)}..{max(known)})")
+
+    @functools.cached_property
+    def _pool(self):
+        pool = self.load_pool()
+        self._check_classes(pool[1], "training")
         return pool
 
     def _used(self, classes: np.ndarray) -> np.ndarray:
@@ -89,7 +98,9 @@ class ClassPoolSource(DataSource):
         return Shard(train=self.make_split(x[idx], classes[idx], client_id=client_id))
 
     def test_set(self) -> AnySplit:
-        _, _, x_test, classes_test = self._pool
+        # the training pool only if it is already loaded here (a client); a driver reads the test part alone
+        x_test, classes_test = self._pool[2:] if "_pool" in self.__dict__ else self.load_test()
+        self._check_classes(classes_test, "test")
         used = self._used(classes_test)
         if len(used) < len(classes_test):
             x_test, classes_test = x_test[used], classes_test[used]
