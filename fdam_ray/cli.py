@@ -144,6 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"fdam: error: {exc}", file=sys.stderr)
         return 2
+    except (OSError, RuntimeError) as exc:  # the machine, the cluster or a run that cannot go on
+        if args.verbose:
+            logging.getLogger("fdam_ray").exception("fdam %s failed", args.command)
+        print(f"fdam: error: {type(exc).__name__}: {exc}" + ("" if args.verbose else " (-v for the traceback)"),
+              file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("fdam: interrupted", file=sys.stderr)
         return 130

@@ -7,6 +7,7 @@ or small dataclasses (:mod:`fdam_ray.state`).
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -17,6 +18,13 @@ from fdam_ray.data import AnySplit, DataSource, iter_batches, make_sampler
 from fdam_ray.flat import FlatModel
 from fdam_ray.models import build_model
 from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, Moments, RoundPlan, Scores, StepStats
+
+
+def use_deterministic_kernels() -> None:
+    """Deterministic torch kernels for this process (cuBLAS needs its workspace setting before first use)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
 
 
 def resolve_device(name: str) -> torch.device:
@@ -34,6 +42,8 @@ class Replica:
     def __init__(self, config, source: DataSource, *, device: torch.device) -> None:
         self.config = config
         self.device = device
+        if config.deterministic:
+            use_deterministic_kernels()
         self.algorithm = Algorithm.from_config(config)
         self.objective = self.algorithm.objective(source.num_tasks)
         model = build_model(config.model, source.input_shape, source.num_tasks,

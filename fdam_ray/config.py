@@ -193,6 +193,8 @@ FIELDS: tuple[Field, ...] = (
        "gives up on it.", check=_nonneg[0], allowed=_nonneg[1]),
     _f("ray_timeout_s", "float", 1800.0, "Longest wait for any Ray call (a client's round, a placement group); "
        "a client that does not answer in time counts as failed.", check=_pos[0], allowed=_pos[1]),
+    _f("deterministic", "bool", False, "Ask torch for deterministic kernels (GPU runs then repeat bit for bit, "
+       "more slowly; CPU runs repeat exactly either way)."),
     _f("device", "str", "auto", "auto uses a GPU when one is visible.", choices=("auto", "cpu", "cuda")),
     _f("threads_per_client", "int", None, "torch intra-op threads per client process; null = leave as is.",
        check=_ge1[0], allowed=_ge1[1], optional=True),
@@ -208,7 +210,7 @@ FIELDS: tuple[Field, ...] = (
 RESUME_MAY_CHANGE = {"iterations", "eval_every", "checkpoint_every", "tensorboard", "executor", "device",
                      "threads_per_client", "out_dir", "address", "cpus_per_client", "gpus_per_client",
                      "placement_strategy", "gpu_memory_cap", "eval_on", "fold_order", "on_client_failure",
-                     "max_client_retries", "ray_timeout_s", "data_workers", "eval_batch_size"}
+                     "max_client_retries", "ray_timeout_s", "data_workers", "eval_batch_size", "deterministic"}
 
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
 
@@ -229,7 +231,24 @@ def _fail(name: str, value: Any, allowed: str) -> ConfigError:
     return ConfigError(f"config field '{name}': {value!r} is not allowed ({allowed})")
 
 
+class CommandLineText(str):
+    """A value typed as ``key=value``: read as YAML for numbers, booleans and lists, kept as text for strings."""
+
+
+def _from_text(field: Field, text: CommandLineText) -> Any:
+    if text.strip() in ("", "null", "~", "None"):
+        return None
+    if field.kind == "str" or (field.kind == "str_list" and not text.lstrip().startswith("[")):
+        return str(text)  # run_name=007 stays "007", data_root=2024 stays "2024"
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return str(text)
+
+
 def _coerce(field: Field, value: Any) -> Any:
+    if isinstance(value, CommandLineText):
+        value = _from_text(field, value)
     if value is None:
         if field.optional:
             return None
@@ -340,17 +359,33 @@ def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> C
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``["lr=0.1", "model=mlp"]`` -> ``{"lr": 0.1, "model": "mlp"}`` (values parsed as YAML scalars)."""
+    """``["lr=0.1", "run_name=007"]`` -> ``{"lr": "0.1", "run_name": "007"}`` as :class:`CommandLineText`;
+    :func:`build_config` reads each by its field's type (``lr`` -> 0.1, ``run_name`` -> "007")."""
     out: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override '{item}' is not of the form key=value")
-        try:
-            out[key.strip()] = yaml.safe_load(raw) if raw != "" else None
-        except yaml.YAMLError:
-            out[key.strip()] = raw
+        out[key.strip()] = CommandLineText(raw)
     return out
+
+
+def typed_value(key: str, value: Any) -> Any:
+    """A command-line value as the field ``key`` reads it (plain YAML for names that are not fields)."""
+    field = FIELD_BY_NAME.get(_flatten_sections({key: None}).popitem()[0])
+    if isinstance(value, CommandLineText) and field is not None:
+        return _from_text(field, value)
+    return read_text_value(value)
+
+
+def read_text_value(value: Any) -> Any:
+    """A command-line value read as YAML (for settings that are not config fields, such as tune options)."""
+    if isinstance(value, CommandLineText):
+        try:
+            return yaml.safe_load(value) if value.strip() else None
+        except yaml.YAMLError:
+            return str(value)
+    return value
 
 
 def load_config_file(path: str) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from fdam_ray.config import FIELD_BY_NAME, ConfigError, build_config, load_config_file
+from fdam_ray.config import FIELD_BY_NAME, ConfigError, build_config, load_config_file, read_text_value, typed_value
 
 log = logging.getLogger(__name__)
 
@@ -112,9 +112,9 @@ def load_space(path: str, overrides: dict[str, Any] | None = None) -> Space:
     opts = dict(data.get("tune") or {})
     for key, value in (overrides or {}).items():
         if key.startswith("tune."):
-            opts[key[5:]] = value
+            opts[key[5:]] = read_text_value(value)
         else:
-            base[key] = value
+            base[key] = typed_value(key, value)
             search.pop(key, None)
     known = {f.name for f in dataclasses.fields(TuneOptions)}
     for key in opts:

@@ -126,3 +126,16 @@ def test_divergence_stops_the_run_with_the_round(clients_and_test):
     bad = [(X * 1e30, y) for X, y in clients]
     with pytest.raises(fdam_ray.DivergenceError, match="round 1"):
         fdam_ray.train_arrays(dict(BASE, algorithm="fedavg", iterations=4, local_steps=2, lr=1e30), bad, test)
+
+
+def test_deterministic_asks_torch_for_deterministic_kernels(clients_and_test):
+    import torch
+
+    clients, test = clients_and_test
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        fdam_ray.train_arrays(dict(BASE, algorithm="coda_plus", iterations=2, local_steps=1, deterministic=True,
+                                   executor="inline"), clients, test)
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(before)

@@ -428,3 +428,18 @@ def test_the_driver_never_loads_the_training_pool(eval_on):
     result = run(config, source=source, save=False)
     assert result.history[-1]["test_samples"] == 540  # the whole digits test set was scored
     assert "_pool" not in source.__dict__  # the clients loaded their shards in their own processes
+
+
+def test_in_memory_arrays_reach_only_their_own_client():
+    clients, test = gaussian_clients(num_clients=3)
+    source = ArraysSource(clients, test)
+    config = build_config(dict(ARRAYS, dataset="arrays", num_clients=3, executor="ray"))
+    with RayExecutor() as ex:
+        infos = ex.start(config, source)
+        for k in range(3):
+            part = ray.get(ex._source_refs[k])
+            assert set(part.trains) == {k}
+            np.testing.assert_array_equal(part.trains[k][0], clients[k][0])
+        assert [i.num_train for i in infos] == [len(y) for _, y in clients]
+    digits = make_source(build_config(num_clients=2))
+    assert digits.for_client(1) is digits  # a recipe is shared, not copied per client

@@ -94,3 +94,20 @@ def test_loader_sampler_state_includes_the_augmentation_generator():
     t = make()
     t.set_state(state)
     assert drain(t, 4) == rest
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_loader_batches_are_full_and_restore_exactly_while_workers_read_ahead(workers):
+    make = lambda: LoaderSampler(DatasetSplit(Indexed(9), np.zeros(9), num_workers=workers), 4,
+                                 seed=5, device=torch.device("cpu"))
+    s = make()
+    first = drain(s, 3)
+    assert all(len(b) == 4 for b in first)  # 12 samples over an epoch of 9: the third batch spans two
+    assert sorted(first[0] + first[1] + first[2][:1]) == list(range(9))
+    state = s.get_state()
+    rest = drain(s, 4)
+    t = make()
+    t.set_state(state)
+    assert drain(t, 4) == rest
+    tensor = TensorSampler(Split(torch.arange(9, dtype=torch.float32).reshape(-1, 1), torch.zeros(9)), 4, seed=5)
+    assert drain(tensor, 7) == first + rest  # in memory or read from disk: the same batches

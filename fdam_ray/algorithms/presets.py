@@ -60,7 +60,7 @@ PRESETS: Mapping[str, Preset] = MappingProxyType({
         _preset("fedavg", ("bce",), False, "FedAvg with binary cross-entropy.",
                 defaults={"prox_weight": 0.0}),
         _preset("scaffold", ("bce",), True, "SCAFFOLD (option II control variates) with binary cross-entropy.",
-                defaults={"prox_weight": 0.0}),
+                defaults={"prox_weight": 0.0, "reset_control_variates": False}),
         _preset("centralized", ("auc_square", "auc_margin", "bce"), False,
                 "One client holding all the data (PESG-style reference).",
                 fixed={"num_clients": 1}),

@@ -9,6 +9,7 @@ the driver never holds training samples). Labels are float32 arrays of shape
 from __future__ import annotations
 
 import abc
+import collections
 import dataclasses
 
 import numpy as np
@@ -116,6 +117,11 @@ class DataSource(abc.ABC):
     def test_set(self) -> AnySplit | None:
         """The global test set, or None when the clients' own test splits together are the test set."""
 
+    def for_client(self, client_id: int) -> DataSource:
+        """What client ``client_id`` needs of this source. A recipe (the default) serves every client as it is;
+        a source holding data in memory returns one holding only that client's part."""
+        return self
+
 
 def as_labels(y: np.ndarray | torch.Tensor, *, what: str) -> torch.Tensor:
     """Check binary labels (0, 1, NaN = missing) and return them as a float32 (n, T) tensor."""
@@ -131,86 +137,95 @@ def as_labels(y: np.ndarray | torch.Tensor, *, what: str) -> torch.Tensor:
     return torch.from_numpy(arr.astype(np.float32))
 
 
-class TensorSampler:
-    """Minibatches from a tensor-backed split: seeded shuffles, one epoch after another.
+class IndexStream:
+    """Batches of sample indices: seeded shuffles of the n samples, epoch after epoch, a batch spanning the
+    end of one epoch and the start of the next when n is not a multiple of the batch size (so every batch
+    has exactly ``batch_size`` samples, in memory or read from disk alike)."""
 
-    ``batch_size`` 0 returns the whole split every time (full-batch gradients).
-    """
-
-    def __init__(self, split: Split, batch_size: int, *, seed: int) -> None:
-        self.split = split
-        self.n = len(split)
-        if self.n == 0:
+    def __init__(self, n: int, batch_size: int, seed: int) -> None:
+        if n == 0:
             raise ValueError("a client has no training samples")
-        self.batch_size = batch_size
+        self.n, self.batch_size = n, batch_size
         self.generator = torch.Generator().manual_seed(seed)
-        self._order = torch.empty(0, dtype=torch.long)
-        self._pos = 0
+        self.order = torch.empty(0, dtype=torch.long)
+        self.pos = 0
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.batch_size == 0:
-            return self.split.x, self.split.y
+    def next(self) -> torch.Tensor:
         parts, need = [], self.batch_size
         while need > 0:
-            if self._pos >= self._order.numel():
-                self._order = torch.randperm(self.n, generator=self.generator).to(self.split.x.device)
-                self._pos = 0
-            take = self._order[self._pos : self._pos + need]
-            self._pos += take.numel()
+            if self.pos >= self.order.numel():
+                self.order, self.pos = torch.randperm(self.n, generator=self.generator), 0
+            take = self.order[self.pos : self.pos + need]
+            self.pos += take.numel()
             need -= take.numel()
             parts.append(take)
-        idx = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return self.split.x[idx], self.split.y[idx]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def get_state(self) -> dict:
-        return {"generator": self.generator.get_state(), "order": self._order.cpu(), "pos": self._pos}
+        return {"generator": self.generator.get_state(), "order": self.order.clone(), "pos": self.pos}
 
     def set_state(self, state: dict) -> None:
         self.generator.set_state(state["generator"])
-        self._order = state["order"].to(self.split.x.device)
-        self._pos = int(state["pos"])
+        self.order, self.pos = state["order"].clone(), int(state["pos"])
 
 
-class _FromPosition(torch.utils.data.Sampler):
-    def __init__(self, order: torch.Tensor, start: int) -> None:
-        self.order, self.start = order, start
+class TensorSampler:
+    """Minibatches from a tensor-backed split; ``batch_size`` 0 returns the whole split every time."""
+
+    def __init__(self, split: Split, batch_size: int, *, seed: int) -> None:
+        self.split = split
+        self.stream = IndexStream(len(split), batch_size, seed)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.stream.batch_size == 0:
+            return self.split.x, self.split.y
+        idx = self.stream.next().to(self.split.x.device)
+        return self.split.x[idx], self.split.y[idx]
+
+    def get_state(self) -> dict:
+        return self.stream.get_state()
+
+    def set_state(self, state: dict) -> None:
+        self.stream.set_state(state)
+
+
+class _Batches(torch.utils.data.Sampler):
+    """An endless batch sampler over an :class:`IndexStream` that remembers the stream's state before each
+    batch it hands to the DataLoader, so the state of the first batch not yet consumed is known even while
+    the DataLoader's workers read ahead."""
+
+    def __init__(self, stream: IndexStream) -> None:
+        self.stream = stream
+        self.ahead: collections.deque[dict] = collections.deque()
 
     def __iter__(self):
-        return iter(self.order[self.start :].tolist())
-
-    def __len__(self) -> int:
-        return len(self.order) - self.start
+        while True:
+            self.ahead.append(self.stream.get_state())
+            yield self.stream.next().tolist()
 
 
 class LoaderSampler:
-    """Minibatches of a :class:`DatasetSplit` through a DataLoader: seeded shuffles, epoch after epoch."""
+    """Minibatches of a :class:`DatasetSplit` read by a DataLoader from an :class:`IndexStream`."""
 
     def __init__(self, split: DatasetSplit, batch_size: int, *, seed: int, device: torch.device) -> None:
         if batch_size == 0:
             raise ValueError("batch_size=0 (full batch) needs in-memory data; this dataset is read from disk")
-        if len(split) == 0:
-            raise ValueError("a client has no training samples")
-        self.split, self.batch_size, self.device = split, batch_size, device
-        self.generator = torch.Generator().manual_seed(seed)
-        self._epoch_state = self.generator.get_state()
-        self._consumed = 0
+        self.split, self.device = split, device
+        self.stream = IndexStream(len(split), batch_size, seed)
+        self._batches: _Batches | None = None
         self._iter = None
 
-    def _new_epoch(self, start: int = 0) -> None:
-        self._epoch_state = self.generator.get_state()
-        order = torch.randperm(len(self.split), generator=self.generator)
-        self._consumed = start
-        self._iter = iter(_loader(self.split, self.batch_size, self.device, _FromPosition(order, start)))
+    def _start(self) -> None:
+        self._batches = _Batches(self.stream)
+        self._iter = iter(torch.utils.data.DataLoader(
+            self.split.dataset, batch_sampler=self._batches, num_workers=self.split.num_workers,
+            pin_memory=self.device.type == "cuda"))
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._iter is None:
-            self._new_epoch()
-        try:
-            x, y = next(self._iter)
-        except StopIteration:
-            self._new_epoch()
-            x, y = next(self._iter)
-        self._consumed += x.shape[0]
+            self._start()
+        x, y = next(self._iter)
+        self._batches.ahead.popleft()
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def _augment_generator(self) -> torch.Generator | None:
@@ -219,18 +234,17 @@ class LoaderSampler:
         return getattr(self.split.dataset, "generator", None)
 
     def get_state(self) -> dict:
+        pending = self._batches.ahead if self._batches is not None else None
         augment = self._augment_generator()
-        return {"epoch_generator": self._epoch_state, "consumed": self._consumed, "started": self._iter is not None,
+        return {"stream": pending[0] if pending else self.stream.get_state(),
                 "augment": None if augment is None else augment.get_state()}
 
     def set_state(self, state: dict) -> None:
-        self._iter = None
+        self._iter = self._batches = None  # a fresh DataLoader starts from the restored position
+        self.stream.set_state(state["stream"])
         augment = self._augment_generator()
         if augment is not None and state.get("augment") is not None:
             augment.set_state(state["augment"])
-        if state["started"]:
-            self.generator.set_state(state["epoch_generator"])
-            self._new_epoch(start=int(state["consumed"]))
 
 
 def make_sampler(split: AnySplit, batch_size: int, *, seed: int, device: torch.device):

@@ -51,7 +51,11 @@ class InlineExecutor(Executor):
     def client_states(self) -> list[dict]:
         return [c.get_state() for c in self.clients]
 
-    def restore_client_states(self, states: list[dict]) -> None:
+    def restore_client_states(self, states: list[dict | None]) -> None:
+        dropped = [k for k, s in enumerate(states) if s is None]
+        if dropped:
+            raise ValueError(f"client(s) {dropped} were dropped from the run being resumed; the inline executor "
+                             "runs every client: resume it with executor=ray")
         for c, s in zip(self.clients, states, strict=True):
             c.set_state(s)
 

@@ -87,7 +87,11 @@ class RayExecutor(Executor):
             raise ValueError("device=cuda with executor=ray needs gpus_per_client > 0 (the GPU share of each client)")
         started_here = ensure_ray(address=config.address, cpus_needed=num_clients * config.cpus_per_client)
         self._place(num_clients, local=started_here)
-        self._source_ref = ray.put(source)  # one copy in the object store, however many clients read it
+        # A recipe goes to the object store once for every client; data held in memory (train_arrays) goes
+        # one client's part per client, so no actor receives another client's samples.
+        shared = ray.put(source) if source.for_client(0) is source else None
+        self._source_refs = {k: shared if shared is not None else ray.put(source.for_client(k))
+                             for k in range(num_clients)}
         self.live = list(range(num_clients))
         for k in self.live:
             self.actors[k] = self._new_actor(k)
@@ -100,7 +104,7 @@ class RayExecutor(Executor):
         return infos
 
     def _setup_call(self, k: int, actor) -> Any:
-        return actor.setup.remote(self.config, self._source_ref, self.config.eval_on == "clients")
+        return actor.setup.remote(self.config, self._source_refs[k], self.config.eval_on == "clients")
 
     def _place(self, num_clients: int, *, local: bool) -> None:
         cfg = self.config
