@@ -155,7 +155,7 @@ def trial_bundles(config, driver_cpus: float) -> list[dict[str, float]]:
     bundles = [{"CPU": driver_cpus}]
     if config.executor == "ray":
         client = {"CPU": float(config.cpus_per_client)}
-        if getattr(config, "gpus_per_client", 0):
+        if config.gpus_per_client:
             client["GPU"] = float(config.gpus_per_client)
         bundles += [dict(client) for _ in range(config.num_clients)]
     return bundles
@@ -245,11 +245,14 @@ def run_sweep(space: Space, *, resume_dir: str | None = None, address: str | Non
     from fdam_ray.executors.ray_session import ensure_ray
 
     ensure_ray(address=address, cpus_needed=1)
-    trainable = tune.with_resources(
-        tune.with_parameters(federation_trial, base=space.base),
-        tune.PlacementGroupFactory(trial_bundles(base_config, space.options.driver_cpus),
-                                   strategy=getattr(base_config, "placement_strategy", "PACK")),
-    )
+    base, driver_cpus = space.base, space.options.driver_cpus
+
+    def resources(params: dict):
+        # per trial: a searched num_clients, cpus_per_client, gpus_per_client or executor changes its bundles
+        config = build_config({**base, **params})
+        return tune.PlacementGroupFactory(trial_bundles(config, driver_cpus), strategy=config.placement_strategy)
+
+    trainable = tune.with_resources(tune.with_parameters(federation_trial, base=base), resources)
     if resume_dir:
         tuner = tune.Tuner.restore(str(Path(resume_dir).resolve()), trainable=trainable, resume_unfinished=True,
                                    resume_errored=True)

@@ -56,6 +56,15 @@ def test_grid_sweep_picks_the_best_trial_and_its_config_trains(tmp_path, ray_ses
     assert rc == 0 and "final test AUC" in capsys.readouterr().out
 
 
+def test_each_trial_reserves_bundles_for_its_own_number_of_clients(tmp_path, ray_session):
+    space = load_space(str(write_space(tmp_path, {"num_clients": {"grid": [1, 3]}},
+                                       {"name": "k", "driver_cpus": 0.5},
+                                       base={"executor": "ray", "cpus_per_client": 0.25, "iterations": 30})))
+    rows = read_rows(run_sweep(space))
+    assert sorted(int(r["num_clients"]) for r in rows) == [1, 3]
+    assert all(r["iterations"] == "30" and not r["error"] for r in rows)
+
+
 def test_asha_stops_weak_trials_early(tmp_path, ray_session):
     space = load_space(str(write_space(
         tmp_path, {"lr": {"grid": [0.3, 0.1, 0.001, 0.0003]}},
