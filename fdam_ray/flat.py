@@ -81,9 +81,11 @@ class FlatModel:
         return self.v.numel()
 
     def counters(self) -> np.ndarray:
-        return np.array(
-            [int(m._buffers[n].reshape(-1)[0]) for m, n in self._counter_slots], dtype=np.int64
-        )
+        if not self._counter_slots:
+            return np.zeros(0, dtype=np.int64)
+        # one transfer for all layers (not one device sync per BatchNorm layer)
+        return torch.stack([m._buffers[n].reshape(-1)[0] for m, n in self._counter_slots]).cpu().numpy().astype(
+            np.int64)
 
     def load(self, state: GlobalState) -> None:
         """Copy the global model state into this replica."""

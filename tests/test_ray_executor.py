@@ -22,7 +22,7 @@ from raytest import SlowClientSource, ray_session
 import fdam_ray
 from fdam_ray.cli import main
 from fdam_ray.config import build_config
-from fdam_ray.data import Split, make_source
+from fdam_ray.data import make_source
 from fdam_ray.data.arrays import ArraysSource
 from fdam_ray.executors import ray_actor
 from fdam_ray.executors.errors import ClientError, ClientInputError, ClusterConnectionError
@@ -165,8 +165,8 @@ def test_a_replaced_client_restarts_from_the_global_control_variate():
 def poisoned(clients, test, bad: int) -> ArraysSource:
     """Client ``bad`` holds samples of the wrong width: its first local step raises in the model."""
     source = ArraysSource(clients, test)
-    x = source.trains[bad].x
-    source.trains[bad] = Split(torch.cat([x, x], 1), source.trains[bad].y)
+    x, y = source.trains[bad]
+    source.trains[bad] = (np.concatenate([x, x], 1), y)
     return source
 
 
@@ -216,7 +216,7 @@ def test_bad_client_input_is_not_retried_and_the_cli_says_it_in_one_line(tmp_pat
     assert not (tmp_path / "runs").exists()
     clients, test = gaussian_clients(num_clients=2)
     source = ArraysSource(clients, test)
-    source.trains[1] = Split(source.trains[1].x[:0], source.trains[1].y[:0])
+    source.trains[1] = (source.trains[1][0][:0], source.trains[1][1][:0])
     executor = RayExecutor()
     with pytest.raises(ClientInputError, match=r"client 1 failed in round 0 \(start\).*no training samples"):
         arrays_run(dict(ARRAYS, iterations=2, executor="ray"), clients, test, executor=executor, source=source)

@@ -48,15 +48,13 @@ from PIL import Image
 
 from fdam_ray.data.base import DatasetSplit, DataSource, Shard
 from fdam_ray.data.chestxray_readers import READERS, TASKS, SourceTable
-from fdam_ray.data.images import read_errors
+from fdam_ray.data.images import IMAGENET_MEAN, IMAGENET_STD, read_errors, split_seed
 
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(READERS)  # chexpert, nih, padchest, mimic, vindr (the paper's order of adding sources)
 POLICIES = ("ones", "zeros", "ignore")
 DEFAULT_UNCERTAIN = ("zeros", "ones", "zeros", "ones", "zeros")  # LibAUC: U-ones for Edema, Atelectasis
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 DEFAULT_IMAGE_SIZE = 320  # the paper's multi-source experiments
 SPLIT_SEED = 20210718  # the held-out test patients are the same for every run seed
 WIDE_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
@@ -283,8 +281,7 @@ class ChestXraySource(DataSource):
         table, labels = self.table(self.places[client_id].source)
         if len(train) == 0:
             raise ValueError(f"chest X-ray client {client_id} ({self.places[client_id].source}) has no training images")
-        seed = int(np.random.SeedSequence([self.seed, 4099, client_id]).generate_state(1, np.uint64)[0] >> 1)
-        return Shard(self._split(table, labels, train, seed if self.augment else None),
+        return Shard(self._split(table, labels, train, split_seed(self.seed, client_id) if self.augment else None),
                      self._split(table, labels, test, None) if len(test) else None)
 
     def test_set(self) -> None:

@@ -77,6 +77,8 @@ class RayExecutor(Executor):
         self._reference_ref = None
         self._adopt_global_c: set[int] = set()
         self._test_size = 0
+        self._put_state: GlobalState | None = None
+        self._put_ref = None
 
     # -- set-up ---------------------------------------------------------------------------
     def start(self, config, source: DataSource) -> list[ClientInfo]:
@@ -283,6 +285,14 @@ class RayExecutor(Executor):
             ray.get(ref, timeout=self.timeout)
         self._adopt_global_c.add(k)
 
+    def _state_ref(self, state: GlobalState):
+        """The object-store copy of ``state`` for the scoring calls that follow a round (evaluation on the
+        clients' splits and on the test set, CODA's score sums): put once for all of them. A round puts its
+        state afresh, since the driver changes a state in place only between scoring and the next round."""
+        if self._put_state is not state:
+            self._put_state, self._put_ref = state, ray.put(state)
+        return self._put_ref
+
     # -- the Executor interface ---------------------------------------------------------------
     def configure(self, positive_ratio: np.ndarray) -> None:
         self._positive_ratio = np.asarray(positive_ratio)
@@ -296,7 +306,8 @@ class RayExecutor(Executor):
 
     def run_round(self, state: GlobalState, plan: RoundPlan, fold: Callable[[ClientUpdate], None]) -> None:
         self._round = plan.round
-        ref = ray.put(state)
+        ref = ray.put(state)  # always fresh: the driver may have changed the state since it was last put
+        self._put_state = None
 
         def call(k: int, actor) -> Any:
             return actor.local_round.remote(ref, plan, k in self._adopt_global_c)
@@ -307,7 +318,7 @@ class RayExecutor(Executor):
             self._adopt_global_c.discard(k)
 
     def evaluate(self, state: GlobalState) -> list[Scores]:
-        ref = ray.put(state)
+        ref = self._state_ref(state)
         return [s for _, s in self._each("evaluate", lambda k, a: a.evaluate.remote(ref)) if s is not None]
 
     def score_test_set(self, state: GlobalState) -> Scores | None:
@@ -318,7 +329,7 @@ class RayExecutor(Executor):
             clients = list(self.live)
             bounds = np.linspace(0, self._test_size, min(len(clients), self._test_size) + 1).astype(int)
             slices = {k: (int(a), int(b)) for k, a, b in zip(clients, bounds[:-1], bounds[1:], strict=False)}
-            ref = ray.put(state)
+            ref = self._state_ref(state)
 
             def call(k: int, actor, slices=slices, ref=ref) -> Any:
                 return actor.score_test_slice.remote(ref, *slices[k])
@@ -330,7 +341,7 @@ class RayExecutor(Executor):
                               np.concatenate([s.labels for _, s in parts]))
 
     def score_moments(self, state: GlobalState) -> list[Moments]:
-        ref = ray.put(state)
+        ref = self._state_ref(state)
         return [m for _, m in self._each("score_moments", lambda k, a: a.score_moments.remote(ref))]
 
     def client_states(self) -> list[dict | None]:
