@@ -208,10 +208,12 @@ def _scheduler(space: Space, config):
 def _searcher(space: Space):
     if space.options.searcher != "optuna":
         return None
-    try:
-        from ray.tune.search.optuna import OptunaSearch
-    except ImportError as exc:
-        raise ConfigError("tune option 'searcher': optuna needs the optuna package (pip install optuna)") from exc
+    import importlib.util
+
+    if importlib.util.find_spec("optuna") is None:
+        raise ConfigError("tune option 'searcher': optuna needs the optuna package (pip install optuna)")
+    from ray.tune.search.optuna import OptunaSearch
+
     return OptunaSearch()
 
 

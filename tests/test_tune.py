@@ -84,3 +84,22 @@ def test_bad_space_files_are_refused(tmp_path):
         load_space(str(write_space(tmp_path, {"lr": {"grid": [0.1]}}, {"schedular": "asha"})))
     with pytest.raises(ConfigError, match="grid takes only"):
         load_space(str(write_space(tmp_path, {"lr": {"loguniform": [0.001, 0.1]}}, {})))
+
+
+def test_random_search_spaces_and_the_optional_bayesian_searcher(tmp_path, monkeypatch):
+    import importlib.util
+
+    from ray import tune
+
+    from fdam_ray.tuning import _searcher, param_space
+
+    search = {"lr": {"loguniform": [0.001, 0.1]}, "local_steps": {"randint": [1, 8]},
+              "global_lr": {"uniform": [0.9, 1.1]}}
+    space = load_space(str(write_space(tmp_path, search, {"searcher": "random", "num_samples": 3})))
+    params = param_space(space.search, "random")
+    assert isinstance(params["lr"], tune.search.sample.Float) and params["lr"].lower == 0.001
+    assert isinstance(params["local_steps"], tune.search.sample.Integer) and params["local_steps"].upper == 9
+    optuna = load_space(str(write_space(tmp_path, {"lr": {"uniform": [0.01, 0.1]}}, {"searcher": "optuna"})))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "optuna" else object())
+    with pytest.raises(ConfigError, match="optuna needs the optuna package"):
+        _searcher(optuna)
