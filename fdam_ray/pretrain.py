@@ -39,6 +39,10 @@ class FirstClientSource(DataSource):
     def test_set(self):
         return self.source.test_set()
 
+    def for_client(self, client_id: int) -> DataSource:
+        narrow = self.source.for_client(0)
+        return self if narrow is self.source else FirstClientSource(narrow)
+
 
 def pretrain_config(config):
     """The stage-1 config: BCE under fedavg (or centralized on one client), one stage at a constant lr."""
