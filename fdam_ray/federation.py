@@ -128,7 +128,6 @@ class Federation:
         # the CPU, outside Ray's GPU accounting (the clients hold the GPU shares).
         device = resolve_device(config.device) if config.executor == "inline" else torch.device("cpu")
         self.replica = Replica(config, source, device=device)
-        self.num_clients = source.num_clients
 
     # -- start -----------------------------------------------------------------------
     def _start(self) -> GlobalState:

@@ -76,20 +76,15 @@ class DatasetSplit:
 AnySplit = Split | DatasetSplit
 
 
-def _loader(split: DatasetSplit, batch_size: int, device: torch.device, sampler=None):
-    return torch.utils.data.DataLoader(
-        split.dataset, batch_size=batch_size, sampler=sampler, shuffle=False, num_workers=split.num_workers,
-        pin_memory=device.type == "cuda", persistent_workers=False,
-    )
-
-
 def iter_batches(split: AnySplit, batch_size: int, device: torch.device):
     """(x, y) batches of a split in order, on ``device`` (for evaluation)."""
     if isinstance(split, Split):
         for i in range(0, len(split), batch_size):
             yield split.x[i : i + batch_size].to(device), split.y[i : i + batch_size].to(device)
         return
-    for x, y in _loader(split, batch_size, device):
+    loader = torch.utils.data.DataLoader(split.dataset, batch_size=batch_size, shuffle=False,
+                                         num_workers=split.num_workers, pin_memory=device.type == "cuda")
+    for x, y in loader:
         yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 

@@ -54,7 +54,6 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(READERS)  # chexpert, nih, padchest, mimic, vindr (the paper's order of adding sources)
 POLICIES = ("ones", "zeros", "ignore")
-DEFAULT_UNCERTAIN = ("zeros", "ones", "zeros", "ones", "zeros")  # LibAUC: U-ones for Edema, Atelectasis
 DEFAULT_IMAGE_SIZE = 320  # the paper's multi-source experiments
 SPLIT_SEED = 20210718  # the held-out test patients are the same for every run seed
 WIDE_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
