@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from fdam_ray.algorithms.presets import PRESETS
+from fdam_ray.schedules import MIN_LR, last_stage
 
 
 class ConfigError(ValueError):
@@ -355,7 +356,25 @@ def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> C
     if merged["objective"] not in preset.objectives:
         raise _fail("objective", merged["objective"],
                     f"algorithm '{algorithm}' takes one of {', '.join(preset.objectives)}")
-    return Config(**merged)
+    config = Config(**merged)
+    _check_schedule_reach(config)
+    return config
+
+
+def _check_schedule_reach(config: Config) -> None:
+    stage, lr = last_stage(config)
+    if lr >= MIN_LR:
+        return
+    if config.schedule == "stagewise":
+        knobs = (f"lr={config.lr:g}, lr_decay={config.lr_decay:g}, stage_length={config.stage_length}, "
+                 f"iterations={config.iterations}")
+        fix = "raise stage_length, or lower lr_decay or iterations"
+    else:
+        knobs = (f"lr={config.lr:g}, stage_growth={config.stage_growth:g}, rounds_per_stage="
+                 f"{config.rounds_per_stage}, local_steps={config.local_steps}, iterations={config.iterations}")
+        fix = "raise rounds_per_stage, or lower stage_growth or iterations"
+    raise ConfigError(f"config: the schedule ({knobs}) runs {stage} stages and decays lr to {lr:.1e}, below "
+                      f"{MIN_LR:g} where float32 steps no longer move the model; {fix}")
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:

@@ -35,6 +35,28 @@ class Position:
     stage_rounds: int = 0  # rounds done in the current stage
 
 
+# Below this step size a float32 update no longer moves a weight, and the
+# control-variate update 1/(I lr) of CODASCA overflows long before float32's
+# own limit is reached: a schedule that decays this far is a configuration mistake.
+MIN_LR = 1e-15
+
+
+def last_stage(config) -> tuple[int, float]:
+    """The highest stage a run with ``config`` can reach and its lr (an upper bound on the stage)."""
+    if config.schedule == "stagewise":
+        stage = max(1, -(-config.iterations // config.stage_length))
+        return stage, config.lr / config.lr_decay ** (stage - 1)
+    if config.stage_growth == 1:  # lr constant: the stage count does not matter
+        return 1, config.lr
+    stage, done = 1, 0
+    while True:
+        factor = config.stage_growth ** (stage - 1)
+        done += config.rounds_per_stage * max(1, round(config.local_steps * factor))
+        if done >= config.iterations:
+            return stage, config.lr / factor
+        stage += 1
+
+
 class Schedule:
     """Generates the :class:`RoundPlan` of every remaining round from a :class:`Position`."""
 

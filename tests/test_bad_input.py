@@ -74,6 +74,8 @@ CASES = [
     ("impossible IH partition", lambda t: ["num_clients=6"], "num_clients=6 is more than the 5 positive classes",
      True),
     ("client without positives", lambda t: ["imratio=0.001"], "is left with no positives", True),
+    ("schedule decays lr to nothing", lambda t: ["stage_length=60", "iterations=6000"],
+     "runs 100 stages and decays lr to 5.8e-49, below 1e-15", True),
     ("model needs images", lambda t: ["dataset=synthetic", "model=resnet20"], "needs image inputs", True),
     ("config file not a mapping", lambda t: ["--config", str(_write(t / "c.yaml", "- lr\n- 0.1\n"))],
      "must hold a mapping of field: value", True),

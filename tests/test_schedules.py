@@ -5,7 +5,7 @@ import logging
 import pytest
 
 from fdam_ray.config import build_config
-from fdam_ray.schedules import Schedule
+from fdam_ray.schedules import Schedule, last_stage
 
 
 def plans(**kw):
@@ -58,3 +58,19 @@ def test_geometric_grows_local_steps_and_shrinks_lr():
     assert by_stage[3] == [(8, 0.2)] * 3
     assert all(s * lr == pytest.approx(1.6) for p, _ in out for s, lr in [(p.steps, p.lr)] if p.stage < 5)
     assert sum(p.steps for p, _ in out) == 200
+
+
+@pytest.mark.parametrize("kw", [
+    dict(iterations=50, local_steps=4, stage_length=10),
+    dict(iterations=60, local_steps=5, stage_length=10),
+    dict(iterations=7, local_steps=3, stage_length=100),
+    dict(schedule="geometric", iterations=100, local_steps=2, rounds_per_stage=3, stage_growth=2.0),
+    dict(schedule="geometric", iterations=37, local_steps=1, rounds_per_stage=2, stage_growth=1.5),
+])
+def test_last_stage_bounds_the_stage_and_lr_a_run_reaches(kw):
+    out = plans(lr=0.5, **kw)
+    stage, lr = last_stage(build_config(lr=0.5, **kw))
+    reached = out[-1][0]
+    assert reached.stage <= stage and lr <= reached.lr
+    if kw.get("schedule") == "geometric" or kw["stage_length"] % kw["local_steps"] == 0:
+        assert (stage, lr) == (reached.stage, pytest.approx(reached.lr))
