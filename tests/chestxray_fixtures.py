@@ -24,8 +24,7 @@ def write_image(path: Path, seed: int, *, bits: int = 8, size: tuple[int, int] =
     rng = np.random.default_rng(seed)
     w, h = size
     if bits == 16:
-        a = (rng.integers(0, 4096, (h, w)) // 2 + np.linspace(0, 2047, w)[None, :]).astype(np.uint16)
-        Image.fromarray(a).save(path)  # mode I;16 -> a 16-bit PNG
+        Image.fromarray(gray12(seed, size)).save(path)  # mode I;16 -> a 16-bit PNG
     else:
         Image.fromarray(rng.integers(0, 256, (h, w), dtype=np.uint8), mode="L").save(path)
 
@@ -218,13 +217,49 @@ def vindr_reads(i: int) -> list[tuple[str, tuple[int, ...]]]:
     return [(f"R{1 + i % 8}", first), (f"R{9 + i % 6}", second), ("R15", (0, 0, 0, 0, 0))]
 
 
-def write_vindr(base: Path, *, edema_column: bool = True, images=VINDR_IMAGES, reads=vindr_reads) -> Path:
-    """PhysioNet's image_labels_train.csv; without the Edema column it is the variant that lacks that task."""
+def write_dicom(path: Path, pixels: np.ndarray, *, monochrome1: bool = False, slope: float = 1.0,
+                intercept: float = 0.0) -> None:
+    """A DICOM Part 10 file as VinDr-CXR publishes them: Digital X-Ray, explicit VR little endian, 16-bit
+    unsigned pixels with 12 bits stored, optional rescale and MONOCHROME1 (low values bright)."""
+    from pydicom.dataset import FileDataset, FileMetaDataset
+    from pydicom.uid import ExplicitVRLittleEndian, generate_uid
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = FileMetaDataset()
+    meta.MediaStorageSOPClassUID = "1.2.840.10008.5.1.4.1.1.1.1"  # Digital X-Ray Image Storage - For Presentation
+    meta.MediaStorageSOPInstanceUID = generate_uid()
+    meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds = FileDataset(str(path), {}, file_meta=meta, preamble=b"\0" * 128)
+    ds.SOPClassUID, ds.SOPInstanceUID = meta.MediaStorageSOPClassUID, meta.MediaStorageSOPInstanceUID
+    ds.Modality, ds.PatientID = "DX", ""
+    ds.Rows, ds.Columns = pixels.shape
+    ds.SamplesPerPixel, ds.PhotometricInterpretation = 1, "MONOCHROME1" if monochrome1 else "MONOCHROME2"
+    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 16, 12, 11, 0
+    if slope != 1.0 or intercept != 0.0:
+        ds.RescaleSlope, ds.RescaleIntercept = f"{slope:g}", f"{intercept:g}"
+    ds.PixelData = np.ascontiguousarray(pixels, dtype="<u2").tobytes()
+    ds.save_as(path, enforce_file_format=True)
+
+
+def gray12(seed: int, size: tuple[int, int] = (24, 20)) -> np.ndarray:
+    """The 12-bit pattern of :func:`write_image` with ``bits=16``."""
+    rng = np.random.default_rng(seed)
+    w, h = size
+    return (rng.integers(0, 4096, (h, w)) // 2 + np.linspace(0, 2047, w)[None, :]).astype(np.uint16)
+
+
+def write_vindr(base: Path, *, edema_column: bool = True, images=VINDR_IMAGES, reads=vindr_reads,
+                dicom: bool = False) -> Path:
+    """PhysioNet's image_labels_train.csv; without the Edema column it is the variant that lacks that task.
+    With ``dicom`` the images are DICOM files as published (every other one MONOCHROME1), not PNGs."""
     root = base / "vindr"
     header = ["image_id", "rad_id", *[f for f in VINDR_FINDINGS if edema_column or f != "Edema"]]
     out = []
     for i, image in enumerate(images):
-        write_image(root / "train" / f"{image}.png", seed=500 + i)
+        if dicom:
+            write_dicom(root / "train" / f"{image}.dicom", gray12(500 + i), monochrome1=bool(i % 2))
+        else:
+            write_image(root / "train" / f"{image}.png", seed=500 + i)
         for rad, marks in reads(i):
             by_name = dict(zip(VINDR_TASK_COLUMNS, marks, strict=True))
             row = {f: str(by_name.get(f, 0)) for f in VINDR_FINDINGS}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import chestxray_fixtures as F
@@ -15,7 +16,7 @@ from sklearn.metrics import roc_auc_score
 import fdam_ray
 from fdam_ray.config import CHESTXRAY_SOURCES, ConfigError, build_config, parse_overrides
 from fdam_ray.data import make_source
-from fdam_ray.data.chestxray import SOURCES, ChestXrayImages, ChestXraySource, read_gray
+from fdam_ray.data.chestxray import SOURCES, ChestXrayImages, ChestXraySource, read_dicom, read_gray
 from fdam_ray.data.chestxray_readers import TASKS
 from fdam_ray.models import build_model
 
@@ -222,6 +223,44 @@ def test_16_bit_png_is_scaled_by_its_range_not_clipped(tmp_path):
     g = read_gray(str(tmp_path / "x.png"), 8)
     np.testing.assert_allclose(g[:, :3], 0.0, atol=1e-6)
     np.testing.assert_allclose(g[:, 5:], 1.0, atol=1e-6)
+
+
+def test_dicom_pixels_follow_the_modality_lut_and_monochrome1_is_inverted(tmp_path):
+    a = F.gray12(3)
+    Image.fromarray(a).save(tmp_path / "x.png")
+    png = read_gray(str(tmp_path / "x.png"), 10)
+    F.write_dicom(tmp_path / "m2.dicom", a)
+    F.write_dicom(tmp_path / "m1.dcm", a, monochrome1=True)
+    F.write_dicom(tmp_path / "lut.dicom", a, slope=-2.0, intercept=100.0)  # a negative slope flips brightness
+    np.testing.assert_allclose(read_gray(str(tmp_path / "m2.dicom"), 10), png, atol=1e-6)
+    np.testing.assert_allclose(read_gray(str(tmp_path / "m1.dcm"), 10), 1.0 - png, atol=1e-6)
+    np.testing.assert_allclose(read_gray(str(tmp_path / "lut.dicom"), 10), 1.0 - png, atol=1e-6)
+    assert read_dicom(str(tmp_path / "m1.dcm")).max() == a.max() - a.min()
+
+
+def test_vindr_dicoms_are_read_as_published_and_a_conversion_wins_when_both_are_there(tmp_path, roots):
+    root = F.write_vindr(tmp_path / "d", dicom=True)
+    src = ChestXraySource(config({"vindr": root}, ["vindr"]))
+    table, labels = src.table("vindr")
+    assert [Path(p).name for p in table.paths] == [f"{i}.dicom" for i in F.VINDR_IMAGES]
+    assert labels.tolist() == ChestXraySource(config(roots, ["vindr"])).table("vindr")[1].tolist()
+    x, _ = ChestXrayImages(table.paths, labels, image_size=12)[1]  # a MONOCHROME1 file
+    gray = read_gray(table.paths[1], 12)
+    torch.testing.assert_close(x[0] * 0.229 + 0.485, torch.from_numpy(gray), atol=1e-5, rtol=0)
+    Image.fromarray(F.gray12(0)).save(root / "train" / f"{F.VINDR_IMAGES[0]}.png")
+    paths = ChestXraySource(config({"vindr": root}, ["vindr"])).table("vindr")[0].paths
+    assert Path(paths[0]).suffix == ".png" and Path(paths[1]).suffix == ".dicom"
+
+
+def test_dicom_without_pydicom_or_damaged_says_what_to_do(tmp_path, monkeypatch):
+    root = F.write_vindr(tmp_path, dicom=True)
+    bad = root / "train" / f"{F.VINDR_IMAGES[2]}.dicom"
+    bad.write_bytes(b"not a dicom file")
+    with pytest.raises(ValueError, match=r"cannot read image '.*\.dicom': InvalidDicomError"):
+        read_gray(str(bad), 8)
+    monkeypatch.setitem(sys.modules, "pydicom", None)  # as if the dicom extra were not installed
+    with pytest.raises(ValueError, match=r"VinDr-CXR's DICOM images needs pydicom: pip install 'fdam-ray\[dicom\]'"):
+        ChestXraySource(config({"vindr": root}, ["vindr"])).table("vindr")
 
 
 def test_images_become_normalised_3_channel_tensors_with_seeded_augmentation(roots):

@@ -25,7 +25,7 @@ publisher's own test split is used where the reader has one. The clients'
 test splits together are the pooled test set, so the run reports pooled,
 per-client and per-task AUC.
 
-Images: grayscale (16-bit PNGs scaled by their own range), resized to
+Images: grayscale (16-bit PNGs and DICOMs scaled by their own range), resized to
 ``image_size`` (320 by default, as in the paper), with ``augment`` the
 paper's random affine map for training, then 3 channels with ImageNet's
 normalisation; ``data_workers`` DataLoader processes per client read them.
@@ -47,7 +47,7 @@ import torch
 from PIL import Image
 
 from fdam_ray.data.base import DatasetSplit, DataSource, Shard
-from fdam_ray.data.chestxray_readers import READERS, TASKS, SourceTable
+from fdam_ray.data.chestxray_readers import DICOM_SUFFIXES, READERS, TASKS, SourceTable
 from fdam_ray.data.images import IMAGENET_MEAN, IMAGENET_STD, read_errors, split_seed
 
 log = logging.getLogger(__name__)
@@ -89,19 +89,49 @@ def read_gray(path: str, size: int) -> np.ndarray:
     """A grayscale image in [0, 1], resized to ``size`` x ``size``.
 
     8-bit images are divided by 255. 16-bit (and wider) images, such as
-    PadChest's PNGs whose stored bit depth varies by scanner, are scaled by
-    their own minimum and maximum: converting them to 8-bit directly would clip
-    nearly every pixel to white.
+    PadChest's PNGs whose stored bit depth varies by scanner, and DICOM files
+    (``.dicom``/``.dcm``, see :func:`read_dicom`) are scaled by their own
+    minimum and maximum: converting them to 8-bit directly would clip nearly
+    every pixel to white.
     """
+    if path.lower().endswith(DICOM_SUFFIXES):
+        return _scaled(read_dicom(path), size)
     with read_errors(path), Image.open(path) as img:
         if img.mode in WIDE_MODES:
-            a = np.array(img, dtype=np.float32)
-            lo, hi = float(a.min()), float(a.max())
-            a = (a - lo) / (hi - lo) if hi > lo else np.zeros_like(a)
-            return np.array(Image.fromarray(a).resize((size, size), Image.Resampling.BILINEAR), dtype=np.float32)
+            return _scaled(np.array(img, dtype=np.float32), size)
         img.draft("L", (size, size))  # JPEG: decode at a reduced scale when the image is much larger
         small = img.convert("L").resize((size, size), Image.Resampling.BILINEAR)
         return np.array(small, dtype=np.float32) / 255.0
+
+
+def _scaled(a: np.ndarray, size: int) -> np.ndarray:
+    lo, hi = float(a.min()), float(a.max())
+    a = (a - lo) / (hi - lo) if hi > lo else np.zeros_like(a)
+    return np.array(Image.fromarray(a).resize((size, size), Image.Resampling.BILINEAR), dtype=np.float32)
+
+
+def read_dicom(path: str) -> np.ndarray:
+    """A DICOM image's pixels as float32 with bright meaning dense (bone white).
+
+    The modality LUT (RescaleSlope / RescaleIntercept) is applied and
+    MONOCHROME1 images, stored with low values bright, are inverted; the caller
+    then scales by the image's own range as for 16-bit PNGs. Compressed
+    transfer syntaxes need the decoder pydicom names in its message.
+    """
+    import pydicom
+    from pydicom.pixels import apply_modality_lut
+
+    try:
+        ds = pydicom.dcmread(path)
+        a = np.asarray(apply_modality_lut(ds.pixel_array, ds), dtype=np.float32)
+    except (pydicom.errors.InvalidDicomError, AttributeError, RuntimeError, OSError, ValueError, NotImplementedError,
+            KeyError) as exc:
+        raise ValueError(f"cannot read image '{path}': {type(exc).__name__}: {exc}") from None
+    if a.ndim != 2:
+        raise ValueError(f"cannot read image '{path}': expected one grayscale frame, got pixel shape {a.shape}")
+    if ds.get("PhotometricInterpretation", "MONOCHROME2") == "MONOCHROME1":
+        a = a.max() - a
+    return a
 
 
 class ChestXrayImages(torch.utils.data.Dataset):

@@ -51,6 +51,7 @@ VINDR_KAGGLE_CLASSES = frozenset({
 })
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+DICOM_SUFFIXES = (".dicom", ".dcm")
 
 
 @dataclasses.dataclass
@@ -271,19 +272,31 @@ def read_mimic(root: Path, *, official_test: bool = False) -> SourceTable:
 
 
 def _vindr_images(root: Path, ids: np.ndarray) -> np.ndarray:
-    index = {}
+    """``<image_id>.png``/``.jpg`` (converted) or, failing that, the published ``<image_id>.dicom``."""
+    index: dict[str, str] = {}
+    dicoms: dict[str, str] = {}
     for name, path in _image_index([root / "train"]).items():
         stem, suffix = os.path.splitext(name)
         if suffix.lower() in IMAGE_SUFFIXES:
             index.setdefault(stem, path)
-    lost = [i for i in ids if i not in index]
+        elif suffix.lower() in DICOM_SUFFIXES:
+            dicoms.setdefault(stem, path)
+    lost = [i for i in ids if i not in index and i not in dicoms]
     if lost:
-        dicom = any(n.endswith((".dicom", ".dcm")) for n in os.listdir(root / "train")) if (root / "train").is_dir() \
-            else False
-        hint = " (the images are DICOM: convert them to PNG or JPEG with the same names)" if dicom else ""
-        raise ValueError(f"VinDr-CXR: {len(lost)} of {len(ids)} labelled images have no <image_id>.png/.jpg in "
-                         f"'{root / 'train'}' (first: {lost[0]}){hint}")
-    return np.array([index[i] for i in ids], dtype=object)
+        raise ValueError(f"VinDr-CXR: {len(lost)} of {len(ids)} labelled images have no <image_id>.dicom, .png "
+                         f"or .jpg in '{root / 'train'}' (first: {lost[0]})")
+    if any(i not in index for i in ids):
+        require_pydicom("VinDr-CXR's DICOM images")
+    return np.array([index.get(i) or dicoms[i] for i in ids], dtype=object)
+
+
+def require_pydicom(what: str) -> None:
+    """Fail before anything is written when DICOM files are to be read without pydicom installed."""
+    try:
+        import pydicom  # noqa: F401
+    except ImportError:
+        raise ValueError(f"reading {what} needs pydicom: pip install 'fdam-ray[dicom]' (or convert the files "
+                         f"to PNG with the same names)") from None
 
 
 def read_vindr(root: Path, *, official_test: bool = False) -> SourceTable:
@@ -295,8 +308,9 @@ def read_vindr(root: Path, *, official_test: bool = False) -> SourceTable:
     (image_id, class_name, class_id, rad_id, box coordinates; one row per box).
     An image is positive for a task when any reader marks it (union over
     readers). A task with no column (Edema in the Kaggle variant) is missing
-    (NaN), not negative. Images: ``root/train/<image_id>.png`` (or .jpg): the
-    published DICOM files must be converted first. Every image is a frontal (PA)
+    (NaN), not negative. Images: ``root/train/<image_id>.dicom`` as published
+    (read with pydicom, the ``dicom`` extra), or a PNG/JPEG conversion with the
+    same name, which is used when both are there. Every image is a frontal (PA)
     view; VinDr-CXR has no patient ids, so each image counts as its own patient.
     """
     found = [p for p in (root / "image_labels_train.csv", root / "annotations" / "image_labels_train.csv")
