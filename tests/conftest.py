@@ -9,6 +9,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
+# The suite runs on the CPU wherever it runs: its bit-for-bit comparisons assume CPU kernels, and a GPU in
+# view would move device=auto runs and Ray's resource counts onto it (CUDA starts lazily, so hiding it here,
+# before any test touches it, holds for this process, its subprocesses and the Ray workers it starts).
+# The GPU paths are checked on a GPU machine by benchmarks/gpu_check.py.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 def gaussian_clients(num_clients=3, n=40, d=5, seed=0, shift=1.0, pos_frac=0.25):

@@ -106,8 +106,12 @@ class ClientShell:
     def where(self) -> dict:
         """Process id, node and placement of this actor (for tests and diagnostics)."""
         ctx = ray.get_runtime_context()
+        fraction = None
+        if self.device.type == "cuda" and hasattr(torch.cuda, "get_per_process_memory_fraction"):
+            fraction = torch.cuda.get_per_process_memory_fraction(self.device)
         return {"pid": os.getpid(), "node_id": ctx.get_node_id(), "placement_group_id": ctx.get_placement_group_id(),
-                "gpu_ids": ray.get_gpu_ids(), "device": str(self.device), "threads": torch.get_num_threads()}
+                "gpu_ids": ray.get_gpu_ids(), "device": str(self.device), "threads": torch.get_num_threads(),
+                "cuda_memory_fraction": fraction}
 
     # -- forwarded calls --------------------------------------------------------------
     def configure(self, positive_ratio: np.ndarray) -> None:
