@@ -219,3 +219,15 @@ def test_multi_source_needs_every_real_root_it_uses(tmp_path):
 
     with pytest.raises(SystemExit):
         multi_source.parse_args(["--chexpert-root", str(tmp_path), "--sources", "2"])
+
+
+def test_gpu_check_script_on_the_cpu(tmp_path):
+    import gpu_check
+
+    out = tmp_path / "gpu.md"
+    line = gpu_check.main(["--allow-cpu", "--iterations", "16", "--speed-iterations", "2", "--out", str(out)])
+    values = parse_result(line)
+    # on the CPU stand-in both "devices" are the CPU: the comparisons must come out exact
+    assert values["cpu_gpu_auc_diff"] == 0 and values["ray_vs_inline_max_diff"] == 0
+    assert values["deterministic_repeat"] == values["resume_identical"] == values["ray_actors_placed"] == 1
+    assert "| Ray, 4 actors x 0.25 GPU | devices ['cpu']" in out.read_text()
