@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Iterator
 
 from fdam_ray.state import RoundPlan
@@ -35,9 +36,9 @@ class Position:
     stage_rounds: int = 0  # rounds done in the current stage
 
 
-# Below this step size a float32 update no longer moves a weight, and the
-# control-variate update 1/(I lr) of CODASCA overflows long before float32's
-# own limit is reached: a schedule that decays this far is a configuration mistake.
+# Below this step size a float32 update no longer moves a weight (and once lr
+# nears 1e-38, CODASCA's control-variate update, scaled by 1/(I lr), overflows
+# float32): a schedule that decays this far is a configuration mistake.
 MIN_LR = 1e-15
 
 
@@ -45,7 +46,8 @@ def last_stage(config) -> tuple[int, float]:
     """The highest stage a run with ``config`` can reach and its lr (an upper bound on the stage)."""
     if config.schedule == "stagewise":
         stage = max(1, -(-config.iterations // config.stage_length))
-        return stage, config.lr / config.lr_decay ** (stage - 1)
+        # in logs: lr_decay ** (stage - 1) overflows a float for a long run of short stages
+        return stage, math.exp(math.log(config.lr) - (stage - 1) * math.log(config.lr_decay))
     if config.stage_growth == 1:  # lr constant: the stage count does not matter
         return 1, config.lr
     stage, done = 1, 0
