@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from fdam_ray.algorithms import Algorithm
-from fdam_ray.client import Replica, resolve_device
+from fdam_ray.client import Replica, all_finite, resolve_device
 from fdam_ray.data import DataSource, make_source
 from fdam_ray.evaluation import Evaluator
 from fdam_ray.executors import Executor, make_executor
@@ -194,7 +194,7 @@ class Federation:
         loop.bytes_down += self.executor.active_clients * loop.state.nbytes
         loop.bytes_up += reducer.bytes_up
         state = reducer.finish(steps=plan.steps)
-        if not all(math.isfinite(float(np.sum(x))) for x in (state.v, state.alpha, state.buffers)):
+        if not all_finite([torch.from_numpy(x) for x in (state.v, state.alpha, state.buffers)]):
             raise DivergenceError(f"round {plan.round}: the global state became NaN or infinite after the server "
                                   "step; lower lr or global_lr")
         loop.train_s += time.perf_counter() - t0

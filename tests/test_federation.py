@@ -139,3 +139,16 @@ def test_deterministic_asks_torch_for_deterministic_kernels(clients_and_test):
         assert torch.are_deterministic_algorithms_enabled()
     finally:
         torch.use_deterministic_algorithms(before)
+
+
+def test_the_finiteness_check_is_exact_even_when_a_sum_overflows():
+    import torch
+
+    from fdam_ray.client import all_finite
+
+    big = torch.full((8,), 3e38)  # finite values whose float32 sum overflows
+    assert not torch.isfinite(big.sum()) and all_finite([big, torch.zeros(0)])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        small, large = torch.ones(5), big.clone()
+        small[2] = large[1] = bad
+        assert not all_finite([torch.ones(3), small]) and not all_finite([large])
