@@ -316,6 +316,19 @@ def test_a_group_the_cluster_cannot_hold_is_a_clear_error_not_a_hang():
     assert time.monotonic() - t0 < 10 and no_leftover_groups()
 
 
+def test_gpus_left_unused_are_pointed_out_with_a_share_to_set(monkeypatch, caplog):
+    clients, test = gaussian_clients(4, n=30)
+    real = ray.cluster_resources
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {**real(), "GPU": 1.0})  # as on a one-GPU machine
+    with caplog.at_level(logging.WARNING, logger="fdam_ray.executors.ray_executor"):
+        arrays_run(dict(ARRAYS, iterations=2, executor="ray"), clients, test)
+    assert "has 1 GPU(s) but gpus_per_client=0" in caplog.text and "e.g. 0.25 for 4 clients per GPU" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fdam_ray.executors.ray_executor"):
+        arrays_run(dict(ARRAYS, iterations=2, executor="ray", device="cpu"), clients, test)
+    assert "GPU(s)" not in caplog.text
+
+
 # -- sessions and clusters ----------------------------------------------------------------------
 def test_a_running_ray_is_reused_and_the_cli_trains_on_it(tmp_path, capsys):
     assert ensure_ray(address="10.255.255.1:6379", cpus_needed=64) is False  # no connection attempted
