@@ -68,11 +68,13 @@ def throughput(device: str, iterations: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> str:
-    threads = torch.get_num_threads()
+    # the checks switch deterministic kernels and thread counts for this process: undo that for a caller
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     try:
         return checks(argv)
     finally:
         torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
 
 
 def checks(argv: list[str] | None) -> str:
