@@ -389,6 +389,20 @@ def check_args(args: argparse.Namespace) -> None:
         args.seeds = [0, 1, 2]
 
 
+def run_script(script: str, argv: Sequence[str] | None, parse_args: Callable, measure: Callable,
+               report: Callable) -> str:
+    """The ``main`` of a benchmark that measures, then reports: prints and returns the ``RESULT`` line.
+
+    The results go to ``--out`` or ``benchmarks/results/<script>.md``.
+    """
+    args = parse_args(argv)
+    setup()
+    out = Path(args.out) if args.out else RESULTS_DIR / f"{Path(script).stem}.md"
+    line = report(args, measure(args), out, command_line(script, argv))
+    print(line)
+    return line
+
+
 def setup() -> None:
     """One torch thread in this process (tiny models; a shared machine) and quiet library logs."""
     import torch

@@ -171,12 +171,7 @@ same grid for both algorithms):
 
 
 def main(argv: list[str] | None = None) -> str:
-    args = parse_args(argv)
-    C.setup()
-    out = Path(args.out) if args.out else C.RESULTS_DIR / "comm_window.md"
-    line = report(args, measure(args), out, C.command_line("comm_window.py", argv))
-    print(line)
-    return line
+    return C.run_script("comm_window.py", argv, parse_args, measure, report)
 
 
 if __name__ == "__main__":

@@ -189,12 +189,7 @@ std over seeds {' '.join(map(str, args.seeds))}.
 
 
 def main(argv: list[str] | None = None) -> str:
-    args = parse_args(argv)
-    C.setup()
-    out = Path(args.out) if args.out else C.RESULTS_DIR / "rounds_vs_clients.md"
-    line = report(args, measure(args), out, C.command_line("rounds_vs_clients.py", argv))
-    print(line)
-    return line
+    return C.run_script("rounds_vs_clients.py", argv, parse_args, measure, report)
 
 
 if __name__ == "__main__":

@@ -111,12 +111,7 @@ lr and prox_weight: best final test AUC on tuning seed {args.tune_seed} over lr 
 
 
 def main(argv: list[str] | None = None) -> str:
-    args = parse_args(argv)
-    C.setup()
-    out = Path(args.out) if args.out else C.RESULTS_DIR / "vs_fedavg.md"
-    line = report(args, measure(args), out, C.command_line("vs_fedavg.py", argv))
-    print(line)
-    return line
+    return C.run_script("vs_fedavg.py", argv, parse_args, measure, report)
 
 
 if __name__ == "__main__":

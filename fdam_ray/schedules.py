@@ -52,11 +52,17 @@ def last_stage(config) -> tuple[int, float]:
         return 1, config.lr
     stage, done = 1, 0
     while True:
-        factor = config.stage_growth ** (stage - 1)
-        done += config.rounds_per_stage * max(1, round(config.local_steps * factor))
+        steps, lr = geometric_stage(config.local_steps, config.lr, config.stage_growth, stage)
+        done += config.rounds_per_stage * steps
         if done >= config.iterations:
-            return stage, config.lr / factor
+            return stage, lr
         stage += 1
+
+
+def geometric_stage(local_steps: int, lr: float, growth: float, stage: int) -> tuple[int, float]:
+    """(I_s, lr_s) of stage s of the geometric schedule: I_0 rho^(s-1) local steps, lr_0 / rho^(s-1)."""
+    factor = growth ** (stage - 1)
+    return max(1, round(local_steps * factor)), lr / factor
 
 
 class Schedule:
@@ -97,8 +103,7 @@ class Schedule:
             if self.kind == "stagewise":
                 steps, lr = self.local_steps, self.lr / self.lr_decay ** (p.stage - 1)
             else:
-                factor = self.growth ** (p.stage - 1)
-                steps, lr = max(1, round(self.local_steps * factor)), self.lr / factor
+                steps, lr = geometric_stage(self.local_steps, self.lr, self.growth, p.stage)
             steps = min(steps, self.iterations - p.done)
             plan = RoundPlan(round=p.round + 1, stage=p.stage, steps=steps, lr=lr, iteration=p.done)
             p.done, p.round, p.stage_rounds = p.done + steps, p.round + 1, p.stage_rounds + 1

@@ -24,6 +24,16 @@ def drain(sampler, k):
     return [sampler.next()[0].ravel().tolist() for _ in range(k)]
 
 
+def continues_after_restore(make, sampler, k) -> tuple[bool, list]:
+    """Save ``sampler``'s state, draw k batches, restore the state into a fresh ``make()`` sampler: does it
+    draw the same k batches? Also returns the batches drawn."""
+    state = sampler.get_state()
+    rest = drain(sampler, k)
+    fresh = make()
+    fresh.set_state(state)
+    return drain(fresh, k) == rest, rest
+
+
 @pytest.mark.parametrize("kind", ["tensor", "loader"])
 def test_every_sample_once_per_epoch_and_seeded(kind):
     n = 10
@@ -53,11 +63,7 @@ def test_sampler_state_restores_the_same_stream(kind):
                                      device=torch.device("cpu"))
     s = make()
     drain(s, 3)
-    state = s.get_state()
-    rest = drain(s, 5)
-    t = make()
-    t.set_state(state)
-    assert drain(t, 5) == rest
+    assert continues_after_restore(make, s, 5)[0]
 
 
 def test_iter_batches_reads_a_dataset_in_order():
@@ -89,11 +95,7 @@ def test_loader_sampler_state_includes_the_augmentation_generator():
                                  device=torch.device("cpu"))
     s = make()
     drain(s, 3)
-    state = s.get_state()
-    rest = drain(s, 4)
-    t = make()
-    t.set_state(state)
-    assert drain(t, 4) == rest
+    assert continues_after_restore(make, s, 4)[0]
 
 
 @pytest.mark.parametrize("workers", [0, 1])
@@ -104,10 +106,7 @@ def test_loader_batches_are_full_and_restore_exactly_while_workers_read_ahead(wo
     first = drain(s, 3)
     assert all(len(b) == 4 for b in first)  # 12 samples over an epoch of 9: the third batch spans two
     assert sorted(first[0] + first[1] + first[2][:1]) == list(range(9))
-    state = s.get_state()
-    rest = drain(s, 4)
-    t = make()
-    t.set_state(state)
-    assert drain(t, 4) == rest
+    same, rest = continues_after_restore(make, s, 4)
+    assert same
     tensor = TensorSampler(Split(torch.arange(9, dtype=torch.float32).reshape(-1, 1), torch.zeros(9)), 4, seed=5)
     assert drain(tensor, 7) == first + rest  # in memory or read from disk: the same batches

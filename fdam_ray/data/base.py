@@ -16,6 +16,10 @@ import numpy as np
 import torch
 
 
+class MissingExtraError(ImportError, ValueError):
+    """An optional dependency is not installed (a ValueError too, so the CLI reports it plainly)."""
+
+
 @dataclasses.dataclass
 class Split:
     """Labelled samples held as tensors (features (n, ...) float32, labels (n, T) float32)."""

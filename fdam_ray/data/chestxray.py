@@ -121,12 +121,10 @@ def read_dicom(path: str) -> np.ndarray:
     import pydicom
     from pydicom.pixels import apply_modality_lut
 
-    try:
+    with read_errors(path, (pydicom.errors.InvalidDicomError, AttributeError, RuntimeError, NotImplementedError,
+                            KeyError)):
         ds = pydicom.dcmread(path)
         a = np.asarray(apply_modality_lut(ds.pixel_array, ds), dtype=np.float32)
-    except (pydicom.errors.InvalidDicomError, AttributeError, RuntimeError, OSError, ValueError, NotImplementedError,
-            KeyError) as exc:
-        raise ValueError(f"cannot read image '{path}': {type(exc).__name__}: {exc}") from None
     if a.ndim != 2:
         raise ValueError(f"cannot read image '{path}': expected one grayscale frame, got pixel shape {a.shape}")
     if ds.get("PhotometricInterpretation", "MONOCHROME2") == "MONOCHROME1":

@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from fdam_ray.data.base import MissingExtraError
+
 log = logging.getLogger(__name__)
 
 TASKS = ("Cardiomegaly", "Edema", "Consolidation", "Atelectasis", "Pleural Effusion")
@@ -295,7 +297,7 @@ def require_pydicom(what: str) -> None:
     try:
         import pydicom  # noqa: F401
     except ImportError:
-        raise ValueError(f"reading {what} needs pydicom: pip install 'fdam-ray[dicom]' (or convert the files "
+        raise MissingExtraError(f"reading {what} needs pydicom: pip install 'fdam-ray[dicom]' (or convert the files "
                          f"to PNG with the same names)") from None
 
 

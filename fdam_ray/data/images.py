@@ -69,11 +69,14 @@ class ArrayImages(_LazyImages):
 
 
 @contextlib.contextmanager
-def read_errors(path: str):
-    """Turn a missing, truncated or undecodable image file into a ValueError that names it."""
+def read_errors(path: str, also: tuple[type[BaseException], ...] = ()):
+    """Turn a missing, truncated or undecodable image file into a ValueError that names it.
+
+    ``also``: further exception types the decoder raises for a bad file (PIL's are built in).
+    """
     try:
         yield
-    except (OSError, SyntaxError, ValueError) as exc:  # PIL raises all three for damaged files
+    except (OSError, SyntaxError, ValueError, *also) as exc:  # PIL raises the first three for damaged files
         raise ValueError(f"cannot read image '{path}': {type(exc).__name__}: {exc}") from None
 
 

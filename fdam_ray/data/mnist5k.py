@@ -12,12 +12,9 @@ import functools
 import numpy as np
 from sklearn.model_selection import train_test_split
 
+from fdam_ray.data.base import MissingExtraError
 from fdam_ray.data.digits import SPLIT_SEED
 from fdam_ray.data.pooled import ClassPoolSource
-
-
-class MissingExtraError(ImportError, ValueError):
-    """An optional dependency is not installed (a ValueError too, so the CLI reports it plainly)."""
 
 
 class Mnist5kSource(ClassPoolSource):

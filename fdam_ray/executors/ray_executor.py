@@ -57,12 +57,6 @@ log = logging.getLogger(__name__)
 _RemoteShell = ray.remote(ClientShell)
 
 
-def _share(num_clients: int, gpus: float) -> float:
-    """The GPU share that spreads ``num_clients`` clients evenly over ``gpus`` GPUs (at most one each)."""
-    per_gpu = -(-num_clients // max(1, int(gpus)))
-    return min(1.0, round(1.0 / per_gpu, 4))
-
-
 class RayExecutor(Executor):
     """Runs each client in its own Ray actor (see the module docstring).
 
@@ -96,9 +90,10 @@ class RayExecutor(Executor):
         started_here = ensure_ray(address=config.address, cpus_needed=num_clients * config.cpus_per_client)
         gpus = ray.cluster_resources().get("GPU", 0)
         if gpus and not config.gpus_per_client and config.device != "cpu":
+            per_gpu = -(-num_clients // max(1, int(gpus)))  # the clients spread evenly over the GPUs
             log.warning("the Ray cluster has %g GPU(s) but gpus_per_client=0, so the clients train on CPUs; set "
                         "gpus_per_client (e.g. %g for %d clients per GPU) to use them, or device=cpu to silence this",
-                        gpus, _share(num_clients, gpus), -(-num_clients // max(1, int(gpus))))
+                        gpus, round(1.0 / per_gpu, 4), per_gpu)
         self._place(num_clients, local=started_here)
         # A recipe goes to the object store once for every client; data held in memory (train_arrays) goes
         # one client's part per client, so no actor receives another client's samples.
