@@ -29,7 +29,7 @@ class ConfigError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Field:
     name: str
-    kind: str  # "int", "float", "bool", "str", "int_list", "batch"
+    kind: str  # "int", "float", "bool", "str", "batch", "int_list", "str_list"
     default: Any
     doc: str
     choices: tuple[str, ...] | None = None
@@ -215,9 +215,19 @@ RESUME_MAY_CHANGE = {"iterations", "eval_every", "checkpoint_every", "tensorboar
 
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
 
+_TYPES: dict[str, Any] = {"int": int, "float": float, "bool": bool, "str": str, "batch": int,
+                          "int_list": tuple[int, ...], "str_list": tuple[str, ...]}
+
+
+def field_type(field: Field) -> Any:
+    """The Python type of a field's validated value (``X | None`` for optional fields)."""
+    kind = _TYPES[field.kind]
+    return kind | None if field.optional or field.default is None else kind
+
+
 Config = dataclasses.make_dataclass(
     "Config",
-    [(f.name, Any, dataclasses.field(default=f.default)) for f in FIELDS],
+    [(f.name, field_type(f), dataclasses.field(default=f.default)) for f in FIELDS],
     frozen=True,
     namespace={
         "__doc__": "A validated run configuration; build it with :func:`build_config`.",
