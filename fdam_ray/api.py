@@ -7,7 +7,8 @@ from typing import Any
 
 from fdam_ray.config import Config, build_config
 from fdam_ray.data.arrays import ArrayPair, ArraysSource
-from fdam_ray.federation import RunResult, run
+from fdam_ray.federation import RunResult
+from fdam_ray.recipe import run
 
 
 def _config(config: Config | Mapping[str, Any] | None, **overrides: Any) -> Config:
@@ -22,7 +23,7 @@ def train(
     save: bool = True,
     on_eval: Callable[[dict], None] | None = None,
 ) -> RunResult:
-    """Train a federation on the dataset the config names; see :func:`fdam_ray.federation.run`."""
+    """Train a federation on the dataset the config names; see :func:`fdam_ray.recipe.run`."""
     return run(_config(config), save=save, on_eval=on_eval)
 
 

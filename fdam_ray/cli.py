@@ -33,7 +33,8 @@ def _summary(summary: dict) -> str:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from fdam_ray.executors.errors import ClientError
-    from fdam_ray.federation import DivergenceError, resume, run
+    from fdam_ray.federation import DivergenceError
+    from fdam_ray.recipe import resume, run
 
     values = load_config_file(args.config) if args.config else {}
     values.update(parse_overrides(args.overrides))

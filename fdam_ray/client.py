@@ -7,17 +7,30 @@ or small dataclasses (:mod:`fdam_ray.state`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
 import numpy as np
 import torch
 
-from fdam_ray.algorithms import Algorithm
+from fdam_ray.algorithms import Algorithm, AlgorithmSection
 from fdam_ray.data import AnySplit, DataSource, iter_batches, make_sampler
 from fdam_ray.flat import FlatModel
 from fdam_ray.models import build_model
 from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, Moments, RoundPlan, Scores, StepStats
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientSection(AlgorithmSection):
+    """What a client (and the driver's replica) needs of the config: the algorithm, the network, batches."""
+
+    model: str
+    model_width: int
+    seed: int
+    batch_size: int
+    eval_batch_size: int
+    deterministic: bool
 
 
 def use_deterministic_kernels() -> None:
@@ -52,12 +65,12 @@ def resolve_device(name: str) -> torch.device:
 class Replica:
     """A model replica in flat storage that can load a global state and score samples."""
 
-    def __init__(self, config, source: DataSource, *, device: torch.device) -> None:
+    def __init__(self, config: ClientSection, source: DataSource, *, device: torch.device) -> None:
         self.config = config
         self.device = device
         if config.deterministic:
             use_deterministic_kernels()
-        self.algorithm = Algorithm.from_config(config)
+        self.algorithm = Algorithm.from_section(config)
         self.objective = self.algorithm.objective(source.num_tasks)
         model = build_model(config.model, source.input_shape, source.num_tasks,
                             width=config.model_width, seed=config.seed)
@@ -84,13 +97,13 @@ class Client(Replica):
     """A client: builds its own shard from the data source spec, then runs local rounds.
 
     Args:
-        config: the run's validated config.
+        config: the client's section of the run's config.
         source: the data source spec; the client calls ``source.client_shard(client_id)``.
         client_id: k in 0..K-1.
         device: where its model and data live.
     """
 
-    def __init__(self, config, source: DataSource, client_id: int, *, device: torch.device) -> None:
+    def __init__(self, config: ClientSection, source: DataSource, client_id: int, *, device: torch.device) -> None:
         super().__init__(config, source, device=device)
         self.client_id = client_id
         shard = source.client_shard(client_id)

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from fdam_ray.algorithms.presets import PRESETS
-from fdam_ray.schedules import MIN_LR, last_stage
+from fdam_ray.schedules import MIN_LR, ScheduleSection, last_stage
 
 
 class ConfigError(ValueError):
@@ -372,7 +372,7 @@ def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> C
 
 
 def _check_schedule_reach(config: Config) -> None:
-    stage, lr = last_stage(config)
+    stage, lr = last_stage(ScheduleSection.of(config))
     if lr >= MIN_LR:
         return
     if config.schedule == "stagewise":

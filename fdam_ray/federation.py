@@ -1,16 +1,18 @@
-"""The driver loop: rounds, stages, evaluation, checkpoints and run outputs.
+"""The paper's outer loop (Yuan et al. 2021, Alg. 1 and 3): stages of communication rounds, with evaluation.
 
-One round (ALGORITHMS.md s.3): the executor runs every client from the global
-state, the :class:`RoundReducer` folds their updates as they arrive and
-applies the server step. When a stage ends (applied just before the first
-round of the next one) the proximal centre moves (to the average of the
-stage's round-end global iterates, or the last one), CODA recomputes alpha in
-closed form, and control variates are zeroed unless the config keeps them. A
-new stage starts from the last global iterate (the
-paper's analysis restarts from the stage output; with the default
-``reference_point: average`` the two differ only in the start point, and
-restarting a deep network from an average of iterates would also need its
-BatchNorm statistics recomputed).
+    start the K clients; p from their label counts; server state of round 0
+    for each round of the schedule:
+        at the first round of a new stage: end the last stage (CODA: alpha from one round of score sums)
+        every client runs I local steps from the global state; the server folds the updates as they arrive
+        the server adopts the new global state (and adds it to the stage's running sum)
+        evaluate every eval_every iterations and at the end
+
+This module only orchestrates. Each equation lives in one place under
+:mod:`fdam_ray.algorithms` (see its docstring for the map); the executor runs
+the clients; what is written, shown or reported hangs off one
+:class:`~fdam_ray.outputs.Observer`. Assembling a federation from a config
+(data, executor, initial weights, pre-training, resume, outputs) is
+:mod:`fdam_ray.recipe`'s job.
 
 Everything the loop carries from round to round is in :class:`LoopState`; a
 checkpoint is that, the clients' states (control variates, sampler positions)
@@ -29,16 +31,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fdam_ray.algorithms import Algorithm
-from fdam_ray.client import Replica, all_finite, resolve_device
-from fdam_ray.data import DataSource, make_source
+from fdam_ray.algorithms import Algorithm, AlgorithmSection, ServerState
+from fdam_ray.algorithms.stages import moments_nbytes
+from fdam_ray.client import Replica, all_finite
+from fdam_ray.data import DataSource
 from fdam_ray.evaluation import Evaluator
-from fdam_ray.executors import Executor, make_executor
-from fdam_ray.objectives import closed_form_alpha
-from fdam_ray.outputs import Progress, RunWriter, make_run_dir
-from fdam_ray.schedules import Position, Schedule
-from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, RoundPlan
-from fdam_ray.weights import load_weights, read_weights
+from fdam_ray.executors import Executor, ExecutorSection
+from fdam_ray.objectives import global_positive_ratio
+from fdam_ray.outputs import Observer, RunStart
+from fdam_ray.schedules import Position, Schedule, ScheduleSection
+from fdam_ray.state import ClientUpdate, GlobalState, RoundPlan
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,7 @@ class RunResult:
     """What a finished run returns.
 
     Attributes:
+        config: the run's config.
         model_state: the global network's ``state_dict`` (BatchNorm statistics included).
         a, b, alpha: the objective's extra primal and dual variables (empty for bce).
         control_variates: the global (c_v, c_alpha), or None without drift correction.
@@ -79,10 +82,7 @@ class RunResult:
 class LoopState:
     """What the driver loop carries between rounds (all of it goes into a checkpoint)."""
 
-    state: GlobalState
-    reference: np.ndarray  # proximal centre of the current stage
-    ref_sum: np.ndarray  # float64 sum of this stage's round-end v (reference_point: average)
-    ref_count: int = 0
+    server: ServerState
     bytes_up: int = 0
     bytes_down: int = 0
     samples: int = 0
@@ -94,45 +94,59 @@ class LoopState:
     history: list[dict] = dataclasses.field(default_factory=list)
     position: Position = dataclasses.field(default_factory=Position)  # in the schedule, after the last round
 
+    @property
+    def state(self) -> GlobalState:
+        return self.server.global_state
+
     def to_payload(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["state"] = dataclasses.asdict(self.state)
+        """The checkpoint's ``loop`` entry (one flat mapping: state, reference, ref_sum, ref_count, ...)."""
+        server = self.server
+        d = {"state": dataclasses.asdict(server.global_state), "reference": server.reference,
+             "ref_sum": server.ref_sum, "ref_count": server.ref_count}
+        for f in dataclasses.fields(self):
+            if f.name != "server":
+                d[f.name] = getattr(self, f.name)
         d["position"] = dataclasses.asdict(self.position)
         return d
 
     @classmethod
     def from_payload(cls, d: dict) -> LoopState:
-        return cls(**{**d, "state": GlobalState(**d["state"]), "position": Position(**d["position"])})
-
-
-def global_positive_ratio(infos: list[ClientInfo]) -> np.ndarray:
-    """p per task: all clients' positives over all clients' labelled samples."""
-    pos = np.sum([i.positives for i in infos], axis=0).astype(np.float64)
-    lab = np.sum([i.labelled for i in infos], axis=0).astype(np.float64)
-    for t, (n_pos, n_lab) in enumerate(zip(pos, lab, strict=True)):
-        if n_pos == 0 or n_pos == n_lab:
-            side = "positive" if n_pos == 0 else "negative"
-            raise ValueError(f"task {t}: no client has a {side} training label, so AUC cannot be optimised")
-    return pos / lab
+        d = dict(d)
+        server = ServerState(GlobalState(**d.pop("state")), d.pop("reference"), d.pop("ref_sum"), d.pop("ref_count"))
+        return cls(server=server, **{**d, "position": Position(**d["position"])})
 
 
 class Federation:
-    """Runs one federation from a config; see :func:`run`."""
+    """Runs one assembled federation (see :mod:`fdam_ray.recipe` for the assembly).
 
-    def __init__(self, config, source: DataSource, executor: Executor) -> None:
-        self.config = config
+    Args:
+        source: the data source spec (the driver reads only its test part, and only when clients do not score it).
+        executor: how the clients run.
+        config: the executor's section (what each client and the executor need).
+        algorithm: the algorithm's section.
+        schedule: the schedule's section.
+        eval_every: evaluate every this many iterations (at the first round end after it) and at the end.
+        driver_device: where the driver's replica lives (it loads states and, when asked, scores the test set).
+        observer: what the run reports to (run folder, progress bar, callbacks, Tune).
+    """
+
+    def __init__(self, *, source: DataSource, executor: Executor, config: ExecutorSection,
+                 algorithm: AlgorithmSection, schedule: ScheduleSection, eval_every: int,
+                 driver_device: torch.device, observer: Observer) -> None:
         self.source = source
         self.executor = executor
-        self.algorithm = Algorithm.from_config(config)
-        # Under Ray the driver's replica only loads states and, with eval_on=driver, scores: it stays on
-        # the CPU, outside Ray's GPU accounting (the clients hold the GPU shares).
-        device = resolve_device(config.device) if config.executor == "inline" else torch.device("cpu")
-        self.replica = Replica(config, source, device=device)
+        self.config = config
+        self.algorithm = Algorithm.from_section(algorithm)
+        self.positive_ratio_override = algorithm.positive_ratio
+        self.schedule = schedule
+        self.eval_every = eval_every
+        self.observer = observer
+        self.replica = Replica(config, source, device=driver_device)
 
     # -- start -----------------------------------------------------------------------
     def _start(self) -> GlobalState:
-        cfg = self.config
-        infos = self.executor.start(cfg, self.source)
+        """Start the clients, fix the global p, and return the initial global state (from the replica)."""
+        infos = self.executor.start(self.config, self.source)
         size = self.replica.flat.state_size
         for info in infos:
             if info.state_size != size:
@@ -140,46 +154,28 @@ class Federation:
             if self.replica.objective.has_auxiliary and not np.all(info.positives):
                 log.warning("client %d has no positive training label for some task; it still takes part "
                             "(its local objective uses the global p)", info.client_id)
-        p = (global_positive_ratio(infos) if cfg.positive_ratio is None
-             else np.full(self.source.num_tasks, cfg.positive_ratio))
+        p = (global_positive_ratio([i.positives for i in infos], [i.labelled for i in infos])
+             if self.positive_ratio_override is None
+             else np.full(self.source.num_tasks, self.positive_ratio_override))
         self.positive_ratio = p
         if self.replica.objective.has_auxiliary:
             self.replica.objective.set_positive_ratio(p)
             self.executor.configure(p)
-        state = self.replica.flat.initial_state()
-        if self.algorithm.control_variates:
-            state.c_v = np.zeros_like(state.v)
-            state.c_alpha = np.zeros_like(state.alpha)
-        return state
+        return self.replica.flat.initial_state()
 
-    def _recompute_alpha(self, loop: LoopState) -> None:
-        """CODA: alpha <- its closed form from the current v, by one extra round of score sums."""
-        state = loop.state
-        m = self.executor.score_moments(state)
-        loop.bytes_down += self.executor.active_clients * state.nbytes
-        loop.bytes_up += sum(x.sum_pos.nbytes + x.num_pos.nbytes + x.sum_neg.nbytes + x.num_neg.nbytes for x in m)
-        mean_pos = np.sum([x.sum_pos for x in m], 0) / np.maximum(np.sum([x.num_pos for x in m], 0), 1)
-        mean_neg = np.sum([x.sum_neg for x in m], 0) / np.maximum(np.sum([x.num_neg for x in m], 0), 1)
-        state.alpha = closed_form_alpha(mean_pos, mean_neg, self.config.objective, self.config.margin).astype(
-            np.float32
-        )
-
-    def _switch_stage(self, loop: LoopState) -> None:
-        """The stage that just ended hands over: CODA's alpha, the new proximal centre, control variates."""
-        cfg = self.config
-        if self.algorithm.recompute_alpha:
-            self._recompute_alpha(loop)
-        loop.reference = ((loop.ref_sum / loop.ref_count).astype(np.float32)
-                          if cfg.reference_point == "average" and loop.ref_count else loop.state.v.copy())
-        loop.ref_sum[:], loop.ref_count = 0.0, 0
-        if cfg.reset_control_variates and loop.state.c_v is not None:
-            loop.state.c_v = np.zeros_like(loop.state.c_v)
-            loop.state.c_alpha = np.zeros_like(loop.state.c_alpha)
-        self.executor.begin_stage(loop.reference, cfg.reset_control_variates)
-        loop.bytes_down += self.executor.active_clients * loop.reference.nbytes
+    # -- one stage end, one round ------------------------------------------------------
+    def _end_stage(self, loop: LoopState) -> None:
+        alpha = None
+        if self.algorithm.recompute_alpha:  # CODA: one extra round of score sums
+            moments = self.executor.score_moments(loop.state)
+            loop.bytes_down += self.executor.active_clients * loop.state.nbytes
+            loop.bytes_up += moments_nbytes(moments)
+            alpha = self.algorithm.stage_alpha(moments)
+        self.algorithm.end_stage(loop.server, alpha=alpha)
+        self.executor.begin_stage(loop.server.reference, self.algorithm.reset_control_variates)
+        loop.bytes_down += self.executor.active_clients * loop.server.reference.nbytes
 
     def _round(self, loop: LoopState, plan: RoundPlan) -> None:
-        cfg = self.config
         t0 = time.perf_counter()
         reducer = self.algorithm.reducer(loop.state)
 
@@ -201,11 +197,9 @@ class Federation:
         loop.samples += sum(s.samples for s in reducer.stats)
         loop.loss_sum += float(np.mean([s.loss for s in reducer.stats]))
         loop.loss_rounds += 1
-        if cfg.reference_point == "average":
-            loop.ref_sum += state.v
-            loop.ref_count += 1
-        loop.state = state
+        self.algorithm.after_round(loop.server, state)
 
+    # -- evaluation and checkpoints ------------------------------------------------------
     def _record(self, loop: LoopState, evaluator: Evaluator, plan_round: int, stage: int, lr: float,
                 started: float) -> dict:
         rec = {
@@ -222,100 +216,62 @@ class Federation:
                  rec["test_auc"])
         return rec
 
-    def _checkpoint_payload(self, loop: LoopState, started: float) -> dict:
-        loop_payload = loop.to_payload()
-        loop_payload["wall_offset"] = loop.wall_offset + time.perf_counter() - started
-        return {"config": self.config.to_dict(), "loop": loop_payload, "clients": self.executor.client_states(),
-                "positive_ratio": self.positive_ratio, "torch_rng": torch.get_rng_state()}
+    def _snapshot(self, loop: LoopState, started: float) -> Callable[[], dict]:
+        """A function returning the checkpoint payload of this moment (the observers add the config)."""
+
+        def payload() -> dict:
+            loop_payload = loop.to_payload()
+            loop_payload["wall_offset"] = loop.wall_offset + time.perf_counter() - started
+            return {"loop": loop_payload, "clients": self.executor.client_states(),
+                    "positive_ratio": self.positive_ratio, "torch_rng": torch.get_rng_state()}
+
+        return payload
 
     # -- the run ----------------------------------------------------------------------
-    def run(self, *, run_dir: Path | Callable[[], Path] | None, on_eval: Callable[[dict], None] | None = None,
-            progress: bool = False, resume: dict | None = None,
-            report: Callable[[dict, Callable[[], dict]], None] | None = None,
-            checkpoints: bool = True) -> RunResult:
-        """Run (or, with ``resume``, continue) the federation.
-
-        ``run_dir`` may be a function making the folder: it is called only once the
-        clients have started, so bad data never leaves a half-made run folder.
-        ``report(record, make_checkpoint)`` is called at every evaluation with a function
-        that returns the checkpoint payload of that moment (Tune trials report with it, and
-        pass ``checkpoints=False``: Tune keeps their checkpoints, not the run folder).
-        """
-        cfg = self.config
+    def run(self, *, resume: dict | None = None) -> RunResult:
+        """Run (or, with ``resume``, a checkpoint payload, continue) the federation."""
         initial = self._start()
-        if callable(run_dir):
-            run_dir = run_dir()
         started = time.perf_counter()
         if resume is None:
-            loop = LoopState(state=initial, reference=initial.v.copy(),
-                             ref_sum=np.zeros_like(initial.v, dtype=np.float64), next_eval=cfg.eval_every)
-            self.executor.begin_stage(loop.reference, True)
-            loop.bytes_down += self.executor.active_clients * loop.reference.nbytes
+            loop = LoopState(server=self.algorithm.init(initial), next_eval=self.eval_every)
+            self.executor.begin_stage(loop.server.reference, True)
+            loop.bytes_down += self.executor.active_clients * loop.server.reference.nbytes
         else:
             loop = LoopState.from_payload(resume["loop"])
-            self.executor.begin_stage(loop.reference, False)
+            self.executor.begin_stage(loop.server.reference, False)
             self.executor.restore_client_states(resume["clients"])
             torch.set_rng_state(resume["torch_rng"])
-        writer = None
-        if run_dir is not None:
-            writer = RunWriter(run_dir, tensorboard=cfg.tensorboard, history=loop.history)
-            writer.write_config(cfg.to_dict())
-            if resume is not None:
-                writer.event("resumed at round %d, iteration %d", loop.state.round, loop.state.iteration)
+        snapshot = self._snapshot(loop, started)
+        observer = self.observer
+        observer.start(RunStart(resumed=resume is not None, history=loop.history, round=loop.state.round,
+                                iteration=loop.state.iteration, iterations=self.schedule.iterations))
         evaluator = Evaluator(self.replica, self.source, self.executor)
-        bar = Progress(cfg.iterations, loop.state.iteration) if progress else None
-
-        def record(plan_round: int, stage: int, lr: float) -> dict:
-            rec = self._record(loop, evaluator, plan_round, stage, lr, started)
-            if writer is not None:
-                writer.record(rec)
-            if on_eval is not None:
-                on_eval(rec)
-            if report is not None:
-                report(rec, lambda: self._checkpoint_payload(loop, started))
-            return rec
-
-        def checkpoint() -> None:
-            if writer is not None and checkpoints:
-                writer.checkpoint(self._checkpoint_payload(loop, started))
-
+        error: BaseException | None = None
         try:
             if resume is None:
-                record(0, 1, cfg.lr)
-                checkpoint()  # a run stopped before its first periodic checkpoint can still be resumed
-            last_checkpoint = loop.state.round
-            schedule = Schedule(cfg, loop.position)
+                observer.record(self._record(loop, evaluator, 0, 1, self.schedule.lr, started), snapshot)
+            schedule = Schedule(self.schedule, loop.position)
             for plan, starts_stage in schedule.plans():
                 if starts_stage:
-                    self._switch_stage(loop)
-                    if writer is not None:
-                        writer.event("stage %d began at iteration %d (round %d)", plan.stage, plan.iteration,
-                                     plan.round)
+                    self._end_stage(loop)
+                    observer.event("stage %d began at iteration %d (round %d)", plan.stage, plan.iteration,
+                                   plan.round)
                 self._round(loop, plan)
                 loop.position = dataclasses.replace(schedule.position)
-                auc = None
-                if loop.state.iteration >= loop.next_eval or loop.state.iteration >= cfg.iterations:
-                    loop.next_eval = (loop.state.iteration // cfg.eval_every + 1) * cfg.eval_every
-                    auc = record(plan.round, plan.stage, plan.lr)["test_auc"]
-                if cfg.checkpoint_every and plan.round % cfg.checkpoint_every == 0:
-                    checkpoint()
-                    last_checkpoint = plan.round
-                if bar is not None:
-                    bar.update(plan, plan.steps, auc)
-            if last_checkpoint != loop.state.round:
-                checkpoint()
-            return self._finish(loop, writer, started)
-        except DivergenceError as exc:
-            if writer is not None:
-                writer.event("run stopped: %s", exc, level=logging.ERROR)
+                rec = None
+                if loop.state.iteration >= loop.next_eval or loop.state.iteration >= self.schedule.iterations:
+                    loop.next_eval = (loop.state.iteration // self.eval_every + 1) * self.eval_every
+                    rec = self._record(loop, evaluator, plan.round, plan.stage, plan.lr, started)
+                    observer.record(rec, snapshot)
+                observer.round_end(plan, rec, snapshot)
+            return self._finish(loop, started, snapshot)
+        except BaseException as exc:
+            error = exc
             raise
         finally:
-            if bar is not None:
-                bar.close()
-            if writer is not None:
-                writer.close()
+            observer.close(error)
 
-    def _finish(self, loop: LoopState, writer: RunWriter | None, started: float) -> RunResult:
+    def _finish(self, loop: LoopState, started: float, snapshot: Callable[[], dict]) -> RunResult:
         state, history = loop.state, loop.history
         flat = self.replica.flat
         flat.load(state)
@@ -325,7 +281,7 @@ class Federation:
         aucs = [h["test_auc"] for h in history]
         best = int(np.nanargmax(aucs)) if np.any(np.isfinite(aucs)) else len(history) - 1
         summary = {
-            "algorithm": self.config.algorithm,
+            "algorithm": self.algorithm.preset.name,
             "final_test_auc": history[-1]["test_auc"],
             "best_test_auc": history[best]["test_auc"],
             "best_iteration": history[best]["iteration"],
@@ -336,98 +292,12 @@ class Federation:
             "wall_s": round(loop.wall_offset + time.perf_counter() - started, 3),
             "samples_per_s": round(loop.samples / loop.train_s, 1) if loop.train_s else None,
             "positive_ratio": [round(float(x), 6) for x in self.positive_ratio],
-            "run_dir": None if writer is None else str(writer.dir),
+            "run_dir": None,  # an observer that saves the run sets it
         }
         cv = None if state.c_v is None else (state.c_v, state.c_alpha)
-        if writer is not None:
-            writer.finish({"model": model_state, "a": torch.from_numpy(a), "b": torch.from_numpy(b),
-                           "alpha": torch.from_numpy(state.alpha.copy()),
-                           "task_names": list(self.source.task_names)}, summary)
-        return RunResult(self.config, model_state, a, b, state.alpha.copy(), cv, history, summary, state,
-                         None if writer is None else writer.dir)
-
-
-def run(
-    config,
-    *,
-    source: DataSource | None = None,
-    executor: Executor | None = None,
-    save: bool = True,
-    on_eval: Callable[[dict], None] | None = None,
-    progress: bool = False,
-    initial_model_state: dict[str, torch.Tensor] | None = None,
-) -> RunResult:
-    """Train one federation as ``config`` says and return its :class:`RunResult`.
-
-    Args:
-        config: a validated :class:`fdam_ray.config.Config`.
-        source: the data (default: the dataset the config names).
-        executor: how clients run (default: the config's ``executor``).
-        save: write a run folder (see :mod:`fdam_ray.outputs`) under ``config.out_dir``.
-        on_eval: called with every evaluation record as it is made.
-        progress: show a progress bar over iterations.
-        initial_model_state: network weights to start from (a ``state_dict``; default: the
-            ``model_weights`` file if set, else the seeded initialisation). With
-            ``pretrain_iterations`` > 0 they start the pre-training run (:mod:`fdam_ray.pretrain`),
-            and this run starts from its body with a fresh classifier head.
-    """
-    source = source if source is not None else make_source(config)
-    if source.num_clients != config.num_clients:
-        raise ValueError(f"the data has {source.num_clients} clients but num_clients={config.num_clients}")
-    weights_from = "initial_model_state"
-    if initial_model_state is None and config.model_weights:
-        initial_model_state = read_weights(config.model_weights)
-        weights_from = f"model_weights '{config.model_weights}'"
-    pretrained = None
-    if config.pretrain_iterations:
-        from fdam_ray.pretrain import pretrain
-
-        pretrained, initial_model_state = pretrain(config, source=source, save=save, progress=progress,
-                                                   initial_model_state=initial_model_state)
-        weights_from = "pre-trained weights"
-    executor = executor if executor is not None else make_executor(config.executor)
-    with executor:
-        fed = Federation(config, source, executor)
-        if initial_model_state is not None:
-            load_weights(fed.replica.flat.model, initial_model_state, source=weights_from)
-        result = fed.run(run_dir=(lambda: make_run_dir(config)) if save else None, on_eval=on_eval, progress=progress)
-    result.pretrain = pretrained
-    return result
-
-
-def resume(
-    run_dir: str | Path,
-    changes: dict | None = None,
-    *,
-    source: DataSource | None = None,
-    on_eval: Callable[[dict], None] | None = None,
-    progress: bool = False,
-) -> RunResult:
-    """Continue the run in ``run_dir`` from its last checkpoint.
-
-    ``changes`` may alter only fields in :data:`fdam_ray.config.RESUME_MAY_CHANGE`
-    (how the run executes, or a longer ``iterations``); anything else means a
-    different run and is refused.
-    """
-    from fdam_ray.checkpoint import load_checkpoint
-    from fdam_ray.config import RESUME_MAY_CHANGE, ConfigError, build_config
-
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ValueError(f"--resume: '{run_dir}' is not a run folder")
-    if not (run_dir / "checkpoint.pt").exists():
-        raise ValueError(f"--resume: '{run_dir}' has no checkpoint.pt (not a run folder, or its run stopped "
-                         "before the first checkpoint)")
-    payload = load_checkpoint(run_dir / "checkpoint.pt")
-    saved = build_config(payload["config"])
-    changes = dict(changes or {})
-    wanted = build_config({**saved.to_dict(), **changes})
-    differ = [k for k in saved.to_dict() if saved.to_dict()[k] != wanted.to_dict()[k] and k not in RESUME_MAY_CHANGE]
-    if differ:
-        detail = ", ".join(f"{k}: {getattr(saved, k)!r} -> {getattr(wanted, k)!r}" for k in differ)
-        raise ConfigError(f"cannot resume '{run_dir}' with a different config ({detail}); only "
-                          f"{', '.join(sorted(RESUME_MAY_CHANGE))} may change")
-    source = source if source is not None else make_source(wanted)
-    with make_executor(wanted.executor) as executor:
-        return Federation(wanted, source, executor).run(run_dir=run_dir, on_eval=on_eval, progress=progress,
-                                                         resume=payload)
+        self.observer.finish(summary, {"model": model_state, "a": torch.from_numpy(a), "b": torch.from_numpy(b),
+                                       "alpha": torch.from_numpy(state.alpha.copy()),
+                                       "task_names": list(self.source.task_names)}, snapshot)
+        run_dir = summary["run_dir"]
+        return RunResult(None, model_state, a, b, state.alpha.copy(), cv, history, summary, state,
+                         None if run_dir is None else Path(run_dir))

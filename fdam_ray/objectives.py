@@ -20,6 +20,8 @@ nothing, rather than a zero that would shrink the others' weight).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 import torch.nn.functional as F_nn
@@ -114,3 +116,19 @@ def closed_form_alpha(
     if objective == "auc_margin":
         return np.maximum(0.0, margin + gap)
     raise ValueError(f"closed-form alpha exists for auc_square and auc_margin, not {objective!r}")
+
+
+def global_positive_ratio(positives: Sequence[np.ndarray], labelled: Sequence[np.ndarray]) -> np.ndarray:
+    """p per task (s.1): all clients' positive labels over all clients' labelled samples.
+
+    Pooled counts, not a mean of the clients' own ratios: with clients of
+    different sizes or prevalences only the pooled ratio makes
+    f = (1/K) sum_k f_k the objective of the union of their data.
+    """
+    pos = np.sum(positives, axis=0).astype(np.float64)
+    lab = np.sum(labelled, axis=0).astype(np.float64)
+    for t, (n_pos, n_lab) in enumerate(zip(pos, lab, strict=True)):
+        if n_pos == 0 or n_pos == n_lab:
+            side = "positive" if n_pos == 0 else "negative"
+            raise ValueError(f"task {t}: no client has a {side} training label, so AUC cannot be optimised")
+    return pos / lab

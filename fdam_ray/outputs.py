@@ -8,20 +8,31 @@
     checkpoint.pt    the latest checkpoint (atomic; see fdam_ray.checkpoint)
     model.pt         the final model: {"model": state_dict, "a", "b", "alpha", "task_names"}
     summary.json     best and final test AUC, rounds, bytes moved, wall time, samples/s
+
+Everything a run writes, shows or reports hangs off one :class:`Observer`
+interface: the run folder (:class:`RunFolder`, which also decides when a
+checkpoint is written), the progress bar (:class:`Progress`), a per-evaluation
+callback (:class:`EvalCallback`) and a Ray Tune trial's reports
+(:mod:`fdam_ray.tuning.trial`). The driver loop calls the hooks; it holds no
+output flags of its own.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import logging
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
 
 from fdam_ray.checkpoint import save_checkpoint
+from fdam_ray.sections import Section
 from fdam_ray.state import RoundPlan
 
 log = logging.getLogger(__name__)
@@ -120,7 +131,178 @@ class RunWriter:
             self._tb.close()
 
 
-def make_run_dir(config) -> Path:
+# A function that returns the checkpoint payload of the moment it is called (without the config).
+Snapshot = Callable[[], dict]
+
+
+@dataclasses.dataclass
+class RunStart:
+    """What an observer learns when a run starts (after its clients have started)."""
+
+    resumed: bool
+    history: list[dict]  # the records of earlier sessions of a resumed run
+    round: int  # rounds done so far
+    iteration: int  # iterations done so far
+    iterations: int  # the run's total
+
+
+class Observer:
+    """Hooks the driver loop calls; each does nothing unless overridden.
+
+    Order within one run: ``start``, then for the initial evaluation of a fresh
+    run ``record``, then per round ``record`` (when it was evaluated) and
+    ``round_end``; ``event`` for stage switches; ``finish`` after the last
+    round; ``close`` always, with the exception that stopped the run, if any.
+    """
+
+    def start(self, run: RunStart) -> None:
+        """The clients have started; the run begins (or continues)."""
+
+    def record(self, record: dict, snapshot: Snapshot) -> None:
+        """An evaluation record (``snapshot()`` gives the checkpoint payload of this moment)."""
+
+    def round_end(self, plan: RoundPlan, record: dict | None, snapshot: Snapshot) -> None:
+        """A round is done (``record`` is its evaluation, if it had one)."""
+
+    def event(self, message: str, *args: Any, level: int = logging.INFO) -> None:
+        """Something worth a line in the run's log (a stage switch)."""
+
+    def finish(self, summary: dict, model: dict, snapshot: Snapshot) -> None:
+        """The last round is done: the run's summary and final model. An observer that saves the run
+        sets ``summary["run_dir"]``."""
+
+    def close(self, error: BaseException | None) -> None:
+        """The run is over (``error``: what stopped it, or None)."""
+
+
+class Observers(Observer):
+    """Several observers as one, called in the order given."""
+
+    def __init__(self, observers: Sequence[Observer]) -> None:
+        self.observers = list(observers)
+
+    def start(self, run: RunStart) -> None:
+        for o in self.observers:
+            o.start(run)
+
+    def record(self, record: dict, snapshot: Snapshot) -> None:
+        for o in self.observers:
+            o.record(record, snapshot)
+
+    def round_end(self, plan: RoundPlan, record: dict | None, snapshot: Snapshot) -> None:
+        for o in self.observers:
+            o.round_end(plan, record, snapshot)
+
+    def event(self, message: str, *args: Any, level: int = logging.INFO) -> None:
+        for o in self.observers:
+            o.event(message, *args, level=level)
+
+    def finish(self, summary: dict, model: dict, snapshot: Snapshot) -> None:
+        for o in self.observers:
+            o.finish(summary, model, snapshot)
+
+    def close(self, error: BaseException | None) -> None:
+        first: BaseException | None = None
+        for o in self.observers:  # every observer closes, even if one fails
+            try:
+                o.close(error)
+            except Exception as exc:
+                first = first or exc
+        if first is not None and error is None:
+            raise first
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSection(Section):
+    """The config fields of a run folder."""
+
+    out_dir: str
+    run_name: str | None
+    checkpoint_every: int
+    tensorboard: bool
+    algorithm: str
+    dataset: str
+
+
+class RunFolder(Observer):
+    """Writes the run folder and decides when checkpoints are written.
+
+    Checkpoints: right after the initial evaluation of a fresh run (so a run
+    stopped before its first periodic checkpoint can be resumed), every
+    ``checkpoint_every`` rounds, and at the end. Each holds the config.
+
+    Args:
+        config: the run's full config (written to ``config.yaml`` and into every checkpoint).
+        run_dir: the folder (a resumed run's); None makes a new one under ``out_dir`` when the run starts,
+            so bad data found while the clients start never leaves a half-made folder.
+        checkpoints: write ``checkpoint.pt`` (a Tune trial's checkpoints are kept by Tune instead).
+    """
+
+    def __init__(self, config: Any, *, run_dir: Path | None = None, checkpoints: bool = True) -> None:
+        self.config_dict = config.to_dict()
+        self.section = OutputSection.of(config)
+        self.dir = None if run_dir is None else Path(run_dir)
+        self.checkpoints = checkpoints
+        self.writer: RunWriter | None = None
+        self._last_checkpoint: int | None = None
+
+    def start(self, run: RunStart) -> None:
+        if self.dir is None:
+            self.dir = make_run_dir(self.section)
+        self.writer = RunWriter(self.dir, tensorboard=self.section.tensorboard, history=run.history)
+        self.writer.write_config(self.config_dict)
+        if run.resumed:
+            self._last_checkpoint = run.round
+            self.writer.event("resumed at round %d, iteration %d", run.round, run.iteration)
+
+    def _checkpoint(self, snapshot: Snapshot, round_: int) -> None:
+        if self.checkpoints and self.writer is not None:
+            self.writer.checkpoint({"config": self.config_dict, **snapshot()})
+            self._last_checkpoint = round_
+
+    def record(self, record: dict, snapshot: Snapshot) -> None:
+        if self.writer is None:
+            return
+        self.writer.record(record)
+        if self._last_checkpoint is None:  # the initial evaluation of a fresh run
+            self._checkpoint(snapshot, record["round"])
+
+    def round_end(self, plan: RoundPlan, record: dict | None, snapshot: Snapshot) -> None:
+        every = self.section.checkpoint_every
+        if every and plan.round % every == 0:
+            self._checkpoint(snapshot, plan.round)
+
+    def event(self, message: str, *args: Any, level: int = logging.INFO) -> None:
+        if self.writer is not None:
+            self.writer.event(message, *args, level=level)
+
+    def finish(self, summary: dict, model: dict, snapshot: Snapshot) -> None:
+        if self.writer is None:
+            return
+        if self._last_checkpoint != summary["rounds"]:
+            self._checkpoint(snapshot, summary["rounds"])
+        summary["run_dir"] = str(self.dir)
+        self.writer.finish(model, summary)
+
+    def close(self, error: BaseException | None) -> None:
+        if self.writer is None:
+            return
+        if isinstance(error, Exception):
+            self.writer.event("run stopped: %s", error, level=logging.ERROR)
+        self.writer.close()
+
+
+class EvalCallback(Observer):
+    """Calls ``fn(record)`` at every evaluation (``fdam_ray.train(..., on_eval=fn)``)."""
+
+    def __init__(self, fn: Callable[[dict], None]) -> None:
+        self.fn = fn
+
+    def record(self, record: dict, snapshot: Snapshot) -> None:
+        self.fn(record)
+
+
+def make_run_dir(config: OutputSection) -> Path:
     """Create the run folder (refusing to reuse a non-empty one)."""
     root = Path(config.out_dir)
     if config.run_name:
@@ -137,21 +319,27 @@ def make_run_dir(config) -> Path:
     return path
 
 
-class Progress:
+class Progress(Observer):
     """A progress bar over iterations (tqdm) with round, stage, lr, last test AUC and rate."""
 
-    def __init__(self, total: int, initial: int) -> None:
-        from tqdm.auto import tqdm
-
-        self.bar = tqdm(total=total, initial=initial, unit="it", dynamic_ncols=True, leave=True)
+    def __init__(self) -> None:
+        self.bar = None
         self.auc = float("nan")
 
-    def update(self, plan: RoundPlan, steps: int, auc: float | None = None) -> None:
-        if auc is not None:
-            self.auc = auc
+    def start(self, run: RunStart) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=run.iterations, initial=run.iteration, unit="it", dynamic_ncols=True, leave=True)
+
+    def round_end(self, plan: RoundPlan, record: dict | None, snapshot: Snapshot) -> None:
+        if self.bar is None:
+            return
+        if record is not None:
+            self.auc = record["test_auc"]
         self.bar.set_postfix(round=plan.round, stage=plan.stage, lr=f"{plan.lr:.3g}", auc=f"{self.auc:.4f}",
                              refresh=False)
-        self.bar.update(steps)
+        self.bar.update(plan.steps)
 
-    def close(self) -> None:
-        self.bar.close()
+    def close(self, error: BaseException | None) -> None:
+        if self.bar is not None:
+            self.bar.close()

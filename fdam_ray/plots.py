@@ -5,6 +5,8 @@
                             runs that share algorithm and I (seeds) give a mean with a min-max band
     auc_vs_bytes.png        test AUC against megabytes communicated
     task_auc.png            final per-task AUC bars (multi-label runs only)
+
+and of a sweep (``fdam tune``): ``top_trials.png``, its best trials' curves.
 """
 
 from __future__ import annotations
@@ -126,3 +128,27 @@ def _save(fig, path: Path, plt) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_top_trials(rows: list[dict], path: Path, metric: str, keys: list[str]) -> None:
+    """A sweep's best trials (``top_trials.png``): the metric against iterations, one curve per trial.
+
+    Each row holds ``_history`` ([(iteration, value), ...]), ``trial`` and the searched ``keys``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        if r["_history"]:
+            xs, ys = zip(*r["_history"], strict=True)
+            ax.plot(xs, ys, marker=".", label=", ".join(f"{k}={r[k]}" for k in keys) or r["trial"])
+    ax.set(xlabel="iteration", ylabel=metric, title=f"Top {len(rows)} trials")
+    ax.grid(alpha=0.3)
+    if rows:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -4,23 +4,20 @@ Stage 1 trains the network with binary cross-entropy: a ``fedavg`` federation
 over every client, or, with ``pretrain_federated: false``, one client's data
 alone (client 0; the paper pre-trains on CheXpert, one of its sources). Stage 2
 discards the classifier head, re-initialises it, and runs the configured AUC
-algorithm from the pre-trained body. Stage 1 is an ordinary run of
-:func:`fdam_ray.federation.run` with the pre-training settings, so no training
-loop is duplicated. The paper pre-trains with Adam (lr 1e-5, 2 epochs); here
-stage 1 takes the same local SGD steps as every other run.
+algorithm from the pre-trained body. Stage 1 is an ordinary federation with the
+pre-training settings, assembled by :mod:`fdam_ray.recipe` like any other run,
+so no training loop is duplicated; this module only says what stage 1 is. The
+paper pre-trains with Adam (lr 1e-5, 2 epochs); here stage 1 takes the same
+local SGD steps as every other run.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 
 from fdam_ray.data import DataSource
 from fdam_ray.models import build_model
 from fdam_ray.weights import head_keys
-
-log = logging.getLogger(__name__)
 
 
 class FirstClientSource(DataSource):
@@ -64,22 +61,13 @@ def pretrain_config(config):
     )
 
 
-def pretrain(config, *, source: DataSource, save: bool, progress: bool = False,
-             initial_model_state: dict[str, torch.Tensor] | None = None):
-    """Run stage 1; return its :class:`~fdam_ray.federation.RunResult` and the body to start stage 2 from.
-
-    The body is the pre-trained ``state_dict`` without the classifier head's keys,
-    so stage 2 keeps its own freshly initialised head.
-    """
-    from fdam_ray.federation import run
-
-    cfg = pretrain_config(config)
-    log.info("pre-training: %d iterations of %s with bce on %s", cfg.iterations, cfg.algorithm,
-             "every client" if cfg.num_clients > 1 else "client 0")
-    data = source if cfg.num_clients == source.num_clients else FirstClientSource(source)
-    result = run(cfg, source=data, save=save, progress=progress, initial_model_state=initial_model_state)
-    log.info("pre-training done: test AUC %.4f", result.summary["final_test_auc"])
+def pretrained_body(model_state: dict[str, torch.Tensor], config, source: DataSource) -> dict[str, torch.Tensor]:
+    """Stage 1's network without the classifier head's keys, so stage 2 keeps its own fresh head."""
     head = set(head_keys(build_model(config.model, source.input_shape, source.num_tasks,
                                      width=config.model_width, seed=config.seed)))
-    body = {k: v for k, v in result.model_state.items() if k not in head}
-    return result, body
+    return {k: v for k, v in model_state.items() if k not in head}
+
+
+def pretrain_source(config, source: DataSource) -> DataSource:
+    """The data of stage 1: every client (federated), or client 0 alone."""
+    return source if config.num_clients == source.num_clients else FirstClientSource(source)

@@ -21,9 +21,24 @@ import logging
 import math
 from collections.abc import Iterator
 
+from fdam_ray.sections import Section
 from fdam_ray.state import RoundPlan
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleSection(Section):
+    """The config fields a schedule reads (``lr`` is lr_0 and ``local_steps`` I_0 for geometric)."""
+
+    schedule: str
+    iterations: int
+    local_steps: int
+    lr: float
+    stage_length: int
+    lr_decay: float
+    stage_growth: float
+    rounds_per_stage: int
 
 
 @dataclasses.dataclass
@@ -42,7 +57,7 @@ class Position:
 MIN_LR = 1e-15
 
 
-def last_stage(config) -> tuple[int, float]:
+def last_stage(config: ScheduleSection) -> tuple[int, float]:
     """The highest stage a run with ``config`` can reach and its lr (an upper bound on the stage)."""
     if config.schedule == "stagewise":
         stage = max(1, -(-config.iterations // config.stage_length))
@@ -68,7 +83,7 @@ def geometric_stage(local_steps: int, lr: float, growth: float, stage: int) -> t
 class Schedule:
     """Generates the :class:`RoundPlan` of every remaining round from a :class:`Position`."""
 
-    def __init__(self, config, position: Position | None = None) -> None:
+    def __init__(self, config: ScheduleSection, position: Position | None = None) -> None:
         self.kind = config.schedule
         self.iterations = config.iterations
         self.local_steps = config.local_steps

@@ -18,7 +18,7 @@ import torch
 from conftest import gaussian_clients
 from raytest import ray_session
 
-from fdam_ray.algorithms import Algorithm
+from fdam_ray.algorithms import Algorithm, AlgorithmSection
 from fdam_ray.client import Client, Replica
 from fdam_ray.config import build_config
 from fdam_ray.data.arrays import ArraysSource
@@ -105,7 +105,7 @@ class ExecutorContract:
 
     def test_control_variates_stay_with_the_clients_across_rounds(self, ready):
         executor, oracle, _, state, config, _ = ready
-        algorithm = Algorithm.from_config(config)
+        algorithm = Algorithm.from_section(AlgorithmSection.of(config))
         for r in (1, 2, 3):
             plan = RoundPlan(round=r, stage=1, steps=2, lr=0.1, iteration=2 * (r - 1))
             reducer, expected = algorithm.reducer(state), algorithm.reducer(state)

@@ -38,18 +38,18 @@ def test_coda_sets_alpha_to_its_closed_form_at_stage_end(objective, clients_and_
     from fdam_ray.federation import Federation
 
     seen = {}
-    orig = Federation._recompute_alpha
+    orig = Federation._end_stage
 
     def spy(self, loop):
         orig(self, loop)
         seen["alpha"] = loop.state.alpha.copy()
         seen["v"] = loop.state.v.copy()
 
-    Federation._recompute_alpha = spy
+    Federation._end_stage = spy
     try:
         coda = fdam_ray.train_arrays(cfg, clients, test)
     finally:
-        Federation._recompute_alpha = orig
+        Federation._end_stage = orig
     np.testing.assert_array_equal(seen["v"], plain.state.v)  # same path up to the switch
     np.testing.assert_allclose(seen["alpha"], np.atleast_1d(expected), rtol=1e-5, atol=1e-6)
     assert coda.state.iteration == 7

@@ -24,7 +24,8 @@ def spy_starts(monkeypatch) -> list[dict]:
 
     def spy(self):
         state = original(self)
-        starts.append({"config": self.config, "model": self.replica.flat.model_state_dict(), "state": state})
+        starts.append({"algorithm": self.algorithm.preset.name, "num_clients": self.source.num_clients,
+                       "model": self.replica.flat.model_state_dict(), "state": state})
         return state
 
     monkeypatch.setattr(Federation, "_start", spy)
@@ -38,7 +39,7 @@ def test_main_run_starts_from_the_pretrained_body_with_a_fresh_head(monkeypatch)
     pre = result.pretrain
     assert pre is not None and pre.config.algorithm == "fedavg" and pre.config.objective == "bce"
     assert pre.config.num_clients == 2 and pre.state.iteration == 40 and pre.config.lr == 0.2
-    assert [s["config"].algorithm for s in starts] == ["fedavg", "codasca"]
+    assert [s["algorithm"] for s in starts] == ["fedavg", "codasca"]
     main_start = starts[1]["model"]
     fresh_model = build_model("cnn", (1, 8, 8), 1, width=6, seed=0)
     fresh, head = fresh_model.state_dict(), set(head_keys(fresh_model))
@@ -70,7 +71,7 @@ def test_pretraining_on_one_source(monkeypatch):
     np.testing.assert_array_equal(one.client_shard(0).train.x.numpy(), source.client_shard(0).train.x.numpy())
     result = fdam_ray.train(cfg, save=False)
     assert result.pretrain.config.num_clients == 1
-    assert [s["config"].num_clients for s in starts] == [1, 2]
+    assert [s["num_clients"] for s in starts] == [1, 2]
 
 
 def test_no_pretraining_by_default(monkeypatch):

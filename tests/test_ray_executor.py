@@ -29,7 +29,7 @@ from fdam_ray.executors.errors import ClientError, ClientInputError, ClusterConn
 from fdam_ray.executors.inline import InlineExecutor
 from fdam_ray.executors.ray_executor import RayExecutor
 from fdam_ray.executors.ray_session import check_cluster_access, ensure_ray
-from fdam_ray.federation import run
+from fdam_ray.recipe import run
 from fdam_ray.state import RoundPlan
 
 HALF = dict(cpus_per_client=0.5)  # K clients fit the module's 4 logical CPUs
@@ -375,7 +375,7 @@ def test_a_ray_run_stopped_and_resumed_ends_within_1e6_of_an_uninterrupted_run(t
     config = build_config(dict(cfg, dataset="arrays", num_clients=3))
     with pytest.raises(KeyboardInterrupt):
         run(config, source=ArraysSource(clients, test), executor=StopInRound(8), save=True)
-    resumed = fdam_ray.federation.resume(tmp_path / "r", source=ArraysSource(clients, test))
+    resumed = fdam_ray.resume(tmp_path / "r", source=ArraysSource(clients, test))
     whole = arrays_run(dict(cfg, executor="inline"), clients, test)
     for name in ("v", "alpha", "buffers", "c_v", "c_alpha"):
         np.testing.assert_allclose(getattr(resumed.state, name), getattr(whole.state, name), rtol=0, atol=1e-6,

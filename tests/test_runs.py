@@ -14,7 +14,7 @@ from fdam_ray.checkpoint import CheckpointError, load_checkpoint, save_checkpoin
 from fdam_ray.cli import main
 from fdam_ray.config import build_config
 from fdam_ray.executors.inline import InlineExecutor
-from fdam_ray.federation import resume, run
+from fdam_ray.recipe import resume, run
 
 TIMING = {"wall_s", "samples_per_s"}
 

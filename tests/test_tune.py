@@ -91,7 +91,8 @@ def test_random_search_spaces_and_the_optional_bayesian_searcher(tmp_path, monke
 
     from ray import tune
 
-    from fdam_ray.tuning import _searcher, param_space
+    from fdam_ray.tuning import param_space
+    from fdam_ray.tuning.sweep import _searcher
 
     search = {"lr": {"loguniform": [0.001, 0.1]}, "local_steps": {"randint": [1, 8]},
               "global_lr": {"uniform": [0.9, 1.1]}}

@@ -1,22 +1,56 @@
 """An algorithm = objective x drift correction x schedule (ALGORITHMS.md s.4).
 
-:class:`Algorithm` reads those choices off a config and builds the pieces the
-client (:class:`LocalSolver`) and the server (:class:`RoundReducer`) run; the
-schedule lives in :mod:`fdam_ray.schedules`.
+:class:`Algorithm` is built from the algorithm section of a config and hands
+out the pieces each side runs, in the manner of an ``init`` / ``apply`` pair
+over named state:
+
+- client side: :meth:`Algorithm.solver` (local steps and the control-variate
+  update, :mod:`.local`);
+- server side: :meth:`Algorithm.init` (the :class:`ServerState` of round 0),
+  :meth:`Algorithm.reducer` (one round's running means and extrapolation,
+  :mod:`.server`), :meth:`Algorithm.after_round` and :meth:`Algorithm.end_stage`
+  (the stage's reference point, control-variate reset and CODA's alpha,
+  :mod:`.stages`).
+
+Where each equation lives: the objectives and p in :mod:`fdam_ray.objectives`
+(s.1), the local step and c^k in :mod:`.local` (s.2, s.3 step 2), the server
+step in :mod:`.server` (s.3 step 3), stage transitions in :mod:`.stages` (s.5),
+the schedules' stage lengths and step sizes in :mod:`fdam_ray.schedules` (s.5).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
 
 from fdam_ray.algorithms.local import LocalSolver
 from fdam_ray.algorithms.presets import PRESETS, Preset
 from fdam_ray.algorithms.server import RoundReducer
+from fdam_ray.algorithms.stages import ServerState, after_round, coda_alpha, end_stage, init_server_state
 from fdam_ray.flat import FlatModel
 from fdam_ray.objectives import Objective
-from fdam_ray.state import GlobalState
+from fdam_ray.sections import Section
+from fdam_ray.state import GlobalState, Moments
 
-__all__ = ["PRESETS", "Algorithm", "LocalSolver", "Preset", "RoundReducer"]
+__all__ = ["PRESETS", "Algorithm", "AlgorithmSection", "LocalSolver", "Preset", "RoundReducer", "ServerState"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmSection(Section):
+    """The config fields that define the algorithm (see ``fdam fields`` for each one's meaning)."""
+
+    algorithm: str
+    objective: str | None
+    margin: float
+    global_lr: float
+    prox_weight: float
+    weight_decay: float
+    grad_clip: float | None
+    positive_ratio: float | None
+    reference_point: str
+    reset_control_variates: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,11 +62,16 @@ class Algorithm:
     prox_weight: float
     weight_decay: float
     grad_clip: float | None
+    reference_point: str = "average"
+    reset_control_variates: bool = True
 
     @classmethod
-    def from_config(cls, config) -> Algorithm:
-        return cls(PRESETS[config.algorithm], config.objective, config.margin, config.global_lr,
-                   config.prox_weight, config.weight_decay, config.grad_clip)
+    def from_section(cls, section: AlgorithmSection) -> Algorithm:
+        if section.objective is None:
+            raise ValueError("the algorithm section has no objective (build the config with build_config)")
+        return cls(PRESETS[section.algorithm], section.objective, section.margin, section.global_lr,
+                   section.prox_weight, section.weight_decay, section.grad_clip, section.reference_point,
+                   section.reset_control_variates)
 
     @property
     def control_variates(self) -> bool:
@@ -42,6 +81,7 @@ class Algorithm:
     def recompute_alpha(self) -> bool:
         return self.preset.recompute_alpha
 
+    # -- client side -------------------------------------------------------------------
     def objective(self, num_tasks: int) -> Objective:
         return Objective(self.objective_name, num_tasks=num_tasks, margin=self.margin)
 
@@ -49,7 +89,26 @@ class Algorithm:
         return LocalSolver(flat, objective, control_variates=self.control_variates, prox_weight=self.prox_weight,
                            weight_decay=self.weight_decay, grad_clip=self.grad_clip)
 
+    # -- server side -------------------------------------------------------------------
+    def init(self, initial: GlobalState) -> ServerState:
+        """The server state before round 1: ``initial`` with zero global c when the algorithm has one."""
+        if self.control_variates:
+            initial.c_v = np.zeros_like(initial.v)
+            initial.c_alpha = np.zeros_like(initial.alpha)
+        return init_server_state(initial)
+
     def reducer(self, previous: GlobalState) -> RoundReducer:
         return RoundReducer(previous, global_lr=self.global_lr,
                             alpha_nonnegative=self.objective_name == "auc_margin",
                             control_variates=self.control_variates)
+
+    def after_round(self, server: ServerState, new_state: GlobalState) -> ServerState:
+        return after_round(server, new_state, reference_point=self.reference_point)
+
+    def stage_alpha(self, moments: Sequence[Moments]) -> np.ndarray:
+        """CODA's closed-form alpha from the clients' score sums (only for ``recompute_alpha``)."""
+        return coda_alpha(moments, objective=self.objective_name, margin=self.margin)
+
+    def end_stage(self, server: ServerState, *, alpha: np.ndarray | None = None) -> ServerState:
+        return end_stage(server, reference_point=self.reference_point,
+                         reset_control_variates=self.reset_control_variates, alpha=alpha)

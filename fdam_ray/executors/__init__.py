@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from fdam_ray.executors.base import Executor
+from fdam_ray.executors.base import Executor, ExecutorSection
 
-__all__ = ["Executor", "make_executor"]
+__all__ = ["Executor", "ExecutorSection", "make_executor"]
 
 
 def make_executor(name: str) -> Executor:

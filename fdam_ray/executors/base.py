@@ -10,20 +10,46 @@ once).
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
 
+from fdam_ray.client import ClientSection
 from fdam_ray.data import DataSource
 from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, Moments, RoundPlan, Scores
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutorSection(ClientSection):
+    """What an executor reads of the config: how its clients run, plus what each client needs.
+
+    Only the :class:`~fdam_ray.client.ClientSection` part travels to a client.
+    """
+
+    device: str
+    threads_per_client: int | None
+    address: str | None
+    cpus_per_client: float
+    gpus_per_client: float
+    placement_strategy: str
+    gpu_memory_cap: bool
+    fold_order: str
+    eval_on: str
+    on_client_failure: str
+    max_client_retries: int
+    ray_timeout_s: float
 
 
 class Executor(abc.ABC):
     """Runs the clients of one federation."""
 
     @abc.abstractmethod
-    def start(self, config, source: DataSource) -> list[ClientInfo]:
-        """Create the K clients (each builds its own shard) and return what they report."""
+    def start(self, config: ExecutorSection, source: DataSource) -> list[ClientInfo]:
+        """Create the K clients (each builds its own shard) and return what they report.
+
+        ``config`` is read as an :class:`ExecutorSection` (a full config has its fields too).
+        """
 
     @abc.abstractmethod
     def configure(self, positive_ratio: np.ndarray) -> None:

@@ -13,9 +13,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from fdam_ray.client import Client, resolve_device
+from fdam_ray.client import Client, ClientSection, resolve_device
 from fdam_ray.data import DataSource
-from fdam_ray.executors.base import Executor
+from fdam_ray.executors.base import Executor, ExecutorSection
 from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, Moments, RoundPlan, Scores
 
 
@@ -23,11 +23,12 @@ class InlineExecutor(Executor):
     def __init__(self) -> None:
         self.clients: list[Client] = []
 
-    def start(self, config, source: DataSource) -> list[ClientInfo]:
+    def start(self, config: ExecutorSection, source: DataSource) -> list[ClientInfo]:
         if config.threads_per_client:
             torch.set_num_threads(config.threads_per_client)
         device = resolve_device(config.device)
-        self.clients = [Client(config, source, k, device=device) for k in range(source.num_clients)]
+        client = ClientSection.of(config)
+        self.clients = [Client(client, source, k, device=device) for k in range(source.num_clients)]
         return [c.info() for c in self.clients]
 
     def configure(self, positive_ratio: np.ndarray) -> None:

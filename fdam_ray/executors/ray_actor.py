@@ -15,13 +15,13 @@ import os
 import traceback
 import warnings
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import ray
 import torch
 
-from fdam_ray.client import Client
+from fdam_ray.client import Client, ClientSection
 from fdam_ray.data import AnySplit, DatasetSplit, DataSource, Split
 from fdam_ray.executors.errors import client_error
 from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, Moments, RoundPlan, Scores
@@ -89,7 +89,7 @@ class ClientShell:
         return self.client
 
     # -- life cycle -----------------------------------------------------------------
-    def setup(self, config: Any, source: DataSource, with_test_set: bool) -> tuple[ClientInfo, int]:
+    def setup(self, config: ClientSection, source: DataSource, with_test_set: bool) -> tuple[ClientInfo, int]:
         """Build the client (its shard from ``source``) and, to score slices of it, the global test set.
 
         Returns the client's info and the size of the global test set (0 when not loaded or absent).

@@ -45,8 +45,9 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from fdam_ray.client import ClientSection
 from fdam_ray.data import DataSource
-from fdam_ray.executors.base import Executor
+from fdam_ray.executors.base import Executor, ExecutorSection
 from fdam_ray.executors.errors import ClientError, ClientInputError
 from fdam_ray.executors.ray_actor import ClientShell
 from fdam_ray.executors.ray_session import ensure_ray
@@ -81,8 +82,9 @@ class RayExecutor(Executor):
         self._put_ref = None
 
     # -- set-up ---------------------------------------------------------------------------
-    def start(self, config, source: DataSource) -> list[ClientInfo]:
-        self.config = config
+    def start(self, config: ExecutorSection, source: DataSource) -> list[ClientInfo]:
+        self.config = config = ExecutorSection.of(config)
+        self._client_section = ClientSection.of(config)
         self.timeout = config.ray_timeout_s
         num_clients = source.num_clients
         if config.device == "cuda" and not config.gpus_per_client:
@@ -112,7 +114,7 @@ class RayExecutor(Executor):
         return infos
 
     def _setup_call(self, k: int, actor) -> Any:
-        return actor.setup.remote(self.config, self._source_refs[k], self.config.eval_on == "clients")
+        return actor.setup.remote(self._client_section, self._source_refs[k], self.config.eval_on == "clients")
 
     def _place(self, num_clients: int, *, local: bool) -> None:
         cfg = self.config

@@ -1,0 +1,104 @@
+"""The server's state across rounds and what happens to it at a stage end (ALGORITHMS.md s.1, s.5).
+
+Both CODA+ and CODASCA are stagewise: stage s solves a proximal subproblem
+centred on v_ref, the output of stage s-1 (Yuan et al. 2021, Alg. 1 and 3).
+The server therefore carries, besides the global state of s.3, the current
+centre v_ref and, for ``reference_point: average``, the float64 running sum of
+this stage's round-end global iterates and their count:
+
+    after every round:  sum <- sum + v_r,  count <- count + 1          (average only)
+    at a stage end:     v_ref <- sum / count  (average)  or  v_r  (last)
+                        sum, count <- 0
+                        c_v, c_alpha <- 0     (reset_control_variates; the paper's DSGSCA+ start)
+                        alpha <- alpha*(v_r)  (CODA only: the closed form of s.1 from client moments)
+
+The next stage starts from the last global iterate (v_r, alpha_r); with
+``average`` only the centre is the stage average, since restarting a deep
+network from an average of iterates would also need its BatchNorm statistics
+recomputed.
+
+These are functions of a named :class:`ServerState`. They take ownership of
+the state they are given: state-sized buffers are updated in place (a round
+of a 7M-parameter model must not allocate a fresh 56 MB sum) and the state
+after the step is returned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from fdam_ray.objectives import closed_form_alpha
+from fdam_ray.state import GlobalState, Moments
+
+
+@dataclasses.dataclass
+class ServerState:
+    """What the server carries from round to round.
+
+    Attributes:
+        global_state: (v, alpha, model buffers, global c) after the last round.
+        reference: v_ref, the proximal centre of the current stage.
+        ref_sum: float64 sum of this stage's round-end v (``reference_point: average``).
+        ref_count: number of terms in ``ref_sum``.
+    """
+
+    global_state: GlobalState
+    reference: np.ndarray
+    ref_sum: np.ndarray
+    ref_count: int = 0
+
+
+def init_server_state(initial: GlobalState) -> ServerState:
+    """Stage 1's centre is the initial v_0 (not a random draw); the running sum starts empty."""
+    return ServerState(initial, initial.v.copy(), np.zeros_like(initial.v, dtype=np.float64), 0)
+
+
+def after_round(server: ServerState, new_state: GlobalState, *, reference_point: str) -> ServerState:
+    """Adopt the round's global state; with ``average``, add its v to the stage's running sum."""
+    if reference_point == "average":
+        server.ref_sum += new_state.v
+        server.ref_count += 1
+    server.global_state = new_state
+    return server
+
+
+def end_stage(server: ServerState, *, reference_point: str, reset_control_variates: bool,
+              alpha: np.ndarray | None = None) -> ServerState:
+    """Hand the stage over: new centre, empty running sum, zero global c (by default), CODA's alpha.
+
+    ``alpha``, when given, replaces the global alpha before the centre moves
+    (CODA's closed-form step, :func:`coda_alpha`).
+    """
+    state = server.global_state
+    if alpha is not None:
+        state.alpha = alpha.astype(np.float32)
+    if reference_point == "average" and server.ref_count:
+        server.reference = (server.ref_sum / server.ref_count).astype(np.float32)
+    else:
+        server.reference = state.v.copy()
+    server.ref_sum[:] = 0.0
+    server.ref_count = 0
+    if reset_control_variates and state.c_v is not None:
+        state.c_v = np.zeros_like(state.c_v)
+        state.c_alpha = np.zeros_like(state.c_alpha)
+    return server
+
+
+def coda_alpha(moments: Sequence[Moments], *, objective: str, margin: float) -> np.ndarray:
+    """CODA's alpha at a stage end: the closed form of s.1 from every client's score sums.
+
+    E[h | pos] and E[h | neg] are pooled over all clients' training samples
+    (sums, then one division per task), then alpha* = E[h|neg] - E[h|pos]
+    (``auc_square``) or max(0, m + E[h|neg] - E[h|pos]) (``auc_margin``).
+    """
+    mean_pos = np.sum([x.sum_pos for x in moments], 0) / np.maximum(np.sum([x.num_pos for x in moments], 0), 1)
+    mean_neg = np.sum([x.sum_neg for x in moments], 0) / np.maximum(np.sum([x.num_neg for x in moments], 0), 1)
+    return closed_form_alpha(mean_pos, mean_neg, objective, margin).astype(np.float32)
+
+
+def moments_nbytes(moments: Sequence[Moments]) -> int:
+    """Bytes the clients send up in CODA's alpha round."""
+    return sum(x.sum_pos.nbytes + x.num_pos.nbytes + x.sum_neg.nbytes + x.num_neg.nbytes for x in moments)

@@ -1,0 +1,172 @@
+"""The one way a config becomes a running federation.
+
+Every entry point assembles its federation here: ``fdam train`` and
+:func:`fdam_ray.train` (:func:`run`), :func:`fdam_ray.train_arrays` (:func:`run`
+with in-memory data), ``fdam train --resume`` (:func:`resume`), every Ray Tune
+trial (:mod:`fdam_ray.tuning.trial`) and the benchmarks. :func:`federate` does,
+in order:
+
+1. the data source (the config's dataset, or the one given);
+2. the initial network weights, for a run that does not resume: the weights
+   given, else the ``model_weights`` file, else the seeded initialisation; then,
+   with ``pretrain_iterations`` > 0, stage 1 of the two-stage recipe (a BCE
+   federation assembled by this same function, :mod:`fdam_ray.pretrain`), whose
+   body with a fresh head becomes the initial weights;
+3. the executor (the config's, or the one given);
+4. the outputs, as one observer: the run folder, the progress bar, a callback
+   per evaluation, and any observer the caller adds (a Tune trial's reports);
+5. the :class:`~fdam_ray.federation.Federation`, run from the start or from a
+   resume payload (a checkpoint's), which then holds the whole state: initial
+   weights and pre-training are skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from fdam_ray.algorithms import AlgorithmSection
+from fdam_ray.checkpoint import load_checkpoint
+from fdam_ray.client import resolve_device
+from fdam_ray.config import RESUME_MAY_CHANGE, Config, ConfigError, build_config
+from fdam_ray.data import DataSource, make_source
+from fdam_ray.executors import Executor, ExecutorSection, make_executor
+from fdam_ray.federation import Federation, RunResult
+from fdam_ray.outputs import EvalCallback, Observer, Observers, Progress, RunFolder
+from fdam_ray.pretrain import pretrain_config, pretrain_source, pretrained_body
+from fdam_ray.schedules import ScheduleSection
+from fdam_ray.weights import load_weights, read_weights
+
+log = logging.getLogger(__name__)
+
+
+def federate(
+    config: Config,
+    *,
+    source: DataSource | None = None,
+    executor: Executor | None = None,
+    initial_model_state: dict[str, torch.Tensor] | None = None,
+    resume: dict | None = None,
+    save: bool = True,
+    run_dir: Path | None = None,
+    checkpoints: bool = True,
+    on_eval: Callable[[dict], None] | None = None,
+    progress: bool = False,
+    observers: Sequence[Observer] = (),
+) -> RunResult:
+    """Assemble the federation ``config`` describes and run it (see the module docstring).
+
+    Args:
+        config: a validated config.
+        source: the data (default: the dataset the config names).
+        executor: how clients run (default: the config's ``executor``); shut down at the end.
+        initial_model_state: network weights to start from (default: ``model_weights``, else seeded).
+        resume: a checkpoint payload to continue from (initial weights and pre-training are then skipped).
+        save: write a run folder (:class:`~fdam_ray.outputs.RunFolder`).
+        run_dir: the run folder to write (a resumed run's); None makes a new one under ``out_dir``.
+        checkpoints: write ``checkpoint.pt`` into the run folder.
+        on_eval: called with every evaluation record as it is made.
+        progress: show a progress bar over iterations.
+        observers: more observers of the run (e.g. a Tune trial's reports); stage 1 of pre-training
+            reports only to its own run folder and progress bar.
+    """
+    source = source if source is not None else make_source(config)
+    if source.num_clients != config.num_clients:
+        raise ValueError(f"the data has {source.num_clients} clients but num_clients={config.num_clients}")
+    pretrained, weights, weights_from = None, initial_model_state, "initial_model_state"
+    if resume is None:
+        if config.pretrain_iterations:  # stage 1 starts from the given weights or model_weights, as any run does
+            stage1 = pretrain_config(config)
+            log.info("pre-training: %d iterations of %s with bce on %s", stage1.iterations, stage1.algorithm,
+                     "every client" if stage1.num_clients > 1 else "client 0")
+            pretrained = federate(stage1, source=pretrain_source(stage1, source), initial_model_state=weights,
+                                  save=save, progress=progress)
+            log.info("pre-training done: test AUC %.4f", pretrained.summary["final_test_auc"])
+            weights, weights_from = pretrained_body(pretrained.model_state, config, source), "pre-trained weights"
+        elif weights is None and config.model_weights:
+            weights, weights_from = read_weights(config.model_weights), f"model_weights '{config.model_weights}'"
+    outputs: list[Observer] = []
+    if save:
+        outputs.append(RunFolder(config, run_dir=run_dir, checkpoints=checkpoints))
+    if progress:
+        outputs.append(Progress())
+    if on_eval is not None:
+        outputs.append(EvalCallback(on_eval))
+    outputs.extend(observers)
+    executor = executor if executor is not None else make_executor(config.executor)
+    # Under Ray the driver's replica only loads states and, with eval_on=driver, scores: it stays on the CPU,
+    # outside Ray's GPU accounting (the clients hold the GPU shares).
+    driver_device = resolve_device(config.device) if config.executor == "inline" else torch.device("cpu")
+    with executor:
+        fed = Federation(source=source, executor=executor, config=ExecutorSection.of(config),
+                         algorithm=AlgorithmSection.of(config), schedule=ScheduleSection.of(config),
+                         eval_every=config.eval_every, driver_device=driver_device, observer=Observers(outputs))
+        if weights is not None:
+            load_weights(fed.replica.flat.model, weights, source=weights_from)
+        result = fed.run(resume=resume)
+    result.config = config
+    result.pretrain = pretrained
+    return result
+
+
+def run(
+    config: Config,
+    *,
+    source: DataSource | None = None,
+    executor: Executor | None = None,
+    save: bool = True,
+    on_eval: Callable[[dict], None] | None = None,
+    progress: bool = False,
+    initial_model_state: dict[str, torch.Tensor] | None = None,
+) -> RunResult:
+    """Train one federation as ``config`` says and return its :class:`~fdam_ray.federation.RunResult`.
+
+    Args:
+        config: a validated :class:`fdam_ray.config.Config`.
+        source: the data (default: the dataset the config names).
+        executor: how clients run (default: the config's ``executor``).
+        save: write a run folder (see :mod:`fdam_ray.outputs`) under ``config.out_dir``.
+        on_eval: called with every evaluation record as it is made.
+        progress: show a progress bar over iterations.
+        initial_model_state: network weights to start from (a ``state_dict``; default: the
+            ``model_weights`` file if set, else the seeded initialisation). With
+            ``pretrain_iterations`` > 0 they start the pre-training run (:mod:`fdam_ray.pretrain`),
+            and this run starts from its body with a fresh classifier head.
+    """
+    return federate(config, source=source, executor=executor, save=save, on_eval=on_eval, progress=progress,
+                    initial_model_state=initial_model_state)
+
+
+def resume(
+    run_dir: str | Path,
+    changes: dict | None = None,
+    *,
+    source: DataSource | None = None,
+    on_eval: Callable[[dict], None] | None = None,
+    progress: bool = False,
+) -> RunResult:
+    """Continue the run in ``run_dir`` from its last checkpoint.
+
+    ``changes`` may alter only fields in :data:`fdam_ray.config.RESUME_MAY_CHANGE`
+    (how the run executes, or a longer ``iterations``); anything else means a
+    different run and is refused.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ValueError(f"--resume: '{run_dir}' is not a run folder")
+    if not (run_dir / "checkpoint.pt").exists():
+        raise ValueError(f"--resume: '{run_dir}' has no checkpoint.pt (not a run folder, or its run stopped "
+                         "before the first checkpoint)")
+    payload = load_checkpoint(run_dir / "checkpoint.pt")
+    saved = build_config(payload["config"])
+    wanted = build_config({**saved.to_dict(), **dict(changes or {})})
+    before, after = saved.to_dict(), wanted.to_dict()
+    differ = [k for k in before if before[k] != after[k] and k not in RESUME_MAY_CHANGE]
+    if differ:
+        detail = ", ".join(f"{k}: {getattr(saved, k)!r} -> {getattr(wanted, k)!r}" for k in differ)
+        raise ConfigError(f"cannot resume '{run_dir}' with a different config ({detail}); only "
+                          f"{', '.join(sorted(RESUME_MAY_CHANGE))} may change")
+    return federate(wanted, source=source, resume=payload, run_dir=run_dir, on_eval=on_eval, progress=progress)

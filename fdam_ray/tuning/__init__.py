@@ -1,0 +1,14 @@
+"""Ray Tune sweeps whose trials are whole federations (``fdam tune``).
+
+    space.py   the search-space file: sections, validation, Ray Tune's distributions
+    trial.py   one trial: a federation assembled by fdam_ray.recipe, reporting to Tune with checkpoints
+    sweep.py   the sweep: Tune's searcher, scheduler and per-trial placement groups; resume
+    report.py  the results: table, best config, figure
+"""
+
+from __future__ import annotations
+
+from fdam_ray.tuning.space import Space, TuneOptions, load_space, param_space, space_of_sweep
+from fdam_ray.tuning.sweep import run_sweep
+
+__all__ = ["Space", "TuneOptions", "load_space", "param_space", "run_sweep", "space_of_sweep"]

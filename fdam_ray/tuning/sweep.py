@@ -1,0 +1,88 @@
+"""Running a sweep (``fdam tune``): Ray Tune over whole federations, then the results report."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import datetime
+from pathlib import Path
+
+import yaml
+
+from fdam_ray.config import ConfigError, build_config
+from fdam_ray.tuning.report import cell, write_sweep_outputs
+from fdam_ray.tuning.space import SPACE_FILE, Space, param_space
+from fdam_ray.tuning.trial import federation_trial, trial_bundles
+
+
+def _trial_name(trial) -> str:
+    params = "_".join(f"{k}={cell(v)}" for k, v in sorted(trial.config.items()))
+    return f"trial_{trial.trial_id}_{params}"[:120]
+
+
+def _scheduler(space: Space, config):
+    if space.options.scheduler != "asha":
+        return None
+    from ray.tune.schedulers import ASHAScheduler
+
+    grace = space.options.grace_period or 2 * config.eval_every
+    return ASHAScheduler(time_attr="iteration", max_t=config.iterations, grace_period=grace,
+                         reduction_factor=space.options.reduction_factor)
+
+
+def _searcher(space: Space):
+    if space.options.searcher != "optuna":
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec("optuna") is None:
+        raise ConfigError("tune option 'searcher': optuna needs the optuna package (pip install optuna)")
+    from ray.tune.search.optuna import OptunaSearch
+
+    return OptunaSearch()
+
+
+def run_sweep(space: Space, *, resume_dir: str | None = None, address: str | None = None):
+    """Run (or resume) a sweep and write its tables, best config and figure; returns the output folder."""
+    from ray import tune
+
+    base_config = build_config(space.base)
+    if not resume_dir:
+        if space.options.name is None:
+            space.options.name = f"sweep-{datetime.now():%Y%m%d-%H%M%S}"
+        exp_dir = Path(space.options.storage_path).resolve() / space.options.name
+        if exp_dir.exists():
+            raise ConfigError(f"sweep folder '{exp_dir}' exists; choose another tune.name or use --resume")
+        exp_dir.mkdir(parents=True)
+        (exp_dir / SPACE_FILE).write_text(yaml.safe_dump(
+            {"base": space.base, "search": space.search, "tune": dataclasses.asdict(space.options)},
+            sort_keys=False), encoding="utf-8")
+    from fdam_ray.executors.ray_session import ensure_ray
+
+    ensure_ray(address=address, cpus_needed=1)
+    base, driver_cpus = space.base, space.options.driver_cpus
+
+    def resources(params: dict):
+        # per trial: a searched num_clients, cpus_per_client, gpus_per_client or executor changes its bundles
+        config = build_config({**base, **params})
+        return tune.PlacementGroupFactory(trial_bundles(config, driver_cpus), strategy=config.placement_strategy)
+
+    trainable = tune.with_resources(tune.with_parameters(federation_trial, base=base), resources)
+    if resume_dir:
+        tuner = tune.Tuner.restore(str(Path(resume_dir).resolve()), trainable=trainable, resume_unfinished=True,
+                                   resume_errored=True)
+    else:
+        opts = space.options
+        tuner = tune.Tuner(
+            trainable,
+            param_space=param_space(space.search, opts.searcher),
+            tune_config=tune.TuneConfig(
+                metric=opts.metric, mode=opts.mode, num_samples=opts.num_samples,
+                scheduler=_scheduler(space, base_config), search_alg=_searcher(space),
+                max_concurrent_trials=opts.max_concurrent_trials,
+                trial_name_creator=_trial_name, trial_dirname_creator=_trial_name,
+            ),
+            run_config=tune.RunConfig(name=opts.name, storage_path=str(Path(opts.storage_path).resolve()),
+                                      checkpoint_config=tune.CheckpointConfig(num_to_keep=2), verbose=1),
+        )
+    grid = tuner.fit()
+    return write_sweep_outputs(grid, space)
