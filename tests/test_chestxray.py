@@ -16,8 +16,9 @@ from sklearn.metrics import roc_auc_score
 import fdam_ray
 from fdam_ray.config import CHESTXRAY_SOURCES, ConfigError, build_config, parse_overrides
 from fdam_ray.data import make_source
-from fdam_ray.data.chestxray import SOURCES, ChestXrayImages, ChestXraySource, read_dicom, read_gray
+from fdam_ray.data.chestxray import SOURCES, ChestXrayImages, ChestXraySource
 from fdam_ray.data.chestxray_readers import TASKS
+from fdam_ray.data.images import read_dicom, read_gray
 from fdam_ray.models import build_model
 
 NAN = math.nan

@@ -44,11 +44,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 
 from fdam_ray.data.base import DatasetSplit, DataSource, Shard
-from fdam_ray.data.chestxray_readers import DICOM_SUFFIXES, READERS, TASKS, SourceTable
-from fdam_ray.data.images import IMAGENET_MEAN, IMAGENET_STD, read_errors, split_seed
+from fdam_ray.data.chestxray_readers import READERS, TASKS, SourceTable
+from fdam_ray.data.images import IMAGENET_MEAN, IMAGENET_STD, read_gray, split_seed
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +55,6 @@ SOURCES = tuple(READERS)  # chexpert, nih, padchest, mimic, vindr (the paper's o
 POLICIES = ("ones", "zeros", "ignore")
 DEFAULT_IMAGE_SIZE = 320  # the paper's multi-source experiments
 SPLIT_SEED = 20210718  # the held-out test patients are the same for every run seed
-WIDE_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
 
 
 def task_policies(uncertain: tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -83,53 +81,6 @@ def apply_label_policy(codes: np.ndarray, present: tuple[bool, ...], uncertain: 
         labels[column == -1, t] = value[policy]
         labels[np.isnan(column), t] = value[blank]
     return labels
-
-
-def read_gray(path: str, size: int) -> np.ndarray:
-    """A grayscale image in [0, 1], resized to ``size`` x ``size``.
-
-    8-bit images are divided by 255. 16-bit (and wider) images, such as
-    PadChest's PNGs whose stored bit depth varies by scanner, and DICOM files
-    (``.dicom``/``.dcm``, see :func:`read_dicom`) are scaled by their own
-    minimum and maximum: converting them to 8-bit directly would clip nearly
-    every pixel to white.
-    """
-    if path.lower().endswith(DICOM_SUFFIXES):
-        return _scaled(read_dicom(path), size)
-    with read_errors(path), Image.open(path) as img:
-        if img.mode in WIDE_MODES:
-            return _scaled(np.array(img, dtype=np.float32), size)
-        img.draft("L", (size, size))  # JPEG: decode at a reduced scale when the image is much larger
-        small = img.convert("L").resize((size, size), Image.Resampling.BILINEAR)
-        return np.array(small, dtype=np.float32) / 255.0
-
-
-def _scaled(a: np.ndarray, size: int) -> np.ndarray:
-    lo, hi = float(a.min()), float(a.max())
-    a = (a - lo) / (hi - lo) if hi > lo else np.zeros_like(a)
-    return np.array(Image.fromarray(a).resize((size, size), Image.Resampling.BILINEAR), dtype=np.float32)
-
-
-def read_dicom(path: str) -> np.ndarray:
-    """A DICOM image's pixels as float32 with bright meaning dense (bone white).
-
-    The modality LUT (RescaleSlope / RescaleIntercept) is applied and
-    MONOCHROME1 images, stored with low values bright, are inverted; the caller
-    then scales by the image's own range as for 16-bit PNGs. Compressed
-    transfer syntaxes need the decoder pydicom names in its message.
-    """
-    import pydicom
-    from pydicom.pixels import apply_modality_lut
-
-    with read_errors(path, (pydicom.errors.InvalidDicomError, AttributeError, RuntimeError, NotImplementedError,
-                            KeyError)):
-        ds = pydicom.dcmread(path)
-        a = np.asarray(apply_modality_lut(ds.pixel_array, ds), dtype=np.float32)
-    if a.ndim != 2:
-        raise ValueError(f"cannot read image '{path}': expected one grayscale frame, got pixel shape {a.shape}")
-    if ds.get("PhotometricInterpretation", "MONOCHROME2") == "MONOCHROME1":
-        a = a.max() - a
-    return a
 
 
 class ChestXrayImages(torch.utils.data.Dataset):
