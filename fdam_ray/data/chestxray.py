@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +48,7 @@ import torch
 
 from fdam_ray.data.base import DatasetSplit, DataSource, Shard
 from fdam_ray.data.chestxray_readers import READERS, TASKS, SourceTable
-from fdam_ray.data.images import IMAGENET_MEAN, IMAGENET_STD, read_gray, split_seed
+from fdam_ray.data.images import IMAGENET_MEAN, IMAGENET_STD, LazyImages, read_gray, split_seed
 
 log = logging.getLogger(__name__)
 
@@ -83,49 +84,48 @@ def apply_label_policy(codes: np.ndarray, present: tuple[bool, ...], uncertain: 
     return labels
 
 
-class ChestXrayImages(torch.utils.data.Dataset):
+class GrayToImageNet:
+    """A grayscale (1, H, W) tensor in [0, 1] -> 3 channels normalised with ImageNet's mean and std."""
+
+    def __init__(self) -> None:
+        self.mean = torch.tensor(IMAGENET_MEAN).reshape(3, 1, 1)
+        self.std = torch.tensor(IMAGENET_STD).reshape(3, 1, 1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.expand(3, -1, -1) - self.mean) / self.std
+
+
+def chestxray_transform(*, augment: bool) -> Callable:
+    """Grayscale (1, H, W) in [0, 1] -> normalised float32 (3, H, W); with ``augment`` the paper's affine first."""
+    if not augment:
+        return GrayToImageNet()
+    from torchvision import transforms
+
+    affine = transforms.RandomAffine(degrees=(-15, 15), translate=(0.05, 0.1), scale=(0.95, 1.05),
+                                     interpolation=transforms.InterpolationMode.BILINEAR, fill=128 / 255)
+    return transforms.Compose([affine, GrayToImageNet()])
+
+
+class ChestXrayImages(LazyImages):
     """Images read from disk on demand: grayscale, resized, augmented (training), 3 channels, normalised.
 
     The augmentation is the paper's recipe (Yuan et al.'s CheXpert training):
     a random affine map with rotation in [-15, 15] degrees, translation up to
     5% horizontally and 10% vertically, scale in [0.95, 1.05], mid-grey fill.
-    Its draws come from a generator of the dataset's own (``augment_seed``), so
-    a run with ``data_workers=0`` is reproducible; inside DataLoader worker
-    processes they come from the torch seed the DataLoader gives each worker.
-    The 3 channels are normalised with ImageNet's mean and std (for
-    ImageNet-pretrained DenseNets).
+    It is on when ``augment_seed`` is given, and its draws are seeded as for
+    every :class:`~fdam_ray.data.images.LazyImages`. The 3 channels are
+    normalised with ImageNet's mean and std (for ImageNet-pretrained DenseNets).
     """
 
     def __init__(self, paths: np.ndarray, labels: np.ndarray, *, image_size: int,
                  augment_seed: int | None = None) -> None:
-        from torchvision import transforms
-
+        super().__init__(torch.from_numpy(np.asarray(labels, dtype=np.float32)),
+                         chestxray_transform(augment=augment_seed is not None), augment_seed=augment_seed)
         self.paths = np.asarray(paths, dtype=object)
-        self.labels = np.asarray(labels, dtype=np.float32)
         self.image_size = image_size
-        self.generator = None if augment_seed is None else torch.Generator().manual_seed(augment_seed)
-        self.affine = transforms.RandomAffine(degrees=(-15, 15), translate=(0.05, 0.1), scale=(0.95, 1.05),
-                                              interpolation=transforms.InterpolationMode.BILINEAR, fill=128 / 255)
-        self.mean = torch.tensor(IMAGENET_MEAN).reshape(3, 1, 1)
-        self.std = torch.tensor(IMAGENET_STD).reshape(3, 1, 1)
 
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def _augment(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.utils.data.get_worker_info() is not None:
-            return self.affine(x)
-        seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            return self.affine(x)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.from_numpy(read_gray(self.paths[i], self.image_size)).unsqueeze(0)
-        if self.generator is not None:
-            x = self._augment(x)
-        x = (x.expand(3, -1, -1) - self.mean) / self.std
-        return x, torch.from_numpy(self.labels[i])
+    def load(self, index: int) -> torch.Tensor:
+        return torch.from_numpy(read_gray(self.paths[index], self.image_size)).unsqueeze(0)
 
 
 @dataclasses.dataclass(frozen=True)

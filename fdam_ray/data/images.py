@@ -34,11 +34,17 @@ def split_seed(seed: int, client_id: int) -> int:
     return int(np.random.SeedSequence([seed, 31, client_id]).generate_state(1, np.uint64)[0] >> np.uint64(1))
 
 
-class _LazyImages(torch.utils.data.Dataset):
-    """Samples ``(transform(image i), label i)``; subclasses say how image i is loaded."""
+class LazyImages(torch.utils.data.Dataset):
+    """Samples ``(transform(image i), label i)``; subclasses say how image i is loaded.
+
+    With ``augment_seed`` every sample read in this process runs ``transform``
+    under a torch seed drawn from the dataset's own generator, so its random
+    draws depend on that generator alone (whose state samplers save and
+    restore), not on what else used torch's global generator.
+    """
 
     def __init__(self, labels: torch.Tensor, transform: Callable, *, augment_seed: int | None) -> None:
-        self.labels = labels.reshape(len(labels), -1).to(torch.float32)
+        self.labels = (labels.reshape(-1, 1) if labels.dim() == 1 else labels).to(torch.float32)
         self.transform = transform
         self.generator = None if augment_seed is None else torch.Generator().manual_seed(augment_seed)
 
@@ -60,7 +66,7 @@ class _LazyImages(torch.utils.data.Dataset):
         return x, self.labels[index]
 
 
-class ArrayImages(_LazyImages):
+class ArrayImages(LazyImages):
     """uint8 images (n, C, H, W) in memory; ``transform`` maps one uint8 (C, H, W) tensor to float32."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform: Callable, *,
@@ -87,7 +93,7 @@ def read_errors(path: str, also: tuple[type[BaseException], ...] = ()):
         raise ValueError(f"cannot read image '{path}': {type(exc).__name__}: {exc}") from None
 
 
-class FileImages(_LazyImages):
+class FileImages(LazyImages):
     """Image files ``root/relpath`` opened as RGB PIL images; ``transform`` maps one to float32 (C, H, W)."""
 
     def __init__(self, root: str, relpaths: np.ndarray, labels: torch.Tensor, transform: Callable, *,
