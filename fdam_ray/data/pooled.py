@@ -7,9 +7,12 @@ import functools
 
 import numpy as np
 import torch
+from sklearn.model_selection import train_test_split
 
 from fdam_ray.data.base import AnySplit, DataSource, Shard, Split
 from fdam_ray.data.partition import dirichlet_partition, ih_partition
+
+SPLIT_SEED = 20210101  # a held-out split is the same for every run seed, so runs compare on one test set
 
 
 class ClassPoolSource(DataSource):
@@ -110,3 +113,25 @@ class ClassPoolSource(DataSource):
         state = dict(self.__dict__)
         state.pop("_pool", None)  # a spec travels without its data
         return state
+
+
+class HeldOutPoolSource(ClassPoolSource):
+    """A pool published without a test split (digits, mnist5k): a stratified ``test_fraction`` of it is held out.
+
+    The split is drawn with a fixed seed, not the run's, so every run seed is
+    scored on the same test samples. Subclasses provide :meth:`load_samples`.
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.test_fraction = config.test_fraction
+
+    @abc.abstractmethod
+    def load_samples(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every sample and its class (x, classes), before the split."""
+
+    def load_pool(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        x, classes = self.load_samples()
+        x_tr, x_te, c_tr, c_te = train_test_split(x, classes, test_size=self.test_fraction, stratify=classes,
+                                                  random_state=SPLIT_SEED)
+        return x_tr, c_tr, x_te, c_te
