@@ -49,6 +49,7 @@ import torch
 from fdam_ray.data.base import DatasetSplit, DataSource, Shard
 from fdam_ray.data.chestxray_readers import READERS, TASKS, SourceTable
 from fdam_ray.data.images import IMAGENET_MEAN, IMAGENET_STD, LazyImages, read_gray, split_seed
+from fdam_ray.data.sections import ChestXraySection
 
 log = logging.getLogger(__name__)
 
@@ -137,29 +138,29 @@ class ClientPlace:
     groups: int
 
 
-def client_places(config) -> list[ClientPlace]:
-    """Every client's organisation and group, from the config alone (nothing is read)."""
-    sources = tuple(config.chestxray_sources)
-    per_source = config.chestxray_clients_per_source
-    if config.chestxray_clients == "source":
+def client_places(section) -> list[ClientPlace]:
+    """Every client's organisation and group, from the settings alone (nothing is read)."""
+    sources = tuple(section.chestxray_sources)
+    per_source = section.chestxray_clients_per_source
+    if section.chestxray_clients == "source":
         if per_source is not None:
             raise ValueError("chestxray_clients_per_source is for chestxray_clients=patient; with 'source' every "
                              "organisation is one client")
         counts = [1] * len(sources)
-        if config.num_clients != len(sources):
+        if section.num_clients != len(sources):
             raise ValueError(f"chestxray_clients=source makes one client per source ({len(sources)}: "
-                             f"{', '.join(sources)}) but num_clients={config.num_clients}; set num_clients="
+                             f"{', '.join(sources)}) but num_clients={section.num_clients}; set num_clients="
                              f"{len(sources)} or chestxray_clients=patient")
     elif per_source is not None:
         counts = list(per_source)
-        if len(counts) != len(sources) or min(counts) < 1 or sum(counts) != config.num_clients:
+        if len(counts) != len(sources) or min(counts) < 1 or sum(counts) != section.num_clients:
             raise ValueError(f"chestxray_clients_per_source={counts} must give each of the {len(sources)} sources "
-                             f"({', '.join(sources)}) at least 1 client and sum to num_clients={config.num_clients}")
+                             f"({', '.join(sources)}) at least 1 client and sum to num_clients={section.num_clients}")
     else:
-        if config.num_clients < len(sources):
+        if section.num_clients < len(sources):
             raise ValueError(f"chestxray_clients=patient puts each client inside one organisation, so num_clients="
-                             f"{config.num_clients} must be at least the number of sources ({len(sources)})")
-        base, extra = divmod(config.num_clients, len(sources))
+                             f"{section.num_clients} must be at least the number of sources ({len(sources)})")
+        base, extra = divmod(section.num_clients, len(sources))
         counts = [base + (i < extra) for i in range(len(sources))]
     return [ClientPlace(s, g, n) for s, n in zip(sources, counts, strict=True) for g in range(n)]
 
@@ -169,33 +170,33 @@ def _source_seed(name: str) -> int:
 
 
 class ChestXraySource(DataSource):
-    """The chest X-ray federation a config describes (``dataset: chestxray``); see the module docstring."""
+    """The chest X-ray federation a :class:`ChestXraySection` describes; see the module docstring."""
 
     num_tasks = len(TASKS)
     task_names = TASKS
 
-    def __init__(self, config) -> None:
-        sources = tuple(config.chestxray_sources)
+    def __init__(self, section: ChestXraySection) -> None:
+        sources = tuple(section.chestxray_sources)
         if not sources:
             raise ValueError(f"chestxray_sources is empty; list some of {', '.join(SOURCES)}")
         self.roots: dict[str, Path] = {}
         for name in sources:
-            root = getattr(config, f"chestxray_{name}_root")
+            root = getattr(section, f"chestxray_{name}_root")
             if not root:
                 raise ValueError(f"chestxray_sources lists '{name}' but chestxray_{name}_root is not set; set it to "
                                  f"the folder of the {name} files or drop '{name}' from chestxray_sources")
             self.roots[name] = Path(root).expanduser()
-        self.places = client_places(config)
+        self.places = client_places(section)
         self.num_clients = len(self.places)
-        self.uncertain = task_policies(config.chestxray_uncertain)
-        self.blank = config.chestxray_blank
-        self.frontal_only = config.chestxray_frontal_only
-        self.official_test = config.chestxray_test_split == "official"
-        self.test_fraction = config.chestxray_test_fraction
-        self.image_size = config.image_size or DEFAULT_IMAGE_SIZE
-        self.augment = config.augment
-        self.num_workers = config.data_workers
-        self.seed = config.seed
+        self.uncertain = task_policies(section.chestxray_uncertain)
+        self.blank = section.chestxray_blank
+        self.frontal_only = section.chestxray_frontal_only
+        self.official_test = section.chestxray_test_split == "official"
+        self.test_fraction = section.chestxray_test_fraction
+        self.image_size = section.image_size or DEFAULT_IMAGE_SIZE
+        self.augment = section.augment
+        self.num_workers = section.data_workers
+        self.seed = section.seed
         self.input_shape = (3, self.image_size, self.image_size)
         self._cache: dict[str, tuple[SourceTable, np.ndarray]] = {}
 

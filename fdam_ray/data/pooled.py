@@ -11,6 +11,7 @@ from sklearn.model_selection import train_test_split
 
 from fdam_ray.data.base import AnySplit, DataSource, Shard, Split
 from fdam_ray.data.partition import dirichlet_partition, ih_partition
+from fdam_ray.data.sections import DataSection
 
 SPLIT_SEED = 20210101  # a held-out split is the same for every run seed, so runs compare on one test set
 
@@ -28,16 +29,16 @@ class ClassPoolSource(DataSource):
 
     default_positive_classes: tuple[int, ...] = ()
 
-    def __init__(self, config) -> None:
-        self.num_clients = config.num_clients
-        self.partition = config.partition
-        self.imratio = config.imratio
-        self.concentration = config.dirichlet_concentration
-        self.seed = config.seed
-        if config.positive_classes is not None and not config.positive_classes:
+    def __init__(self, section: DataSection) -> None:
+        self.num_clients = section.num_clients
+        self.partition = section.partition
+        self.imratio = section.imratio
+        self.concentration = section.dirichlet_concentration
+        self.seed = section.seed
+        if section.positive_classes is not None and not section.positive_classes:
             raise ValueError("positive_classes: [] names no class; give at least one, or null for the default")
-        self.positive_classes = tuple(config.positive_classes or self.default_positive_classes)
-        self.negative_classes = None if config.negative_classes is None else tuple(config.negative_classes)
+        self.positive_classes = tuple(section.positive_classes or self.default_positive_classes)
+        self.negative_classes = None if section.negative_classes is None else tuple(section.negative_classes)
         if self.negative_classes is not None:
             both = sorted(set(self.positive_classes) & set(self.negative_classes))
             if both:
@@ -122,9 +123,9 @@ class HeldOutPoolSource(ClassPoolSource):
     scored on the same test samples. Subclasses provide :meth:`load_samples`.
     """
 
-    def __init__(self, config) -> None:
-        super().__init__(config)
-        self.test_fraction = config.test_fraction
+    def __init__(self, section: DataSection) -> None:
+        super().__init__(section)
+        self.test_fraction = section.test_fraction
 
     @abc.abstractmethod
     def load_samples(self) -> tuple[np.ndarray, np.ndarray]:
