@@ -15,9 +15,10 @@ from sklearn.metrics import roc_auc_score
 
 import fdam_ray
 from fdam_ray.config import CHESTXRAY_SOURCES, ConfigError, build_config, parse_overrides
-from fdam_ray.data import make_source
-from fdam_ray.data.chestxray import SOURCES, ChestXrayImages, ChestXraySource, read_dicom, read_gray
+from fdam_ray.data import ChestXraySection, make_source
+from fdam_ray.data.chestxray import SOURCES, ChestXrayImages, ChestXraySource
 from fdam_ray.data.chestxray_readers import TASKS
+from fdam_ray.data.images import read_dicom, read_gray
 from fdam_ray.models import build_model
 
 NAN = math.nan
@@ -40,6 +41,11 @@ def config(roots, sources, **kw):
     values.update({f"chestxray_{s}_root": str(roots[s]) for s in sources})
     values.update(kw)
     return build_config(values)
+
+
+def section(roots, sources, **kw) -> ChestXraySection:
+    """What a ChestXraySource takes of :func:`config`."""
+    return ChestXraySection.of(config(roots, sources, **kw))
 
 
 def labels_by_path(source: ChestXraySource, name: str, root: Path) -> dict[str, list[float]]:
@@ -72,14 +78,15 @@ def test_config_fields_from_yaml_lists_commas_and_sections(roots):
 
 def test_bad_federation_settings_are_named(roots):
     with pytest.raises(ValueError, match=r"one client per source.*num_clients=4"):
-        ChestXraySource(config(roots, ["chexpert", "nih"], num_clients=4))
+        ChestXraySource(section(roots, ["chexpert", "nih"], num_clients=4))
     with pytest.raises(ValueError, match="chestxray_padchest_root is not set"):
-        ChestXraySource(build_config(dict(dataset="chestxray", chestxray_sources=["padchest"], num_clients=1)))
+        ChestXraySource(ChestXraySection.of(build_config(dict(dataset="chestxray", chestxray_sources=["padchest"],
+                                                                num_clients=1))))
     with pytest.raises(ValueError, match="sum to num_clients=4"):
-        ChestXraySource(config(roots, ["chexpert", "nih"], num_clients=4, chestxray_clients="patient",
+        ChestXraySource(section(roots, ["chexpert", "nih"], num_clients=4, chestxray_clients="patient",
                                chestxray_clients_per_source=[1, 2]))
     with pytest.raises(ValueError, match="at least the number of sources"):
-        ChestXraySource(config(roots, ["chexpert", "nih", "mimic"], num_clients=2, chestxray_clients="patient"))
+        ChestXraySource(section(roots, ["chexpert", "nih", "mimic"], num_clients=2, chestxray_clients="patient"))
 
 
 # ------------------------------------------------------------------ labels per source
@@ -105,7 +112,7 @@ def expected_from_strings(values, uncertain, blank="zeros"):
     (("ones",) * 5, "ignore"),
 ])
 def test_chexpert_labels_follow_the_uncertain_and_blank_policies(roots, uncertain, blank):
-    src = ChestXraySource(config(roots, ["chexpert"], chestxray_uncertain=list(uncertain), chestxray_blank=blank))
+    src = ChestXraySource(section(roots, ["chexpert"], chestxray_uncertain=list(uncertain), chestxray_blank=blank))
     got = labels_by_path(src, "chexpert", roots["chexpert"])
     frontal = [r for r in F.CHEXPERT_ROWS if r[3]]
     assert len(got) == len(frontal)
@@ -121,14 +128,14 @@ def test_chexpert_labels_follow_the_uncertain_and_blank_policies(roots, uncertai
 @pytest.mark.parametrize("prefix", ["CheXpert-v1.0-small/", "CheXpert-v1.0/"])
 def test_chexpert_path_prefix_is_stripped_and_patient_read_from_the_path(tmp_path, prefix):
     root = F.write_chexpert(tmp_path, prefix=prefix)
-    src = ChestXraySource(config({"chexpert": root}, ["chexpert"]))
+    src = ChestXraySource(section({"chexpert": root}, ["chexpert"]))
     table, _ = src.table("chexpert")
     assert all(Path(p).is_file() for p in table.paths)
     assert table.patients[0] == "patient00001" and set(table.patients) == {f"patient{i:05d}" for i in range(1, 9)}
 
 
 def test_nih_findings_map_to_the_tasks_with_effusion_as_pleural_effusion(roots):
-    got = labels_by_path(ChestXraySource(config(roots, ["nih"])), "nih", roots["nih"])
+    got = labels_by_path(ChestXraySource(section(roots, ["nih"])), "nih", roots["nih"])
     assert got["images_001/images/00000001_000.png"] == [1, 0, 0, 0, 1]  # Cardiomegaly|Effusion
     assert got["images_001/images/00000001_001.png"] == [0, 0, 0, 0, 0]  # No Finding
     assert got["images_001/images/00000002_001.png"] == [0, 0, 1, 1, 0]  # Atelectasis|Consolidation
@@ -139,7 +146,7 @@ def test_nih_findings_map_to_the_tasks_with_effusion_as_pleural_effusion(roots):
 
 
 def test_padchest_terms_match_exactly_and_unlabelled_rows_are_skipped(roots):
-    got = labels_by_path(ChestXraySource(config(roots, ["padchest"])), "padchest", roots["padchest"])
+    got = labels_by_path(ChestXraySource(section(roots, ["padchest"])), "padchest", roots["padchest"])
     by_image = {Path(k).name: v for k, v in got.items()}
     assert by_image["pc_01.png"] == [0, 0, 0, 0, 0]  # pericardial effusion is not pleural effusion
     assert by_image["pc_03.png"] == [1, 0, 0, 0, 1]  # loculated pleural effusion, cardiomegaly
@@ -154,7 +161,7 @@ def test_padchest_terms_match_exactly_and_unlabelled_rows_are_skipped(roots):
 
 
 def test_mimic_images_take_their_study_labels_and_lateral_views_are_dropped(roots):
-    src = ChestXraySource(config(roots, ["mimic"], chestxray_uncertain=["ignore"]))
+    src = ChestXraySource(section(roots, ["mimic"], chestxray_uncertain=["ignore"]))
     table, labels = src.table("mimic")
     studies = [Path(p).parent.name[1:] for p in table.paths]
     assert sorted(studies) == sorted(s for s, (_, _, v) in F.MIMIC_STUDIES.items() if v is not None)  # 1 PA each
@@ -166,18 +173,18 @@ def test_mimic_images_take_their_study_labels_and_lateral_views_are_dropped(root
 
 
 def test_frontal_filter_keeps_only_frontal_views_unless_turned_off(roots):
-    on = ChestXraySource(config(roots, ["chexpert"]))
-    off = ChestXraySource(config(roots, ["chexpert"], chestxray_frontal_only=False))
+    on = ChestXraySource(section(roots, ["chexpert"]))
+    off = ChestXraySource(section(roots, ["chexpert"], chestxray_frontal_only=False))
     assert not any("lateral" in p for p in on.table("chexpert")[0].paths)
     assert sum("lateral" in p for p in off.table("chexpert")[0].paths) == 3
     assert len(off.table("chexpert")[0]) == len(F.CHEXPERT_ROWS)
-    mimic_off = ChestXraySource(config(roots, ["mimic"], chestxray_frontal_only=False))
-    assert len(mimic_off.table("mimic")[0]) == 2 * len(ChestXraySource(config(roots, ["mimic"])).table("mimic")[0])
+    mimic_off = ChestXraySource(section(roots, ["mimic"], chestxray_frontal_only=False))
+    assert len(mimic_off.table("mimic")[0]) == 2 * len(ChestXraySource(section(roots, ["mimic"])).table("mimic")[0])
 
 
 @pytest.mark.parametrize("variant", ["vindr", "vindr_kaggle_labels", "vindr_kaggle_boxes"])
 def test_vindr_is_the_union_over_readers_and_a_task_without_a_column_is_missing(roots, variant):
-    src = ChestXraySource(config({"vindr": roots[variant]}, ["vindr"]))
+    src = ChestXraySource(section({"vindr": roots[variant]}, ["vindr"]))
     table, labels = src.table("vindr")
     assert [Path(p).stem for p in table.paths] == F.VINDR_IMAGES
     for i, row in enumerate(labels):
@@ -192,7 +199,7 @@ def test_vindr_is_the_union_over_readers_and_a_task_without_a_column_is_missing(
 
 
 def test_missing_task_is_left_out_of_client_label_counts(roots):
-    src = ChestXraySource(config({"vindr": roots["vindr_kaggle_labels"]}, ["vindr"]))
+    src = ChestXraySource(section({"vindr": roots["vindr_kaggle_labels"]}, ["vindr"]))
     _positives, labelled = src.client_shard(0).train.label_counts()
     assert labelled[1] == 0 and all(labelled[t] > 0 for t in (0, 2, 3, 4))
 
@@ -203,15 +210,15 @@ def test_a_label_outside_1_0_minus1_blank_names_file_line_and_column(tmp_path, r
     rows[2] = (p, s, v, fr, (values[0], "2.0", *values[2:]))
     root = F.write_chexpert(tmp_path, rows=rows)
     with pytest.raises(ValueError, match=r"train\.csv: line 4, column 'Edema': label '2.0' is not 1, 0, -1"):
-        ChestXraySource(config({"chexpert": root}, ["chexpert"])).client_shard(0)
+        ChestXraySource(section({"chexpert": root}, ["chexpert"])).client_shard(0)
     bad_terms = [(*F.PADCHEST_ROWS[0][:3], "pleural effusion"), *F.PADCHEST_ROWS[1:]]
     root = F.write_padchest(tmp_path, rows=bad_terms)
     with pytest.raises(ValueError, match=r"line 2, column 'Labels'"):
-        ChestXraySource(config({"padchest": root}, ["padchest"])).client_shard(0)
+        ChestXraySource(section({"padchest": root}, ["padchest"])).client_shard(0)
     bad_nih = [(F.NIH_ROWS[0][0], "Cardiomegaly|Efusion", 1, "PA"), *F.NIH_ROWS[1:]]
     root = F.write_nih(tmp_path, rows=bad_nih)
     with pytest.raises(ValueError, match=r"line 2, column 'Finding Labels': unknown finding\(s\) \['Efusion'\]"):
-        ChestXraySource(config({"nih": root}, ["nih"])).client_shard(0)
+        ChestXraySource(section({"nih": root}, ["nih"])).client_shard(0)
 
 
 # ------------------------------------------------------------------ images
@@ -240,15 +247,15 @@ def test_dicom_pixels_follow_the_modality_lut_and_monochrome1_is_inverted(tmp_pa
 
 def test_vindr_dicoms_are_read_as_published_and_a_conversion_wins_when_both_are_there(tmp_path, roots):
     root = F.write_vindr(tmp_path / "d", dicom=True)
-    src = ChestXraySource(config({"vindr": root}, ["vindr"]))
+    src = ChestXraySource(section({"vindr": root}, ["vindr"]))
     table, labels = src.table("vindr")
     assert [Path(p).name for p in table.paths] == [f"{i}.dicom" for i in F.VINDR_IMAGES]
-    assert labels.tolist() == ChestXraySource(config(roots, ["vindr"])).table("vindr")[1].tolist()
+    assert labels.tolist() == ChestXraySource(section(roots, ["vindr"])).table("vindr")[1].tolist()
     x, _ = ChestXrayImages(table.paths, labels, image_size=12)[1]  # a MONOCHROME1 file
     gray = read_gray(table.paths[1], 12)
     torch.testing.assert_close(x[0] * 0.229 + 0.485, torch.from_numpy(gray), atol=1e-5, rtol=0)
     Image.fromarray(F.gray12(0)).save(root / "train" / f"{F.VINDR_IMAGES[0]}.png")
-    paths = ChestXraySource(config({"vindr": root}, ["vindr"])).table("vindr")[0].paths
+    paths = ChestXraySource(section({"vindr": root}, ["vindr"])).table("vindr")[0].paths
     assert Path(paths[0]).suffix == ".png" and Path(paths[1]).suffix == ".dicom"
 
 
@@ -260,11 +267,11 @@ def test_dicom_without_pydicom_or_damaged_says_what_to_do(tmp_path, monkeypatch)
         read_gray(str(bad), 8)
     monkeypatch.setitem(sys.modules, "pydicom", None)  # as if the dicom extra were not installed
     with pytest.raises(ValueError, match=r"VinDr-CXR's DICOM images needs pydicom: pip install 'fdam-ray\[dicom\]'"):
-        ChestXraySource(config({"vindr": root}, ["vindr"])).table("vindr")
+        ChestXraySource(section({"vindr": root}, ["vindr"])).table("vindr")
 
 
 def test_images_become_normalised_3_channel_tensors_with_seeded_augmentation(roots):
-    table, labels = ChestXraySource(config(roots, ["padchest"])).table("padchest")
+    table, labels = ChestXraySource(section(roots, ["padchest"])).table("padchest")
     plain = ChestXrayImages(table.paths, labels, image_size=12)
     x, y = plain[0]
     assert x.shape == (3, 12, 12) and x.dtype == torch.float32
@@ -287,13 +294,13 @@ def client_patients(src, k):
 
 
 def test_one_client_per_source_with_a_patient_disjoint_test_split(roots):
-    src = ChestXraySource(config(roots, ["chexpert", "nih", "padchest"], chestxray_test_fraction=0.3))
+    src = ChestXraySource(section(roots, ["chexpert", "nih", "padchest"], chestxray_test_fraction=0.3))
     for k in range(3):
         name, train, test, n = client_patients(src, k)
         assert train and test and not train & test
         assert n == len(src.table(name)[0])  # every kept image is either trained on or tested
         assert len(test) == round(0.3 * len(train | test))
-    again = ChestXraySource(config(roots, ["nih", "chexpert"], chestxray_test_fraction=0.3, seed=9))
+    again = ChestXraySource(section(roots, ["nih", "chexpert"], chestxray_test_fraction=0.3, seed=9))
     assert client_patients(again, 1)[2] == client_patients(src, 0)[2]  # same test patients, any seed or order
 
 
@@ -318,7 +325,7 @@ def test_patient_groups_put_no_patient_on_two_clients(roots):
 
 
 def test_official_test_splits(roots):
-    src = ChestXraySource(config(roots, ["chexpert", "mimic", "nih"], chestxray_test_split="official"))
+    src = ChestXraySource(section(roots, ["chexpert", "mimic", "nih"], chestxray_test_split="official"))
     for k, expected in enumerate([{"patient64541", "patient64542"}, {"12000024"}, {"6"}]):
         _name, train, test, _ = client_patients(src, k)
         assert test == expected and not train & test

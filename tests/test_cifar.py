@@ -10,7 +10,7 @@ from image_fixtures import accept_checksums, write_cifar
 
 import fdam_ray
 from fdam_ray.config import build_config
-from fdam_ray.data import LoaderSampler, make_source
+from fdam_ray.data import DataSection, LoaderSampler, make_source
 from fdam_ray.data.cifar import Cifar100Source
 
 
@@ -40,7 +40,7 @@ def test_generated_files_load_through_torchvision(cifar100, cifar10):
 def test_files_that_differ_from_the_release_are_refused(tmp_path):
     write_cifar(tmp_path, "cifar100", train_per_class=1, test_per_class=1)  # md5s not accepted here
     with pytest.raises(ValueError, match="MD5"):
-        Cifar100Source(build_config(dataset="cifar100", data_root=str(tmp_path))).test_set()
+        Cifar100Source(DataSection.of(build_config(dataset="cifar100", data_root=str(tmp_path)))).test_set()
 
 
 def test_missing_files_name_the_expected_folder(tmp_path):

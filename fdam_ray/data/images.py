@@ -3,10 +3,15 @@
 :class:`ArrayImages` holds uint8 images in memory (CIFAR: 50000 x 3 x 32 x 32
 bytes, a quarter of the float32 size) and converts each sample when it is
 read; :class:`FileImages` holds file names and opens each image when it is
-read (ImageNet-style folders). Random augmentation draws from a generator of
-the dataset's own, seeded per client, so a run with ``data_workers=0`` is
-reproducible; inside DataLoader worker processes it draws from the torch seed
-the DataLoader gives each worker.
+read (ImageNet-style folders); the chest X-ray dataset
+(:class:`~fdam_ray.data.chestxray.ChestXrayImages`) reads grayscale files with
+:func:`read_gray`. Random augmentation draws from a generator of the dataset's
+own, seeded per client, so a run with ``data_workers=0`` is reproducible;
+inside DataLoader worker processes it draws from the torch seed the DataLoader
+gives each worker.
+
+The readers turn a missing, truncated or undecodable file into a ValueError
+that names it (:func:`read_errors`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import torch
 from PIL import Image
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+DICOM_SUFFIXES = (".dicom", ".dcm")
+WIDE_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")  # PIL modes of 16-bit (and wider) grayscale
 
 
 def split_seed(seed: int, client_id: int) -> int:
@@ -27,11 +34,17 @@ def split_seed(seed: int, client_id: int) -> int:
     return int(np.random.SeedSequence([seed, 31, client_id]).generate_state(1, np.uint64)[0] >> np.uint64(1))
 
 
-class _LazyImages(torch.utils.data.Dataset):
-    """Samples ``(transform(image i), label i)``; subclasses say how image i is loaded."""
+class LazyImages(torch.utils.data.Dataset):
+    """Samples ``(transform(image i), label i)``; subclasses say how image i is loaded.
+
+    With ``augment_seed`` every sample read in this process runs ``transform``
+    under a torch seed drawn from the dataset's own generator, so its random
+    draws depend on that generator alone (whose state samplers save and
+    restore), not on what else used torch's global generator.
+    """
 
     def __init__(self, labels: torch.Tensor, transform: Callable, *, augment_seed: int | None) -> None:
-        self.labels = labels.reshape(len(labels), -1).to(torch.float32)
+        self.labels = (labels.reshape(-1, 1) if labels.dim() == 1 else labels).to(torch.float32)
         self.transform = transform
         self.generator = None if augment_seed is None else torch.Generator().manual_seed(augment_seed)
 
@@ -53,7 +66,7 @@ class _LazyImages(torch.utils.data.Dataset):
         return x, self.labels[index]
 
 
-class ArrayImages(_LazyImages):
+class ArrayImages(LazyImages):
     """uint8 images (n, C, H, W) in memory; ``transform`` maps one uint8 (C, H, W) tensor to float32."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform: Callable, *,
@@ -80,7 +93,7 @@ def read_errors(path: str, also: tuple[type[BaseException], ...] = ()):
         raise ValueError(f"cannot read image '{path}': {type(exc).__name__}: {exc}") from None
 
 
-class FileImages(_LazyImages):
+class FileImages(LazyImages):
     """Image files ``root/relpath`` opened as RGB PIL images; ``transform`` maps one to float32 (C, H, W)."""
 
     def __init__(self, root: str, relpaths: np.ndarray, labels: torch.Tensor, transform: Callable, *,
@@ -93,6 +106,53 @@ class FileImages(_LazyImages):
         path = os.path.join(self.root, os.fsdecode(self.relpaths[index]))
         with read_errors(path), Image.open(path) as image:
             return image.convert("RGB")
+
+
+def read_gray(path: str, size: int) -> np.ndarray:
+    """A grayscale image in [0, 1], resized to ``size`` x ``size``.
+
+    8-bit images are divided by 255. 16-bit (and wider) images, such as
+    PadChest's PNGs whose stored bit depth varies by scanner, and DICOM files
+    (``.dicom``/``.dcm``, see :func:`read_dicom`) are scaled by their own
+    minimum and maximum: converting them to 8-bit directly would clip nearly
+    every pixel to white.
+    """
+    if path.lower().endswith(DICOM_SUFFIXES):
+        return _scaled(read_dicom(path), size)
+    with read_errors(path), Image.open(path) as img:
+        if img.mode in WIDE_MODES:
+            return _scaled(np.array(img, dtype=np.float32), size)
+        img.draft("L", (size, size))  # JPEG: decode at a reduced scale when the image is much larger
+        small = img.convert("L").resize((size, size), Image.Resampling.BILINEAR)
+        return np.array(small, dtype=np.float32) / 255.0
+
+
+def _scaled(a: np.ndarray, size: int) -> np.ndarray:
+    lo, hi = float(a.min()), float(a.max())
+    a = (a - lo) / (hi - lo) if hi > lo else np.zeros_like(a)
+    return np.array(Image.fromarray(a).resize((size, size), Image.Resampling.BILINEAR), dtype=np.float32)
+
+
+def read_dicom(path: str) -> np.ndarray:
+    """A DICOM image's pixels as float32 with bright meaning dense (bone white).
+
+    The modality LUT (RescaleSlope / RescaleIntercept) is applied and
+    MONOCHROME1 images, stored with low values bright, are inverted; the caller
+    then scales by the image's own range as for 16-bit PNGs. Compressed
+    transfer syntaxes need the decoder pydicom names in its message.
+    """
+    import pydicom
+    from pydicom.pixels import apply_modality_lut
+
+    with read_errors(path, (pydicom.errors.InvalidDicomError, AttributeError, RuntimeError, NotImplementedError,
+                            KeyError)):
+        ds = pydicom.dcmread(path)
+        a = np.asarray(apply_modality_lut(ds.pixel_array, ds), dtype=np.float32)
+    if a.ndim != 2:
+        raise ValueError(f"cannot read image '{path}': expected one grayscale frame, got pixel shape {a.shape}")
+    if ds.get("PhotometricInterpretation", "MONOCHROME2") == "MONOCHROME1":
+        a = a.max() - a
+    return a
 
 
 def cifar_transform(mean: tuple[float, ...], std: tuple[float, ...], *, augment: bool) -> Callable:

@@ -7,9 +7,13 @@ import functools
 
 import numpy as np
 import torch
+from sklearn.model_selection import train_test_split
 
 from fdam_ray.data.base import AnySplit, DataSource, Shard, Split
 from fdam_ray.data.partition import dirichlet_partition, ih_partition
+from fdam_ray.data.sections import DataSection
+
+SPLIT_SEED = 20210101  # a held-out split is the same for every run seed, so runs compare on one test set
 
 
 class ClassPoolSource(DataSource):
@@ -25,16 +29,16 @@ class ClassPoolSource(DataSource):
 
     default_positive_classes: tuple[int, ...] = ()
 
-    def __init__(self, config) -> None:
-        self.num_clients = config.num_clients
-        self.partition = config.partition
-        self.imratio = config.imratio
-        self.concentration = config.dirichlet_concentration
-        self.seed = config.seed
-        if config.positive_classes is not None and not config.positive_classes:
+    def __init__(self, section: DataSection) -> None:
+        self.num_clients = section.num_clients
+        self.partition = section.partition
+        self.imratio = section.imratio
+        self.concentration = section.dirichlet_concentration
+        self.seed = section.seed
+        if section.positive_classes is not None and not section.positive_classes:
             raise ValueError("positive_classes: [] names no class; give at least one, or null for the default")
-        self.positive_classes = tuple(config.positive_classes or self.default_positive_classes)
-        self.negative_classes = None if config.negative_classes is None else tuple(config.negative_classes)
+        self.positive_classes = tuple(section.positive_classes or self.default_positive_classes)
+        self.negative_classes = None if section.negative_classes is None else tuple(section.negative_classes)
         if self.negative_classes is not None:
             both = sorted(set(self.positive_classes) & set(self.negative_classes))
             if both:
@@ -110,3 +114,25 @@ class ClassPoolSource(DataSource):
         state = dict(self.__dict__)
         state.pop("_pool", None)  # a spec travels without its data
         return state
+
+
+class HeldOutPoolSource(ClassPoolSource):
+    """A pool published without a test split (digits, mnist5k): a stratified ``test_fraction`` of it is held out.
+
+    The split is drawn with a fixed seed, not the run's, so every run seed is
+    scored on the same test samples. Subclasses provide :meth:`load_samples`.
+    """
+
+    def __init__(self, section: DataSection) -> None:
+        super().__init__(section)
+        self.test_fraction = section.test_fraction
+
+    @abc.abstractmethod
+    def load_samples(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every sample and its class (x, classes), before the split."""
+
+    def load_pool(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        x, classes = self.load_samples()
+        x_tr, x_te, c_tr, c_te = train_test_split(x, classes, test_size=self.test_fraction, stratify=classes,
+                                                  random_state=SPLIT_SEED)
+        return x_tr, c_tr, x_te, c_te

@@ -15,19 +15,20 @@ import numpy as np
 import torch
 
 from fdam_ray.data.base import DataSource, Shard, Split
+from fdam_ray.data.sections import SyntheticSection
 
 HALF_GAP = 1.25
 
 
 class SyntheticSource(DataSource):
-    def __init__(self, config) -> None:
-        self.num_clients = config.num_clients
-        self.num_features = config.num_features
-        self.samples = config.samples_per_client
-        self.imratio = config.imratio
-        self.heterogeneity = config.heterogeneity
-        self.seed = config.seed
-        self.input_shape = (config.num_features,)
+    def __init__(self, section: SyntheticSection) -> None:
+        self.num_clients = section.num_clients
+        self.num_features = section.num_features
+        self.samples = section.samples_per_client
+        self.imratio = section.imratio
+        self.heterogeneity = section.heterogeneity
+        self.seed = section.seed
+        self.input_shape = (section.num_features,)
 
     def _draw(self, rng: np.random.Generator, centre: np.ndarray, n: int) -> np.ndarray:
         return (centre + rng.standard_normal((n, self.num_features))).astype(np.float32)
