@@ -3,8 +3,9 @@
 Running a grid of configs (in this process or a small process pool), grouping
 the runs over seeds, the derived figures (I_max, log-log slopes, rounds to a
 target), and writing the Markdown results file, its figure and the ``RESULT``
-line. Every run goes through :func:`fdam_ray.federation.run` with
-``save=False``: the benchmarks measure the library as a user runs it.
+line. Every run goes through :func:`fdam_ray.run` (the one assembly path,
+:mod:`fdam_ray.recipe`) with ``save=False``: the benchmarks measure the library
+as a user runs it.
 """
 
 from __future__ import annotations
@@ -74,9 +75,9 @@ def run_one(spec: Mapping[str, Any], make_source: Callable | None = None) -> dic
     infinite state) is returned with ``diverged`` set and NaN AUCs. The curve
     holds ``(iteration, round, test_auc, train_loss, phi)`` per evaluation.
     """
+    from fdam_ray import DivergenceError, run
     from fdam_ray.config import build_config
     from fdam_ray.executors import make_executor
-    from fdam_ray.federation import DivergenceError, run
 
     fields = {k: v for k, v in spec.items() if not k.startswith("_")}
     stop_auc, stop_phi = spec.get("_stop_at"), spec.get("_stop_objective_at")

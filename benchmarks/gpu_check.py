@@ -33,10 +33,10 @@ import numpy as np
 import torch
 from _common import result_line, table, write_results
 
+from fdam_ray import resume, run
 from fdam_ray.api import train_arrays
 from fdam_ray.config import build_config
 from fdam_ray.executors import make_executor
-from fdam_ray.federation import resume, run
 
 
 def base(iterations: int, **kw):

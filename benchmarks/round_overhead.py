@@ -38,7 +38,7 @@ import numpy as np
 import ray
 import torch
 
-from fdam_ray.algorithms import Algorithm
+from fdam_ray.algorithms import Algorithm, AlgorithmSection
 from fdam_ray.client import Replica
 from fdam_ray.config import build_config
 from fdam_ray.data import DataSource, Shard, Split
@@ -127,7 +127,7 @@ def federation(num_clients: int, state_floats: int):
     assert state.v.size == state_floats, state.v.size
     executor.configure(np.array([0.5]))
     executor.begin_stage(state.v, True)
-    return executor, Algorithm.from_config(config), state
+    return executor, Algorithm.from_section(AlgorithmSection.of(config)), state
 
 
 def time_rounds(num_clients: int, state_floats: int, rounds: int, warmup: int = 2) -> dict:
