@@ -13,12 +13,20 @@ import pytest
 import torch
 from image_fixtures import accept_checksums, write_cifar, write_image_folder
 
+from fdam_ray.algorithms import AlgorithmSection
+from fdam_ray.client import ClientSection
 from fdam_ray.config import DATASET_NAMES, FIELD_BY_NAME, Config, build_config, field_type
 from fdam_ray.data import ChestXraySection, DataSection, Split, SyntheticSection, data_section, make_source
 from fdam_ray.data.sections import SECTIONS
+from fdam_ray.executors import ExecutorSection
+from fdam_ray.outputs import OutputSection
+from fdam_ray.schedules import ScheduleSection
+
+ALL_SECTIONS = [DataSection, SyntheticSection, ChestXraySection, ScheduleSection, AlgorithmSection, ClientSection,
+                ExecutorSection, OutputSection]
 
 
-@pytest.mark.parametrize("cls", [DataSection, SyntheticSection, ChestXraySection], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", ALL_SECTIONS, ids=lambda c: c.__name__)
 def test_section_fields_are_config_fields_of_the_same_type(cls):
     config_types = typing.get_type_hints(Config)
     hints = typing.get_type_hints(cls)

@@ -21,6 +21,7 @@ from raytest import SlowClientSource, ray_session
 
 import fdam_ray
 from fdam_ray.cli import main
+from fdam_ray.client import ClientSection
 from fdam_ray.config import build_config
 from fdam_ray.data import make_source
 from fdam_ray.data.arrays import ArraysSource
@@ -454,5 +455,7 @@ def test_in_memory_arrays_reach_only_their_own_client():
             assert set(part.trains) == {k}
             np.testing.assert_array_equal(part.trains[k][0], clients[k][0])
         assert [i.num_train for i in infos] == [len(y) for _, y in clients]
+        # an actor receives the client's section of the config, not the whole config
+        assert type(ex._client_section) is ClientSection and ex._client_section == ClientSection.of(config)
     digits = make_source(build_config(num_clients=2))
     assert digits.for_client(1) is digits  # a recipe is shared, not copied per client
