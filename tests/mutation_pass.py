@@ -51,6 +51,7 @@ SERVER = "tests/test_server.py"
 SCHED = "tests/test_schedules.py"
 DATA = "tests/test_data.py"
 FED = "tests/test_federation.py"
+METRICS = "tests/test_metrics.py"
 CKPT = ("tests/test_runs.py", "-k", "checkpoint or resume or atomic or unpickle")
 IMG = "tests/test_imagefolder.py"
 
@@ -174,11 +175,11 @@ MUTATIONS: list[Mutation] = [
     Mutation("auc_mean_over_nan", "fdam_ray/metrics.py",
              "return float(np.nanmean(aucs)) if np.any(~np.isnan(aucs)) else float(\"nan\")",
              "return float(np.mean(aucs))",
-             (FED, "tests/test_chestxray.py"), "the mean AUC over tasks is NaN when one task's AUC is undefined"),
+             (METRICS, FED), "the mean AUC over tasks is NaN when one task's AUC is undefined"),
     Mutation("auc_missing_labels_kept", "fdam_ray/metrics.py",
              "keep = ~np.isnan(labels[:, t])",
              "keep = np.ones(len(labels), dtype=bool)",
-             (FED,), "a task's AUC keeps the samples without a label for it"),
+             (METRICS, FED), "a task's AUC keeps the samples without a label for it"),
     Mutation("test_auc_mean_of_client_aucs", "fdam_ray/evaluation.py",
              "scores, labels = pooled([(p.scores, p.labels) for p in parts])",
              "scores, labels = parts[0].scores, parts[0].labels",

@@ -60,10 +60,13 @@ def run_oracle(
     reference_point="average",
     reset_control_variates=True,
     grad_clip=None,
+    local_projection=True,
 ):
     """Returns (v, alpha, c_v, c_alpha) after ``iterations`` local steps (stagewise schedule).
 
     p is the pooled positive ratio of all clients (s.1): their positives over their samples.
+    ``local_projection=False`` leaves out the projection of alpha after each local step (not a rule of
+    docs/algorithms.md: a test uses it to show that a case exercises that projection).
     """
     K = len(clients)
     p = pooled_positive_ratio(clients)
@@ -90,7 +93,7 @@ def run_oracle(
                     ga = ga - ck_a[k] + c_a
                 vk = vk - eta * dv
                 ak = ak + eta * ga
-                if objective == "auc_margin":
+                if objective == "auc_margin" and local_projection:
                     ak = max(ak, 0.0)
             if control_variates:
                 ck_v[k] = ck_v[k] - c_v + (v - vk) / (steps * eta)

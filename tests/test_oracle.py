@@ -109,3 +109,22 @@ def test_grad_clip_clips_the_network_gradient_element_wise_and_nothing_else(algo
     np.testing.assert_allclose(result.alpha, [alpha], rtol=1e-5, atol=1e-6)
     unclipped, _, _, _ = run_oracle(data, v0, control_variates=algorithm == "codasca", **{**kwargs, "grad_clip": None})
     assert np.abs(unclipped - v).max() > 1e-3  # the clip changed the run
+
+
+@pytest.mark.parametrize("algorithm", ["coda_plus", "codasca"])
+def test_alpha_is_projected_after_every_local_step_not_only_on_the_server(algorithm, clients_and_test):
+    # a small margin and a large lr: the dual step pushes alpha below zero inside a round
+    clients, test = clients_and_test
+    case = dict(algorithm=algorithm, objective="auc_margin", margin=0.01, lr=1.0, local_steps=8, iterations=48,
+                prox_weight=0.0)
+    data = [(X.astype(np.float64), y) for X, y in clients]
+    v0 = initial_v(clients[0][0].shape[1])
+    kwargs = {k: v for k, v in case.items() if k != "algorithm"}
+    cv = algorithm == "codasca"
+    v, alpha, _, _ = run_oracle(data, v0, control_variates=cv, **kwargs)
+    result = fdam_ray.train_arrays({**BASE, **case}, clients, test)
+    np.testing.assert_allclose(result.state.v, v, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(result.alpha, [alpha], rtol=1e-5, atol=1e-6)
+    projected_on_the_server_only, _, _, _ = run_oracle(data, v0, control_variates=cv, local_projection=False,
+                                                       **kwargs)
+    assert np.abs(projected_on_the_server_only - v).max() > 1e-3  # the local projection was active
