@@ -32,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 REPORT = ROOT / "docs" / "mutation-report.md"
+BEGIN, END = "<!-- generated: begin -->", "<!-- generated: end -->"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +278,7 @@ def report(rows: list[dict], command: str) -> str:
     killed = sum(r["outcome"] != "passed" for r in rows)
     survived = [r for r in rows if r["outcome"] == "passed"]
     lines = [
+        BEGIN,
         "# Mutation pass",
         "",
         f"Command: `{command}` (definitions: the table `MUTATIONS` in `tests/mutation_pass.py`).",
@@ -299,7 +301,20 @@ def report(rows: list[dict], command: str) -> str:
         for r in survived:
             m = r["mutation"]
             lines.append(f"- `{m.name}`: {m.why or 'NO TEST CATCHES THIS: a test is missing.'}")
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, END])
+
+
+def write_report(path: Path, block: str) -> None:
+    """Replace the generated block of ``path`` (or create the file), keeping the text around it."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(block + "\n")
+        return
+    old = path.read_text()
+    if old.count(BEGIN) != 1 or old.count(END) != 1:
+        raise SystemExit(f"{path} has no single generated block to replace; add '{BEGIN}' and '{END}'")
+    before, rest = old.split(BEGIN, 1)
+    path.write_text(before + block + rest.split(END, 1)[1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -339,8 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     argv_text = " ".join(sys.argv[1:] if argv is None else argv)
     text = report(rows, f"python tests/mutation_pass.py {argv_text}".strip())
     if not args.no_report:
-        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.report).write_text(text)
+        write_report(Path(args.report), text)
     print(text)
     survived = [r["mutation"] for r in rows if r["outcome"] == "passed"]
     return 1 if any(not m.why for m in survived) else 0
