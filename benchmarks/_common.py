@@ -277,23 +277,34 @@ def result_line(**values: Any) -> str:
     return "RESULT " + " ".join(f"{k}={fmt(v)}" for k, v in values.items())
 
 
-NOTES_MARKER = "<!-- notes: written by hand, kept when the script rewrites this file -->"
+BEGIN = "<!-- generated: begin -->"
+END = "<!-- generated: end -->"
+
+
+def generated_block(title: str, command: str, body: str) -> str:
+    """The part of a results file a run writes: title, the exact command, then what the run measured."""
+    return f"{BEGIN}\n# {title}\n\nCommand: `{command}`\n\n{body.strip()}\n{END}"
 
 
 def write_results(path: Path, title: str, command: str, body: str) -> None:
-    """The results file: a title, the exact command, then the tables.
+    """Write a run's results into ``path`` between :data:`BEGIN` and :data:`END`, keeping everything else.
 
-    Everything from :data:`NOTES_MARKER` on (the reading of the numbers, written
-    by hand) is kept when the script rewrites the file.
+    A new file holds only the generated block. In an existing file the block is replaced and every line
+    before and after it (the reading of the numbers, written by hand) stays as it is. A file without the
+    two markers is refused rather than overwritten, so hand-written text is never lost.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    notes = ""
-    if path.exists():
-        old = path.read_text()
-        if NOTES_MARKER in old:
-            notes = old[old.index(NOTES_MARKER):]
-    text = f"# {title}\n\nCommand: `{command}`\n\n{body.strip()}\n"
-    path.write_text(text + (f"\n{notes.rstrip()}\n" if notes else ""))
+    block = generated_block(title, command, body)
+    if not path.exists():
+        path.write_text(block + "\n")
+        return
+    old = path.read_text()
+    if old.count(BEGIN) != 1 or old.count(END) != 1 or old.index(BEGIN) > old.index(END):
+        raise ValueError(f"{path} has no single '{BEGIN}' ... '{END}' block to replace; add the two markers "
+                         "around the generated part (or write to a new file with --out)")
+    before, rest = old.split(BEGIN, 1)
+    after = rest.split(END, 1)[1]
+    path.write_text(before + block + after)
 
 
 def figure(path: Path, series: Mapping[str, tuple[Sequence[float], Sequence[float], Sequence[float] | None]], *,

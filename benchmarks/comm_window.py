@@ -149,7 +149,7 @@ executor {args.executor}. Final test AUC, mean ± sample std over seeds {seeds};
 at K = 8 on ImageNet-IH; "+" = the largest I of the grid, so I_max may be larger).
 
 At I = 1 with global_lr 1 the two algorithms are the same computation (the control variates cancel); their \
-means differ here by {i1_gap:.4f}, from float rounding amplified over the run: a scale for run-to-run noise.
+means differ here by {i1_gap:.4f}.
 
 Hyperparameters (best final test AUC on tuning seed {args.tune_seed} over lr {args.lrs} x prox_weight \
 {args.prox_weights} x global_lr {args.global_lrs}, {"at I = 1" if args.tune_at == "1" else "at every I"}, the \

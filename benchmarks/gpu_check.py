@@ -10,9 +10,11 @@
    stopped at half its iterations and resumed ends bit-identical to one that
    was not stopped.
 3. Ray executor, K=4 actors with ``gpus_per_client=0.25`` (four clients share
-   one GPU): every actor got a GPU id, trains on ``cuda:0`` and has its CUDA
-   memory capped to its share; with ``deterministic=true fold_order=client``
-   its final state equals the inline GPU run's.
+   one GPU): every actor got exactly one Ray GPU id, the same one for all
+   four, trains on ``cuda:0`` and reads a CUDA memory fraction equal to its
+   share (on the CPU stand-in: no GPU ids, no fraction); with
+   ``deterministic=true fold_order=client`` its final state equals the inline
+   GPU run's.
 4. Throughput of resnet20 on CIFAR-shaped arrays (K=4, batch 64), inline,
    CPU against GPU: samples per second of local training.
 
@@ -33,8 +35,7 @@ import numpy as np
 import torch
 from _common import result_line, table, write_results
 
-from fdam_ray import resume, run
-from fdam_ray.api import train_arrays
+from fdam_ray import resume, run, train_arrays
 from fdam_ray.config import build_config
 from fdam_ray.executors import make_executor
 
@@ -54,6 +55,23 @@ def max_diff(a, b) -> float:
 def identical(a, b) -> bool:
     return bool(np.array_equal(a.state.v, b.state.v) and np.array_equal(a.state.alpha, b.state.alpha)
                 and np.array_equal(a.state.buffers, b.state.buffers))
+
+
+def sharing_ok(where: dict, gpu: str, share: float, clients: int = 4) -> bool:
+    """Whether the ``clients`` actors' placement (``executor.client_info()``) is what sharing one GPU means.
+
+    On a GPU: every actor on ``cuda:0`` with exactly one Ray GPU id, the same for all, and a CUDA memory
+    fraction equal to ``share``. On the CPU stand-in: every actor on the CPU, with no GPU id and no fraction.
+    """
+    if len(where) != clients:
+        return False
+    info = list(where.values())
+    if gpu == "cuda":
+        ids = {tuple(w["gpu_ids"]) for w in info}
+        return (all(w["device"] == "cuda:0" for w in info) and len(ids) == 1 and len(next(iter(ids))) == 1
+                and all(w["cuda_memory_fraction"] is not None and abs(w["cuda_memory_fraction"] - share) < 1e-6
+                        for w in info))
+    return all(w["device"] == "cpu" and not w["gpu_ids"] and w["cuda_memory_fraction"] is None for w in info)
 
 
 def throughput(device: str, iterations: int) -> float:
@@ -132,7 +150,7 @@ def checks(argv: list[str] | None) -> str:
     fractions = sorted({w["cuda_memory_fraction"] for w in where.values()}, key=str)
     gpu_ids = [w["gpu_ids"] for _, w in sorted(where.items())]
     ray_diff = max_diff(det, ray_run)
-    placed = len(where) == 4 and devices == [f"{gpu}:0" if gpu == "cuda" else "cpu"]
+    placed = sharing_ok(where, gpu, share)
     rows.append(("Ray, 4 actors x 0.25 GPU", f"devices {devices}, Ray GPU ids {gpu_ids}, CUDA memory fraction "
                  f"{fractions}", "yes" if placed else "NO"))
     rows.append(("Ray vs inline (deterministic, fold_order=client)", f"largest state difference {ray_diff:.2e}",

@@ -5,20 +5,27 @@ features, so the model state v is exactly N floats with a and b) on a shard
 of one sample built in the actor. Per round we time what the driver loop does
 (``run_round`` with the reducer's fold, then the server step) and subtract the
 slowest client's compute (``compute_s``, measured in the client around its
-steps): the rest is broadcast, transfer, serialisation and reduction. In the
-same run: the copy floor (``K + 1`` numpy copies of an N-float buffer: one
-state down, K updates up) and the plain-Ray reference pattern on the same K
-and N. Then, at the largest N, the driver's memory before and during rounds
-at K = 2, 4, 8, each in a fresh driver process.
+steps): the rest is broadcast, transfer, serialisation and reduction.
+
+The reference is the plain-Ray pattern on the same K and N in the same run
+(one ``ray.put`` of a numpy buffer, K actors return numpy, a running mean).
+Blocks of rounds of the two alternate ``--repeats`` times, so machine noise
+hits both alike; each figure is the median over the blocks, and the blocks'
+range is the noise. Target: the executor's overhead at most 1.5 x the plain
+pattern's (a ratio, so a slower or busier machine does not move it). The copy
+floor (``K + 1`` numpy copies of an N-float buffer) is reported for scale.
+Then, at the largest N, the driver's memory before and during rounds at
+K = 2, 4, 8, each in a fresh driver process (target: peak RSS at the largest K
+at most 1.5 x that at the smallest).
 
     python benchmarks/round_overhead.py [--sizes 270000 7000000] [--clients 4] [--also-clients 2]
-                                        [--rounds 12] [--mem-clients 2 4 8]
+                                        [--rounds 12] [--repeats 3] [--mem-clients 2 4 8]
                                         [--out benchmarks/results/round_overhead.md]
 
-Last line: ``RESULT state_floats=... overhead_ms=... floor_ms=... ratio=... plain_ray_ms=...
-driver_mem_ratio_k8_k2=... driver_rss_ratio_k8_k2=...`` (largest N, K = --clients; ratio =
-overhead / floor; driver_mem = private memory, driver_rss = resident set including mapped
-object-store pages).
+Last line: ``RESULT state_floats=... overhead_ms=... plain_ray_ms=... ratio=... target_met=...
+floor_ms=... driver_mem_ratio_k8_k2=... driver_rss_ratio_k8_k2=...`` (largest N, K = --clients;
+ratio = overhead / plain-Ray overhead, target_met = 1 when ratio <= 1.5; driver_mem = private
+memory, driver_rss = resident set including mapped object-store pages).
 """
 
 from __future__ import annotations
@@ -26,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -34,6 +40,7 @@ import threading
 import time
 from pathlib import Path
 
+import _common as C
 import numpy as np
 import ray
 import torch
@@ -44,6 +51,9 @@ from fdam_ray.config import build_config
 from fdam_ray.data import DataSource, Shard, Split
 from fdam_ray.executors.ray_executor import RayExecutor
 from fdam_ray.state import RoundPlan
+
+TARGET_RATIO = 1.5  # round overhead at most this times the plain-Ray pattern's (same K, N and run)
+MEMORY_TARGET = 1.5  # peak driver RSS at the largest K at most this times that at the smallest
 
 
 class WideSource(DataSource):
@@ -130,25 +140,22 @@ def federation(num_clients: int, state_floats: int):
     return executor, Algorithm.from_section(AlgorithmSection.of(config)), state
 
 
-def time_rounds(num_clients: int, state_floats: int, rounds: int, warmup: int = 2) -> dict:
-    executor, algorithm, state = federation(num_clients, state_floats)
+def executor_rounds(executor, algorithm, state, rounds: int, warmup: int = 2):
+    """Time ``rounds`` rounds of the executor after ``warmup``; returns (the new state, medians in ms)."""
     walls, computes = [], []
-    try:
-        for r in range(1, warmup + rounds + 1):
-            plan = RoundPlan(round=r, stage=1, steps=1, lr=0.01, iteration=r - 1)
-            t0 = time.perf_counter()
-            reducer = algorithm.reducer(state)
-            executor.run_round(state, plan, reducer.fold)
-            state = reducer.finish(steps=1)
-            wall = time.perf_counter() - t0
-            if r > warmup:
-                walls.append(wall)
-                computes.append(max(s.compute_s for s in reducer.stats))
-    finally:
-        executor.shutdown()
+    for r in range(1, warmup + rounds + 1):
+        plan = RoundPlan(round=state.round + 1, stage=1, steps=1, lr=0.01, iteration=state.iteration)
+        t0 = time.perf_counter()
+        reducer = algorithm.reducer(state)
+        executor.run_round(state, plan, reducer.fold)
+        state = reducer.finish(steps=1)
+        wall = time.perf_counter() - t0
+        if r > warmup:
+            walls.append(wall)
+            computes.append(max(s.compute_s for s in reducer.stats))
     over = [w - c for w, c in zip(walls, computes, strict=True)]
-    return {"wall_ms": 1e3 * statistics.median(walls), "compute_ms": 1e3 * statistics.median(computes),
-            "overhead_ms": 1e3 * statistics.median(over)}
+    return state, {"wall_ms": 1e3 * statistics.median(walls), "compute_ms": 1e3 * statistics.median(computes),
+                   "overhead_ms": 1e3 * statistics.median(over)}
 
 
 @ray.remote(num_cpus=1)
@@ -161,9 +168,8 @@ class PlainActor:
         return out, time.perf_counter() - t0
 
 
-def plain_ray_rounds(num_clients: int, state_floats: int, rounds: int, warmup: int = 2) -> dict:
+def plain_ray_rounds(actors: list, state_floats: int, rounds: int, warmup: int = 2) -> dict:
     """Plain Ray, same K and N: one ``ray.put`` of a numpy buffer, K actors return numpy, running mean."""
-    actors = [PlainActor.remote() for _ in range(num_clients)]
     v = np.zeros(state_floats, dtype=np.float32)
     walls, over = [], []
     for r in range(warmup + rounds):
@@ -177,15 +183,36 @@ def plain_ray_rounds(num_clients: int, state_floats: int, rounds: int, warmup: i
             np.add(total, out, out=total)
             slowest = max(slowest, compute)
             del out
-        total *= np.float32(1 / num_clients)
+        total *= np.float32(1 / len(actors))
         v = total
         wall = time.perf_counter() - t0
         if r >= warmup:
             walls.append(wall)
             over.append(wall - slowest)
-    for a in actors:
-        ray.kill(a)
     return {"wall_ms": 1e3 * statistics.median(walls), "overhead_ms": 1e3 * statistics.median(over)}
+
+
+def measure_case(num_clients: int, state_floats: int, rounds: int, repeats: int) -> dict:
+    """Alternating blocks of executor rounds and plain-Ray rounds; medians and ranges over the blocks."""
+    executor, algorithm, state = federation(num_clients, state_floats)
+    actors = [PlainActor.remote() for _ in range(num_clients)]
+    ours, plain, floors = [], [], []
+    try:
+        for _ in range(repeats):
+            state, block = executor_rounds(executor, algorithm, state, rounds)
+            ours.append(block)
+            plain.append(plain_ray_rounds(actors, state_floats, rounds))
+            floors.append(copy_floor_ms(state_floats, num_clients))
+    finally:
+        executor.shutdown()
+        for a in actors:
+            ray.kill(a)
+    med = lambda xs: statistics.median(xs)
+    over, ref = [b["overhead_ms"] for b in ours], [b["overhead_ms"] for b in plain]
+    return {"n": state_floats, "k": num_clients, "wall_ms": med([b["wall_ms"] for b in ours]),
+            "compute_ms": med([b["compute_ms"] for b in ours]), "overhead_ms": med(over), "overhead_lo": min(over),
+            "overhead_hi": max(over), "plain_ms": med(ref), "plain_lo": min(ref), "plain_hi": max(ref),
+            "floor_ms": med(floors), "ratio": med(over) / med(ref)}
 
 
 def driver_memory(num_clients: int, state_floats: int, rounds: int) -> dict:
@@ -220,15 +247,16 @@ def memory_in_fresh_process(num_clients: int, state_floats: int, address: str) -
     return json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[270_000, 7_000_000])
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--also-clients", type=int, nargs="*", default=[2],
                         help="extra K measured at the largest size (K at most the cores: no oversubscription)")
-    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=12, help="timed rounds per block (after 2 warm-up rounds)")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating blocks of the executor and plain Ray")
     parser.add_argument("--mem-clients", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "round_overhead.md"))
+    parser.add_argument("--out", default=None, help="results file (default benchmarks/results/round_overhead.md)")
     parser.add_argument("--memory-run", type=int, help=argparse.SUPPRESS)  # internal: one memory measurement
     parser.add_argument("--address", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -236,21 +264,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_run:
         ray.init(address=args.address, log_to_driver=False)
         print(json.dumps(driver_memory(args.memory_run, args.sizes[0], rounds=4)))
-        return 0
-    ray.init(num_cpus=max([args.clients, *args.also_clients, *args.mem_clients]), include_dashboard=False,
-             log_to_driver=False)
+        return ""
+    if len(args.mem_clients) < 2:
+        parser.error("--mem-clients needs at least two K to compare")
+    ks = [args.clients, *args.also_clients]
+    ray.init(num_cpus=max(2 * max(ks), *args.mem_clients), include_dashboard=False, log_to_driver=False)
+    gpus = int(ray.cluster_resources().get("GPU", 0))
 
     cases = [(n, args.clients) for n in args.sizes] + [(max(args.sizes), k) for k in args.also_clients]
     rows = []
     for n, k in cases:
-        t = time_rounds(k, n, args.rounds)
-        plain = plain_ray_rounds(k, n, args.rounds)
-        floor = copy_floor_ms(n, k)
-        rows.append({"n": n, "k": k, **t, "plain_ms": plain["overhead_ms"], "floor_ms": floor,
-                     "target_ms": 3 * floor + 10})
-        print(f"N={n:>9,}  K={k}  wall {t['wall_ms']:7.1f} ms  slowest compute {t['compute_ms']:6.1f} ms"
-              f"  overhead {t['overhead_ms']:7.1f} ms  plain Ray {plain['overhead_ms']:6.1f} ms  floor {floor:6.1f} ms"
-              f"  target <= {3 * floor + 10:6.1f} ms", flush=True)
+        r = measure_case(k, n, args.rounds, args.repeats)
+        rows.append(r)
+        print(f"N={n:>9,}  K={k}  overhead {r['overhead_ms']:7.1f} ms ({r['overhead_lo']:.1f}..{r['overhead_hi']:.1f})"
+              f"  plain Ray {r['plain_ms']:6.1f} ms ({r['plain_lo']:.1f}..{r['plain_hi']:.1f})"
+              f"  ratio {r['ratio']:.2f}  floor {r['floor_ms']:6.1f} ms", flush=True)
     mem_n = max(args.sizes)
     address = ray.get_runtime_context().gcs_address
     mem = {}
@@ -266,63 +294,50 @@ def main(argv: list[str] | None = None) -> int:
     k_lo, k_hi = min(mem), max(mem)
     private_ratio = mem[k_hi]["peak"]["private"] / mem[k_lo]["peak"]["private"]
     rss_ratio = mem[k_hi]["peak"]["total"] / mem[k_lo]["peak"]["total"]
-    command = "python benchmarks/round_overhead.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    lines = [
-        "# Round overhead of the Ray executor",
-        "",
-        f"Command: `{command.strip()}`",
-        "",
-        "K client actors, one local step each on one sample (a linear scorer whose state v has N floats), "
-        f"CODA+; medians of {args.rounds} rounds after 2 warm-up rounds. Overhead = the driver's round time "
-        "(broadcast, local rounds, streaming fold, server step) minus the slowest client's compute (its local "
-        "steps). Plain Ray = the reference pattern with the same K and N in the same run: one `ray.put` of a numpy "
-        "buffer, K actors add a constant and return numpy, the driver keeps a running mean as results arrive "
-        "(round time minus the slowest actor's step). Floor = K+1 numpy copies (`ndarray.copy()`) of N floats. "
-        f"Machine: {os.cpu_count()} CPU cores shared with other work, no GPU; all actors on this node.",
-        "",
-        "| N floats | K | round wall ms | slowest compute ms | overhead ms | plain Ray overhead ms | copy floor ms "
-        "| target 3 x floor + 10 ms | overhead / floor | target met |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        met = "yes" if r["overhead_ms"] <= r["target_ms"] else "no"
-        lines.append(f"| {r['n']:,} | {r['k']} | {r['wall_ms']:.1f} | {r['compute_ms']:.1f} | {r['overhead_ms']:.1f} "
-                     f"| {r['plain_ms']:.1f} | {r['floor_ms']:.1f} | {r['target_ms']:.1f} | "
-                     f"{r['overhead_ms'] / r['floor_ms']:.2f} | {met} |")
-    lines += [
-        "",
-        "Reading the table: a round moves K+1 states through Ray's object store (the state down once, K updates "
-        "up), each a write into freshly mapped shared memory that costs several plain copies; the clients also "
-        "copy the state into their models. With more client processes than cores (K = 4 on 2 cores), the "
-        "clients' own steps and copies compete for the cores, so part of the other clients' compute shows up as "
-        "overhead; at K = 2 there is no oversubscription. Updates are folded as they arrive (the default "
-        "fold_order=arrival); fold_order=client, for bit-identical runs, waits for late low-numbered clients "
-        "and measured about 6 ms more per round here at N = 7M, K = 4.",
-        "",
-        f"Driver memory at N = {mem_n:,} floats ({mem_n * 4 / 2**20:.1f} MiB per state), each K in a fresh driver "
-        "process, before 4 rounds (after 2 warm-up rounds) and the peak during them (sampled after every fold and "
-        "every 1 ms). Private = the driver's own memory (RssAnon); RSS also counts the object-store pages the "
-        "driver has touched (RssShmem: states it wrote, updates it read), which belong to the store, not the "
-        "driver, and accumulate over rounds as the store hands out new addresses.",
-        "",
-        "| K | private MiB before | private MiB peak | RSS MiB before | RSS MiB peak | object-store pages mapped, "
-        "peak MiB |",
-        "|---|---|---|---|---|---|",
-    ]
-    for k, m in mem.items():
-        b, p = m["base"], m["peak"]
-        lines.append(f"| {k} | {b['private']:.0f} | {p['private']:.0f} | {b['total']:.0f} | {p['total']:.0f} | "
-                     f"{p['shared']:.0f} |")
-    lines += ["", f"Peak private memory K={k_hi} / K={k_lo}: {private_ratio:.2f}; peak RSS K={k_hi} / K={k_lo}: "
-              f"{rss_ratio:.2f} (target: at most 1.5)."]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print(f"RESULT state_floats={main_row['n']} overhead_ms={main_row['overhead_ms']:.1f} "
-          f"floor_ms={main_row['floor_ms']:.1f} ratio={main_row['overhead_ms'] / main_row['floor_ms']:.2f} "
-          f"plain_ray_ms={main_row['plain_ms']:.1f} driver_mem_ratio_k{k_hi}_k{k_lo}={private_ratio:.2f} "
-          f"driver_rss_ratio_k{k_hi}_k{k_lo}={rss_ratio:.2f}")
-    return 0
+    met = lambda r: r["ratio"] <= TARGET_RATIO
+    case_rows = [[f"{r['n']:,}", r["k"], f"{r['wall_ms']:.1f}", f"{r['compute_ms']:.1f}",
+                  f"{r['overhead_ms']:.1f} ({r['overhead_lo']:.1f}..{r['overhead_hi']:.1f})",
+                  f"{r['plain_ms']:.1f} ({r['plain_lo']:.1f}..{r['plain_hi']:.1f})", f"{r['ratio']:.2f}",
+                  "yes" if met(r) else "no", f"{r['floor_ms']:.1f}", f"{r['overhead_ms'] / r['floor_ms']:.2f}"]
+                 for r in rows]
+    mem_rows = [[k, f"{m['base']['private']:.0f}", f"{m['peak']['private']:.0f}", f"{m['base']['total']:.0f}",
+                 f"{m['peak']['total']:.0f}", f"{m['peak']['shared']:.0f}"] for k, m in mem.items()]
+    body = f"""
+K client actors, one local step each on one sample (a linear scorer whose state v has N floats), CODA+. \
+{args.repeats} alternating blocks of {args.rounds} timed rounds (after 2 warm-up rounds) of the executor and of \
+the plain-Ray pattern; each figure is the median over the blocks of the blocks' medians, (lo..hi) the range over \
+the blocks. Overhead = the driver's round time (broadcast, local rounds, streaming fold, server step) minus the \
+slowest client's compute (its local steps). Plain Ray = the reference pattern with the same K and N: one \
+`ray.put` of a numpy buffer, K actors add a constant and return numpy, the driver keeps a running mean as \
+results arrive (round time minus the slowest actor's step). Target: overhead / plain Ray <= {TARGET_RATIO}. \
+Copy floor = K+1 numpy copies (`ndarray.copy()`) of N floats, median of {args.repeats} x 15. \
+Machine: {os.cpu_count()} CPU cores, {gpus} GPUs in the Ray cluster; all actors on this node.
+
+{C.table(["N floats", "K", "round wall ms", "slowest compute ms", "overhead ms (lo..hi)",
+          "plain Ray overhead ms (lo..hi)", "overhead / plain Ray", f"target <= {TARGET_RATIO} met",
+          "copy floor ms", "overhead / floor"], case_rows)}
+
+Driver memory at N = {mem_n:,} floats ({mem_n * 4 / 2**20:.1f} MiB per state), each K in a fresh driver \
+process, before 4 rounds (after 2 warm-up rounds) and the peak during them (sampled after every fold and \
+every 1 ms). Private = the driver's own memory (RssAnon); RSS also counts the object-store pages the driver \
+has touched (RssShmem).
+
+{C.table(["K", "private MiB before", "private MiB peak", "RSS MiB before", "RSS MiB peak",
+          "object-store pages mapped, peak MiB"], mem_rows)}
+
+Peak private memory K={k_hi} / K={k_lo}: {private_ratio:.2f}; peak RSS K={k_hi} / K={k_lo}: {rss_ratio:.2f} \
+(target: at most {MEMORY_TARGET}: {"met" if rss_ratio <= MEMORY_TARGET else "not met"}).
+"""
+    out = Path(args.out) if args.out else C.RESULTS_DIR / "round_overhead.md"
+    C.write_results(out, "Round overhead of the Ray executor", C.command_line("round_overhead.py", argv), body)
+    line = C.result_line(state_floats=main_row["n"], overhead_ms=main_row["overhead_ms"],
+                         plain_ray_ms=main_row["plain_ms"], ratio=main_row["ratio"],
+                         target_met=int(met(main_row)), floor_ms=main_row["floor_ms"],
+                         **{f"driver_mem_ratio_k{k_hi}_k{k_lo}": private_ratio,
+                            f"driver_rss_ratio_k{k_hi}_k{k_lo}": rss_ratio})
+    print(line)
+    return line
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

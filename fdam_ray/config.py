@@ -53,7 +53,7 @@ CHESTXRAY_SOURCES = ("chexpert", "nih", "padchest", "mimic", "vindr")
 
 FIELDS: tuple[Field, ...] = (
     # -- algorithm ---------------------------------------------------------------
-    _f("algorithm", "str", "codasca", "Named preset: objective x drift correction (ALGORITHMS.md s.4).",
+    _f("algorithm", "str", "codasca", "Named preset: objective x drift correction (docs/algorithms.md s.4).",
        choices=tuple(PRESETS)),
     _f("objective", "str", None, "Loss: auc_square (paper eq. 2), auc_margin (AUC-M) or bce; "
        "default from the algorithm preset.", choices=("auc_square", "auc_margin", "bce"), optional=True),

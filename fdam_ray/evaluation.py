@@ -1,4 +1,4 @@
-"""Evaluation of the global model: pooled test AUC, per-task AUC, per-client AUC (ALGORITHMS.md s.6).
+"""Evaluation of the global model: pooled test AUC, per-task AUC, per-client AUC (docs/algorithms.md s.6).
 
 The test AUC is computed once over pooled scores: the global test set scored on
 the driver (or in slices on the clients, when the executor offers it), or,

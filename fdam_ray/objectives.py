@@ -1,4 +1,4 @@
-"""AUC min-max objectives and the BCE baseline (ALGORITHMS.md s.1).
+"""AUC min-max objectives and the BCE baseline (docs/algorithms.md s.1).
 
 For K clients with a shared positive ratio p, the per-sample objective with
 P = [y = 1], N = [y = 0] and score h = sigmoid(model(x)) in [0, 1] is

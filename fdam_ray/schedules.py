@@ -1,4 +1,4 @@
-"""Stage schedules (ALGORITHMS.md s.5): which rounds run, with how many local steps and which lr.
+"""Stage schedules (docs/algorithms.md s.5): which rounds run, with how many local steps and which lr.
 
 ``stagewise`` (the paper's experiments): rounds of I local steps; stage s ends at
 the first round end at or after s x T0 iterations, then lr is divided by

@@ -1,7 +1,8 @@
 """An independent NumPy implementation of CODA+ / CODASCA for a linear scorer with full-batch gradients.
 
-Written from ALGORITHMS.md with hand-derived gradients (no autograd), float64.
-h = sigmoid(X w + w0); v = (w, w0, a, b).
+Written from docs/algorithms.md with hand-derived gradients (no autograd), float64.
+h = sigmoid(X w + w0); v = (w, w0, a, b): the network's weights are (w, w0), the
+first d + 1 entries of v, which is all that ``grad_clip`` clips (s.2).
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ def objective_grads(v, alpha, X, y, p, objective, margin):
     return g, g_alpha
 
 
+def pooled_positive_ratio(clients) -> float:
+    """All clients' positives over all clients' samples (not the mean of the clients' own ratios)."""
+    return sum(float((y == 1).sum()) for _, y in clients) / sum(len(y) for _, y in clients)
+
+
 def run_oracle(
     clients,
     v0,
@@ -53,10 +59,18 @@ def run_oracle(
     lr_decay=3.0,
     reference_point="average",
     reset_control_variates=True,
+    grad_clip=None,
+    local_projection=True,
 ):
-    """Returns (v, alpha, c_v, c_alpha) after ``iterations`` local steps (stagewise schedule)."""
+    """Returns (v, alpha, c_v, c_alpha) after ``iterations`` local steps (stagewise schedule).
+
+    p is the pooled positive ratio of all clients (s.1): their positives over their samples.
+    ``local_projection=False`` leaves out the projection of alpha after each local step (not a rule of
+    docs/algorithms.md: a test uses it to show that a case exercises that projection).
+    """
     K = len(clients)
-    p = sum((y == 1).sum() for _, y in clients) / sum(len(y) for _, y in clients)
+    p = pooled_positive_ratio(clients)
+    d = clients[0][0].shape[1]
     v, alpha = v0.astype(np.float64).copy(), 0.0
     ref = v.copy()
     c_v, c_a = np.zeros_like(v), 0.0
@@ -71,13 +85,15 @@ def run_oracle(
             vk, ak = v.copy(), alpha
             for _ in range(steps):
                 g, ga = objective_grads(vk, ak, X, y, p, objective, margin)
+                if grad_clip is not None:
+                    g[: d + 1] = np.clip(g[: d + 1], -grad_clip, grad_clip)
                 dv = g + prox_weight * (vk - ref) + weight_decay * vk
                 if control_variates:
                     dv = dv - ck_v[k] + c_v
                     ga = ga - ck_a[k] + c_a
                 vk = vk - eta * dv
                 ak = ak + eta * ga
-                if objective == "auc_margin":
+                if objective == "auc_margin" and local_projection:
                     ak = max(ak, 0.0)
             if control_variates:
                 ck_v[k] = ck_v[k] - c_v + (v - vk) / (steps * eta)

@@ -76,14 +76,34 @@ def test_result_line_format():
         C.result_line(**{"bad name": 1})
 
 
-def test_write_results_keeps_the_hand_written_notes(tmp_path):
+def test_write_results_replaces_only_the_generated_block(tmp_path):
     path = tmp_path / "r.md"
     C.write_results(path, "T", "python x", "| a |\n|---|\n| 1 |")
-    path.write_text(path.read_text() + f"\n{C.NOTES_MARKER}\nmy reading\n")
+    first = path.read_text()
+    assert first.startswith(C.BEGIN + "\n# T\n") and first.rstrip().endswith(C.END)
+    path.write_text("a note above\n\n" + first + "\n## Reading\nmy reading, 0.97\n")
     C.write_results(path, "T", "python x --again", "| a |\n|---|\n| 2 |")
     text = path.read_text()
     assert "| 2 |" in text and "| 1 |" not in text and "`python x --again`" in text
-    assert text.endswith(f"{C.NOTES_MARKER}\nmy reading\n")
+    assert text.startswith("a note above\n\n" + C.BEGIN) and text.endswith(C.END + "\n\n## Reading\nmy reading, 0.97\n")
+    C.write_results(path, "T", "python x --again", "| a |\n|---|\n| 2 |")
+    assert path.read_text() == text  # a rerun that measures the same writes the same file
+
+
+def test_write_results_refuses_a_file_without_its_markers(tmp_path):
+    path = tmp_path / "r.md"
+    path.write_text("# T\n\nhand-written only\n")
+    with pytest.raises(ValueError, match="no single"):
+        C.write_results(path, "T", "python x", "| a |")
+    assert path.read_text() == "# T\n\nhand-written only\n"
+
+
+def test_committed_results_files_have_one_generated_block():
+    for path in sorted((BENCH / "results").glob("*.md")):
+        text = path.read_text()
+        assert text.count(C.BEGIN) == 1 and text.count(C.END) == 1, path.name
+        block = text[text.index(C.BEGIN):text.index(C.END)]
+        assert "\nCommand: `python benchmarks/" in block, path.name  # every generated table names its command
 
 
 # -- the primal objective ----------------------------------------------------------------------------
@@ -231,3 +251,62 @@ def test_gpu_check_script_on_the_cpu(tmp_path):
     assert values["cpu_gpu_auc_diff"] == 0 and values["ray_vs_inline_max_diff"] == 0
     assert values["deterministic_repeat"] == values["resume_identical"] == values["ray_actors_placed"] == 1
     assert "| Ray, 4 actors x 0.25 GPU | devices ['cpu']" in out.read_text()
+
+
+def test_gpu_check_sharing_looks_at_the_ids_and_the_memory_fraction():
+    import gpu_check
+
+    def actors(ids=((0,),) * 4, fraction=0.25, device="cuda:0"):
+        return {k: {"device": device, "gpu_ids": list(i), "cuda_memory_fraction": fraction}
+                for k, i in enumerate(ids)}
+
+    assert gpu_check.sharing_ok(actors(), "cuda", 0.25)
+    assert not gpu_check.sharing_ok(actors(fraction=None), "cuda", 0.25)  # memory not capped
+    assert not gpu_check.sharing_ok(actors(fraction=1.0), "cuda", 0.25)  # capped to the wrong share
+    assert not gpu_check.sharing_ok(actors(ids=((0,), (1,), (0,), (0,))), "cuda", 0.25)  # not one shared GPU
+    assert not gpu_check.sharing_ok(actors(ids=((0, 1),) * 4), "cuda", 0.25)  # more than one id each
+    assert not gpu_check.sharing_ok(actors(ids=((),) * 4), "cuda", 0.25)  # no GPU id
+    assert not gpu_check.sharing_ok(dict(list(actors().items())[:3]), "cuda", 0.25)  # an actor missing
+    assert not gpu_check.sharing_ok(actors(device="cpu"), "cuda", 0.25)
+    cpu = actors(ids=((),) * 4, fraction=None, device="cpu")
+    assert gpu_check.sharing_ok(cpu, "cpu", 0.0)
+    assert not gpu_check.sharing_ok(actors(ids=((0,),) * 4, fraction=None, device="cpu"), "cpu", 0.0)
+
+
+def run_script_process(*args: str) -> tuple[str, dict[str, float]]:
+    """Run a benchmark script as its command line does; returns its stdout and its RESULT line's values."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, *args], cwd=BENCH.parent, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = out.stdout.strip().splitlines()[-1]
+    return out.stdout, parse_result(last)
+
+
+def test_step_overhead_script(tmp_path):
+    out = tmp_path / "so.md"
+    _, values = run_script_process("benchmarks/step_overhead.py", "--models", "cnn", "--batch", "4", "--steps", "2",
+                                   "--repeats", "2", "--out", str(out))
+    assert set(values) == {"step_ratio", "step_ratio_lo", "step_ratio_hi", "client_ms", "bare_ms", "target_met"}
+    assert values["step_ratio_lo"] <= values["step_ratio_hi"] and values["client_ms"] > 0 and values["bare_ms"] > 0
+    assert values["step_ratio"] == pytest.approx(values["client_ms"] / values["bare_ms"], rel=2e-3)
+    assert values["target_met"] == float(values["step_ratio"] <= 1.1)
+    text = out.read_text()
+    assert text.startswith(C.BEGIN) and "Command: `python benchmarks/step_overhead.py --models cnn" in text
+    assert "| cnn | 56,545 |" in text
+
+
+def test_round_overhead_script(tmp_path):
+    out = tmp_path / "ro.md"
+    out.write_text(f"{C.BEGIN}\nold\n{C.END}\n\n## Reading\nkept\n")
+    _, values = run_script_process("benchmarks/round_overhead.py", "--sizes", "2000", "--clients", "2",
+                                   "--also-clients", "--rounds", "2", "--repeats", "2", "--mem-clients", "1", "2",
+                                   "--out", str(out))
+    assert set(values) == {"state_floats", "overhead_ms", "plain_ray_ms", "ratio", "target_met", "floor_ms",
+                           "driver_mem_ratio_k2_k1", "driver_rss_ratio_k2_k1"}
+    assert values["state_floats"] == 2000 and values["plain_ray_ms"] > 0
+    assert values["ratio"] == pytest.approx(values["overhead_ms"] / values["plain_ray_ms"], rel=2e-3)
+    assert values["target_met"] == float(values["ratio"] <= 1.5)
+    text = out.read_text()
+    assert "\nold\n" not in text and text.endswith(f"{C.END}\n\n## Reading\nkept\n")
+    assert "| 2,000 | 2 |" in text and "Command: `python benchmarks/round_overhead.py --sizes 2000" in text

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from image_fixtures import write_image_folder
+from PIL import Image
 
 from fdam_ray.config import build_config
 from fdam_ray.data import DatasetSplit, make_source
@@ -97,3 +98,45 @@ def test_augmented_training_reads_keep_the_shape(folder):
     shard = make_source(cfg(root, num_clients=1, imratio=0.4, augment=True)).client_shard(0).train
     shapes = {tuple(shard.dataset[0][0].shape) for _ in range(3)}
     assert shapes == {(3, 8, 8)}
+
+
+@pytest.fixture
+def textured(tmp_path):
+    """A folder whose images have texture (random pixels), so a crop or a flip changes what is read."""
+    rng = np.random.default_rng(5)
+    for part, n in (("train", 6), ("val", 3)):
+        for name in ("n01", "n02"):
+            folder = tmp_path / part / name
+            folder.mkdir(parents=True)
+            for i in range(n):
+                Image.fromarray(rng.integers(0, 256, (16, 20, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    return tmp_path
+
+
+def reads(root, *, augment: bool, seed: int = 0, times: int = 3) -> list[torch.Tensor]:
+    """The first training image of client 0, read ``times`` times."""
+    src = make_source(cfg(root, num_clients=1, imratio=0.4, positive_classes=[0], augment=augment, seed=seed))
+    shard = src.client_shard(0).train
+    return [shard.dataset[0][0] for _ in range(times)]
+
+
+def test_augment_changes_the_training_pixels_and_is_seeded(textured):
+    plain = reads(textured, augment=False)
+    assert all(torch.equal(plain[0], x) for x in plain)  # without augment every read is the same
+    augmented = reads(textured, augment=True)
+    assert all(x.shape == (3, 8, 8) for x in augmented)
+    assert all(not torch.equal(x, plain[0]) for x in augmented)  # augment changes the pixels ...
+    assert not torch.equal(augmented[0], augmented[1])  # ... with a new draw on every read
+    again = reads(textured, augment=True)
+    assert all(torch.equal(x, y) for x, y in zip(augmented, again, strict=True))  # the same seed, the same pixels
+    other = reads(textured, augment=True, seed=1)
+    assert not any(torch.equal(x, y) for x, y in zip(augmented, other, strict=True))  # another seed, others
+
+
+def test_augment_leaves_the_test_split_untouched(textured):
+    def test_pixels(augment: bool) -> torch.Tensor:
+        test = make_source(cfg(textured, positive_classes=[0], augment=augment)).test_set()
+        return torch.stack([test.dataset[i][0] for i in range(len(test))] * 2)
+
+    plain, augmented = test_pixels(False), test_pixels(True)
+    assert len(plain) == 12 and torch.equal(plain, augmented)

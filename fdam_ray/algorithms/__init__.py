@@ -1,4 +1,4 @@
-"""An algorithm = objective x drift correction x schedule (ALGORITHMS.md s.4).
+"""An algorithm = objective x drift correction x schedule (docs/algorithms.md s.4).
 
 :class:`Algorithm` is built from the algorithm section of a config and hands
 out the pieces each side runs, in the manner of an ``init`` / ``apply`` pair

@@ -1,4 +1,4 @@
-"""Client side of a round: begin (load global state), step (ALGORITHMS.md s.2), end (control variate).
+"""Client side of a round: begin (load global state), step (docs/algorithms.md s.2), end (control variate).
 
 One local step, with g the minibatch gradients at (v, alpha):
 

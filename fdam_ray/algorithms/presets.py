@@ -1,7 +1,7 @@
 """The named algorithms as compositions: objective x drift correction x schedule.
 
 Yuan et al., "Federated Deep AUC Maximization for Heterogeneous Data with a
-Constant Communication Complexity", ICML 2021; table in ALGORITHMS.md s.4.
+Constant Communication Complexity", ICML 2021; table in docs/algorithms.md s.4.
 A preset only chooses; the loop, the local step and the server update are the
 same code for all of them.
 """

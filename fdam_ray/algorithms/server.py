@@ -1,4 +1,4 @@
-"""Server side of a round (ALGORITHMS.md s.3): running means, extrapolation eta_g, projection.
+"""Server side of a round (docs/algorithms.md s.3): running means, extrapolation eta_g, projection.
 
     v_r     = v_{r-1} + eta_g (mean_k v^k - v_{r-1})
     alpha_r = alpha_{r-1} + eta_g (mean_k alpha^k - alpha_{r-1}), projected to >= 0 for auc_margin

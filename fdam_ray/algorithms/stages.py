@@ -1,4 +1,4 @@
-"""The server's state across rounds and what happens to it at a stage end (ALGORITHMS.md s.1, s.5).
+"""The server's state across rounds and what happens to it at a stage end (docs/algorithms.md s.1, s.5).
 
 Both CODA+ and CODASCA are stagewise: stage s solves a proximal subproblem
 centred on v_ref, the output of stage s-1 (Yuan et al. 2021, Alg. 1 and 3).

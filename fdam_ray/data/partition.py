@@ -1,7 +1,7 @@
 """Splitting a labelled multi-class pool over K clients.
 
 ``ih_partition`` is the paper's imbalanced-heterogeneous construction
-(ALGORITHMS.md s.7): the positive classes and the negative classes are each
+(docs/algorithms.md s.7): the positive classes and the negative classes are each
 split into K class-disjoint groups of consecutive classes; client k owns group
 k of each side; positives are dropped, class by class in proportion, so that
 pos / (pos + neg) = imratio on every client (to within one sample). When a
