@@ -144,9 +144,12 @@ class Client(Replica):
             samples += x.shape[0]
         loss = float(loss_sum) / plan.steps  # waits for the steps on a GPU
         compute_s = time.perf_counter() - start  # the steps alone: loading and exporting the state are transfer
+        before = self.solver.control_variate() if plan.partial else None
         self.solver.end(plan.steps, plan.lr)
         v, alpha, buffers, counters = self.flat.export(copy=copy)
         cv = self.solver.control_variate(copy=copy)
+        if before is not None and cv is not None:  # a sampled round: the server needs c^k_new - c^k_old
+            cv = (cv[0] - before[0], cv[1] - before[1])
         stats = StepStats(self.client_id, loss, plan.steps, samples, compute_s, finite=self._finite())
         return ClientUpdate(self.client_id, v, alpha, buffers, counters,
                             None if cv is None else cv[0], None if cv is None else cv[1], stats)
@@ -169,7 +172,7 @@ class Client(Replica):
         h = self.score(self.train)
         y = self.train.y.cpu().numpy()
         pos, neg = y == 1, y == 0
-        return Moments((h * pos).sum(0), pos.sum(0), (h * neg).sum(0), neg.sum(0))
+        return Moments((h * pos).sum(0), pos.sum(0), (h * neg).sum(0), neg.sum(0), self.client_id)
 
     def set_control_variate(self, c_v: np.ndarray, c_alpha: np.ndarray) -> None:
         self.solver.set_control_variate(c_v, c_alpha)

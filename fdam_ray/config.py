@@ -59,6 +59,10 @@ FIELDS: tuple[Field, ...] = (
        "default from the algorithm preset.", choices=("auc_square", "auc_margin", "bce"), optional=True),
     _f("margin", "float", 1.0, "m, the margin of auc_margin.", check=_pos[0], allowed=_pos[1]),
     _f("num_clients", "int", 4, "K, number of federated clients.", check=_ge1[0], allowed=_ge1[1]),
+    _f("clients_per_round", "int", None, "S, clients sampled (uniformly, without replacement, seeded by seed and "
+       "round) to take part in each round; null = all K.", check=_ge1[0], allowed=_ge1[1], optional=True),
+    _f("client_weighting", "str", "uniform", "Weights of the server's means and CODA's alpha: uniform (1/K, the "
+       "paper) or samples (n_k / n, the objective of the pooled data).", choices=("uniform", "samples")),
     _f("local_steps", "int", 10, "I, local steps per communication round (I_0 for the geometric schedule).",
        check=_ge1[0], allowed=_ge1[1]),
     _f("lr", "float", 0.1, "eta (eta_l for CODASCA), local step size.", check=_pos[0], allowed=_pos[1]),
@@ -366,6 +370,9 @@ def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> C
     if merged["objective"] not in preset.objectives:
         raise _fail("objective", merged["objective"],
                     f"algorithm '{algorithm}' takes one of {', '.join(preset.objectives)}")
+    if merged["clients_per_round"] is not None and merged["clients_per_round"] > merged["num_clients"]:
+        raise _fail("clients_per_round", merged["clients_per_round"],
+                    f"at most num_clients = {merged['num_clients']}, or null for all")
     config = Config(**merged)
     _check_schedule_reach(config)
     return config

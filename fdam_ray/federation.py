@@ -1,9 +1,10 @@
 """The paper's outer loop (Yuan et al. 2021, Alg. 1 and 3): stages of communication rounds, with evaluation.
 
-    start the K clients; p from their label counts; server state of round 0
+    start the K clients; p from their label counts; their weights; server state of round 0
     for each round of the schedule:
         at the first round of a new stage: end the last stage (CODA: alpha from one round of score sums)
-        every client runs I local steps from the global state; the server folds the updates as they arrive
+        every client (or the round's sample of S clients) runs I local steps from the global state;
+            the server folds the updates as they arrive
         the server adopts the new global state (and adds it to the stage's running sum)
         evaluate every eval_every iterations and at the end
 
@@ -158,6 +159,8 @@ class Federation:
              if self.positive_ratio_override is None
              else np.full(self.source.num_tasks, self.positive_ratio_override))
         self.positive_ratio = p
+        self.num_clients = len(infos)
+        self.client_weights = self.algorithm.weights([i.num_train for i in infos])
         if self.replica.objective.has_auxiliary:
             self.replica.objective.set_positive_ratio(p)
             self.executor.configure(p)
@@ -170,14 +173,19 @@ class Federation:
             moments = self.executor.score_moments(loop.state)
             loop.bytes_down += self.executor.active_clients * loop.state.nbytes
             loop.bytes_up += moments_nbytes(moments)
-            alpha = self.algorithm.stage_alpha(moments)
+            alpha = self.algorithm.stage_alpha(moments, self.positive_ratio, self.client_weights)
         self.algorithm.end_stage(loop.server, alpha=alpha)
         self.executor.begin_stage(loop.server.reference, self.algorithm.reset_control_variates)
         loop.bytes_down += self.executor.active_clients * loop.server.reference.nbytes
 
     def _round(self, loop: LoopState, plan: RoundPlan) -> None:
         t0 = time.perf_counter()
-        reducer = self.algorithm.reducer(loop.state)
+        clients = self.algorithm.participants(self.config.seed, plan.round, self.num_clients)
+        total = None
+        if clients is not None:  # a sampled round: c stays the mean over all clients (s.3b)
+            plan = dataclasses.replace(plan, partial=True)
+            total = float(self.num_clients if self.client_weights is None else self.client_weights.sum())
+        reducer = self.algorithm.reducer(loop.state, weights=self.client_weights, partial_total=total)
 
         def fold(update: ClientUpdate) -> None:
             # each client checks its own update (in parallel, where its buffers live); the driver trusts it
@@ -186,8 +194,8 @@ class Federation:
                                       f"update (loss {update.stats.loss}); lower lr or set grad_clip")
             reducer.fold(update)
 
-        self.executor.run_round(loop.state, plan, fold)
-        loop.bytes_down += self.executor.active_clients * loop.state.nbytes
+        self.executor.run_round(loop.state, plan, fold, clients)
+        loop.bytes_down += (self.executor.active_clients if clients is None else reducer.count) * loop.state.nbytes
         loop.bytes_up += reducer.bytes_up
         state = reducer.finish(steps=plan.steps)
         if not all_finite([torch.from_numpy(x) for x in (state.v, state.alpha, state.buffers)]):

@@ -54,6 +54,8 @@ class RoundPlan:
         steps: local steps I of this round.
         lr: local step size eta (eta_l) of this round.
         iteration: iterations done before this round.
+        partial: only some clients take part (client sampling): each returns the change of its
+            control variate, c^k_new - c^k_old, instead of c^k_new (docs/algorithms.md s.3b).
     """
 
     round: int
@@ -61,6 +63,7 @@ class RoundPlan:
     steps: int
     lr: float
     iteration: int
+    partial: bool = False
 
 
 @dataclasses.dataclass
@@ -84,7 +87,7 @@ class ClientUpdate:
     alpha: np.ndarray
     buffers: np.ndarray
     counters: np.ndarray
-    c_v: np.ndarray | None
+    c_v: np.ndarray | None  # c^k after the round, or its change in a partial round (RoundPlan.partial)
     c_alpha: np.ndarray | None
     stats: StepStats
 
@@ -123,3 +126,4 @@ class Moments:
     num_pos: np.ndarray
     sum_neg: np.ndarray
     num_neg: np.ndarray
+    client_id: int = -1

@@ -54,6 +54,7 @@ DATA = "tests/test_data.py"
 FED = "tests/test_federation.py"
 METRICS = "tests/test_metrics.py"
 STAGES = "tests/test_stages.py"
+SAMPLING = "tests/test_sampling.py"
 CKPT = ("tests/test_runs.py", "-k", "checkpoint or resume or atomic or unpickle")
 IMG = "tests/test_imagefolder.py"
 
@@ -102,11 +103,23 @@ MUTATIONS: list[Mutation] = [
              "if reset_control_variates and state.c_v is not None:",
              "if False:",
              (STAGES,), "the global c survives a stage end although reset_control_variates is on"),
-    Mutation("coda_alpha_mean_of_client_means", "fdam_ray/algorithms/stages.py",
-             "mean_pos = np.sum([x.sum_pos for x in moments], 0) / np.maximum(np.sum([x.num_pos for x in moments], 0), "
-             "1)",
-             "mean_pos = np.mean([x.sum_pos / np.maximum(x.num_pos, 1) for x in moments], 0)",
-             (STAGES,), "CODA's E[h | pos] is a mean of the clients' means instead of pooled sums"),
+    Mutation("coda_alpha_unweighted", "fdam_ray/algorithms/stages.py",
+             "w = 1.0 if weights is None else float(weights[x.client_id])",
+             "w = 1.0",
+             (STAGES,), "CODA's alpha ignores the client weights"),
+    # -- client sampling and client weights (s.3b)
+    Mutation("draw_with_replacement", "fdam_ray/algorithms/sampling.py",
+             "size=clients_per_round, replace=False",
+             "size=clients_per_round, replace=True",
+             (SAMPLING,), "a round may draw the same client twice"),
+    Mutation("partial_c_forgets_the_rest", "fdam_ray/algorithms/server.py",
+             "                self._c_v += prev.c_v\n",
+             "",
+             (SAMPLING,), "under sampling, c becomes the sampled clients' change alone instead of c plus it"),
+    Mutation("weights_ignored_in_means", "fdam_ray/algorithms/server.py",
+             "w = float(self.weights[update.client_id])",
+             "w = 1.0",
+             (SAMPLING,), "client weights left out of the server's means"),
     # -- the local step (s.2)
     Mutation("grad_clip_removed", "fdam_ray/algorithms/local.py",
              "if self.grad_clip is not None:",

@@ -61,12 +61,18 @@ def run_oracle(
     reset_control_variates=True,
     grad_clip=None,
     local_projection=True,
+    clients_per_round=None,
+    client_weighting="uniform",
+    seed=0,
 ):
     """Returns (v, alpha, c_v, c_alpha) after ``iterations`` local steps (stagewise schedule).
 
     p is the pooled positive ratio of all clients (s.1): their positives over their samples.
     ``local_projection=False`` leaves out the projection of alpha after each local step (not a rule of
     docs/algorithms.md: a test uses it to show that a case exercises that projection).
+    ``clients_per_round`` S and ``client_weighting`` follow s.3b: round r's clients are S draws without
+    replacement from ``numpy.random.default_rng([seed, r])``; means take weights n_k (``samples``) or 1,
+    renormalised over the round's clients; with a sample, c <- c + sum w_k (c^k_new - c^k_old) / sum_all w.
     """
     K = len(clients)
     p = pooled_positive_ratio(clients)
@@ -78,10 +84,18 @@ def run_oracle(
     ck_a = [0.0] * K
     done, stage, eta = 0, 1, lr
     ref_sum, ref_n = np.zeros_like(v), 0
+    weight = np.ones(K) if client_weighting == "uniform" else np.array([len(y) for _, y in clients], float)
+    r = 0
     while done < iterations:
+        r += 1
         steps = min(local_steps, iterations - done)
-        vs, als = [], []
-        for k, (X, y) in enumerate(clients):
+        full = clients_per_round is None or clients_per_round >= K
+        chosen = range(K) if full else sorted(np.random.default_rng([seed, r]).choice(K, clients_per_round,
+                                                                                     replace=False))
+        c_change_v, c_change_a = np.zeros_like(v), 0.0
+        vs, als, ws = [], [], []
+        for k in chosen:
+            X, y = clients[k]
             vk, ak = v.copy(), alpha
             for _ in range(steps):
                 g, ga = objective_grads(vk, ak, X, y, p, objective, margin)
@@ -96,16 +110,25 @@ def run_oracle(
                 if objective == "auc_margin" and local_projection:
                     ak = max(ak, 0.0)
             if control_variates:
-                ck_v[k] = ck_v[k] - c_v + (v - vk) / (steps * eta)
-                ck_a[k] = ck_a[k] - c_a + (ak - alpha) / (steps * eta)
+                new_v = ck_v[k] - c_v + (v - vk) / (steps * eta)
+                new_a = ck_a[k] - c_a + (ak - alpha) / (steps * eta)
+                c_change_v += weight[k] * (new_v - ck_v[k])
+                c_change_a += weight[k] * (new_a - ck_a[k])
+                ck_v[k], ck_a[k] = new_v, new_a
             vs.append(vk)
             als.append(ak)
-        v = v + global_lr * (np.mean(vs, axis=0) - v)
-        alpha = alpha + global_lr * (np.mean(als) - alpha)
+            ws.append(weight[k])
+        ws = np.array(ws) / np.sum(ws)
+        v = v + global_lr * (np.tensordot(ws, np.array(vs), 1) - v)
+        alpha = alpha + global_lr * (float(np.dot(ws, als)) - alpha)
         if objective == "auc_margin":
             alpha = max(alpha, 0.0)
         if control_variates:
-            c_v, c_a = np.mean(ck_v, axis=0), float(np.mean(ck_a))
+            if full:
+                c_v = np.tensordot(weight / weight.sum(), np.array(ck_v), 1)
+                c_a = float(np.dot(weight / weight.sum(), ck_a))
+            else:
+                c_v, c_a = c_v + c_change_v / weight.sum(), c_a + c_change_a / weight.sum()
         done += steps
         ref_sum += v
         ref_n += 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -49,17 +51,21 @@ def test_a_stage_of_rounds_then_its_end_match_numpy(reference_point, reset):
 
 
 @pytest.mark.parametrize("objective", ["auc_square", "auc_margin"])
-def test_coda_alpha_pools_client_sums(objective):
+def test_coda_alpha_with_sample_weights_pools_client_sums(objective):
     rng = np.random.default_rng(0)
     h = [rng.random((n, 2)) for n in (30, 11, 50)]  # scores of three clients, two tasks
     y = [(rng.random((n, 2)) < 0.3).astype(float) for n in (30, 11, 50)]
     y[1][:, 1] = np.nan  # a task without labels on one client
     moments = [Moments((hk * (yk == 1)).sum(0), (yk == 1).sum(0), (hk * (yk == 0)).sum(0), (yk == 0).sum(0))
                for hk, yk in zip(h, y, strict=True)]
+    moments = [dataclasses.replace(m, client_id=k) for k, m in enumerate(moments)]
     H, Y = np.concatenate(h), np.concatenate(y)
     gap = np.array([H[Y[:, t] == 0, t].mean() - H[Y[:, t] == 1, t].mean() for t in range(2)])
     want = gap if objective == "auc_square" else np.maximum(0, 0.5 + gap)
-    np.testing.assert_allclose(coda_alpha(moments, objective=objective, margin=0.5), want, rtol=1e-6)
+    p = np.nanmean(Y, axis=0)  # the pooled positive ratio per task
+    # with weights n_k and the pooled p, the maximiser of sum_k w_k f_k is E[h|neg] - E[h|pos] of the pooled data
+    got = coda_alpha(moments, objective=objective, margin=0.5, positive_ratio=p, weights=np.array([30, 11, 50.0]))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
 def test_algorithm_init_zeroes_the_global_control_variate_only_with_drift_correction():

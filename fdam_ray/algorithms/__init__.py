@@ -15,7 +15,8 @@ over named state:
 Where each equation lives: the objectives and p in :mod:`fdam_ray.objectives`
 (s.1), the local step and c^k in :mod:`.local` (s.2, s.3 step 2), the server
 step in :mod:`.server` (s.3 step 3), stage transitions in :mod:`.stages` (s.5),
-the schedules' stage lengths and step sizes in :mod:`fdam_ray.schedules` (s.5).
+the schedules' stage lengths and step sizes in :mod:`fdam_ray.schedules` (s.5),
+client sampling and client weights in :mod:`.sampling` (s.3b).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 
 from fdam_ray.algorithms.local import LocalSolver
 from fdam_ray.algorithms.presets import PRESETS, Preset
+from fdam_ray.algorithms.sampling import client_weights, sample_clients
 from fdam_ray.algorithms.server import RoundReducer
 from fdam_ray.algorithms.stages import ServerState, after_round, coda_alpha, end_stage, init_server_state
 from fdam_ray.flat import FlatModel
@@ -51,6 +53,8 @@ class AlgorithmSection(Section):
     positive_ratio: float | None
     reference_point: str
     reset_control_variates: bool
+    clients_per_round: int | None
+    client_weighting: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +68,8 @@ class Algorithm:
     grad_clip: float | None
     reference_point: str = "average"
     reset_control_variates: bool = True
+    clients_per_round: int | None = None
+    client_weighting: str = "uniform"
 
     @classmethod
     def from_section(cls, section: AlgorithmSection) -> Algorithm:
@@ -71,7 +77,7 @@ class Algorithm:
             raise ValueError("the algorithm section has no objective (build the config with build_config)")
         return cls(PRESETS[section.algorithm], section.objective, section.margin, section.global_lr,
                    section.prox_weight, section.weight_decay, section.grad_clip, section.reference_point,
-                   section.reset_control_variates)
+                   section.reset_control_variates, section.clients_per_round, section.client_weighting)
 
     @property
     def control_variates(self) -> bool:
@@ -97,17 +103,29 @@ class Algorithm:
             initial.c_alpha = np.zeros_like(initial.alpha)
         return init_server_state(initial)
 
-    def reducer(self, previous: GlobalState) -> RoundReducer:
+    def participants(self, seed: int, round_: int, num_clients: int) -> list[int] | None:
+        """The clients of round ``round_`` (client sampling), or None when every client takes part."""
+        return sample_clients(seed, round_, num_clients, self.clients_per_round)
+
+    def weights(self, num_train: Sequence[int]) -> np.ndarray | None:
+        """w_k by client id for the server's means and CODA's alpha (None: uniform)."""
+        return client_weights(self.client_weighting, num_train)
+
+    def reducer(self, previous: GlobalState, *, weights: np.ndarray | None = None,
+                partial_total: float | None = None) -> RoundReducer:
+        """The round's reducer; ``partial_total`` (all clients' total weight) for a round of sampled clients."""
         return RoundReducer(previous, global_lr=self.global_lr,
                             alpha_nonnegative=self.objective_name == "auc_margin",
-                            control_variates=self.control_variates)
+                            control_variates=self.control_variates, weights=weights, partial_total=partial_total)
 
     def after_round(self, server: ServerState, new_state: GlobalState) -> ServerState:
         return after_round(server, new_state, reference_point=self.reference_point)
 
-    def stage_alpha(self, moments: Sequence[Moments]) -> np.ndarray:
+    def stage_alpha(self, moments: Sequence[Moments], positive_ratio: np.ndarray,
+                    weights: np.ndarray | None = None) -> np.ndarray:
         """CODA's closed-form alpha from the clients' score sums (only for ``recompute_alpha``)."""
-        return coda_alpha(moments, objective=self.objective_name, margin=self.margin)
+        return coda_alpha(moments, objective=self.objective_name, margin=self.margin,
+                          positive_ratio=positive_ratio, weights=weights)
 
     def end_stage(self, server: ServerState, *, alpha: np.ndarray | None = None) -> ServerState:
         return end_stage(server, reference_point=self.reference_point,

@@ -30,7 +30,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fdam_ray.objectives import closed_form_alpha
 from fdam_ray.state import GlobalState, Moments
 
 
@@ -87,16 +86,39 @@ def end_stage(server: ServerState, *, reference_point: str, reset_control_variat
     return server
 
 
-def coda_alpha(moments: Sequence[Moments], *, objective: str, margin: float) -> np.ndarray:
-    """CODA's alpha at a stage end: the closed form of s.1 from every client's score sums.
+def coda_alpha(moments: Sequence[Moments], *, objective: str, margin: float, positive_ratio: np.ndarray,
+               weights: np.ndarray | None = None) -> np.ndarray:
+    """CODA's alpha at a stage end: the maximiser in alpha of sum_k w_k f_k (s.1, s.3b), from client sums.
 
-    E[h | pos] and E[h | neg] are pooled over all clients' training samples
-    (sums, then one division per task), then alpha* = E[h|neg] - E[h|pos]
-    (``auc_square``) or max(0, m + E[h|neg] - E[h|pos]) (``auc_margin``).
+    With e_k = E_k[p h N - (1 - p) h P] over client k's labelled samples (its
+    sums divided by its count, per task) and weights w_k normalised over the
+    clients that have labels for the task:
+
+        alpha* = sum_k w_k e_k / (p (1 - p))                 (auc_square)
+        alpha* = max(0, m + sum_k w_k e_k / (p (1 - p)))     (auc_margin)
+
+    ``weights`` None means every client weighs the same (the paper's f =
+    (1/K) sum_k f_k). With weights n_k and p the pooled positive ratio this is
+    E[h | neg] - E[h | pos] over the pooled data; with uniform weights and
+    clients of different sizes or prevalences it is not, and only this one
+    maximises the objective being optimised.
     """
-    mean_pos = np.sum([x.sum_pos for x in moments], 0) / np.maximum(np.sum([x.num_pos for x in moments], 0), 1)
-    mean_neg = np.sum([x.sum_neg for x in moments], 0) / np.maximum(np.sum([x.num_neg for x in moments], 0), 1)
-    return closed_form_alpha(mean_pos, mean_neg, objective, margin).astype(np.float32)
+    p = np.asarray(positive_ratio, dtype=np.float64)
+    num = np.zeros_like(p)
+    den = np.zeros_like(p)
+    for x in moments:
+        n = np.asarray(x.num_pos, dtype=np.float64) + np.asarray(x.num_neg, dtype=np.float64)
+        has = n > 0
+        e = (p * x.sum_neg - (1 - p) * x.sum_pos) / np.maximum(n, 1)
+        w = 1.0 if weights is None else float(weights[x.client_id])
+        num += np.where(has, w * e, 0.0)
+        den += np.where(has, w, 0.0)
+    gap = num / np.maximum(den, 1e-300) / (p * (1 - p))
+    if objective == "auc_square":
+        return gap.astype(np.float32)
+    if objective == "auc_margin":
+        return np.maximum(0.0, margin + gap).astype(np.float32)
+    raise ValueError(f"closed-form alpha exists for auc_square and auc_margin, not {objective!r}")
 
 
 def moments_nbytes(moments: Sequence[Moments]) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -60,8 +60,10 @@ class Executor(abc.ABC):
         """Start a stage on every client: proximal centre and (optionally) zero control variates."""
 
     @abc.abstractmethod
-    def run_round(self, state: GlobalState, plan: RoundPlan, fold: Callable[[ClientUpdate], None]) -> None:
-        """Run one round on every client from ``state``; call ``fold`` once per client update."""
+    def run_round(self, state: GlobalState, plan: RoundPlan, fold: Callable[[ClientUpdate], None],
+                  clients: Sequence[int] | None = None) -> None:
+        """Run one round from ``state`` on every client (or on ``clients``, the round's sample); call ``fold``
+        once per client update."""
 
     @abc.abstractmethod
     def evaluate(self, state: GlobalState) -> list[Scores]:

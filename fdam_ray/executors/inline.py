@@ -8,7 +8,7 @@ executor is tested against.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -39,8 +39,9 @@ class InlineExecutor(Executor):
         for c in self.clients:
             c.begin_stage(reference, reset_control_variates)
 
-    def run_round(self, state: GlobalState, plan: RoundPlan, fold: Callable[[ClientUpdate], None]) -> None:
-        for c in self.clients:
+    def run_round(self, state: GlobalState, plan: RoundPlan, fold: Callable[[ClientUpdate], None],
+                  clients: Sequence[int] | None = None) -> None:
+        for c in self.clients if clients is None else [self.clients[k] for k in clients]:
             fold(c.local_round(state, plan))
 
     def evaluate(self, state: GlobalState) -> list[Scores]:

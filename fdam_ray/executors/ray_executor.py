@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -312,7 +312,8 @@ class RayExecutor(Executor):
         for _ in self._each("begin_stage", lambda k, a: a.begin_stage.remote(ref, reset_control_variates)):
             pass
 
-    def run_round(self, state: GlobalState, plan: RoundPlan, fold: Callable[[ClientUpdate], None]) -> None:
+    def run_round(self, state: GlobalState, plan: RoundPlan, fold: Callable[[ClientUpdate], None],
+                  clients: Sequence[int] | None = None) -> None:
         self._round = plan.round
         ref = ray.put(state)  # always fresh: the driver may have changed the state since it was last put
         self._put_state = None
@@ -320,7 +321,8 @@ class RayExecutor(Executor):
         def call(k: int, actor) -> Any:
             return actor.local_round.remote(ref, plan, k in self._adopt_global_c)
 
-        for k, update in self._each("local_round", call, ordered=self.config.fold_order == "client"):
+        chosen = None if clients is None else [k for k in clients if k in self.live]
+        for k, update in self._each("local_round", call, chosen, ordered=self.config.fold_order == "client"):
             fold(update)
             del update
             self._adopt_global_c.discard(k)
