@@ -194,7 +194,10 @@ class Federation:
                                       f"update (loss {update.stats.loss}); lower lr or set grad_clip")
             reducer.fold(update)
 
-        self.executor.run_round(loop.state, plan, fold, clients)
+        if clients is None:
+            self.executor.run_round(loop.state, plan, fold)
+        else:
+            self.executor.run_round(loop.state, plan, fold, clients)
         loop.bytes_down += (self.executor.active_clients if clients is None else reducer.count) * loop.state.nbytes
         loop.bytes_up += reducer.bytes_up
         state = reducer.finish(steps=plan.steps)
