@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from fdam_ray.algorithms import AlgorithmSection
-from fdam_ray.checkpoint import load_checkpoint
+from fdam_ray.checkpoint import CheckpointError, load_checkpoint
 from fdam_ray.client import resolve_device
 from fdam_ray.config import RESUME_MAY_CHANGE, Config, ConfigError, build_config
 from fdam_ray.data import DataSource, make_source
@@ -140,6 +140,25 @@ def run(
                     initial_model_state=initial_model_state)
 
 
+# What every checkpoint holds (fdam_ray.federation.Federation._snapshot, plus the config).
+_PAYLOAD = {"config": dict, "loop": dict, "clients": list, "positive_ratio": object, "torch_rng": torch.Tensor}
+_LOOP = ("state", "reference", "ref_sum", "ref_count", "history", "position")
+
+
+def _check_payload(payload: dict, path: Path) -> None:
+    """Refuse, in one line naming the file, a checkpoint whose structure is not a run's."""
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"checkpoint '{path}' is damaged: it holds a {type(payload).__name__}, not a run's "
+                              "state")
+    for key, kind in _PAYLOAD.items():
+        if key not in payload or not isinstance(payload[key], kind):
+            raise CheckpointError(f"checkpoint '{path}' is damaged: its '{key}' entry is missing or not a "
+                                  f"{kind.__name__}")
+    missing = [k for k in _LOOP if k not in payload["loop"]]
+    if missing:
+        raise CheckpointError(f"checkpoint '{path}' is damaged: its run state lacks {', '.join(missing)}")
+
+
 def resume(
     run_dir: str | Path,
     changes: dict | None = None,
@@ -161,7 +180,12 @@ def resume(
         raise ValueError(f"--resume: '{run_dir}' has no checkpoint.pt (not a run folder, or its run stopped "
                          "before the first checkpoint)")
     payload = load_checkpoint(run_dir / "checkpoint.pt")
-    saved = build_config(payload["config"])
+    _check_payload(payload, run_dir / "checkpoint.pt")
+    try:
+        saved = build_config(payload["config"])
+    except ConfigError as exc:
+        raise CheckpointError(f"checkpoint '{run_dir / 'checkpoint.pt'}' holds a config that is not valid: "
+                              f"{exc}") from None
     wanted = build_config({**saved.to_dict(), **dict(changes or {})})
     before, after = saved.to_dict(), wanted.to_dict()
     differ = [k for k in before if before[k] != after[k] and k not in RESUME_MAY_CHANGE]

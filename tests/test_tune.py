@@ -9,7 +9,7 @@ import ray
 import yaml
 
 from fdam_ray.cli import main
-from fdam_ray.config import ConfigError
+from fdam_ray.config import ConfigError, parse_overrides
 from fdam_ray.tuning import load_space, run_sweep
 
 BASE = dict(algorithm="codasca", dataset="synthetic", heterogeneity=1.0, num_clients=2, samples_per_client=200,
@@ -104,3 +104,16 @@ def test_random_search_spaces_and_the_optional_bayesian_searcher(tmp_path, monke
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "optuna" else object())
     with pytest.raises(ConfigError, match="optuna needs the optuna package"):
         _searcher(optuna)
+
+
+def test_scientific_notation_in_space_files_and_tune_options(tmp_path):
+    path = tmp_path / "space.yaml"
+    path.write_text("base: {dataset: synthetic, iterations: 2e2, prox_weight: 2E-3}\n"
+                    "search: {lr: {grid: [1e-3, 1e-2]}, weight_decay: {loguniform: [1e-5, 1e-3]}}\n"
+                    "tune: {searcher: random, reduction_factor: 3e0}\n")
+    space = load_space(str(path), parse_overrides(["tune.grace_period=1e2", "global_lr=1.5e0"]))
+    assert space.search["lr"] == {"grid": [0.001, 0.01]}
+    assert space.search["weight_decay"] == {"loguniform": [1e-05, 0.001]}
+    assert space.base["iterations"] == 200.0 and space.base["prox_weight"] == 0.002 and space.base["global_lr"] == 1.5
+    assert space.options.reduction_factor == 3.0 and space.options.grace_period == 100
+    assert isinstance(space.options.grace_period, int)
