@@ -78,11 +78,25 @@ def cmd_tune(args: argparse.Namespace) -> int:
         if not args.space:
             raise ConfigError("fdam tune needs a search-space file (see tune/*.yaml) or --resume DIR")
         space = load_space(args.space, parse_overrides(args.overrides))
-    out = run_sweep(space, resume_dir=args.resume, address=args.address)
+    outcome = run_sweep(space, resume_dir=args.resume, address=args.address)
+    out = outcome.path
     print(f"sweep results: {out / 'sweep_results.md'}")
-    if (out / "best_config.yaml").exists():
-        print(f"best config:   {out / 'best_config.yaml'}  (fdam train --config {out / 'best_config.yaml'})")
+    if outcome.best_config is not None:
+        print(f"best config:   {outcome.best_config}  (fdam train --config {outcome.best_config})")
     print(f"figure:        {out / 'top_trials.png'}")
+    for trial, line in outcome.failed:
+        print(f"fdam tune: trial {trial} failed: {line}", file=sys.stderr)
+    if outcome.failed:
+        print(f"fdam tune: {len(outcome.failed)} of {outcome.trials} trials failed; their errors in full: "
+              f"{outcome.errors_file}", file=sys.stderr)
+    if outcome.unfinished:
+        print(f"fdam tune: the sweep was interrupted with {outcome.unfinished} of {outcome.trials} trials "
+              f"unfinished, so it has no best config yet; continue it with: fdam tune --resume {out}",
+              file=sys.stderr)
+        return 130
+    if outcome.best_config is None:
+        print("fdam tune: no trial finished without an error, so there is no best config", file=sys.stderr)
+        return 1
     return 0
 
 

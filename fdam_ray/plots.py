@@ -167,13 +167,15 @@ def plot_top_trials(rows: list[dict], path: Path, metric: str, keys: list[str]) 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    drawn = 0
     for r in rows:
         if r["_history"]:
             xs, ys = zip(*r["_history"], strict=True)
             ax.plot(xs, ys, marker=".", label=", ".join(f"{k}={r[k]}" for k in keys) or r["trial"])
+            drawn += 1
     ax.set(xlabel="iteration", ylabel=metric, title=f"Top {len(rows)} trials")
     ax.grid(alpha=0.3)
-    if rows:
+    if drawn:
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

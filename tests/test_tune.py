@@ -41,7 +41,7 @@ def test_grid_sweep_picks_the_best_trial_and_its_config_trains(tmp_path, ray_ses
     space = load_space(str(write_space(tmp_path, {"lr": {"grid": [0.2, 0.002]}, "local_steps": {"grid": [2, 10]}},
                                        {"name": "grid", "driver_cpus": 0.5},
                                        base={"executor": "ray", "cpus_per_client": 0.25})))
-    out = run_sweep(space)
+    out = run_sweep(space).path
     rows = read_rows(out)
     assert len(rows) == 4
     aucs = [float(r["final_test_auc"]) for r in rows]
@@ -60,7 +60,7 @@ def test_each_trial_reserves_bundles_for_its_own_number_of_clients(tmp_path, ray
     space = load_space(str(write_space(tmp_path, {"num_clients": {"grid": [1, 3]}},
                                        {"name": "k", "driver_cpus": 0.5},
                                        base={"executor": "ray", "cpus_per_client": 0.25, "iterations": 30})))
-    rows = read_rows(run_sweep(space))
+    rows = read_rows(run_sweep(space).path)
     assert sorted(int(r["num_clients"]) for r in rows) == [1, 3]
     assert all(r["iterations"] == "30" and not r["error"] for r in rows)
 
@@ -70,7 +70,7 @@ def test_asha_stops_weak_trials_early(tmp_path, ray_session):
         tmp_path, {"lr": {"grid": [0.3, 0.1, 0.001, 0.0003]}},
         {"name": "asha", "scheduler": "asha", "grace_period": 30, "reduction_factor": 2, "driver_cpus": 1,
          "max_concurrent_trials": 2})))
-    out = run_sweep(space)
+    out = run_sweep(space).path
     iterations = sorted(int(r["iterations"]) for r in read_rows(out))
     assert iterations[0] < 120 and iterations[-1] == 120
 
@@ -117,3 +117,27 @@ def test_scientific_notation_in_space_files_and_tune_options(tmp_path):
     assert space.base["iterations"] == 200.0 and space.base["prox_weight"] == 0.002 and space.base["global_lr"] == 1.5
     assert space.options.reduction_factor == 3.0 and space.options.grace_period == 100
     assert isinstance(space.options.grace_period, int)
+
+
+def test_a_sweep_whose_trials_all_fail_has_no_best_config_and_exits_1(tmp_path, ray_session, capsys):
+    space = write_space(tmp_path, {"lr": {"grid": [0.1, 0.01]}}, {"name": "allfail", "driver_cpus": 0.5},
+                        base={"iterations": 20, "model_weights": str(tmp_path / "missing.pt")})
+    assert main(["tune", str(space)]) == 1
+    err = capsys.readouterr().err
+    sweep = tmp_path / "sweeps" / "allfail"
+    assert not (sweep / "best_config.yaml").exists()
+    failures = [line for line in err.splitlines() if "failed: ValueError: model_weights:" in line]
+    assert len(failures) == 2 and "2 of 2 trials failed" in err and "no trial finished without an error" in err
+    assert "is not a file" in (sweep / "errors.log").read_text()
+
+
+def test_a_sweep_with_one_failed_trial_takes_its_best_config_from_the_others(tmp_path, ray_session, capsys):
+    space = write_space(tmp_path, {"model_weights": {"grid": [None, str(tmp_path / "missing.pt")]}},
+                        {"name": "onefail", "driver_cpus": 0.5}, base={"iterations": 20})
+    assert main(["tune", str(space)]) == 0
+    err = capsys.readouterr().err
+    sweep = tmp_path / "sweeps" / "onefail"
+    assert "1 of 2 trials failed" in err and len([x for x in err.splitlines() if "failed: " in x]) == 1
+    assert yaml.safe_load((sweep / "best_config.yaml").read_text())["model_weights"] is None
+    rows = read_rows(sweep)
+    assert [r["error"] for r in rows] == ["", "error"]  # the failed trial is listed last

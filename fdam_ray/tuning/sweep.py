@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from datetime import datetime
 from pathlib import Path
 
 import yaml
 
 from fdam_ray.config import ConfigError, build_config
-from fdam_ray.tuning.report import cell, write_sweep_outputs
+from fdam_ray.tuning.report import SweepOutcome, cell, write_sweep_outputs
 from fdam_ray.tuning.space import SPACE_FILE, Space, param_space
 from fdam_ray.tuning.trial import federation_trial, trial_bundles
 
 
 def _trial_name(trial) -> str:
     params = "_".join(f"{k}={cell(v)}" for k, v in sorted(trial.config.items()))
-    return f"trial_{trial.trial_id}_{params}"[:120]
+    return re.sub(r"[^\w.=,+-]", "_", f"trial_{trial.trial_id}_{params}")[:120]  # a searched path has '/'s
 
 
 def _scheduler(space: Space, config):
@@ -41,8 +42,8 @@ def _searcher(space: Space):
     return OptunaSearch()
 
 
-def run_sweep(space: Space, *, resume_dir: str | None = None, address: str | None = None):
-    """Run (or resume) a sweep and write its tables, best config and figure; returns the output folder."""
+def run_sweep(space: Space, *, resume_dir: str | None = None, address: str | None = None) -> SweepOutcome:
+    """Run (or resume) a sweep and write its tables, best config and figure; returns how it ended."""
     from ray import tune
 
     base_config = build_config(space.base)
