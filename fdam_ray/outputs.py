@@ -8,6 +8,7 @@
     checkpoint.pt    the latest checkpoint (atomic; see fdam_ray.checkpoint)
     model.pt         the final model: {"model": state_dict, "a", "b", "alpha", "task_names"}
     summary.json     best and final test AUC, rounds, bytes moved, wall time, samples/s
+    .lock            who writes the folder now (pid, host, start); see :class:`RunLock`
 
 Everything a run writes, shows or reports hangs off one :class:`Observer`
 interface: the run folder (:class:`RunFolder`, which also decides when a
@@ -21,8 +22,11 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import fcntl
 import json
 import logging
+import os
+import socket
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -224,6 +228,69 @@ class OutputSection(Section):
     dataset: str
 
 
+LOCK_FILE = ".lock"
+
+
+class RunFolderInUse(ValueError):
+    """Another process writes this run folder now."""
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``<run>/.lock`` for as long as a run writes its folder.
+
+    The file also says who holds it (pid, host, start time) for the message a second
+    writer gets. The kernel drops the lock when its process ends, however it ends, so
+    the file a killed run leaves behind never blocks a resume.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.path = Path(folder) / LOCK_FILE
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RunFolderInUse(in_use_message(folder, _holder_text(self.path))) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "started": f"{datetime.now():%Y-%m-%d %H:%M:%S}"}).encode())
+        self.fd: int | None = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+def _holder_text(lock: Path) -> str:
+    try:
+        info = json.loads(lock.read_text(encoding="utf-8"))
+        return f"process {info['pid']} on host {info['host']} (since {info['started']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process"
+
+
+def in_use_message(folder: Path, holder: str) -> str:
+    return (f"run folder '{folder}' is in use by {holder}; a second writer would corrupt it: wait for that run to "
+            "end or stop it, then continue it with --resume")
+
+
+def check_not_in_use(folder: str | Path) -> None:
+    """Raise :class:`RunFolderInUse` when a live process holds ``folder``'s lock (it is left as it is)."""
+    lock = Path(folder) / LOCK_FILE
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return  # no lock file: nobody has written here since locks exist
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise RunFolderInUse(in_use_message(Path(folder), _holder_text(lock))) from None
+    finally:
+        os.close(fd)  # closing drops a lock this call took
+
+
 class RunFolder(Observer):
     """Writes the run folder and decides when checkpoints are written.
 
@@ -244,13 +311,21 @@ class RunFolder(Observer):
         self.dir = None if run_dir is None else Path(run_dir)
         self.checkpoints = checkpoints
         self.writer: RunWriter | None = None
+        self.lock: RunLock | None = None
         self._last_checkpoint: int | None = None
 
     def start(self, run: RunStart) -> None:
         if self.dir is None:
             self.dir = make_run_dir(self.section)
-        self.writer = RunWriter(self.dir, tensorboard=self.section.tensorboard, history=run.history)
-        self.writer.write_config(self.config_dict)
+        else:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        self.lock = RunLock(self.dir)  # before anything in the folder is opened for writing
+        try:
+            self.writer = RunWriter(self.dir, tensorboard=self.section.tensorboard, history=run.history)
+            self.writer.write_config(self.config_dict)
+        except BaseException:
+            self.lock.release()
+            raise
         if run.resumed:
             self._last_checkpoint = run.round
             self.writer.event("resumed at round %d, iteration %d", run.round, run.iteration)
@@ -285,11 +360,14 @@ class RunFolder(Observer):
         self.writer.finish(model, summary)
 
     def close(self, error: BaseException | None) -> None:
-        if self.writer is None:
-            return
-        if isinstance(error, Exception):
-            self.writer.event("run stopped: %s", error, level=logging.ERROR)
-        self.writer.close()
+        try:
+            if self.writer is not None:
+                if isinstance(error, Exception):
+                    self.writer.event("run stopped: %s", error, level=logging.ERROR)
+                self.writer.close()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
 
 class EvalCallback(Observer):
@@ -307,6 +385,7 @@ def make_run_dir(config: OutputSection) -> Path:
     root = Path(config.out_dir)
     if config.run_name:
         path = root / config.run_name
+        check_not_in_use(path)
         if path.exists() and any(path.iterdir()):
             raise ValueError(f"run folder '{path}' already exists and is not empty; choose another run_name "
                              "or continue it with --resume")

@@ -35,7 +35,7 @@ from fdam_ray.config import RESUME_MAY_CHANGE, Config, ConfigError, build_config
 from fdam_ray.data import DataSource, make_source
 from fdam_ray.executors import Executor, ExecutorSection, make_executor
 from fdam_ray.federation import Federation, RunResult
-from fdam_ray.outputs import EvalCallback, Observer, Observers, Progress, RunFolder
+from fdam_ray.outputs import EvalCallback, Observer, Observers, Progress, RunFolder, check_not_in_use
 from fdam_ray.pretrain import pretrain_config, pretrain_source, pretrained_body
 from fdam_ray.schedules import ScheduleSection
 from fdam_ray.weights import load_weights, read_weights
@@ -179,6 +179,7 @@ def resume(
     if not (run_dir / "checkpoint.pt").exists():
         raise ValueError(f"--resume: '{run_dir}' has no checkpoint.pt (not a run folder, or its run stopped "
                          "before the first checkpoint)")
+    check_not_in_use(run_dir)  # at once, not after the clients have started
     payload = load_checkpoint(run_dir / "checkpoint.pt")
     _check_payload(payload, run_dir / "checkpoint.pt")
     try:
