@@ -141,3 +141,30 @@ def test_a_sweep_with_one_failed_trial_takes_its_best_config_from_the_others(tmp
     assert yaml.safe_load((sweep / "best_config.yaml").read_text())["model_weights"] is None
     rows = read_rows(sweep)
     assert [r["error"] for r in rows] == ["", "error"]  # the failed trial is listed last
+
+
+@pytest.mark.parametrize("change", ["group-writable file", "world-writable folder", "file of another user"])
+def test_resume_refuses_a_sweep_folder_others_can_write(tmp_path, capsys, change):
+    import dataclasses
+    import os
+
+    from fdam_ray.tuning.space import SPACE_FILE, TuneOptions
+
+    sweep = tmp_path / "sweep"
+    sweep.mkdir(mode=0o755)
+    (sweep / SPACE_FILE).write_text(yaml.safe_dump({"base": BASE, "search": {"lr": {"grid": [0.1]}},
+                                                    "tune": dataclasses.asdict(TuneOptions())}))
+    pkl = sweep / "tuner.pkl"
+    pkl.write_bytes(b"a pickle that must never be opened")
+    os.chmod(pkl, 0o644)
+    {"group-writable file": lambda: os.chmod(pkl, 0o664),
+     "world-writable folder": lambda: os.chmod(sweep, 0o777),
+     "file of another user": lambda: os.chown(pkl, 54321, -1)}[change]()
+    was_running = ray.is_initialized()
+    assert main(["tune", "--resume", str(sweep)]) == 2
+    err = capsys.readouterr().err
+    target = sweep if change == "world-writable folder" else pkl
+    assert f"--resume: the sweep {'folder' if target == sweep else 'file'} '{target}'" in err
+    assert "resuming unpickles the sweep's state" in err and err.count("\n") == 1
+    assert ray.is_initialized() == was_running  # refused before Ray was started
+    assert sorted(p.name for p in sweep.iterdir()) == [SPACE_FILE, "tuner.pkl"]
