@@ -171,8 +171,10 @@ FIELDS: tuple[Field, ...] = (
     _f("executor", "str", "ray", "ray: every client a Ray actor, all in parallel; inline: every client in the "
        "driver process, one after another (debuggers work).", choices=("ray", "inline")),
     # -- ray executor --------------------------------------------------------------
-    _f("address", "str", None, "Ray cluster to connect to (host:port, ray://host:port, auto); null = "
-       "RAY_ADDRESS if set, else start a local Ray (a Ray already running in this process is reused).",
+    _f("address", "str", None, "Ray cluster to connect to (host:port, ray://host:port, auto; local = a private "
+       "local Ray even when a `ray start` cluster runs on this machine); null = "
+       "RAY_ADDRESS if set, else a `ray start` cluster of this machine, else start a local Ray (a Ray already "
+       "running in this process is reused).",
        optional=True),
     _f("cpus_per_client", "float", 1.0, "CPUs Ray reserves for each client actor (fractions allowed); the "
        "client runs max(1, int(this)) torch threads unless threads_per_client says otherwise.",

@@ -71,3 +71,129 @@ def test_a_second_writer_on_a_live_run_folder_is_refused_and_a_killed_runs_lock_
     lines = records(run)
     assert lines[-1]["iteration"] == done + 20
     assert [r["iteration"] for r in lines] == sorted({r["iteration"] for r in lines})  # no duplicate, no stray line
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def ray_head(tmp_path_factory):
+    """A `ray start --head` cluster of this machine, on free ports, recorded in a temp folder of its own.
+
+    RAY_TMPDIR points Ray (and the fdam processes given ``env``) at that folder, so the
+    test neither sees nor disturbs other Ray instances of the machine. Stopped by pid.
+    """
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="fdr", dir="/tmp"))  # short: Ray's socket paths live under it
+    env = {**os.environ, "RAY_TMPDIR": str(tmp), "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
+    ports = ["--port", "--ray-client-server-port", "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+             "--runtime-env-agent-port", "--metrics-export-port", "--node-manager-port", "--object-manager-port"]
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    head = subprocess.Popen([ray_cli, "start", "--head", "--block", "--include-dashboard=false", "--num-cpus=2",
+                             "--disable-usage-stats", *(f"{p}={free_port()}" for p in ports)],
+                            env=env, cwd=tmp, stdout=(tmp / "head.log").open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    recorded = tmp / "ray" / "ray_current_cluster"
+    try:
+        deadline = time.time() + 120
+        while not (recorded.exists() and recorded.read_text().strip()):
+            assert head.poll() is None and time.time() < deadline, (tmp / "head.log").read_text()[-2000:]
+            time.sleep(0.2)
+        yield env, recorded.read_text().strip()
+    finally:
+        if head.poll() is None:
+            os.killpg(head.pid, signal.SIGTERM)
+            try:
+                head.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in _pids_using(tmp):  # what the head started and left: the group, and any process under tmp
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if head.poll() is None:
+            head.wait(timeout=30)
+
+
+def _pids_using(folder: Path) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if str(folder) in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(proc.name))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.mark.slow  # about a minute: a Ray head, two drivers
+def test_a_ray_start_cluster_of_this_machine_is_joined_and_address_local_starts_a_private_one(ray_head, tmp_path):
+    env, address = ray_head
+    args = [sys.executable, "-m", "fdam_ray", "train", "executor=ray", *SMALL, "iterations=10", "local_steps=5",
+            f"out_dir={tmp_path}", "--quiet"]
+    joined = subprocess.run(args, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert joined.returncode == 0, joined.stderr[-3000:]
+    assert f"joining the Ray cluster already running on this machine at {address}" in joined.stderr
+    assert "num_cpus" not in joined.stderr
+    private = subprocess.run([*args, "address=local"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                             timeout=240)
+    assert private.returncode == 0, private.stderr[-3000:]
+    assert "joining" not in private.stderr
+
+
+def test_an_address_where_something_else_listens_fails_fast_saying_what_answered(tmp_path):
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    port = server.getsockname()[1]
+    held = []
+
+    def accept_and_say_nothing() -> None:
+        while True:
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept_and_say_nothing, daemon=True).start()
+    try:
+        t0 = time.time()
+        out = subprocess.run([sys.executable, "-m", "fdam_ray", "train", "--address", f"127.0.0.1:{port}",
+                              "executor=ray", *SMALL, "iterations=10", f"out_dir={tmp_path / 'runs'}"],
+                             env={**os.environ, "RAY_ADDRESS": ""}, capture_output=True, text=True, timeout=60)
+        took = time.time() - t0
+    finally:
+        server.close()
+        for conn in held:
+            conn.close()
+    assert out.returncode == 2 and took < 30, (took, out.stderr[-2000:])
+    err = [line for line in out.stderr.splitlines() if line.startswith("fdam:")]
+    assert err == [f"fdam: error: 127.0.0.1:{port} is not a Ray cluster: a program that accepted the connection "
+                   "but sent nothing back within 5 s answered there; give the address of the head node's GCS "
+                   "(host:6379 by default; `ray start --head` prints it, `ray status` on the head shows it)"]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_web_server_at_the_address_is_named_as_one():
+    import http.server
+    import threading
+
+    from fdam_ray.executors.errors import ClusterConnectionError
+    from fdam_ray.executors.ray_session import check_cluster_access
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ClusterConnectionError, match=r"is not a Ray cluster: a web server \('"):
+            check_cluster_access(f"127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+        server.server_close()
