@@ -230,6 +230,34 @@ class OutputSection(Section):
 
 LOCK_FILE = ".lock"
 
+_stop_reason: str | None = None
+
+
+def request_stop(reason: str) -> None:
+    """Ask every run of this process to stop at its next round end, with a checkpoint (safe in a signal handler).
+
+    ``fdam train`` calls it on SIGTERM, what Slurm, Kubernetes and spot-instance reclaim send.
+    """
+    global _stop_reason
+    _stop_reason = reason
+
+
+def clear_stop_request() -> None:
+    global _stop_reason
+    _stop_reason = None
+
+
+class RunStopped(Exception):
+    """A run stopped at a round end because it was asked to (:func:`request_stop`); its checkpoint is written.
+
+    Attributes:
+        run_dir: the run folder, to continue with ``--resume``.
+    """
+
+    def __init__(self, message: str, run_dir: Path) -> None:
+        super().__init__(message)
+        self.run_dir = run_dir
+
 
 class RunFolderInUse(ValueError):
     """Another process writes this run folder now."""
@@ -346,6 +374,12 @@ class RunFolder(Observer):
         every = self.section.checkpoint_every
         if every and plan.round % every == 0:
             self._checkpoint(snapshot, plan.round)
+        reason = _stop_reason
+        if reason is not None and self.writer is not None:  # a round boundary: the state is whole
+            if self._last_checkpoint != plan.round:
+                self._checkpoint(snapshot, plan.round)
+            raise RunStopped(f"{reason}: stopped after round {plan.round} (iteration {plan.iteration + plan.steps}) "
+                             f"with a checkpoint; continue with: fdam train --resume {self.dir}", self.dir)
 
     def event(self, message: str, *args: Any, level: int = logging.INFO) -> None:
         if self.writer is not None:

@@ -197,3 +197,48 @@ def test_a_web_server_at_the_address_is_named_as_one():
     finally:
         server.shutdown()
         server.server_close()
+
+
+STOPPABLE = [*SMALL, "iterations=2000", "eval_every=250", "checkpoint_every=100000"]  # no periodic checkpoint
+
+
+def stop_with_sigterm_and_resume(tmp_path: Path, executor: list[str]) -> None:
+    import numpy as np
+    import torch
+
+    assert main(["train", f"out_dir={tmp_path}", "run_name=whole", "executor=inline", *STOPPABLE, "--quiet"]) == 0
+    run = tmp_path / "cut"
+    proc = start_fdam(["train", f"out_dir={tmp_path}", "run_name=cut", *executor, *STOPPABLE], tmp_path,
+                      tmp_path / "cut.log")
+    try:
+        wait_for(lambda: len(records(run)) >= 2, proc, tmp_path / "cut.log", timeout_s=180)
+        proc.send_signal(signal.SIGTERM)  # to the driver alone, as a scheduler's first notice
+        rc = proc.wait(timeout=120)
+    finally:
+        stop(proc)
+    output = (tmp_path / "cut.log").read_text()
+    assert rc == 143, output[-3000:]
+    assert "received SIGTERM: stopped after round" in output and f"fdam train --resume {run}" in output
+    assert "Traceback" not in output and "core dumped" not in output.lower()
+    log = (run / "train.log").read_text()
+    assert "run stopped: received SIGTERM: stopped after round" in log
+    stopped_at = load_checkpoint(run / "checkpoint.pt")["loop"]["state"]["iteration"]
+    assert 0 < stopped_at < 2000 and not (run / "model.pt").exists()
+    assert main(["train", "--resume", str(run), "executor=inline", "--quiet"]) == 0
+    whole, resumed = (torch.load(tmp_path / n / "model.pt", weights_only=True) for n in ("whole", "cut"))
+    for key, value in whole["model"].items():
+        np.testing.assert_array_equal(resumed["model"][key].numpy(), value.numpy(), err_msg=key)
+    for key in ("a", "b", "alpha"):
+        np.testing.assert_array_equal(resumed[key].numpy(), whole[key].numpy(), err_msg=key)
+    timing = {"wall_s", "samples_per_s"}
+    assert ([{k: v for k, v in r.items() if k not in timing} for r in records(run)]
+            == [{k: v for k, v in r.items() if k not in timing} for r in records(tmp_path / "whole")])
+
+
+def test_sigterm_stops_an_inline_run_at_a_round_end_with_a_checkpoint_and_resume_ends_bit_identical(tmp_path):
+    stop_with_sigterm_and_resume(tmp_path, ["executor=inline"])
+
+
+def test_sigterm_stops_a_ray_run_the_same_way(tmp_path):
+    # fold_order=client makes the Ray run the inline run bit for bit, so the inline reference holds
+    stop_with_sigterm_and_resume(tmp_path, ["executor=ray", "fold_order=client", "cpus_per_client=0.5"])

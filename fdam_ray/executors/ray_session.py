@@ -28,10 +28,14 @@ refusal say what to set: ``RAY_AUTH_MODE=token`` plus the token in
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import signal
 import socket
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import ray
@@ -150,12 +154,27 @@ def ensure_ray(*, address: str | None, cpus_needed: float) -> bool:
     if address and address != "local":
         check_cluster_access(address)
         log.info("connecting to the Ray cluster at %s", address)
-        ray.init(address=address)  # never with start-up arguments: Ray refuses them when joining
+        with _keeping_sigterm_handler():
+            ray.init(address=address)  # never with start-up arguments: Ray refuses them when joining
         return False
     num_cpus = max(os.cpu_count() or 1, math.ceil(cpus_needed))
     log.info("starting a local Ray instance (%d CPUs, dashboard on 127.0.0.1)", num_cpus)
-    ray.init(address="local", num_cpus=num_cpus, dashboard_host="127.0.0.1")
+    with _keeping_sigterm_handler():
+        ray.init(address="local", num_cpus=num_cpus, dashboard_host="127.0.0.1")
     return True
+
+
+@contextlib.contextmanager
+def _keeping_sigterm_handler() -> Iterator[None]:
+    """``ray.init`` makes SIGTERM exit the driver at once (a C++ abort follows); keep a handler the caller set
+    (``fdam train`` stops at a round end with a checkpoint)."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if main and callable(previous):
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _enable_token_mode() -> None:
