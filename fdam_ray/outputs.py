@@ -3,7 +3,8 @@
     config.yaml      the resolved config (reloads to the same run)
     metrics.jsonl    one JSON record per evaluation
     metrics.csv      the same, flattened (task_auc.<task>, client_auc.<id> columns)
-    train.log        one line per evaluation, plus warnings and events (client failures, stage switches)
+    train.log        one line per evaluation, plus events (stage switches, why a run stopped) and the package's
+                     warnings while the run writes (client actors replaced or dropped)
     events/          TensorBoard event files (when the tensorboard package is installed)
     checkpoint.pt    the latest checkpoint (atomic; see fdam_ray.checkpoint)
     model.pt         the final model: {"model": state_dict, "a", "b", "alpha", "task_names"}
@@ -82,6 +83,11 @@ class RunWriter:
         self._handler = logging.FileHandler(self.dir / "train.log", encoding="utf-8")
         self._handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         self.log.addHandler(self._handler)
+        # the package's warnings while the run writes here (a client replaced or dropped, a late stage switch)
+        self._warnings = logging.FileHandler(self.dir / "train.log", encoding="utf-8")
+        self._warnings.setLevel(logging.WARNING)
+        self._warnings.setFormatter(self._handler.formatter)
+        logging.getLogger("fdam_ray").addHandler(self._warnings)
         self._tb = _tensorboard_writer(self.dir / "events") if tensorboard else None
         for rec in history or []:
             self._write_metrics(rec)
@@ -131,6 +137,8 @@ class RunWriter:
         self._csv_file.close()
         self.log.removeHandler(self._handler)
         self._handler.close()
+        logging.getLogger("fdam_ray").removeHandler(self._warnings)
+        self._warnings.close()
         if self._tb is not None:
             self._tb.close()
 
