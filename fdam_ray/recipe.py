@@ -23,6 +23,7 @@ in order:
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -104,12 +105,56 @@ def federate(
         fed = Federation(source=source, executor=executor, config=ExecutorSection.of(config),
                          algorithm=AlgorithmSection.of(config), schedule=ScheduleSection.of(config),
                          eval_every=config.eval_every, driver_device=driver_device, observer=Observers(outputs))
+        check_capacity(config, fed.replica.flat.state_size)
         if weights is not None:
             load_weights(fed.replica.flat.model, weights, source=weights_from)
         result = fed.run(resume=resume)
     result.config = config
     result.pretrain = pretrained
     return result
+
+
+# A client holds about this many copies of the model state (weights, gradient, control variate, proximal
+# centre, round start, update), and under a local Ray each client is a process of its own.
+_STATE_COPIES = 8
+_ACTOR_PROCESS_BYTES = 150e6
+
+
+def _available_memory() -> float | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_capacity(config: Config, state_size: int) -> None:
+    """Refuse, before any client is built, more clients than this machine's memory can hold.
+
+    Counted for clients that run here: ``executor=inline``, or Ray without an address (a local instance).
+    A cluster's own limits are the placement group's to report.
+    """
+    local_ray = config.executor == "ray" and not (config.address and config.address != "local") and not (
+        os.environ.get("RAY_ADDRESS"))
+    if config.executor != "inline" and not local_ray:
+        return
+    available = _available_memory()
+    if available is None:
+        return
+    per_client = state_size * 4 * _STATE_COPIES + (_ACTOR_PROCESS_BYTES if local_ray else 0)
+    if config.dataset == "synthetic":
+        per_client += (config.samples_per_client + max(100, config.samples_per_client // 2)) * (
+            config.num_features + 1) * 4
+    need = config.num_clients * per_client
+    if need > available:
+        raise ValueError(
+            f"num_clients={config.num_clients} needs about {need / 1e9:.3g} GB of memory on this machine "
+            f"({per_client / 1e6:.3g} MB per client{', each a Ray actor process' if local_ray else ''}) but "
+            f"{available / 1e9:.3g} GB are available; lower num_clients, or run the clients on a cluster "
+            "(--address)")
 
 
 def run(
