@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 
 from fdam_ray.config import ConfigError, build_config, describe_fields, load_config_file, parse_overrides
 
@@ -34,6 +36,7 @@ def _summary(summary: dict) -> str:
 def cmd_train(args: argparse.Namespace) -> int:
     from fdam_ray.executors.errors import ClientError
     from fdam_ray.federation import DivergenceError
+    from fdam_ray.outputs import RunStopped, clear_stop_request, request_stop
     from fdam_ray.recipe import resume, run
 
     values = load_config_file(args.config) if args.config else {}
@@ -42,6 +45,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         values["address"] = args.address
     on_eval = None if args.quiet else _print_record
     progress = not args.quiet and not args.no_progress and sys.stderr.isatty()
+
+    def on_sigterm(signum: int, frame) -> None:
+        request_stop("received SIGTERM")
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+
+    clear_stop_request()
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
     try:
         if args.resume:
             print(f"fdam train: resuming {args.resume}", flush=True)
@@ -52,6 +63,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                   f"I={config.local_steps}, {config.iterations} iterations, model {config.model}, "
                   f"executor {config.executor}", flush=True)
             result = run(config, on_eval=on_eval, progress=progress)
+    except RunStopped as exc:
+        print(f"fdam: {exc}", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except DivergenceError as exc:
         print(f"fdam: run diverged: {exc}", file=sys.stderr)
         return 1
@@ -62,6 +76,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         for note in getattr(exc, "__notes__", ()):
             print(note, file=sys.stderr)
         return 1
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+        clear_stop_request()
     print(_summary(result.summary))
     print(f"run folder: {result.run_dir}")
     return 0
@@ -78,11 +96,25 @@ def cmd_tune(args: argparse.Namespace) -> int:
         if not args.space:
             raise ConfigError("fdam tune needs a search-space file (see tune/*.yaml) or --resume DIR")
         space = load_space(args.space, parse_overrides(args.overrides))
-    out = run_sweep(space, resume_dir=args.resume, address=args.address)
+    outcome = run_sweep(space, resume_dir=args.resume, address=args.address)
+    out = outcome.path
     print(f"sweep results: {out / 'sweep_results.md'}")
-    if (out / "best_config.yaml").exists():
-        print(f"best config:   {out / 'best_config.yaml'}  (fdam train --config {out / 'best_config.yaml'})")
+    if outcome.best_config is not None:
+        print(f"best config:   {outcome.best_config}  (fdam train --config {outcome.best_config})")
     print(f"figure:        {out / 'top_trials.png'}")
+    for trial, line in outcome.failed:
+        print(f"fdam tune: trial {trial} failed: {line}", file=sys.stderr)
+    if outcome.failed:
+        print(f"fdam tune: {len(outcome.failed)} of {outcome.trials} trials failed; their errors in full: "
+              f"{outcome.errors_file}", file=sys.stderr)
+    if outcome.unfinished:
+        print(f"fdam tune: the sweep was interrupted with {outcome.unfinished} of {outcome.trials} trials "
+              f"unfinished, so it has no best config yet; continue it with: fdam tune --resume {out}",
+              file=sys.stderr)
+        return 130
+    if outcome.best_config is None:
+        print("fdam tune: no trial finished without an error, so there is no best config", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -173,8 +175,10 @@ FIELDS: tuple[Field, ...] = (
     _f("executor", "str", "ray", "ray: every client a Ray actor, all in parallel; inline: every client in the "
        "driver process, one after another (debuggers work).", choices=("ray", "inline")),
     # -- ray executor --------------------------------------------------------------
-    _f("address", "str", None, "Ray cluster to connect to (host:port, ray://host:port, auto); null = "
-       "RAY_ADDRESS if set, else start a local Ray (a Ray already running in this process is reused).",
+    _f("address", "str", None, "Ray cluster to connect to (host:port, ray://host:port, auto; local = a private "
+       "local Ray even when a `ray start` cluster runs on this machine); null = "
+       "RAY_ADDRESS if set, else a `ray start` cluster of this machine, else start a local Ray (a Ray already "
+       "running in this process is reused).",
        optional=True),
     _f("cpus_per_client", "float", 1.0, "CPUs Ray reserves for each client actor (fractions allowed); the "
        "client runs max(1, int(this)) torch threads unless threads_per_client says otherwise.",
@@ -242,6 +246,63 @@ Config = dataclasses.make_dataclass(
 Config.__module__ = __name__  # picklable by reference (configs travel to Ray actors and Tune trials)
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML as people write config values: ``1e-3`` is a number, and a key given twice is an error.
+
+    PyYAML follows YAML 1.1, where a float needs a dot (``1.0e-3``) and ``1e-3``
+    is a string; YAML 1.2 and every programming language read it as a number.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, (str, int, float, bool)):
+                continue  # an unhashable key: PyYAML reports it
+            if key in seen:
+                raise DuplicateKeyError(key, key_node.start_mark.line + 1)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    def __init__(self, key: Any, line: int) -> None:
+        super().__init__(f"key '{key}' is given twice (again on line {line})")
+        self.key, self.line = key, line
+
+
+def load_yaml(text: str) -> Any:
+    """Parse YAML text the way every fdam-ray file and ``key=value`` is read (see :class:`_Loader`)."""
+    return yaml.load(text, Loader=_Loader)  # a SafeLoader subclass: plain data only
+
+
+def read_yaml_file(path: str | Path, what: str) -> Any:
+    """Read a YAML file; any problem (missing, not UTF-8, not YAML, a key given twice) is one
+    :class:`ConfigError` naming ``what`` and the file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{what} '{path}' does not exist") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} '{path}' is not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"{what} '{path}' cannot be read: {exc.strerror or exc}") from None
+    try:
+        return load_yaml(text)
+    except DuplicateKeyError as exc:
+        raise ConfigError(f"{what} '{path}': {exc}") from None
+    except yaml.YAMLError as exc:
+        detail = " ".join(str(exc).split())
+        raise ConfigError(f"{what} '{path}' is not valid YAML: {detail}") from None
+
+
 def _fail(name: str, value: Any, allowed: str) -> ConfigError:
     return ConfigError(f"config field '{name}': {value!r} is not allowed ({allowed})")
 
@@ -256,7 +317,7 @@ def _from_text(field: Field, text: CommandLineText) -> Any:
     if field.kind == "str" or (field.kind == "str_list" and not text.lstrip().startswith("[")):
         return str(text)  # run_name=007 stays "007", data_root=2024 stays "2024"
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
     except yaml.YAMLError:
         return str(text)
 
@@ -339,6 +400,25 @@ def _flatten_sections(values: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Names people reach for, and the paper's symbols, mapped to the field they mean (only for suggestions).
+_OTHER_NAMES = {
+    "learning_rate": "lr", "eta": "lr", "eta_l": "lr", "local_lr": "lr", "global_learning_rate": "global_lr",
+    "server_lr": "global_lr", "eta_g": "global_lr", "gamma": "prox_weight", "clients": "num_clients",
+    "n_clients": "num_clients", "k": "num_clients", "i": "local_steps", "local_iterations": "local_steps",
+    "t0": "stage_length", "imbalance_ratio": "imratio", "p": "positive_ratio", "batchsize": "batch_size",
+    "steps": "iterations", "total_iterations": "iterations", "decay": "lr_decay",
+}
+
+
+def nearest_field(key: str) -> str | None:
+    """The field an unknown key most likely means (a near spelling of a field or of a common other name)."""
+    lowered = key.lower()
+    if lowered in _OTHER_NAMES:
+        return _OTHER_NAMES[lowered]
+    hint = difflib.get_close_matches(lowered, [*FIELD_BY_NAME, *_OTHER_NAMES], n=1)
+    return None if not hint else _OTHER_NAMES.get(hint[0], hint[0])
+
+
 def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> Config:
     """Make a validated :class:`Config` from a mapping (and keyword overrides).
 
@@ -350,8 +430,8 @@ def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> C
     given.update(_flatten_sections(overrides))
     for key in given:
         if key not in FIELD_BY_NAME:
-            hint = difflib.get_close_matches(key, FIELD_BY_NAME, n=1)
-            extra = f"; did you mean '{hint[0]}'?" if hint else ""
+            hint = nearest_field(key)
+            extra = f"; did you mean '{hint}'?" if hint else ""
             raise ConfigError(f"unknown config field '{key}'{extra} (see `fdam fields` for the list)")
     algorithm = _coerce(FIELD_BY_NAME["algorithm"], given.get("algorithm", "codasca"))
     preset = PRESETS[algorithm]
@@ -418,7 +498,7 @@ def read_text_value(value: Any) -> Any:
     """A command-line value read as YAML (for settings that are not config fields, such as tune options)."""
     if isinstance(value, CommandLineText):
         try:
-            return yaml.safe_load(value) if value.strip() else None
+            return load_yaml(value) if value.strip() else None
         except yaml.YAMLError:
             return str(value)
     return value
@@ -426,13 +506,7 @@ def read_text_value(value: Any) -> Any:
 
 def load_config_file(path: str) -> dict[str, Any]:
     """Read a YAML config file into a mapping (validated later by :func:`build_config`)."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"config file '{path}' does not exist") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file '{path}' is not valid YAML: {exc}") from None
+    data = read_yaml_file(path, "config file")
     if data is None:
         return {}
     if not isinstance(data, dict):

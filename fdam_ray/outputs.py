@@ -3,11 +3,13 @@
     config.yaml      the resolved config (reloads to the same run)
     metrics.jsonl    one JSON record per evaluation
     metrics.csv      the same, flattened (task_auc.<task>, client_auc.<id> columns)
-    train.log        one line per evaluation, plus warnings and events (client failures, stage switches)
+    train.log        one line per evaluation, plus events (stage switches, why a run stopped) and the package's
+                     warnings while the run writes (client actors replaced or dropped)
     events/          TensorBoard event files (when the tensorboard package is installed)
     checkpoint.pt    the latest checkpoint (atomic; see fdam_ray.checkpoint)
     model.pt         the final model: {"model": state_dict, "a", "b", "alpha", "task_names"}
     summary.json     best and final test AUC, rounds, bytes moved, wall time, samples/s
+    .lock            who writes the folder now (pid, host, start); see :class:`RunLock`
 
 Everything a run writes, shows or reports hangs off one :class:`Observer`
 interface: the run folder (:class:`RunFolder`, which also decides when a
@@ -21,8 +23,11 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import fcntl
 import json
 import logging
+import os
+import socket
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -78,6 +83,11 @@ class RunWriter:
         self._handler = logging.FileHandler(self.dir / "train.log", encoding="utf-8")
         self._handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         self.log.addHandler(self._handler)
+        # the package's warnings while the run writes here (a client replaced or dropped, a late stage switch)
+        self._warnings = logging.FileHandler(self.dir / "train.log", encoding="utf-8")
+        self._warnings.setLevel(logging.WARNING)
+        self._warnings.setFormatter(self._handler.formatter)
+        logging.getLogger("fdam_ray").addHandler(self._warnings)
         self._tb = _tensorboard_writer(self.dir / "events") if tensorboard else None
         for rec in history or []:
             self._write_metrics(rec)
@@ -127,6 +137,8 @@ class RunWriter:
         self._csv_file.close()
         self.log.removeHandler(self._handler)
         self._handler.close()
+        logging.getLogger("fdam_ray").removeHandler(self._warnings)
+        self._warnings.close()
         if self._tb is not None:
             self._tb.close()
 
@@ -224,6 +236,97 @@ class OutputSection(Section):
     dataset: str
 
 
+LOCK_FILE = ".lock"
+
+_stop_reason: str | None = None
+
+
+def request_stop(reason: str) -> None:
+    """Ask every run of this process to stop at its next round end, with a checkpoint (safe in a signal handler).
+
+    ``fdam train`` calls it on SIGTERM, what Slurm, Kubernetes and spot-instance reclaim send.
+    """
+    global _stop_reason
+    _stop_reason = reason
+
+
+def clear_stop_request() -> None:
+    global _stop_reason
+    _stop_reason = None
+
+
+class RunStopped(Exception):
+    """A run stopped at a round end because it was asked to (:func:`request_stop`); its checkpoint is written.
+
+    Attributes:
+        run_dir: the run folder, to continue with ``--resume``.
+    """
+
+    def __init__(self, message: str, run_dir: Path) -> None:
+        super().__init__(message)
+        self.run_dir = run_dir
+
+
+class RunFolderInUse(ValueError):
+    """Another process writes this run folder now."""
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``<run>/.lock`` for as long as a run writes its folder.
+
+    The file also says who holds it (pid, host, start time) for the message a second
+    writer gets. The kernel drops the lock when its process ends, however it ends, so
+    the file a killed run leaves behind never blocks a resume.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.path = Path(folder) / LOCK_FILE
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RunFolderInUse(in_use_message(folder, _holder_text(self.path))) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "started": f"{datetime.now():%Y-%m-%d %H:%M:%S}"}).encode())
+        self.fd: int | None = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+def _holder_text(lock: Path) -> str:
+    try:
+        info = json.loads(lock.read_text(encoding="utf-8"))
+        return f"process {info['pid']} on host {info['host']} (since {info['started']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process"
+
+
+def in_use_message(folder: Path, holder: str) -> str:
+    return (f"run folder '{folder}' is in use by {holder}; a second writer would corrupt it: wait for that run to "
+            "end or stop it, then continue it with --resume")
+
+
+def check_not_in_use(folder: str | Path) -> None:
+    """Raise :class:`RunFolderInUse` when a live process holds ``folder``'s lock (it is left as it is)."""
+    lock = Path(folder) / LOCK_FILE
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return  # no lock file: nobody has written here since locks exist
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise RunFolderInUse(in_use_message(Path(folder), _holder_text(lock))) from None
+    finally:
+        os.close(fd)  # closing drops a lock this call took
+
+
 class RunFolder(Observer):
     """Writes the run folder and decides when checkpoints are written.
 
@@ -244,13 +347,21 @@ class RunFolder(Observer):
         self.dir = None if run_dir is None else Path(run_dir)
         self.checkpoints = checkpoints
         self.writer: RunWriter | None = None
+        self.lock: RunLock | None = None
         self._last_checkpoint: int | None = None
 
     def start(self, run: RunStart) -> None:
         if self.dir is None:
             self.dir = make_run_dir(self.section)
-        self.writer = RunWriter(self.dir, tensorboard=self.section.tensorboard, history=run.history)
-        self.writer.write_config(self.config_dict)
+        else:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        self.lock = RunLock(self.dir)  # before anything in the folder is opened for writing
+        try:
+            self.writer = RunWriter(self.dir, tensorboard=self.section.tensorboard, history=run.history)
+            self.writer.write_config(self.config_dict)
+        except BaseException:
+            self.lock.release()
+            raise
         if run.resumed:
             self._last_checkpoint = run.round
             self.writer.event("resumed at round %d, iteration %d", run.round, run.iteration)
@@ -271,6 +382,12 @@ class RunFolder(Observer):
         every = self.section.checkpoint_every
         if every and plan.round % every == 0:
             self._checkpoint(snapshot, plan.round)
+        reason = _stop_reason
+        if reason is not None and self.writer is not None:  # a round boundary: the state is whole
+            if self._last_checkpoint != plan.round:
+                self._checkpoint(snapshot, plan.round)
+            raise RunStopped(f"{reason}: stopped after round {plan.round} (iteration {plan.iteration + plan.steps}) "
+                             f"with a checkpoint; continue with: fdam train --resume {self.dir}", self.dir)
 
     def event(self, message: str, *args: Any, level: int = logging.INFO) -> None:
         if self.writer is not None:
@@ -285,11 +402,14 @@ class RunFolder(Observer):
         self.writer.finish(model, summary)
 
     def close(self, error: BaseException | None) -> None:
-        if self.writer is None:
-            return
-        if isinstance(error, Exception):
-            self.writer.event("run stopped: %s", error, level=logging.ERROR)
-        self.writer.close()
+        try:
+            if self.writer is not None:
+                if isinstance(error, Exception):
+                    self.writer.event("run stopped: %s", error, level=logging.ERROR)
+                self.writer.close()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
 
 class EvalCallback(Observer):
@@ -307,6 +427,7 @@ def make_run_dir(config: OutputSection) -> Path:
     root = Path(config.out_dir)
     if config.run_name:
         path = root / config.run_name
+        check_not_in_use(path)
         if path.exists() and any(path.iterdir()):
             raise ValueError(f"run folder '{path}' already exists and is not empty; choose another run_name "
                              "or continue it with --resume")

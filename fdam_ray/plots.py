@@ -16,7 +16,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-import yaml
+
+from fdam_ray.config import read_yaml_file
 
 
 class Run:
@@ -25,13 +26,18 @@ class Run:
         metrics = self.path / "metrics.jsonl"
         if not metrics.is_file():
             raise ValueError(f"'{path}' is not a run folder (it has no metrics.jsonl)")
-        self.history = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        self.history = _read_metrics(metrics)
         if not self.history:
             raise ValueError(f"'{path}' has no evaluation records yet")
         cfg_file = self.path / "config.yaml"
-        self.config = yaml.safe_load(cfg_file.read_text()) if cfg_file.is_file() else {}
+        self.config = read_yaml_file(cfg_file, "run config") if cfg_file.is_file() else {}
+        if not isinstance(self.config, dict):
+            raise ValueError(f"run config '{cfg_file}' is damaged: it holds a {type(self.config).__name__}, "
+                             "not a mapping of field: value")
         self.algorithm = self.config.get("algorithm", "?")
         self.local_steps = self.config.get("local_steps")
+        if not isinstance(self.local_steps, int) or isinstance(self.local_steps, bool):
+            self.local_steps = None
 
     @property
     def label(self) -> str:
@@ -39,6 +45,26 @@ class Run:
 
     def series(self, key: str) -> np.ndarray:
         return np.array([np.nan if h.get(key) is None else h[key] for h in self.history], dtype=float)
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    """The records of a ``metrics.jsonl``; a damaged line is an error naming the file and the line."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"metrics file '{path}' is not UTF-8 text (byte {exc.start})") from None
+    records = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"metrics file '{path}', line {i} is not a JSON record ({exc.msg})") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("test_auc"), (int, float, type(None))):
+            raise ValueError(f"metrics file '{path}', line {i} is not an evaluation record")
+        records.append(rec)
+    return records
 
 
 def _pyplot():
@@ -141,13 +167,15 @@ def plot_top_trials(rows: list[dict], path: Path, metric: str, keys: list[str]) 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    drawn = 0
     for r in rows:
         if r["_history"]:
             xs, ys = zip(*r["_history"], strict=True)
             ax.plot(xs, ys, marker=".", label=", ".join(f"{k}={r[k]}" for k in keys) or r["trial"])
+            drawn += 1
     ax.set(xlabel="iteration", ylabel=metric, title=f"Top {len(rows)} trials")
     ax.grid(alpha=0.3)
-    if rows:
+    if drawn:
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -23,19 +23,20 @@ in order:
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
 from fdam_ray.algorithms import AlgorithmSection
-from fdam_ray.checkpoint import load_checkpoint
+from fdam_ray.checkpoint import CheckpointError, load_checkpoint
 from fdam_ray.client import resolve_device
 from fdam_ray.config import RESUME_MAY_CHANGE, Config, ConfigError, build_config
 from fdam_ray.data import DataSource, make_source
 from fdam_ray.executors import Executor, ExecutorSection, make_executor
 from fdam_ray.federation import Federation, RunResult
-from fdam_ray.outputs import EvalCallback, Observer, Observers, Progress, RunFolder
+from fdam_ray.outputs import EvalCallback, Observer, Observers, Progress, RunFolder, check_not_in_use
 from fdam_ray.pretrain import pretrain_config, pretrain_source, pretrained_body
 from fdam_ray.schedules import ScheduleSection
 from fdam_ray.weights import load_weights, read_weights
@@ -104,12 +105,56 @@ def federate(
         fed = Federation(source=source, executor=executor, config=ExecutorSection.of(config),
                          algorithm=AlgorithmSection.of(config), schedule=ScheduleSection.of(config),
                          eval_every=config.eval_every, driver_device=driver_device, observer=Observers(outputs))
+        check_capacity(config, fed.replica.flat.state_size)
         if weights is not None:
             load_weights(fed.replica.flat.model, weights, source=weights_from)
         result = fed.run(resume=resume)
     result.config = config
     result.pretrain = pretrained
     return result
+
+
+# A client holds about this many copies of the model state (weights, gradient, control variate, proximal
+# centre, round start, update), and under a local Ray each client is a process of its own.
+_STATE_COPIES = 8
+_ACTOR_PROCESS_BYTES = 150e6
+
+
+def _available_memory() -> float | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_capacity(config: Config, state_size: int) -> None:
+    """Refuse, before any client is built, more clients than this machine's memory can hold.
+
+    Counted for clients that run here: ``executor=inline``, or Ray without an address (a local instance).
+    A cluster's own limits are the placement group's to report.
+    """
+    local_ray = config.executor == "ray" and not (config.address and config.address != "local") and not (
+        os.environ.get("RAY_ADDRESS"))
+    if config.executor != "inline" and not local_ray:
+        return
+    available = _available_memory()
+    if available is None:
+        return
+    per_client = state_size * 4 * _STATE_COPIES + (_ACTOR_PROCESS_BYTES if local_ray else 0)
+    if config.dataset == "synthetic":
+        per_client += (config.samples_per_client + max(100, config.samples_per_client // 2)) * (
+            config.num_features + 1) * 4
+    need = config.num_clients * per_client
+    if need > available:
+        raise ValueError(
+            f"num_clients={config.num_clients} needs about {need / 1e9:.3g} GB of memory on this machine "
+            f"({per_client / 1e6:.3g} MB per client{', each a Ray actor process' if local_ray else ''}) but "
+            f"{available / 1e9:.3g} GB are available; lower num_clients, or run the clients on a cluster "
+            "(--address)")
 
 
 def run(
@@ -140,6 +185,25 @@ def run(
                     initial_model_state=initial_model_state)
 
 
+# What every checkpoint holds (fdam_ray.federation.Federation._snapshot, plus the config).
+_PAYLOAD = {"config": dict, "loop": dict, "clients": list, "positive_ratio": object, "torch_rng": torch.Tensor}
+_LOOP = ("state", "reference", "ref_sum", "ref_count", "history", "position")
+
+
+def _check_payload(payload: dict, path: Path) -> None:
+    """Refuse, in one line naming the file, a checkpoint whose structure is not a run's."""
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"checkpoint '{path}' is damaged: it holds a {type(payload).__name__}, not a run's "
+                              "state")
+    for key, kind in _PAYLOAD.items():
+        if key not in payload or not isinstance(payload[key], kind):
+            raise CheckpointError(f"checkpoint '{path}' is damaged: its '{key}' entry is missing or not a "
+                                  f"{kind.__name__}")
+    missing = [k for k in _LOOP if k not in payload["loop"]]
+    if missing:
+        raise CheckpointError(f"checkpoint '{path}' is damaged: its run state lacks {', '.join(missing)}")
+
+
 def resume(
     run_dir: str | Path,
     changes: dict | None = None,
@@ -160,8 +224,14 @@ def resume(
     if not (run_dir / "checkpoint.pt").exists():
         raise ValueError(f"--resume: '{run_dir}' has no checkpoint.pt (not a run folder, or its run stopped "
                          "before the first checkpoint)")
+    check_not_in_use(run_dir)  # at once, not after the clients have started
     payload = load_checkpoint(run_dir / "checkpoint.pt")
-    saved = build_config(payload["config"])
+    _check_payload(payload, run_dir / "checkpoint.pt")
+    try:
+        saved = build_config(payload["config"])
+    except ConfigError as exc:
+        raise CheckpointError(f"checkpoint '{run_dir / 'checkpoint.pt'}' holds a config that is not valid: "
+                              f"{exc}") from None
     wanted = build_config({**saved.to_dict(), **dict(changes or {})})
     before, after = saved.to_dict(), wanted.to_dict()
     differ = [k for k in before if before[k] != after[k] and k not in RESUME_MAY_CHANGE]

@@ -50,7 +50,7 @@ def sweep(tmp_path: Path, base: dict) -> list[Path]:
     space_file.write_text(yaml.safe_dump({"base": {**BASE, **base}, "search": {"lr": {"grid": [0.05, 0.1]}},
                                           "tune": {"storage_path": str(tmp_path / "sweeps"), "name": "s",
                                                    "driver_cpus": 1}}))
-    out = run_sweep(load_space(str(space_file)))
+    out = run_sweep(load_space(str(space_file))).path
     runs = sorted(p.parent for p in out.glob("trial_*/run/metrics.jsonl"))
     assert len(runs) == 2
     return runs

@@ -15,6 +15,7 @@ from pathlib import Path
 import chestxray_fixtures
 import pytest
 
+from fdam_ray.checkpoint import load_checkpoint, save_checkpoint
 from fdam_ray.cli import main
 
 FAST = ["executor=inline", "tensorboard=false"]
@@ -64,7 +65,7 @@ def truncate_checkpoint(run: Path) -> None:
 
 # (id, args builder, message that must appear, fails before training starts)
 CASES = [
-    ("unknown key", lambda t: ["lern_rate=0.1"], "unknown config field 'lern_rate'", True),
+    ("unknown key", lambda t: ["lern_rate=0.1"], "unknown config field 'lern_rate'; did you mean 'lr'?", True),
     ("wrong type", lambda t: ["local_steps=many"], "config field 'local_steps': 'many' is not allowed", True),
     ("lr not positive", lambda t: ["lr=0"], "config field 'lr': 0.0 is not allowed (> 0)", True),
     ("imratio out of range", lambda t: ["imratio=0.7"], "'imratio': 0.7 is not allowed (in (0, 0.5])", True),
@@ -74,11 +75,19 @@ CASES = [
     ("impossible IH partition", lambda t: ["num_clients=6"], "num_clients=6 is more than the 5 positive classes",
      True),
     ("client without positives", lambda t: ["imratio=0.001"], "is left with no positives", True),
+    ("more clients than memory holds", lambda t: ["dataset=synthetic", "model=mlp", "num_clients=1000000000"],
+     "num_clients=1000000000 needs about 1.19e+05 GB of memory on this machine (0.119 MB per client) but", True),
+    ("dirichlet: more clients than positives", lambda t: ["partition=dirichlet", "num_clients=200"],
+     "partition=dirichlet: num_clients=200 is more than the 70 positive and", True),
     ("schedule decays lr to nothing", lambda t: ["stage_length=60", "iterations=6000"],
      "runs 100 stages and decays lr to 5.8e-49, below 1e-15", True),
     ("model needs images", lambda t: ["dataset=synthetic", "model=resnet20"], "needs image inputs", True),
     ("config file not a mapping", lambda t: ["--config", str(_write(t / "c.yaml", "- lr\n- 0.1\n"))],
      "must hold a mapping of field: value", True),
+    ("a key given twice", lambda t: ["--config", str(_write(t / "c.yaml", "lr: 0.1\nmodel: mlp\nlr: 0.2\n"))],
+     "key 'lr' is given twice (again on line 3)", True),
+    ("config file not UTF-8", lambda t: ["--config", str(_write_bytes(t / "c.yaml", b"lr: 0.1\nrun_name: \xff\n"))],
+     "is not UTF-8 text", True),
     ("missing dataset folder", lambda t: ["dataset=cifar10", f"data_root={t / 'nowhere'}"],
      "lacks data_batch_1", True),
     ("missing weights file", lambda t: [f"model_weights={t / 'w.pt'}"], "is not a file (weights are read from a",
@@ -95,6 +104,68 @@ CASES = [
     ("truncated checkpoint", lambda t: (truncate_checkpoint(t / "runs" / "old"),
                                         ["--resume", str(t / "runs" / "old")])[1],
      "cannot be read (damaged, truncated or not an fdam-ray checkpoint)", True),
+    ("checkpoint without a run state", lambda t: (strip_checkpoint(t / "runs" / "old"),
+                                                  ["--resume", str(t / "runs" / "old")])[1],
+     "is damaged: its 'loop' entry is missing or not a dict", True),
+]
+
+
+def strip_checkpoint(run: Path) -> None:
+    ck = run / "checkpoint.pt"
+    payload = load_checkpoint(ck)
+    del payload["loop"]
+    save_checkpoint(ck, payload)
+
+
+def _write_bytes(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def space_file(tmp: Path, text: str | None = None) -> str:
+    body = text if text is not None else (
+        "base: {dataset: synthetic, model: mlp, iterations: 4, executor: inline}\n"
+        "search: {lr: {grid: [0.1, 0.01]}}\n")
+    return str(_write(tmp / "space.yaml", body + f"tune: {{storage_path: '{tmp / 'sweeps'}', name: s}}\n"))
+
+
+def damage_sweep(tmp: Path) -> str:
+    sweep = tmp / "sweeps" / "s"
+    sweep.mkdir(parents=True)
+    _write(sweep / "fdam_space.yaml", "base: [1, 2\n")
+    return str(sweep)
+
+
+def copy_run(tmp: Path, edit) -> str:
+    import shutil
+
+    run = tmp / "copy"
+    shutil.copytree(tmp / "runs" / "old", run)
+    edit(run)
+    return str(run)
+
+
+# Other commands: (id, argv builder, message); each fails before it writes anything.
+OTHER_CASES = [
+    ("tune: a tune option that is not a number", lambda t: ["tune", space_file(t), "tune.reduction_factor=abc"],
+     "tune option 'reduction_factor': 'abc' is not allowed (a number > 1)"),
+    ("tune: ASHA grace period not a number",
+     lambda t: ["tune", space_file(t), "tune.scheduler=asha", "tune.grace_period=abc"],
+     "tune option 'grace_period': 'abc' is not allowed (an integer >= 1 or null)"),
+    ("tune: a space section that is a list", lambda t: ["tune", space_file(t, "base: [lr, 0.1]\n")],
+     "section 'base' must be a mapping of name: value, not list"),
+    ("tune: range bounds that are not numbers",
+     lambda t: ["tune", space_file(t, "search: {lr: {uniform: [low, high]}}\n"), "tune.searcher=random"],
+     "search field 'lr': uniform needs [low, high] (two numbers), got ['low', 'high']"),
+    ("tune: resuming a damaged sweep folder", lambda t: ["tune", "--resume", damage_sweep(t)],
+     "fdam_space.yaml' is not valid YAML"),
+    ("plot: a damaged config.yaml", lambda t: ["plot", copy_run(t, lambda r: _write(r / "config.yaml", "lr: [0.1\n")),
+                                               "--out", str(t / "fig")],
+     "config.yaml' is not valid YAML"),
+    ("plot: a damaged metrics.jsonl",
+     lambda t: ["plot", copy_run(t, lambda r: _write(r / "metrics.jsonl", (r / "metrics.jsonl").read_text()[:-30])),
+                "--out", str(t / "fig")],
+     "metrics.jsonl', line 2 is not a JSON record"),
 ]
 
 
@@ -126,10 +197,26 @@ def test_bad_input(name, args, message, early, tmp_path, capsys):
         assert runs == ["old"]
 
 
+@pytest.mark.parametrize("name,args,message", OTHER_CASES, ids=[c[0] for c in OTHER_CASES])
+def test_bad_input_of_tune_and_plot(name, args, message, tmp_path, capsys):
+    old = small_run(tmp_path)
+    before = snapshot(old)
+    argv = args(tmp_path)
+    present = {p.relative_to(tmp_path) for p in tmp_path.rglob("*")}
+    capsys.readouterr()
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert snapshot(old) == before
+    assert {p.relative_to(tmp_path) for p in tmp_path.rglob("*")} == present  # no sweep folder, no figure
+
+
 def test_readme_lists_every_case():
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     table = readme[readme.index("## Bad input"):]
     rows = [line for line in table.splitlines() if line.startswith("|")]
     assert len(rows) - 2 >= 15
-    for name, _, message, _ in CASES:
+    for name, _, message, *_ in CASES + OTHER_CASES:
         assert re.search(re.escape(message.replace("|", "\\|")), table), f"README lacks {name!r}: {message}"

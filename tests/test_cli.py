@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fdam_ray.cli import main
-from fdam_ray.config import ConfigError, build_config
+from fdam_ray.config import ConfigError, build_config, parse_overrides
 
 
 def test_default_job_reaches_a_band_an_untrained_model_cannot(tmp_path, capsys):
@@ -104,3 +104,30 @@ def test_console_script_fields_lists_every_name():
     out = subprocess.run([sys.executable, "-m", "fdam_ray", "fields"], capture_output=True, text=True, check=True)
     for name in ("local_steps", "global_lr", "prox_weight", "stage_length", "lr_decay", "num_clients", "imratio"):
         assert name in out.stdout
+
+
+def test_scientific_notation_is_a_number_on_the_command_line_and_in_yaml(tmp_path):
+    conf = tmp_path / "c.yaml"
+    conf.write_text("lr: 1e-3\nglobal_lr: 1E0\niterations: 6e0\nmodel: {name: mlp}\n")
+    assert main(["train", "--config", str(conf), f"out_dir={tmp_path}", "run_name=a", "dataset=synthetic",
+                 "local_steps=3", "executor=inline", "tensorboard=false", "--quiet"]) == 0
+    saved = (tmp_path / "a" / "config.yaml").read_text()
+    assert "lr: 0.001" in saved and "iterations: 6" in saved
+    assert build_config(parse_overrides(["lr=5e-2", "prox_weight=+2.5E-3", "iterations=1e3"])).lr == 0.05
+    assert build_config(parse_overrides(["prox_weight=+2.5E-3"])).prox_weight == 0.0025
+    assert build_config(parse_overrides(["iterations=1e3"])).iterations == 1000
+    assert build_config(parse_overrides(["run_name=1e3"])).run_name == "1e3"  # text fields stay text
+
+
+def test_a_key_given_twice_in_a_config_file_is_refused(tmp_path, capsys):
+    conf = tmp_path / "c.yaml"
+    conf.write_text("lr: 0.1\nmodel: mlp\nlr: 0.2\n")
+    assert main(["train", "--config", str(conf), f"out_dir={tmp_path / 'runs'}"]) == 2
+    err = capsys.readouterr().err
+    assert f"config file '{conf}': key 'lr' is given twice (again on line 3)" in err
+    assert err.count("\n") == 1 and not (tmp_path / "runs").exists()
+
+
+def test_a_misspelt_field_gets_the_nearest_name():
+    with pytest.raises(ConfigError, match="unknown config field 'lern_rate'; did you mean 'lr'"):
+        build_config(parse_overrides(["lern_rate=0.1"]))

@@ -459,3 +459,18 @@ def test_in_memory_arrays_reach_only_their_own_client():
         assert type(ex._client_section) is ClientSection and ex._client_section == ClientSection.of(config)
     digits = make_source(build_config(num_clients=2))
     assert digits.for_client(1) is digits  # a recipe is shared, not copied per client
+
+
+def test_a_replaced_client_and_why_a_run_stopped_are_in_train_log(tmp_path):
+    clients, test = gaussian_clients(3)
+    config = build_config(dict(ARRAYS, dataset="arrays", num_clients=3, iterations=8, out_dir=str(tmp_path),
+                               run_name="r", tensorboard=False))
+    run(config, source=ArraysSource(clients, test), executor=KillDuringRound(victim=1, at_round=2, how="ray.kill"))
+    log = (tmp_path / "r" / "train.log").read_text()
+    assert "WARNING client 1 failed in round 2 (local_round)" in log and "-> replaced (attempt 1 of 2)" in log
+    assert log.index("failed in round 2") < log.index("iteration 8 round 4")  # written as it happened
+    with pytest.raises(ClientError):
+        run(config.replace(run_name="s", on_client_failure="abort"), source=ArraysSource(clients, test),
+            executor=KillDuringRound(victim=0, at_round=2, how="ray.kill"))
+    log = (tmp_path / "s" / "train.log").read_text()
+    assert "-> abort" in log and "ERROR run stopped: client 0 failed in round 2 (local_round)" in log

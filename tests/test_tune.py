@@ -9,7 +9,7 @@ import ray
 import yaml
 
 from fdam_ray.cli import main
-from fdam_ray.config import ConfigError
+from fdam_ray.config import ConfigError, parse_overrides
 from fdam_ray.tuning import load_space, run_sweep
 
 BASE = dict(algorithm="codasca", dataset="synthetic", heterogeneity=1.0, num_clients=2, samples_per_client=200,
@@ -41,7 +41,7 @@ def test_grid_sweep_picks_the_best_trial_and_its_config_trains(tmp_path, ray_ses
     space = load_space(str(write_space(tmp_path, {"lr": {"grid": [0.2, 0.002]}, "local_steps": {"grid": [2, 10]}},
                                        {"name": "grid", "driver_cpus": 0.5},
                                        base={"executor": "ray", "cpus_per_client": 0.25})))
-    out = run_sweep(space)
+    out = run_sweep(space).path
     rows = read_rows(out)
     assert len(rows) == 4
     aucs = [float(r["final_test_auc"]) for r in rows]
@@ -60,7 +60,7 @@ def test_each_trial_reserves_bundles_for_its_own_number_of_clients(tmp_path, ray
     space = load_space(str(write_space(tmp_path, {"num_clients": {"grid": [1, 3]}},
                                        {"name": "k", "driver_cpus": 0.5},
                                        base={"executor": "ray", "cpus_per_client": 0.25, "iterations": 30})))
-    rows = read_rows(run_sweep(space))
+    rows = read_rows(run_sweep(space).path)
     assert sorted(int(r["num_clients"]) for r in rows) == [1, 3]
     assert all(r["iterations"] == "30" and not r["error"] for r in rows)
 
@@ -70,7 +70,7 @@ def test_asha_stops_weak_trials_early(tmp_path, ray_session):
         tmp_path, {"lr": {"grid": [0.3, 0.1, 0.001, 0.0003]}},
         {"name": "asha", "scheduler": "asha", "grace_period": 30, "reduction_factor": 2, "driver_cpus": 1,
          "max_concurrent_trials": 2})))
-    out = run_sweep(space)
+    out = run_sweep(space).path
     iterations = sorted(int(r["iterations"]) for r in read_rows(out))
     assert iterations[0] < 120 and iterations[-1] == 120
 
@@ -104,3 +104,67 @@ def test_random_search_spaces_and_the_optional_bayesian_searcher(tmp_path, monke
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "optuna" else object())
     with pytest.raises(ConfigError, match="optuna needs the optuna package"):
         _searcher(optuna)
+
+
+def test_scientific_notation_in_space_files_and_tune_options(tmp_path):
+    path = tmp_path / "space.yaml"
+    path.write_text("base: {dataset: synthetic, iterations: 2e2, prox_weight: 2E-3}\n"
+                    "search: {lr: {grid: [1e-3, 1e-2]}, weight_decay: {loguniform: [1e-5, 1e-3]}}\n"
+                    "tune: {searcher: random, reduction_factor: 3e0}\n")
+    space = load_space(str(path), parse_overrides(["tune.grace_period=1e2", "global_lr=1.5e0"]))
+    assert space.search["lr"] == {"grid": [0.001, 0.01]}
+    assert space.search["weight_decay"] == {"loguniform": [1e-05, 0.001]}
+    assert space.base["iterations"] == 200.0 and space.base["prox_weight"] == 0.002 and space.base["global_lr"] == 1.5
+    assert space.options.reduction_factor == 3.0 and space.options.grace_period == 100
+    assert isinstance(space.options.grace_period, int)
+
+
+def test_a_sweep_whose_trials_all_fail_has_no_best_config_and_exits_1(tmp_path, ray_session, capsys):
+    space = write_space(tmp_path, {"lr": {"grid": [0.1, 0.01]}}, {"name": "allfail", "driver_cpus": 0.5},
+                        base={"iterations": 20, "model_weights": str(tmp_path / "missing.pt")})
+    assert main(["tune", str(space)]) == 1
+    err = capsys.readouterr().err
+    sweep = tmp_path / "sweeps" / "allfail"
+    assert not (sweep / "best_config.yaml").exists()
+    failures = [line for line in err.splitlines() if "failed: ValueError: model_weights:" in line]
+    assert len(failures) == 2 and "2 of 2 trials failed" in err and "no trial finished without an error" in err
+    assert "is not a file" in (sweep / "errors.log").read_text()
+
+
+def test_a_sweep_with_one_failed_trial_takes_its_best_config_from_the_others(tmp_path, ray_session, capsys):
+    space = write_space(tmp_path, {"model_weights": {"grid": [None, str(tmp_path / "missing.pt")]}},
+                        {"name": "onefail", "driver_cpus": 0.5}, base={"iterations": 20})
+    assert main(["tune", str(space)]) == 0
+    err = capsys.readouterr().err
+    sweep = tmp_path / "sweeps" / "onefail"
+    assert "1 of 2 trials failed" in err and len([x for x in err.splitlines() if "failed: " in x]) == 1
+    assert yaml.safe_load((sweep / "best_config.yaml").read_text())["model_weights"] is None
+    rows = read_rows(sweep)
+    assert [r["error"] for r in rows] == ["", "error"]  # the failed trial is listed last
+
+
+@pytest.mark.parametrize("change", ["group-writable file", "world-writable folder", "file of another user"])
+def test_resume_refuses_a_sweep_folder_others_can_write(tmp_path, capsys, change):
+    import dataclasses
+    import os
+
+    from fdam_ray.tuning.space import SPACE_FILE, TuneOptions
+
+    sweep = tmp_path / "sweep"
+    sweep.mkdir(mode=0o755)
+    (sweep / SPACE_FILE).write_text(yaml.safe_dump({"base": BASE, "search": {"lr": {"grid": [0.1]}},
+                                                    "tune": dataclasses.asdict(TuneOptions())}))
+    pkl = sweep / "tuner.pkl"
+    pkl.write_bytes(b"a pickle that must never be opened")
+    os.chmod(pkl, 0o644)
+    {"group-writable file": lambda: os.chmod(pkl, 0o664),
+     "world-writable folder": lambda: os.chmod(sweep, 0o777),
+     "file of another user": lambda: os.chown(pkl, 54321, -1)}[change]()
+    was_running = ray.is_initialized()
+    assert main(["tune", "--resume", str(sweep)]) == 2
+    err = capsys.readouterr().err
+    target = sweep if change == "world-writable folder" else pkl
+    assert f"--resume: the sweep {'folder' if target == sweep else 'file'} '{target}'" in err
+    assert "resuming unpickles the sweep's state" in err and err.count("\n") == 1
+    assert ray.is_initialized() == was_running  # refused before Ray was started
+    assert sorted(p.name for p in sweep.iterdir()) == [SPACE_FILE, "tuner.pkl"]

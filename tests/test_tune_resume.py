@@ -49,9 +49,14 @@ def test_a_stopped_sweep_resumes_and_finishes_every_trial(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     unfinished = [d for d in sweep.glob("trial_*") if not _finished(d)]
     assert unfinished, "the sweep finished before it was stopped"
+    output = (tmp_path / "first.log").read_text()
+    assert proc.returncode == 130, output[-3000:]  # not a success
+    assert f"trials unfinished, so it has no best config yet; continue it with: fdam tune --resume {sweep}" in output
+    assert not (sweep / "best_config.yaml").exists()
     rc = subprocess.run([sys.executable, "-m", "fdam_ray", "tune", "--resume", str(sweep)], cwd=tmp_path, env=env,
                         capture_output=True, text=True, timeout=400)
     assert rc.returncode == 0, rc.stderr[-2000:]
+    assert (sweep / "best_config.yaml").exists()
     rows = read_rows(sweep)
     assert len(rows) == 4 and all(r["iterations"] == str(ITERATIONS) for r in rows)
     resumed = [d for d in unfinished if "resumed at round" in (d / "run" / "train.log").read_text()]

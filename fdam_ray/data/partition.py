@@ -106,6 +106,12 @@ def dirichlet_partition(
     """
     pool = subsample_positives(classes, positive_classes, imratio, rng)
     is_pos = np.isin(classes, positive_classes)
+    positives = int(is_pos[pool].sum())
+    if num_clients > min(positives, len(pool) - positives):  # checked before K client lists are made
+        raise ValueError(
+            f"partition=dirichlet: num_clients={num_clients} is more than the {positives} positive and "
+            f"{len(pool) - positives} negative samples kept (imratio={imratio}); every client needs one of each: "
+            "use fewer clients or raise imratio")
     for _ in range(max_tries):
         parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
         for c in np.unique(classes[pool]):

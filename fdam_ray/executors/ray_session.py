@@ -3,8 +3,17 @@
 Order: a Ray instance already running in this process (a test session, a Ray
 Tune trial, a ``ray job submit`` driver) is reused, so start-up is paid once;
 otherwise ``address`` (config field / ``fdam train --address``) or the
-``RAY_ADDRESS`` variable names a cluster to connect to; otherwise a local Ray
-is started with its dashboard bound to 127.0.0.1.
+``RAY_ADDRESS`` variable names a cluster to connect to; otherwise, as Ray's own
+``ray.init()`` does, a cluster started on this machine with ``ray start`` (the
+address Ray records in ``<ray temp dir>/ray_current_cluster``) is joined, with
+one line saying so; otherwise, or with ``address=local``, a private local Ray is
+started with its dashboard bound to 127.0.0.1. Only a private instance is given
+start-up arguments (CPUs); Ray refuses them when joining a cluster.
+
+Before connecting by address, the port is asked what it is: Ray's GCS speaks
+gRPC (HTTP/2), and anything else that answers (a web server, the dashboard's
+port, ssh) or nothing at all is reported in one line within seconds, where
+Ray itself would wait for minutes.
 
 Token authentication (on by default since Ray 2.5x): a cluster started with
 ``RAY_AUTH_MODE=token`` (or by ``ray.init()``/``ray start`` on a machine that
@@ -19,10 +28,15 @@ refusal say what to set: ``RAY_AUTH_MODE=token`` plus the token in
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import signal
 import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
 
 import ray
 
@@ -44,6 +58,30 @@ def _host_port(address: str) -> tuple[str, int] | None:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + empty SETTINGS
+
+
+def what_answers(host: str, port: int, *, timeout_s: float = 5.0) -> str | None:
+    """None when a gRPC (HTTP/2) server answers at ``host:port``, as Ray's GCS does; else what answered."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as conn:
+            conn.sendall(_HTTP2_PREFACE)
+            conn.settimeout(timeout_s)
+            reply = conn.recv(256)
+    except TimeoutError:
+        return f"a program that accepted the connection but sent nothing back within {timeout_s:g} s"
+    except OSError as exc:
+        return f"a program that dropped the connection ({exc.strerror or exc})"
+    if len(reply) >= 9 and reply[3] == 0x04:  # an HTTP/2 SETTINGS frame: gRPC, as a Ray GCS speaks
+        return None
+    if not reply:
+        return "a program that closed the connection without a word"
+    text = reply.decode("latin-1").splitlines()[0].strip() if reply.strip() else repr(reply[:40])
+    if text.startswith("HTTP/") or text.lower().startswith(("<!doctype html", "<html")):
+        return f"a web server ('{text[:60]}'; 8265 is Ray's dashboard and job port, not the one a driver joins)"
+    return f"a program that is not Ray ('{text[:60]}')"
+
+
 def check_cluster_access(address: str, *, connect_timeout_s: float = 5.0) -> None:
     """Fail fast, with what to change, when the cluster at ``address`` cannot be joined as things are set.
 
@@ -62,6 +100,12 @@ def check_cluster_access(address: str, *, connect_timeout_s: float = 5.0) -> Non
         raise ClusterConnectionError(
             f"no Ray cluster answers at {address} ({exc}); start one with `ray start --head` or check the address"
         ) from None
+    if os.environ.get("RAY_USE_TLS", "0").lower() not in ("1", "true"):  # a TLS GCS answers only after a handshake
+        other = what_answers(*hp, timeout_s=connect_timeout_s)
+        if other is not None:
+            raise ClusterConnectionError(
+                f"{address} is not a Ray cluster: {other} answered there; give the address of the head node's GCS "
+                "(host:6379 by default; `ray start --head` prints it, `ray status` on the head shows it)")
     try:
         from ray._raylet import GcsClient
         from ray.exceptions import AuthenticationError
@@ -99,12 +143,75 @@ def ensure_ray(*, address: str | None, cpus_needed: float) -> bool:
             log.info("reusing the Ray instance this process already runs (address=%s not used)", address)
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
-    if address:
+    if address is None:
+        running = local_cluster()
+        if running is not None:
+            log.warning("joining the Ray cluster already running on this machine at %s (started by `ray start`); "
+                        "address=local starts a private Ray instead", running)
+            address = running
+            if not os.environ.get("RAY_AUTH_MODE") and _token_at_hand():
+                _enable_token_mode()  # as Ray's own ray.init() does for a cluster of this machine
+    if address and address != "local":
         check_cluster_access(address)
         log.info("connecting to the Ray cluster at %s", address)
-        ray.init(address=address)
+        with _keeping_sigterm_handler():
+            ray.init(address=address)  # never with start-up arguments: Ray refuses them when joining
         return False
     num_cpus = max(os.cpu_count() or 1, math.ceil(cpus_needed))
     log.info("starting a local Ray instance (%d CPUs, dashboard on 127.0.0.1)", num_cpus)
-    ray.init(num_cpus=num_cpus, dashboard_host="127.0.0.1")
+    with _keeping_sigterm_handler():
+        ray.init(address="local", num_cpus=num_cpus, dashboard_host="127.0.0.1")
     return True
+
+
+@contextlib.contextmanager
+def _keeping_sigterm_handler() -> Iterator[None]:
+    """``ray.init`` makes SIGTERM exit the driver at once (a C++ abort follows); keep a handler the caller set
+    (``fdam train`` stops at a round end with a checkpoint)."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if main and callable(previous):
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _enable_token_mode() -> None:
+    """RAY_AUTH_MODE=token for this process, and Ray's cached config told so (it reads the variable once)."""
+    try:
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+    except ImportError:
+        os.environ["RAY_AUTH_MODE"] = "token"
+    else:
+        _enable_token_auth()
+
+
+def _token_at_hand() -> bool:
+    return bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+                or (Path.home() / ".ray" / "auth_token").is_file())
+
+
+def local_cluster() -> str | None:
+    """The address of the cluster last started on this machine with ``ray start`` if it still answers, else None.
+
+    Ray records it in ``ray_current_cluster`` in its temp folder (``RAY_TMPDIR``/ray, else /tmp/ray), which
+    ``ray stop`` removes; a file left by a cluster that was killed is ignored.
+    """
+    try:
+        from ray._common.utils import get_ray_address_file
+    except ImportError:
+        return None
+    try:
+        address = Path(get_ray_address_file(None)).read_text().strip()
+    except OSError:
+        return None
+    hp = _host_port(address)
+    if hp is None:
+        return None
+    try:
+        socket.create_connection(hp, timeout=2.0).close()
+    except OSError:
+        log.info("the Ray cluster recorded at %s no longer answers; starting a private one", address)
+        return None
+    return address

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 from pathlib import Path
 
@@ -12,13 +13,57 @@ from fdam_ray.config import build_config
 from fdam_ray.plots import plot_top_trials
 from fdam_ray.tuning.space import Space
 
+ERRORS_FILE = "errors.log"
 
-def write_sweep_outputs(grid, space: Space) -> Path:
-    """Table (CSV, Markdown) sorted by the metric, ``best_config.yaml`` and ``top_trials.png``."""
+
+@dataclasses.dataclass
+class SweepOutcome:
+    """How a sweep ended.
+
+    Attributes:
+        path: the sweep folder.
+        trials: trials the sweep makes.
+        failed: (trial, the error's last line) for every trial that raised.
+        unfinished: trials neither finished nor failed (the sweep was interrupted).
+        best_config: ``best_config.yaml``, or None when no trial finished or the sweep is unfinished.
+    """
+
+    path: Path
+    trials: int
+    failed: list[tuple[str, str]]
+    unfinished: int
+    best_config: Path | None
+
+    @property
+    def errors_file(self) -> Path:
+        return self.path / ERRORS_FILE
+
+
+def error_line(error: BaseException) -> str:
+    """One line that says what went wrong in a trial: the original exception, not Ray's wrapping."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, BaseException):
+        error = cause
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    return f"{type(error).__name__}: {text}".rstrip(": ")
+
+
+def write_sweep_outputs(grid, space: Space) -> SweepOutcome:
+    """Table (CSV, Markdown) sorted by the metric, ``best_config.yaml`` (from finished trials of a sweep
+    that ran to its end), ``top_trials.png`` and, when trials failed, their errors in full in ``errors.log``."""
     opts = space.options
     out = Path(grid.experiment_path)
     rows = []
+    failed: list[tuple[str, str]] = []
+    full_errors: list[str] = []
+    done = 0
     for result in grid:
+        done += result.error is None and bool((result.metrics or {}).get("done"))  # ended, or stopped by ASHA
+        if result.error is not None:
+            name = Path(result.path).name
+            failed.append((name, error_line(result.error)))
+            full_errors.append(f"== trial {name}\n{result.error}\n")
         if result.config is None:
             continue
         df = result.metrics_dataframe
@@ -34,7 +79,7 @@ def write_sweep_outputs(grid, space: Space) -> Path:
 
     def key(r):
         v = r[f"final_{opts.metric}"]
-        return (v is None or (isinstance(v, float) and math.isnan(v)), sign * (v or 0))
+        return (r["error"] is not None, v is None or (isinstance(v, float) and math.isnan(v)), sign * (v or 0))
 
     rows.sort(key=key)
     cols = [c for c in (rows[0] if rows else {}) if c != "_history"]
@@ -46,7 +91,15 @@ def write_sweep_outputs(grid, space: Space) -> Path:
     for r in rows:
         md.append("| " + " | ".join(cell(r[c]) for c in cols) + " |")
     (out / "sweep_results.md").write_text("\n".join(md) + "\n", encoding="utf-8")
-    if rows and rows[0][f"final_{opts.metric}"] is not None:
+    # trials not yet made count too: with max_concurrent_trials a stopped sweep has not made them all
+    unfinished = max(0, expected_trials(space) - done - len(failed))
+    best_file = out / "best_config.yaml"
+    best_file.unlink(missing_ok=True)  # a resumed sweep's earlier answer does not stand
+    (out / ERRORS_FILE).unlink(missing_ok=True)
+    if full_errors:
+        (out / ERRORS_FILE).write_text("\n".join(full_errors), encoding="utf-8")
+    if (not unfinished and rows and rows[0]["error"] is None
+            and rows[0][f"final_{opts.metric}"] is not None):
         best = {**space.base, **{k: rows[0][k] for k in space.search}}
         best_cfg = build_config(best).to_dict()
         best_cfg.update(out_dir="runs", run_name=None)
@@ -56,7 +109,18 @@ def write_sweep_outputs(grid, space: Space) -> Path:
             f"# fdam train --config {out / 'best_config.yaml'}\n" + yaml.safe_dump(plain, sort_keys=False),
             encoding="utf-8")
     plot_top_trials(rows[: opts.top_trials], out / "top_trials.png", opts.metric, list(space.search))
-    return out
+    return SweepOutcome(out, max(len(grid), expected_trials(space)), failed, unfinished,
+                        best_file if best_file.exists() else None)
+
+
+def expected_trials(space: Space) -> int:
+    """How many trials the sweep makes: every grid combination ``num_samples`` times, or ``num_samples``."""
+    n = space.options.num_samples
+    if space.options.searcher == "grid":
+        for spec in space.search.values():
+            kind, values = next(iter(spec.items()))
+            n *= len(values) if kind == "grid" else 1
+    return n
 
 
 def cell(v) -> str:

@@ -17,9 +17,15 @@ import itertools
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from fdam_ray.config import FIELD_BY_NAME, ConfigError, build_config, load_config_file, read_text_value, typed_value
+from fdam_ray.config import (
+    FIELD_BY_NAME,
+    ConfigError,
+    build_config,
+    load_config_file,
+    read_text_value,
+    read_yaml_file,
+    typed_value,
+)
 
 SPEC_KINDS = ("grid", "choice", "uniform", "loguniform", "randint")
 REPORTED = ("iteration", "round", "stage", "test_auc", "train_loss", "bytes_up", "bytes_down", "wall_s")
@@ -49,12 +55,36 @@ class TuneOptions:
                                   f"(one of {', '.join(choices)})")
         if self.metric not in REPORTED:
             raise ConfigError(f"tune option 'metric': {self.metric!r} is not reported (one of {', '.join(REPORTED)})")
-        if not (isinstance(self.num_samples, int) and self.num_samples >= 1):
-            raise ConfigError(f"tune option 'num_samples': {self.num_samples!r} is not allowed (an integer >= 1)")
-        if not (isinstance(self.driver_cpus, (int, float)) and self.driver_cpus > 0):
-            raise ConfigError(f"tune option 'driver_cpus': {self.driver_cpus!r} is not allowed (> 0)")
-        if self.reduction_factor <= 1:
-            raise ConfigError(f"tune option 'reduction_factor': {self.reduction_factor!r} is not allowed (> 1)")
+        _check_option("num_samples", self.num_samples, integer=True, low=1)
+        _check_option("grace_period", self.grace_period, integer=True, low=1, optional=True)
+        _check_option("max_concurrent_trials", self.max_concurrent_trials, integer=True, low=1, optional=True)
+        _check_option("top_trials", self.top_trials, integer=True, low=0)
+        _check_option("driver_cpus", self.driver_cpus, positive=True)
+        _check_option("reduction_factor", self.reduction_factor, above_one=True)
+        for name in ("num_samples", "grace_period", "max_concurrent_trials", "top_trials"):
+            if isinstance(getattr(self, name), float):  # 1e3 is read as a float
+                setattr(self, name, int(getattr(self, name)))
+        for name in ("name", "storage_path"):
+            value = getattr(self, name)
+            if not (isinstance(value, str) and value.strip()) and not (name == "name" and value is None):
+                raise ConfigError(f"tune option '{name}': {value!r} is not allowed (a non-empty text)")
+
+
+def _check_option(name: str, value: Any, *, integer: bool = False, low: int = 0, positive: bool = False,
+                  above_one: bool = False, optional: bool = False) -> None:
+    """A numeric tune option: one line naming it, its value and what is allowed."""
+    if value is None and optional:
+        return
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if integer:
+        ok, allowed = number and float(value).is_integer() and value >= low, f"an integer >= {low}"
+    elif above_one:
+        ok, allowed = number and value > 1, "a number > 1"
+    else:
+        ok, allowed = number and value > 0, "a number > 0"
+    if not ok or (number and value != value):  # NaN
+        raise ConfigError(f"tune option '{name}': {value!r} is not allowed ({allowed}"
+                          + (" or null" if optional else "") + ")")
 
 
 @dataclasses.dataclass
@@ -73,8 +103,15 @@ def _check_spec(name: str, spec: Any) -> None:
     kind, values = next(iter(spec.items()))
     if not isinstance(values, list) or not values:
         raise ConfigError(f"search field '{name}': {kind} needs a non-empty list, got {values!r}")
-    if kind in ("uniform", "loguniform", "randint") and len(values) != 2:
-        raise ConfigError(f"search field '{name}': {kind} needs [low, high], got {values!r}")
+    if kind in ("uniform", "loguniform", "randint"):
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        if kind == "randint":
+            numbers = numbers and all(float(v).is_integer() for v in values)
+        if len(values) != 2 or not numbers:
+            what = "two integers" if kind == "randint" else "two numbers"
+            raise ConfigError(f"search field '{name}': {kind} needs [low, high] ({what}), got {values!r}")
+        if not values[0] < values[1]:
+            raise ConfigError(f"search field '{name}': {kind} needs low < high, got {values!r}")
     if kind == "loguniform" and min(values) <= 0:
         raise ConfigError(f"search field '{name}': loguniform needs positive bounds, got {values!r}")
 
@@ -93,6 +130,10 @@ def load_space(path: str, overrides: dict[str, Any] | None = None) -> Space:
     unknown = set(data) - {"base", "search", "tune"}
     if unknown:
         raise ConfigError(f"search space '{path}': unknown section(s) {sorted(unknown)} (base, search, tune)")
+    for section in ("base", "search", "tune"):
+        if not isinstance(data.get(section) or {}, dict):
+            raise ConfigError(f"search space '{path}': section '{section}' must be a mapping of name: value, "
+                              f"not {type(data[section]).__name__}")
     base = dict(data.get("base") or {})
     search = dict(data.get("search") or {})
     opts = dict(data.get("tune") or {})
@@ -141,5 +182,12 @@ def space_of_sweep(sweep_dir: str | Path) -> Space:
     path = Path(sweep_dir) / SPACE_FILE
     if not path.is_file():
         raise ConfigError(f"'{sweep_dir}' is not a sweep folder made by fdam tune (no {SPACE_FILE})")
-    data = yaml.safe_load(path.read_text())
+    data = read_yaml_file(path, "sweep space file")
+    known = {f.name for f in dataclasses.fields(TuneOptions)}
+    if (not isinstance(data, dict) or not all(isinstance(data.get(k), dict) for k in ("base", "search", "tune"))
+            or not set(data["tune"]) <= known):
+        raise ConfigError(f"sweep space file '{path}' is damaged: it must hold base, search and tune mappings "
+                          "as fdam tune wrote them")
+    for name, spec in data["search"].items():
+        _check_spec(name, spec)
     return Space(data["base"], data["search"], TuneOptions(**data["tune"]))

@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+import stat
 from datetime import datetime
 from pathlib import Path
 
 import yaml
 
 from fdam_ray.config import ConfigError, build_config
-from fdam_ray.tuning.report import cell, write_sweep_outputs
+from fdam_ray.tuning.report import SweepOutcome, cell, write_sweep_outputs
 from fdam_ray.tuning.space import SPACE_FILE, Space, param_space
 from fdam_ray.tuning.trial import federation_trial, trial_bundles
 
 
 def _trial_name(trial) -> str:
     params = "_".join(f"{k}={cell(v)}" for k, v in sorted(trial.config.items()))
-    return f"trial_{trial.trial_id}_{params}"[:120]
+    return re.sub(r"[^\w.=,+-]", "_", f"trial_{trial.trial_id}_{params}")[:120]  # a searched path has '/'s
 
 
 def _scheduler(space: Space, config):
@@ -41,9 +44,37 @@ def _searcher(space: Space):
     return OptunaSearch()
 
 
-def run_sweep(space: Space, *, resume_dir: str | None = None, address: str | None = None):
-    """Run (or resume) a sweep and write its tables, best config and figure; returns the output folder."""
+def check_resume_trusted(sweep_dir: str | Path) -> None:
+    """Refuse to resume from a sweep folder another user could have written to.
+
+    Ray Tune's restore unpickles ``tuner.pkl`` and the experiment state in the
+    folder, and unpickling runs whatever code the file names. So, as ssh does with
+    keys, the folder and every file directly in it must belong to this user (or
+    root) and be writable by no one else.
+    """
+    folder = Path(sweep_dir)
+    uid = os.getuid()
+    for path in [folder, *sorted(folder.iterdir())]:
+        st = path.stat()
+        what = "folder" if path.is_dir() else "file"
+        problem = None
+        if st.st_uid not in (uid, 0):
+            problem = f"belongs to another user (uid {st.st_uid})"
+        elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not (path.is_dir() and path != folder):
+            problem = f"can be written by other users (mode {stat.S_IMODE(st.st_mode):o})"
+        if problem:
+            raise ConfigError(
+                f"--resume: the sweep {what} '{path}' {problem}; resuming unpickles the sweep's state, which runs "
+                "any code put in it, so fdam tune resumes only from a folder and files that you own and only you "
+                f"can write (check who changed it, then chmod go-w or chown it)")
+
+
+def run_sweep(space: Space, *, resume_dir: str | None = None, address: str | None = None) -> SweepOutcome:
+    """Run (or resume) a sweep and write its tables, best config and figure; returns how it ended."""
     from ray import tune
+
+    if resume_dir:
+        check_resume_trusted(resume_dir)
 
     base_config = build_config(space.base)
     if not resume_dir:

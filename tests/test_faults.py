@@ -1,0 +1,244 @@
+"""Faults a cluster job meets: a second writer on a live run folder, a killed driver, SIGTERM, a foreign port.
+
+Each test drives a real ``fdam`` process (``python -m fdam_ray``) and stops
+everything it started by its own pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fdam_ray.checkpoint import load_checkpoint
+from fdam_ray.cli import main
+
+SMALL = ["dataset=synthetic", "model=mlp", "model.width=8", "num_clients=2", "samples_per_client=100",
+         "local_steps=2", "stage_length=100000", "eval_every=40", "tensorboard=false"]
+
+
+def start_fdam(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "fdam_ray", *args], cwd=cwd, env=env, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for(condition, proc: subprocess.Popen, log: Path, timeout_s: float = 120) -> None:
+    deadline = time.time() + timeout_s
+    while not condition():
+        assert proc.poll() is None, f"the run ended early:\n{log.read_text()[-3000:]}"
+        assert time.time() < deadline, f"timed out:\n{log.read_text()[-3000:]}"
+        time.sleep(0.1)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def records(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_second_writer_on_a_live_run_folder_is_refused_and_a_killed_runs_lock_does_not_block(tmp_path, capsys):
+    run = tmp_path / "runs" / "live"
+    proc = start_fdam(["train", f"out_dir={tmp_path / 'runs'}", "run_name=live", "executor=inline",
+                       "iterations=200000", "checkpoint_every=1", *SMALL], tmp_path, tmp_path / "live.log")
+    try:
+        wait_for(lambda: len(records(run)) >= 2, proc, tmp_path / "live.log")
+        before = (run / "metrics.jsonl").read_text()
+        holder = f"process {proc.pid} on host {socket.gethostname()}"
+        assert main(["train", "--resume", str(run)]) == 2
+        err = capsys.readouterr().err
+        assert f"run folder '{run}' is in use by {holder}" in err and err.count("\n") == 1
+        assert main(["train", f"out_dir={tmp_path / 'runs'}", "run_name=live", "executor=inline", *SMALL]) == 2
+        assert f"is in use by {holder}" in capsys.readouterr().err
+        assert (run / "metrics.jsonl").read_text().startswith(before)  # the live run's records are untouched
+    finally:
+        stop(proc)  # SIGKILL: the lock file stays, with the dead process in it
+    assert str(proc.pid) in (run / ".lock").read_text()
+    done = load_checkpoint(run / "checkpoint.pt")["loop"]["state"]["iteration"]
+    assert main(["train", "--resume", str(run), f"iterations={done + 20}", "--quiet"]) == 0
+    lines = records(run)
+    assert lines[-1]["iteration"] == done + 20
+    assert [r["iteration"] for r in lines] == sorted({r["iteration"] for r in lines})  # no duplicate, no stray line
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def ray_head(tmp_path_factory):
+    """A `ray start --head` cluster of this machine, on free ports, recorded in a temp folder of its own.
+
+    RAY_TMPDIR points Ray (and the fdam processes given ``env``) at that folder, so the
+    test neither sees nor disturbs other Ray instances of the machine. Stopped by pid.
+    """
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="fdr", dir="/tmp"))  # short: Ray's socket paths live under it
+    env = {**os.environ, "RAY_TMPDIR": str(tmp), "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
+    ports = ["--port", "--ray-client-server-port", "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+             "--runtime-env-agent-port", "--metrics-export-port", "--node-manager-port", "--object-manager-port"]
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    head = subprocess.Popen([ray_cli, "start", "--head", "--block", "--include-dashboard=false", "--num-cpus=2",
+                             "--disable-usage-stats", *(f"{p}={free_port()}" for p in ports)],
+                            env=env, cwd=tmp, stdout=(tmp / "head.log").open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    recorded = tmp / "ray" / "ray_current_cluster"
+    try:
+        deadline = time.time() + 120
+        while not (recorded.exists() and recorded.read_text().strip()):
+            assert head.poll() is None and time.time() < deadline, (tmp / "head.log").read_text()[-2000:]
+            time.sleep(0.2)
+        yield env, recorded.read_text().strip()
+    finally:
+        if head.poll() is None:
+            os.killpg(head.pid, signal.SIGTERM)
+            try:
+                head.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in _pids_using(tmp):  # what the head started and left: the group, and any process under tmp
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if head.poll() is None:
+            head.wait(timeout=30)
+
+
+def _pids_using(folder: Path) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if str(folder) in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(proc.name))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.mark.slow  # about a minute: a Ray head, two drivers
+def test_a_ray_start_cluster_of_this_machine_is_joined_and_address_local_starts_a_private_one(ray_head, tmp_path):
+    env, address = ray_head
+    args = [sys.executable, "-m", "fdam_ray", "train", "executor=ray", *SMALL, "iterations=10", "local_steps=5",
+            f"out_dir={tmp_path}", "--quiet"]
+    joined = subprocess.run(args, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert joined.returncode == 0, joined.stderr[-3000:]
+    assert f"joining the Ray cluster already running on this machine at {address}" in joined.stderr
+    assert "num_cpus" not in joined.stderr
+    private = subprocess.run([*args, "address=local"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                             timeout=240)
+    assert private.returncode == 0, private.stderr[-3000:]
+    assert "joining" not in private.stderr
+
+
+def test_an_address_where_something_else_listens_fails_fast_saying_what_answered(tmp_path):
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    port = server.getsockname()[1]
+    held = []
+
+    def accept_and_say_nothing() -> None:
+        while True:
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept_and_say_nothing, daemon=True).start()
+    try:
+        t0 = time.time()
+        out = subprocess.run([sys.executable, "-m", "fdam_ray", "train", "--address", f"127.0.0.1:{port}",
+                              "executor=ray", *SMALL, "iterations=10", f"out_dir={tmp_path / 'runs'}"],
+                             env={**os.environ, "RAY_ADDRESS": ""}, capture_output=True, text=True, timeout=60)
+        took = time.time() - t0
+    finally:
+        server.close()
+        for conn in held:
+            conn.close()
+    assert out.returncode == 2 and took < 30, (took, out.stderr[-2000:])
+    err = [line for line in out.stderr.splitlines() if line.startswith("fdam:")]
+    assert err == [f"fdam: error: 127.0.0.1:{port} is not a Ray cluster: a program that accepted the connection "
+                   "but sent nothing back within 5 s answered there; give the address of the head node's GCS "
+                   "(host:6379 by default; `ray start --head` prints it, `ray status` on the head shows it)"]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_web_server_at_the_address_is_named_as_one():
+    import http.server
+    import threading
+
+    from fdam_ray.executors.errors import ClusterConnectionError
+    from fdam_ray.executors.ray_session import check_cluster_access
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ClusterConnectionError, match=r"is not a Ray cluster: a web server \('"):
+            check_cluster_access(f"127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+STOPPABLE = [*SMALL, "iterations=2000", "eval_every=250", "checkpoint_every=100000"]  # no periodic checkpoint
+
+
+def stop_with_sigterm_and_resume(tmp_path: Path, executor: list[str]) -> None:
+    import numpy as np
+    import torch
+
+    assert main(["train", f"out_dir={tmp_path}", "run_name=whole", "executor=inline", *STOPPABLE, "--quiet"]) == 0
+    run = tmp_path / "cut"
+    proc = start_fdam(["train", f"out_dir={tmp_path}", "run_name=cut", *executor, *STOPPABLE], tmp_path,
+                      tmp_path / "cut.log")
+    try:
+        wait_for(lambda: len(records(run)) >= 2, proc, tmp_path / "cut.log", timeout_s=180)
+        proc.send_signal(signal.SIGTERM)  # to the driver alone, as a scheduler's first notice
+        rc = proc.wait(timeout=120)
+    finally:
+        stop(proc)
+    output = (tmp_path / "cut.log").read_text()
+    assert rc == 143, output[-3000:]
+    assert "received SIGTERM: stopped after round" in output and f"fdam train --resume {run}" in output
+    assert "Traceback" not in output and "core dumped" not in output.lower()
+    log = (run / "train.log").read_text()
+    assert "run stopped: received SIGTERM: stopped after round" in log
+    stopped_at = load_checkpoint(run / "checkpoint.pt")["loop"]["state"]["iteration"]
+    assert 0 < stopped_at < 2000 and not (run / "model.pt").exists()
+    assert main(["train", "--resume", str(run), "executor=inline", "--quiet"]) == 0
+    whole, resumed = (torch.load(tmp_path / n / "model.pt", weights_only=True) for n in ("whole", "cut"))
+    for key, value in whole["model"].items():
+        np.testing.assert_array_equal(resumed["model"][key].numpy(), value.numpy(), err_msg=key)
+    for key in ("a", "b", "alpha"):
+        np.testing.assert_array_equal(resumed[key].numpy(), whole[key].numpy(), err_msg=key)
+    timing = {"wall_s", "samples_per_s"}
+    assert ([{k: v for k, v in r.items() if k not in timing} for r in records(run)]
+            == [{k: v for k, v in r.items() if k not in timing} for r in records(tmp_path / "whole")])
+
+
+def test_sigterm_stops_an_inline_run_at_a_round_end_with_a_checkpoint_and_resume_ends_bit_identical(tmp_path):
+    stop_with_sigterm_and_resume(tmp_path, ["executor=inline"])
+
+
+def test_sigterm_stops_a_ray_run_the_same_way(tmp_path):
+    # fold_order=client makes the Ray run the inline run bit for bit, so the inline reference holds
+    stop_with_sigterm_and_resume(tmp_path, ["executor=ray", "fold_order=client", "cpus_per_client=0.5"])
