@@ -8,6 +8,7 @@ or small dataclasses (:mod:`fdam_ray.state`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 
@@ -15,10 +16,12 @@ import numpy as np
 import torch
 
 from fdam_ray.algorithms import Algorithm, AlgorithmSection
-from fdam_ray.data import AnySplit, DataSource, iter_batches, make_sampler
+from fdam_ray.data import AnySplit, DataSource, Split, iter_batches, make_sampler
 from fdam_ray.flat import FlatModel
 from fdam_ray.models import build_model
 from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, Moments, RoundPlan, Scores, StepStats
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +54,18 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     if bool(torch.isfinite(torch.stack([t.sum() for t in tensors])).all()):
         return True
     return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+
+
+def check_features(split: AnySplit | None, client_id: int, what: str) -> None:
+    """Refuse features holding NaN or infinity before training (they would only show later as a divergence).
+
+    Tensors held in memory are checked whole; images read from disk are decoded into finite pixels.
+    """
+    if not isinstance(split, Split) or len(split) == 0 or all_finite([split.x]):
+        return
+    sample, column = (int(i) for i in (~torch.isfinite(split.x.reshape(len(split), -1))).nonzero()[0])
+    raise ValueError(f"client {client_id}: its {what} features hold NaN or infinite values (first at sample "
+                     f"{sample}, feature column {column}); clean or impute them before training")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -109,6 +124,11 @@ class Client(Replica):
         shard = source.client_shard(client_id)
         self.train = shard.train.to(device)
         self.test = None if shard.test is None else shard.test.to(device)
+        check_features(self.train, client_id, "training")
+        check_features(self.test, client_id, "test")
+        if config.batch_size > len(self.train):
+            log.warning("client %d has %d training samples, fewer than batch_size=%d: each of its batches repeats "
+                        "samples", client_id, len(self.train), config.batch_size)
         self.sampler = make_sampler(self.train, config.batch_size, seed=config.seed * 1_000_003 + client_id,
                                     device=device)
         self.solver = self.algorithm.solver(self.flat, self.objective)

@@ -242,3 +242,28 @@ def test_sigterm_stops_an_inline_run_at_a_round_end_with_a_checkpoint_and_resume
 def test_sigterm_stops_a_ray_run_the_same_way(tmp_path):
     # fold_order=client makes the Ray run the inline run bit for bit, so the inline reference holds
     stop_with_sigterm_and_resume(tmp_path, ["executor=ray", "fold_order=client", "cpus_per_client=0.5"])
+
+
+def test_sigint_stops_a_run_and_resume_from_its_last_checkpoint_ends_bit_identical(tmp_path):
+    import numpy as np
+    import torch
+
+    steps = [*SMALL, "iterations=2000", "eval_every=250", "checkpoint_every=20"]
+    assert main(["train", f"out_dir={tmp_path}", "run_name=whole", "executor=inline", *steps, "--quiet"]) == 0
+    run = tmp_path / "cut"
+    proc = start_fdam(["train", f"out_dir={tmp_path}", "run_name=cut", "executor=inline", *steps], tmp_path,
+                      tmp_path / "cut.log")
+    try:
+        wait_for(lambda: len(records(run)) >= 2, proc, tmp_path / "cut.log", timeout_s=180)
+        proc.send_signal(signal.SIGINT)  # Ctrl+C
+        rc = proc.wait(timeout=120)
+    finally:
+        stop(proc)
+    output = (tmp_path / "cut.log").read_text()
+    assert rc == 130 and "fdam: interrupted" in output and "Traceback" not in output, output[-3000:]
+    assert 0 < load_checkpoint(run / "checkpoint.pt")["loop"]["state"]["iteration"] < 2000
+    assert not (run / "model.pt").exists()
+    assert main(["train", "--resume", str(run), "executor=inline", "--quiet"]) == 0
+    whole, resumed = (torch.load(tmp_path / n / "model.pt", weights_only=True) for n in ("whole", "cut"))
+    for key, value in whole["model"].items():
+        np.testing.assert_array_equal(resumed["model"][key].numpy(), value.numpy(), err_msg=key)

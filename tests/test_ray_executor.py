@@ -312,8 +312,15 @@ def test_a_group_the_cluster_cannot_hold_is_a_clear_error_not_a_hang():
     with pytest.raises(ValueError, match="GPU: 2 needed, 0 in the cluster"):
         ex._place(2, local=True)  # a local Ray this process started: nothing will join, fail at once
     t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"no node of the cluster can hold one client \(\{'CPU': 0.5, 'GPU': 1.0\}; "
+                                         r"the largest node has CPU 4, GPU 0\)"):
+        ex._place(2, local=False)  # one bundle is larger than any node: Ray could never place it
+    assert time.monotonic() - t0 < 2
+    # each bundle fits a node but all of them do not fit the cluster: it might grow, so wait, but not for ever
+    ex.config = build_config(dict(ARRAYS, dataset="arrays", num_clients=3, cpus_per_client=2.0))
+    t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="was not placed within ray_timeout_s=1 s"):
-        ex._place(2, local=False)  # a cluster might grow: wait, but not for ever
+        ex._place(3, local=False)
     assert time.monotonic() - t0 < 10 and no_leftover_groups()
 
 

@@ -145,6 +145,12 @@ class RayExecutor(Executor):
                                  "cpus_per_client / gpus_per_client or num_clients")
             log.warning("the cluster cannot hold %d clients yet (%s); waiting up to %g s for nodes to join",
                         num_clients, detail, self.timeout)
+        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        if nodes and not any(all(res.get(r, 0) + 1e-9 >= v for r, v in bundle.items()) for res in nodes):
+            largest = max(nodes, key=lambda res: (res.get("GPU", 0), res.get("CPU", 0)))
+            raise ValueError(f"no node of the cluster can hold one client ({bundle}; the largest node has "
+                             f"CPU {largest.get('CPU', 0):g}, GPU {largest.get('GPU', 0):g}): lower cpus_per_client / "
+                             "gpus_per_client, or add nodes that large")
         group = placement_group([dict(bundle) for _ in range(num_clients)], strategy=cfg.placement_strategy)
         try:
             ray.get(group.ready(), timeout=self.timeout)
