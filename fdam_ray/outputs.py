@@ -9,7 +9,7 @@
     checkpoint.pt    the latest checkpoint (atomic; see fdam_ray.checkpoint)
     model.pt         the final model: {"model": state_dict, "a", "b", "alpha", "task_names"}
     summary.json     best and final test AUC, rounds, bytes moved, wall time, samples/s
-    .lock            who writes the folder now (pid, host, start); see :class:`RunLock`
+    .lock            who writes the folder now (pid, host, start); see :mod:`fdam_ray.runlock`
 
 Everything a run writes, shows or reports hangs off one :class:`Observer`
 interface: the run folder (:class:`RunFolder`, which also decides when a
@@ -23,11 +23,8 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import fcntl
 import json
 import logging
-import os
-import socket
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -37,6 +34,7 @@ import torch
 import yaml
 
 from fdam_ray.checkpoint import save_checkpoint
+from fdam_ray.runlock import RunLock, check_not_in_use
 from fdam_ray.sections import Section
 from fdam_ray.state import RoundPlan
 
@@ -236,8 +234,6 @@ class OutputSection(Section):
     dataset: str
 
 
-LOCK_FILE = ".lock"
-
 _stop_reason: str | None = None
 
 
@@ -265,66 +261,6 @@ class RunStopped(Exception):
     def __init__(self, message: str, run_dir: Path) -> None:
         super().__init__(message)
         self.run_dir = run_dir
-
-
-class RunFolderInUse(ValueError):
-    """Another process writes this run folder now."""
-
-
-class RunLock:
-    """An exclusive ``flock`` on ``<run>/.lock`` for as long as a run writes its folder.
-
-    The file also says who holds it (pid, host, start time) for the message a second
-    writer gets. The kernel drops the lock when its process ends, however it ends, so
-    the file a killed run leaves behind never blocks a resume.
-    """
-
-    def __init__(self, folder: Path) -> None:
-        self.path = Path(folder) / LOCK_FILE
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise RunFolderInUse(in_use_message(folder, _holder_text(self.path))) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                 "started": f"{datetime.now():%Y-%m-%d %H:%M:%S}"}).encode())
-        self.fd: int | None = fd
-
-    def release(self) -> None:
-        if self.fd is not None:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.fd = None
-
-
-def _holder_text(lock: Path) -> str:
-    try:
-        info = json.loads(lock.read_text(encoding="utf-8"))
-        return f"process {info['pid']} on host {info['host']} (since {info['started']})"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "another process"
-
-
-def in_use_message(folder: Path, holder: str) -> str:
-    return (f"run folder '{folder}' is in use by {holder}; a second writer would corrupt it: wait for that run to "
-            "end or stop it, then continue it with --resume")
-
-
-def check_not_in_use(folder: str | Path) -> None:
-    """Raise :class:`RunFolderInUse` when a live process holds ``folder``'s lock (it is left as it is)."""
-    lock = Path(folder) / LOCK_FILE
-    try:
-        fd = os.open(lock, os.O_RDONLY)
-    except OSError:
-        return  # no lock file: nobody has written here since locks exist
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise RunFolderInUse(in_use_message(Path(folder), _holder_text(lock))) from None
-    finally:
-        os.close(fd)  # closing drops a lock this call took
 
 
 class RunFolder(Observer):

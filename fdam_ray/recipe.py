@@ -36,8 +36,9 @@ from fdam_ray.config import RESUME_MAY_CHANGE, Config, ConfigError, build_config
 from fdam_ray.data import DataSource, make_source
 from fdam_ray.executors import Executor, ExecutorSection, make_executor
 from fdam_ray.federation import Federation, RunResult
-from fdam_ray.outputs import EvalCallback, Observer, Observers, Progress, RunFolder, check_not_in_use
+from fdam_ray.outputs import EvalCallback, Observer, Observers, Progress, RunFolder
 from fdam_ray.pretrain import pretrain_config, pretrain_source, pretrained_body
+from fdam_ray.runlock import check_not_in_use
 from fdam_ray.schedules import ScheduleSection
 from fdam_ray.weights import load_weights, read_weights
 
