@@ -178,6 +178,15 @@ def snapshot(root: Path) -> dict:
     return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def assert_one_line_error(argv: list[str], message: str, capsys) -> None:
+    """``fdam`` exits 2 with ``message`` in one line on stderr and no traceback."""
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
 @pytest.mark.parametrize("name,args,message,early", CASES, ids=[c[0] for c in CASES])
 def test_bad_input(name, args, message, early, tmp_path, capsys):
     old = small_run(tmp_path)
@@ -186,11 +195,7 @@ def test_bad_input(name, args, message, early, tmp_path, capsys):
     capsys.readouterr()
     argv = ["train", *built] if built[:1] == ["--resume"] else ["train", f"out_dir={tmp_path / 'runs'}", *built,
                                                                   *FAST]
-    rc = main(argv)
-    err = capsys.readouterr().err
-    assert rc == 2
-    assert message in err, err
-    assert err.count("\n") == 1 and "Traceback" not in err
+    assert_one_line_error(argv, message, capsys)
     assert snapshot(old) == before
     runs = sorted(p.name for p in (tmp_path / "runs").iterdir())
     if early:
@@ -204,11 +209,7 @@ def test_bad_input_of_tune_and_plot(name, args, message, tmp_path, capsys):
     argv = args(tmp_path)
     present = {p.relative_to(tmp_path) for p in tmp_path.rglob("*")}
     capsys.readouterr()
-    rc = main(argv)
-    err = capsys.readouterr().err
-    assert rc == 2
-    assert message in err, err
-    assert err.count("\n") == 1 and "Traceback" not in err
+    assert_one_line_error(argv, message, capsys)
     assert snapshot(old) == before
     assert {p.relative_to(tmp_path) for p in tmp_path.rglob("*")} == present  # no sweep folder, no figure
 

@@ -47,6 +47,7 @@ class RoundReducer:
         self.partial_total = partial_total
         self.count = 0
         self.total_weight = 0.0
+        self._scratch: dict[int, np.ndarray] = {}  # w_k x^k, one buffer per length (no allocation per update)
         self._finished = False
         self.bytes_up = 0
         self.stats: list[StepStats] = []
@@ -76,7 +77,9 @@ class RoundReducer:
             if self.control_variates:
                 pairs += [(self._c_v, update.c_v), (self._c_alpha, update.c_alpha)]
             for total, x in pairs:
-                total += np.float32(w) * x
+                scaled = self._scratch.setdefault(total.size, np.empty_like(total))
+                np.multiply(x, np.float32(w), out=scaled)
+                np.add(total, scaled, out=total)
             self.total_weight += w
         np.maximum(self._counters, update.counters, out=self._counters)
         self.count += 1
