@@ -286,8 +286,10 @@ def load_yaml(text: str) -> Any:
 def read_yaml_file(path: str | Path, what: str) -> Any:
     """Read a YAML file; any problem (missing, not UTF-8, not YAML, a key given twice) is one
     :class:`ConfigError` naming ``what`` and the file."""
+    from fdam_ray.locations import is_uri, read_uri_text
+
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = read_uri_text(path) if is_uri(str(path)) else Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{what} '{path}' does not exist") from None
     except UnicodeDecodeError as exc:

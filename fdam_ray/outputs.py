@@ -34,6 +34,7 @@ import torch
 import yaml
 
 from fdam_ray.checkpoint import save_checkpoint
+from fdam_ray.locations import output_root
 from fdam_ray.runlock import RunLock, check_not_in_use
 from fdam_ray.sections import Section
 from fdam_ray.state import RoundPlan
@@ -360,7 +361,7 @@ class EvalCallback(Observer):
 
 def make_run_dir(config: OutputSection) -> Path:
     """Create the run folder (refusing to reuse a non-empty one)."""
-    root = Path(config.out_dir)
+    root = output_root(config.out_dir, "out_dir")
     if config.run_name:
         path = root / config.run_name
         check_not_in_use(path)
