@@ -46,6 +46,7 @@ def train_arrays(
     test: ArrayPair | None,
     *,
     client_tests: Sequence[ArrayPair] | None = None,
+    model: str | Callable | None = None,
     save: bool = False,
     on_eval: Callable[[dict], None] | None = None,
 ) -> RunResult:
@@ -55,14 +56,14 @@ def train_arrays(
     (n, T) for T tasks. ``num_clients`` is taken from ``len(clients)``. Set
     ``batch_size`` to 0 (or "full") for full-batch, sampling-free, deterministic
     gradients. ``client_tests`` adds each client's own test split and a
-    per-client AUC to the history.
+    per-client AUC to the history. ``model`` as for :func:`train`.
 
     Returns:
         :class:`RunResult` with the final ``model_state`` (a ``state_dict``), ``a``,
         ``b``, ``alpha``, the global ``control_variates`` (or None) and ``history``.
     """
     source = ArraysSource(clients, test, client_tests)
-    cfg = _config(config, dataset="arrays", num_clients=len(clients))
+    cfg = _config(config, **_with_model({"dataset": "arrays", "num_clients": len(clients)}, model))
     return run(cfg, source=source, save=save, on_eval=on_eval)
 
 
