@@ -89,7 +89,8 @@ def client_arrays(client_id: int, num_clients: int, split: str, num_tasks: int =
     y[1] = 0.0  # every task has both classes on every client
     y[rng.random((n, num_tasks)) < 0.1] = np.nan
     y[:2] = np.nan_to_num(y[:2], nan=0.0)
-    signal = np.nan_to_num(y, nan=0.5) @ rng.standard_normal((num_tasks, 6))
+    directions = np.random.default_rng(11).standard_normal((num_tasks, 6))  # the same on every client
+    signal = 1.5 * np.nan_to_num(y, nan=0.5) @ directions
     x = (signal + rng.standard_normal((n, 6)) + 0.5 * client_id).astype(np.float32)
     return x, (y[:, 0] if num_tasks == 1 else y)
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -42,7 +42,10 @@ Entry = Any  # a torch Dataset, or a callable returning one (or None, for a test
 
 
 def _is_dataset(obj: object) -> bool:
-    return hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
+    """A torch Dataset, or any other sequence of items (not a mapping or text)."""
+    if isinstance(obj, (Mapping, str, bytes)):
+        return False
+    return isinstance(obj, torch.utils.data.Dataset) or (hasattr(obj, "__getitem__") and hasattr(obj, "__len__"))
 
 
 def _identity(item):
@@ -89,7 +92,7 @@ class Items(torch.utils.data.Dataset):
 def _first_item(dataset, what: str) -> tuple[tuple[int, ...], int]:
     """(sample shape, T) of a Dataset's first item."""
     if len(dataset) == 0:
-        raise ValueError(f"{what} is empty")
+        raise ValueError(f"{what} has no samples")
     x, y = _pair(dataset[0], what, 0)
     label = np.asarray(y, dtype=np.float64) if _numeric(y) else None
     if label is None or label.ndim > 1:
@@ -236,6 +239,8 @@ class DatasetsSource(DataSource):
         if not self.described:
             self.describe_here()
         what = self.names(client_id, split)
+        if len(ds) == 0:
+            raise ValueError(f"{what} has no samples")
         labels = read_labels(ds, what, input_shape=self.input_shape, num_tasks=self.num_tasks,
                              workers=self.data_workers)
         return DatasetSplit(Items(ds, self.num_tasks), labels, self.data_workers)
