@@ -176,7 +176,9 @@ def test_under_ray_callables_build_each_clients_data_on_its_actor(session, drive
     want = fdam_ray.train_arrays(dict(FAST, **HALF), trains, pooled)
     clients = [functools.partial(own_fixtures.client_dataset, k, 2, "train") for k in range(2)]
     got = fdam_ray.train_datasets(dict(FAST, executor="ray", eval_on="clients", **HALF), clients,
-                                  lambda: PairDataset(*pooled))
+                                  lambda: PairDataset(*pooled),  # test set and model travel by value
+                                  model=lambda shape, tasks, width: own_fixtures.bn_net(shape, tasks, width))
+    assert callable(got.config.model)
     assert_close_runs(got, want)
 
 
