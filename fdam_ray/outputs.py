@@ -25,6 +25,7 @@ import csv
 import dataclasses
 import json
 import logging
+import re
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -369,7 +370,8 @@ def make_run_dir(config: OutputSection) -> Path:
             raise ValueError(f"run folder '{path}' already exists and is not empty; choose another run_name "
                              "or continue it with --resume")
     else:
-        base = f"{datetime.now():%Y%m%d-%H%M%S}-{config.algorithm}-{config.dataset}"
+        dataset = re.sub(r"[^\w.-]+", "_", str(config.dataset).rpartition(":")[2])  # a factory: its name
+        base = f"{datetime.now():%Y%m%d-%H%M%S}-{config.algorithm}-{dataset}"
         path, n = root / base, 1
         while path.exists():
             path, n = root / f"{base}-{n}", n + 1
