@@ -213,13 +213,20 @@ FIELDS: tuple[Field, ...] = (
     _f("checkpoint_every", "int", 100, "Write a checkpoint every this many rounds (and at the end); 0 = only "
        "at the end.", check=_nonneg[0], allowed=_nonneg[1]),
     _f("tensorboard", "bool", True, "Write TensorBoard event files into the run folder (needs tensorboard)."),
+    # -- experiment trackers -------------------------------------------------------
+    _f("trackers", "str_list", (), "Experiment trackers that get the config, every evaluation and the final "
+       "model: mlflow, wandb (a list, or names joined by commas; each needs its extra, pip install "
+       "'fdam-ray[mlflow]'); empty = none.", choices=("mlflow", "wandb"),
+       check=lambda v: len(set(v)) == len(v), allowed="each tracker once"),
+    _f("tracker_project", "str", "fdam-ray", "MLflow experiment and W&B project the trackers log to."),
 )
 
 # Fields that may differ when a run is resumed (they change how it runs, not what it computes).
 RESUME_MAY_CHANGE = {"iterations", "eval_every", "checkpoint_every", "tensorboard", "executor", "device",
                      "threads_per_client", "out_dir", "address", "cpus_per_client", "gpus_per_client",
                      "placement_strategy", "gpu_memory_cap", "eval_on", "fold_order", "on_client_failure",
-                     "max_client_retries", "ray_timeout_s", "data_workers", "eval_batch_size", "deterministic"}
+                     "max_client_retries", "ray_timeout_s", "data_workers", "eval_batch_size", "deterministic",
+                     "trackers", "tracker_project"}
 
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
 
@@ -328,6 +335,8 @@ def _coerce(field: Field, value: Any) -> Any:
     if value is None:
         if field.optional:
             return None
+        if field.default == ():  # a list that may be empty (trackers=)
+            return ()
         raise _fail(field.name, value, f"a value is required; {field.allowed or field.kind}".rstrip("; "))
     kind = field.kind
     if kind == "bool":
@@ -371,9 +380,11 @@ def _coerce(field: Field, value: Any) -> Any:
     elif kind == "str_list":
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) for v in value):
-            raise _fail(field.name, value, "a non-empty list of names" + (f" from {', '.join(field.choices)}"
-                                                                         if field.choices else ""))
+        empty_ok = field.default == ()
+        if (not isinstance(value, (list, tuple)) or not (value or empty_ok)
+                or not all(isinstance(v, str) for v in value)):
+            raise _fail(field.name, value, ("a list of names" if empty_ok else "a non-empty list of names")
+                        + (f" from {', '.join(field.choices)}" if field.choices else ""))
         if field.choices and any(v not in field.choices for v in value):
             raise _fail(field.name, value, f"each one of {', '.join(field.choices)}")
         value = tuple(value)

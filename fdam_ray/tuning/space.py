@@ -6,7 +6,8 @@ training config's own field names:
     base:   fixed fields of every trial (a training config)
     search: field -> {grid: [...]} | {choice: [...]} | {uniform: [lo, hi]}
                      | {loguniform: [lo, hi]} | {randint: [lo, hi]}
-    tune:   metric, mode, searcher (grid | random | optuna), num_samples, scheduler (fifo | asha),
+    tune:   metric (test_auc, train_loss, ..., task_auc.<task>, client_auc.<id>, worst_task_auc,
+            worst_client_auc), mode, searcher (grid | random | optuna), num_samples, scheduler (fifo | asha),
             grace_period, reduction_factor, max_concurrent_trials, driver_cpus, name, storage_path
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,15 @@ from fdam_ray.config import (
 
 SPEC_KINDS = ("grid", "choice", "uniform", "loguniform", "randint")
 REPORTED = ("iteration", "round", "stage", "test_auc", "train_loss", "bytes_up", "bytes_down", "wall_s")
+# Reported as well where a run has them (multi-task data, clients with test splits of their own): the AUC of each
+# task and each client under the metrics.csv names, and the lowest of each.
+REPORTED_PATTERNS = (re.compile(r"task_auc\..+"), re.compile(r"client_auc\.\d+"), re.compile(r"worst_task_auc"),
+                     re.compile(r"worst_client_auc"), re.compile(r"lr|samples_per_s|test_samples"))
+
+
+def is_reported(metric: str) -> bool:
+    """Whether trials report ``metric`` to Tune (where the run has it): see :data:`REPORTED`."""
+    return metric in REPORTED or any(p.fullmatch(metric) for p in REPORTED_PATTERNS)
 SPACE_FILE = "fdam_space.yaml"  # the space a sweep folder was started with
 
 
@@ -53,8 +64,9 @@ class TuneOptions:
             if getattr(self, name) not in choices:
                 raise ConfigError(f"tune option '{name}': {getattr(self, name)!r} is not allowed "
                                   f"(one of {', '.join(choices)})")
-        if self.metric not in REPORTED:
-            raise ConfigError(f"tune option 'metric': {self.metric!r} is not reported (one of {', '.join(REPORTED)})")
+        if not isinstance(self.metric, str) or not is_reported(self.metric):
+            raise ConfigError(f"tune option 'metric': {self.metric!r} is not reported (one of {', '.join(REPORTED)}, "
+                              "task_auc.<task>, client_auc.<client id>, worst_task_auc, worst_client_auc)")
         _check_option("num_samples", self.num_samples, integer=True, low=1)
         _check_option("grace_period", self.grace_period, integer=True, low=1, optional=True)
         _check_option("max_concurrent_trials", self.max_concurrent_trials, integer=True, low=1, optional=True)

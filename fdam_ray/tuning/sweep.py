@@ -12,6 +12,8 @@ from pathlib import Path
 import yaml
 
 from fdam_ray.config import ConfigError, build_config
+from fdam_ray.trackers import check_installed as check_trackers
+from fdam_ray.trackers import tune_callbacks
 from fdam_ray.tuning.report import SweepOutcome, cell, write_sweep_outputs
 from fdam_ray.tuning.space import SPACE_FILE, Space, param_space
 from fdam_ray.tuning.trial import federation_trial, trial_bundles
@@ -77,6 +79,14 @@ def run_sweep(space: Space, *, resume_dir: str | None = None, address: str | Non
         check_resume_trusted(resume_dir)
 
     base_config = build_config(space.base)
+    check_trackers(base_config.trackers)
+    # Every report carries a checkpoint and only the last two are kept, so Tune snapshots the sweep's state
+    # whenever a trial has saved two (what lets --resume find the checkpoints it names): on a short sweep every
+    # few seconds, and each time Tune warns that snapshots "may become a bottleneck". On a local disk a snapshot
+    # is a small file written, so there the warning is off unless the user sets the variable; remote storage
+    # (a URI) keeps it.
+    if "://" not in str(space.options.storage_path):
+        os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
     if not resume_dir:
         if space.options.name is None:
             space.options.name = f"sweep-{datetime.now():%Y%m%d-%H%M%S}"
@@ -97,7 +107,8 @@ def run_sweep(space: Space, *, resume_dir: str | None = None, address: str | Non
         config = build_config({**base, **params})
         return tune.PlacementGroupFactory(trial_bundles(config, driver_cpus), strategy=config.placement_strategy)
 
-    trainable = tune.with_resources(tune.with_parameters(federation_trial, base=base), resources)
+    trainable = tune.with_resources(tune.with_parameters(federation_trial, base=base, metric=space.options.metric),
+                                    resources)
     if resume_dir:
         tuner = tune.Tuner.restore(str(Path(resume_dir).resolve()), trainable=trainable, resume_unfinished=True,
                                    resume_errored=True)
@@ -113,7 +124,8 @@ def run_sweep(space: Space, *, resume_dir: str | None = None, address: str | Non
                 trial_name_creator=_trial_name, trial_dirname_creator=_trial_name,
             ),
             run_config=tune.RunConfig(name=opts.name, storage_path=str(Path(opts.storage_path).resolve()),
-                                      checkpoint_config=tune.CheckpointConfig(num_to_keep=2), verbose=1),
+                                      checkpoint_config=tune.CheckpointConfig(num_to_keep=2), verbose=1,
+                                      callbacks=tune_callbacks(base_config)),
         )
     grid = tuner.fit()
     return write_sweep_outputs(grid, space)
