@@ -230,6 +230,25 @@ RESUME_MAY_CHANGE = {"iterations", "eval_every", "checkpoint_every", "tensorboar
 
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
 
+# Sections of `fdam fields SECTION` (a field in none is still found by a word of its name or meaning).
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "algorithm": ("algorithm", "objective", "margin", "num_clients", "clients_per_round", "client_weighting",
+                  "local_steps", "lr", "global_lr", "prox_weight", "weight_decay", "grad_clip", "batch_size",
+                  "iterations", "positive_ratio"),
+    "schedule": ("schedule", "stage_length", "lr_decay", "reference_point", "reset_control_variates",
+                 "stage_growth", "rounds_per_stage"),
+    "data": ("dataset", "data_root", "partition", "imratio", "dirichlet_concentration", "positive_classes",
+             "negative_classes", "test_fraction", "heterogeneity", "num_features", "samples_per_client", "download",
+             "image_size", "augment", "data_workers"),
+    "chestxray": tuple(f.name for f in FIELDS if f.name.startswith("chestxray_")),
+    "model": ("model", "model_width", "model_weights", "pretrain_iterations", "pretrain_lr", "pretrain_batch_size",
+              "pretrain_federated"),
+    "run": ("eval_batch_size", "eval_every", "seed", "executor", "deterministic", "device", "threads_per_client"),
+    "ray": ("address", "cpus_per_client", "gpus_per_client", "placement_strategy", "gpu_memory_cap", "fold_order",
+            "eval_on", "on_client_failure", "max_client_retries", "ray_timeout_s"),
+    "outputs": ("out_dir", "run_name", "checkpoint_every", "tensorboard", "trackers", "tracker_project"),
+}
+
 _TYPES: dict[str, Any] = {"int": int, "float": float, "bool": bool, "str": str, "batch": int,
                           "int_list": tuple[int, ...], "str_list": tuple[str, ...]}
 
@@ -525,10 +544,31 @@ def load_config_file(path: str) -> dict[str, Any]:
     return data
 
 
-def describe_fields() -> str:
-    """A plain-text table of every field, its default and its meaning (for `fdam fields`)."""
+def select_fields(terms: list[str] | tuple[str, ...] = ()) -> list[Field]:
+    """The fields ``fdam fields TERM ...`` lists: for each term (case-insensitive), the fields of the section it
+    names (:data:`SECTIONS`), else those with the term in their name or starting a word of their meaning; with
+    several terms, the fields every term selects."""
+    chosen = list(FIELDS)
+    for term in terms:
+        word = term.lower().strip()
+        if word in SECTIONS:
+            names = set(SECTIONS[word])
+            chosen = [f for f in chosen if f.name in names]
+            continue
+        pattern = re.compile(rf"(?<![\w-]){re.escape(word)}", re.IGNORECASE)
+        chosen = [f for f in chosen if word in f.name.lower() or pattern.search(f.doc)]
+    return chosen
+
+
+def describe_fields(terms: list[str] | tuple[str, ...] = ()) -> str:
+    """A plain-text table of every field (or those ``terms`` select), its default and its meaning (for `fdam
+    fields`); a term that selects nothing is a :class:`ConfigError` naming the sections."""
+    fields = select_fields(terms)
+    if not fields:
+        raise ConfigError(f"no config field matches {' '.join(terms)!r}; give a section ({', '.join(SECTIONS)}) "
+                          "or a word of a field's name or meaning, or nothing for every field")
     rows = []
-    for f in FIELDS:
+    for f in fields:
         allowed = ", ".join(f.choices) if f.choices else f.allowed
         rows.append(f"{f.name:<24} {f.default!s:<10} {f.doc}" + (f" [{allowed}]" if allowed else ""))
     return "\n".join(rows)

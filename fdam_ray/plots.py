@@ -92,7 +92,7 @@ def auc_limits(curves: list[tuple[np.ndarray, np.ndarray]], *, skip: float = 0.1
         if not finite.any():
             continue
         x, y = xs[finite], ys[finite]
-        late = (x > x.min()) & (x >= x.min() + skip * (x.max() - x.min()))
+        late = x > x.min() + skip * (x.max() - x.min())
         kept.append(y[late] if late.any() else y)
     if not kept:
         return None

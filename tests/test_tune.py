@@ -9,7 +9,7 @@ import ray
 import yaml
 
 from fdam_ray.cli import main
-from fdam_ray.config import ConfigError, parse_overrides
+from fdam_ray.config import ConfigError, build_config, parse_overrides
 from fdam_ray.tuning import load_space, run_sweep
 
 BASE = dict(algorithm="codasca", dataset="synthetic", heterogeneity=1.0, num_clients=2, samples_per_client=200,
@@ -168,3 +168,26 @@ def test_resume_refuses_a_sweep_folder_others_can_write(tmp_path, capsys, change
     assert "resuming unpickles the sweep's state" in err and err.count("\n") == 1
     assert ray.is_initialized() == was_running  # refused before Ray was started
     assert sorted(p.name for p in sweep.iterdir()) == [SPACE_FILE, "tuner.pkl"]
+
+
+def test_trials_report_per_task_per_client_and_worst_aucs_and_the_metric_may_name_them():
+    from fdam_ray.tuning.space import TuneOptions
+    from fdam_ray.tuning.trial import TuneReport, reported_metrics
+
+    record = {"iteration": 30, "round": 3, "stage": 1, "lr": 0.1, "train_loss": 0.2, "test_auc": 0.8,
+              "test_samples": 90, "task_auc": {"Edema": 0.75, "Cardiomegaly": 0.85},
+              "client_auc": {"0": 0.9, "1": 0.7}, "bytes_up": 10, "bytes_down": 20, "wall_s": 1.5,
+              "samples_per_s": None}
+    reported = reported_metrics(record)
+    assert reported == {"iteration": 30, "round": 3, "stage": 1, "test_auc": 0.8, "train_loss": 0.2, "bytes_up": 10,
+                        "bytes_down": 20, "wall_s": 1.5, "client_auc.0": 0.9, "client_auc.1": 0.7, "lr": 0.1,
+                        "task_auc.Cardiomegaly": 0.85, "task_auc.Edema": 0.75, "test_samples": 90,
+                        "worst_client_auc": 0.7, "worst_task_auc": 0.75}
+    for metric in ("worst_client_auc", "task_auc.Edema", "client_auc.1", "worst_task_auc", "train_loss"):
+        assert TuneOptions(metric=metric).metric == metric
+    for metric in ("client_auc.first", "auc", "task_auc."):
+        with pytest.raises(ConfigError, match=f"tune option 'metric': '{metric}' is not reported"):
+            TuneOptions(metric=metric)
+    report = TuneReport(build_config(dataset="synthetic"), metric="task_auc.Edema")
+    with pytest.raises(ValueError, match=r"this federation does not report 'task_auc\.Edema' \(it reports iteration, "):
+        report.record({k: v for k, v in record.items() if k != "task_auc"}, dict)
