@@ -136,11 +136,14 @@ def read_wandb_records(path: Path):
     return records
 
 
-def wandb_run(wandb_dir: Path) -> dict:
-    files = list(wandb_dir.glob("wandb/offline-run-*/run-*.wandb"))
-    assert len(files) == 1, files
+def wandb_run(where: Path) -> dict:
+    """What a W&B offline run logged: ``where`` is its ``.wandb`` file, or a WANDB_DIR holding one run."""
+    if where.is_dir():
+        files = list(where.glob("wandb/offline-run-*/run-*.wandb"))
+        assert len(files) == 1, files
+        where = files[0]
     out = {"history": {}, "summary": {}, "artifacts": [], "exit": None}
-    for rec in read_wandb_records(files[0]):
+    for rec in read_wandb_records(where):
         kind = rec.WhichOneof("record_type")
         if kind == "run":
             out["name"], out["project"] = rec.run.display_name, rec.run.project

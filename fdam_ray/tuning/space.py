@@ -138,13 +138,23 @@ def _candidates(search: dict[str, dict]) -> list[dict]:
 
 def load_space(path: str, overrides: dict[str, Any] | None = None) -> Space:
     """Read and validate a search-space file; ``overrides`` set base fields (``tune.X`` keys set options)."""
-    data = load_config_file(path)
+    return make_space(load_config_file(path), overrides, where=f"search space '{path}'")
+
+
+def make_space(data: dict[str, Any], overrides: dict[str, Any] | None = None, *,
+               where: str = "search space") -> Space:
+    """Validate a search space given as a mapping with the sections of a space file (``base``, ``search``,
+    ``tune``), as :func:`load_space` does for a file: a sweep from Python,
+    ``run_sweep(make_space({"base": {...}, "search": {"lr": {"grid": [0.1, 0.01]}}, "tune": {...}}))``."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping with sections base, search and tune, not "
+                          f"{type(data).__name__}")
     unknown = set(data) - {"base", "search", "tune"}
     if unknown:
-        raise ConfigError(f"search space '{path}': unknown section(s) {sorted(unknown)} (base, search, tune)")
+        raise ConfigError(f"{where}: unknown section(s) {sorted(unknown)} (base, search, tune)")
     for section in ("base", "search", "tune"):
         if not isinstance(data.get(section) or {}, dict):
-            raise ConfigError(f"search space '{path}': section '{section}' must be a mapping of name: value, "
+            raise ConfigError(f"{where}: section '{section}' must be a mapping of name: value, "
                               f"not {type(data[section]).__name__}")
     base = dict(data.get("base") or {})
     search = dict(data.get("search") or {})
