@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 
-from fdam_ray.config import ConfigError, build_config, describe_fields, load_config_file, parse_overrides
+from fdam_ray.config import SECTIONS, ConfigError, build_config, describe_fields, load_config_file, parse_overrides
 
 
 def _version() -> str:
@@ -167,8 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     plot.set_defaults(func=cmd_plot)
     fields = sub.add_parser("fields", help="list every config field with its default and meaning")
     fields.add_argument("terms", nargs="*", metavar="SECTION|WORD",
-                        help="only the fields of a section (algorithm, schedule, data, chestxray, model, run, ray, "
-                        "outputs) or with this word in their name or meaning")
+                        help=f"only the fields of a section ({', '.join(SECTIONS)}) or with this word in their name "
+                        "or meaning")
     fields.set_defaults(func=cmd_fields)
     return parser
 
