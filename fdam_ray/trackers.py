@@ -70,7 +70,8 @@ def make_trackers(config: Config, run_dir_of: Callable[[], Path | None] = lambda
 def _run_name(config: Config, run_dir: Path | None) -> str:
     if run_dir is not None:
         return run_dir.name
-    return config.run_name or f"{datetime.now():%Y%m%d-%H%M%S}-{config.algorithm}-{config.dataset}"
+    dataset = str(config.dataset).rpartition(":")[2]  # a factory module:attr: its name, as run folders have it
+    return config.run_name or f"{datetime.now():%Y%m%d-%H%M%S}-{config.algorithm}-{dataset}"
 
 
 def _plain(value: Any) -> Any:

@@ -79,6 +79,7 @@ class RayExecutor(Executor):
         self._adopt_global_c: set[int] = set()
         self._test_size = 0
         self._put_state: GlobalState | None = None
+        self._in_flight: dict[Any, tuple[int, float]] = {}
         self._put_ref = None
 
     # -- set-up ---------------------------------------------------------------------------
@@ -185,6 +186,7 @@ class RayExecutor(Executor):
         remaining = list(self.live if clients is None else clients)
         attempts = dict.fromkeys(remaining, 0)
         pending: dict[Any, tuple[int, float]] = {}
+        self._in_flight = pending  # what is left of it when the run stops is settled at shutdown
         results: dict[int, Any] = {}
 
         def launch(k: int) -> None:
@@ -271,6 +273,18 @@ class RayExecutor(Executor):
                             "outcome": outcome})
         log.warning("client %d failed in round %d (%s): %s -> %s", err.client_id, err.round, err.action, err.error,
                     outcome)
+
+    def _settle(self, refs: list) -> None:
+        """Fetch calls left in flight when a run stopped (another client's error, Ctrl+C), ignoring their
+        outcome: Ray would otherwise print an "Unhandled error" traceback for each one that failed."""
+        if not refs:
+            return
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0)
+        for ref in done:
+            try:
+                ray.get(ref, timeout=0)
+            except Exception as exc:  # the run has already stopped for another reason
+                log.debug("a call abandoned when the run stopped ended with %s", type(exc).__name__)
 
     def _kill(self, k: int) -> None:
         actor = self.actors.pop(k, None)
@@ -382,8 +396,10 @@ class RayExecutor(Executor):
         return dict(self._each("where", lambda k, a: a.where.remote()))
 
     def shutdown(self) -> None:
+        abandoned = list(self._in_flight)
         for k in list(self.actors):
             self._kill(k)
+        self._settle(abandoned)
         if self._own_group and self.placement_group is not None:
             remove_placement_group(self.placement_group)
         self.placement_group, self._own_group = None, False
