@@ -6,6 +6,7 @@ import importlib.util
 import json
 import logging
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,8 @@ def read_wandb_records(path: Path):
         if kind == 0:
             pos += left
             continue
+        if pos + 7 + length > len(data):  # a record still being written
+            break
         chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind == 1:  # full
             chunks.append(chunk)
@@ -142,8 +145,14 @@ def wandb_run(where: Path) -> dict:
         files = list(where.glob("wandb/offline-run-*/run-*.wandb"))
         assert len(files) == 1, files
         where = files[0]
+    # W&B's service process may still be writing the file after run.finish() returns: wait for its exit record
+    deadline = time.monotonic() + 60
+    records = read_wandb_records(where)
+    while not any(r.WhichOneof("record_type") == "exit" for r in records) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        records = read_wandb_records(where)
     out = {"history": {}, "summary": {}, "artifacts": [], "exit": None}
-    for rec in read_wandb_records(where):
+    for rec in records:
         kind = rec.WhichOneof("record_type")
         if kind == "run":
             out["name"], out["project"] = rec.run.display_name, rec.run.project
