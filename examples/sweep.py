@@ -8,7 +8,7 @@ loses. At the end the sweep folder holds the table of trials and
 ``best_config.yaml``, a ready ``fdam train --config`` file, whose settings the
 script prints.
 
-    python examples/sweep.py                    # 6 trials, a few minutes on 2 CPU cores
+    python examples/sweep.py                    # 6 trials, about a minute on 2 CPU cores
     python examples/sweep.py --quick            # 2 short trials (the test suite's)
     python examples/sweep.py --out my_sweeps    # where the sweep folder goes (default: tune_results)
     python examples/sweep.py --trackers mlflow  # every trial to MLflow too (or wandb, or mlflow,wandb)
