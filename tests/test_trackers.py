@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import struct
 import time
 from pathlib import Path
@@ -38,8 +39,13 @@ def mlflow_db(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("mlflow")
     uri = f"sqlite:///{folder / 'mlflow.db'}"
-    client = MlflowClient(uri)
-    client.search_experiments()  # creates the tables
+    here = os.getcwd()
+    os.chdir(folder)  # the store (which MLflow keeps per URI) puts artifacts under ./mlruns of where it is made
+    try:
+        client = MlflowClient(uri)
+        client.search_experiments()  # creates the tables
+    finally:
+        os.chdir(here)
     return uri, client
 
 
