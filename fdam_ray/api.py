@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from fdam_ray.config import Config, build_config
 from fdam_ray.data.arrays import ArrayPair, ArraysSource
@@ -12,11 +15,34 @@ from fdam_ray.data.datasets import DatasetsSource, Entry
 from fdam_ray.federation import RunResult
 from fdam_ray.recipe import run
 
+log = logging.getLogger(__name__)
+
 
 def _config(config: Config | Mapping[str, Any] | None, **overrides: Any) -> Config:
     if isinstance(config, Config):
         return config.replace(**overrides) if overrides else config
     return build_config(dict(config or {}), **overrides)
+
+
+def warn_one_class(source: ArraysSource) -> None:
+    """One warning naming every test set (``test``, ``client_tests[k]``) that holds one class only for a task:
+    the AUC it gives is NaN, since an AUC compares positives with negatives."""
+    sets = ([("test", source.test, "the pooled test AUC")] if source.test is not None else []) + [
+        (f"client_tests[{k}]", pair, f"client {k}'s AUC") for k, pair in sorted((source.tests or {}).items())]
+    problems = []
+    for name, (_, labels), what in sets:
+        for t, task in enumerate(source.task_names):
+            column = labels[:, t][~np.isnan(labels[:, t])]
+            positives = int(column.sum())
+            negatives = len(column) - positives
+            if positives == 0 or negatives == 0:
+                if len(source.task_names) > 1:  # a multi-task AUC is the mean over the tasks that have one
+                    problems.append(f"{name} has {positives} positives and {negatives} negatives for task "
+                                    f"'{task}', so its AUC for that task is NaN")
+                else:
+                    problems.append(f"{name} has {positives} positives and {negatives} negatives, so {what} is NaN")
+    if problems:
+        log.warning("%s (an AUC needs positives and negatives)", "; ".join(problems))
 
 
 def _with_model(overrides: dict[str, Any], model: str | Callable | None) -> dict[str, Any]:
@@ -64,6 +90,7 @@ def train_arrays(
     """
     source = ArraysSource(clients, test, client_tests)
     cfg = _config(config, **_with_model({"dataset": "arrays", "num_clients": len(clients)}, model))
+    warn_one_class(source)
     return run(cfg, source=source, save=save, on_eval=on_eval)
 
 

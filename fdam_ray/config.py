@@ -220,15 +220,41 @@ FIELDS: tuple[Field, ...] = (
     _f("checkpoint_every", "int", 100, "Write a checkpoint every this many rounds (and at the end); 0 = only "
        "at the end.", check=_nonneg[0], allowed=_nonneg[1]),
     _f("tensorboard", "bool", True, "Write TensorBoard event files into the run folder (needs tensorboard)."),
+    # -- experiment trackers -------------------------------------------------------
+    _f("trackers", "str_list", (), "Experiment trackers that get the config, every evaluation and the final "
+       "model: mlflow, wandb (a list, or names joined by commas; each needs its extra, pip install "
+       "'fdam-ray[mlflow]'); empty = none.", choices=("mlflow", "wandb"),
+       check=lambda v: len(set(v)) == len(v), allowed="each tracker once"),
+    _f("tracker_project", "str", "fdam-ray", "MLflow experiment and W&B project the trackers log to."),
 )
 
 # Fields that may differ when a run is resumed (they change how it runs, not what it computes).
 RESUME_MAY_CHANGE = {"iterations", "eval_every", "checkpoint_every", "tensorboard", "executor", "device",
                      "threads_per_client", "out_dir", "address", "cpus_per_client", "gpus_per_client",
                      "placement_strategy", "gpu_memory_cap", "eval_on", "fold_order", "on_client_failure",
-                     "max_client_retries", "ray_timeout_s", "data_workers", "eval_batch_size", "deterministic"}
+                     "max_client_retries", "ray_timeout_s", "data_workers", "eval_batch_size", "deterministic",
+                     "trackers", "tracker_project"}
 
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
+
+# Sections of `fdam fields SECTION` (a field in none is still found by a word of its name or meaning).
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "algorithm": ("algorithm", "objective", "margin", "num_clients", "clients_per_round", "client_weighting",
+                  "local_steps", "lr", "global_lr", "prox_weight", "weight_decay", "grad_clip", "batch_size",
+                  "iterations", "positive_ratio"),
+    "schedule": ("schedule", "stage_length", "lr_decay", "reference_point", "reset_control_variates",
+                 "stage_growth", "rounds_per_stage"),
+    "data": ("dataset", "data_root", "partition", "imratio", "dirichlet_concentration", "positive_classes",
+             "negative_classes", "test_fraction", "heterogeneity", "num_features", "samples_per_client", "download",
+             "image_size", "augment", "data_workers"),
+    "chestxray": tuple(f.name for f in FIELDS if f.name.startswith("chestxray_")),
+    "model": ("model", "model_width", "model_weights", "pretrain_iterations", "pretrain_lr", "pretrain_batch_size",
+              "pretrain_federated"),
+    "run": ("eval_batch_size", "eval_every", "seed", "executor", "deterministic", "device", "threads_per_client"),
+    "ray": ("address", "cpus_per_client", "gpus_per_client", "placement_strategy", "gpu_memory_cap", "fold_order",
+            "eval_on", "on_client_failure", "max_client_retries", "ray_timeout_s"),
+    "outputs": ("out_dir", "run_name", "checkpoint_every", "tensorboard", "trackers", "tracker_project"),
+}
 
 # A "factory" field holds a string, except that in Python ``model`` may hold a factory that cannot be imported
 # by name (a lambda, a local function, one of the __main__ script): it then travels to clients by value.
@@ -344,6 +370,8 @@ def _coerce(field: Field, value: Any) -> Any:
     if value is None:
         if field.optional:
             return None
+        if field.default == ():  # a list that may be empty (trackers=)
+            return ()
         raise _fail(field.name, value, f"a value is required; {field.allowed or field.kind}".rstrip("; "))
     kind = field.kind
     if kind == "factory":
@@ -389,9 +417,11 @@ def _coerce(field: Field, value: Any) -> Any:
     elif kind == "str_list":
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) for v in value):
-            raise _fail(field.name, value, "a non-empty list of names" + (f" from {', '.join(field.choices)}"
-                                                                         if field.choices else ""))
+        empty_ok = field.default == ()
+        if (not isinstance(value, (list, tuple)) or not (value or empty_ok)
+                or not all(isinstance(v, str) for v in value)):
+            raise _fail(field.name, value, ("a list of names" if empty_ok else "a non-empty list of names")
+                        + (f" from {', '.join(field.choices)}" if field.choices else ""))
         if field.choices and any(v not in field.choices for v in value):
             raise _fail(field.name, value, f"each one of {', '.join(field.choices)}")
         value = tuple(value)
@@ -559,10 +589,31 @@ def load_config_file(path: str) -> dict[str, Any]:
     return data
 
 
-def describe_fields() -> str:
-    """A plain-text table of every field, its default and its meaning (for `fdam fields`)."""
+def select_fields(terms: list[str] | tuple[str, ...] = ()) -> list[Field]:
+    """The fields ``fdam fields TERM ...`` lists: for each term (case-insensitive), the fields of the section it
+    names (:data:`SECTIONS`), else those with the term in their name or starting a word of their meaning; with
+    several terms, the fields every term selects."""
+    chosen = list(FIELDS)
+    for term in terms:
+        word = term.lower().strip()
+        if word in SECTIONS:
+            names = set(SECTIONS[word])
+            chosen = [f for f in chosen if f.name in names]
+            continue
+        pattern = re.compile(rf"(?<![\w-]){re.escape(word)}", re.IGNORECASE)
+        chosen = [f for f in chosen if word in f.name.lower() or pattern.search(f.doc)]
+    return chosen
+
+
+def describe_fields(terms: list[str] | tuple[str, ...] = ()) -> str:
+    """A plain-text table of every field (or those ``terms`` select), its default and its meaning (for `fdam
+    fields`); a term that selects nothing is a :class:`ConfigError` naming the sections."""
+    fields = select_fields(terms)
+    if not fields:
+        raise ConfigError(f"no config field matches {' '.join(terms)!r}; give a section ({', '.join(SECTIONS)}) "
+                          "or a word of a field's name or meaning, or nothing for every field")
     rows = []
-    for f in FIELDS:
+    for f in fields:
         allowed = ", ".join(f.choices) if f.choices else f.allowed
         if f.kind == "factory":
             allowed += ", or module:attr"

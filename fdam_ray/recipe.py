@@ -17,7 +17,8 @@ in order:
    body with a fresh head becomes the initial weights;
 3. the executor (the config's, or the one given);
 4. the outputs, as one observer: the run folder, the progress bar, a callback
-   per evaluation, and any observer the caller adds (a Tune trial's reports);
+   per evaluation, the experiment trackers the config names (:mod:`fdam_ray.trackers`)
+   and any observer the caller adds (a Tune trial's reports);
 5. the :class:`~fdam_ray.federation.Federation`, run from the start or from a
    resume payload (a checkpoint's), which then holds the whole state: initial
    weights and pre-training are skipped.
@@ -47,6 +48,8 @@ from fdam_ray.outputs import EvalCallback, Observer, Observers, Progress, RunFol
 from fdam_ray.pretrain import pretrain_config, pretrain_source, pretrained_body
 from fdam_ray.runlock import check_not_in_use
 from fdam_ray.schedules import ScheduleSection
+from fdam_ray.trackers import check_installed as trackers_installed
+from fdam_ray.trackers import make_trackers
 from fdam_ray.weights import load_weights, read_weights
 
 log = logging.getLogger(__name__)
@@ -82,6 +85,7 @@ def federate(
         observers: more observers of the run (e.g. a Tune trial's reports); stage 1 of pre-training
             reports only to its own run folder and progress bar.
     """
+    trackers_installed(config.trackers)  # before any data is read or client started
     source = source if source is not None else make_source(config)
     if source.num_clients != config.num_clients:
         raise ValueError(f"the data has {source.num_clients} clients but num_clients={config.num_clients}")
@@ -99,12 +103,14 @@ def federate(
         elif weights is None and config.model_weights:
             weights, weights_from = read_weights(config.model_weights), f"model_weights '{config.model_weights}'"
     outputs: list[Observer] = []
-    if save:
-        outputs.append(RunFolder(config, run_dir=run_dir, checkpoints=checkpoints))
+    folder = RunFolder(config, run_dir=run_dir, checkpoints=checkpoints) if save else None
+    if folder is not None:
+        outputs.append(folder)
     if progress:
         outputs.append(Progress())
     if on_eval is not None:
         outputs.append(EvalCallback(on_eval))
+    outputs.extend(make_trackers(config, lambda: None if folder is None else folder.dir))  # after the run folder
     outputs.extend(observers)
     executor = executor if executor is not None else make_executor(config.executor)
     # Under Ray the driver's replica only loads states and, with eval_on=driver, scores: it stays on the CPU,
