@@ -18,11 +18,12 @@ class ClientError(RuntimeError):
         traceback: the original traceback text ('' when the process died or did not answer).
         actor: the index of the actor hosting the client (None when not known).
         clients: every client that actor hosts (a failure of the actor is a failure of all of them).
+        of_actor: the actor failed as a whole (its process died, or it did not answer), not one client's code.
     """
 
     def __init__(self, client_id: int, round: int, action: str, error: str, traceback: str = "",
-                 actor: int | None = None, clients: tuple[int, ...] = ()) -> None:
-        super().__init__(client_id, round, action, error, traceback, actor, clients)
+                 actor: int | None = None, clients: tuple[int, ...] = (), of_actor: bool = False) -> None:
+        super().__init__(client_id, round, action, error, traceback, actor, clients, of_actor)
         self.client_id = client_id
         self.round = round
         self.action = action
@@ -30,13 +31,9 @@ class ClientError(RuntimeError):
         self.traceback = traceback
         self.actor = actor
         self.clients = tuple(clients) or (client_id,)
+        self.of_actor = of_actor
         if traceback:
             self.add_note(f"client {client_id}'s traceback:\n{traceback.rstrip()}")
-
-    @property
-    def of_actor(self) -> bool:
-        """The actor failed as a whole (its process died, or it did not answer), not one client's code."""
-        return not self.traceback
 
     def __str__(self) -> str:
         if len(self.clients) > 1 and self.of_actor:
@@ -46,7 +43,7 @@ class ClientError(RuntimeError):
 
     def __reduce__(self):
         return type(self), (self.client_id, self.round, self.action, self.error, self.traceback, self.actor,
-                            self.clients)
+                            self.clients, self.of_actor)
 
 
 class ClientInputError(ClientError, ValueError):

@@ -248,7 +248,7 @@ class RayExecutor(Executor):
 
     def _actor_error(self, a: int, action: str, error: str, traceback: str = "") -> ClientError:
         hosted = tuple(self.hosted.get(a, ()))
-        return ClientError(hosted[0] if hosted else -1, self._round, action, error, traceback, a, hosted)
+        return ClientError(hosted[0] if hosted else -1, self._round, action, error, traceback, a, hosted, True)
 
     def _as_client_error(self, a: int, action: str, exc: BaseException) -> ClientError:
         cause = getattr(exc, "cause", None)
@@ -406,7 +406,7 @@ class RayExecutor(Executor):
             def call(a: int, actor, slices=slices, ref=ref) -> Any:
                 return actor.score_test_slice.remote(ref, *slices[a])
 
-            parts = list(self._each("evaluate", call, actors=list(slices)))
+            parts = list(self._each("evaluate", call, list(slices)))
             if all(a in self.actors for a in slices):  # an actor dropped mid-call: slice again
                 parts.sort(key=lambda p: slices[p[0]][0])
                 return Scores(-1, np.concatenate([s.scores for _, s in parts]),
