@@ -21,11 +21,11 @@ from conftest import gaussian_clients
 from raytest import ray_session
 
 from fdam_ray.algorithms import Algorithm, AlgorithmSection
+from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.client import Client, Replica
 from fdam_ray.config import build_config
 from fdam_ray.data.arrays import ArraysSource
 from fdam_ray.executors import make_executor
-from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.state import ClientUpdate, RoundPlan
 
 K = 3

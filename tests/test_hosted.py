@@ -144,6 +144,7 @@ def test_hosted_clients_with_sampling_and_weights_match_the_numpy_oracle():
     np.testing.assert_allclose(result.state.v, v, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(result.alpha, [alpha], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(result.control_variates[0], c_v, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(result.control_variates[1], [c_a], rtol=1e-4, atol=1e-5)
 
 
 def test_the_inline_executor_hosts_every_client_on_one_replica():
