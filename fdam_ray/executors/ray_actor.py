@@ -83,6 +83,7 @@ class ClientShell:
         self.clients: dict[int, Client] = {}
         self.test: AnySplit | None = None
         self._partial: PartialSum | None = None
+        self._sources: dict = {}  # object ref -> data source spec read here
         torch.set_num_threads(threads)
         # states arrive as read-only views into the object store; the clients only copy from them
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -121,8 +122,10 @@ class ClientShell:
         return infos, 0 if self.test is None else len(self.test)
 
     def _add(self, client_id: int, config: ClientSection, source, with_test_set: bool) -> ClientInfo:
-        if isinstance(source, ray.ObjectRef):
-            source = ray.get(source)
+        if isinstance(source, ray.ObjectRef):  # one copy per object: clients of one recipe share its loaded pool
+            if source not in self._sources:
+                self._sources[source] = ray.get(source)
+            source = self._sources[source]
         if self.replica is None:
             self.replica = TrainingReplica(config, source, device=self.device)
         client = Client(config, source, client_id, device=self.device, replica=self.replica)
