@@ -214,9 +214,13 @@ class Client:
         self.replica.configure(positive_ratio)
 
     def begin_stage(self, reference: np.ndarray, reset_control_variate: bool) -> None:
-        """Start a stage: new proximal centre v_ref and, by default, a zero control variate."""
+        """Start a stage: new proximal centre v_ref (the replica's) and, by default, a zero control variate."""
         self.replica.set_reference(reference)
-        if reset_control_variate and self.cv is not None:
+        if reset_control_variate:
+            self.reset_control_variate()
+
+    def reset_control_variate(self) -> None:
+        if self.cv is not None:
             for t in self.cv:
                 t.zero_()
 
@@ -299,6 +303,15 @@ def host_clients(config: ClientSection, source: DataSource, client_ids: Sequence
     """Clients ``client_ids`` hosted by one training replica (built once, shared by all of them)."""
     replica = TrainingReplica(config, source, device=device)
     return [Client(config, source, k, device=device, replica=replica) for k in client_ids]
+
+
+def begin_stage_hosted(clients: Sequence[Client], reference: np.ndarray, reset_control_variates: bool) -> None:
+    """Start a stage on clients that share one replica: the proximal centre set once, each c^k zeroed."""
+    if clients:
+        clients[0].replica.set_reference(reference)
+    if reset_control_variates:
+        for client in clients:
+            client.reset_control_variate()
 
 
 def run_hosted(clients: Sequence[Client], state: GlobalState, plan: RoundPlan,

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from fdam_ray.algorithms.server import PartialSum
-from fdam_ray.client import Client, ClientSection, host_clients, resolve_device, run_hosted
+from fdam_ray.client import Client, ClientSection, begin_stage_hosted, host_clients, resolve_device, run_hosted
 from fdam_ray.data import DataSource
 from fdam_ray.executors.base import Executor, ExecutorSection, actor_groups
 from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores
@@ -46,8 +46,7 @@ class InlineExecutor(Executor):
             c.configure(positive_ratio)
 
     def begin_stage(self, reference: np.ndarray, reset_control_variates: bool) -> None:
-        for c in self.clients:
-            c.begin_stage(reference, reset_control_variates)
+        begin_stage_hosted(self.clients, reference, reset_control_variates)
 
     def run_round(self, state: GlobalState, plan: RoundPlan, fold: Callable[[PartialSum], None],
                   clients: Sequence[int] | None = None) -> None:

@@ -28,7 +28,7 @@ import ray
 import torch
 
 from fdam_ray.algorithms.server import PartialSum
-from fdam_ray.client import Client, ClientSection, TrainingReplica, run_hosted
+from fdam_ray.client import Client, ClientSection, TrainingReplica, begin_stage_hosted, run_hosted
 from fdam_ray.data import AnySplit, DatasetSplit, Split
 from fdam_ray.executors.errors import client_error
 from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores
@@ -149,7 +149,8 @@ class ClientShell:
         self._each("configure", list(self.clients)[:1], lambda c: c.configure(positive_ratio))  # p is shared
 
     def begin_stage(self, reference: np.ndarray, reset_control_variate: bool) -> None:
-        self._each("begin_stage", list(self.clients), lambda c: c.begin_stage(reference, reset_control_variate))
+        clients = list(self.clients.values())
+        self._call("begin_stage", lambda: begin_stage_hosted(clients, reference, reset_control_variate))
 
     def local_round(self, state: GlobalState, plan: RoundPlan, client_ids: Sequence[int],
                     adopt_global_c: Sequence[int] = ()) -> PartialSum:
