@@ -345,3 +345,23 @@ def test_a_ray_run_with_hosted_clients_stopped_and_resumed_equals_the_uninterrup
     resumed = fdam_ray.resume(tmp_path / "r", source=ArraysSource(clients, test))
     whole = train(dict(cfg, executor="inline"), clients, test)
     assert_same_state(resumed, whole, exact=True)
+
+
+def test_drop_leaves_out_only_the_failing_client_of_an_actor_and_its_neighbour_goes_on(ray_session):
+    from fdam_ray.executors.ray_executor import RayExecutor
+
+    clients, test = sized_clients(sizes=(40, 50, 45, 60))
+    cfg = dict(BASE, batch_size="full", iterations=9, local_steps=3, positive_ratio=0.3, clients_per_actor=2,
+               client_weighting="uniform")
+    source = ArraysSource(clients, test)
+    x, y = source.trains[1]
+    source.trains[1] = (np.concatenate([x, x], 1), y)  # client 1's first step raises in the model
+    ex = RayExecutor()
+    config = build_config(dict(cfg, **RAY, dataset="arrays", num_clients=4, on_client_failure="drop",
+                               max_client_retries=0))
+    got = run(config, source=source, executor=ex, save=False)
+    [event] = ex.events
+    assert (event["client"], event["actor"], event["dropped"], event["outcome"]) == (1, 0, [1], "dropped")
+    assert ex.hosted == {0: [0], 1: [2, 3]} and ex.active_clients == 3
+    without = train(cfg, [clients[0], clients[2], clients[3]], test)
+    np.testing.assert_allclose(got.state.v, without.state.v, atol=1e-6)
