@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> fdam_ray.RunResult:
     parser.add_argument("--clients", type=int, default=4)
     args = parser.parse_args(argv)
     config = {"algorithm": "codasca", "num_clients": args.clients, "batch_size": 32, "lr": 0.1, "local_steps": 10,
-              "iterations": 600, "stage_length": 300, "eval_every": 100, "cpus_per_client": 0.5}
+              "iterations": 600, "stage_length": 300, "eval_every": 100, "cpus_per_actor": 0.5}
     if args.quick:
         config.update(executor="inline", iterations=20, stage_length=20, local_steps=5, eval_every=10)
     k = args.clients

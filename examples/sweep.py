@@ -33,9 +33,9 @@ def space(quick: bool, out: str, trackers: str = "") -> dict:
         "algorithm": "codasca", "dataset": "synthetic", "num_clients": 3, "heterogeneity": 1.5,
         "samples_per_client": 200, "model": "mlp", "model_width": 16, "batch_size": 32,
         "iterations": 60 if quick else 400, "stage_length": 30 if quick else 200, "eval_every": 30 if quick else 100,
-        "tensorboard": False, "threads_per_client": 1,
+        "tensorboard": False, "threads_per_actor": 1,
         # each trial's clients run in its own process here; with executor: ray each is a Ray actor and a trial
-        # reserves driver_cpus + num_clients x cpus_per_client
+        # reserves driver_cpus + one bundle of cpus_per_actor per actor (clients_per_actor clients each)
         "executor": "inline",
         "trackers": trackers,
     }

@@ -187,15 +187,19 @@ FIELDS: tuple[Field, ...] = (
        "RAY_ADDRESS if set, else a `ray start` cluster of this machine, else start a local Ray (a Ray already "
        "running in this process is reused).",
        optional=True),
-    _f("cpus_per_client", "float", 1.0, "CPUs Ray reserves for each client actor (fractions allowed); the "
-       "client runs max(1, int(this)) torch threads unless threads_per_client says otherwise.",
-       check=_pos[0], allowed=_pos[1]),
-    _f("gpus_per_client", "float", 0.0, "GPUs per client actor; a fraction shares a GPU (0.25 = four clients "
-       "per GPU); 0 = CPU only.", check=lambda v: v == 0 or 0 < v <= 1 or float(v).is_integer(),
+    _f("clients_per_actor", "int", 1, "M, clients each host runs one after another on one model replica (each "
+       "keeps its own shard, control variate and sampler position; the host returns their updates folded into "
+       "one partial sum); ceil(K / M) Ray actors; 1 = one actor per client.", check=_ge1[0], allowed=_ge1[1]),
+    _f("cpus_per_actor", "float", 1.0, "CPUs Ray reserves for each actor (fractions allowed; cpus_per_client is "
+       "read as this when clients_per_actor = 1); the actor runs max(1, int(this)) torch threads unless "
+       "threads_per_actor says otherwise.", check=_pos[0], allowed=_pos[1]),
+    _f("gpus_per_actor", "float", 0.0, "GPUs per actor (gpus_per_client is read as this when clients_per_actor = "
+       "1); a fraction shares a GPU (0.25 = four actors per GPU); 0 = CPU only.",
+       check=lambda v: v == 0 or 0 < v <= 1 or float(v).is_integer(),
        allowed="0, a fraction in (0, 1], or a whole number"),
     _f("placement_strategy", "str", "PACK", "How the clients' placement group spreads over nodes (Ray's "
        "strategies).", choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")),
-    _f("gpu_memory_cap", "bool", True, "With a fractional gpus_per_client, cap each client's CUDA memory to "
+    _f("gpu_memory_cap", "bool", True, "With a fractional gpus_per_actor, cap each actor's CUDA memory to "
        "that fraction of the GPU."),
     _f("fold_order", "str", "arrival", "ray executor: fold client updates as they arrive (arrival) or in client "
        "order (client: bit-for-bit repeatable runs, equal to the inline executor's; waits for late clients).",
@@ -212,7 +216,8 @@ FIELDS: tuple[Field, ...] = (
     _f("deterministic", "bool", False, "Ask torch for deterministic kernels (GPU runs then repeat bit for bit, "
        "more slowly; CPU runs repeat exactly either way)."),
     _f("device", "str", "auto", "auto uses a GPU when one is visible.", choices=("auto", "cpu", "cuda")),
-    _f("threads_per_client", "int", None, "torch intra-op threads per client process; null = leave as is.",
+    _f("threads_per_actor", "int", None, "torch intra-op threads per actor process (inline: of the driver; "
+       "threads_per_client is read as this when clients_per_actor = 1); null = leave as is.",
        check=_ge1[0], allowed=_ge1[1], optional=True),
     _f("out_dir", "str", "runs", "Folder under which run folders are made."),
     _f("run_name", "str", None, "Run folder name; null = time stamp, algorithm and dataset.", optional=True),
@@ -230,7 +235,8 @@ FIELDS: tuple[Field, ...] = (
 
 # Fields that may differ when a run is resumed (they change how it runs, not what it computes).
 RESUME_MAY_CHANGE = {"iterations", "eval_every", "checkpoint_every", "tensorboard", "executor", "device",
-                     "threads_per_client", "out_dir", "address", "cpus_per_client", "gpus_per_client",
+                     "threads_per_actor", "out_dir", "address", "cpus_per_actor", "gpus_per_actor",
+                     "clients_per_actor",
                      "placement_strategy", "gpu_memory_cap", "eval_on", "fold_order", "on_client_failure",
                      "max_client_retries", "ray_timeout_s", "data_workers", "eval_batch_size", "deterministic",
                      "trackers", "tracker_project"}
@@ -250,11 +256,17 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "chestxray": tuple(f.name for f in FIELDS if f.name.startswith("chestxray_")),
     "model": ("model", "model_width", "model_weights", "pretrain_iterations", "pretrain_lr", "pretrain_batch_size",
               "pretrain_federated"),
-    "run": ("eval_batch_size", "eval_every", "seed", "executor", "deterministic", "device", "threads_per_client"),
-    "ray": ("address", "cpus_per_client", "gpus_per_client", "placement_strategy", "gpu_memory_cap", "fold_order",
+    "run": ("eval_batch_size", "eval_every", "seed", "executor", "deterministic", "device", "threads_per_actor",
+            "clients_per_actor"),
+    "ray": ("address", "cpus_per_actor", "gpus_per_actor", "placement_strategy", "gpu_memory_cap", "fold_order",
             "eval_on", "on_client_failure", "max_client_retries", "ray_timeout_s"),
     "outputs": ("out_dir", "run_name", "checkpoint_every", "tensorboard", "trackers", "tracker_project"),
 }
+
+# Resource fields named per client before clients could share an actor: read as the per-actor field when each
+# actor hosts one client (the same thing then), refused otherwise (the user must say what an actor gets).
+RENAMED_PER_ACTOR = {"cpus_per_client": "cpus_per_actor", "gpus_per_client": "gpus_per_actor",
+                     "threads_per_client": "threads_per_actor"}
 
 # A "factory" field holds a string, except that in Python ``model`` may hold a factory that cannot be imported
 # by name (a lambda, a local function, one of the __main__ script): it then travels to clients by value.
@@ -503,6 +515,7 @@ def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> C
     """
     given = _flatten_sections(values or {})
     given.update(_flatten_sections(overrides))
+    given = _read_renamed(given)
     for key in given:
         if key not in FIELD_BY_NAME:
             hint = nearest_field(key)
@@ -531,6 +544,26 @@ def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> C
     config = Config(**merged)
     _check_schedule_reach(config)
     return config
+
+
+def _read_renamed(given: dict[str, Any]) -> dict[str, Any]:
+    """``cpus_per_client`` & co. as ``cpus_per_actor`` & co. when every actor hosts one client; else an error."""
+    old = [k for k in RENAMED_PER_ACTOR if k in given]
+    if not old:
+        return given
+    m = _coerce(FIELD_BY_NAME["clients_per_actor"], given.get("clients_per_actor", 1))
+    out = dict(given)
+    for key in old:
+        new = RENAMED_PER_ACTOR[key]
+        if new in given:
+            raise ConfigError(f"config fields '{key}' and '{new}' are both given; '{key}' is the old name of "
+                              f"'{new}': give '{new}' only")
+        if m != 1:
+            raise ConfigError(f"config field '{key}' is now '{new}' (resources are reserved per actor, and "
+                              f"clients_per_actor = {m} clients share one): set '{new}' instead")
+        # coerced under the name the user gave, so an error names it
+        out[new] = _coerce(dataclasses.replace(FIELD_BY_NAME[new], name=key), out.pop(key))
+    return out
 
 
 def _check_schedule_reach(config: Config) -> None:

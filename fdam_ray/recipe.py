@@ -26,6 +26,7 @@ in order:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -36,7 +37,7 @@ import torch
 from fdam_ray.algorithms import AlgorithmSection
 from fdam_ray.checkpoint import CheckpointError, load_checkpoint
 from fdam_ray.client import resolve_device
-from fdam_ray.config import RESUME_MAY_CHANGE, Config, ConfigError, build_config
+from fdam_ray.config import RENAMED_PER_ACTOR, RESUME_MAY_CHANGE, Config, ConfigError, build_config
 from fdam_ray.data import DataSource, make_source
 from fdam_ray.data.datasets import DatasetsSource, describe_client
 from fdam_ray.executors import Executor, ExecutorSection, make_executor
@@ -145,7 +146,8 @@ def describe_data(source: DataSource, config: Config, executor: Executor | None)
 
     from fdam_ray.executors.ray_session import ensure_ray
 
-    ensure_ray(address=config.address, cpus_needed=config.num_clients * config.cpus_per_client)
+    actors = -(-config.num_clients // config.clients_per_actor)
+    ensure_ray(address=config.address, cpus_needed=actors * config.cpus_per_actor)
     task = ray.remote(num_cpus=0, max_retries=0)(describe_client)
     try:
         found = ray.get(task.remote(source.for_client(0)), timeout=config.ray_timeout_s)
@@ -157,9 +159,11 @@ def describe_data(source: DataSource, config: Config, executor: Executor | None)
     source.set_shapes(*found)
 
 
-# A client holds about this many copies of the model state (weights, gradient, control variate, proximal
-# centre, round start, update), and under a local Ray each client is a process of its own.
+# A model replica holds about this many copies of the model state (weights, gradient, proximal centre, round
+# start, update, partial sum), a client one more (its control variate); under a local Ray each actor (one
+# replica, clients_per_actor clients) is a process of its own.
 _STATE_COPIES = 8
+_CLIENT_STATE_COPIES = 1
 _ACTOR_PROCESS_BYTES = 150e6
 
 
@@ -187,16 +191,20 @@ def check_capacity(config: Config, state_size: int) -> None:
     available = _available_memory()
     if available is None:
         return
-    per_client = state_size * 4 * _STATE_COPIES + (_ACTOR_PROCESS_BYTES if local_ray else 0)
+    replicas = 1 if config.executor == "inline" else -(-config.num_clients // config.clients_per_actor)
+    per_replica = state_size * 4 * _STATE_COPIES + (_ACTOR_PROCESS_BYTES if local_ray else 0)
+    per_client = state_size * 4 * _CLIENT_STATE_COPIES
     if config.dataset == "synthetic":
         per_client += (config.samples_per_client + max(100, config.samples_per_client // 2)) * (
             config.num_features + 1) * 4
-    need = config.num_clients * per_client
+    need = replicas * per_replica + config.num_clients * per_client
     if need > available:
+        where = (f"{replicas} Ray actor processes of {per_replica / 1e6:.3g} MB" if local_ray
+                 else f"a model replica of {per_replica / 1e6:.3g} MB")
         raise ValueError(
             f"num_clients={config.num_clients} needs about {need / 1e9:.3g} GB of memory on this machine "
-            f"({per_client / 1e6:.3g} MB per client{', each a Ray actor process' if local_ray else ''}) but "
-            f"{available / 1e9:.3g} GB are available; lower num_clients, or run the clients on a cluster "
+            f"({where}, {per_client / 1e6:.3g} MB per client) but {available / 1e9:.3g} GB are available; "
+            "lower num_clients, host more clients per actor (clients_per_actor), or run the clients on a cluster "
             "(--address)")
 
 
@@ -293,7 +301,9 @@ def resume(
     except ConfigError as exc:
         raise CheckpointError(f"checkpoint '{run_dir / 'checkpoint.pt'}' holds a config that is not valid: "
                               f"{exc}") from None
-    wanted = saved.replace(**dict(changes or {}))
+    changes = dict(changes or {})
+    renamed = {RENAMED_PER_ACTOR[k] for k in changes if k in RENAMED_PER_ACTOR}  # an old name overrides its field
+    wanted = build_config({**{k: v for k, v in dataclasses.asdict(saved).items() if k not in renamed}, **changes})
     before, after = saved.to_dict(), wanted.to_dict()
     differ = [k for k in before if before[k] != after[k] and k not in RESUME_MAY_CHANGE]
     if differ:

@@ -134,7 +134,8 @@ def run_sweep(space: Space, *, resume_dir: str | None = None, address: str | Non
     base, driver_cpus = space.base, space.options.driver_cpus
 
     def resources(params: dict):
-        # per trial: a searched num_clients, cpus_per_client, gpus_per_client or executor changes its bundles
+        # per trial: a searched num_clients, clients_per_actor, cpus_per_actor, gpus_per_actor or executor changes
+        # its bundles
         config = build_config({**base, **params})
         return tune.PlacementGroupFactory(trial_bundles(config, driver_cpus), strategy=config.placement_strategy)
 

@@ -1,8 +1,9 @@
 """One Ray Tune trial: a whole federation, assembled like any run, reporting every evaluation.
 
 Each trial reserves one placement group: a driver bundle plus, with the Ray
-executor, one bundle per client (``cpus_per_client``, ``gpus_per_client``), so
-its client actors run inside the trial's reservation and concurrent trials
+executor, one bundle per actor (``cpus_per_actor``, ``gpus_per_actor``; an
+actor hosts ``clients_per_actor`` clients), so its actors run inside the
+trial's reservation and concurrent trials
 cannot deadlock waiting for each other's CPUs. Every evaluation is reported to
 Tune with a checkpoint of the federation (global state, control variates,
 schedule position), so a stopped sweep resumes (``fdam tune --resume DIR``)
@@ -22,13 +23,14 @@ CHECKPOINT_FILE = "checkpoint.pt"
 
 
 def trial_bundles(config: Config, driver_cpus: float) -> list[dict[str, float]]:
-    """Bundle 0 for the trial's driver, then one per client when clients are Ray actors."""
+    """Bundle 0 for the trial's driver, then one per actor (ceil(K / clients_per_actor)) with the Ray executor."""
     bundles = [{"CPU": driver_cpus}]
     if config.executor == "ray":
-        client = {"CPU": float(config.cpus_per_client)}
-        if config.gpus_per_client:
-            client["GPU"] = float(config.gpus_per_client)
-        bundles += [dict(client) for _ in range(config.num_clients)]
+        actor = {"CPU": float(config.cpus_per_actor)}
+        if config.gpus_per_actor:
+            actor["GPU"] = float(config.gpus_per_actor)
+        num_actors = -(-config.num_clients // config.clients_per_actor)
+        bundles += [dict(actor) for _ in range(num_actors)]
     return bundles
 
 
