@@ -14,6 +14,7 @@ import sys
 import threading
 
 from fdam_ray.config import ConfigError, build_config, describe_fields, load_config_file, parse_overrides
+from fdam_ray.locations import where
 
 
 def _print_record(rec: dict) -> None:
@@ -81,13 +82,17 @@ def cmd_train(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGTERM, previous)
         clear_stop_request()
     print(_summary(result.summary))
-    print(f"run folder: {result.run_dir}")
+    print(f"run folder: {where(result.run_dir)}")
     return 0
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from fdam_ray.tuning import load_space, run_sweep
 
+    if args.resume:
+        from fdam_ray.tuning.sweep import check_resume_trusted
+
+        check_resume_trusted(args.resume, trust_storage=args.trust_storage)  # before anything is read from it
     if args.resume and not args.space:
         from fdam_ray.tuning import space_of_sweep
 
@@ -96,9 +101,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
         if not args.space:
             raise ConfigError("fdam tune needs a search-space file (see tune/*.yaml) or --resume DIR")
         space = load_space(args.space, parse_overrides(args.overrides))
-    outcome = run_sweep(space, resume_dir=args.resume, address=args.address)
+    outcome = run_sweep(space, resume_dir=args.resume, address=args.address, trust_storage=args.trust_storage)
     out = outcome.path
-    print(f"sweep results: {out / 'sweep_results.md'}")
+    if outcome.storage:
+        print(f"sweep stored:  {outcome.storage} (a copy of its results below)")
+    print(f"sweep results: {where(out / 'sweep_results.md')}")
     if outcome.best_config is not None:
         print(f"best config:   {outcome.best_config}  (fdam train --config {outcome.best_config})")
     print(f"figure:        {out / 'top_trials.png'}")
@@ -109,7 +116,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
               f"{outcome.errors_file}", file=sys.stderr)
     if outcome.unfinished:
         print(f"fdam tune: the sweep was interrupted with {outcome.unfinished} of {outcome.trials} trials "
-              f"unfinished, so it has no best config yet; continue it with: fdam tune --resume {out}",
+              f"unfinished, so it has no best config yet; continue it with: fdam tune --resume {outcome.resume_from}"
+              + (" --trust-storage" if outcome.storage else ""),
               file=sys.stderr)
         return 130
     if outcome.best_config is None:
@@ -150,7 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("space", nargs="?", help="search-space YAML file (base / search / tune sections)")
     tune.add_argument("overrides", nargs="*", metavar="key=value",
                       help="base config fields, or tune.OPTION=value for the tune section")
-    tune.add_argument("--resume", metavar="DIR", help="continue the sweep stored in DIR")
+    tune.add_argument("--resume", metavar="DIR", help="continue the sweep stored in DIR (a folder or a storage URI)")
+    tune.add_argument("--trust-storage", action="store_true",
+                      help="resume from a storage URI (s3://...) whose writers cannot be checked from here")
     tune.add_argument("--address", help="Ray cluster to connect to (default: RAY_ADDRESS, else a local Ray)")
     tune.set_defaults(func=cmd_tune)
     plot = sub.add_parser("plot", help="draw PNG figures of one or several run folders")

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from fdam_ray.algorithms.presets import PRESETS
+from fdam_ray.factories import PYTHON_PREFIX, import_path_of, is_import_path, python_name, resolve
 from fdam_ray.schedules import MIN_LR, ScheduleSection, last_stage
 
 
@@ -31,7 +32,7 @@ class ConfigError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Field:
     name: str
-    kind: str  # "int", "float", "bool", "str", "batch", "int_list", "str_list"
+    kind: str  # "int", "float", "bool", "str", "batch", "int_list", "str_list", "factory" (a name or module:attr)
     default: Any
     doc: str
     choices: tuple[str, ...] | None = None
@@ -49,8 +50,9 @@ _nonneg = (lambda v: v >= 0, ">= 0")
 _ge1 = (lambda v: v >= 1, ">= 1")
 
 MODEL_NAMES = ("linear", "mlp", "cnn", "resnet20", "densenet121", "densenet161")
-# "arrays" is set by fdam_ray.train_arrays (bring-your-own data), not by hand.
-DATASET_NAMES = ("digits", "synthetic", "arrays", "cifar10", "cifar100", "imagefolder", "mnist5k", "chestxray")
+# "arrays" and "datasets" are set by fdam_ray.train_arrays / train_datasets (bring-your-own data), not by hand.
+DATASET_NAMES = ("digits", "synthetic", "arrays", "cifar10", "cifar100", "imagefolder", "mnist5k", "chestxray",
+                 "datasets")
 CHESTXRAY_SOURCES = ("chexpert", "nih", "padchest", "mimic", "vindr")
 
 FIELDS: tuple[Field, ...] = (
@@ -92,7 +94,9 @@ FIELDS: tuple[Field, ...] = (
        check=_ge1[0], allowed=_ge1[1]),
     _f("rounds_per_stage", "int", 10, "R, rounds per stage (geometric).", check=_ge1[0], allowed=_ge1[1]),
     # -- data ---------------------------------------------------------------------
-    _f("dataset", "str", "digits", "Dataset name.", choices=DATASET_NAMES),
+    _f("dataset", "factory", "digits", "Dataset name, or your own factory module:attr called on each client as "
+       "factory(client_id, num_clients, split) -> torch Dataset of (x, y) items, split 'train' or 'test' (None: "
+       "no test split).", choices=DATASET_NAMES),
     _f("data_root", "str", None, "Folder of an on-disk dataset.", optional=True),
     _f("partition", "str", "ih", "How a labelled dataset is split over clients: ih (class-disjoint, "
        "the paper's) or dirichlet.", choices=("ih", "dirichlet")),
@@ -151,8 +155,11 @@ FIELDS: tuple[Field, ...] = (
     _f("data_workers", "int", 0, "DataLoader worker processes per client for datasets read from disk.",
        check=_nonneg[0], allowed=_nonneg[1]),
     # -- model --------------------------------------------------------------------
-    _f("model", "str", "cnn", "Scoring network.", choices=MODEL_NAMES),
-    _f("model_width", "int", 32, "Width of mlp hidden layers / cnn channels.", check=_ge1[0], allowed=_ge1[1]),
+    _f("model", "factory", "cnn", "Scoring network: a name, or your own factory module:attr called as "
+       "factory(input_shape, num_tasks) -> nn.Module giving (B, T) logits, on the driver and every client.",
+       choices=MODEL_NAMES),
+    _f("model_width", "int", 32, "Width of mlp hidden layers / cnn channels; passed to your own model factory "
+       "as width= if it has that parameter, else unused.", check=_ge1[0], allowed=_ge1[1]),
     # -- models: weights, pre-training ---------------------------------------------
     _f("model_weights", "str", None, "Local file of initial network weights (a state_dict saved with "
        "torch.save, or a run's model.pt); a classifier head of another size is re-initialised. Never "
@@ -234,7 +241,9 @@ FIELD_BY_NAME = {f.name: f for f in FIELDS}
 RENAMED_PER_ACTOR = {"cpus_per_client": "cpus_per_actor", "gpus_per_client": "gpus_per_actor",
                      "threads_per_client": "threads_per_actor"}
 
-_TYPES: dict[str, Any] = {"int": int, "float": float, "bool": bool, "str": str, "batch": int,
+# A "factory" field holds a string, except that in Python ``model`` may hold a factory that cannot be imported
+# by name (a lambda, a local function, one of the __main__ script): it then travels to clients by value.
+_TYPES: dict[str, Any] = {"int": int, "float": float, "bool": bool, "str": str, "factory": str, "batch": int,
                           "int_list": tuple[int, ...], "str_list": tuple[str, ...]}
 
 
@@ -250,11 +259,16 @@ Config = dataclasses.make_dataclass(
     frozen=True,
     namespace={
         "__doc__": "A validated run configuration; build it with :func:`build_config`.",
-        "to_dict": lambda self: dataclasses.asdict(self),
+        "to_dict": lambda self: _plain(dataclasses.asdict(self)),
         "replace": lambda self, **changes: build_config({**dataclasses.asdict(self), **changes}),
     },
 )
 Config.__module__ = __name__  # picklable by reference (configs travel to Ray actors and Tune trials)
+
+
+def _plain(values: dict[str, Any]) -> dict[str, Any]:
+    """A config's values as data: a factory given in Python is recorded by its name (``python:module.name``)."""
+    return {k: python_name(v) if callable(v) else v for k, v in values.items()}
 
 
 class _Loader(yaml.SafeLoader):
@@ -297,8 +311,10 @@ def load_yaml(text: str) -> Any:
 def read_yaml_file(path: str | Path, what: str) -> Any:
     """Read a YAML file; any problem (missing, not UTF-8, not YAML, a key given twice) is one
     :class:`ConfigError` naming ``what`` and the file."""
+    from fdam_ray.locations import is_uri, read_uri_text
+
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = read_uri_text(path) if is_uri(str(path)) else Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{what} '{path}' does not exist") from None
     except UnicodeDecodeError as exc:
@@ -341,6 +357,8 @@ def _coerce(field: Field, value: Any) -> Any:
             return None
         raise _fail(field.name, value, f"a value is required; {field.allowed or field.kind}".rstrip("; "))
     kind = field.kind
+    if kind == "factory":
+        return _factory_value(field, value)
     if kind == "bool":
         if isinstance(value, bool):
             return value
@@ -391,6 +409,33 @@ def _coerce(field: Field, value: Any) -> Any:
     if field.check is not None and not field.check(value):
         raise _fail(field.name, value, field.allowed)
     return value
+
+
+def _factory_value(field: Field, value: Any) -> Any:
+    """A built-in name, an import path ``module:attr`` that resolves here to a callable, or (``model`` in Python)
+    the factory itself, kept as its import path when it has one."""
+    names = ", ".join(field.choices or ())
+    if isinstance(value, str):
+        if value in (field.choices or ()):
+            return value
+        if value.startswith(PYTHON_PREFIX):
+            raise ConfigError(
+                f"config field '{field.name}': {value!r} is a factory that was given in Python and cannot be "
+                f"imported by name; give the callable again (fdam_ray.train(config, {field.name}=...), "
+                f"fdam_ray.resume(run_dir, {field.name}=...)) or an import path module:attr")
+        if is_import_path(value):
+            try:
+                resolve(value, field=f"config field '{field.name}'")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            return value
+        hint = difflib.get_close_matches(value, field.choices or (), n=1)
+        extra = f"; did you mean '{hint[0]}'?" if hint else ""
+        raise _fail(field.name, value, f"one of {names}, or your own factory as an import path module:attr{extra}")
+    if callable(value) and field.name == "model":
+        return import_path_of(value) or value
+    raise _fail(field.name, value, f"one of {names}, or an import path module:attr"
+                + (", or in Python the factory itself" if field.name == "model" else ""))
 
 
 def _flatten_sections(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -551,5 +596,7 @@ def describe_fields() -> str:
     rows = []
     for f in FIELDS:
         allowed = ", ".join(f.choices) if f.choices else f.allowed
+        if f.kind == "factory":
+            allowed += ", or module:attr"
         rows.append(f"{f.name:<24} {f.default!s:<10} {f.doc}" + (f" [{allowed}]" if allowed else ""))
     return "\n".join(rows)

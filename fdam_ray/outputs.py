@@ -25,6 +25,7 @@ import csv
 import dataclasses
 import json
 import logging
+import re
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -34,6 +35,7 @@ import torch
 import yaml
 
 from fdam_ray.checkpoint import save_checkpoint
+from fdam_ray.locations import output_root
 from fdam_ray.runlock import RunLock, check_not_in_use
 from fdam_ray.sections import Section
 from fdam_ray.state import RoundPlan
@@ -360,7 +362,7 @@ class EvalCallback(Observer):
 
 def make_run_dir(config: OutputSection) -> Path:
     """Create the run folder (refusing to reuse a non-empty one)."""
-    root = Path(config.out_dir)
+    root = output_root(config.out_dir, "out_dir")
     if config.run_name:
         path = root / config.run_name
         check_not_in_use(path)
@@ -368,7 +370,8 @@ def make_run_dir(config: OutputSection) -> Path:
             raise ValueError(f"run folder '{path}' already exists and is not empty; choose another run_name "
                              "or continue it with --resume")
     else:
-        base = f"{datetime.now():%Y%m%d-%H%M%S}-{config.algorithm}-{config.dataset}"
+        dataset = re.sub(r"[^\w.-]+", "_", str(config.dataset).rpartition(":")[2])  # a factory: its name
+        base = f"{datetime.now():%Y%m%d-%H%M%S}-{config.algorithm}-{dataset}"
         path, n = root / base, 1
         while path.exists():
             path, n = root / f"{base}-{n}", n + 1

@@ -68,3 +68,37 @@ class SlowClientSource(DataSource):
 
     def test_set(self):
         return self.inner.test_set()
+
+
+class DamagedDataset(torch.utils.data.Dataset):
+    """Samples of which every read after the first ``good`` fails, as a damaged image file does mid-run."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, good: int, name: str) -> None:
+        self.x, self.y, self.good, self.name, self.reads = x, y, good, name, 0
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        self.reads += 1
+        if self.reads > self.good:
+            raise ValueError(f"cannot decode {self.name}/img{i}.png: the file is truncated")
+        return torch.from_numpy(self.x[i]), torch.from_numpy(self.y[i])
+
+
+class DamagedSource(DataSource):
+    """Wraps a source; every client's training files turn out damaged after a few batches (client k later)."""
+
+    def __init__(self, inner: DataSource, good: int = 40) -> None:
+        self.inner, self.good = inner, good
+        self.num_clients, self.num_tasks = inner.num_clients, inner.num_tasks
+        self.input_shape, self.task_names = inner.input_shape, inner.task_names
+
+    def client_shard(self, client_id: int) -> Shard:
+        shard = self.inner.client_shard(client_id)
+        x, y = shard.train.x.numpy(), shard.train.y.numpy()
+        damaged = DamagedDataset(x, y, self.good + 5 * client_id, f"site{client_id}")
+        return Shard(DatasetSplit(damaged, y), shard.test)
+
+    def test_set(self):
+        return self.inner.test_set()

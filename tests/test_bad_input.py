@@ -160,6 +160,8 @@ OTHER_CASES = [
      "search field 'lr': uniform needs [low, high] (two numbers), got ['low', 'high']"),
     ("tune: resuming a damaged sweep folder", lambda t: ["tune", "--resume", damage_sweep(t)],
      "fdam_space.yaml' is not valid YAML"),
+    ("tune: resuming from a bucket without --trust-storage", lambda t: ["tune", "--resume", "s3://lab/sweeps/s1"],
+     "--resume: 's3://lab/sweeps/s1' is remote storage; resuming unpickles the sweep's state"),
     ("plot: a damaged config.yaml", lambda t: ["plot", copy_run(t, lambda r: _write(r / "config.yaml", "lr: [0.1\n")),
                                                "--out", str(t / "fig")],
      "config.yaml' is not valid YAML"),

@@ -6,6 +6,7 @@ everything it started by its own pid.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -79,21 +80,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclasses.dataclass
+class Head:
+    env: dict  # the environment of a process of this cluster's machine (its RAY_TMPDIR, its HOME)
+    address: str  # the GCS address ray start recorded
+    dashboard: str | None  # the job submission address, when the dashboard runs
+
+
 @pytest.fixture
-def ray_head(tmp_path_factory):
+def ray_head(request):
     """A `ray start --head` cluster of this machine, on free ports, recorded in a temp folder of its own.
 
     RAY_TMPDIR points Ray (and the fdam processes given ``env``) at that folder, so the
-    test neither sees nor disturbs other Ray instances of the machine. Stopped by pid.
+    test neither sees nor disturbs other Ray instances of the machine; HOME points into it
+    too. Indirect parameter ``True``: with the dashboard (for ``ray job submit``). Stopped by pid.
     """
     import tempfile
 
     tmp = Path(tempfile.mkdtemp(prefix="fdr", dir="/tmp"))  # short: Ray's socket paths live under it
-    env = {**os.environ, "RAY_TMPDIR": str(tmp), "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
+    (tmp / "home" / ".ray").mkdir(parents=True)
+    token = Path.home() / ".ray" / "auth_token"
+    if token.exists():  # the machine's token, so that clients of this cluster find it in the new HOME
+        (tmp / "home" / ".ray" / "auth_token").write_bytes(token.read_bytes())
+    env = {**os.environ, "RAY_TMPDIR": str(tmp), "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1",
+           "HOME": str(tmp / "home")}
     ports = ["--port", "--ray-client-server-port", "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
              "--runtime-env-agent-port", "--metrics-export-port", "--node-manager-port", "--object-manager-port"]
+    dashboard = None
+    if getattr(request, "param", False):
+        dashboard = f"http://127.0.0.1:{free_port()}"
+        ports_and_dashboard = ["--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                               f"--dashboard-port={dashboard.rsplit(':', 1)[1]}"]
+    else:
+        ports_and_dashboard = ["--include-dashboard=false"]
     ray_cli = str(Path(sys.executable).with_name("ray"))
-    head = subprocess.Popen([ray_cli, "start", "--head", "--block", "--include-dashboard=false", "--num-cpus=2",
+    head = subprocess.Popen([ray_cli, "start", "--head", "--block", *ports_and_dashboard, "--num-cpus=2",
                              "--disable-usage-stats", *(f"{p}={free_port()}" for p in ports)],
                             env=env, cwd=tmp, stdout=(tmp / "head.log").open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -103,7 +124,7 @@ def ray_head(tmp_path_factory):
         while not (recorded.exists() and recorded.read_text().strip()):
             assert head.poll() is None and time.time() < deadline, (tmp / "head.log").read_text()[-2000:]
             time.sleep(0.2)
-        yield env, recorded.read_text().strip()
+        yield Head(env, recorded.read_text().strip(), dashboard)
     finally:
         if head.poll() is None:
             os.killpg(head.pid, signal.SIGTERM)
@@ -134,7 +155,7 @@ def _pids_using(folder: Path) -> list[int]:
 
 @pytest.mark.slow  # about a minute: a Ray head, two drivers
 def test_a_ray_start_cluster_of_this_machine_is_joined_and_address_local_starts_a_private_one(ray_head, tmp_path):
-    env, address = ray_head
+    env, address = ray_head.env, ray_head.address
     args = [sys.executable, "-m", "fdam_ray", "train", "executor=ray", *SMALL, "iterations=10", "local_steps=5",
             f"out_dir={tmp_path}", "--quiet"]
     joined = subprocess.run(args, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
@@ -241,7 +262,7 @@ def test_sigterm_stops_an_inline_run_at_a_round_end_with_a_checkpoint_and_resume
 
 def test_sigterm_stops_a_ray_run_the_same_way(tmp_path):
     # fold_order=client makes the Ray run the inline run bit for bit, so the inline reference holds
-    stop_with_sigterm_and_resume(tmp_path, ["executor=ray", "fold_order=client", "cpus_per_client=0.5"])
+    stop_with_sigterm_and_resume(tmp_path, ["executor=ray", "fold_order=client", "cpus_per_actor=0.5"])
 
 
 def test_sigint_stops_a_run_and_resume_from_its_last_checkpoint_ends_bit_identical(tmp_path):
@@ -267,3 +288,65 @@ def test_sigint_stops_a_run_and_resume_from_its_last_checkpoint_ends_bit_identic
     whole, resumed = (torch.load(tmp_path / n / "model.pt", weights_only=True) for n in ("whole", "cut"))
     for key, value in whole["model"].items():
         np.testing.assert_array_equal(resumed["model"][key].numpy(), value.numpy(), err_msg=key)
+
+
+DAMAGED_RUN = """
+import sys
+import time
+from conftest import gaussian_clients
+from raytest import DamagedSource
+from fdam_ray.config import build_config
+from fdam_ray.data.arrays import ArraysSource
+from fdam_ray.recipe import run
+
+clients, test = gaussian_clients(num_clients=4)
+config = build_config(dict(model="mlp", model_width=8, batch_size=4, eval_every=2, seed=2, lr=0.2, local_steps=2,
+                           cpus_per_actor=0.5, dataset="arrays", num_clients=4, executor="ray", iterations=200))
+try:
+    run(config, source=DamagedSource(ArraysSource(clients, test)), save=False)
+except ValueError as exc:
+    print("stopped:", str(exc).splitlines()[0], file=sys.stderr)
+    time.sleep(4)  # a process that goes on (a notebook, a sweep): Ray reports unfetched errors meanwhile
+    sys.exit(2)
+"""
+
+
+def test_a_clients_data_error_mid_round_under_ray_prints_one_error_and_no_unhandled_ray_tracebacks(tmp_path):
+    # every client's files turn out damaged within a few rounds: the first error stops the run, and the calls
+    # of the other clients still in flight (which fail the same way) must not reach stderr as Ray's
+    # "Unhandled error" tracebacks
+    tests_dir = str(Path(__file__).parent)
+    path = os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "RAY_ADDRESS": "", "PYTHONPATH": path}
+    proc = subprocess.run([sys.executable, "-c", DAMAGED_RUN], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "stopped: client 0 failed in round" in proc.stderr and "the file is truncated" in proc.stderr
+    assert "Unhandled error" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.slow  # about a minute: a Ray head with its dashboard, one job
+@pytest.mark.parametrize("ray_head", [True], indirect=True)
+def test_a_run_submitted_as_a_ray_job_with_a_working_dir_writes_where_the_user_finds_it(ray_head, tmp_path):
+    # `ray job submit --working-dir` runs the driver in Ray's temporary copy of that folder, deleted after
+    # the job: a relative out_dir must not land there
+    work = tmp_path / "checkout"
+    work.mkdir()
+    (work / "notes.txt").write_text("a working directory to ship")
+    env = {**ray_head.env, "RAY_AUTH_MODE": "token"}
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    deadline = time.time() + 120
+    while True:  # the dashboard's job agent starts a few seconds after the head
+        job = subprocess.run([ray_cli, "job", "submit", "--address", ray_head.dashboard, "--working-dir", str(work),
+                              "--", sys.executable, "-m", "fdam_ray", "train", "executor=ray", *SMALL,
+                              "iterations=20", "cpus_per_actor=0.5", "run_name=job"],
+                             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        if "No available agent" not in job.stderr + job.stdout or time.time() > deadline:
+            break
+        time.sleep(3)
+    out = job.stdout + job.stderr
+    assert job.returncode == 0, out[-3000:]
+    home = Path(ray_head.env["HOME"])
+    assert (home / "runs" / "job" / "metrics.jsonl").is_file()
+    assert f"run folder: {home / 'runs' / 'job'} (on host " in out
+    assert "which Ray deletes after the job: out_dir=runs is relative" in out

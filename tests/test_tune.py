@@ -168,3 +168,99 @@ def test_resume_refuses_a_sweep_folder_others_can_write(tmp_path, capsys, change
     assert "resuming unpickles the sweep's state" in err and err.count("\n") == 1
     assert ray.is_initialized() == was_running  # refused before Ray was started
     assert sorted(p.name for p in sweep.iterdir()) == [SPACE_FILE, "tuner.pkl"]
+
+
+def test_a_storage_uri_goes_to_tune_untouched(tmp_path, ray_session, monkeypatch, capsys):
+    # file:// is the one URI scheme reachable offline; Tune reads it as the local folder it names
+    monkeypatch.chdir(tmp_path)
+    remote = tmp_path / "bucket"
+    uri = f"file://{remote}/sweeps"
+    space = write_space(tmp_path, {"lr": {"grid": [0.2, 0.002]}}, {"name": "remote", "driver_cpus": 0.5})
+    assert main(["tune", str(space), f"tune.storage_path={uri}", "iterations=60"]) == 0
+    sweep = remote / "sweeps" / "remote"
+    assert f"sweep results: {sweep / 'sweep_results.md'}" in capsys.readouterr().out
+    assert not any(p.name.endswith(":") for p in tmp_path.rglob("*"))  # no local 'file:' folder
+    assert len(read_rows(sweep)) == 2 and (sweep / "best_config.yaml").is_file()
+    assert len(list(sweep.glob("trial_*/run/metrics.jsonl"))) == 2
+    from fdam_ray.tuning.sweep import check_resume_trusted
+
+    check_resume_trusted(f"{uri}/remote")  # a file:// sweep is checked like a local folder, and
+    sweep.chmod(0o777)
+    with pytest.raises(ConfigError, match="can be written by other users"):
+        check_resume_trusted(f"{uri}/remote")
+    with pytest.raises(ConfigError, match=r"is remote storage.*--trust-storage"):
+        check_resume_trusted("s3://lab/sweeps/remote")  # a bucket's writers cannot be checked from here
+
+
+def test_a_sweep_kept_at_remote_storage_writes_its_results_there_and_a_local_copy(tmp_path, monkeypatch):
+    # the sweep's results, written after Tune returns, go through the same filesystem layer Tune uses; here
+    # s3:// is served by a local folder (only in this process: no trial runs)
+    import pyarrow.fs
+
+    from fdam_ray import locations
+    from fdam_ray.tuning.report import write_sweep_outputs
+
+    bucket = tmp_path / "bucket"
+
+    def open_storage(uri):
+        assert uri.startswith("s3://lab/sweeps/s3sweep"), uri
+        return pyarrow.fs.SubTreeFileSystem(str(bucket), pyarrow.fs.LocalFileSystem()), uri[len("s3://"):]
+
+    monkeypatch.setattr(locations, "open_storage", open_storage)
+    monkeypatch.chdir(tmp_path)
+    space = load_space(str(write_space(tmp_path, {"lr": {"grid": [0.1]}}, {"name": "s3sweep"})))
+
+    class Result:
+        def __init__(self):
+            self.error, self.path, self.config = None, "s3://lab/sweeps/s3sweep/trial_0", {"lr": 0.1}
+            self.metrics = {"done": True, "test_auc": 0.9, "iteration": 120}
+            self.metrics_dataframe = None
+
+    class Grid(list):
+        experiment_path = "s3://lab/sweeps/s3sweep"
+
+    (bucket / "lab" / "sweeps" / "s3sweep").mkdir(parents=True)
+    (bucket / "lab" / "sweeps" / "s3sweep" / "errors.log").write_text("from an earlier, interrupted pass")
+    outcome = write_sweep_outputs(Grid([Result()]), space)
+    assert outcome.storage == "s3://lab/sweeps/s3sweep" and outcome.resume_from == outcome.storage
+    stored = bucket / "lab" / "sweeps" / "s3sweep"
+    assert outcome.path == tmp_path / "tune_results" / "s3sweep"
+    for name in ("sweep_results.csv", "sweep_results.md", "best_config.yaml", "top_trials.png"):
+        assert (stored / name).read_bytes() == (outcome.path / name).read_bytes(), name
+    assert not (stored / "errors.log").exists()  # a stale answer does not stand
+    assert read_rows(stored)[0]["final_test_auc"] == "0.9"
+
+
+def test_an_unreachable_storage_uri_is_one_line_and_no_local_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    space = write_space(tmp_path, {"lr": {"grid": [0.1]}}, {"name": "s3sweep"})
+    assert main(["tune", str(space), "tune.storage_path=s3://no-such-bucket-here/sweeps"]) == 1
+    err = capsys.readouterr().err
+    assert "storage 's3://no-such-bucket-here/sweeps/s3sweep' cannot be opened" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["space.yaml"]
+
+
+def test_a_relative_out_dir_inside_a_ray_job_lands_in_the_home_folder_and_says_where(tmp_path, monkeypatch,
+                                                                                       capsys, caplog):
+    import json
+
+    from fdam_ray.locations import JOB_CONFIG_VARIABLE, output_root
+
+    package = tmp_path / "session" / "runtime_resources" / "working_dir_files" / "_ray_pkg_0123"
+    package.mkdir(parents=True)
+    home = tmp_path / "home"
+    monkeypatch.chdir(package)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv(JOB_CONFIG_VARIABLE, json.dumps({"runtime_env": {"working_dir": "gcs://_ray_pkg_0123.zip"}}))
+    assert output_root("/shared/runs", "out_dir") == __import__("pathlib").Path("/shared/runs")  # absolute: kept
+    rc = main(["train", "executor=inline", "iterations=4", "eval_every=2", "run_name=job", "--quiet",
+               *[f"{k}={v}" for k, v in BASE.items() if k not in ("iterations", "eval_every")]])
+    assert rc == 0
+    assert (home / "runs" / "job" / "metrics.jsonl").is_file() and not (package / "runs").exists()
+    out = capsys.readouterr().out
+    assert f"run folder: {home / 'runs' / 'job'} (on host " in out
+    assert any("Ray deletes after the job" in r.getMessage() and "out_dir=runs" in r.getMessage()
+               for r in caplog.records)
+    monkeypatch.delenv(JOB_CONFIG_VARIABLE)  # a plain process: a relative path is the current folder's
+    assert output_root("runs", "out_dir") == __import__("pathlib").Path("runs")

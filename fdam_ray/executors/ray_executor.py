@@ -96,6 +96,7 @@ class RayExecutor(Executor):
         self._adopt_global_c: set[int] = set()
         self._test_size = 0
         self._put_state: GlobalState | None = None
+        self._in_flight: dict[Any, tuple[int, float]] = {}
         self._put_ref = None
 
     # -- set-up ---------------------------------------------------------------------------
@@ -207,6 +208,7 @@ class RayExecutor(Executor):
         remaining = sorted(self.actors if actors is None else actors)
         attempts = dict.fromkeys(remaining, 0)
         pending: dict[Any, tuple[int, float]] = {}
+        self._in_flight = pending  # what is left of it when the run stops is settled at shutdown
         results: dict[int, Any] = {}
 
         def launch(a: int) -> None:
@@ -304,6 +306,18 @@ class RayExecutor(Executor):
                             **({"dropped": dropped} if dropped is not None else {})})
         log.warning("%s -> %s", err, outcome if dropped is None or len(err.clients) == 1
                     else f"{outcome} (clients {', '.join(map(str, dropped))})")
+
+    def _settle(self, refs: list) -> None:
+        """Fetch calls left in flight when a run stopped (another client's error, Ctrl+C), ignoring their
+        outcome: Ray would otherwise print an "Unhandled error" traceback for each one that failed."""
+        if not refs:
+            return
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0)
+        for ref in done:
+            try:
+                ray.get(ref, timeout=0)
+            except Exception as exc:  # the run has already stopped for another reason
+                log.debug("a call abandoned when the run stopped ended with %s", type(exc).__name__)
 
     def _kill(self, a: int) -> None:
         actor = self.actors.pop(a, None)
@@ -442,8 +456,10 @@ class RayExecutor(Executor):
         return {k: where[a] for a in sorted(where) for k in self.hosted[a]}
 
     def shutdown(self) -> None:
+        abandoned = list(self._in_flight)
         for a in list(self.actors):
             self._kill(a)
+        self._settle(abandoned)
         if self._own_group and self.placement_group is not None:
             remove_placement_group(self.placement_group)
         self.placement_group, self._own_group = None, False

@@ -10,10 +10,12 @@ from pathlib import Path
 import yaml
 
 from fdam_ray.config import build_config
+from fdam_ray.locations import RemoteFolder, is_uri, output_root
 from fdam_ray.plots import plot_top_trials
 from fdam_ray.tuning.space import Space
 
 ERRORS_FILE = "errors.log"
+LOCAL_COPY = "tune_results"  # where a sweep kept at a storage URI gets a local copy of its results
 
 
 @dataclasses.dataclass
@@ -26,6 +28,8 @@ class SweepOutcome:
         failed: (trial, the error's last line) for every trial that raised.
         unfinished: trials neither finished nor failed (the sweep was interrupted).
         best_config: ``best_config.yaml``, or None when no trial finished or the sweep is unfinished.
+        storage: the sweep's storage URI when it is kept remotely (``path`` is then a local copy of the
+            tables, best config and figure); None for a local sweep.
     """
 
     path: Path
@@ -33,6 +37,12 @@ class SweepOutcome:
     failed: list[tuple[str, str]]
     unfinished: int
     best_config: Path | None
+    storage: str | None = None
+
+    @property
+    def resume_from(self) -> str:
+        """What ``fdam tune --resume`` takes to continue this sweep."""
+        return self.storage or str(self.path)
 
     @property
     def errors_file(self) -> Path:
@@ -53,7 +63,12 @@ def write_sweep_outputs(grid, space: Space) -> SweepOutcome:
     """Table (CSV, Markdown) sorted by the metric, ``best_config.yaml`` (from finished trials of a sweep
     that ran to its end), ``top_trials.png`` and, when trials failed, their errors in full in ``errors.log``."""
     opts = space.options
-    out = Path(grid.experiment_path)
+    location = str(grid.experiment_path)
+    remote = RemoteFolder(location) if is_uri(location) else None
+    out = Path(location)
+    if remote is not None:  # tables and best config also go to a local folder, to read and train from
+        out = (output_root(LOCAL_COPY, "tune.storage_path") / out.name).resolve()
+    out.mkdir(parents=True, exist_ok=True)
     rows = []
     failed: list[tuple[str, str]] = []
     full_errors: list[str] = []
@@ -109,8 +124,13 @@ def write_sweep_outputs(grid, space: Space) -> SweepOutcome:
             f"# fdam train --config {out / 'best_config.yaml'}\n" + yaml.safe_dump(plain, sort_keys=False),
             encoding="utf-8")
     plot_top_trials(rows[: opts.top_trials], out / "top_trials.png", opts.metric, list(space.search))
+    if remote is not None:
+        for name in (best_file.name, ERRORS_FILE):
+            if not (out / name).exists():
+                remote.remove(name)
+        remote.upload(out, ["sweep_results.csv", "sweep_results.md", best_file.name, ERRORS_FILE, "top_trials.png"])
     return SweepOutcome(out, max(len(grid), expected_trials(space)), failed, unfinished,
-                        best_file if best_file.exists() else None)
+                        best_file if best_file.exists() else None, None if remote is None else remote.uri)
 
 
 def expected_trials(space: Space) -> int:

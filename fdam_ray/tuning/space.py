@@ -26,6 +26,7 @@ from fdam_ray.config import (
     read_yaml_file,
     typed_value,
 )
+from fdam_ray.locations import RemoteFolder, is_uri, join_uri
 
 SPEC_KINDS = ("grid", "choice", "uniform", "loguniform", "randint")
 REPORTED = ("iteration", "round", "stage", "test_auc", "train_loss", "bytes_up", "bytes_down", "wall_s")
@@ -179,8 +180,8 @@ def param_space(search: dict[str, dict], searcher: str) -> dict:
 
 def space_of_sweep(sweep_dir: str | Path) -> Space:
     """The search space a sweep folder was started with (for ``fdam tune --resume DIR``)."""
-    path = Path(sweep_dir) / SPACE_FILE
-    if not path.is_file():
+    path = join_uri(sweep_dir, SPACE_FILE) if is_uri(str(sweep_dir)) else Path(sweep_dir) / SPACE_FILE
+    if not (RemoteFolder(str(sweep_dir)).exists(SPACE_FILE) if is_uri(str(sweep_dir)) else path.is_file()):
         raise ConfigError(f"'{sweep_dir}' is not a sweep folder made by fdam tune (no {SPACE_FILE})")
     data = read_yaml_file(path, "sweep space file")
     known = {f.name for f in dataclasses.fields(TuneOptions)}

@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from fdam_ray.config import ConfigError, build_config
+from fdam_ray.locations import RemoteFolder, is_uri, join_uri, local_path_of, output_root
 from fdam_ray.tuning.report import SweepOutcome, cell, write_sweep_outputs
 from fdam_ray.tuning.space import SPACE_FILE, Space, param_space
 from fdam_ray.tuning.trial import federation_trial, trial_bundles
@@ -44,15 +45,24 @@ def _searcher(space: Space):
     return OptunaSearch()
 
 
-def check_resume_trusted(sweep_dir: str | Path) -> None:
+def check_resume_trusted(sweep_dir: str | Path, *, trust_storage: bool = False) -> None:
     """Refuse to resume from a sweep folder another user could have written to.
 
     Ray Tune's restore unpickles ``tuner.pkl`` and the experiment state in the
     folder, and unpickling runs whatever code the file names. So, as ssh does with
     keys, the folder and every file directly in it must belong to this user (or
-    root) and be writable by no one else.
+    root) and be writable by no one else. Who can write to a storage URI (a bucket)
+    cannot be checked from here: such a sweep resumes only with ``trust_storage``.
     """
-    folder = Path(sweep_dir)
+    local = local_path_of(sweep_dir)
+    if local is None:
+        if not trust_storage:
+            raise ConfigError(
+                f"--resume: '{sweep_dir}' is remote storage; resuming unpickles the sweep's state, which runs any "
+                "code put in it, and who can write there cannot be checked from here: add --trust-storage if only "
+                "you (or people you trust) can write to it")
+        return
+    folder = local
     uid = os.getuid()
     for path in [folder, *sorted(folder.iterdir())]:
         st = path.stat()
@@ -69,24 +79,45 @@ def check_resume_trusted(sweep_dir: str | Path) -> None:
                 f"can write (check who changed it, then chmod go-w or chown it)")
 
 
-def run_sweep(space: Space, *, resume_dir: str | None = None, address: str | None = None) -> SweepOutcome:
-    """Run (or resume) a sweep and write its tables, best config and figure; returns how it ended."""
+def storage_of(storage_path: str) -> str:
+    """``tune.storage_path`` as Ray Tune gets it: a URI untouched, a local path made absolute (see
+    :func:`fdam_ray.locations.output_root` for a relative path inside a Ray job)."""
+    if is_uri(storage_path):
+        return storage_path
+    return str(output_root(storage_path, "tune.storage_path").resolve())
+
+
+def run_sweep(space: Space, *, resume_dir: str | None = None, address: str | None = None,
+              trust_storage: bool = False) -> SweepOutcome:
+    """Run (or resume) a sweep and write its tables, best config and figure; returns how it ended.
+
+    ``tune.storage_path`` may be a local folder or a storage URI (``s3://...``), passed to Ray Tune untouched;
+    with a URI the trials' run folders are synced there too, and the tables and best config are written both
+    there and to a local copy (:data:`fdam_ray.tuning.report.LOCAL_COPY`).
+    """
     from ray import tune
 
     if resume_dir:
-        check_resume_trusted(resume_dir)
+        check_resume_trusted(resume_dir, trust_storage=trust_storage)
 
     base_config = build_config(space.base)
+    storage = storage_of(space.options.storage_path)
     if not resume_dir:
         if space.options.name is None:
             space.options.name = f"sweep-{datetime.now():%Y%m%d-%H%M%S}"
-        exp_dir = Path(space.options.storage_path).resolve() / space.options.name
-        if exp_dir.exists():
-            raise ConfigError(f"sweep folder '{exp_dir}' exists; choose another tune.name or use --resume")
-        exp_dir.mkdir(parents=True)
-        (exp_dir / SPACE_FILE).write_text(yaml.safe_dump(
-            {"base": space.base, "search": space.search, "tune": dataclasses.asdict(space.options)},
-            sort_keys=False), encoding="utf-8")
+        text = yaml.safe_dump({"base": space.base, "search": space.search, "tune": dataclasses.asdict(space.options)},
+                              sort_keys=False)
+        if is_uri(storage):
+            folder = RemoteFolder(join_uri(storage, space.options.name))
+            if folder.exists():
+                raise ConfigError(f"sweep folder '{folder.uri}' exists; choose another tune.name or use --resume")
+            folder.write_text(SPACE_FILE, text)
+        else:
+            exp_dir = Path(storage) / space.options.name
+            if exp_dir.exists():
+                raise ConfigError(f"sweep folder '{exp_dir}' exists; choose another tune.name or use --resume")
+            exp_dir.mkdir(parents=True)
+            (exp_dir / SPACE_FILE).write_text(text, encoding="utf-8")
     from fdam_ray.executors.ray_session import ensure_ray
 
     ensure_ray(address=address, cpus_needed=1)
@@ -100,8 +131,8 @@ def run_sweep(space: Space, *, resume_dir: str | None = None, address: str | Non
 
     trainable = tune.with_resources(tune.with_parameters(federation_trial, base=base), resources)
     if resume_dir:
-        tuner = tune.Tuner.restore(str(Path(resume_dir).resolve()), trainable=trainable, resume_unfinished=True,
-                                   resume_errored=True)
+        where = resume_dir if is_uri(resume_dir) else str(Path(resume_dir).resolve())
+        tuner = tune.Tuner.restore(where, trainable=trainable, resume_unfinished=True, resume_errored=True)
     else:
         opts = space.options
         tuner = tune.Tuner(
@@ -113,8 +144,10 @@ def run_sweep(space: Space, *, resume_dir: str | None = None, address: str | Non
                 max_concurrent_trials=opts.max_concurrent_trials,
                 trial_name_creator=_trial_name, trial_dirname_creator=_trial_name,
             ),
-            run_config=tune.RunConfig(name=opts.name, storage_path=str(Path(opts.storage_path).resolve()),
-                                      checkpoint_config=tune.CheckpointConfig(num_to_keep=2), verbose=1),
+            run_config=tune.RunConfig(name=opts.name, storage_path=storage,
+                                      checkpoint_config=tune.CheckpointConfig(num_to_keep=2), verbose=1,
+                                      # remote storage: each trial's run folder (metrics, train.log) goes there too
+                                      sync_config=tune.SyncConfig(sync_artifacts=is_uri(storage))),
         )
     grid = tuner.fit()
     return write_sweep_outputs(grid, space)
