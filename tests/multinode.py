@@ -15,7 +15,6 @@ from collections.abc import Iterator
 
 import ray
 from ray.cluster_utils import Cluster
-
 from raytest import TESTS_DIR
 
 OBJECT_STORE_BYTES = 150 * 1024 * 1024
