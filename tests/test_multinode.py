@@ -10,6 +10,7 @@ import dataclasses
 import threading
 import time
 
+import numpy as np
 import pytest
 import ray
 from conftest import gaussian_clients
@@ -61,6 +62,7 @@ def test_spread_puts_clients_on_distinct_nodes_and_logs_where_each_runs(cluster,
         assert f"placement: clients {k} -> actor {k} -> node {node} ({ip[node]})" in log
 
 
+@pytest.mark.slow
 def test_pack_puts_clients_on_as_few_nodes_as_fit(cluster):
     clients, test = gaussian_clients(num_clients=3)
     executor = Recording()
@@ -108,6 +110,45 @@ def test_a_resource_no_node_offers_is_named_with_the_client_at_once(cluster):
     message = str(got.value)
     assert "client 1" in message and "site_7" in message and "site_0, site_1, site_2" in message
     assert "\n" not in message
+
+
+# -- per-node reduction ------------------------------------------------------------------------
+class CountingFolds(RayExecutor):
+    """Counts the partial sums the driver folds in each round."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.folds: list[int] = []
+
+    def run_round(self, state, plan, fold, clients=None):
+        count = [0]
+
+        def counted(partial):
+            count[0] += 1
+            fold(partial)
+
+        super().run_round(state, plan, counted, clients)
+        self.folds.append(count[0])
+
+
+@pytest.mark.slow
+def test_node_reduction_folds_one_sum_per_node_and_ends_where_star_and_inline_end(cluster):
+    clients, test = gaussian_clients(num_clients=6)
+    values = dict(algorithm="codasca", iterations=8, eval_every=8, positive_ratio=0.3, placement_strategy="PACK")
+    got = {}
+    for reduce in ("star", "node"):
+        executor = CountingFolds()
+        got[reduce] = run(arrays_config(clients, reduce=reduce, **values), source=ArraysSource(clients, test),
+                          executor=executor, save=False)
+        nodes = {w["node_id"] for w in executor.where_of.values()}
+        assert len(nodes) >= 2  # 6 x 0.5 CPU do not fit one node
+        assert executor.folds == [6 if reduce == "star" else len(nodes)] * 4
+    inline = run(arrays_config(clients, executor="inline", **values), source=ArraysSource(clients, test), save=False)
+    for name in ("v", "alpha", "buffers", "c_v", "c_alpha"):
+        want = getattr(inline.state, name)
+        np.testing.assert_allclose(getattr(got["node"].state, name), getattr(got["star"].state, name), atol=1e-6)
+        np.testing.assert_allclose(getattr(got["node"].state, name), want, atol=1e-6, err_msg=name)
+    assert np.abs(inline.state.c_v).max() > 1e-3
 
 
 # -- node loss (these remove worker nodes: they run last) ---------------------------------------

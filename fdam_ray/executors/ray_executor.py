@@ -42,7 +42,9 @@ the actor and its clients) and the round, and kept in
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import pickle
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -55,7 +57,7 @@ from ray.util.placement_group import (
     placement_group,
     remove_placement_group,
 )
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.client import ClientSection
@@ -72,6 +74,48 @@ _RemoteShell = ray.remote(ClientShell)
 
 # Resources every node has; the others (custom resources such as site_3) are what clients can be pinned by.
 _STANDARD = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+class NodeReducer:
+    """Folds the partial sums of the actors on one node into one, on that node (``reduce: node``).
+
+    It receives the actors' result refs inside a list, so it fetches them
+    itself (node-local reads); an actor that failed is reported back by index
+    with its error, and the driver replaces it and folds its re-run directly.
+    """
+
+    def merge(self, refs: list, actors: list[int]) -> tuple[PartialSum | None, list[tuple[int, BaseException]]]:
+        total: PartialSum | None = None
+        failed: list[tuple[int, BaseException]] = []
+        for a, ref in zip(actors, refs, strict=True):
+            try:
+                part = ray.get(ref)
+            except Exception as exc:  # the driver applies the failure policy
+                failed.append((a, _portable(exc)))
+                continue
+            if total is None:  # a writable copy: what ray.get returned are read-only views into the object store
+                total = dataclasses.replace(part, **{f: None if getattr(part, f) is None else np.array(getattr(part, f))
+                                                     for f in ("v", "alpha", "buffers", "counters", "c_v", "c_alpha")},
+                                            stats=list(part.stats))
+            else:
+                total.merge(part)
+            del part
+        return total, failed
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """An error that pickles back to the driver: a client's own error, else the Ray error, else its text."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, ClientError):
+        return cause
+    try:
+        pickle.dumps(exc)
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+    return exc
+
+
+_RemoteReducer = ray.remote(NodeReducer)
 
 
 class PlacementError(RuntimeError):
@@ -135,6 +179,7 @@ class RayExecutor(Executor):
         self.where_of: dict[int, dict] = {}
         self.bundles: dict[int, dict] = {}
         self.lost_nodes: list[dict] = []
+        self._reducers: dict[str, Any] = {}
 
     # -- set-up ---------------------------------------------------------------------------
     def start(self, config: ExecutorSection, source: DataSource) -> list[ClientInfo]:
@@ -522,11 +567,63 @@ class RayExecutor(Executor):
             return actor.local_round.remote(ref, plan, ids, [k for k in ids if k in self._adopt_global_c])
 
         targets = [a for a in self.actors if ids_of(a)]  # an actor with no client in the round is not called
+        if self.config.reduce == "node":
+            self._round_by_node(call, targets, fold)
+            return
         for _, partial in self._each("local_round", call, targets, ordered=self.config.fold_order == "client"):
             ran = [s.client_id for s in partial.stats]
             fold(partial)
             del partial
             self._adopt_global_c.difference_update(ran)
+
+    def _round_by_node(self, call: Callable[[int, Any], Any], targets: list[int],
+                       fold: Callable[[PartialSum], None]) -> None:
+        """``reduce: node``: the actors on one node are merged there by its :class:`NodeReducer`; the driver folds
+        one partial sum per node (an actor alone on its node is folded directly), then re-runs failed actors."""
+        by_node: dict[Any, list[int]] = {}
+        for a in sorted(targets):
+            by_node.setdefault(self.where_of.get(a, {}).get("node_id"), []).append(a)
+        refs = {a: call(a, self.actors[a]) for a in sorted(targets)}
+        self._in_flight = dict.fromkeys(refs.values(), (0, 0.0))
+        merges, direct = {}, []
+        for node, actors in by_node.items():
+            if node is None or len(actors) == 1:
+                direct.extend(actors)
+            else:
+                merges[node] = (self._reducer(node).merge.remote([refs[a] for a in actors], actors), actors)
+        failed: dict[int, BaseException] = {}
+        for a in direct:
+            try:
+                partial = ray.get(refs[a], timeout=self.timeout)
+            except (ray.exceptions.RayError, ClientError) as exc:
+                failed[a] = exc
+            else:
+                self._folded(partial, fold)
+        for node, (merged, actors) in merges.items():
+            try:
+                partial, errors = ray.get(merged, timeout=self.timeout)
+            except ray.exceptions.RayError as exc:  # the reducer (its node) is gone: so are its actors' sums
+                self._reducers.pop(node, None)
+                failed.update(dict.fromkeys(actors, exc))
+                continue
+            failed.update(errors)
+            if partial is not None:
+                self._folded(partial, fold)
+        self._in_flight = {}
+        attempts = dict.fromkeys(failed, 0)
+        again = [a for a, exc in sorted(failed.items()) if self._failed(a, "local_round", exc, attempts)]
+        for _, partial in self._each("local_round", call, again):
+            self._folded(partial, fold)
+
+    def _folded(self, partial: PartialSum, fold: Callable[[PartialSum], None]) -> None:
+        fold(partial)
+        self._adopt_global_c.difference_update(s.client_id for s in partial.stats)
+
+    def _reducer(self, node: str):
+        if node not in self._reducers:
+            self._reducers[node] = _RemoteReducer.options(
+                num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+        return self._reducers[node]
 
     def evaluate(self, state: GlobalState) -> list[Scores]:
         ref = self._state_ref(state)
@@ -585,6 +682,9 @@ class RayExecutor(Executor):
         abandoned = list(self._in_flight)
         for a in list(self.actors):
             self._kill(a)
+        for reducer in self._reducers.values():
+            ray.kill(reducer, no_restart=True)
+        self._reducers = {}
         self._settle(abandoned)
         if self._own_group and self.placement_group is not None:
             remove_placement_group(self.placement_group)
