@@ -245,8 +245,11 @@ class RayExecutor(Executor):
         return actor.setup.remote(ids, self._client_section, [self._source_refs[k] for k in ids],
                                   self.config.eval_on == "clients")
 
-    def _place(self, groups: list[list[int]], *, local: bool) -> None:
+    def _place(self, groups: list[list[int]] | int, *, local: bool) -> None:
+        """Place one bundle per actor; ``groups``: the clients of each actor (or how many actors, one client each)."""
         cfg = self.config
+        if isinstance(groups, int):
+            groups = [[a] for a in range(groups)]
         num_actors = len(groups)
         base = {"CPU": cfg.cpus_per_actor, **({"GPU": cfg.gpus_per_actor} if cfg.gpus_per_actor else {})}
         extra = cfg.client_resources
