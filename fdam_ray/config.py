@@ -199,6 +199,19 @@ FIELDS: tuple[Field, ...] = (
        allowed="0, a fraction in (0, 1], or a whole number"),
     _f("placement_strategy", "str", "PACK", "How the clients' placement group spreads over nodes (Ray's "
        "strategies).", choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")),
+    _f("client_resources", "resource_list", None, "Ray custom resources per client, one mapping per client in "
+       "client order (e.g. [{site_0: 0.01}, {site_1: 0.01}]): client k's actor bundle asks for them, so it runs "
+       "on a node that offers them; the clients of one actor must ask for the same; null = any node.",
+       optional=True),
+    _f("client_data_roots", "str_list", None, "A data folder per client, in client order: client k reads its "
+       "training data (all of it) from its own folder only, on the node it runs on; data_root then holds the "
+       "global test set; null = every client takes its part of data_root.", optional=True),
+    _f("reduce", "str", "star", "ray executor: star (every actor's partial sum goes to the driver) or node (the "
+       "actors on one node fold their partial sums into one on that node; the driver receives one per node).",
+       choices=("star", "node")),
+    _f("placement_timeout_s", "float", 120.0, "Longest wait for lost actors' placement-group bundles to be "
+       "placed again after a node is lost; then the run stops, naming the clients and resources that cannot be "
+       "placed.", check=_pos[0], allowed=_pos[1]),
     _f("gpu_memory_cap", "bool", True, "With a fractional gpus_per_actor, cap each actor's CUDA memory to "
        "that fraction of the GPU."),
     _f("fold_order", "str", "arrival", "ray executor: fold client updates as they arrive (arrival) or in client "
@@ -259,7 +272,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "run": ("eval_batch_size", "eval_every", "seed", "executor", "deterministic", "device", "threads_per_actor",
             "clients_per_actor"),
     "ray": ("address", "cpus_per_actor", "gpus_per_actor", "placement_strategy", "gpu_memory_cap", "fold_order",
-            "eval_on", "on_client_failure", "max_client_retries", "ray_timeout_s"),
+            "eval_on", "on_client_failure", "max_client_retries", "ray_timeout_s", "reduce", "client_resources",
+            "client_data_roots", "placement_timeout_s"),
     "outputs": ("out_dir", "run_name", "checkpoint_every", "tensorboard", "trackers", "tracker_project"),
 }
 
@@ -271,7 +285,8 @@ RENAMED_PER_ACTOR = {"cpus_per_client": "cpus_per_actor", "gpus_per_client": "gp
 # A "factory" field holds a string, except that in Python ``model`` may hold a factory that cannot be imported
 # by name (a lambda, a local function, one of the __main__ script): it then travels to clients by value.
 _TYPES: dict[str, Any] = {"int": int, "float": float, "bool": bool, "str": str, "factory": str, "batch": int,
-                          "int_list": tuple[int, ...], "str_list": tuple[str, ...]}
+                          "int_list": tuple[int, ...], "str_list": tuple[str, ...],
+                          "resource_list": tuple[dict, ...]}
 
 
 def field_type(field: Field) -> Any:
@@ -437,6 +452,20 @@ def _coerce(field: Field, value: Any) -> Any:
         if field.choices and any(v not in field.choices for v in value):
             raise _fail(field.name, value, f"each one of {', '.join(field.choices)}")
         value = tuple(value)
+    elif kind == "resource_list":
+        what = "a list with one mapping of Ray resource name: amount (> 0) per client"
+        if not isinstance(value, (list, tuple)) or not value:
+            raise _fail(field.name, value, what)
+        for k, entry in enumerate(value):
+            if not isinstance(entry, Mapping) or not all(
+                isinstance(r, str) and r and isinstance(v, (int, float)) and not isinstance(v, bool)
+                and math.isfinite(v) and v > 0 for r, v in entry.items()
+            ):
+                raise _fail(field.name, value, f"{what}; entry {k} ({entry!r}) is not")
+            if any(r in ("CPU", "GPU", "memory", "object_store_memory") for r in entry):
+                raise _fail(field.name, value, f"custom resources only; entry {k} names CPU/GPU/memory, which "
+                            "cpus_per_actor / gpus_per_actor set")
+        value = tuple(dict(entry) for entry in value)
     if field.check is not None and not field.check(value):
         raise _fail(field.name, value, field.allowed)
     return value
@@ -506,6 +535,28 @@ def nearest_field(key: str) -> str | None:
     return None if not hint else _OTHER_NAMES.get(hint[0], hint[0])
 
 
+def _check_per_client(merged: dict[str, Any]) -> None:
+    """client_resources / client_data_roots: one entry per client; one actor's clients ask for the same resources."""
+    k = merged["num_clients"]
+    for name in ("client_resources", "client_data_roots"):
+        value = merged[name]
+        if value is not None and len(value) != k:
+            raise _fail(name, value, f"one entry per client: {k} (num_clients), not {len(value)}")
+    resources, m = merged["client_resources"], merged["clients_per_actor"]
+    if resources is not None and m > 1:
+        for first in range(0, k, m):
+            for j in range(first + 1, min(first + m, k)):
+                if resources[j] != resources[first]:
+                    raise _fail("client_resources", resources,
+                                f"the same resources for the clients of one actor (clients_per_actor={m}): client "
+                                f"{j} asks for {resources[j]}, client {first} (same actor) for {resources[first]}")
+    if merged["client_data_roots"] is not None and merged["dataset"] in ("arrays", "datasets", "chestxray"):
+        raise _fail("client_data_roots", merged["client_data_roots"],
+                    f"per-client folders of a dataset read from data_root; dataset={merged['dataset']} "
+                    + ("has per-source roots (chestxray_*_root)" if merged["dataset"] == "chestxray"
+                       else "takes its data in memory"))
+
+
 def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> Config:
     """Make a validated :class:`Config` from a mapping (and keyword overrides).
 
@@ -541,6 +592,7 @@ def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> C
     if merged["clients_per_round"] is not None and merged["clients_per_round"] > merged["num_clients"]:
         raise _fail("clients_per_round", merged["clients_per_round"],
                     f"at most num_clients = {merged['num_clients']}, or null for all")
+    _check_per_client(merged)
     config = Config(**merged)
     _check_schedule_reach(config)
     return config

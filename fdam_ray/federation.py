@@ -258,6 +258,8 @@ class Federation:
         observer = self.observer
         observer.start(RunStart(resumed=resume is not None, history=loop.history, round=loop.state.round,
                                 iteration=loop.state.iteration, iterations=self.schedule.iterations))
+        for line in getattr(self.executor, "placement_lines", list)():  # where each client runs (Ray)
+            observer.event("%s", line)
         evaluator = Evaluator(self.replica, self.source, self.executor)
         error: BaseException | None = None
         try:

@@ -303,7 +303,8 @@ def resume(
                               f"{exc}") from None
     changes = dict(changes or {})
     renamed = {RENAMED_PER_ACTOR[k] for k in changes if k in RENAMED_PER_ACTOR}  # an old name overrides its field
-    wanted = build_config({**{k: v for k, v in dataclasses.asdict(saved).items() if k not in renamed}, **changes})
+    kept = {k: v for k, v in dataclasses.asdict(saved).items() if k not in renamed}  # a Python factory kept as is
+    wanted = build_config({**kept, **changes})
     before, after = saved.to_dict(), wanted.to_dict()
     differ = [k for k in before if before[k] != after[k] and k not in RESUME_MAY_CHANGE]
     if differ:

@@ -25,7 +25,7 @@ from fdam_ray.recipe import run
 K = 3
 FAST = dict(executor="inline", batch_size=8, local_steps=2, iterations=8, eval_every=4, stage_length=4, lr=0.5,
             seed=5, model="own_fixtures:bn_net", model_width=4)
-HALF = dict(cpus_per_client=0.5)
+HALF = dict(cpus_per_actor=0.5)
 
 
 def arrays_of(factory=own_fixtures.client_dataset, num_clients=K):

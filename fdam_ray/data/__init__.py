@@ -40,6 +40,18 @@ def make_source(config: Config | DataSection) -> DataSource:
         raise ValueError("dataset 'datasets' takes your own Datasets: call fdam_ray.train_datasets(config, clients, "
                          "test)")
     section = data_section(config)
+    roots = getattr(config, "client_data_roots", None)
+    if roots:
+        from fdam_ray.data.rooted import PerClientRoots
+
+        if section.data_root is None:
+            raise ValueError("client_data_roots needs data_root as well: the folder of the global test set")
+        return PerClientRoots(_source_of, section, roots)
+    return _source_of(section)
+
+
+def _source_of(section: DataSection) -> DataSource:
+    """The source of the dataset ``section`` names."""
     if is_import_path(section.dataset):
         from fdam_ray.data.datasets import FactorySource
 

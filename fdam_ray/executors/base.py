@@ -50,6 +50,9 @@ class ExecutorSection(ClientSection):
     on_client_failure: str
     max_client_retries: int
     ray_timeout_s: float
+    client_resources: tuple[dict, ...] | None
+    reduce: str
+    placement_timeout_s: float
 
 
 class Executor(abc.ABC):

@@ -42,7 +42,9 @@ the actor and its clients) and the round, and kept in
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import pickle
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -55,7 +57,7 @@ from ray.util.placement_group import (
     placement_group,
     remove_placement_group,
 )
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.client import ClientSection
@@ -69,6 +71,82 @@ from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores
 log = logging.getLogger(__name__)
 
 _RemoteShell = ray.remote(ClientShell)
+
+# Resources every node has; the others (custom resources such as site_3) are what clients can be pinned by.
+_STANDARD = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+class NodeReducer:
+    """Folds the partial sums of the actors on one node into one, on that node (``reduce: node``).
+
+    It receives the actors' result refs inside a list, so it fetches them
+    itself (node-local reads); an actor that failed is reported back by index
+    with its error, and the driver replaces it and folds its re-run directly.
+    """
+
+    def merge(self, refs: list, actors: list[int]) -> tuple[PartialSum | None, list[tuple[int, BaseException]]]:
+        total: PartialSum | None = None
+        failed: list[tuple[int, BaseException]] = []
+        for a, ref in zip(actors, refs, strict=True):
+            try:
+                part = ray.get(ref)
+            except Exception as exc:  # the driver applies the failure policy
+                failed.append((a, _portable(exc)))
+                continue
+            if total is None:  # a writable copy: what ray.get returned are read-only views into the object store
+                total = dataclasses.replace(part, **{f: None if getattr(part, f) is None else np.array(getattr(part, f))
+                                                     for f in ("v", "alpha", "buffers", "counters", "c_v", "c_alpha")},
+                                            stats=list(part.stats))
+            else:
+                total.merge(part)
+            del part
+        return total, failed
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """An error that pickles back to the driver: a client's own error, else the Ray error, else its text."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, ClientError):
+        return cause
+    try:
+        pickle.dumps(exc)
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+    return exc
+
+
+_RemoteReducer = ray.remote(NodeReducer)
+
+
+class PlacementError(RuntimeError):
+    """Clients cannot be placed (again) on the nodes the cluster has: which, and what they ask for."""
+
+
+def node_addresses() -> dict[str, str]:
+    """Node id -> its IP address, for the nodes of the cluster (alive or not)."""
+    return {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes()}
+
+
+def custom_resources(nodes: Sequence[dict]) -> list[str]:
+    """The custom resources the live ``nodes`` (``ray.nodes()`` entries) offer, sorted."""
+    names = {r for n in nodes if n.get("Alive") for r in n.get("Resources", {})}
+    return sorted(r for r in names if r not in _STANDARD and not r.startswith(("node:", "accelerator_type:")))
+
+
+def check_offered(client_resources: Sequence[dict], nodes: Sequence[dict],
+                  clients: Sequence[int] | None = None) -> None:
+    """Raise a one-line :class:`PlacementError` for the first client (of ``clients``, default all) asking for a
+    resource that no live node offers in that amount."""
+    live = [n.get("Resources", {}) for n in nodes if n.get("Alive")]
+    for k in range(len(client_resources)) if clients is None else clients:
+        for r, v in client_resources[k].items():
+            if not any(res.get(r, 0) + 1e-9 >= v for res in live):
+                most = max((res.get(r, 0) for res in live), default=0)
+                what = (f"no live node offers {r}" if not most
+                        else f"no live node offers {v:g} of {r} (at most {most:g})")
+                raise PlacementError(f"client {k} cannot be placed: client_resources[{k}] = {client_resources[k]} "
+                                     f"but {what}; the cluster's nodes offer "
+                                     f"{', '.join(custom_resources(nodes)) or 'no custom resources'}")
 
 
 class RayExecutor(Executor):
@@ -98,6 +176,10 @@ class RayExecutor(Executor):
         self._put_state: GlobalState | None = None
         self._in_flight: dict[Any, tuple[int, float]] = {}
         self._put_ref = None
+        self.where_of: dict[int, dict] = {}
+        self.bundles: dict[int, dict] = {}
+        self.lost_nodes: list[dict] = []
+        self._reducers: dict[str, Any] = {}
 
     # -- set-up ---------------------------------------------------------------------------
     def start(self, config: ExecutorSection, source: DataSource) -> list[ClientInfo]:
@@ -115,7 +197,7 @@ class RayExecutor(Executor):
             log.warning("the Ray cluster has %g GPU(s) but gpus_per_actor=0, so the clients train on CPUs; set "
                         "gpus_per_actor (e.g. %g for %d actors per GPU) to use them, or device=cpu to silence this",
                         gpus, round(1.0 / per_gpu, 4), per_gpu)
-        self._place(len(groups), local=started_here)
+        self._place(groups, local=started_here)
         # A recipe goes to the object store once for every client; data held in memory (train_arrays) goes
         # one client's part per client, so no actor receives another client's samples.
         shared = ray.put(source) if source.for_client(0) is source else None
@@ -131,16 +213,53 @@ class RayExecutor(Executor):
             self._test_size = test_size
         if len(infos) < num_clients:
             raise RuntimeError("clients were dropped while starting; a federation starts with all its clients")
+        self._locate()
+        for line in self.placement_lines():
+            log.info("%s", line)
         return infos
+
+    # -- where the clients run ---------------------------------------------------------------
+    def _locate(self, actors: Sequence[int] | None = None) -> None:
+        """Ask ``actors`` (default: every live one) where they run; remembered in :attr:`where_of`."""
+        targets = sorted(self.actors if actors is None else actors)
+        self.where_of.update(self._each("where", lambda a, actor: actor.where.remote(), targets))
+        for a in list(self.where_of):
+            if a not in self.actors:
+                del self.where_of[a]
+
+    def placement_lines(self, actors: Sequence[int] | None = None) -> list[str]:
+        """One line per actor (default: every live one): its clients, its node id and the node's address."""
+        ips = node_addresses()
+        lines = []
+        for a in sorted(self.where_of if actors is None else actors):
+            where = self.where_of.get(a)
+            if where is None:
+                continue
+            node = where["node_id"]
+            lines.append(f"placement: clients {', '.join(map(str, self.hosted.get(a, ())))} -> actor {a} -> node "
+                         f"{node} ({ips.get(node, 'address unknown')})")
+        return lines
 
     def _setup_call(self, a: int, actor) -> Any:
         ids = self.hosted[a]
         return actor.setup.remote(ids, self._client_section, [self._source_refs[k] for k in ids],
                                   self.config.eval_on == "clients")
 
-    def _place(self, num_actors: int, *, local: bool) -> None:
+    def _place(self, groups: list[list[int]] | int, *, local: bool) -> None:
+        """Place one bundle per actor; ``groups``: the clients of each actor (or how many actors, one client each)."""
         cfg = self.config
+        if isinstance(groups, int):
+            groups = [[a] for a in range(groups)]
+        num_actors = len(groups)
+        base = {"CPU": cfg.cpus_per_actor, **({"GPU": cfg.gpus_per_actor} if cfg.gpus_per_actor else {})}
+        extra = cfg.client_resources
+        self.bundles = {a: {**base, **(dict(extra[ids[0]]) if extra else {})} for a, ids in enumerate(groups)}
         current = get_current_placement_group()
+        if current is not None and extra:
+            raise ValueError("client_resources cannot be used inside an enclosing placement group (a Ray Tune "
+                             "trial): its bundles are fixed by the trial's resources")
+        if extra:
+            check_offered(extra, ray.nodes())
         if current is not None:
             specs = current.bundle_specs
             if len(specs) < num_actors + 1:
@@ -156,7 +275,7 @@ class RayExecutor(Executor):
             self.bundle_of = {a: a + 1 for a in range(num_actors)}
             log.info("placing %d actors in bundles 1..%d of the enclosing placement group", num_actors, num_actors)
             return
-        bundle = {"CPU": cfg.cpus_per_actor, **({"GPU": cfg.gpus_per_actor} if cfg.gpus_per_actor else {})}
+        bundle = base
         need = {r: v * num_actors for r, v in bundle.items()}
         have = ray.cluster_resources()
         short = {r: (v, have.get(r, 0)) for r, v in need.items() if have.get(r, 0) + 1e-9 < v}
@@ -174,7 +293,7 @@ class RayExecutor(Executor):
             raise ValueError(f"no node of the cluster can hold one actor ({bundle}; the largest node has "
                              f"CPU {largest.get('CPU', 0):g}, GPU {largest.get('GPU', 0):g}): lower cpus_per_actor / "
                              "gpus_per_actor, or add nodes that large")
-        group = placement_group([dict(bundle) for _ in range(num_actors)], strategy=cfg.placement_strategy)
+        group = placement_group([dict(self.bundles[a]) for a in range(num_actors)], strategy=cfg.placement_strategy)
         try:
             ray.get(group.ready(), timeout=self.timeout)
         except ray.exceptions.GetTimeoutError:
@@ -294,11 +413,62 @@ class RayExecutor(Executor):
                 attempts[a] = 0  # the actor's other clients go on: rebuilt below, the call re-run
             else:
                 self._event(err, f"replaced (attempt {attempts[a]} of {cfg.max_client_retries})")
+            if err.of_actor:
+                self._note_lost_node(a)
             try:
                 self._replace(a)
                 return True
             except (ray.exceptions.RayError, ClientError) as again:
                 exc = again
+
+    def _note_lost_node(self, a: int) -> None:
+        """When actor ``a``'s node is gone, log it once with every client that was on it."""
+        node = self.where_of.get(a, {}).get("node_id")
+        if node is None or any(e["node_id"] == node for e in self.lost_nodes):
+            return
+        deadline = time.monotonic() + 10.0  # the GCS marks a node dead a moment after its raylet stops
+        while True:
+            alive = {n["NodeID"]: n.get("Alive", False) for n in ray.nodes()}
+            if not alive.get(node, False) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        if alive.get(node, False):
+            return
+        on_it = sorted(b for b, w in self.where_of.items() if w.get("node_id") == node)
+        clients = sorted(k for b in on_it for k in self.hosted.get(b, ()))
+        event = {"node_id": node, "address": node_addresses().get(node, ""), "round": self._round,
+                 "actors": on_it, "clients": clients}
+        self.lost_nodes.append(event)
+        log.warning("node %s (%s) was lost in round %d with actors %s (clients %s); rebuilding them on the "
+                    "surviving nodes", node, event["address"] or "address unknown", self._round,
+                    ", ".join(map(str, on_it)), ", ".join(map(str, clients)))
+
+    def _wait_placed(self, a: int) -> None:
+        """Wait (at most ``placement_timeout_s``) until actor ``a``'s bundle is placed on a live node; raise a
+        :class:`PlacementError` naming its clients and what they ask for when it cannot be."""
+        if not self._own_group or self.placement_group is None:
+            return
+        from ray.util import placement_group_table
+
+        cfg = self.config
+        clients = list(self.hosted.get(a, ()))
+        if cfg.client_resources:
+            check_offered(cfg.client_resources, ray.nodes(), clients[:1])
+        deadline = time.monotonic() + cfg.placement_timeout_s
+        while True:
+            table = placement_group_table(self.placement_group)
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            node = table.get("bundles_to_node_id", {}).get(self.bundle_of[a])
+            if table.get("state") == "CREATED" and node in alive:
+                return
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        raise PlacementError(
+            f"clients {', '.join(map(str, clients))} (actor {a}) cannot be placed again within "
+            f"placement_timeout_s={cfg.placement_timeout_s:g} s: their bundle {self.bundles.get(a)} fits none of "
+            f"the live nodes beside the other actors (available: {ray.available_resources()}); the run stops "
+            "(the last checkpoint is kept)")
 
     def _event(self, err: ClientError, outcome: str, dropped: list[int] | None = None) -> None:
         self.events.append({"client": err.client_id, "actor": err.actor, "clients": list(err.clients),
@@ -345,6 +515,7 @@ class RayExecutor(Executor):
         """A new actor ``a`` rebuilding its clients (shards, p, the stage's reference, c^k = 0; global c next
         round)."""
         self._kill(a)
+        self._wait_placed(a)
         actor = self.actors[a] = self._new_actor(a)
         calls = [self._setup_call(a, actor)]
         if self._positive_ratio is not None:
@@ -354,6 +525,9 @@ class RayExecutor(Executor):
         for ref in calls:
             ray.get(ref, timeout=self.timeout)
         self._adopt_global_c.update(self.hosted[a])
+        self.where_of[a] = ray.get(actor.where.remote(), timeout=self.timeout)
+        for line in self.placement_lines([a]):
+            log.warning("%s (replacement)", line)
 
     def _state_ref(self, state: GlobalState):
         """The object-store copy of ``state`` for the scoring calls that follow a round (evaluation on the
@@ -396,11 +570,63 @@ class RayExecutor(Executor):
             return actor.local_round.remote(ref, plan, ids, [k for k in ids if k in self._adopt_global_c])
 
         targets = [a for a in self.actors if ids_of(a)]  # an actor with no client in the round is not called
+        if self.config.reduce == "node":
+            self._round_by_node(call, targets, fold)
+            return
         for _, partial in self._each("local_round", call, targets, ordered=self.config.fold_order == "client"):
             ran = [s.client_id for s in partial.stats]
             fold(partial)
             del partial
             self._adopt_global_c.difference_update(ran)
+
+    def _round_by_node(self, call: Callable[[int, Any], Any], targets: list[int],
+                       fold: Callable[[PartialSum], None]) -> None:
+        """``reduce: node``: the actors on one node are merged there by its :class:`NodeReducer`; the driver folds
+        one partial sum per node (an actor alone on its node is folded directly), then re-runs failed actors."""
+        by_node: dict[Any, list[int]] = {}
+        for a in sorted(targets):
+            by_node.setdefault(self.where_of.get(a, {}).get("node_id"), []).append(a)
+        refs = {a: call(a, self.actors[a]) for a in sorted(targets)}
+        self._in_flight = dict.fromkeys(refs.values(), (0, 0.0))
+        merges, direct = {}, []
+        for node, actors in by_node.items():
+            if node is None or len(actors) == 1:
+                direct.extend(actors)
+            else:
+                merges[node] = (self._reducer(node).merge.remote([refs[a] for a in actors], actors), actors)
+        failed: dict[int, BaseException] = {}
+        for a in direct:
+            try:
+                partial = ray.get(refs[a], timeout=self.timeout)
+            except (ray.exceptions.RayError, ClientError) as exc:
+                failed[a] = exc
+            else:
+                self._folded(partial, fold)
+        for node, (merged, actors) in merges.items():
+            try:
+                partial, errors = ray.get(merged, timeout=self.timeout)
+            except ray.exceptions.RayError as exc:  # the reducer (its node) is gone: so are its actors' sums
+                self._reducers.pop(node, None)
+                failed.update(dict.fromkeys(actors, exc))
+                continue
+            failed.update(errors)
+            if partial is not None:
+                self._folded(partial, fold)
+        self._in_flight = {}
+        attempts = dict.fromkeys(failed, 0)
+        again = [a for a, exc in sorted(failed.items()) if self._failed(a, "local_round", exc, attempts)]
+        for _, partial in self._each("local_round", call, again):
+            self._folded(partial, fold)
+
+    def _folded(self, partial: PartialSum, fold: Callable[[PartialSum], None]) -> None:
+        fold(partial)
+        self._adopt_global_c.difference_update(s.client_id for s in partial.stats)
+
+    def _reducer(self, node: str):
+        if node not in self._reducers:
+            self._reducers[node] = _RemoteReducer.options(
+                num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+        return self._reducers[node]
 
     def evaluate(self, state: GlobalState) -> list[Scores]:
         ref = self._state_ref(state)
@@ -457,8 +683,11 @@ class RayExecutor(Executor):
 
     def shutdown(self) -> None:
         abandoned = list(self._in_flight)
-        for k in list(self.actors):
-            self._kill(k)
+        for a in list(self.actors):
+            self._kill(a)
+        for reducer in self._reducers.values():
+            ray.kill(reducer, no_restart=True)
+        self._reducers = {}
         self._settle(abandoned)
         if self._own_group and self.placement_group is not None:
             remove_placement_group(self.placement_group)
