@@ -19,10 +19,10 @@ d_s = AUC(I, s) - AUC(1, s), not from two means:
 * the interval: a two-sided 90% interval of the mean of d_s over the seeds,
   Student's t (default) or a percentile bootstrap over seeds with a fixed RNG
   seed (``--interval bootstrap``);
-* the tolerance: max(0.005, the half-width of the same 90% interval of the
-  I = 1 mean AUC, the larger of the two algorithms'), i.e. a drop counts only
-  if it is larger than the uncertainty that the seeds leave in the I = 1
-  figure itself; ``--tolerance`` fixes it instead;
+* the tolerance, per algorithm: max(0.005, the half-width of the same 90%
+  interval of that algorithm's I = 1 mean AUC), i.e. a drop counts only if it
+  is larger than the uncertainty that the seeds leave in the I = 1 figure
+  itself; ``--tolerance`` fixes one value for both instead;
 * the rule: I is *lost* when the whole interval lies below -tolerance (the
   seeds show a drop larger than the tolerance), or when a run at I diverged;
   otherwise it is *kept*: "yes" when the whole interval lies at or above
@@ -52,7 +52,7 @@ them uncorrected; ``--stage-length`` brings back the paper's decay by 3.
         --stage-length 4096 --executor ray                         # the paper's CIFAR100-IH on a cluster
 
 Last line: ``RESULT imax_codasca=... imax_coda_plus=... ratio=... imax_shown_codasca=...
-imax_shown_coda_plus=... tolerance=... seeds=...``.
+imax_shown_coda_plus=... tolerance_codasca=... tolerance_coda_plus=... seeds=...``.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def parse_args(argv: list[str] | None):
                         f"(RNG seed {BOOTSTRAP['seed']}, {BOOTSTRAP['resamples']} resamples)")
     p.add_argument("--tolerance", type=float, default=None,
                    help=f"AUC drop from I = 1 that I_max allows (default: max({TOLERANCE_FLOOR}, the half-width of "
-                        f"the {LEVEL:.0%} interval of the I = 1 mean AUC measured in the run)")
+                        f"the {LEVEL:.0%} interval of each algorithm's I = 1 mean AUC measured in the run)")
     args = p.parse_args(argv)
     C.check_args(args)
     mode = QUICK if args.quick else FULL
@@ -212,14 +212,12 @@ def interval(values: list[float], method: str) -> tuple[float, float, float]:
     return _stats.t_interval(values, LEVEL)
 
 
-def noise_tolerance(baseline: dict[str, list[float]], method: str) -> tuple[float, dict[str, float]]:
-    """max(``TOLERANCE_FLOOR``, the largest half-width of the interval of an algorithm's I = 1 mean AUC)."""
-    half = {}
-    for alg, values in baseline.items():
-        _, lo, hi = interval(values, method)
-        half[alg] = (hi - lo) / 2
-    finite = [w for w in half.values() if math.isfinite(w)]
-    return max([TOLERANCE_FLOOR, *finite]), half
+def noise_tolerance(baseline: list[float], method: str) -> tuple[float, float]:
+    """(tolerance, half-width): max(``TOLERANCE_FLOOR``, the half-width of the interval of the mean of one
+    algorithm's I = 1 AUCs ``baseline``); the half-width is NaN, and the tolerance the floor, under 2 seeds."""
+    _, lo, hi = interval(baseline, method)
+    half = (hi - lo) / 2
+    return max(TOLERANCE_FLOOR, half) if math.isfinite(half) else TOLERANCE_FLOOR, half
 
 
 def verdict(diffs: list[float], diverged: int, tolerance: float, method: str) -> dict:
@@ -247,17 +245,17 @@ def paired(args, results: list[dict], tolerance: float | None) -> dict:
         if not ok[alg]:
             raise SystemExit(f"every I = 1 run of {NAMES[alg]} diverged: no baseline to compare against")
     baseline = {alg: [auc[(alg, 1, s)] for s in ok[alg]] for alg in ALGORITHMS}
-    measured, half = noise_tolerance(baseline, args.interval)
-    tol = measured if tolerance is None else tolerance
+    measured = {alg: noise_tolerance(baseline[alg], args.interval) for alg in ALGORITHMS}
+    tol = {alg: measured[alg][0] if tolerance is None else tolerance for alg in ALGORITHMS}
     rows = {}
     for alg in ALGORITHMS:
         for i in args.grid:
             values = [auc[(alg, i, s)] for s in ok[alg]]
             diffs = [v - b for v, b in zip(values, baseline[alg], strict=True) if math.isfinite(v)]
-            rows[(alg, i)] = verdict(diffs, len(values) - len(diffs), tol, args.interval)
+            rows[(alg, i)] = verdict(diffs, len(values) - len(diffs), tol[alg], args.interval)
     imax = {alg: max(i for i in args.grid if rows[(alg, i)]["kept"]) for alg in ALGORITHMS}
     shown = {alg: max(i for i in args.grid if rows[(alg, i)]["mark"] == "yes") for alg in ALGORITHMS}
-    return {"rows": rows, "tolerance": tol, "measured_tolerance": measured, "half": half, "imax": imax,
+    return {"rows": rows, "tolerance": tol, "measured": measured, "imax": imax,
             "imax_shown": shown, "dropped": {alg: sorted(set(args.seeds) - set(ok[alg])) for alg in ALGORITHMS}}
 
 
@@ -309,13 +307,16 @@ def report(args, m: dict, out: Path, command: str) -> str:
     n = len(args.seeds)
     method = ("Student's t interval, t_0.95,n-1 s / sqrt(n)" if args.interval == "t" else
               f"percentile bootstrap over seeds, {BOOTSTRAP['resamples']} resamples, RNG seed {BOOTSTRAP['seed']}")
-    halves = ", ".join(f"{NAMES[a]} {w:.4f}" for a, w in pr["half"].items() if math.isfinite(w))
+    halves = ", ".join(f"{NAMES[a]} {pr['measured'][a][1]:.4f}" for a in ALGORITHMS)
+    tols = ", ".join(f"{NAMES[a]} **{tol[a]:.4f}**" for a in ALGORITHMS)
     if args.tolerance is None:
-        tol_text = (f"max({TOLERANCE_FLOOR}, the half-width of the {LEVEL:.0%} interval of the I = 1 mean AUC: "
-                    f"{halves or 'not measurable with one seed'}) = **{tol:.4f}**")
+        tol_text = (f"per algorithm, max({TOLERANCE_FLOOR}, the half-width of the {LEVEL:.0%} interval of its I = 1 "
+                    + (f"mean AUC: {halves}) = {tols}" if n > 1 else "mean AUC, not measurable with one seed) = "
+                       + tols))
     else:
-        tol_text = (f"**{tol:.4f}**, fixed by --tolerance (the rule's default from this run's I = 1 spread would be "
-                    f"{pr['measured_tolerance']:.4f})")
+        default = ", ".join(f"{NAMES[a]} {pr['measured'][a][0]:.4f}" for a in ALGORITHMS)
+        tol_text = (f"**{args.tolerance:.4f}** for both, fixed by --tolerance (the default from this run's I = 1 "
+                    f"spread would be {default})")
     pc = m["pairing"]
     distinct = ", ".join(f"{pc['distinct'][k]} {k}" for k in PAIRED)
     dropped = "; ".join(f"{NAMES[a]} seed(s) {' '.join(map(str, s))} left out (the I = 1 run diverged)"
@@ -339,9 +340,9 @@ and the minibatch indices, and the {pc['seeds']} seeds give {distinct} digests. 
 hyperparameters tuned for it (below), and float rounding.
 
 **Rule.** d = AUC(I, seed) - AUC(I = 1, seed) per seed; the column gives the mean of d and its {LEVEL:.0%} interval \
-({method}). Tolerance: {tol_text}. "no": the whole interval lies below -{tol:.4f} (a drop larger than the tolerance \
-is shown), or a run diverged; "yes": the whole interval lies at or above -{tol:.4f}; "yes*": the interval reaches \
-across -{tol:.4f} (consistent with the tolerance, not shown). I_max = the largest I marked "yes" or "yes*"; \
+({method}). Tolerance: {tol_text}. "no": the whole interval lies below -tolerance (a drop larger than the \
+tolerance is shown), or a run diverged; "yes": the whole interval lies at or above -tolerance; "yes*": the interval \
+reaches across -tolerance (consistent with the tolerance, not shown). I_max = the largest I marked "yes" or "yes*"; \
 "shown" I_max = the largest I marked "yes".{(' ' + dropped + '.') if dropped else ''}
 
 {C.table(headers, rows)}
@@ -360,24 +361,43 @@ same grid for both algorithms):
 {C.table(["algorithm", "I", "lr", "prox_weight", "global_lr"], hyper_rows)}
 
 {len(m['results']) + len(m['tuning'])} runs, {m['wall_s'] / 60:.1f} min of run time. Figure: \
-`{out.with_suffix('.png').name}` (mean d with its {LEVEL:.0%} interval; dotted: -tolerance).
+`{out.with_suffix('.png').name}` (mean d with its {LEVEL:.0%} interval; dotted: -tolerance of each algorithm).
 """
     C.write_results(out, "Communication window: I_max of CODA+ and CODASCA", command, body)
-    series = {}
-    for a in ALGORITHMS:
-        pts = [rows_p[(a, i)] for i in grid]
-        err = None
-        if all(math.isfinite(p["lo"]) for p in pts):
-            err = np.array([[p["mean"] - p["lo"] for p in pts], [p["hi"] - p["mean"] for p in pts]])
-        series[NAMES[a]] = (grid, [p["mean"] for p in pts], err)
-    C.figure(out.with_suffix(".png"), series, xlabel="communication window I",
-             ylabel="final test AUC(I) - AUC(I=1), paired",
-             title=f"{args.dataset}-IH, K={args.clients}, {args.iterations} iterations, {n} seeds; "
-                   f"dotted: -{tol:.4f}", hline=-tol)
+    figure(out.with_suffix(".png"), args, rows_p, tol)
     print(body)
     return C.result_line(imax_codasca=imax["codasca"], imax_coda_plus=imax["coda_plus"], ratio=float(ratio),
                          imax_shown_codasca=shown["codasca"], imax_shown_coda_plus=shown["coda_plus"],
-                         tolerance=float(tol), seeds=n)
+                         tolerance_codasca=float(tol["codasca"]), tolerance_coda_plus=float(tol["coda_plus"]),
+                         seeds=n)
+
+
+def figure(path: Path, args, rows: dict, tol: dict) -> None:
+    """Mean paired drop d against I with its interval, and each algorithm's -tolerance as a dotted line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.8), dpi=120)
+    for alg in ALGORITHMS:
+        pts = [rows[(alg, i)] for i in args.grid]
+        err = None
+        if all(math.isfinite(p["lo"]) for p in pts):
+            err = np.array([[p["mean"] - p["lo"] for p in pts], [p["hi"] - p["mean"] for p in pts]])
+        line = ax.errorbar(args.grid, [p["mean"] for p in pts], yerr=err, marker="o", capsize=3, label=NAMES[alg])
+        ax.axhline(-tol[alg], color=line[0].get_color(), linestyle=":", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("communication window I")
+    ax.set_ylabel("AUC(I) - AUC(I=1), paired over seeds")
+    ax.set_title(f"{args.dataset}-IH, K={args.clients}, {args.iterations} iterations, {len(args.seeds)} seeds, "
+                 f"{LEVEL:.0%} intervals; dotted: -tolerance", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> str:
