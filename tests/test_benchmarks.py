@@ -158,14 +158,21 @@ def test_comm_window_script(tmp_path):
 
     out = tmp_path / "cw.md"
     line = comm_window.main(["--dataset", "digits", "--clients", "2", "--iterations", "8", "--grid", "1", "2", "4",
-                             "--seeds", "0", "1", "--lrs", "0.1", "0.5", "--prox-weights", "0",
+                             "--seeds", "0", "1", "2", "--lrs", "0.1", "0.5", "--prox-weights", "0",
                              "--out", str(out)])
     values = parse_result(line)
-    assert set(values) == {"imax_codasca", "imax_coda_plus", "ratio"}
+    assert set(values) == {"imax_codasca", "imax_coda_plus", "ratio", "imax_shown_codasca", "imax_shown_coda_plus",
+                           "tolerance_codasca", "tolerance_coda_plus", "seeds"}
     assert values["imax_codasca"] in (1, 2, 4) and values["imax_coda_plus"] in (1, 2, 4)
     assert values["ratio"] == pytest.approx(values["imax_codasca"] / values["imax_coda_plus"])
+    assert values["imax_shown_codasca"] <= values["imax_codasca"]
+    assert values["imax_shown_coda_plus"] <= values["imax_coda_plus"]
+    assert values["seeds"] == 3
+    assert min(values["tolerance_codasca"], values["tolerance_coda_plus"]) >= comm_window.TOLERANCE_FLOOR
     text = out.read_text()
     assert "Command: `python benchmarks/comm_window.py --dataset digits" in text
+    assert "the 3 seeds give 3 data, 3 init, 3 batches digests" in text  # the pairing was checked in the run
+    assert f"= CODA+ **{values['tolerance_coda_plus']:.4f}**, CODASCA **{values['tolerance_codasca']:.4f}**" in text
     assert out.with_suffix(".png").stat().st_size > 1000
 
 
@@ -174,6 +181,66 @@ def test_comm_window_rejects_a_grid_without_one(tmp_path):
 
     with pytest.raises(SystemExit):
         comm_window.parse_args(["--grid", "4", "16", "--out", str(tmp_path / "x.md")])
+
+
+def test_comm_window_defaults_to_five_seeds_and_a_measured_tolerance(tmp_path):
+    import comm_window
+
+    args = comm_window.parse_args(["--quick", "--out", str(tmp_path / "x.md")])
+    assert args.seeds == [0, 1, 2, 3, 4] and args.tolerance is None and args.tune_seed not in args.seeds
+    with pytest.raises(SystemExit):
+        comm_window.parse_args(["--tolerance", "-0.01"])
+    with pytest.raises(SystemExit):
+        comm_window.parse_args(["--seeds", "0", "100"])  # the tuning seed may not be reported
+
+
+def test_comm_window_seed_fixes_data_init_and_batches_at_every_window():
+    import comm_window
+
+    spec = {"dataset": "digits", "num_clients": 2, "partition": "ih", "imratio": 0.1, "model": "mlp",
+            "model_width": 8, "batch_size": 16, "iterations": 16, "eval_every": 16, "algorithm": "codasca",
+            "lr": 0.5, "prox_weight": 0.0, "global_lr": 1.0}
+    at = {(alg, i, seed): comm_window.pairing_fingerprint({**spec, "algorithm": alg, "local_steps": i,
+                                                           "lr": 0.1 * i, "seed": seed})
+          for alg, i, seed in [("codasca", 1, 0), ("codasca", 16, 0), ("coda_plus", 4, 0), ("codasca", 1, 1)]}
+    assert at[("codasca", 1, 0)] == at[("codasca", 16, 0)] == at[("coda_plus", 4, 0)]
+    assert all(at[("codasca", 1, 0)][k] != at[("codasca", 1, 1)][k] for k in comm_window.PAIRED)
+    specs = [{**spec, "local_steps": i, "seed": s} for i in (1, 4) for s in (0, 1)]
+    assert comm_window.check_pairing(specs) == {"seeds": 2, "runs": 4,
+                                                 "distinct": {"data": 2, "init": 2, "batches": 2}}
+
+
+def test_comm_window_verdict_reads_the_interval_of_the_paired_drop():
+    import comm_window
+
+    v = lambda d, tol=0.005, diverged=0: comm_window.verdict(d, diverged, tol, "t")
+    assert v([0.0] * 5)["mark"] == "yes"  # I = 1 against itself: a point at 0
+    assert v([-0.002, -0.003, -0.001, -0.002, -0.002])["mark"] == "yes"  # all of the interval within 0.005
+    assert v([-0.02, -0.021, -0.019, -0.02, -0.02])["mark"] == "no"  # all of it beyond: a shown drop
+    one_noisy = [0.0, 0.001, -0.001, 0.0, -0.03]  # mean -0.006 < -0.005, but one seed makes it
+    assert v(one_noisy)["kept"] and v(one_noisy)["mark"] == "yes*"
+    assert not v([-0.001] * 4, diverged=1)["kept"]  # a diverged run loses the window
+    assert v([-0.004])["kept"] and not v([-0.006])["kept"]  # one seed: the difference alone
+    diffs = [0.01, -0.004, 0.002, 0.015, -0.008]
+    half = 2.131847 * np.std(diffs, ddof=1) / math.sqrt(5)  # t_0.95,4 s / sqrt(5)
+    assert (v(diffs)["lo"], v(diffs)["hi"]) == pytest.approx((np.mean(diffs) - half, np.mean(diffs) + half))
+    boot = comm_window.verdict(diffs, 0, 0.005, "bootstrap")
+    assert boot["lo"] < np.mean(diffs) < boot["hi"] and boot == comm_window.verdict(diffs, 0, 0.005, "bootstrap")
+
+
+def test_comm_window_tolerance_is_the_i1_half_width_with_a_floor():
+    import _stats
+    import comm_window
+
+    quiet = [0.9, 0.9001, 0.8999]
+    assert comm_window.noise_tolerance(quiet, "t")[0] == comm_window.TOLERANCE_FLOOR
+    noisy = [0.96, 0.97, 0.975, 0.958, 0.972]
+    tol, half = comm_window.noise_tolerance(noisy, "t")
+    _, lo, hi = _stats.t_interval(noisy, 0.9)
+    assert tol == half == pytest.approx((hi - lo) / 2)
+    assert tol == pytest.approx(2.131847 * np.std(noisy, ddof=1) / math.sqrt(5), rel=1e-6)  # t_0.95,4 s / sqrt(5)
+    tol1, half1 = comm_window.noise_tolerance([0.97], "t")
+    assert tol1 == comm_window.TOLERANCE_FLOOR and math.isnan(half1)  # one seed: no spread, the floor
 
 
 def test_rounds_vs_clients_script(tmp_path):
