@@ -26,6 +26,10 @@ def multi_node_cluster(workers: int = 3, cpus_per_worker: float = 2, head_cpus: 
     ``site_<i>``), with this process connected as the driver; everything is shut down at the end."""
     saved = dict(os.environ)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, saved.get("PYTHONPATH")) if p)
+    # the nodes' processes and this driver must agree on token authentication; a Ray session this process ran
+    # before (another test module) leaves token mode on inside the process, while the environment it restored
+    # no longer says so to the nodes started here
+    os.environ["RAY_AUTH_MODE"] = "token"
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": head_cpus, "resources": {"head": 1}, "object_store_memory": OBJECT_STORE_BYTES,
         "include_dashboard": False})
