@@ -408,3 +408,16 @@ def test_round_overhead_script(tmp_path):
     text = out.read_text()
     assert "\nold\n" not in text and text.endswith(f"{C.END}\n\n## Reading\nkept\n")
     assert "| 2,000 | 2 |" in text and "Command: `python benchmarks/round_overhead.py --sizes 2000" in text
+
+
+@pytest.mark.slow  # a multi-node cluster of its own: about a minute
+def test_node_reduce_script(tmp_path):
+    out = tmp_path / "nr.md"
+    out.write_text(f"{C.BEGIN}\nold\n{C.END}\n")
+    _, values = run_script_process("benchmarks/node_reduce.py", "--nodes", "2", "--clients-per-node", "2",
+                                   "--state-floats", "20000", "--rounds", "2", "--repeats", "1", "--out", str(out))
+    assert values["nodes"] == 2 and values["clients"] == 4
+    assert values["ingress_ratio_node_star"] == pytest.approx(0.5)  # one sum per node instead of one per client
+    assert values["round_ratio_node_star"] > 0
+    text = out.read_text()
+    assert "| 2 | 4 | 2, 2 |" in text and "Command: `python benchmarks/node_reduce.py --nodes 2" in text

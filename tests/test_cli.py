@@ -150,12 +150,13 @@ def test_fields_filters_by_section_or_word(capsys):
 
     everything = listed()
     assert everything == [f.name for f in FIELDS]
-    assert listed("ray") == ["address", "cpus_per_client", "gpus_per_client", "placement_strategy", "gpu_memory_cap",
-                             "fold_order", "eval_on", "on_client_failure", "max_client_retries", "ray_timeout_s"]
+    assert listed("ray") == ["address", "cpus_per_actor", "gpus_per_actor", "placement_strategy", "gpu_memory_cap",
+                             "fold_order", "eval_on", "on_client_failure", "max_client_retries", "ray_timeout_s",
+                             "reduce", "client_resources", "client_data_roots", "placement_timeout_s"]
     assert listed("RAY") == listed("ray")
     assert listed("schedule") == list(SECTIONS["schedule"])
     gpu = listed("gpu")  # a word: in the name, or starting a word of the meaning
-    assert {"gpus_per_client", "gpu_memory_cap", "device", "deterministic"} <= set(gpu) and "lr" not in gpu
+    assert {"gpus_per_actor", "gpu_memory_cap", "device", "deterministic"} <= set(gpu) and "lr" not in gpu
     assert listed("ray", "gpu") == ["gpus_per_client", "gpu_memory_cap"]  # several terms: every one selects
     assert all(name in everything for names in SECTIONS.values() for name in names)  # no stale section entry
     assert main(["fields", "nothing-like-this"]) == 2
