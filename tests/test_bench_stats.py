@@ -11,8 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-import _stats as S  # noqa: E402
-
+import _stats as S
 
 # Student's t quantiles as printed in standard tables (5-6 significant digits).
 TABLE = [(0.95, 1, 6.313752), (0.975, 1, 12.706205), (0.95, 2, 2.919986), (0.975, 2, 4.302653),
