@@ -9,7 +9,7 @@
 2. ``device=cuda deterministic=true``: two runs are bit-identical, and a run
    stopped at half its iterations and resumed ends bit-identical to one that
    was not stopped.
-3. Ray executor, K=4 actors with ``gpus_per_client=0.25`` (four clients share
+3. Ray executor, K=4 actors with ``gpus_per_actor=0.25`` (four clients share
    one GPU): every actor got exactly one Ray GPU id, the same one for all
    four, trains on ``cuda:0`` and reads a CUDA memory fraction equal to its
    share (on the CPU stand-in: no GPU ids, no fraction); with
@@ -43,7 +43,7 @@ from fdam_ray.executors import make_executor
 def base(iterations: int, **kw):
     values = dict(dataset="digits", num_clients=4, model="cnn", iterations=iterations, local_steps=8,
                   batch_size=32, eval_every=iterations, executor="inline", tensorboard=False, seed=0,
-                  threads_per_client=1)  # the same CPU reductions in the driver (inline) and in actors
+                  threads_per_actor=1)  # the same CPU reductions in the driver (inline) and in actors
     values.update(kw)
     return build_config(values)
 
@@ -80,7 +80,7 @@ def throughput(device: str, iterations: int) -> float:
                 (rng.random(512) < 0.2).astype(np.float32)) for _ in range(4)]
     test = (rng.standard_normal((256, 3, 32, 32)).astype(np.float32), (rng.random(256) < 0.5).astype(np.float32))
     cfg = dict(model="resnet20", batch_size=64, local_steps=10, iterations=iterations, eval_every=iterations,
-               executor="inline", device=device, tensorboard=False, threads_per_client=os.cpu_count())
+               executor="inline", device=device, tensorboard=False, threads_per_actor=os.cpu_count())
     train_arrays(cfg, clients, test)  # warm-up: CUDA context, cuDNN autotuning, allocator
     return train_arrays(cfg, clients, test).summary["samples_per_s"]
 
@@ -141,7 +141,7 @@ def checks(argv: list[str] | None) -> str:
     share = 0.25 if gpu == "cuda" else 0.0
     executor = make_executor("ray")
     seen: list[dict] = []
-    ray_run = run(base(n, device=gpu, executor="ray", gpus_per_client=share, cpus_per_client=1,
+    ray_run = run(base(n, device=gpu, executor="ray", gpus_per_actor=share, cpus_per_actor=1,
                        deterministic=True, fold_order="client"), executor=executor, save=False,
                   on_eval=lambda _: seen.append(executor.client_info()) if not seen else None)
     ray.shutdown()

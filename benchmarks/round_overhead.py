@@ -128,7 +128,7 @@ def federation(num_clients: int, state_floats: int):
     """A started Ray executor with ``num_clients`` clients whose state v has ``state_floats`` floats."""
     config = build_config(dict(dataset="arrays", num_clients=num_clients, model="linear", algorithm="coda_plus",
                                batch_size="full", local_steps=1, lr=0.01, executor="ray", eval_on="driver",
-                               cpus_per_client=1.0))
+                               cpus_per_actor=1.0))
     source = WideSource(num_clients, state_floats - 3)  # w (d), bias, a, b
     executor = RayExecutor()
     executor.start(config, source)

@@ -1,6 +1,6 @@
 """Run an ``fdam`` command on the head node of a running cluster (for ``ray submit``).
 
-    ray submit deploy/aws-gpu.yaml deploy/fdam_job.py -- train gpus_per_client=0.25 iterations=20000
+    ray submit deploy/aws-gpu.yaml deploy/fdam_job.py -- train gpus_per_actor=0.25 iterations=20000
 
 ``ray submit`` runs this file with Python on the head node; it joins the
 cluster that runs there (``RAY_ADDRESS=auto``, token mode on) instead of

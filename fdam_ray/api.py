@@ -1,14 +1,21 @@
-"""The Python entry points: :func:`train` (a dataset by name) and :func:`train_arrays` (your own arrays)."""
+"""The Python entry points: :func:`train` (a dataset by name), :func:`train_arrays` (your own arrays) and
+:func:`train_datasets` (your own torch Datasets)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from fdam_ray.config import Config, build_config
 from fdam_ray.data.arrays import ArrayPair, ArraysSource
+from fdam_ray.data.datasets import DatasetsSource, Entry
 from fdam_ray.federation import RunResult
 from fdam_ray.recipe import run
+
+log = logging.getLogger(__name__)
 
 
 def _config(config: Config | Mapping[str, Any] | None, **overrides: Any) -> Config:
@@ -17,14 +24,46 @@ def _config(config: Config | Mapping[str, Any] | None, **overrides: Any) -> Conf
     return build_config(dict(config or {}), **overrides)
 
 
+def warn_one_class(source: ArraysSource) -> None:
+    """One warning naming every test set (``test``, ``client_tests[k]``) that holds one class only for a task:
+    the AUC it gives is NaN, since an AUC compares positives with negatives."""
+    sets = ([("test", source.test, "the pooled test AUC")] if source.test is not None else []) + [
+        (f"client_tests[{k}]", pair, f"client {k}'s AUC") for k, pair in sorted((source.tests or {}).items())]
+    problems = []
+    for name, (_, labels), what in sets:
+        for t, task in enumerate(source.task_names):
+            column = labels[:, t][~np.isnan(labels[:, t])]
+            positives = int(column.sum())
+            negatives = len(column) - positives
+            if positives == 0 or negatives == 0:
+                if len(source.task_names) > 1:  # a multi-task AUC is the mean over the tasks that have one
+                    problems.append(f"{name} has {positives} positives and {negatives} negatives for task "
+                                    f"'{task}', so its AUC for that task is NaN")
+                else:
+                    problems.append(f"{name} has {positives} positives and {negatives} negatives, so {what} is NaN")
+    if problems:
+        log.warning("%s (an AUC needs positives and negatives)", "; ".join(problems))
+
+
+def _with_model(overrides: dict[str, Any], model: str | Callable | None) -> dict[str, Any]:
+    return overrides if model is None else {**overrides, "model": model}
+
+
 def train(
     config: Config | Mapping[str, Any] | None = None,
     *,
+    model: str | Callable | None = None,
     save: bool = True,
     on_eval: Callable[[dict], None] | None = None,
 ) -> RunResult:
-    """Train a federation on the dataset the config names; see :func:`fdam_ray.recipe.run`."""
-    return run(_config(config), save=save, on_eval=on_eval)
+    """Train a federation on the dataset the config names; see :func:`fdam_ray.recipe.run`.
+
+    ``model`` sets the config's ``model``: a built-in name, an import path ``module:attr``, or your own
+    factory ``(input_shape, num_tasks) -> nn.Module`` (README, "Your own model and data"). A factory that
+    can be imported by name is recorded by its path; any other (a lambda, a local function, one of the
+    ``__main__`` script) travels to the clients by value, and resuming its run needs it given again.
+    """
+    return run(_config(config, **_with_model({}, model)), save=save, on_eval=on_eval)
 
 
 def train_arrays(
@@ -33,6 +72,7 @@ def train_arrays(
     test: ArrayPair | None,
     *,
     client_tests: Sequence[ArrayPair] | None = None,
+    model: str | Callable | None = None,
     save: bool = False,
     on_eval: Callable[[dict], None] | None = None,
 ) -> RunResult:
@@ -42,12 +82,44 @@ def train_arrays(
     (n, T) for T tasks. ``num_clients`` is taken from ``len(clients)``. Set
     ``batch_size`` to 0 (or "full") for full-batch, sampling-free, deterministic
     gradients. ``client_tests`` adds each client's own test split and a
-    per-client AUC to the history.
+    per-client AUC to the history. ``model`` as for :func:`train`.
 
     Returns:
         :class:`RunResult` with the final ``model_state`` (a ``state_dict``), ``a``,
         ``b``, ``alpha``, the global ``control_variates`` (or None) and ``history``.
     """
     source = ArraysSource(clients, test, client_tests)
-    cfg = _config(config, dataset="arrays", num_clients=len(clients))
+    cfg = _config(config, **_with_model({"dataset": "arrays", "num_clients": len(clients)}, model))
+    warn_one_class(source)
+    return run(cfg, source=source, save=save, on_eval=on_eval)
+
+
+def train_datasets(
+    config: Config | Mapping[str, Any] | None,
+    clients: Sequence[Entry],
+    test: Entry | None,
+    *,
+    client_tests: Sequence[Entry | None] | None = None,
+    model: str | Callable | None = None,
+    save: bool = False,
+    on_eval: Callable[[dict], None] | None = None,
+) -> RunResult:
+    """Train on your own torch Datasets: one entry per client and a test set.
+
+    Each entry of ``clients`` is a ``torch.utils.data.Dataset`` or a picklable
+    callable ``() -> Dataset`` that builds the client's Dataset where the client
+    runs (under Ray on its own actor, so the driver never reads that site's
+    data). ``test`` (and each of ``client_tests``, which adds per-client test
+    splits and AUCs) is a Dataset, such a callable, or None. Items are ``(x, y)``
+    with ``x`` a tensor or array and ``y`` 0, 1 or NaN (missing), of shape () or
+    (T,) for T tasks; each client reads and checks its labels in one pass over
+    its Dataset. Batches are read by a DataLoader with ``data_workers``
+    processes; ``batch_size`` 0 (full batch) is not available. ``num_clients``
+    is taken from ``len(clients)``; ``model`` as for :func:`train`.
+
+    Returns:
+        :class:`RunResult`, as :func:`train_arrays`.
+    """
+    cfg = _config(config, **_with_model({"dataset": "datasets", "num_clients": len(clients)}, model))
+    source = DatasetsSource(clients, test, client_tests, data_workers=cfg.data_workers)
     return run(cfg, source=source, save=save, on_eval=on_eval)

@@ -2,7 +2,8 @@
 
     fdam train [--config FILE.yaml] [--resume RUN_DIR] [--quiet] [key=value ...]
     fdam plot RUN_DIR [RUN_DIR ...] [--out DIR]
-    fdam fields
+    fdam fields [SECTION | WORD ...]
+    fdam --version
 """
 
 from __future__ import annotations
@@ -13,8 +14,14 @@ import signal
 import sys
 import threading
 
-from fdam_ray.config import ConfigError, build_config, describe_fields, load_config_file, parse_overrides
+from fdam_ray.config import SECTIONS, ConfigError, build_config, describe_fields, load_config_file, parse_overrides
 from fdam_ray.locations import where
+
+
+def _version() -> str:
+    from fdam_ray import __version__
+
+    return __version__
 
 
 def _print_record(rec: dict) -> None:
@@ -136,13 +143,14 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_fields(args: argparse.Namespace) -> int:
-    print(describe_fields())
+    print(describe_fields(args.terms))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fdam", description="Federated deep AUC maximization on Ray.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--version", action="version", version=f"fdam {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train one federation",
                            description="Train one federation. With no arguments: CODASCA on digits-IH, K=4.")
@@ -168,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", help="folder for the PNGs (default: the run folder, or ./plots for several runs)")
     plot.set_defaults(func=cmd_plot)
     fields = sub.add_parser("fields", help="list every config field with its default and meaning")
+    fields.add_argument("terms", nargs="*", metavar="SECTION|WORD",
+                        help=f"only the fields of a section ({', '.join(SECTIONS)}) or with this word in their name "
+                        "or meaning")
     fields.set_defaults(func=cmd_fields)
     return parser
 

@@ -1,8 +1,12 @@
-"""One federated client: its data shard, its model replica and its control variate.
+"""Federated clients: a client's own state kept apart from the model replica that runs it.
 
-The same class runs in the driver process (inline executor) and inside a Ray
-actor; it imports no Ray. Everything it receives and returns is numpy buffers
-or small dataclasses (:mod:`fdam_ray.state`).
+A :class:`Client` is cheap: its data shard, its sampler position and its
+control variate c^k. A :class:`TrainingReplica` is expensive (the network, its
+flat storage, the objective and the local solver, and on a GPU its CUDA
+context): one per process serves every client hosted there, one after
+another. The same classes run in the driver process (inline executor) and
+inside a Ray actor; they import no Ray. Everything they receive and return is
+numpy buffers or small dataclasses (:mod:`fdam_ray.state`).
 """
 
 from __future__ import annotations
@@ -11,11 +15,14 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from fdam_ray.algorithms import Algorithm, AlgorithmSection
+from fdam_ray.algorithms import Algorithm, AlgorithmSection, LocalSolver
+from fdam_ray.algorithms.sampling import client_weights
+from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.data import AnySplit, DataSource, Split, iter_batches, make_sampler
 from fdam_ray.flat import FlatModel
 from fdam_ray.models import build_model
@@ -108,18 +115,70 @@ class Replica:
         return Scores(client_id, self.score(split), split.y.cpu().numpy())
 
 
-class Client(Replica):
-    """A client: builds its own shard from the data source spec, then runs local rounds.
+class TrainingReplica(Replica):
+    """The expensive part of running clients: model, flat storage, objective and local solver (one per process).
+
+    One training replica serves every client hosted in its process (the inline
+    executor's driver, or one Ray actor), one client at a time: a client's own
+    state (:class:`Client`: shard, sampler position, control variate) is bound to
+    it for the client's round. The objective's p and the stage's proximal centre
+    are the same on every client, so the replica holds them once.
+    """
+
+    def __init__(self, config: ClientSection, source: DataSource, *, device: torch.device) -> None:
+        super().__init__(config, source, device=device)
+        self.solver = self.algorithm.solver(self.flat, self.objective)
+        self._spare_cv = self._solver_cv()  # the solver's own c^k buffers, handed to the first client
+        self.bound: Client | None = None
+
+    def _solver_cv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return (self.solver.c_v, self.solver.c_alpha) if self.solver.control_variates else None
+
+    def new_control_variate(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Zero c^k buffers for a client hosted here (None without drift correction)."""
+        if not self.solver.control_variates:
+            return None
+        if self._spare_cv is not None:
+            cv, self._spare_cv = self._spare_cv, None
+            return cv
+        return torch.zeros_like(self.solver.c_v), torch.zeros_like(self.solver.c_alpha)
+
+    def bind(self, client: Client) -> None:
+        """Make the solver step with ``client``'s control variate (its own buffers: no copy)."""
+        if self.bound is not client and client.cv is not None:
+            self.solver.c_v, self.solver.c_alpha = client.cv
+        self.bound = client
+
+    def configure(self, positive_ratio: np.ndarray) -> None:
+        """Set the global p of the objective (the same on every client)."""
+        self.objective.set_positive_ratio(positive_ratio, device=self.device)
+
+    def set_reference(self, reference: np.ndarray) -> None:
+        """Set the stage's proximal centre v_ref (the same on every client)."""
+        self.solver.set_reference(reference)
+
+
+class Client:
+    """A client's own state: its shard, its sampler position and its control variate c^k.
+
+    The model that runs it is a :class:`TrainingReplica` that may serve many
+    clients (``replica``); without one the client builds its own. What a client
+    holds beyond its shard is one state-sized c^k (with drift correction), so a
+    process can host hundreds of them.
 
     Args:
         config: the client's section of the run's config.
         source: the data source spec; the client calls ``source.client_shard(client_id)``.
         client_id: k in 0..K-1.
-        device: where its model and data live.
+        device: where its data live (the replica's device).
+        replica: the training replica that runs this client (None: a replica of its own).
     """
 
-    def __init__(self, config: ClientSection, source: DataSource, client_id: int, *, device: torch.device) -> None:
-        super().__init__(config, source, device=device)
+    def __init__(self, config: ClientSection, source: DataSource, client_id: int, *, device: torch.device,
+                 replica: TrainingReplica | None = None) -> None:
+        self.replica = replica if replica is not None else TrainingReplica(config, source, device=device)
+        self.config = config
+        self.device = device
         self.client_id = client_id
         shard = source.client_shard(client_id)
         self.train = shard.train.to(device)
@@ -131,7 +190,19 @@ class Client(Replica):
                         "samples", client_id, len(self.train), config.batch_size)
         self.sampler = make_sampler(self.train, config.batch_size, seed=config.seed * 1_000_003 + client_id,
                                     device=device)
-        self.solver = self.algorithm.solver(self.flat, self.objective)
+        self.cv = self.replica.new_control_variate()  # (c_v^k, c_alpha^k) tensors, or None
+        weights = client_weights(config.client_weighting, [len(self.train)])
+        self.weight: float | None = None if weights is None else float(weights[0])  # w_k of the server's means
+
+    @property
+    def flat(self) -> FlatModel:
+        return self.replica.flat
+
+    @property
+    def solver(self) -> LocalSolver:
+        """The replica's solver, stepping with this client's control variate."""
+        self.replica.bind(self)
+        return self.replica.solver
 
     def info(self) -> ClientInfo:
         positives, labelled = self.train.label_counts()
@@ -140,34 +211,40 @@ class Client(Replica):
 
     def configure(self, positive_ratio: np.ndarray) -> None:
         """Set the global p of the objective (the same on every client)."""
-        self.objective.set_positive_ratio(positive_ratio, device=self.device)
+        self.replica.configure(positive_ratio)
 
     def begin_stage(self, reference: np.ndarray, reset_control_variate: bool) -> None:
-        """Start a stage: new proximal centre v_ref and, by default, a zero control variate."""
-        self.solver.set_reference(reference)
+        """Start a stage: new proximal centre v_ref (the replica's) and, by default, a zero control variate."""
+        self.replica.set_reference(reference)
         if reset_control_variate:
-            self.solver.reset_control_variate()
+            self.reset_control_variate()
+
+    def reset_control_variate(self) -> None:
+        if self.cv is not None:
+            for t in self.cv:
+                t.zero_()
 
     def local_round(self, state: GlobalState, plan: RoundPlan, *, copy: bool = True) -> ClientUpdate:
         """Run ``plan.steps`` local steps from the global state and return the end point.
 
-        ``copy=False`` returns views of the client's buffers (valid until its next call), for a caller
-        that serialises the update at once (a Ray actor returning it): one copy of the state fewer.
+        ``copy=False`` returns views of the replica's and the client's buffers (valid until the replica's
+        next call), for a caller that folds or serialises the update at once: one copy of the state fewer.
         """
-        self.solver.begin(state)
+        solver = self.solver
+        solver.begin(state)
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=self.device)
         samples = 0
         for _ in range(plan.steps):
             x, y = self.sampler.next()
-            loss_sum += self.solver.step(x, y, plan.lr)
+            loss_sum += solver.step(x, y, plan.lr)
             samples += x.shape[0]
         loss = float(loss_sum) / plan.steps  # waits for the steps on a GPU
         compute_s = time.perf_counter() - start  # the steps alone: loading and exporting the state are transfer
-        before = self.solver.control_variate() if plan.partial else None
-        self.solver.end(plan.steps, plan.lr)
+        before = solver.control_variate() if plan.partial else None
+        solver.end(plan.steps, plan.lr)
         v, alpha, buffers, counters = self.flat.export(copy=copy)
-        cv = self.solver.control_variate(copy=copy)
+        cv = solver.control_variate(copy=copy)
         if before is not None and cv is not None:  # a sampled round: the server needs c^k_new - c^k_old
             cv = (cv[0] - before[0], cv[1] - before[1])
         stats = StepStats(self.client_id, loss, plan.steps, samples, compute_s, finite=self._finite())
@@ -176,30 +253,40 @@ class Client(Replica):
 
     def _finite(self) -> bool:
         """Whether the round's end point and c^k hold no NaN or infinity (one check where they live)."""
-        parts = [self.flat.v, self.flat.alpha, self.flat.buffers]
-        if self.solver.control_variates:
-            parts += [self.solver.c_v, self.solver.c_alpha]
+        flat = self.flat
+        parts = [flat.v, flat.alpha, flat.buffers]
+        if self.cv is not None:
+            parts += list(self.cv)
         return all_finite(parts)
 
     def evaluate(self, state: GlobalState) -> Scores | None:
         """Scores of the global model on this client's own test split (None if it has none)."""
-        return None if self.test is None else self.scores_of(state, self.test, self.client_id)
+        return None if self.test is None else self.replica.scores_of(state, self.test, self.client_id)
 
     @torch.no_grad()
     def score_moments(self, state: GlobalState) -> Moments:
         """Per-task sums of h over the training positives and negatives (for CODA's closed-form alpha)."""
         self.flat.load(state)
-        h = self.score(self.train)
+        h = self.replica.score(self.train)
         y = self.train.y.cpu().numpy()
         pos, neg = y == 1, y == 0
         return Moments((h * pos).sum(0), pos.sum(0), (h * neg).sum(0), neg.sum(0), self.client_id)
 
     def set_control_variate(self, c_v: np.ndarray, c_alpha: np.ndarray) -> None:
-        self.solver.set_control_variate(c_v, c_alpha)
+        if self.cv is not None:
+            with torch.no_grad():
+                for t, x in zip(self.cv, (c_v, c_alpha), strict=True):
+                    t.copy_(torch.from_numpy(np.asarray(x, dtype=np.float32)))
+
+    def control_variate(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """c^k as numpy copies (None without drift correction)."""
+        if self.cv is None:
+            return None
+        return self.cv[0].detach().cpu().numpy().copy(), self.cv[1].detach().cpu().numpy().copy()
 
     def get_state(self) -> dict:
         """What a checkpoint needs to continue this client exactly: c^k and the sampler's position."""
-        cv = self.solver.control_variate()
+        cv = self.control_variate()
         return {"client_id": self.client_id, "c_v": None if cv is None else cv[0],
                 "c_alpha": None if cv is None else cv[1], "sampler": self.sampler.get_state()}
 
@@ -207,5 +294,36 @@ class Client(Replica):
         if state["client_id"] != self.client_id:
             raise ValueError(f"state of client {state['client_id']} given to client {self.client_id}")
         if state["c_v"] is not None:
-            self.solver.set_control_variate(state["c_v"], state["c_alpha"])
+            self.set_control_variate(state["c_v"], state["c_alpha"])
         self.sampler.set_state(state["sampler"])
+
+
+def host_clients(config: ClientSection, source: DataSource, client_ids: Sequence[int], *,
+                 device: torch.device) -> list[Client]:
+    """Clients ``client_ids`` hosted by one training replica (built once, shared by all of them)."""
+    replica = TrainingReplica(config, source, device=device)
+    return [Client(config, source, k, device=device, replica=replica) for k in client_ids]
+
+
+def begin_stage_hosted(clients: Sequence[Client], reference: np.ndarray, reset_control_variates: bool) -> None:
+    """Start a stage on clients that share one replica: the proximal centre set once, each c^k zeroed."""
+    if clients:
+        clients[0].replica.set_reference(reference)
+    if reset_control_variates:
+        for client in clients:
+            client.reset_control_variate()
+
+
+def run_hosted(clients: Sequence[Client], state: GlobalState, plan: RoundPlan,
+               into: PartialSum | None = None) -> PartialSum:
+    """Run the round of ``clients`` one after another and fold their updates, weighted, into ``into`` (an
+    empty partial sum when None).
+
+    Each update is folded as soon as it is made (views of the replica's buffers: no copy), so a host
+    holds one partial sum whatever the number of its clients.
+    """
+    if into is None:
+        into = PartialSum.zeros(state, control_variates=state.c_v is not None and clients[0].cv is not None)
+    for client in clients:
+        into.fold(client.local_round(state, plan, copy=False), client.weight)
+    return into

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from fdam_ray.algorithms.presets import PRESETS
+from fdam_ray.factories import PYTHON_PREFIX, import_path_of, is_import_path, python_name, resolve
 from fdam_ray.schedules import MIN_LR, ScheduleSection, last_stage
 
 
@@ -31,7 +32,7 @@ class ConfigError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Field:
     name: str
-    kind: str  # "int", "float", "bool", "str", "batch", "int_list", "str_list"
+    kind: str  # "int", "float", "bool", "str", "batch", "int_list", "str_list", "factory" (a name or module:attr)
     default: Any
     doc: str
     choices: tuple[str, ...] | None = None
@@ -49,8 +50,9 @@ _nonneg = (lambda v: v >= 0, ">= 0")
 _ge1 = (lambda v: v >= 1, ">= 1")
 
 MODEL_NAMES = ("linear", "mlp", "cnn", "resnet20", "densenet121", "densenet161")
-# "arrays" is set by fdam_ray.train_arrays (bring-your-own data), not by hand.
-DATASET_NAMES = ("digits", "synthetic", "arrays", "cifar10", "cifar100", "imagefolder", "mnist5k", "chestxray")
+# "arrays" and "datasets" are set by fdam_ray.train_arrays / train_datasets (bring-your-own data), not by hand.
+DATASET_NAMES = ("digits", "synthetic", "arrays", "cifar10", "cifar100", "imagefolder", "mnist5k", "chestxray",
+                 "datasets")
 CHESTXRAY_SOURCES = ("chexpert", "nih", "padchest", "mimic", "vindr")
 
 FIELDS: tuple[Field, ...] = (
@@ -92,7 +94,9 @@ FIELDS: tuple[Field, ...] = (
        check=_ge1[0], allowed=_ge1[1]),
     _f("rounds_per_stage", "int", 10, "R, rounds per stage (geometric).", check=_ge1[0], allowed=_ge1[1]),
     # -- data ---------------------------------------------------------------------
-    _f("dataset", "str", "digits", "Dataset name.", choices=DATASET_NAMES),
+    _f("dataset", "factory", "digits", "Dataset name, or your own factory module:attr called on each client as "
+       "factory(client_id, num_clients, split) -> torch Dataset of (x, y) items, split 'train' or 'test' (None: "
+       "no test split).", choices=DATASET_NAMES),
     _f("data_root", "str", None, "Folder of an on-disk dataset.", optional=True),
     _f("partition", "str", "ih", "How a labelled dataset is split over clients: ih (class-disjoint, "
        "the paper's) or dirichlet.", choices=("ih", "dirichlet")),
@@ -151,8 +155,11 @@ FIELDS: tuple[Field, ...] = (
     _f("data_workers", "int", 0, "DataLoader worker processes per client for datasets read from disk.",
        check=_nonneg[0], allowed=_nonneg[1]),
     # -- model --------------------------------------------------------------------
-    _f("model", "str", "cnn", "Scoring network.", choices=MODEL_NAMES),
-    _f("model_width", "int", 32, "Width of mlp hidden layers / cnn channels.", check=_ge1[0], allowed=_ge1[1]),
+    _f("model", "factory", "cnn", "Scoring network: a name, or your own factory module:attr called as "
+       "factory(input_shape, num_tasks) -> nn.Module giving (B, T) logits, on the driver and every client.",
+       choices=MODEL_NAMES),
+    _f("model_width", "int", 32, "Width of mlp hidden layers / cnn channels; passed to your own model factory "
+       "as width= if it has that parameter, else unused.", check=_ge1[0], allowed=_ge1[1]),
     # -- models: weights, pre-training ---------------------------------------------
     _f("model_weights", "str", None, "Local file of initial network weights (a state_dict saved with "
        "torch.save, or a run's model.pt); a classifier head of another size is re-initialised. Never "
@@ -180,15 +187,32 @@ FIELDS: tuple[Field, ...] = (
        "RAY_ADDRESS if set, else a `ray start` cluster of this machine, else start a local Ray (a Ray already "
        "running in this process is reused).",
        optional=True),
-    _f("cpus_per_client", "float", 1.0, "CPUs Ray reserves for each client actor (fractions allowed); the "
-       "client runs max(1, int(this)) torch threads unless threads_per_client says otherwise.",
-       check=_pos[0], allowed=_pos[1]),
-    _f("gpus_per_client", "float", 0.0, "GPUs per client actor; a fraction shares a GPU (0.25 = four clients "
-       "per GPU); 0 = CPU only.", check=lambda v: v == 0 or 0 < v <= 1 or float(v).is_integer(),
+    _f("clients_per_actor", "int", 1, "M, clients each host runs one after another on one model replica (each "
+       "keeps its own shard, control variate and sampler position; the host returns their updates folded into "
+       "one partial sum); ceil(K / M) Ray actors; 1 = one actor per client.", check=_ge1[0], allowed=_ge1[1]),
+    _f("cpus_per_actor", "float", 1.0, "CPUs Ray reserves for each actor (fractions allowed; cpus_per_client is "
+       "read as this when clients_per_actor = 1); the actor runs max(1, int(this)) torch threads unless "
+       "threads_per_actor says otherwise.", check=_pos[0], allowed=_pos[1]),
+    _f("gpus_per_actor", "float", 0.0, "GPUs per actor (gpus_per_client is read as this when clients_per_actor = "
+       "1); a fraction shares a GPU (0.25 = four actors per GPU); 0 = CPU only.",
+       check=lambda v: v == 0 or 0 < v <= 1 or float(v).is_integer(),
        allowed="0, a fraction in (0, 1], or a whole number"),
     _f("placement_strategy", "str", "PACK", "How the clients' placement group spreads over nodes (Ray's "
        "strategies).", choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")),
-    _f("gpu_memory_cap", "bool", True, "With a fractional gpus_per_client, cap each client's CUDA memory to "
+    _f("client_resources", "resource_list", None, "Ray custom resources per client, one mapping per client in "
+       "client order (e.g. [{site_0: 0.01}, {site_1: 0.01}]): client k's actor bundle asks for them, so it runs "
+       "on a node that offers them; the clients of one actor must ask for the same; null = any node.",
+       optional=True),
+    _f("client_data_roots", "str_list", None, "A data folder per client, in client order: client k reads its "
+       "training data (all of it) from its own folder only, on the node it runs on; data_root then holds the "
+       "global test set; null = every client takes its part of data_root.", optional=True),
+    _f("reduce", "str", "star", "ray executor: star (every actor's partial sum goes to the driver) or node (the "
+       "actors on one node fold their partial sums into one on that node; the driver receives one per node).",
+       choices=("star", "node")),
+    _f("placement_timeout_s", "float", 120.0, "Longest wait for lost actors' placement-group bundles to be "
+       "placed again after a node is lost; then the run stops, naming the clients and resources that cannot be "
+       "placed.", check=_pos[0], allowed=_pos[1]),
+    _f("gpu_memory_cap", "bool", True, "With a fractional gpus_per_actor, cap each actor's CUDA memory to "
        "that fraction of the GPU."),
     _f("fold_order", "str", "arrival", "ray executor: fold client updates as they arrive (arrival) or in client "
        "order (client: bit-for-bit repeatable runs, equal to the inline executor's; waits for late clients).",
@@ -205,7 +229,8 @@ FIELDS: tuple[Field, ...] = (
     _f("deterministic", "bool", False, "Ask torch for deterministic kernels (GPU runs then repeat bit for bit, "
        "more slowly; CPU runs repeat exactly either way)."),
     _f("device", "str", "auto", "auto uses a GPU when one is visible.", choices=("auto", "cpu", "cuda")),
-    _f("threads_per_client", "int", None, "torch intra-op threads per client process; null = leave as is.",
+    _f("threads_per_actor", "int", None, "torch intra-op threads per actor process (inline: of the driver; "
+       "threads_per_client is read as this when clients_per_actor = 1); null = leave as is.",
        check=_ge1[0], allowed=_ge1[1], optional=True),
     _f("out_dir", "str", "runs", "Folder under which run folders are made."),
     _f("run_name", "str", None, "Run folder name; null = time stamp, algorithm and dataset.", optional=True),
@@ -213,18 +238,55 @@ FIELDS: tuple[Field, ...] = (
     _f("checkpoint_every", "int", 100, "Write a checkpoint every this many rounds (and at the end); 0 = only "
        "at the end.", check=_nonneg[0], allowed=_nonneg[1]),
     _f("tensorboard", "bool", True, "Write TensorBoard event files into the run folder (needs tensorboard)."),
+    # -- experiment trackers -------------------------------------------------------
+    _f("trackers", "str_list", (), "Experiment trackers that get the config, every evaluation and the final "
+       "model: mlflow, wandb (a list, or names joined by commas; each needs its extra, pip install "
+       "'fdam-ray[mlflow]'); empty = none.", choices=("mlflow", "wandb"),
+       check=lambda v: len(set(v)) == len(v), allowed="each tracker once"),
+    _f("tracker_project", "str", "fdam-ray", "MLflow experiment and W&B project the trackers log to."),
 )
 
 # Fields that may differ when a run is resumed (they change how it runs, not what it computes).
 RESUME_MAY_CHANGE = {"iterations", "eval_every", "checkpoint_every", "tensorboard", "executor", "device",
-                     "threads_per_client", "out_dir", "address", "cpus_per_client", "gpus_per_client",
+                     "threads_per_actor", "out_dir", "address", "cpus_per_actor", "gpus_per_actor",
+                     "clients_per_actor",
                      "placement_strategy", "gpu_memory_cap", "eval_on", "fold_order", "on_client_failure",
-                     "max_client_retries", "ray_timeout_s", "data_workers", "eval_batch_size", "deterministic"}
+                     "max_client_retries", "ray_timeout_s", "data_workers", "eval_batch_size", "deterministic",
+                     "trackers", "tracker_project"}
 
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
 
-_TYPES: dict[str, Any] = {"int": int, "float": float, "bool": bool, "str": str, "batch": int,
-                          "int_list": tuple[int, ...], "str_list": tuple[str, ...]}
+# Sections of `fdam fields SECTION` (a field in none is still found by a word of its name or meaning).
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "algorithm": ("algorithm", "objective", "margin", "num_clients", "clients_per_round", "client_weighting",
+                  "local_steps", "lr", "global_lr", "prox_weight", "weight_decay", "grad_clip", "batch_size",
+                  "iterations", "positive_ratio"),
+    "schedule": ("schedule", "stage_length", "lr_decay", "reference_point", "reset_control_variates",
+                 "stage_growth", "rounds_per_stage"),
+    "data": ("dataset", "data_root", "partition", "imratio", "dirichlet_concentration", "positive_classes",
+             "negative_classes", "test_fraction", "heterogeneity", "num_features", "samples_per_client", "download",
+             "image_size", "augment", "data_workers"),
+    "chestxray": tuple(f.name for f in FIELDS if f.name.startswith("chestxray_")),
+    "model": ("model", "model_width", "model_weights", "pretrain_iterations", "pretrain_lr", "pretrain_batch_size",
+              "pretrain_federated"),
+    "run": ("eval_batch_size", "eval_every", "seed", "executor", "deterministic", "device", "threads_per_actor",
+            "clients_per_actor"),
+    "ray": ("address", "cpus_per_actor", "gpus_per_actor", "placement_strategy", "gpu_memory_cap", "fold_order",
+            "eval_on", "on_client_failure", "max_client_retries", "ray_timeout_s", "reduce", "client_resources",
+            "client_data_roots", "placement_timeout_s"),
+    "outputs": ("out_dir", "run_name", "checkpoint_every", "tensorboard", "trackers", "tracker_project"),
+}
+
+# Resource fields named per client before clients could share an actor: read as the per-actor field when each
+# actor hosts one client (the same thing then), refused otherwise (the user must say what an actor gets).
+RENAMED_PER_ACTOR = {"cpus_per_client": "cpus_per_actor", "gpus_per_client": "gpus_per_actor",
+                     "threads_per_client": "threads_per_actor"}
+
+# A "factory" field holds a string, except that in Python ``model`` may hold a factory that cannot be imported
+# by name (a lambda, a local function, one of the __main__ script): it then travels to clients by value.
+_TYPES: dict[str, Any] = {"int": int, "float": float, "bool": bool, "str": str, "factory": str, "batch": int,
+                          "int_list": tuple[int, ...], "str_list": tuple[str, ...],
+                          "resource_list": tuple[dict, ...]}
 
 
 def field_type(field: Field) -> Any:
@@ -239,11 +301,16 @@ Config = dataclasses.make_dataclass(
     frozen=True,
     namespace={
         "__doc__": "A validated run configuration; build it with :func:`build_config`.",
-        "to_dict": lambda self: dataclasses.asdict(self),
+        "to_dict": lambda self: _plain(dataclasses.asdict(self)),
         "replace": lambda self, **changes: build_config({**dataclasses.asdict(self), **changes}),
     },
 )
 Config.__module__ = __name__  # picklable by reference (configs travel to Ray actors and Tune trials)
+
+
+def _plain(values: dict[str, Any]) -> dict[str, Any]:
+    """A config's values as data: a factory given in Python is recorded by its name (``python:module.name``)."""
+    return {k: python_name(v) if callable(v) else v for k, v in values.items()}
 
 
 class _Loader(yaml.SafeLoader):
@@ -330,8 +397,12 @@ def _coerce(field: Field, value: Any) -> Any:
     if value is None:
         if field.optional:
             return None
+        if field.default == ():  # a list that may be empty (trackers=)
+            return ()
         raise _fail(field.name, value, f"a value is required; {field.allowed or field.kind}".rstrip("; "))
     kind = field.kind
+    if kind == "factory":
+        return _factory_value(field, value)
     if kind == "bool":
         if isinstance(value, bool):
             return value
@@ -373,15 +444,58 @@ def _coerce(field: Field, value: Any) -> Any:
     elif kind == "str_list":
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) for v in value):
-            raise _fail(field.name, value, "a non-empty list of names" + (f" from {', '.join(field.choices)}"
-                                                                         if field.choices else ""))
+        empty_ok = field.default == ()
+        if (not isinstance(value, (list, tuple)) or not (value or empty_ok)
+                or not all(isinstance(v, str) for v in value)):
+            raise _fail(field.name, value, ("a list of names" if empty_ok else "a non-empty list of names")
+                        + (f" from {', '.join(field.choices)}" if field.choices else ""))
         if field.choices and any(v not in field.choices for v in value):
             raise _fail(field.name, value, f"each one of {', '.join(field.choices)}")
         value = tuple(value)
+    elif kind == "resource_list":
+        what = "a list with one mapping of Ray resource name: amount (> 0) per client"
+        if not isinstance(value, (list, tuple)) or not value:
+            raise _fail(field.name, value, what)
+        for k, entry in enumerate(value):
+            if not isinstance(entry, Mapping) or not all(
+                isinstance(r, str) and r and isinstance(v, (int, float)) and not isinstance(v, bool)
+                and math.isfinite(v) and v > 0 for r, v in entry.items()
+            ):
+                raise _fail(field.name, value, f"{what}; entry {k} ({entry!r}) is not")
+            if any(r in ("CPU", "GPU", "memory", "object_store_memory") for r in entry):
+                raise _fail(field.name, value, f"custom resources only; entry {k} names CPU/GPU/memory, which "
+                            "cpus_per_actor / gpus_per_actor set")
+        value = tuple(dict(entry) for entry in value)
     if field.check is not None and not field.check(value):
         raise _fail(field.name, value, field.allowed)
     return value
+
+
+def _factory_value(field: Field, value: Any) -> Any:
+    """A built-in name, an import path ``module:attr`` that resolves here to a callable, or (``model`` in Python)
+    the factory itself, kept as its import path when it has one."""
+    names = ", ".join(field.choices or ())
+    if isinstance(value, str):
+        if value in (field.choices or ()):
+            return value
+        if value.startswith(PYTHON_PREFIX):
+            raise ConfigError(
+                f"config field '{field.name}': {value!r} is a factory that was given in Python and cannot be "
+                f"imported by name; give the callable again (fdam_ray.train(config, {field.name}=...), "
+                f"fdam_ray.resume(run_dir, {field.name}=...)) or an import path module:attr")
+        if is_import_path(value):
+            try:
+                resolve(value, field=f"config field '{field.name}'")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            return value
+        hint = difflib.get_close_matches(value, field.choices or (), n=1)
+        extra = f"; did you mean '{hint[0]}'?" if hint else ""
+        raise _fail(field.name, value, f"one of {names}, or your own factory as an import path module:attr{extra}")
+    if callable(value) and field.name == "model":
+        return import_path_of(value) or value
+    raise _fail(field.name, value, f"one of {names}, or an import path module:attr"
+                + (", or in Python the factory itself" if field.name == "model" else ""))
 
 
 def _flatten_sections(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -421,6 +535,28 @@ def nearest_field(key: str) -> str | None:
     return None if not hint else _OTHER_NAMES.get(hint[0], hint[0])
 
 
+def _check_per_client(merged: dict[str, Any]) -> None:
+    """client_resources / client_data_roots: one entry per client; one actor's clients ask for the same resources."""
+    k = merged["num_clients"]
+    for name in ("client_resources", "client_data_roots"):
+        value = merged[name]
+        if value is not None and len(value) != k:
+            raise _fail(name, value, f"one entry per client: {k} (num_clients), not {len(value)}")
+    resources, m = merged["client_resources"], merged["clients_per_actor"]
+    if resources is not None and m > 1:
+        for first in range(0, k, m):
+            for j in range(first + 1, min(first + m, k)):
+                if resources[j] != resources[first]:
+                    raise _fail("client_resources", resources,
+                                f"the same resources for the clients of one actor (clients_per_actor={m}): client "
+                                f"{j} asks for {resources[j]}, client {first} (same actor) for {resources[first]}")
+    if merged["client_data_roots"] is not None and merged["dataset"] in ("arrays", "datasets", "chestxray"):
+        raise _fail("client_data_roots", merged["client_data_roots"],
+                    f"per-client folders of a dataset read from data_root; dataset={merged['dataset']} "
+                    + ("has per-source roots (chestxray_*_root)" if merged["dataset"] == "chestxray"
+                       else "takes its data in memory"))
+
+
 def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> Config:
     """Make a validated :class:`Config` from a mapping (and keyword overrides).
 
@@ -430,6 +566,7 @@ def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> C
     """
     given = _flatten_sections(values or {})
     given.update(_flatten_sections(overrides))
+    given = _read_renamed(given)
     for key in given:
         if key not in FIELD_BY_NAME:
             hint = nearest_field(key)
@@ -455,9 +592,30 @@ def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> C
     if merged["clients_per_round"] is not None and merged["clients_per_round"] > merged["num_clients"]:
         raise _fail("clients_per_round", merged["clients_per_round"],
                     f"at most num_clients = {merged['num_clients']}, or null for all")
+    _check_per_client(merged)
     config = Config(**merged)
     _check_schedule_reach(config)
     return config
+
+
+def _read_renamed(given: dict[str, Any]) -> dict[str, Any]:
+    """``cpus_per_client`` & co. as ``cpus_per_actor`` & co. when every actor hosts one client; else an error."""
+    old = [k for k in RENAMED_PER_ACTOR if k in given]
+    if not old:
+        return given
+    m = _coerce(FIELD_BY_NAME["clients_per_actor"], given.get("clients_per_actor", 1))
+    out = dict(given)
+    for key in old:
+        new = RENAMED_PER_ACTOR[key]
+        if new in given:
+            raise ConfigError(f"config fields '{key}' and '{new}' are both given; '{key}' is the old name of "
+                              f"'{new}': give '{new}' only")
+        if m != 1:
+            raise ConfigError(f"config field '{key}' is now '{new}' (resources are reserved per actor, and "
+                              f"clients_per_actor = {m} clients share one): set '{new}' instead")
+        # coerced under the name the user gave, so an error names it
+        out[new] = _coerce(dataclasses.replace(FIELD_BY_NAME[new], name=key), out.pop(key))
+    return out
 
 
 def _check_schedule_reach(config: Config) -> None:
@@ -516,10 +674,33 @@ def load_config_file(path: str) -> dict[str, Any]:
     return data
 
 
-def describe_fields() -> str:
-    """A plain-text table of every field, its default and its meaning (for `fdam fields`)."""
+def select_fields(terms: list[str] | tuple[str, ...] = ()) -> list[Field]:
+    """The fields ``fdam fields TERM ...`` lists: for each term (case-insensitive), the fields of the section it
+    names (:data:`SECTIONS`), else those with the term in their name or starting a word of their meaning; with
+    several terms, the fields every term selects."""
+    chosen = list(FIELDS)
+    for term in terms:
+        word = term.lower().strip()
+        if word in SECTIONS:
+            names = set(SECTIONS[word])
+            chosen = [f for f in chosen if f.name in names]
+            continue
+        pattern = re.compile(rf"(?<![\w-]){re.escape(word)}", re.IGNORECASE)
+        chosen = [f for f in chosen if word in f.name.lower() or pattern.search(f.doc)]
+    return chosen
+
+
+def describe_fields(terms: list[str] | tuple[str, ...] = ()) -> str:
+    """A plain-text table of every field (or those ``terms`` select), its default and its meaning (for `fdam
+    fields`); a term that selects nothing is a :class:`ConfigError` naming the sections."""
+    fields = select_fields(terms)
+    if not fields:
+        raise ConfigError(f"no config field matches {' '.join(terms)!r}; give a section ({', '.join(SECTIONS)}) "
+                          "or a word of a field's name or meaning, or nothing for every field")
     rows = []
-    for f in FIELDS:
+    for f in fields:
         allowed = ", ".join(f.choices) if f.choices else f.allowed
+        if f.kind == "factory":
+            allowed += ", or module:attr"
         rows.append(f"{f.name:<24} {f.default!s:<10} {f.doc}" + (f" [{allowed}]" if allowed else ""))
     return "\n".join(rows)

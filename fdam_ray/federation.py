@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from fdam_ray.algorithms import Algorithm, AlgorithmSection, ServerState
+from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.algorithms.stages import moments_nbytes
 from fdam_ray.client import Replica, all_finite
 from fdam_ray.data import DataSource
@@ -187,11 +188,12 @@ class Federation:
             total = float(self.num_clients if self.client_weights is None else self.client_weights.sum())
         reducer = self.algorithm.reducer(loop.state, weights=self.client_weights, partial_total=total)
 
-        def fold(update: ClientUpdate) -> None:
+        def fold(update: PartialSum | ClientUpdate) -> None:
             # each client checks its own update (in parallel, where its buffers live); the driver trusts it
-            if not (update.stats.finite and math.isfinite(update.stats.loss)):
-                raise DivergenceError(f"round {plan.round}: client {update.client_id} sent a NaN or infinite "
-                                      f"update (loss {update.stats.loss}); lower lr or set grad_clip")
+            for stats in update.stats if isinstance(update, PartialSum) else [update.stats]:
+                if not (stats.finite and math.isfinite(stats.loss)):
+                    raise DivergenceError(f"round {plan.round}: client {stats.client_id} sent a NaN or infinite "
+                                          f"update (loss {stats.loss}); lower lr or set grad_clip")
             reducer.fold(update)
 
         if clients is None:
@@ -256,6 +258,8 @@ class Federation:
         observer = self.observer
         observer.start(RunStart(resumed=resume is not None, history=loop.history, round=loop.state.round,
                                 iteration=loop.state.iteration, iterations=self.schedule.iterations))
+        for line in getattr(self.executor, "placement_lines", list)():  # where each client runs (Ray)
+            observer.event("%s", line)
         evaluator = Evaluator(self.replica, self.source, self.executor)
         error: BaseException | None = None
         try:

@@ -1,14 +1,26 @@
 """Scoring networks: each maps a batch of inputs to (B, T) logits; the score is their sigmoid.
 
 No weights are ever downloaded: torchvision models are built with ``weights=None``.
+
+Besides the built-in names, ``model`` may name your own factory by import path
+(``my_pkg.models:build``) or, in Python, be the factory itself: a callable
+``factory(input_shape, num_tasks)`` (plus ``width=model_width`` when it has a
+parameter named ``width``) returning an ``nn.Module`` whose output for a batch of
+B samples is (B, T) logits ((B,) is accepted when T = 1). :func:`check_model`
+says what such a network may hold.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+import socket
+from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from fdam_ray.factories import import_path_of, is_import_path, python_name, resolve
 
 
 def _image_shape(name: str, input_shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -119,12 +131,105 @@ BUILDERS = {"linear": linear, "mlp": mlp, "cnn": cnn, "resnet20": resnet20, "den
             "densenet161": densenet161}
 
 
+def model_name(model: str | Callable) -> str:
+    """How a model is named in messages and records: a built-in name, an import path, or ``python:...``."""
+    if isinstance(model, str):
+        return model
+    return import_path_of(model) or python_name(model)
+
+
+def _factory(model: str | Callable) -> Callable:
+    if callable(model):
+        return model
+    if is_import_path(model):
+        return resolve(model, field="model", here=f"on host {socket.gethostname()}")
+    raise ValueError(f"model {model!r} is not one of {', '.join(BUILDERS)}, nor an import path module:attr")
+
+
+def _takes_width(fn: Callable) -> bool:
+    try:
+        return "width" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
+
+
 def build_model(
-    name: str, input_shape: tuple[int, ...], num_tasks: int, *, width: int = 32, seed: int = 0
+    name: str | Callable, input_shape: tuple[int, ...], num_tasks: int, *, width: int = 32, seed: int = 0
 ) -> nn.Module:
-    """Build a network with weights initialised from ``seed`` (the same on every client and the driver)."""
-    if name not in BUILDERS:
-        raise ValueError(f"model {name!r} is not one of {', '.join(BUILDERS)}")
+    """Build a network with weights initialised from ``seed`` (the same on every client and the driver).
+
+    ``name`` is a built-in name, an import path ``module:attr`` of a factory, or the factory itself.
+    """
+    input_shape = tuple(int(d) for d in input_shape)
+    if isinstance(name, str) and name in BUILDERS:
+        builder, args, kwargs = BUILDERS[name], (input_shape, num_tasks, width), {}
+    else:
+        builder = _factory(name)
+        args, kwargs = (input_shape, num_tasks), ({"width": width} if _takes_width(builder) else {})
+        try:
+            inspect.signature(builder).bind(*args, **kwargs)
+        except TypeError as exc:
+            raise ValueError(f"model {model_name(name)!r}: a model factory is called as factory(input_shape, "
+                             f"num_tasks) (and width=model_width if it takes width); this one cannot be ({exc})"
+                             ) from None
+        except ValueError:
+            pass  # no signature to check against
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return BUILDERS[name](tuple(input_shape), num_tasks, width)
+        model = builder(*args, **kwargs)
+    return check_model(model, name, num_tasks)
+
+
+def check_model(model: object, name: str | Callable, num_tasks: int) -> nn.Module:
+    """Refuse, in one line, a network the federation cannot carry; watch its first output's shape.
+
+    Every parameter is trained, so each must be float32 and require grad (fixed
+    tensors belong in buffers). Float32 buffers (BatchNorm statistics) are
+    averaged over clients; integer buffers of one element (``num_batches_tracked``)
+    take the clients' maximum; other buffers (bool masks, integer vectors, float64)
+    have no server rule and are refused. The first forward pass checks that a batch
+    of B samples gives (B, T) logits, or (B,) when T = 1.
+    """
+    what = f"model {model_name(name)!r}"
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{what} returned a {type(model).__name__}, not a torch.nn.Module")
+    params = list(model.named_parameters())
+    if not params:
+        raise ValueError(f"{what} has no parameters to train")
+    for pname, p in params:
+        if p.dtype != torch.float32:
+            raise ValueError(f"{what}: parameter '{pname}' is {p.dtype}; the federation keeps weights in float32 "
+                             "(build the network without .double() / .half())")
+        if not p.requires_grad:
+            raise ValueError(f"{what}: parameter '{pname}' does not require grad; every parameter is trained "
+                             "(and moved by weight decay and the proximal term): register fixed tensors as "
+                             "buffers (module.register_buffer) instead")
+    for bname, b in model.named_buffers():
+        if b.dtype == torch.float32 or (not b.is_floating_point() and not b.is_complex()
+                                        and b.dtype != torch.bool and b.numel() == 1):
+            continue
+        raise ValueError(f"{what}: buffer '{bname}' ({b.dtype}, shape {tuple(b.shape)}) has no federation rule; "
+                         "buffers must be float32 (averaged over clients) or integer counters of one element "
+                         "(their maximum is kept): store constants as plain attributes or float32 buffers")
+    _watch_first_output(model, what, num_tasks)
+    return model
+
+
+def _watch_first_output(model: nn.Module, what: str, num_tasks: int) -> None:
+    """Check the shape of the network's first output, then stop watching."""
+
+    def hook(module: nn.Module, args: tuple, output: object) -> None:
+        x = args[0] if args else None
+        batch = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() > 0 else None
+        if not isinstance(output, torch.Tensor):
+            raise ValueError(f"{what} returned a {type(output).__name__} from forward; expected a tensor of "
+                             f"logits of shape (batch, {num_tasks})")
+        shape = tuple(output.shape)
+        ok = batch is not None and (shape == (batch, num_tasks) or (num_tasks == 1 and shape == (batch,)))
+        if not ok:
+            expected = f"({batch}, {num_tasks})" + (f" or ({batch},)" if num_tasks == 1 else "")
+            raise ValueError(f"{what} returned logits of shape {shape} for a batch of {batch} samples; expected "
+                             f"{expected}: one logit per task (num_tasks={num_tasks})")
+        handle.remove()
+
+    handle = model.register_forward_hook(hook)

@@ -25,6 +25,11 @@ import csv
 import dataclasses
 import json
 import logging
+import math
+import os
+import re
+import shutil
+import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -52,6 +57,44 @@ def flatten_record(rec: dict) -> dict:
         else:
             out[key] = value
     return out
+
+
+def scalars(rec: dict) -> dict[str, float]:
+    """Every number of an evaluation record under its flat name (``task_auc.<task>``, ``client_auc.<id>``, as in
+    ``metrics.csv``), plus ``worst_task_auc`` and ``worst_client_auc`` (the lowest defined AUC) where the record has
+    per-task or per-client AUCs. What Tune and the experiment trackers receive."""
+    out: dict[str, float] = {}
+    for key, value in flatten_record(rec).items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = value
+    for part, name in (("task_auc", "worst_task_auc"), ("client_auc", "worst_client_auc")):
+        defined = [v for v in (rec.get(part) or {}).values()
+                   if isinstance(v, (int, float)) and not math.isnan(v)]
+        if defined:
+            out[name] = min(defined)
+    return out
+
+
+# Groups of the grouped metric names (TensorBoard tags, tracker metrics): AUCs, communication, training.
+_AUC_NAMES = {"test_auc": "auc/test", "worst_task_auc": "auc/worst_task", "worst_client_auc": "auc/worst_client",
+              "test_samples": "auc/test_samples"}
+_COMM_NAMES = {"bytes_up": "comm/bytes_up", "bytes_down": "comm/bytes_down"}
+_TRAIN_NAMES = {"train_loss": "train/loss"}
+
+
+def grouped_name(key: str) -> str:
+    """The grouped name of a flat metric name: ``test_auc`` -> ``auc/test``, ``task_auc.Edema`` ->
+    ``auc/task/Edema``, ``client_auc.3`` -> ``auc/client/3``, ``bytes_up`` -> ``comm/bytes_up``, ``train_loss`` ->
+    ``train/loss``, and any other (lr, stage, round, wall_s, samples_per_s) ``train/<key>``."""
+    for prefix, group in (("task_auc.", "auc/task/"), ("client_auc.", "auc/client/")):
+        if key.startswith(prefix):
+            return group + key[len(prefix):]
+    return _AUC_NAMES.get(key) or _COMM_NAMES.get(key) or _TRAIN_NAMES.get(key) or f"train/{key}"
+
+
+def grouped_scalars(rec: dict) -> dict[str, float]:
+    """:func:`scalars` under their grouped names, without the step (``iteration``)."""
+    return {grouped_name(k): v for k, v in scalars(rec).items() if k != "iteration"}
 
 
 def _tensorboard_writer(path: Path):
@@ -116,9 +159,8 @@ class RunWriter:
         )
         if self._tb is not None:
             step = rec["iteration"]
-            for key, value in flatten_record(rec).items():
-                if key not in ("iteration",) and isinstance(value, (int, float)) and value is not None:
-                    self._tb.add_scalar(key.replace(".", "/"), value, step)
+            for tag, value in grouped_scalars(rec).items():  # auc/..., comm/..., train/...
+                self._tb.add_scalar(tag, value, step)
             self._tb.flush()
 
     def event(self, message: str, *args, level: int = logging.INFO) -> None:
@@ -369,7 +411,8 @@ def make_run_dir(config: OutputSection) -> Path:
             raise ValueError(f"run folder '{path}' already exists and is not empty; choose another run_name "
                              "or continue it with --resume")
     else:
-        base = f"{datetime.now():%Y%m%d-%H%M%S}-{config.algorithm}-{config.dataset}"
+        dataset = re.sub(r"[^\w.-]+", "_", str(config.dataset).rpartition(":")[2])  # a factory: its name
+        base = f"{datetime.now():%Y%m%d-%H%M%S}-{config.algorithm}-{dataset}"
         path, n = root / base, 1
         while path.exists():
             path, n = root / f"{base}-{n}", n + 1
@@ -377,17 +420,45 @@ def make_run_dir(config: OutputSection) -> Path:
     return path
 
 
-class Progress(Observer):
-    """A progress bar over iterations (tqdm) with round, stage, lr, last test AUC and rate."""
+def terminal_size(fp: Any) -> tuple[int, int]:
+    """Columns and lines of the terminal ``fp`` writes to; where it reports none or zero (``script``, some CI
+    runners and containers), ``COLUMNS`` and ``LINES``, else 80 x 24."""
+    try:
+        size = os.get_terminal_size(fp.fileno())
+    except (AttributeError, ValueError, OSError):
+        size = os.terminal_size((0, 0))
+    fallback = shutil.get_terminal_size((80, 24))  # COLUMNS / LINES, else stdout's size, else 80 x 24
+    columns = size.columns if size.columns > 0 else fallback.columns if fallback.columns > 0 else 80
+    lines = size.lines if size.lines > 0 else fallback.lines if fallback.lines > 0 else 24
+    return columns, lines
 
-    def __init__(self) -> None:
+
+class Progress(Observer):
+    """A progress bar over iterations (tqdm) with round, stage, lr, last test AUC and rate.
+
+    Args:
+        file: where the bar is drawn (default: stderr).
+    """
+
+    def __init__(self, file: Any = None) -> None:
         self.bar = None
         self.auc = float("nan")
+        self.file = file
 
     def start(self, run: RunStart) -> None:
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=run.iterations, initial=run.iteration, unit="it", dynamic_ncols=True, leave=True)
+        if run.history:  # a resumed run: its last evaluation until the next one
+            self.auc = run.history[-1]["test_auc"]
+        # tqdm's own size query gives 0 x 0 where the terminal reports no size, and then it draws nothing
+        file = self.file if self.file is not None else sys.stderr
+        columns, lines = terminal_size(file)
+        self.bar = tqdm(total=run.iterations, initial=run.iteration, unit="it", leave=True, file=file,
+                        ncols=columns, nrows=lines)
+        self.bar.dynamic_ncols = terminal_size  # follows a resized terminal
+
+    def record(self, record: dict, snapshot: Snapshot) -> None:
+        self.auc = record["test_auc"]  # the initial evaluation too, before the first round ends
 
     def round_end(self, plan: RoundPlan, record: dict | None, snapshot: Snapshot) -> None:
         if self.bar is None:

@@ -1,6 +1,7 @@
 """Figures of one or several run folders (``fdam plot``).
 
-    auc_vs_iterations.png   test AUC against iterations, one curve per run (the paper's top-row figure)
+    auc_vs_iterations.png   test AUC against iterations, one curve per run (the paper's top-row figure); the
+                            y-axis is zoomed to where the runs differ, past the first 10% of each run
     auc_vs_local_steps.png  final test AUC against I, CODA+ and CODASCA side by side (its bottom row);
                             runs that share algorithm and I (seeds) give a mean with a min-max band
     auc_vs_bytes.png        test AUC against megabytes communicated
@@ -76,6 +77,31 @@ def _pyplot():
     return plt
 
 
+def auc_limits(curves: list[tuple[np.ndarray, np.ndarray]], *, skip: float = 0.1) -> tuple[float, float] | None:
+    """Y-limits of an AUC plot zoomed to where the curves differ.
+
+    Each curve is (iterations, AUC). The first ``skip`` of each run's iterations (its initial evaluation of an
+    untrained network, near 0.5 or below, and the climb after it) is left out of the range, which then spans
+    the remaining values of every curve with a margin of 10% of that span (at least 0.01), capped at 0 and 1.
+    None when no curve has a finite value there.
+    """
+    kept = []
+    for xs, ys in curves:
+        xs, ys = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+        finite = np.isfinite(xs) & np.isfinite(ys)
+        if not finite.any():
+            continue
+        x, y = xs[finite], ys[finite]
+        late = x > x.min() + skip * (x.max() - x.min())
+        kept.append(y[late] if late.any() else y)
+    if not kept:
+        return None
+    values = np.concatenate(kept)
+    lo, hi = float(values.min()), float(values.max())
+    pad = max(0.1 * (hi - lo), 0.01)
+    return max(0.0, lo - pad), min(1.0, hi + pad)
+
+
 def _labels(runs: list[Run]) -> list[str]:
     labels = [r.label for r in runs]
     counts = defaultdict(int)
@@ -93,10 +119,13 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     written = []
     labels = _labels(runs)
 
+    zoom = auc_limits([(run.series("iteration"), run.series("test_auc")) for run in runs])
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run, label in zip(runs, labels, strict=True):
         ax.plot(run.series("iteration"), run.series("test_auc"), marker=".", label=label)
     ax.set(xlabel="iteration", ylabel="test AUC (pooled)", title="Test AUC during training")
+    if zoom is not None:  # the untrained start (and the climb after it) may lie below the axis
+        ax.set_ylim(*zoom)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     written.append(_save(fig, out / "auc_vs_iterations.png", plt))
@@ -105,6 +134,8 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     for run, label in zip(runs, labels, strict=True):
         mb = (run.series("bytes_up") + run.series("bytes_down")) / 1e6
         ax.plot(np.maximum(mb, 1e-3), run.series("test_auc"), marker=".", label=label)
+    if zoom is not None:
+        ax.set_ylim(*zoom)
     ax.set_xscale("log")
     ax.set(xlabel="megabytes communicated (up + down)", ylabel="test AUC (pooled)", title="AUC against communication")
     ax.grid(alpha=0.3)

@@ -6,7 +6,10 @@ with in-memory data), ``fdam train --resume`` (:func:`resume`), every Ray Tune
 trial (:mod:`fdam_ray.tuning.trial`) and the benchmarks. :func:`federate` does,
 in order:
 
-1. the data source (the config's dataset, or the one given);
+1. the data source (the config's dataset, or the one given); for your own
+   Datasets, the sample shape and number of tasks the network is built for,
+   read where client 0 runs when the driver holds none of the data
+   (:func:`describe_data`);
 2. the initial network weights, for a run that does not resume: the weights
    given, else the ``model_weights`` file, else the seeded initialisation; then,
    with ``pretrain_iterations`` > 0, stage 1 of the two-stage recipe (a BCE
@@ -14,7 +17,8 @@ in order:
    body with a fresh head becomes the initial weights;
 3. the executor (the config's, or the one given);
 4. the outputs, as one observer: the run folder, the progress bar, a callback
-   per evaluation, and any observer the caller adds (a Tune trial's reports);
+   per evaluation, the experiment trackers the config names (:mod:`fdam_ray.trackers`)
+   and any observer the caller adds (a Tune trial's reports);
 5. the :class:`~fdam_ray.federation.Federation`, run from the start or from a
    resume payload (a checkpoint's), which then holds the whole state: initial
    weights and pre-training are skipped.
@@ -22,6 +26,7 @@ in order:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -32,14 +37,20 @@ import torch
 from fdam_ray.algorithms import AlgorithmSection
 from fdam_ray.checkpoint import CheckpointError, load_checkpoint
 from fdam_ray.client import resolve_device
-from fdam_ray.config import RESUME_MAY_CHANGE, Config, ConfigError, build_config
+from fdam_ray.config import RENAMED_PER_ACTOR, RESUME_MAY_CHANGE, Config, ConfigError, build_config
 from fdam_ray.data import DataSource, make_source
+from fdam_ray.data.datasets import DatasetsSource, describe_client
 from fdam_ray.executors import Executor, ExecutorSection, make_executor
+from fdam_ray.executors.inline import InlineExecutor
+from fdam_ray.factories import PYTHON_PREFIX
 from fdam_ray.federation import Federation, RunResult
+from fdam_ray.models import model_name
 from fdam_ray.outputs import EvalCallback, Observer, Observers, Progress, RunFolder
 from fdam_ray.pretrain import pretrain_config, pretrain_source, pretrained_body
 from fdam_ray.runlock import check_not_in_use
 from fdam_ray.schedules import ScheduleSection
+from fdam_ray.trackers import check_installed as trackers_installed
+from fdam_ray.trackers import make_trackers
 from fdam_ray.weights import load_weights, read_weights
 
 log = logging.getLogger(__name__)
@@ -75,9 +86,11 @@ def federate(
         observers: more observers of the run (e.g. a Tune trial's reports); stage 1 of pre-training
             reports only to its own run folder and progress bar.
     """
+    trackers_installed(config.trackers)  # before any data is read or client started
     source = source if source is not None else make_source(config)
     if source.num_clients != config.num_clients:
         raise ValueError(f"the data has {source.num_clients} clients but num_clients={config.num_clients}")
+    describe_data(source, config, executor)
     pretrained, weights, weights_from = None, initial_model_state, "initial_model_state"
     if resume is None:
         if config.pretrain_iterations:  # stage 1 starts from the given weights or model_weights, as any run does
@@ -91,12 +104,14 @@ def federate(
         elif weights is None and config.model_weights:
             weights, weights_from = read_weights(config.model_weights), f"model_weights '{config.model_weights}'"
     outputs: list[Observer] = []
-    if save:
-        outputs.append(RunFolder(config, run_dir=run_dir, checkpoints=checkpoints))
+    folder = RunFolder(config, run_dir=run_dir, checkpoints=checkpoints) if save else None
+    if folder is not None:
+        outputs.append(folder)
     if progress:
         outputs.append(Progress())
     if on_eval is not None:
         outputs.append(EvalCallback(on_eval))
+    outputs.extend(make_trackers(config, lambda: None if folder is None else folder.dir))  # after the run folder
     outputs.extend(observers)
     executor = executor if executor is not None else make_executor(config.executor)
     # Under Ray the driver's replica only loads states and, with eval_on=driver, scores: it stays on the CPU,
@@ -115,9 +130,40 @@ def federate(
     return result
 
 
-# A client holds about this many copies of the model state (weights, gradient, control variate, proximal
-# centre, round start, update), and under a local Ray each client is a process of its own.
+def describe_data(source: DataSource, config: Config, executor: Executor | None) -> None:
+    """Read the sample shape and number of tasks of your own Datasets where client 0 runs, if not known yet.
+
+    Inline, that is this process; under Ray, a task of its own (no CPU reserved), so that under Ray the
+    driver never reads a client's data.
+    """
+    if not isinstance(source, DatasetsSource) or source.described:
+        return
+    on_ray = config.executor == "ray" if executor is None else not isinstance(executor, InlineExecutor)
+    if not on_ray:
+        source.describe_here()
+        return
+    import ray
+
+    from fdam_ray.executors.ray_session import ensure_ray
+
+    actors = -(-config.num_clients // config.clients_per_actor)
+    ensure_ray(address=config.address, cpus_needed=actors * config.cpus_per_actor)
+    task = ray.remote(num_cpus=0, max_retries=0)(describe_client)
+    try:
+        found = ray.get(task.remote(source.for_client(0)), timeout=config.ray_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"reading client 0's first sample took longer than ray_timeout_s="
+                           f"{config.ray_timeout_s:g} s") from None
+    if isinstance(found, str):
+        raise ValueError(found)
+    source.set_shapes(*found)
+
+
+# A model replica holds about this many copies of the model state (weights, gradient, proximal centre, round
+# start, update, partial sum), a client one more (its control variate); under a local Ray each actor (one
+# replica, clients_per_actor clients) is a process of its own.
 _STATE_COPIES = 8
+_CLIENT_STATE_COPIES = 1
 _ACTOR_PROCESS_BYTES = 150e6
 
 
@@ -145,16 +191,20 @@ def check_capacity(config: Config, state_size: int) -> None:
     available = _available_memory()
     if available is None:
         return
-    per_client = state_size * 4 * _STATE_COPIES + (_ACTOR_PROCESS_BYTES if local_ray else 0)
+    replicas = 1 if config.executor == "inline" else -(-config.num_clients // config.clients_per_actor)
+    per_replica = state_size * 4 * _STATE_COPIES + (_ACTOR_PROCESS_BYTES if local_ray else 0)
+    per_client = state_size * 4 * _CLIENT_STATE_COPIES
     if config.dataset == "synthetic":
         per_client += (config.samples_per_client + max(100, config.samples_per_client // 2)) * (
             config.num_features + 1) * 4
-    need = config.num_clients * per_client
+    need = replicas * per_replica + config.num_clients * per_client
     if need > available:
+        where = (f"{replicas} Ray actor processes of {per_replica / 1e6:.3g} MB" if local_ray
+                 else f"a model replica of {per_replica / 1e6:.3g} MB")
         raise ValueError(
             f"num_clients={config.num_clients} needs about {need / 1e9:.3g} GB of memory on this machine "
-            f"({per_client / 1e6:.3g} MB per client{', each a Ray actor process' if local_ray else ''}) but "
-            f"{available / 1e9:.3g} GB are available; lower num_clients, or run the clients on a cluster "
+            f"({where}, {per_client / 1e6:.3g} MB per client) but {available / 1e9:.3g} GB are available; "
+            "lower num_clients, host more clients per actor (clients_per_actor), or run the clients on a cluster "
             "(--address)")
 
 
@@ -212,12 +262,17 @@ def resume(
     source: DataSource | None = None,
     on_eval: Callable[[dict], None] | None = None,
     progress: bool = False,
+    model: str | Callable | None = None,
 ) -> RunResult:
     """Continue the run in ``run_dir`` from its last checkpoint.
 
     ``changes`` may alter only fields in :data:`fdam_ray.config.RESUME_MAY_CHANGE`
     (how the run executes, or a longer ``iterations``); anything else means a
-    different run and is refused.
+    different run and is refused. ``model``: the model factory of a run that was
+    given one in Python which cannot be imported by name (its run folder records
+    only its name, ``python:module.name``); it must have that same name.
+    ``source``: the data of a run made by :func:`fdam_ray.train_arrays` or
+    :func:`fdam_ray.train_datasets` (given as a source, as those build it).
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -228,12 +283,28 @@ def resume(
     check_not_in_use(run_dir)  # at once, not after the clients have started
     payload = load_checkpoint(run_dir / "checkpoint.pt")
     _check_payload(payload, run_dir / "checkpoint.pt")
+    recorded = dict(payload["config"])
+    saved_model = recorded.get("model")
+    if model is not None:
+        given = model_name(model)
+        if given != saved_model:
+            raise ConfigError(f"cannot resume '{run_dir}' with a different config (model: {saved_model!r} -> "
+                              f"{given!r})")
+        recorded["model"] = model
+    elif isinstance(saved_model, str) and saved_model.startswith(PYTHON_PREFIX):
+        raise ConfigError(f"--resume: '{run_dir}' was trained with a model factory given in Python "
+                          f"({saved_model}), which its run folder cannot rebuild; resume it from Python: "
+                          f"fdam_ray.resume('{run_dir}', model=<that factory>), or next time give the factory as "
+                          "an import path module:attr")
     try:
-        saved = build_config(payload["config"])
+        saved = build_config(recorded)
     except ConfigError as exc:
         raise CheckpointError(f"checkpoint '{run_dir / 'checkpoint.pt'}' holds a config that is not valid: "
                               f"{exc}") from None
-    wanted = build_config({**saved.to_dict(), **dict(changes or {})})
+    changes = dict(changes or {})
+    renamed = {RENAMED_PER_ACTOR[k] for k in changes if k in RENAMED_PER_ACTOR}  # an old name overrides its field
+    kept = {k: v for k, v in dataclasses.asdict(saved).items() if k not in renamed}  # a Python factory kept as is
+    wanted = build_config({**kept, **changes})
     before, after = saved.to_dict(), wanted.to_dict()
     differ = [k for k in before if before[k] != after[k] and k not in RESUME_MAY_CHANGE]
     if differ:

@@ -76,7 +76,8 @@ CASES = [
      True),
     ("client without positives", lambda t: ["imratio=0.001"], "is left with no positives", True),
     ("more clients than memory holds", lambda t: ["dataset=synthetic", "model=mlp", "num_clients=1000000000"],
-     "num_clients=1000000000 needs about 1.19e+05 GB of memory on this machine (0.119 MB per client) but", True),
+     "num_clients=1000000000 needs about 7.01e+04 GB of memory on this machine (a model replica of 0.0564 MB, "
+     "0.0701 MB per client) but", True),
     ("dirichlet: more clients than positives", lambda t: ["partition=dirichlet", "num_clients=200"],
      "partition=dirichlet: num_clients=200 is more than the 70 positive and", True),
     ("schedule decays lr to nothing", lambda t: ["stage_length=60", "iterations=6000"],

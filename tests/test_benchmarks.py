@@ -255,10 +255,41 @@ def test_rounds_vs_clients_script(tmp_path):
     out = tmp_path / "rv.md"
     line = rounds_vs_clients.main(["--clients", "2", "4", "--local-steps", "4", "--lrs", "1.0", "--iterations", "32",
                                    "--samples", "60", "--features", "5", "--seeds", "0", "--target-fraction", "0.5",
-                                   "--sqrt-k", "--out", str(out)])
+                                   "--sqrt-k", "--bootstrap", "200", "--out", str(out)])
     values = parse_result(line)
-    assert set(values) == {"slope_coda_plus", "slope_codasca", "slope_codasca_sqrtk"}
-    assert "| 2 |" in out.read_text() and out.with_suffix(".png").exists()
+    slopes = {"slope_coda_plus", "slope_codasca", "slope_codasca_sqrtk"}
+    assert set(values) == slopes | {s + "_quarter" for s in slopes} | {"codasca_interval_has_0",
+                                                                       "coda_plus_above_codasca"}
+    text = out.read_text()
+    assert "| 2 |" in text and out.with_suffix(".png").exists()
+    assert "| S = K/4 clients per round | CODASCA |" in text and "CODASCA's interval contains 0" in text
+
+
+def test_bootstrap_slope_interval_brackets_the_slope_and_narrows_with_agreeing_seeds():
+    import rounds_vs_clients as rv
+
+    ks = [2, 4, 8, 16]
+    exact = {k: [3.0 * k] * 5 for k in ks}  # every seed on the line rounds = 3K: no spread, slope 1
+    assert rv.bootstrap_slope(ks, exact, resamples=50) == pytest.approx((1.0, 1.0))
+    rng = np.random.default_rng(0)
+    noisy = {k: list(5.0 * np.exp(rng.normal(0, 0.4, 5))) for k in ks}  # flat in K, seed noise
+    lo, hi = rv.bootstrap_slope(ks, noisy, resamples=500)
+    mean_slope = C.loglog_slope(ks, [np.mean(noisy[k]) for k in ks])
+    assert lo < mean_slope < hi and hi - lo > 0.05
+    assert math.isnan(rv.bootstrap_slope(ks, {k: [math.nan] * 3 for k in ks}, resamples=20)[0])
+
+
+def test_clients_scale_script(tmp_path):
+    import clients_scale
+
+    out = tmp_path / "cs.md"
+    line = clients_scale.main(["--clients", "2", "4", "--pool", "1", "--max-actors", "2", "--rounds", "4",
+                               "--local-steps", "2", "--samples", "40", "--width", "8", "--out", str(out)])
+    values = parse_result(line)
+    assert set(values) == {"mem_per_client_mb", "round_ratio_k256_k16", "actor_mem_mb"}
+    assert values["actor_mem_mb"] > 50  # an actor process holds torch: far more than its one client
+    text = out.read_text()
+    assert "| 4 | 4 | pool | 1 | 4 |" in text and "| 2 | 2 | per-client | 2 | 1 |" in text
 
 
 def test_vs_fedavg_script(tmp_path):

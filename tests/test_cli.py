@@ -131,3 +131,34 @@ def test_a_key_given_twice_in_a_config_file_is_refused(tmp_path, capsys):
 def test_a_misspelt_field_gets_the_nearest_name():
     with pytest.raises(ConfigError, match="unknown config field 'lern_rate'; did you mean 'lr'"):
         build_config(parse_overrides(["lern_rate=0.1"]))
+
+
+def test_version_prints_the_packages_version(capsys):
+    import fdam_ray
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0 and capsys.readouterr().out == f"fdam {fdam_ray.__version__}\n"
+
+
+def test_fields_filters_by_section_or_word(capsys):
+    from fdam_ray.config import FIELDS, SECTIONS
+
+    def listed(*terms):
+        assert main(["fields", *terms]) == 0
+        return [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+
+    everything = listed()
+    assert everything == [f.name for f in FIELDS]
+    assert listed("ray") == ["address", "cpus_per_client", "gpus_per_client", "placement_strategy", "gpu_memory_cap",
+                             "fold_order", "eval_on", "on_client_failure", "max_client_retries", "ray_timeout_s"]
+    assert listed("RAY") == listed("ray")
+    assert listed("schedule") == list(SECTIONS["schedule"])
+    gpu = listed("gpu")  # a word: in the name, or starting a word of the meaning
+    assert {"gpus_per_client", "gpu_memory_cap", "device", "deterministic"} <= set(gpu) and "lr" not in gpu
+    assert listed("ray", "gpu") == ["gpus_per_client", "gpu_memory_cap"]  # several terms: every one selects
+    assert all(name in everything for names in SECTIONS.values() for name in names)  # no stale section entry
+    assert main(["fields", "nothing-like-this"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fdam: error: no config field matches 'nothing-like-this'; give a section (algorithm, ")
+    assert err.count("\n") == 1

@@ -2,7 +2,9 @@
 
 The oracle is a set of :class:`fdam_ray.client.Client` objects built in the test
 process from the same data source spec: whatever runs the clients, a round
-must fold exactly their updates, once per client, in client order.
+must fold exactly their updates, once per client, in client order. With one
+client per actor (the default), each partial sum a round hands over is one
+client's update.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from conftest import gaussian_clients
 from raytest import ray_session
 
 from fdam_ray.algorithms import Algorithm, AlgorithmSection
+from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.client import Client, Replica
 from fdam_ray.config import build_config
 from fdam_ray.data.arrays import ArraysSource
@@ -38,6 +41,18 @@ def make_source() -> ArraysSource:
 def make_config(executor: str):
     return build_config(dict(dataset="arrays", num_clients=K, model="mlp", model_width=8, batch_size=8,
                              algorithm="codasca", seed=1, executor=executor, cpus_per_client=0.5))
+
+
+def assert_partial_is_update(got: PartialSum, want: ClientUpdate) -> None:
+    """A partial sum of one client (uniform weights) holds exactly that client's update."""
+    assert (got.count, got.weight, got.bytes_up) == (1, 1.0, want.nbytes)
+    [stats] = got.stats
+    assert_update_equal(ClientUpdate(stats.client_id, got.v, got.alpha, got.buffers, got.counters, got.c_v,
+                                     got.c_alpha, stats), want)
+
+
+def by_client(p: PartialSum) -> int:
+    return p.stats[0].client_id
 
 
 def assert_update_equal(got: ClientUpdate, want: ClientUpdate) -> None:
@@ -96,12 +111,12 @@ class ExecutorContract:
     def test_a_round_folds_each_clients_own_update_once(self, ready):
         executor, oracle, _, state, _, _ = ready
         plan = RoundPlan(round=1, stage=1, steps=3, lr=0.1, iteration=0)
-        folded: list[ClientUpdate] = []
+        folded: list[PartialSum] = []
         executor.run_round(state, plan, folded.append)
-        folded.sort(key=lambda u: u.client_id)  # the Ray executor folds in arrival order by default
-        assert [u.client_id for u in folded] == list(range(K))
+        folded.sort(key=by_client)  # the Ray executor folds in arrival order by default
+        assert [by_client(p) for p in folded] == list(range(K))
         for got, client in zip(folded, oracle, strict=True):
-            assert_update_equal(got, client.local_round(state, plan))
+            assert_partial_is_update(got, client.local_round(state, plan))
 
     def test_control_variates_stay_with_the_clients_across_rounds(self, ready):
         executor, oracle, _, state, config, _ = ready
@@ -134,14 +149,15 @@ class ExecutorContract:
         executor, _, _, state, _, _ = ready
         plan = RoundPlan(1, 1, 3, 0.1, 0)
         saved = executor.client_states()
-        first: list[ClientUpdate] = []
+        first: list[PartialSum] = []
         executor.run_round(state, plan, first.append)
         executor.restore_client_states(saved)
-        again: list[ClientUpdate] = []
+        again: list[PartialSum] = []
         executor.run_round(state, plan, again.append)
-        by_client = lambda u: u.client_id
         for a, b in zip(sorted(again, key=by_client), sorted(first, key=by_client), strict=True):
-            assert_update_equal(a, b)
+            assert [s.client_id for s in a.stats] == [s.client_id for s in b.stats]
+            for name in ("v", "alpha", "buffers", "c_v", "c_alpha"):
+                np.testing.assert_allclose(getattr(a, name), getattr(b, name), rtol=1e-6, atol=1e-7)
 
     def test_evaluate_returns_each_clients_scores_on_its_own_test_split(self, ready):
         executor, oracle, _, state, _, _ = ready
@@ -223,6 +239,9 @@ def test_the_core_and_the_inline_executor_import_without_ray():
     ("cpus_per_client", 0, "'cpus_per_client': 0.0 is not allowed (> 0)"),
     ("gpus_per_client", 1.5, "0, a fraction in (0, 1], or a whole number"),
     ("gpus_per_client", -0.5, "'gpus_per_client': -0.5"),
+    ("cpus_per_actor", 0, "'cpus_per_actor': 0.0 is not allowed (> 0)"),
+    ("gpus_per_actor", 1.5, "'gpus_per_actor': 1.5 is not allowed (0, a fraction in (0, 1], or a whole number)"),
+    ("clients_per_actor", 0, "'clients_per_actor': 0 is not allowed (>= 1)"),
     ("placement_strategy", "pack", "one of PACK, SPREAD, STRICT_PACK, STRICT_SPREAD"),
     ("eval_on", "gpu", "one of clients, driver"),
     ("on_client_failure", "ignore", "one of retry, drop, abort"),
@@ -234,4 +253,4 @@ def test_bad_executor_fields_are_refused_with_what_is_allowed(field, value, mess
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         build_config({field: value})
-    assert build_config(gpus_per_client=2).gpus_per_client == 2.0 and build_config().executor == "ray"
+    assert build_config(gpus_per_client=2).gpus_per_actor == 2.0 and build_config().executor == "ray"

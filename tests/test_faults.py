@@ -262,7 +262,7 @@ def test_sigterm_stops_an_inline_run_at_a_round_end_with_a_checkpoint_and_resume
 
 def test_sigterm_stops_a_ray_run_the_same_way(tmp_path):
     # fold_order=client makes the Ray run the inline run bit for bit, so the inline reference holds
-    stop_with_sigterm_and_resume(tmp_path, ["executor=ray", "fold_order=client", "cpus_per_client=0.5"])
+    stop_with_sigterm_and_resume(tmp_path, ["executor=ray", "fold_order=client", "cpus_per_actor=0.5"])
 
 
 def test_sigint_stops_a_run_and_resume_from_its_last_checkpoint_ends_bit_identical(tmp_path):
@@ -301,7 +301,7 @@ from fdam_ray.recipe import run
 
 clients, test = gaussian_clients(num_clients=4)
 config = build_config(dict(model="mlp", model_width=8, batch_size=4, eval_every=2, seed=2, lr=0.2, local_steps=2,
-                           cpus_per_client=0.5, dataset="arrays", num_clients=4, executor="ray", iterations=200))
+                           cpus_per_actor=0.5, dataset="arrays", num_clients=4, executor="ray", iterations=200))
 try:
     run(config, source=DamagedSource(ArraysSource(clients, test)), save=False)
 except ValueError as exc:
@@ -339,7 +339,7 @@ def test_a_run_submitted_as_a_ray_job_with_a_working_dir_writes_where_the_user_f
     while True:  # the dashboard's job agent starts a few seconds after the head
         job = subprocess.run([ray_cli, "job", "submit", "--address", ray_head.dashboard, "--working-dir", str(work),
                               "--", sys.executable, "-m", "fdam_ray", "train", "executor=ray", *SMALL,
-                              "iterations=20", "cpus_per_client=0.5", "run_name=job"],
+                              "iterations=20", "cpus_per_actor=0.5", "run_name=job"],
                              env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
         if "No available agent" not in job.stderr + job.stdout or time.time() > deadline:
             break

@@ -40,3 +40,34 @@ def test_a_batch_larger_than_a_clients_data_is_pointed_out(caplog):
     with caplog.at_level(logging.WARNING, logger="fdam_ray.client"):
         fdam_ray.train_arrays(dict(BASE, batch_size=30), clients, test)
     assert "fewer than batch_size" not in caplog.text
+
+
+def test_a_test_set_of_one_class_is_pointed_out_once_naming_the_set(caplog):
+    clients, test = gaussian_clients(2, n=30)
+    negatives_only = (test[0][:20], np.zeros(20, np.float32))
+    own = [clients[0], (clients[1][0], np.ones(30, np.float32))]  # client 1's own test split: positives only
+    with caplog.at_level(logging.WARNING, logger="fdam_ray"):
+        r = fdam_ray.train_arrays(BASE, clients, negatives_only, client_tests=own)
+    assert np.isnan(r.history[-1]["test_auc"]) and r.history[-1]["client_auc"]["1"] is None
+    warned = [m for m in caplog.messages if "AUC is NaN" in m]
+    assert warned == ["test has 0 positives and 20 negatives, so the pooled test AUC is NaN; client_tests[1] has 30 "
+                      "positives and 0 negatives, so client 1's AUC is NaN (an AUC needs positives and negatives)"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fdam_ray"):
+        fdam_ray.train_arrays(BASE, clients, test)  # both classes: nothing to say
+    assert not [m for m in caplog.messages if "AUC is NaN" in m]
+
+
+def test_a_task_without_positives_in_the_test_set_is_named(caplog):
+    from fdam_ray.api import warn_one_class
+    from fdam_ray.data.arrays import ArraysSource
+
+    X = np.random.default_rng(0).standard_normal((60, 3)).astype(np.float32)
+    Y = np.stack([X[:, 0] > 0, X[:, 1] > 0], 1).astype(np.float32)
+    test_y = Y[40:].copy()
+    test_y[:, 1] = 0.0  # task 1 has no positive in the test set
+    source = ArraysSource([(X[:20], Y[:20]), (X[20:40], Y[20:40])], (X[40:], test_y))
+    with caplog.at_level(logging.WARNING, logger="fdam_ray"):
+        warn_one_class(source)
+    assert caplog.messages == ["test has 0 positives and 20 negatives for task 'task1', so its AUC for that task is "
+                               "NaN (an AUC needs positives and negatives)"]

@@ -301,7 +301,7 @@ def test_client_device_follows_the_gpus_ray_assigned(monkeypatch):
     assert fractions == [(0.25, torch.device("cuda", 0))]
     monkeypatch.setattr(ray_actor.ray, "get_gpu_ids", lambda: [])
     assert ray_actor.actor_device("auto", gpu_share=0.0, memory_cap=True) == torch.device("cpu")
-    with pytest.raises(ValueError, match="set gpus_per_client > 0"):
+    with pytest.raises(ValueError, match="set gpus_per_actor > 0"):
         ray_actor.actor_device("cuda", gpu_share=0.0, memory_cap=True)
 
 
@@ -312,7 +312,7 @@ def test_a_group_the_cluster_cannot_hold_is_a_clear_error_not_a_hang():
     with pytest.raises(ValueError, match="GPU: 2 needed, 0 in the cluster"):
         ex._place(2, local=True)  # a local Ray this process started: nothing will join, fail at once
     t0 = time.monotonic()
-    with pytest.raises(ValueError, match=r"no node of the cluster can hold one client \(\{'CPU': 0.5, 'GPU': 1.0\}; "
+    with pytest.raises(ValueError, match=r"no node of the cluster can hold one actor \(\{'CPU': 0.5, 'GPU': 1.0\}; "
                                          r"the largest node has CPU 4, GPU 0\)"):
         ex._place(2, local=False)  # one bundle is larger than any node: Ray could never place it
     assert time.monotonic() - t0 < 2
@@ -330,7 +330,7 @@ def test_gpus_left_unused_are_pointed_out_with_a_share_to_set(monkeypatch, caplo
     monkeypatch.setattr(ray, "cluster_resources", lambda: {**real(), "GPU": 1.0})  # as on a one-GPU machine
     with caplog.at_level(logging.WARNING, logger="fdam_ray.executors.ray_executor"):
         arrays_run(dict(ARRAYS, iterations=2, executor="ray"), clients, test)
-    assert "has 1 GPU(s) but gpus_per_client=0" in caplog.text and "e.g. 0.25 for 4 clients per GPU" in caplog.text
+    assert "has 1 GPU(s) but gpus_per_actor=0" in caplog.text and "e.g. 0.25 for 4 actors per GPU" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="fdam_ray.executors.ray_executor"):
         arrays_run(dict(ARRAYS, iterations=2, executor="ray", device="cpu"), clients, test)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import csv
+import logging
 
 import pytest
 import ray
 import yaml
 
 from fdam_ray.cli import main
-from fdam_ray.config import ConfigError, parse_overrides
+from fdam_ray.config import ConfigError, build_config, parse_overrides
 from fdam_ray.tuning import load_space, run_sweep
 
 BASE = dict(algorithm="codasca", dataset="synthetic", heterogeneity=1.0, num_clients=2, samples_per_client=200,
@@ -168,6 +169,81 @@ def test_resume_refuses_a_sweep_folder_others_can_write(tmp_path, capsys, change
     assert "resuming unpickles the sweep's state" in err and err.count("\n") == 1
     assert ray.is_initialized() == was_running  # refused before Ray was started
     assert sorted(p.name for p in sweep.iterdir()) == [SPACE_FILE, "tuner.pkl"]
+
+
+def test_trials_report_per_task_per_client_and_worst_aucs_and_the_metric_may_name_them():
+    from fdam_ray.tuning.space import TuneOptions
+    from fdam_ray.tuning.trial import TuneReport, reported_metrics
+
+    record = {"iteration": 30, "round": 3, "stage": 1, "lr": 0.1, "train_loss": 0.2, "test_auc": 0.8,
+              "test_samples": 90, "task_auc": {"Edema": 0.75, "Cardiomegaly": 0.85},
+              "client_auc": {"0": 0.9, "1": 0.7}, "bytes_up": 10, "bytes_down": 20, "wall_s": 1.5,
+              "samples_per_s": None}
+    reported = reported_metrics(record)
+    assert reported == {"iteration": 30, "round": 3, "stage": 1, "test_auc": 0.8, "train_loss": 0.2, "bytes_up": 10,
+                        "bytes_down": 20, "wall_s": 1.5, "client_auc.0": 0.9, "client_auc.1": 0.7, "lr": 0.1,
+                        "task_auc.Cardiomegaly": 0.85, "task_auc.Edema": 0.75, "test_samples": 90,
+                        "worst_client_auc": 0.7, "worst_task_auc": 0.75}
+    for metric in ("worst_client_auc", "task_auc.Edema", "client_auc.1", "worst_task_auc", "train_loss"):
+        assert TuneOptions(metric=metric).metric == metric
+    for metric in ("client_auc.first", "auc", "task_auc."):
+        with pytest.raises(ConfigError, match=f"tune option 'metric': '{metric}' is not reported"):
+            TuneOptions(metric=metric)
+    report = TuneReport(build_config(dataset="synthetic"), metric="task_auc.Edema")
+    with pytest.raises(ValueError, match=r"this federation does not report 'task_auc\.Edema' \(it reports iteration, "):
+        report.record({k: v for k, v in record.items() if k != "task_auc"}, dict)
+
+
+def test_the_sweep_example_writes_the_best_config_without_tunes_snapshot_warning(tmp_path, ray_session, capfd,
+                                                                                 caplog, monkeypatch):
+    from test_examples import load
+
+    monkeypatch.delenv("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", raising=False)
+    with caplog.at_level(logging.WARNING):
+        assert load("sweep").main(["--quick", "--out", str(tmp_path / "sweeps")]) == 0
+    out, err = capfd.readouterr()
+    # Tune warns "Experiment state snapshotting has been triggered multiple times" at nearly every report of a
+    # short sweep unless fdam turns it off (local storage)
+    assert "Experiment state snapshotting" not in out + err + caplog.text
+    folder = next((tmp_path / "sweeps").iterdir())
+    best = yaml.safe_load((folder / "best_config.yaml").read_text())
+    rows = (folder / "sweep_results.csv").read_text().splitlines()
+    assert rows[0].startswith("trial,lr,final_worst_client_auc,best_worst_client_auc") and len(rows) == 3
+    assert best["lr"] == float(rows[1].split(",")[1])  # the best trial's lr, selected on the worst client
+    assert f"best config: {folder / 'best_config.yaml'}" in out
+
+
+@pytest.mark.slow
+def test_sweep_trials_reach_mlflow_and_wandb_through_tunes_callbacks(tmp_path, ray_session, monkeypatch):
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    from mlflow.tracking import MlflowClient
+    from test_examples import load
+    from test_trackers import wandb_run
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.chdir(tmp_path)  # MLflow's artifacts go to ./mlruns
+    assert load("sweep").main(["--quick", "--out", str(tmp_path / "sweeps"), "--trackers", "mlflow,wandb"]) == 0
+    best = yaml.safe_load(next((tmp_path / "sweeps").iterdir()).joinpath("best_config.yaml").read_text())
+    assert best["trackers"] == ["mlflow", "wandb"]
+
+    # Ray Tune's MLflow callback: one run per trial, with the trial's config and every report
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("fdam-ray").experiment_id])
+    assert sorted(r.data.params["lr"] for r in runs) == ["0.01", "0.1"]
+    for r in runs:
+        assert [m.value for m in client.get_metric_history(r.info.run_id, "iteration")] == [0, 30, 60]
+        assert {"test_auc", "worst_client_auc", "client_auc.0", "client_auc.2", "bytes_up"} <= set(r.data.metrics)
+    # and W&B's, offline: a run per trial
+    offline = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(offline) == 2
+    for path in offline:
+        logged = wandb_run(path)
+        assert logged["config"]["lr"] in (0.1, 0.01)
+        assert [row["iteration"] for _, row in sorted(logged["history"].items())] == [0, 30, 60]
 
 
 def test_a_storage_uri_goes_to_tune_untouched(tmp_path, ray_session, monkeypatch, capsys):

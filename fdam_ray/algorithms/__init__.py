@@ -29,14 +29,15 @@ import numpy as np
 from fdam_ray.algorithms.local import LocalSolver
 from fdam_ray.algorithms.presets import PRESETS, Preset
 from fdam_ray.algorithms.sampling import client_weights, sample_clients
-from fdam_ray.algorithms.server import RoundReducer
+from fdam_ray.algorithms.server import PartialSum, RoundReducer
 from fdam_ray.algorithms.stages import ServerState, after_round, coda_alpha, end_stage, init_server_state
 from fdam_ray.flat import FlatModel
 from fdam_ray.objectives import Objective
 from fdam_ray.sections import Section
 from fdam_ray.state import GlobalState, Moments
 
-__all__ = ["PRESETS", "Algorithm", "AlgorithmSection", "LocalSolver", "Preset", "RoundReducer", "ServerState"]
+__all__ = ["PRESETS", "Algorithm", "AlgorithmSection", "LocalSolver", "PartialSum", "Preset", "RoundReducer",
+           "ServerState"]
 
 
 @dataclasses.dataclass(frozen=True)

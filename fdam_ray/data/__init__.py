@@ -17,6 +17,7 @@ from fdam_ray.data.base import (
     make_sampler,
 )
 from fdam_ray.data.sections import ChestXraySection, DataSection, SyntheticSection, data_section
+from fdam_ray.factories import is_import_path
 
 if TYPE_CHECKING:
     from fdam_ray.config import Config
@@ -35,7 +36,26 @@ def make_source(config: Config | DataSection) -> DataSource:
     """
     if config.dataset == "arrays":
         raise ValueError("dataset 'arrays' takes in-memory data: call fdam_ray.train_arrays(config, clients, test)")
+    if config.dataset == "datasets":
+        raise ValueError("dataset 'datasets' takes your own Datasets: call fdam_ray.train_datasets(config, clients, "
+                         "test)")
     section = data_section(config)
+    roots = getattr(config, "client_data_roots", None)
+    if roots:
+        from fdam_ray.data.rooted import PerClientRoots
+
+        if section.data_root is None:
+            raise ValueError("client_data_roots needs data_root as well: the folder of the global test set")
+        return PerClientRoots(_source_of, section, roots)
+    return _source_of(section)
+
+
+def _source_of(section: DataSection) -> DataSource:
+    """The source of the dataset ``section`` names."""
+    if is_import_path(section.dataset):
+        from fdam_ray.data.datasets import FactorySource
+
+        return FactorySource(section)
     if section.dataset == "digits":
         from fdam_ray.data.digits import DigitsSource
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from fdam_ray.factories import is_import_path
 from fdam_ray.sections import Section
 
 
@@ -82,7 +83,7 @@ def data_section(config: Any) -> DataSection:
         ValueError: the dataset has no source built from a config.
         TypeError: ``config`` lacks fields that dataset's section needs.
     """
-    cls = SECTIONS.get(config.dataset)
+    cls = DataSection if is_import_path(config.dataset) else SECTIONS.get(config.dataset)  # your own factory
     if cls is None:
         raise ValueError(f"dataset {config.dataset!r} has no loader")
     missing = [f.name for f in dataclasses.fields(cls) if not hasattr(config, f.name)]

@@ -2,9 +2,12 @@
 
 The driver loop (:mod:`fdam_ray.federation`) talks only to this interface; the
 algorithms never see it. An executor owns the clients, hands each round's
-global state to all of them and passes every :class:`ClientUpdate` to the
+global state to all of them and passes every client update to the
 driver's ``fold`` callback as soon as it has it (so nothing holds K updates at
-once).
+once). The clients are hosted ``clients_per_actor`` to a model replica (an actor
+under Ray); each host returns its round's updates already folded into one
+:class:`~fdam_ray.algorithms.server.PartialSum`, so ``fold`` receives one
+partial sum per host.
 """
 
 from __future__ import annotations
@@ -15,9 +18,16 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.client import ClientSection
 from fdam_ray.data import DataSource
-from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, Moments, RoundPlan, Scores
+from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores
+
+
+def actor_groups(num_clients: int, clients_per_actor: int) -> list[list[int]]:
+    """The clients of each host: client k on host k // clients_per_actor (the last host may have fewer)."""
+    m = max(1, clients_per_actor)
+    return [list(range(a, min(a + m, num_clients))) for a in range(0, num_clients, m)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,10 +38,11 @@ class ExecutorSection(ClientSection):
     """
 
     device: str
-    threads_per_client: int | None
+    threads_per_actor: int | None
     address: str | None
-    cpus_per_client: float
-    gpus_per_client: float
+    clients_per_actor: int
+    cpus_per_actor: float
+    gpus_per_actor: float
     placement_strategy: str
     gpu_memory_cap: bool
     fold_order: str
@@ -39,6 +50,9 @@ class ExecutorSection(ClientSection):
     on_client_failure: str
     max_client_retries: int
     ray_timeout_s: float
+    client_resources: tuple[dict, ...] | None
+    reduce: str
+    placement_timeout_s: float
 
 
 class Executor(abc.ABC):
@@ -60,10 +74,10 @@ class Executor(abc.ABC):
         """Start a stage on every client: proximal centre and (optionally) zero control variates."""
 
     @abc.abstractmethod
-    def run_round(self, state: GlobalState, plan: RoundPlan, fold: Callable[[ClientUpdate], None],
+    def run_round(self, state: GlobalState, plan: RoundPlan, fold: Callable[[PartialSum], None],
                   clients: Sequence[int] | None = None) -> None:
         """Run one round from ``state`` on every client (or on ``clients``, the round's sample); call ``fold``
-        once per client update."""
+        once per host that ran clients, with the partial sum of their (weighted) updates."""
 
     @abc.abstractmethod
     def evaluate(self, state: GlobalState) -> list[Scores]:

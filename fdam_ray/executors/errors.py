@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 class ClientError(RuntimeError):
-    """A client failed: which one, in which round, doing what, and the traceback where it happened.
+    """A client (or the actor hosting it and others) failed: which, in which round, doing what, and the
+    traceback where it happened.
 
     ``str(error)`` is one line; the client's own traceback is in ``traceback``
     and is also attached as a note, so an uncaught error prints it.
@@ -15,23 +16,34 @@ class ClientError(RuntimeError):
         action: what the client was asked to do (``start``, ``local_round``, ``evaluate``, ...).
         error: the original exception as ``Type: message`` (or what happened to the process).
         traceback: the original traceback text ('' when the process died or did not answer).
+        actor: the index of the actor hosting the client (None when not known).
+        clients: every client that actor hosts (a failure of the actor is a failure of all of them).
+        of_actor: the actor failed as a whole (its process died, or it did not answer), not one client's code.
     """
 
-    def __init__(self, client_id: int, round: int, action: str, error: str, traceback: str = "") -> None:
-        super().__init__(client_id, round, action, error, traceback)
+    def __init__(self, client_id: int, round: int, action: str, error: str, traceback: str = "",
+                 actor: int | None = None, clients: tuple[int, ...] = (), of_actor: bool = False) -> None:
+        super().__init__(client_id, round, action, error, traceback, actor, clients, of_actor)
         self.client_id = client_id
         self.round = round
         self.action = action
         self.error = error
         self.traceback = traceback
+        self.actor = actor
+        self.clients = tuple(clients) or (client_id,)
+        self.of_actor = of_actor
         if traceback:
             self.add_note(f"client {client_id}'s traceback:\n{traceback.rstrip()}")
 
     def __str__(self) -> str:
+        if len(self.clients) > 1 and self.of_actor:
+            hosted = ", ".join(str(k) for k in self.clients)
+            return f"actor {self.actor} (clients {hosted}) failed in round {self.round} ({self.action}): {self.error}"
         return f"client {self.client_id} failed in round {self.round} ({self.action}): {self.error}"
 
     def __reduce__(self):
-        return type(self), (self.client_id, self.round, self.action, self.error, self.traceback)
+        return type(self), (self.client_id, self.round, self.action, self.error, self.traceback, self.actor,
+                            self.clients, self.of_actor)
 
 
 class ClientInputError(ClientError, ValueError):

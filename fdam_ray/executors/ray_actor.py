@@ -1,12 +1,18 @@
-"""The Ray actor of one client: a thin shell around :class:`fdam_ray.client.Client`.
+"""The Ray actor that hosts clients: a thin shell around one training replica and its clients.
 
-It receives, calls the client and returns; it holds no client logic. Every
-error raised in client code comes back as a :class:`ClientError` carrying the
-client id, the round, the action and the original traceback. The actor builds
-its own shard from the data source spec (the driver never holds training
-samples), takes its device from what Ray assigned (a GPU when
-``ray.get_gpu_ids()`` is non-empty, with its CUDA memory capped to the share
-when GPUs are shared) and runs ``threads`` torch threads.
+It receives, calls the clients and returns; it holds no client logic. An
+actor hosts ``clients_per_actor`` clients (one by default): one
+:class:`~fdam_ray.client.TrainingReplica` (the model, built once) and, per
+client, a :class:`~fdam_ray.client.Client` (its shard, sampler position and
+control variate). A round runs the actor's sampled clients one after another
+and returns their updates folded into one
+:class:`~fdam_ray.algorithms.server.PartialSum`. Every error raised in client
+code comes back as a :class:`ClientError` carrying the client id, the round,
+the action and the original traceback. The actor builds its clients' shards
+from the data source spec (the driver never holds training samples), takes
+its device from what Ray assigned (a GPU when ``ray.get_gpu_ids()`` is
+non-empty, with its CUDA memory capped to the share when GPUs are shared) and
+runs ``threads`` torch threads.
 """
 
 from __future__ import annotations
@@ -14,28 +20,29 @@ from __future__ import annotations
 import os
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import numpy as np
 import ray
 import torch
 
-from fdam_ray.client import Client, ClientSection
-from fdam_ray.data import AnySplit, DatasetSplit, DataSource, Split
+from fdam_ray.algorithms.server import PartialSum
+from fdam_ray.client import Client, ClientSection, TrainingReplica, begin_stage_hosted, run_hosted
+from fdam_ray.data import AnySplit, DatasetSplit, Split
 from fdam_ray.executors.errors import client_error
-from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, Moments, RoundPlan, Scores
+from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores
 
 T = TypeVar("T")
 
 
 def actor_device(requested: str, *, gpu_share: float, memory_cap: bool) -> torch.device:
-    """The device of a client actor, from the GPUs Ray assigned to it.
+    """The device of an actor, from the GPUs Ray assigned to it.
 
     Ray sets ``CUDA_VISIBLE_DEVICES`` to the assigned GPU, so it is ``cuda:0``
     here. With a fractional share (``0 < gpu_share < 1``) and ``memory_cap``,
     the process may allocate at most that fraction of the GPU's memory, so
-    clients sharing a GPU cannot starve each other.
+    actors sharing a GPU cannot starve each other.
     """
     if ray.get_gpu_ids() and requested != "cpu":
         device = torch.device("cuda", 0)
@@ -43,7 +50,7 @@ def actor_device(requested: str, *, gpu_share: float, memory_cap: bool) -> torch
             torch.cuda.set_per_process_memory_fraction(gpu_share, device)
         return device
     if requested == "cuda":
-        raise ValueError("device=cuda but Ray assigned this client no GPU; set gpus_per_client > 0")
+        raise ValueError("device=cuda but Ray assigned this actor no GPU; set gpus_per_actor > 0")
     return torch.device("cpu")
 
 
@@ -56,52 +63,76 @@ def slice_split(split: AnySplit, start: int, stop: int) -> AnySplit:
 
 
 class ClientShell:
-    """One client in a Ray actor.
+    """The clients of one Ray actor.
 
     Args:
-        client_id: k in 0..K-1.
+        actor: this actor's index.
+        client_ids: the clients it hosts.
         threads: torch intra-op threads of this process.
         device: the config's ``device`` (auto, cpu, cuda).
-        gpu_share: GPUs Ray reserves for this actor (``gpus_per_client``).
+        gpu_share: GPUs Ray reserves for this actor (``gpus_per_actor``).
         gpu_memory_cap: cap CUDA memory to ``gpu_share`` when it is a fraction.
     """
 
-    def __init__(self, client_id: int, *, threads: int, device: str, gpu_share: float, gpu_memory_cap: bool) -> None:
-        self.client_id = client_id
+    def __init__(self, actor: int, client_ids: Sequence[int], *, threads: int, device: str, gpu_share: float,
+                 gpu_memory_cap: bool) -> None:
+        self.actor = actor
+        self.client_ids = tuple(client_ids)
         self.round = 0
-        self.client: Client | None = None
+        self.replica: TrainingReplica | None = None
+        self.clients: dict[int, Client] = {}
         self.test: AnySplit | None = None
+        self._partial: PartialSum | None = None
+        self._sources: dict = {}  # object ref -> data source spec read here
         torch.set_num_threads(threads)
-        # states arrive as read-only views into the object store; the client only copies from them
+        # states arrive as read-only views into the object store; the clients only copy from them
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         self.device = self._call("start", lambda: actor_device(device, gpu_share=gpu_share,
                                                                 memory_cap=gpu_memory_cap))
 
-    def _call(self, action: str, fn: Callable[[], T]) -> T:
+    def _call(self, action: str, fn: Callable[[], T], client_id: int | None = None) -> T:
         try:
             return fn()
-        except Exception as exc:  # every client error goes back typed
-            raise client_error(self.client_id, self.round, action, exc, traceback.format_exc()) from None
+        except Exception as exc:  # every client error goes back typed, naming the client it happened in
+            k = self.client_ids[0] if client_id is None else client_id
+            raise client_error(k, self.round, action, exc, traceback.format_exc()) from None
 
-    def _client(self) -> Client:
-        if self.client is None:
-            raise RuntimeError("the client was not set up")
-        return self.client
+    def _each(self, action: str, ids: Sequence[int], fn: Callable[[Client], T]) -> list[T]:
+        out = []
+        for k in ids:
+            client = self.clients.get(k)
+            if client is None:
+                raise client_error(k, self.round, action, RuntimeError(f"client {k} is not set up on actor "
+                                                                       f"{self.actor}"), "")
+            out.append(self._call(action, lambda c=client: fn(c), k))
+        return out
 
     # -- life cycle -----------------------------------------------------------------
-    def setup(self, config: ClientSection, source: DataSource, with_test_set: bool) -> tuple[ClientInfo, int]:
-        """Build the client (its shard from ``source``) and, to score slices of it, the global test set.
+    def setup(self, client_ids: Sequence[int], config: ClientSection, sources: Sequence,
+              with_test_set: bool) -> tuple[list[ClientInfo], int]:
+        """Build clients ``client_ids``, each from its data source spec in ``sources`` (object refs are read
+        here), on one replica built with the first; and, to score slices of it, the global test set.
 
-        Returns the client's info and the size of the global test set (0 when not loaded or absent).
+        Returns the clients' infos and the size of the global test set (0 when not loaded or absent).
         """
+        infos = []
+        for k, source in zip(client_ids, sources, strict=True):
+            infos.append(self._call("start", lambda k=k, source=source: self._add(k, config, source, with_test_set),
+                                    k))
+        return infos, 0 if self.test is None else len(self.test)
 
-        def build() -> tuple[ClientInfo, int]:
-            self.client = Client(config, source, self.client_id, device=self.device)
-            if with_test_set:
-                self.test = source.test_set()
-            return self.client.info(), 0 if self.test is None else len(self.test)
-
-        return self._call("start", build)
+    def _add(self, client_id: int, config: ClientSection, source, with_test_set: bool) -> ClientInfo:
+        if isinstance(source, ray.ObjectRef):  # one copy per object: clients of one recipe share its loaded pool
+            if source not in self._sources:
+                self._sources[source] = ray.get(source)
+            source = self._sources[source]
+        if self.replica is None:
+            self.replica = TrainingReplica(config, source, device=self.device)
+        client = Client(config, source, client_id, device=self.device, replica=self.replica)
+        self.clients[client_id] = client
+        if with_test_set and self.test is None:
+            self.test = source.test_set()
+        return client.info()
 
     def where(self) -> dict:
         """Process id, node and placement of this actor (for tests and diagnostics)."""
@@ -111,46 +142,54 @@ class ClientShell:
             fraction = torch.cuda.get_per_process_memory_fraction(self.device)
         return {"pid": os.getpid(), "node_id": ctx.get_node_id(), "placement_group_id": ctx.get_placement_group_id(),
                 "gpu_ids": ray.get_gpu_ids(), "device": str(self.device), "threads": torch.get_num_threads(),
-                "cuda_memory_fraction": fraction}
+                "cuda_memory_fraction": fraction, "actor": self.actor, "clients": sorted(self.clients)}
 
     # -- forwarded calls --------------------------------------------------------------
     def configure(self, positive_ratio: np.ndarray) -> None:
-        self._call("configure", lambda: self._client().configure(positive_ratio))
+        self._each("configure", list(self.clients)[:1], lambda c: c.configure(positive_ratio))  # p is shared
 
     def begin_stage(self, reference: np.ndarray, reset_control_variate: bool) -> None:
-        self._call("begin_stage", lambda: self._client().begin_stage(reference, reset_control_variate))
+        clients = list(self.clients.values())
+        self._call("begin_stage", lambda: begin_stage_hosted(clients, reference, reset_control_variate))
 
-    def local_round(self, state: GlobalState, plan: RoundPlan, adopt_global_c: bool) -> ClientUpdate:
-        """Run the client's round; a replacement first sets its c^k to the global c (``adopt_global_c``)."""
+    def local_round(self, state: GlobalState, plan: RoundPlan, client_ids: Sequence[int],
+                    adopt_global_c: Sequence[int] = ()) -> PartialSum:
+        """Run the round of ``client_ids`` one after another; return their updates folded into one partial sum.
+
+        A replacement client first sets its c^k to the global c (``adopt_global_c``).
+        """
         self.round = plan.round
+        if self._partial is None:
+            self._partial = PartialSum.zeros(state, control_variates=state.c_v is not None)
+        partial = self._partial.reset()  # reused: Ray serialises the returned sum before this actor runs again
 
-        def run() -> ClientUpdate:
-            client = self._client()
-            if adopt_global_c and state.c_v is not None:
+        def run(client: Client) -> None:
+            if client.client_id in adopt_global_c and state.c_v is not None:
                 client.set_control_variate(state.c_v, state.c_alpha)
-            # views, not copies: Ray serialises the returned update before this actor runs anything else
-            return client.local_round(state, plan, copy=False)
+            run_hosted([client], state, plan, partial)
 
-        return self._call("local_round", run)
+        self._each("local_round", client_ids, run)
+        return partial
 
-    def evaluate(self, state: GlobalState) -> Scores | None:
-        return self._call("evaluate", lambda: self._client().evaluate(state))
+    def evaluate(self, state: GlobalState, client_ids: Sequence[int]) -> list[Scores | None]:
+        return self._each("evaluate", client_ids, lambda c: c.evaluate(state))
 
     def score_test_slice(self, state: GlobalState, start: int, stop: int) -> Scores:
         """Scores of ``state`` on samples ``start:stop`` of the global test set."""
 
         def run() -> Scores:
-            if self.test is None:
-                raise RuntimeError("this client was set up without the global test set")
-            return self._client().scores_of(state, slice_split(self.test, start, stop), self.client_id)
+            if self.test is None or self.replica is None:
+                raise RuntimeError("this actor was set up without the global test set")
+            return self.replica.scores_of(state, slice_split(self.test, start, stop), self.client_ids[0])
 
         return self._call("evaluate", run)
 
-    def score_moments(self, state: GlobalState) -> Moments:
-        return self._call("score_moments", lambda: self._client().score_moments(state))
+    def score_moments(self, state: GlobalState, client_ids: Sequence[int]) -> list[Moments]:
+        return self._each("score_moments", client_ids, lambda c: c.score_moments(state))
 
-    def get_state(self) -> dict:
-        return self._call("client_states", lambda: self._client().get_state())
+    def get_state(self, client_ids: Sequence[int]) -> list[dict]:
+        return self._each("client_states", client_ids, lambda c: c.get_state())
 
-    def set_state(self, state: dict) -> None:
-        self._call("restore_client_states", lambda: self._client().set_state(state))
+    def set_state(self, states: Sequence[dict]) -> None:
+        by_id = {s["client_id"]: s for s in states}
+        self._each("restore_client_states", list(by_id), lambda c: c.set_state(by_id[c.client_id]))

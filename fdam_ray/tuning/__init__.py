@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from fdam_ray.tuning.space import Space, TuneOptions, load_space, param_space, space_of_sweep
+from fdam_ray.tuning.space import Space, TuneOptions, load_space, make_space, param_space, space_of_sweep
 from fdam_ray.tuning.sweep import run_sweep
 
-__all__ = ["Space", "TuneOptions", "load_space", "param_space", "run_sweep", "space_of_sweep"]
+__all__ = ["Space", "TuneOptions", "load_space", "make_space", "param_space", "run_sweep", "space_of_sweep"]

@@ -6,7 +6,8 @@ training config's own field names:
     base:   fixed fields of every trial (a training config)
     search: field -> {grid: [...]} | {choice: [...]} | {uniform: [lo, hi]}
                      | {loguniform: [lo, hi]} | {randint: [lo, hi]}
-    tune:   metric, mode, searcher (grid | random | optuna), num_samples, scheduler (fifo | asha),
+    tune:   metric (test_auc, train_loss, ..., task_auc.<task>, client_auc.<id>, worst_task_auc,
+            worst_client_auc), mode, searcher (grid | random | optuna), num_samples, scheduler (fifo | asha),
             grace_period, reduction_factor, max_concurrent_trials, driver_cpus, name, storage_path
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,15 @@ from fdam_ray.locations import RemoteFolder, is_uri, join_uri
 
 SPEC_KINDS = ("grid", "choice", "uniform", "loguniform", "randint")
 REPORTED = ("iteration", "round", "stage", "test_auc", "train_loss", "bytes_up", "bytes_down", "wall_s")
+# Reported as well where a run has them (multi-task data, clients with test splits of their own): the AUC of each
+# task and each client under the metrics.csv names, and the lowest of each.
+REPORTED_PATTERNS = (re.compile(r"task_auc\..+"), re.compile(r"client_auc\.\d+"), re.compile(r"worst_task_auc"),
+                     re.compile(r"worst_client_auc"), re.compile(r"lr|samples_per_s|test_samples"))
+
+
+def is_reported(metric: str) -> bool:
+    """Whether trials report ``metric`` to Tune (where the run has it): see :data:`REPORTED`."""
+    return metric in REPORTED or any(p.fullmatch(metric) for p in REPORTED_PATTERNS)
 SPACE_FILE = "fdam_space.yaml"  # the space a sweep folder was started with
 
 
@@ -54,8 +65,9 @@ class TuneOptions:
             if getattr(self, name) not in choices:
                 raise ConfigError(f"tune option '{name}': {getattr(self, name)!r} is not allowed "
                                   f"(one of {', '.join(choices)})")
-        if self.metric not in REPORTED:
-            raise ConfigError(f"tune option 'metric': {self.metric!r} is not reported (one of {', '.join(REPORTED)})")
+        if not isinstance(self.metric, str) or not is_reported(self.metric):
+            raise ConfigError(f"tune option 'metric': {self.metric!r} is not reported (one of {', '.join(REPORTED)}, "
+                              "task_auc.<task>, client_auc.<client id>, worst_task_auc, worst_client_auc)")
         _check_option("num_samples", self.num_samples, integer=True, low=1)
         _check_option("grace_period", self.grace_period, integer=True, low=1, optional=True)
         _check_option("max_concurrent_trials", self.max_concurrent_trials, integer=True, low=1, optional=True)
@@ -127,13 +139,23 @@ def _candidates(search: dict[str, dict]) -> list[dict]:
 
 def load_space(path: str, overrides: dict[str, Any] | None = None) -> Space:
     """Read and validate a search-space file; ``overrides`` set base fields (``tune.X`` keys set options)."""
-    data = load_config_file(path)
+    return make_space(load_config_file(path), overrides, where=f"search space '{path}'")
+
+
+def make_space(data: dict[str, Any], overrides: dict[str, Any] | None = None, *,
+               where: str = "search space") -> Space:
+    """Validate a search space given as a mapping with the sections of a space file (``base``, ``search``,
+    ``tune``), as :func:`load_space` does for a file: a sweep from Python,
+    ``run_sweep(make_space({"base": {...}, "search": {"lr": {"grid": [0.1, 0.01]}}, "tune": {...}}))``."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping with sections base, search and tune, not "
+                          f"{type(data).__name__}")
     unknown = set(data) - {"base", "search", "tune"}
     if unknown:
-        raise ConfigError(f"search space '{path}': unknown section(s) {sorted(unknown)} (base, search, tune)")
+        raise ConfigError(f"{where}: unknown section(s) {sorted(unknown)} (base, search, tune)")
     for section in ("base", "search", "tune"):
         if not isinstance(data.get(section) or {}, dict):
-            raise ConfigError(f"search space '{path}': section '{section}' must be a mapping of name: value, "
+            raise ConfigError(f"{where}: section '{section}' must be a mapping of name: value, "
                               f"not {type(data[section]).__name__}")
     base = dict(data.get("base") or {})
     search = dict(data.get("search") or {})

@@ -13,6 +13,8 @@ import yaml
 
 from fdam_ray.config import ConfigError, build_config
 from fdam_ray.locations import RemoteFolder, is_uri, join_uri, local_path_of, output_root
+from fdam_ray.trackers import check_installed as check_trackers
+from fdam_ray.trackers import tune_callbacks
 from fdam_ray.tuning.report import SweepOutcome, cell, write_sweep_outputs
 from fdam_ray.tuning.space import SPACE_FILE, Space, param_space
 from fdam_ray.tuning.trial import federation_trial, trial_bundles
@@ -101,7 +103,15 @@ def run_sweep(space: Space, *, resume_dir: str | None = None, address: str | Non
         check_resume_trusted(resume_dir, trust_storage=trust_storage)
 
     base_config = build_config(space.base)
+    check_trackers(base_config.trackers)
     storage = storage_of(space.options.storage_path)
+    # Every report carries a checkpoint and only the last two are kept, so Tune snapshots the sweep's state
+    # whenever a trial has saved two (what lets --resume find the checkpoints it names): on a short sweep every
+    # few seconds, and each time Tune warns that snapshots "may become a bottleneck". On a local disk a snapshot
+    # is a small file written, so there the warning is off unless the user sets the variable; remote storage
+    # (a URI) keeps it.
+    if not is_uri(storage):
+        os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
     if not resume_dir:
         if space.options.name is None:
             space.options.name = f"sweep-{datetime.now():%Y%m%d-%H%M%S}"
@@ -124,11 +134,13 @@ def run_sweep(space: Space, *, resume_dir: str | None = None, address: str | Non
     base, driver_cpus = space.base, space.options.driver_cpus
 
     def resources(params: dict):
-        # per trial: a searched num_clients, cpus_per_client, gpus_per_client or executor changes its bundles
+        # per trial: a searched num_clients, clients_per_actor, cpus_per_actor, gpus_per_actor or executor changes
+        # its bundles
         config = build_config({**base, **params})
         return tune.PlacementGroupFactory(trial_bundles(config, driver_cpus), strategy=config.placement_strategy)
 
-    trainable = tune.with_resources(tune.with_parameters(federation_trial, base=base), resources)
+    trainable = tune.with_resources(tune.with_parameters(federation_trial, base=base, metric=space.options.metric),
+                                    resources)
     if resume_dir:
         where = resume_dir if is_uri(resume_dir) else str(Path(resume_dir).resolve())
         tuner = tune.Tuner.restore(where, trainable=trainable, resume_unfinished=True, resume_errored=True)
@@ -146,7 +158,8 @@ def run_sweep(space: Space, *, resume_dir: str | None = None, address: str | Non
             run_config=tune.RunConfig(name=opts.name, storage_path=storage,
                                       checkpoint_config=tune.CheckpointConfig(num_to_keep=2), verbose=1,
                                       # remote storage: each trial's run folder (metrics, train.log) goes there too
-                                      sync_config=tune.SyncConfig(sync_artifacts=is_uri(storage))),
+                                      sync_config=tune.SyncConfig(sync_artifacts=is_uri(storage)),
+                                      callbacks=tune_callbacks(base_config)),
         )
     grid = tuner.fit()
     return write_sweep_outputs(grid, space)

@@ -1,0 +1,266 @@
+"""Experiment trackers: MLflow and Weights & Biases (config field ``trackers``).
+
+A tracker is an :class:`~fdam_ray.outputs.Observer`. When a run starts it opens
+a tracker run named like the run folder and logs the resolved config as
+parameters; at every evaluation it logs the record's numbers as metrics at step
+= iteration, under the grouped names of :func:`fdam_ray.outputs.grouped_name`
+(``auc/test`` pooled, ``auc/task/<task>``, ``auc/client/<id>``,
+``auc/worst_client``, ``comm/bytes_up``, ``comm/bytes_down``, ``train/loss``,
+``train/lr``, ...); at the end it logs the summary and the final model
+(``model.pt``, as the run folder holds it) as an artifact.
+
+Where they log is each tool's own setting: MLflow's tracking URI
+(``MLFLOW_TRACKING_URI``, by default ``sqlite:///mlflow.db`` in the working
+folder), W&B's login, ``WANDB_MODE`` (``offline`` writes under ``WANDB_DIR``
+and syncs later) and entity. The MLflow experiment and the W&B project are
+``tracker_project``.
+
+A run resumed from its folder continues the same tracker run: the tracker
+run's id is kept in ``<run>/trackers.json``. A tracker that fails while a run
+goes on (a tracking server that stops answering) logs one warning and stops
+logging; the run itself goes on.
+
+Ray Tune sweeps do not use these observers: each trial reports to Tune, and
+:func:`tune_callbacks` gives Ray's own MLflow and W&B logger callbacks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fdam_ray.config import Config, ConfigError
+from fdam_ray.outputs import Observer, RunStart, RunStopped, Snapshot, grouped_scalars
+
+log = logging.getLogger(__name__)
+
+TRACKERS = ("mlflow", "wandb")
+IDS_FILE = "trackers.json"  # tracker run ids of a run folder, for --resume
+
+
+def check_installed(names: Sequence[str]) -> None:
+    """Refuse, in one line naming the extra to install, a tracker whose package is missing."""
+    for name in names:
+        if importlib.util.find_spec(name) is None:
+            raise ConfigError(f"trackers: {name} is not installed; install it with pip install 'fdam-ray[{name}]' "
+                              f"(or pip install {name}), or leave {name} out of trackers")
+
+
+def make_trackers(config: Config, run_dir_of: Callable[[], Path | None] = lambda: None) -> list[Observer]:
+    """The tracker observers ``config.trackers`` names (checked to be installed).
+
+    Args:
+        run_dir_of: gives the run folder once the run has started (None when the run is not saved): the tracker
+            run takes its name, keeps its id there for ``--resume`` and logs its ``model.pt``.
+    """
+    check_installed(config.trackers)
+    kinds = {"mlflow": MLflowTracker, "wandb": WandbTracker}
+    return [kinds[name](config, run_dir_of) for name in config.trackers]
+
+
+def _run_name(config: Config, run_dir: Path | None) -> str:
+    if run_dir is not None:
+        return run_dir.name
+    dataset = str(config.dataset).rpartition(":")[2]  # a factory module:attr: its name, as run folders have it
+    return config.run_name or f"{datetime.now():%Y%m%d-%H%M%S}-{config.algorithm}-{dataset}"
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+class Tracker(Observer):
+    """What both trackers share: names, the run id kept in the run folder, failure handling, the model file."""
+
+    name = "tracker"
+
+    def __init__(self, config: Config, run_dir_of: Callable[[], Path | None]) -> None:
+        self.config = config
+        self.run_dir_of = run_dir_of
+        self.active = False
+
+    # -- what each tool does -----------------------------------------------------------
+    def open(self, run_name: str, params: dict[str, Any], resume_id: str | None) -> str:
+        """Start (or, with ``resume_id``, continue) a tracker run; return its id."""
+        raise NotImplementedError
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        raise NotImplementedError
+
+    def log_end(self, summary: dict, model_file: Path) -> None:
+        raise NotImplementedError
+
+    def end(self, status: str) -> None:
+        """``status``: finished, failed or killed."""
+        raise NotImplementedError
+
+    # -- the observer -------------------------------------------------------------------
+    def _guard(self, what: str, fn: Callable[[], None]) -> None:
+        if not self.active:
+            return
+        try:
+            fn()
+        except Exception as exc:  # the run goes on without this tracker
+            self.active = False
+            log.warning("%s tracker: %s failed (%s: %s); it logs nothing more for this run", self.name, what,
+                        type(exc).__name__, exc)
+
+    def start(self, run: RunStart) -> None:
+        run_dir = self.run_dir_of()
+        ids = _read_ids(run_dir)
+        resume_id = ids.get(self.name) if run.resumed else None
+        self.active = True
+
+        def open_run() -> None:
+            params = {k: _plain(v) for k, v in self.config.to_dict().items()}
+            run_id = self.open(_run_name(self.config, run_dir), params, resume_id)
+            if run_dir is not None:
+                _write_ids(run_dir, {**ids, self.name: run_id})
+            if resume_id is not None:
+                self.log_metrics({"train/resumed_at_iteration": run.iteration}, run.iteration)
+
+        self._guard("starting its run", open_run)
+
+    def record(self, record: dict, snapshot: Snapshot) -> None:
+        self._guard("logging an evaluation", lambda: self.log_metrics(grouped_scalars(record), record["iteration"]))
+
+    def finish(self, summary: dict, model: dict, snapshot: Snapshot) -> None:
+        def log_model() -> None:
+            run_dir = self.run_dir_of()
+            saved = None if run_dir is None else run_dir / "model.pt"
+            if saved is not None and saved.is_file():
+                self.log_end(summary, saved)
+                return
+            with tempfile.TemporaryDirectory() as d:
+                torch.save(model, Path(d) / "model.pt")
+                self.log_end(summary, Path(d) / "model.pt")
+
+        self._guard("logging the final model", log_model)
+
+    def close(self, error: BaseException | None) -> None:
+        status = ("finished" if error is None else
+                  "killed" if isinstance(error, (RunStopped, KeyboardInterrupt)) else "failed")
+        self._guard("ending its run", lambda: self.end(status))
+        self.active = False
+
+
+def _read_ids(run_dir: Path | None) -> dict[str, str]:
+    if run_dir is None or not (run_dir / IDS_FILE).is_file():
+        return {}
+    try:
+        ids = json.loads((run_dir / IDS_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in ids.items() if isinstance(v, str)} if isinstance(ids, dict) else {}
+
+
+def _write_ids(run_dir: Path, ids: dict[str, str]) -> None:
+    (run_dir / IDS_FILE).write_text(json.dumps(ids, indent=2) + "\n", encoding="utf-8")
+
+
+# The summary's numbers logged at the end (the rest is in the metrics already).
+SUMMARY_KEYS = ("final_test_auc", "best_test_auc", "best_iteration", "rounds", "iterations", "bytes_up",
+                "bytes_down", "wall_s", "samples_per_s")
+
+
+class MLflowTracker(Tracker):
+    """An MLflow run per federation, through ``MlflowClient`` (the caller's own active run is left alone)."""
+
+    name = "mlflow"
+
+    def open(self, run_name: str, params: dict[str, Any], resume_id: str | None) -> str:
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient()
+        if resume_id is not None:
+            self.client.update_run(resume_id, status="RUNNING")
+            self.run_id = resume_id
+            return resume_id
+        experiment = self.client.get_experiment_by_name(self.config.tracker_project)
+        experiment_id = (experiment.experiment_id if experiment is not None
+                         else self.client.create_experiment(self.config.tracker_project))
+        tags = {"fdam.algorithm": self.config.algorithm, "fdam.dataset": self.config.dataset}
+        run = self.client.create_run(experiment_id, run_name=run_name, tags=tags)
+        self.run_id = run.info.run_id
+        items = [Param(k, json.dumps(v) if isinstance(v, list) else str(v)) for k, v in params.items()]
+        for i in range(0, len(items), 100):  # MLflow takes at most 100 parameters per call
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
+        return self.run_id
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, int(step)) for k, v in metrics.items()]
+        for i in range(0, len(items), 1000):
+            self.client.log_batch(self.run_id, metrics=items[i : i + 1000])
+
+    def log_end(self, summary: dict, model_file: Path) -> None:
+        self.client.log_artifact(self.run_id, str(model_file))
+        step = int(summary.get("iterations") or 0)
+        self.log_metrics({f"summary/{k}": summary[k] for k in SUMMARY_KEYS
+                          if isinstance(summary.get(k), (int, float))}, step)
+
+    def end(self, status: str) -> None:
+        self.client.set_terminated(self.run_id, {"finished": "FINISHED", "killed": "KILLED"}.get(status, "FAILED"))
+
+
+class WandbTracker(Tracker):
+    """A W&B run per federation (a run object of its own, so other W&B runs in the process are left alone)."""
+
+    name = "wandb"
+
+    def open(self, run_name: str, params: dict[str, Any], resume_id: str | None) -> str:
+        import wandb
+
+        kwargs: dict[str, Any] = {"id": resume_id, "resume": "allow"} if resume_id is not None else {}
+        self.run = wandb.init(project=self.config.tracker_project, name=run_name, config=params,
+                              reinit="create_new", **kwargs)
+        return self.run.id
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=int(step))
+
+    def log_end(self, summary: dict, model_file: Path) -> None:
+        import wandb
+
+        artifact = wandb.Artifact(f"model-{self.run.id}", type="model")
+        artifact.add_file(str(model_file), name="model.pt")
+        self.run.log_artifact(artifact)
+        self.run.summary.update({k: summary[k] for k in SUMMARY_KEYS if summary.get(k) is not None})
+
+    def end(self, status: str) -> None:
+        self.run.finish(exit_code=0 if status == "finished" else 1)
+
+
+def tune_callbacks(config: Config) -> list:
+    """Ray Tune's own logger callbacks for the trackers a sweep's base config names: every trial's config and
+    reports (test_auc, per-task and per-client AUCs, bytes, ...) to MLflow (with the trial folder, its run and
+    checkpoints, as artifacts) and to W&B."""
+    check_installed(config.trackers)
+    callbacks = []
+    if "mlflow" in config.trackers:
+        from ray.air.integrations.mlflow import MLflowLoggerCallback
+
+        callbacks.append(MLflowLoggerCallback(experiment_name=config.tracker_project, save_artifact=True))
+    if "wandb" in config.trackers:
+        from ray.air.integrations.wandb import WandbLoggerCallback
+
+        # W&B runs each trial's logger in an actor that sees the cluster's environment, not this process's: pass
+        # WANDB_MODE (offline) and WANDB_DIR on as wandb.init arguments
+        settings = {key: os.environ[var] for key, var in (("mode", "WANDB_MODE"), ("dir", "WANDB_DIR"))
+                    if os.environ.get(var)}
+        callbacks.append(WandbLoggerCallback(project=config.tracker_project, **settings))
+    return callbacks

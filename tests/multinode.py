@@ -1,0 +1,58 @@
+"""A multi-node Ray cluster on one machine: a head and worker nodes, each with its own raylet and object store.
+
+``ray.cluster_utils.Cluster`` starts every node as separate processes on this
+machine, so objects really cross node boundaries (through the object manager)
+and a node can be removed mid-run (``remove_node`` kills its raylet and the
+workers on it). Every node has fractional CPUs, a ``site_<i>`` custom
+resource and a small object store, so three workers fit next to the tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import ray
+from ray.cluster_utils import Cluster
+from raytest import TESTS_DIR
+
+OBJECT_STORE_BYTES = 150 * 1024 * 1024
+
+
+@contextlib.contextmanager
+def multi_node_cluster(workers: int = 3, cpus_per_worker: float = 2, head_cpus: float = 1) -> Iterator[Cluster]:
+    """A head (``head_cpus``, resource ``head``) plus ``workers`` nodes (``cpus_per_worker``, resource
+    ``site_<i>``), with this process connected as the driver; everything is shut down at the end."""
+    saved = dict(os.environ)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, saved.get("PYTHONPATH")) if p)
+    # the nodes' processes and this driver must agree on token authentication; a Ray session this process ran
+    # before (another test module) leaves token mode on inside the process, while the environment it restored
+    # no longer says so to the nodes started here
+    os.environ["RAY_AUTH_MODE"] = "token"
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": head_cpus, "resources": {"head": 1}, "object_store_memory": OBJECT_STORE_BYTES,
+        "include_dashboard": False})
+    try:
+        cluster.sites = {i: cluster.add_node(num_cpus=cpus_per_worker, resources={f"site_{i}": 1},
+                                             object_store_memory=OBJECT_STORE_BYTES)
+                         for i in range(workers)}  # site -> its node, for remove_node
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def node_ids_by_site() -> dict[str, str]:
+    """site resource name -> Ray node id, for the nodes alive now."""
+    out = {}
+    for node in ray.nodes():
+        if node.get("Alive"):
+            for name in node.get("Resources", {}):
+                if name.startswith("site_"):
+                    out[name] = node["NodeID"]
+    return out

@@ -1,0 +1,219 @@
+"""Many nodes: one Ray cluster of a head and three worker nodes on this machine (tests/multinode.py).
+
+One cluster serves the whole module (starting it takes ~25 s); the node-loss
+tests remove worker nodes and therefore run last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import numpy as np
+import pytest
+import ray
+from conftest import gaussian_clients
+from image_fixtures import write_image_folder
+from multinode import multi_node_cluster, node_ids_by_site
+from raytest import SlowClientSource
+
+from fdam_ray.checkpoint import load_checkpoint
+from fdam_ray.config import build_config
+from fdam_ray.data import make_source
+from fdam_ray.data.arrays import ArraysSource
+from fdam_ray.executors.ray_executor import PlacementError, RayExecutor
+from fdam_ray.recipe import federate, run
+
+SMALL = dict(model="mlp", model_width=8, batch_size="full", seed=2, lr=0.2, local_steps=2, cpus_per_actor=0.5)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with multi_node_cluster() as c:
+        yield c
+
+
+def arrays_config(clients, **values):
+    return build_config({**SMALL, "dataset": "arrays", "executor": "ray", "num_clients": len(clients), **values})
+
+
+class Recording(RayExecutor):
+    """Keeps where every client ran (read once the clients have started)."""
+
+    def start(self, config, source):
+        infos = super().start(config, source)
+        self.nodes_at_start = {k: w["node_id"] for k, w in self.client_info().items()}
+        self.infos = {i.client_id: i for i in infos}
+        return infos
+
+
+# -- placement -----------------------------------------------------------------------------
+def test_spread_puts_clients_on_distinct_nodes_and_logs_where_each_runs(cluster, tmp_path):
+    clients, test = gaussian_clients(num_clients=3)
+    executor = Recording()
+    config = arrays_config(clients, placement_strategy="SPREAD", iterations=4, eval_every=4)
+    federate(config, source=ArraysSource(clients, test), executor=executor, run_dir=tmp_path / "run")
+    nodes = executor.nodes_at_start
+    assert len(set(nodes.values())) == 3
+    log = (tmp_path / "run" / "train.log").read_text()
+    ip = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    for k, node in nodes.items():
+        assert f"placement: clients {k} -> actor {k} -> node {node} ({ip[node]})" in log
+
+
+@pytest.mark.slow
+def test_pack_puts_clients_on_as_few_nodes_as_fit(cluster):
+    clients, test = gaussian_clients(num_clients=3)
+    executor = Recording()
+    # 3 x 0.5 CPU fit one worker node (2 CPUs); 4 x 0.75 CPU need two (two per node)
+    run(arrays_config(clients, placement_strategy="PACK", iterations=2), source=ArraysSource(clients, test),
+        executor=executor, save=False)
+    assert len(set(executor.nodes_at_start.values())) == 1
+    clients5, test5 = gaussian_clients(num_clients=4)
+    executor = Recording()
+    run(arrays_config(clients5, placement_strategy="PACK", iterations=2, cpus_per_actor=0.75),
+        source=ArraysSource(clients5, test5), executor=executor, save=False)
+    assert len(set(executor.nodes_at_start.values())) == 2
+
+
+# -- clients pinned to their site ------------------------------------------------------------
+def test_each_client_runs_on_its_site_and_reads_only_its_own_folder(cluster, tmp_path):
+    sizes = {0: 6, 1: 9, 2: 12}  # training images per class, so each client's count shows its folder
+    for k, n in sizes.items():
+        write_image_folder(tmp_path / f"site{k}", train={"a": n, "b": n}, val={"a": 2, "b": 2})
+    write_image_folder(tmp_path / "test", train={"a": 3, "b": 3}, val={"a": 5, "b": 5})
+    executor = Recording()
+    config = build_config(dict(
+        dataset="imagefolder", data_root=str(tmp_path / "test"), image_size=8, model="linear", num_clients=3,
+        executor="ray", iterations=2, batch_size=4, local_steps=1, cpus_per_actor=0.5, positive_classes=[0],
+        client_resources=[{f"site_{k}": 0.01} for k in (2, 0, 1)],
+        client_data_roots=[str(tmp_path / f"site{k}") for k in (2, 0, 1)]))
+    result = run(config, executor=executor, save=False)
+    by_site = node_ids_by_site()
+    assert executor.nodes_at_start == {0: by_site["site_2"], 1: by_site["site_0"], 2: by_site["site_1"]}
+    # each client holds what a one-client federation over its own folder holds, and the folders differ in size
+    alone = {k: len(make_source(dataclasses.replace(config, client_data_roots=None, num_clients=1,
+                                                    client_resources=None, data_root=root)).client_shard(0).train)
+             for k, root in enumerate(config.client_data_roots)}
+    assert {k: i.num_train for k, i in executor.infos.items()} == alone
+    assert len(set(alone.values())) == 3
+    assert result.state.round == 2 and 0 <= result.summary["final_test_auc"] <= 1
+
+
+def test_a_resource_no_node_offers_is_named_with_the_client_at_once(cluster):
+    clients, test = gaussian_clients(num_clients=3)
+    config = arrays_config(clients, iterations=2,
+                           client_resources=[{"site_0": 0.01}, {"site_7": 0.01}, {"site_1": 0.01}])
+    with pytest.raises(PlacementError) as got:
+        run(config, source=ArraysSource(clients, test), save=False)
+    message = str(got.value)
+    assert "client 1" in message and "site_7" in message and "site_0, site_1, site_2" in message
+    assert "\n" not in message
+
+
+# -- per-node reduction ------------------------------------------------------------------------
+class CountingFolds(RayExecutor):
+    """Counts the partial sums the driver folds in each round."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.folds: list[int] = []
+
+    def run_round(self, state, plan, fold, clients=None):
+        count = [0]
+
+        def counted(partial):
+            count[0] += 1
+            fold(partial)
+
+        super().run_round(state, plan, counted, clients)
+        self.folds.append(count[0])
+
+
+@pytest.mark.slow
+def test_node_reduction_folds_one_sum_per_node_and_ends_where_star_and_inline_end(cluster):
+    clients, test = gaussian_clients(num_clients=6)
+    values = dict(algorithm="codasca", iterations=8, eval_every=8, positive_ratio=0.3, placement_strategy="PACK")
+    got = {}
+    for reduce in ("star", "node"):
+        executor = CountingFolds()
+        got[reduce] = run(arrays_config(clients, reduce=reduce, **values), source=ArraysSource(clients, test),
+                          executor=executor, save=False)
+        nodes = {w["node_id"] for w in executor.where_of.values()}
+        assert len(nodes) >= 2  # 6 x 0.5 CPU do not fit one node
+        assert executor.folds == [6 if reduce == "star" else len(nodes)] * 4
+    inline = run(arrays_config(clients, executor="inline", **values), source=ArraysSource(clients, test), save=False)
+    for name in ("v", "alpha", "buffers", "c_v", "c_alpha"):
+        want = getattr(inline.state, name)
+        np.testing.assert_allclose(getattr(got["node"].state, name), getattr(got["star"].state, name), atol=1e-6)
+        np.testing.assert_allclose(getattr(got["node"].state, name), want, atol=1e-6, err_msg=name)
+    assert np.abs(inline.state.c_v).max() > 1e-3
+
+
+# -- node loss (these remove worker nodes: they run last) ---------------------------------------
+class SlowEveryClient(SlowClientSource):
+    """Every client reads its training samples through a SleepyDataset (a round takes a while)."""
+
+    def client_shard(self, client_id: int):
+        self.slow = client_id
+        return super().client_shard(client_id)
+
+
+class RemoveNodeDuringRound(RayExecutor):
+    """Removes the worker node of the first client that runs on one, while round ``at_round`` runs."""
+
+    def __init__(self, cluster, at_round: int, delay_s: float = 0.3) -> None:
+        super().__init__()
+        self.cluster, self.at_round, self.delay_s = cluster, at_round, delay_s
+        self.removed: str | None = None
+        self.victim: int | None = None
+
+    def run_round(self, state, plan, fold, clients=None):
+        if plan.round == self.at_round and self.removed is None:
+            workers = {n.node_id: site for site, n in self.cluster.sites.items()}
+            a = next(a for a in sorted(self.where_of) if self.where_of[a]["node_id"] in workers)
+            self.victim, self.removed = self.hosted[a][0], self.where_of[a]["node_id"]
+            node = self.cluster.sites.pop(workers[self.removed])
+            threading.Timer(self.delay_s, self.cluster.remove_node, (node,)).start()
+        super().run_round(state, plan, fold, clients)
+
+
+def test_a_lost_node_s_clients_are_rebuilt_on_the_others_and_the_run_ends_near_the_undisturbed_one(cluster,
+                                                                                                  tmp_path):
+    clients, test = gaussian_clients(num_clients=3, n=60)
+    values = dict(algorithm="codasca", iterations=24, eval_every=12, positive_ratio=0.3, on_client_failure="retry",
+                  placement_strategy="SPREAD", local_steps=4, batch_size=20)
+    undisturbed = run(arrays_config(clients, **dict(values, executor="inline")), save=False,
+                      source=SlowEveryClient(ArraysSource(clients, test), slow=0, delay_s=0.0))
+    executor = RemoveNodeDuringRound(cluster, at_round=3)
+    disturbed = federate(arrays_config(clients, **values), executor=executor, run_dir=tmp_path / "run",
+                         source=SlowEveryClient(ArraysSource(clients, test), slow=0, delay_s=0.004))
+    assert executor.removed is not None
+    [lost] = executor.lost_nodes
+    assert lost["node_id"] == executor.removed and executor.victim in lost["clients"] and lost["round"] == 3
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert executor.removed not in alive
+    assert all(w["node_id"] in alive for w in executor.where_of.values())
+    assert disturbed.state.round == 6
+    assert abs(disturbed.summary["final_test_auc"] - undisturbed.summary["final_test_auc"]) <= 0.01
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert f"node {executor.removed}" in log and "was lost in round 3" in log and "(replacement)" in log
+
+
+def test_clients_pinned_to_a_lost_site_stop_the_run_quickly_naming_them_and_keep_the_checkpoint(cluster, tmp_path):
+    clients, test = gaussian_clients(num_clients=2, n=60)
+    site, node = next(iter(cluster.sites.items()))
+    other = next(s for s in node_ids_by_site() if s != f"site_{site}")
+    config = arrays_config(clients, iterations=40, local_steps=4, batch_size=20, checkpoint_every=2,
+                           client_resources=[{f"site_{site}": 0.01}, {other: 0.01}], ray_timeout_s=1800)
+    executor = RemoveNodeDuringRound(cluster, at_round=4)
+    started = time.monotonic()
+    with pytest.raises(PlacementError) as got:
+        federate(config, executor=executor, run_dir=tmp_path / "run",
+                 source=SlowEveryClient(ArraysSource(clients, test), slow=0, delay_s=0.004))
+    assert time.monotonic() - started < 120  # not ray_timeout_s
+    assert executor.removed == node.node_id
+    message = str(got.value)
+    assert "client 0" in message and f"site_{site}" in message and "\n" not in message
+    assert load_checkpoint(tmp_path / "run" / "checkpoint.pt")["loop"]["state"]["round"] == 2
