@@ -390,8 +390,8 @@ def figure(path: Path, args, rows: dict, tol: dict) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("communication window I")
     ax.set_ylabel("AUC(I) - AUC(I=1), paired over seeds")
-    ax.set_title(f"{args.dataset}-IH, K={args.clients}, {args.iterations} iterations, {len(args.seeds)} seeds, "
-                 f"{LEVEL:.0%} intervals; dotted: -tolerance", fontsize=9)
+    ax.set_title(f"{args.dataset}-IH, K={args.clients}, {args.iterations} iterations, {len(args.seeds)} seeds; "
+                 f"bars: {LEVEL:.0%} interval, dotted: -tolerance", fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

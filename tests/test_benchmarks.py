@@ -210,6 +210,12 @@ def test_comm_window_seed_fixes_data_init_and_batches_at_every_window():
                                                  "distinct": {"data": 2, "init": 2, "batches": 2}}
 
 
+def test_committed_comm_window_results_are_paired_over_five_seeds():
+    text = (BENCH / "results" / "comm_window.md").read_text()
+    assert "over 5 seeds (0 1 2 3 4)" in text
+    assert "the 5 seeds give 5 data, 5 init, 5 batches digests" in text  # the run checked its pairing
+
+
 def test_comm_window_verdict_reads_the_interval_of_the_paired_drop():
     import comm_window
 
