@@ -283,13 +283,14 @@ def test_clients_scale_script(tmp_path):
     import clients_scale
 
     out = tmp_path / "cs.md"
-    line = clients_scale.main(["--clients", "2", "4", "--pool", "1", "--max-actors", "2", "--rounds", "4",
+    line = clients_scale.main(["--clients", "1", "3", "--pool", "1", "--max-actors", "1", "--rounds", "4",
                                "--local-steps", "2", "--samples", "40", "--width", "8", "--out", str(out)])
     values = parse_result(line)
     assert set(values) == {"mem_per_client_mb", "round_ratio_k256_k16", "actor_mem_mb"}
     assert values["actor_mem_mb"] > 50  # an actor process holds torch: far more than its one client
+    assert abs(values["mem_per_client_mb"]) < 20  # two more clients on the same actor: no second replica
     text = out.read_text()
-    assert "| 4 | 4 | pool | 1 | 4 |" in text and "| 2 | 2 | per-client | 2 | 1 |" in text
+    assert "| 1 | 1 | pool | 1 | 1 |" in text and "| 3 | 3 | pool | 1 | 3 |" in text
 
 
 def test_vs_fedavg_script(tmp_path):

@@ -347,6 +347,7 @@ def test_a_ray_run_with_hosted_clients_stopped_and_resumed_equals_the_uninterrup
     assert_same_state(resumed, whole, exact=True)
 
 
+@pytest.mark.slow
 def test_drop_leaves_out_only_the_failing_client_of_an_actor_and_its_neighbour_goes_on(ray_session):
     from fdam_ray.executors.ray_executor import RayExecutor
 
