@@ -19,6 +19,7 @@ from fdam_ray.algorithms import Algorithm, AlgorithmSection
 from fdam_ray.data import AnySplit, DataSource, Split, iter_batches, make_sampler
 from fdam_ray.flat import FlatModel
 from fdam_ray.models import build_model
+from fdam_ray.precision import Precision
 from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, Moments, RoundPlan, Scores, StepStats
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ class ClientSection(AlgorithmSection):
     batch_size: int
     eval_batch_size: int
     deterministic: bool
+    precision: str
+    channels_last: bool | str
 
 
 def use_deterministic_kernels() -> None:
@@ -89,7 +92,8 @@ class Replica:
         self.objective = self.algorithm.objective(source.num_tasks)
         model = build_model(config.model, source.input_shape, source.num_tasks,
                             width=config.model_width, seed=config.seed)
-        self.flat = FlatModel(model, aux_size=self.objective.aux_size, device=device)
+        self.flat = FlatModel(model, aux_size=self.objective.aux_size, device=device,
+                              precision=Precision.of(config, model, device))
 
     @torch.no_grad()
     def score(self, split: AnySplit) -> np.ndarray:
@@ -98,7 +102,7 @@ class Replica:
         model.eval()
         try:
             t, batches = self.objective.num_tasks, iter_batches(split, self.config.eval_batch_size, self.device)
-            out = [torch.sigmoid(model(x).reshape(-1, t)) for x, _ in batches]
+            out = [torch.sigmoid(self.flat.forward(x).reshape(-1, t)) for x, _ in batches]
         finally:
             model.train()
         return torch.cat(out).cpu().numpy()
@@ -164,15 +168,11 @@ class Client(Replica):
             samples += x.shape[0]
         loss = float(loss_sum) / plan.steps  # waits for the steps on a GPU
         compute_s = time.perf_counter() - start  # the steps alone: loading and exporting the state are transfer
-        before = self.solver.control_variate() if plan.partial else None
-        self.solver.end(plan.steps, plan.lr)
-        v, alpha, buffers, counters = self.flat.export(copy=copy)
-        cv = self.solver.control_variate(copy=copy)
-        if before is not None and cv is not None:  # a sampled round: the server needs c^k_new - c^k_old
-            cv = (cv[0] - before[0], cv[1] - before[1])
+        # a sampled round: the server needs c^k_new - c^k_old
+        (self.solver.end_sampled if plan.partial else self.solver.end)(plan.steps, plan.lr)
+        v, alpha, buffers, counters, c_v, c_alpha = self.solver.export(copy=copy)
         stats = StepStats(self.client_id, loss, plan.steps, samples, compute_s, finite=self._finite())
-        return ClientUpdate(self.client_id, v, alpha, buffers, counters,
-                            None if cv is None else cv[0], None if cv is None else cv[1], stats)
+        return ClientUpdate(self.client_id, v, alpha, buffers, counters, c_v, c_alpha, stats)
 
     def _finite(self) -> bool:
         """Whether the round's end point and c^k hold no NaN or infinity (one check where they live)."""
@@ -201,7 +201,8 @@ class Client(Replica):
         """What a checkpoint needs to continue this client exactly: c^k and the sampler's position."""
         cv = self.solver.control_variate()
         return {"client_id": self.client_id, "c_v": None if cv is None else cv[0],
-                "c_alpha": None if cv is None else cv[1], "sampler": self.sampler.get_state()}
+                "c_alpha": None if cv is None else cv[1], "sampler": self.sampler.get_state(),
+                "scaler": self.flat.precision.state_dict()}
 
     def set_state(self, state: dict) -> None:
         if state["client_id"] != self.client_id:
@@ -209,3 +210,4 @@ class Client(Replica):
         if state["c_v"] is not None:
             self.solver.set_control_variate(state["c_v"], state["c_alpha"])
         self.sampler.set_state(state["sampler"])
+        self.flat.precision.load_state_dict(state.get("scaler"))

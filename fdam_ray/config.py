@@ -31,7 +31,7 @@ class ConfigError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Field:
     name: str
-    kind: str  # "int", "float", "bool", "str", "batch", "int_list", "str_list"
+    kind: str  # "int", "float", "bool", "str", "batch", "int_list", "str_list"; "int_auto", "bool_auto": or "auto"
     default: Any
     doc: str
     choices: tuple[str, ...] | None = None
@@ -148,8 +148,9 @@ FIELDS: tuple[Field, ...] = (
        "default (imagefolder 224, chestxray 320).", check=_ge1[0], allowed=_ge1[1], optional=True),
     _f("augment", "bool", False, "Random augmentation of training images (cifar: padded crop and flip; "
        "imagefolder: resized crop and flip; chestxray: the paper's random affine)."),
-    _f("data_workers", "int", 0, "DataLoader worker processes per client for datasets read from disk.",
-       check=_nonneg[0], allowed=_nonneg[1]),
+    _f("data_workers", "int_auto", 0, "DataLoader worker processes per client for datasets read from disk; auto = "
+       "the CPUs Ray gave the client (the CPUs of this process inline) less one, at most 8.",
+       check=_nonneg[0], allowed=">= 0 or 'auto'"),
     # -- model --------------------------------------------------------------------
     _f("model", "str", "cnn", "Scoring network.", choices=MODEL_NAMES),
     _f("model_width", "int", 32, "Width of mlp hidden layers / cnn channels.", check=_ge1[0], allowed=_ge1[1]),
@@ -205,6 +206,11 @@ FIELDS: tuple[Field, ...] = (
     _f("deterministic", "bool", False, "Ask torch for deterministic kernels (GPU runs then repeat bit for bit, "
        "more slowly; CPU runs repeat exactly either way)."),
     _f("device", "str", "auto", "auto uses a GPU when one is visible.", choices=("auto", "cpu", "cuda")),
+    _f("precision", "str", "fp32", "Arithmetic of the network's forward pass: fp32, or bf16/fp16 autocast (the "
+       "objective, a, b, alpha, the parameters and every sum stay float32; fp16 scales the loss).",
+       choices=("fp32", "bf16", "fp16")),
+    _f("channels_last", "bool_auto", "auto", "Run convolutional networks in channels-last memory format; auto = "
+       "on for conv nets on a GPU, off on the CPU.", allowed="true, false or 'auto'"),
     _f("threads_per_client", "int", None, "torch intra-op threads per client process; null = leave as is.",
        check=_ge1[0], allowed=_ge1[1], optional=True),
     _f("out_dir", "str", "runs", "Folder under which run folders are made."),
@@ -219,12 +225,14 @@ FIELDS: tuple[Field, ...] = (
 RESUME_MAY_CHANGE = {"iterations", "eval_every", "checkpoint_every", "tensorboard", "executor", "device",
                      "threads_per_client", "out_dir", "address", "cpus_per_client", "gpus_per_client",
                      "placement_strategy", "gpu_memory_cap", "eval_on", "fold_order", "on_client_failure",
-                     "max_client_retries", "ray_timeout_s", "data_workers", "eval_batch_size", "deterministic"}
+                     "max_client_retries", "ray_timeout_s", "data_workers", "eval_batch_size", "deterministic",
+                     "channels_last"}
 
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
 
 _TYPES: dict[str, Any] = {"int": int, "float": float, "bool": bool, "str": str, "batch": int,
-                          "int_list": tuple[int, ...], "str_list": tuple[str, ...]}
+                          "int_list": tuple[int, ...], "str_list": tuple[str, ...], "int_auto": int | str,
+                          "bool_auto": bool | str}
 
 
 def field_type(field: Field) -> Any:
@@ -330,10 +338,16 @@ def _coerce(field: Field, value: Any) -> Any:
             return None
         raise _fail(field.name, value, f"a value is required; {field.allowed or field.kind}".rstrip("; "))
     kind = field.kind
+    if kind.endswith("_auto"):  # "auto", or a value of the plain kind
+        if value == "auto":
+            return value
+        if isinstance(value, str):
+            raise _fail(field.name, value, field.allowed)
+        kind = kind.removesuffix("_auto")
     if kind == "bool":
         if isinstance(value, bool):
             return value
-        raise _fail(field.name, value, "true or false")
+        raise _fail(field.name, value, field.allowed or "true or false")
     if kind == "int":
         if isinstance(value, bool):
             raise _fail(field.name, value, "an integer")
