@@ -45,18 +45,32 @@ def make_data(n: int, shape: tuple[int, ...], seed: int = 0):
 
 
 class BareLoop:
-    """A hand-written primal-dual loop over the parameter list (no flat buffers)."""
+    """A hand-written primal-dual loop over the parameter list (no flat buffers).
 
-    def __init__(self, model_name: str, shape, x, y, batch: int, seed: int) -> None:
-        self.model = build_model(model_name, shape, 1, seed=seed)
-        self.a, self.b = torch.zeros(1, requires_grad=True), torch.zeros(1, requires_grad=True)
-        self.alpha = torch.zeros(1, requires_grad=True)
+    ``device``, ``precision`` (fp32 or bf16: the forward pass under autocast, float32 logits to the objective)
+    and ``channels_last`` (the whole model and its inputs in channels-last format, as one writes it by hand)
+    set it up as a client with the same fields runs (benchmarks/gpu_throughput.py).
+    """
+
+    def __init__(self, model_name: str, shape, x, y, batch: int, seed: int, *, device: str | torch.device = "cpu",
+                 precision: str = "fp32", channels_last: bool = False) -> None:
+        if precision not in ("fp32", "bf16"):
+            raise ValueError(f"the bare loop runs fp32 or bf16, not {precision}")
+        self.device = torch.device(device)
+        self.dtype = torch.bfloat16 if precision == "bf16" else None
+        self.channels_last = channels_last
+        self.model = build_model(model_name, shape, 1, seed=seed).to(self.device)
+        if channels_last:
+            self.model = self.model.to(memory_format=torch.channels_last)
+        dev = self.device
+        self.a, self.b = torch.zeros(1, requires_grad=True, device=dev), torch.zeros(1, requires_grad=True, device=dev)
+        self.alpha = torch.zeros(1, requires_grad=True, device=dev)
         self.params = [*self.model.parameters(), self.a, self.b]
         self.ref = [p.detach().clone() for p in self.params]
         self.corr = [torch.zeros_like(p) for p in self.params]  # c - c^k
         self.obj = Objective("auc_margin", num_tasks=1)
-        self.obj.set_positive_ratio(0.2)
-        self.x, self.y = torch.from_numpy(x), torch.from_numpy(y).reshape(-1, 1)
+        self.obj.set_positive_ratio(0.2, device=dev)
+        self.x, self.y = torch.from_numpy(x).to(dev), torch.from_numpy(y).reshape(-1, 1).to(dev)
         self.batch = batch
         self.gen = torch.Generator().manual_seed(seed)
         self.order, self.pos = torch.randperm(len(self.y), generator=self.gen), 0
@@ -65,11 +79,11 @@ class BareLoop:
         for _ in range(steps):
             if self.pos + self.batch > len(self.order):
                 self.order, self.pos = torch.randperm(len(self.y), generator=self.gen), 0
-            idx = self.order[self.pos : self.pos + self.batch]
+            idx = self.order[self.pos : self.pos + self.batch].to(self.device)
             self.pos += self.batch
             for p in [*self.params, self.alpha]:
                 p.grad = None
-            loss = self.obj(self.model(self.x[idx]), self.y[idx], self.a, self.b, self.alpha)
+            loss = self.obj(self.forward(self.x[idx]), self.y[idx], self.a, self.b, self.alpha)
             loss.backward()
             with torch.no_grad():
                 grads = [p.grad for p in self.params]
@@ -77,6 +91,16 @@ class BareLoop:
                 torch._foreach_add_(d, self.corr)
                 torch._foreach_add_(self.params, d, alpha=-LR)
                 self.alpha.add_(self.alpha.grad, alpha=LR).clamp_(min=0)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        if self.dtype is None:
+            return self.model(x)
+        with torch.autocast(self.device.type, dtype=self.dtype):
+            return self.model(x).float()
 
 
 def measure(model_name: str, shape, *, batch: int, steps: int, repeats: int, threads: int) -> dict:

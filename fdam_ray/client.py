@@ -26,6 +26,7 @@ from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.data import AnySplit, DataSource, Split, iter_batches, make_sampler
 from fdam_ray.flat import FlatModel
 from fdam_ray.models import build_model
+from fdam_ray.precision import Precision
 from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, Moments, RoundPlan, Scores, StepStats
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ class ClientSection(AlgorithmSection):
     batch_size: int
     eval_batch_size: int
     deterministic: bool
+    precision: str
+    channels_last: bool | str
 
 
 def use_deterministic_kernels() -> None:
@@ -96,7 +99,8 @@ class Replica:
         self.objective = self.algorithm.objective(source.num_tasks)
         model = build_model(config.model, source.input_shape, source.num_tasks,
                             width=config.model_width, seed=config.seed)
-        self.flat = FlatModel(model, aux_size=self.objective.aux_size, device=device)
+        self.flat = FlatModel(model, aux_size=self.objective.aux_size, device=device,
+                              precision=Precision.of(config, model, device))
 
     @torch.no_grad()
     def score(self, split: AnySplit) -> np.ndarray:
@@ -105,7 +109,7 @@ class Replica:
         model.eval()
         try:
             t, batches = self.objective.num_tasks, iter_batches(split, self.config.eval_batch_size, self.device)
-            out = [torch.sigmoid(model(x).reshape(-1, t)) for x, _ in batches]
+            out = [torch.sigmoid(self.flat.forward(x).reshape(-1, t)) for x, _ in batches]
         finally:
             model.train()
         return torch.cat(out).cpu().numpy()
@@ -241,15 +245,11 @@ class Client:
             samples += x.shape[0]
         loss = float(loss_sum) / plan.steps  # waits for the steps on a GPU
         compute_s = time.perf_counter() - start  # the steps alone: loading and exporting the state are transfer
-        before = solver.control_variate() if plan.partial else None
-        solver.end(plan.steps, plan.lr)
-        v, alpha, buffers, counters = self.flat.export(copy=copy)
-        cv = solver.control_variate(copy=copy)
-        if before is not None and cv is not None:  # a sampled round: the server needs c^k_new - c^k_old
-            cv = (cv[0] - before[0], cv[1] - before[1])
+        # a sampled round: the server needs c^k_new - c^k_old
+        (solver.end_sampled if plan.partial else solver.end)(plan.steps, plan.lr)
+        v, alpha, buffers, counters, c_v, c_alpha = solver.export(copy=copy)
         stats = StepStats(self.client_id, loss, plan.steps, samples, compute_s, finite=self._finite())
-        return ClientUpdate(self.client_id, v, alpha, buffers, counters,
-                            None if cv is None else cv[0], None if cv is None else cv[1], stats)
+        return ClientUpdate(self.client_id, v, alpha, buffers, counters, c_v, c_alpha, stats)
 
     def _finite(self) -> bool:
         """Whether the round's end point and c^k hold no NaN or infinity (one check where they live)."""
@@ -288,7 +288,8 @@ class Client:
         """What a checkpoint needs to continue this client exactly: c^k and the sampler's position."""
         cv = self.control_variate()
         return {"client_id": self.client_id, "c_v": None if cv is None else cv[0],
-                "c_alpha": None if cv is None else cv[1], "sampler": self.sampler.get_state()}
+                "c_alpha": None if cv is None else cv[1], "sampler": self.sampler.get_state(),
+                "scaler": self.flat.precision.state_dict()}
 
     def set_state(self, state: dict) -> None:
         if state["client_id"] != self.client_id:
@@ -296,6 +297,7 @@ class Client:
         if state["c_v"] is not None:
             self.set_control_variate(state["c_v"], state["c_alpha"])
         self.sampler.set_state(state["sampler"])
+        self.flat.precision.load_state_dict(state.get("scaler"))
 
 
 def host_clients(config: ClientSection, source: DataSource, client_ids: Sequence[int], *,

@@ -32,7 +32,8 @@ class ConfigError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Field:
     name: str
-    kind: str  # "int", "float", "bool", "str", "batch", "int_list", "str_list", "factory" (a name or module:attr)
+    kind: str  # "int", "float", "bool", "str", "batch", "int_list", "str_list", "factory" (a name or module:attr),
+    #            "resource_list"; "int_auto", "bool_auto": or "auto"
     default: Any
     doc: str
     choices: tuple[str, ...] | None = None
@@ -152,8 +153,9 @@ FIELDS: tuple[Field, ...] = (
        "default (imagefolder 224, chestxray 320).", check=_ge1[0], allowed=_ge1[1], optional=True),
     _f("augment", "bool", False, "Random augmentation of training images (cifar: padded crop and flip; "
        "imagefolder: resized crop and flip; chestxray: the paper's random affine)."),
-    _f("data_workers", "int", 0, "DataLoader worker processes per client for datasets read from disk.",
-       check=_nonneg[0], allowed=_nonneg[1]),
+    _f("data_workers", "int_auto", 0, "DataLoader worker processes per client for datasets read from disk; auto = "
+       "the CPUs Ray gave the client (the CPUs of this process inline) less one, at most 8.",
+       check=_nonneg[0], allowed=">= 0 or 'auto'"),
     # -- model --------------------------------------------------------------------
     _f("model", "factory", "cnn", "Scoring network: a name, or your own factory module:attr called as "
        "factory(input_shape, num_tasks) -> nn.Module giving (B, T) logits, on the driver and every client.",
@@ -229,6 +231,11 @@ FIELDS: tuple[Field, ...] = (
     _f("deterministic", "bool", False, "Ask torch for deterministic kernels (GPU runs then repeat bit for bit, "
        "more slowly; CPU runs repeat exactly either way)."),
     _f("device", "str", "auto", "auto uses a GPU when one is visible.", choices=("auto", "cpu", "cuda")),
+    _f("precision", "str", "fp32", "Arithmetic of the network's forward pass: fp32, or bf16/fp16 autocast (the "
+       "objective, a, b, alpha, the parameters and every sum stay float32; fp16 scales the loss).",
+       choices=("fp32", "bf16", "fp16")),
+    _f("channels_last", "bool_auto", "auto", "Run convolutional networks in channels-last memory format; auto = "
+       "on for conv nets on a GPU, off on the CPU.", allowed="true, false or 'auto'"),
     _f("threads_per_actor", "int", None, "torch intra-op threads per actor process (inline: of the driver; "
        "threads_per_client is read as this when clients_per_actor = 1); null = leave as is.",
        check=_ge1[0], allowed=_ge1[1], optional=True),
@@ -252,7 +259,7 @@ RESUME_MAY_CHANGE = {"iterations", "eval_every", "checkpoint_every", "tensorboar
                      "clients_per_actor",
                      "placement_strategy", "gpu_memory_cap", "eval_on", "fold_order", "on_client_failure",
                      "max_client_retries", "ray_timeout_s", "data_workers", "eval_batch_size", "deterministic",
-                     "trackers", "tracker_project"}
+                     "trackers", "tracker_project", "channels_last"}
 
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
 
@@ -270,7 +277,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "model": ("model", "model_width", "model_weights", "pretrain_iterations", "pretrain_lr", "pretrain_batch_size",
               "pretrain_federated"),
     "run": ("eval_batch_size", "eval_every", "seed", "executor", "deterministic", "device", "threads_per_actor",
-            "clients_per_actor"),
+            "clients_per_actor", "precision", "channels_last"),
     "ray": ("address", "cpus_per_actor", "gpus_per_actor", "placement_strategy", "gpu_memory_cap", "fold_order",
             "eval_on", "on_client_failure", "max_client_retries", "ray_timeout_s", "reduce", "client_resources",
             "client_data_roots", "placement_timeout_s"),
@@ -286,7 +293,7 @@ RENAMED_PER_ACTOR = {"cpus_per_client": "cpus_per_actor", "gpus_per_client": "gp
 # by name (a lambda, a local function, one of the __main__ script): it then travels to clients by value.
 _TYPES: dict[str, Any] = {"int": int, "float": float, "bool": bool, "str": str, "factory": str, "batch": int,
                           "int_list": tuple[int, ...], "str_list": tuple[str, ...],
-                          "resource_list": tuple[dict, ...]}
+                          "resource_list": tuple[dict, ...], "int_auto": int | str, "bool_auto": bool | str}
 
 
 def field_type(field: Field) -> Any:
@@ -403,10 +410,16 @@ def _coerce(field: Field, value: Any) -> Any:
     kind = field.kind
     if kind == "factory":
         return _factory_value(field, value)
+    if kind.endswith("_auto"):  # "auto", or a value of the plain kind
+        if value == "auto":
+            return value
+        if isinstance(value, str):
+            raise _fail(field.name, value, field.allowed)
+        kind = kind.removesuffix("_auto")
     if kind == "bool":
         if isinstance(value, bool):
             return value
-        raise _fail(field.name, value, "true or false")
+        raise _fail(field.name, value, field.allowed or "true or false")
     if kind == "int":
         if isinstance(value, bool):
             raise _fail(field.name, value, "an integer")

@@ -5,14 +5,24 @@ b of the AUC objectives) and its ``.grad`` a view into one gradient vector, so
 a local step is a handful of vector operations and loading or exporting the
 model state is one copy. Float buffers (BatchNorm statistics) become views into
 a second vector; BatchNorm updates them in place, so they stay bound.
+
+The flat layout is the networks' own (contiguous, NCHW for convolution
+weights) whatever memory format the forward pass runs in
+(:mod:`fdam_ray.precision`), so states move between replicas on any device.
+Every host-device copy of a state-sized vector goes through one
+:class:`HostLink`: on a GPU it stages through pinned host buffers and copies
+without blocking, and each vector crosses once per load or export.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
+from fdam_ray.precision import Precision
 from fdam_ray.state import GlobalState
 
 
@@ -24,6 +34,69 @@ def _bind(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
         offset += n
 
 
+class HostLink:
+    """Copies of float32 vectors between host (numpy) and ``device``, recorded in :attr:`log`.
+
+    On a GPU a load writes the host arrays into one pinned buffer and copies each
+    part to its device tensor without blocking (the buffer is reused once those
+    copies are done); an export copies the device tensors into a second pinned
+    buffer without blocking and waits once. On the CPU the copies are plain.
+    ``log`` holds ``(direction, numel)`` per vector copied ("up" = to the device).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self._up = self._down = None
+        self._uploaded: torch.cuda.Event | None = None
+        self.log: list[tuple[str, int]] = []
+
+    def _buffer(self, buf: torch.Tensor | None, n: int) -> torch.Tensor:
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(n, dtype=torch.float32, pin_memory=True)
+        return buf
+
+    def upload(self, pairs: Sequence[tuple[np.ndarray, torch.Tensor]]) -> None:
+        """Copy each host array into its device tensor (same length, float32)."""
+        for src, dst in pairs:
+            if src.shape[0] != dst.numel():
+                raise ValueError(f"a host vector of {src.shape[0]} values cannot fill a device vector of {dst.numel()}")
+            self.log.append(("up", dst.numel()))
+        with torch.no_grad():
+            if not self.pinned:
+                for src, dst in pairs:
+                    dst.copy_(torch.from_numpy(src))
+                return
+            if self._uploaded is not None:
+                self._uploaded.synchronize()  # the last load's copies have read the buffer
+            self._up = self._buffer(self._up, sum(dst.numel() for _, dst in pairs))
+            offset = 0
+            for src, dst in pairs:
+                n = dst.numel()
+                part = self._up[offset : offset + n]
+                np.copyto(part.numpy(), src, casting="same_kind")
+                dst.copy_(part.view_as(dst), non_blocking=True)
+                offset += n
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
+
+    def download(self, tensors: Sequence[torch.Tensor], *, copy: bool = True) -> list[np.ndarray]:
+        """The device tensors as host arrays: copies, or with ``copy=False`` views valid until the next download
+        (of this link's pinned buffer on a GPU, of the tensors themselves on the CPU)."""
+        self.log.extend(("down", t.numel()) for t in tensors)
+        if not self.pinned:
+            return [t.detach().to("cpu", copy=copy).numpy() for t in tensors]
+        self._down = self._buffer(self._down, sum(t.numel() for t in tensors))
+        parts, offset = [], 0
+        for t in tensors:
+            part = self._down[offset : offset + t.numel()]
+            part.copy_(t.detach().reshape(-1), non_blocking=True)
+            parts.append(part)
+            offset += t.numel()
+        torch.cuda.current_stream(self.device).synchronize()
+        return [p.numpy().copy() if copy else p.numpy() for p in parts]
+
+
 class FlatModel:
     """A model whose state lives in flat buffers.
 
@@ -31,12 +104,16 @@ class FlatModel:
         model: the scoring network (moved to ``device``).
         aux_size: length of each of a, b and alpha (0 for bce).
         device: where the buffers live.
+        precision: the forward pass's arithmetic and memory format (default: float32, as stored).
     """
 
-    def __init__(self, model: nn.Module, *, aux_size: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, model: nn.Module, *, aux_size: int, device: torch.device | str = "cpu",
+                 precision: Precision | None = None) -> None:
         device = torch.device(device)
         self.model = model.to(device)
         self.device = device
+        self.precision = precision or Precision("fp32", device)
+        self.link = HostLink(device)
         params = list(model.parameters())
         self.num_weights = sum(p.numel() for p in params)
         self.aux_size = aux_size
@@ -76,6 +153,23 @@ class FlatModel:
             module._buffers[name] = self.buffers[offset : offset + n].view_as(buf)
             offset += n
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The network's float32 logits of ``x`` (in the precision's arithmetic and memory format)."""
+        return self.precision.forward(self.model, x)
+
+    def bound(self) -> bool:
+        """Whether every parameter, its gradient and every float buffer is still a view of the flat storage."""
+        def inside(t: torch.Tensor, flat: torch.Tensor) -> bool:
+            start = flat.data_ptr()
+            return (t.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() and t.is_contiguous()
+                    and start <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size()
+                    <= start + flat.numel() * flat.element_size())
+
+        params = list(self.model.parameters())
+        bufs = [b for m in self.model.modules() for b in m._buffers.values() if b is not None and b.is_floating_point()]
+        return (all(inside(p, self.v) and p.grad is not None and inside(p.grad, self.grad) for p in params)
+                and all(inside(b, self.buffers) for b in bufs))
+
     @property
     def state_size(self) -> int:
         return self.v.numel()
@@ -87,25 +181,21 @@ class FlatModel:
         return torch.stack([m._buffers[n].reshape(-1)[0] for m, n in self._counter_slots]).cpu().numpy().astype(
             np.int64)
 
-    def load(self, state: GlobalState) -> None:
-        """Copy the global model state into this replica."""
+    def load(self, state: GlobalState, also: Sequence[tuple[np.ndarray, torch.Tensor]] = ()) -> None:
+        """Copy the global model state into this replica, and each ``also`` host array into its device
+        tensor in the same pass (one crossing per vector)."""
         if state.v.shape[0] != self.v.numel():
             raise ValueError(f"state has {state.v.shape[0]} primal values, this model {self.v.numel()}")
-        with torch.no_grad():
-            self.v.copy_(torch.from_numpy(state.v), non_blocking=True)
-            self.buffers.copy_(torch.from_numpy(state.buffers), non_blocking=True)
-            self.alpha.copy_(torch.from_numpy(state.alpha))
+        self.link.upload([(state.v, self.v), (state.buffers, self.buffers), (state.alpha, self.alpha), *also])
         for (m, n), value in zip(self._counter_slots, state.counters.tolist(), strict=True):
             m._buffers[n].fill_(value)
 
-    def _np(self, t: torch.Tensor, copy: bool = True) -> np.ndarray:
-        return t.detach().to("cpu", copy=copy).numpy()
-
-    def export(self, *, copy: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(v, alpha, buffers, counters) as numpy arrays: copies, or with ``copy=False`` views of the flat
-        buffers where they live on the CPU (for a caller that serialises them before the model changes)."""
-        return (self._np(self.v, copy), self._np(self.alpha, copy), self._np(self.buffers, copy),
-                self.counters())
+    def export(self, *, copy: bool = True, also: Sequence[torch.Tensor] = ()) -> tuple[np.ndarray, ...]:
+        """(v, alpha, buffers, counters, then each ``also`` tensor) as numpy arrays: copies, or with ``copy=False``
+        views (of the flat buffers on the CPU, of a pinned buffer on a GPU) valid until the next export, for a
+        caller that serialises them at once."""
+        v, alpha, buffers, *rest = self.link.download([self.v, self.alpha, self.buffers, *also], copy=copy)
+        return (v, alpha, buffers, self.counters(), *rest)
 
     def initial_state(self) -> GlobalState:
         v, alpha, buffers, counters = self.export()

@@ -428,3 +428,64 @@ def test_node_reduce_script(tmp_path):
     assert values["round_ratio_node_star"] > 0
     text = out.read_text()
     assert "| 2 | 4 | 2, 2 |" in text and "Command: `python benchmarks/node_reduce.py --nodes 2" in text
+
+
+def test_input_pipeline_writes_files_of_the_real_sizes(tmp_path):
+    import input_pipeline
+    from PIL import Image
+
+    for fmt, size in (("jpeg", (320, 390)), ("png", (1024, 1024))):
+        paths = input_pipeline.write_files(tmp_path, fmt, 2)
+        with Image.open(paths[0]) as image:
+            assert image.size == size and image.mode == "L"
+            assert image.format == fmt.upper()
+    assert input_pipeline.workers_needed(1000, 300) == 4 and input_pipeline.workers_needed(900, 300) == 3
+
+
+def test_input_pipeline_script(tmp_path):
+    out = tmp_path / "ip.md"
+    _, values = run_script_process("benchmarks/input_pipeline.py", "--images", "12", "--workers", "0", "1",
+                                   "--image-size", "64", "--batch", "4", "--train-rates", "50", "--rate-for-result",
+                                   "50", "--out", str(out))
+    assert set(values) == {"jpeg_per_worker", "png_per_worker", "jpeg_workers_at_50", "png_workers_at_50"}
+    for fmt in ("jpeg", "png"):
+        per_worker, needed = values[f"{fmt}_per_worker"], values[f"{fmt}_workers_at_50"]
+        assert per_worker > 0 and needed - 1 < 50 / per_worker * 1.001 and needed >= 50 / per_worker * 0.999
+    assert values["png_per_worker"] < values["jpeg_per_worker"]  # a 1024 x 1024 PNG decodes far more slowly
+    text = out.read_text()
+    assert "| CheXpert-small-like JPEG | 320x390 |" in text and "| NIH-like PNG | 1024x1024 |" in text
+    assert "Command: `python benchmarks/input_pipeline.py --images 12" in text
+
+
+def test_gpu_throughput_steady_rate_takes_the_second_half():
+    import gpu_throughput
+
+    history = [{"iteration": 0, "samples_per_s": None}, {"iteration": 10, "samples_per_s": 100.0},
+               {"iteration": 20, "samples_per_s": 150.0}]
+    # 100 samples in 1 s, then 200 in 4/3 s: the second 100 took 1/3 s
+    assert gpu_throughput.steady_rate(history, 10) == pytest.approx(300.0)
+
+
+def gpu_throughput_quick(tmp_path, *extra: str) -> tuple[dict[str, float], str]:
+    out = tmp_path / "gt.md"
+    _, values = run_script_process("benchmarks/gpu_throughput.py", "--quick", "--device", "cpu", *extra,
+                                   "--out", str(out))
+    assert set(values) == {"client_vs_bare_densenet_bf16", "bf16_speedup", "shared_gpu_ratio", "pipeline_ratio"}
+    return values, out.read_text()
+
+
+@pytest.mark.slow  # about a minute and a half: a local Ray for the shared-device runs
+def test_gpu_throughput_script_on_the_cpu_with_every_section(tmp_path):
+    values, text = gpu_throughput_quick(tmp_path)
+    assert all(math.isfinite(v) and v > 0 for v in values.values())
+    assert "| 4 | 0.5 |" in text  # four clients with a quarter of the 2 CPUs each
+
+
+def test_gpu_throughput_script_on_the_cpu(tmp_path):
+    values, text = gpu_throughput_quick(tmp_path, "--skip", "shared")
+    assert math.isnan(values["shared_gpu_ratio"])
+    assert all(math.isfinite(v) and v > 0 for k, v in values.items() if k != "shared_gpu_ratio")
+    assert "GPU figures are still to be measured" in text and "Device: CPU" in text
+    for row in ("| densenet121 | 32x32 | 2 | bf16 | no |", "| resnet20 | 8x8 | 8 | fp32 | no |"):
+        assert row in text
+    assert "Command: `python benchmarks/gpu_throughput.py --quick --device cpu" in text

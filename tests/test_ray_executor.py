@@ -305,6 +305,23 @@ def test_client_device_follows_the_gpus_ray_assigned(monkeypatch):
         ray_actor.actor_device("cuda", gpu_share=0.0, memory_cap=True)
 
 
+@ray.remote
+class WorkersProbe:
+    def auto(self):
+        from fdam_ray.data.base import client_cpus, loader_workers
+
+        return client_cpus(), loader_workers("auto")
+
+
+def test_data_workers_auto_in_an_actor_follows_the_cpus_ray_gave_it():
+    probes = [WorkersProbe.options(num_cpus=c).remote() for c in (0.5, 2)]
+    try:
+        assert ray.get([p.auto.remote() for p in probes]) == [(0.5, 0), (2.0, 1)]
+    finally:
+        for p in probes:
+            ray.kill(p)
+
+
 def test_a_group_the_cluster_cannot_hold_is_a_clear_error_not_a_hang():
     ex = RayExecutor()
     ex.config = build_config(dict(ARRAYS, dataset="arrays", num_clients=2, gpus_per_client=1.0))

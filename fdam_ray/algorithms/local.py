@@ -53,10 +53,12 @@ class LocalSolver:
         self.prox_weight = prox_weight
         self.weight_decay = weight_decay
         self.grad_clip = grad_clip
+        flat.precision.note_training()
         n, m, dev = flat.state_size, flat.aux_size, flat.device
         self.prox_ref = torch.zeros(n, device=dev)  # gamma * v_ref
         self.v_start = torch.zeros(n, device=dev)
         self.alpha_start = torch.zeros(m, device=dev)
+        self._change = False  # whether end() kept the change of c^k (in v_start, alpha_start)
         if control_variates:
             self.c_v = torch.zeros(n, device=dev)  # this client's c^k
             self.c_alpha = torch.zeros(m, device=dev)
@@ -77,24 +79,39 @@ class LocalSolver:
     # -- round -------------------------------------------------------------------
     def begin(self, state: GlobalState) -> None:
         """Start a round from the global state (and compute this round's correction c - c^k)."""
-        self.flat.load(state)
+        self._change = False
+        if not self.control_variates:
+            self.flat.load(state)
+            return
+        if state.c_v is None or state.c_alpha is None:
+            raise ValueError("the algorithm uses control variates but the global state carries none")
+        # the global c lands in corr (one crossing with the state), then corr = c - c^k on the device
+        self.flat.load(state, also=[(state.c_v, self.corr_v), (state.c_alpha, self.corr_alpha)])
         with torch.no_grad():
-            if self.control_variates:  # the start point is needed only for the c^k update in end()
-                self.v_start.copy_(self.flat.v)
-                self.alpha_start.copy_(self.flat.alpha)
-                if state.c_v is None or state.c_alpha is None:
-                    raise ValueError("the algorithm uses control variates but the global state carries none")
-                torch.sub(torch.from_numpy(state.c_v).to(self.corr_v.device), self.c_v, out=self.corr_v)
-                torch.sub(torch.from_numpy(state.c_alpha).to(self.corr_alpha.device), self.c_alpha,
-                          out=self.corr_alpha)
+            self.v_start.copy_(self.flat.v)  # the start point is needed only for the c^k update in end()
+            self.alpha_start.copy_(self.flat.alpha)
+            self.corr_v.sub_(self.c_v)
+            self.corr_alpha.sub_(self.c_alpha)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, lr: float) -> torch.Tensor:
         """One local step; returns the minibatch objective (a detached tensor, no device sync)."""
         flat = self.flat
         flat.grad.zero_()
         flat.alpha.grad.zero_()
-        loss = self.objective(flat.model(x), y, flat.a, flat.b, flat.alpha)
-        loss.backward()
+        loss = self.objective(flat.forward(x), y, flat.a, flat.b, flat.alpha)
+        flat.precision.backward(loss)
+        flat.precision.step(lambda: self._apply(lr), self._scaled_params)
+        return loss.detach()
+
+    def _scaled_params(self) -> list[torch.Tensor]:
+        """The gradients a loss scaler unscales: one tensor over the whole flat gradient, and alpha's."""
+        whole = torch.nn.Parameter(self.flat.v, requires_grad=False)  # shares flat.v's storage
+        whole.grad = self.flat.grad
+        return [whole, self.flat.alpha]
+
+    def _apply(self, lr: float) -> None:
+        """The step of the module docstring, from the gradients in the flat buffers."""
+        flat = self.flat
         with torch.no_grad():
             d = flat.grad
             if self.grad_clip is not None:
@@ -114,19 +131,44 @@ class LocalSolver:
                 flat.alpha.add_(g_alpha, alpha=lr)
                 if self.objective.alpha_nonnegative:
                     flat.alpha.clamp_(min=0)
-        return loss.detach()
 
     def end(self, steps: int, lr: float) -> None:
         """Update c^k from the round's movement (no-op without control variates)."""
+        self._end(steps, lr, change=False)
+
+    def end_sampled(self, steps: int, lr: float) -> None:
+        """:meth:`end` of a round of sampled clients: keeps the change c^k_new - c^k_old for :meth:`export`."""
+        self._end(steps, lr, change=True)
+
+    def _end(self, steps: int, lr: float, *, change: bool) -> None:
+        self._change = change and self.control_variates
         if not self.control_variates:
             return
         scale = 1.0 / (steps * lr)
         with torch.no_grad():
             # c^k - c + (v_start - v_end)/(I eta): c^k - c is -corr.
             self.v_start.sub_(self.flat.v)
-            self.c_v.copy_(self.corr_v).neg_().add_(self.v_start, alpha=scale)
             self.alpha_start.sub_(self.flat.alpha)
-            self.c_alpha.copy_(self.corr_alpha).neg_().sub_(self.alpha_start, alpha=scale)
+            if not change:
+                self.c_v.copy_(self.corr_v).neg_().add_(self.v_start, alpha=scale)
+                self.c_alpha.copy_(self.corr_alpha).neg_().sub_(self.alpha_start, alpha=scale)
+                return
+            # c^k_new into corr (used up), the change into v_start / alpha_start, then c^k <- c^k_new
+            self.corr_v.neg_().add_(self.v_start, alpha=scale)
+            self.corr_alpha.neg_().sub_(self.alpha_start, alpha=scale)
+            torch.sub(self.corr_v, self.c_v, out=self.v_start)
+            torch.sub(self.corr_alpha, self.c_alpha, out=self.alpha_start)
+            self.c_v.copy_(self.corr_v)
+            self.c_alpha.copy_(self.corr_alpha)
+
+    def export(self, *, copy: bool = True) -> tuple[np.ndarray, ...]:
+        """The round's end point and what the server needs of c^k, in one pass to the host:
+        (v, alpha, buffers, counters, c_v, c_alpha), where c is c^k, or its change after
+        :meth:`end_sampled`, or None without control variates."""
+        if not self.control_variates:
+            return (*self.flat.export(copy=copy), None, None)
+        cv = (self.v_start, self.alpha_start) if self._change else (self.c_v, self.c_alpha)
+        return self.flat.export(copy=copy, also=cv)
 
     def control_variate(self, *, copy: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
         """c^k as numpy arrays (copies, or with ``copy=False`` views where it lives on the CPU)."""

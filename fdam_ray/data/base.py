@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import collections
 import dataclasses
+import os
 
 import numpy as np
 import torch
@@ -45,18 +46,49 @@ class Split:
         return (y == 1).sum(0).astype(np.int64), (~np.isnan(y)).sum(0).astype(np.int64)
 
 
+MAX_AUTO_WORKERS = 8  # data_workers=auto never starts more DataLoader processes than this per client
+
+
+def client_cpus() -> float:
+    """The CPUs this client may use: what Ray assigned to the actor it runs in, else the CPUs this process may
+    run on (``os.sched_getaffinity``; ``os.cpu_count`` where that is missing)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            ctx = ray.get_runtime_context()
+            if ctx.get_actor_id() is not None:
+                cpus = ctx.get_assigned_resources().get("CPU")
+                if cpus is not None:
+                    return float(cpus)
+    except ImportError:
+        pass
+    if hasattr(os, "sched_getaffinity"):
+        return float(len(os.sched_getaffinity(0)))
+    return float(os.cpu_count() or 1)
+
+
+def loader_workers(setting: int | str) -> int:
+    """``data_workers`` where the client runs: a number as given; ``auto`` = the client's CPUs
+    (:func:`client_cpus`, whole ones) less one for the training process, at most :data:`MAX_AUTO_WORKERS`."""
+    if setting == "auto":
+        return max(0, min(MAX_AUTO_WORKERS, int(client_cpus()) - 1))
+    return int(setting)
+
+
 @dataclasses.dataclass
 class DatasetSplit:
     """Samples read lazily from a ``torch.utils.data.Dataset`` (images on disk), labels known up front.
 
     ``dataset[i]`` returns ``(x, y)`` with ``y`` a float32 tensor of shape (T,)
     equal to ``labels[i]``. Batches are read by a DataLoader (``num_workers``
-    processes; pinned memory and non-blocking copies when the device is a GPU).
+    processes, or ``"auto"``: see :func:`loader_workers`; pinned memory and
+    non-blocking copies when the device is a GPU).
     """
 
     dataset: torch.utils.data.Dataset
     labels: np.ndarray
-    num_workers: int = 0
+    num_workers: int | str = 0
 
     def __post_init__(self) -> None:
         self.labels = np.asarray(self.labels, dtype=np.float32).reshape(len(self.labels), -1)
@@ -87,7 +119,8 @@ def iter_batches(split: AnySplit, batch_size: int, device: torch.device):
             yield split.x[i : i + batch_size].to(device), split.y[i : i + batch_size].to(device)
         return
     loader = torch.utils.data.DataLoader(split.dataset, batch_size=batch_size, shuffle=False,
-                                         num_workers=split.num_workers, pin_memory=device.type == "cuda")
+                                         num_workers=loader_workers(split.num_workers),
+                                         pin_memory=device.type == "cuda")
     for x, y in loader:
         yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
@@ -217,7 +250,7 @@ class LoaderSampler:
     def _start(self) -> None:
         self._batches = _Batches(self.stream)
         self._iter = iter(torch.utils.data.DataLoader(
-            self.split.dataset, batch_sampler=self._batches, num_workers=self.split.num_workers,
+            self.split.dataset, batch_sampler=self._batches, num_workers=loader_workers(self.split.num_workers),
             pin_memory=self.device.type == "cuda"))
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:

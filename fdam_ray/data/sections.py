@@ -32,7 +32,7 @@ class DataSection(Section):
     test_fraction: float
     image_size: int | None
     augment: bool
-    data_workers: int
+    data_workers: int | str
     download: bool
 
 
