@@ -171,7 +171,10 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--out", default=None, help="results file (default benchmarks/results/node_reduce.md)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+    # the nodes started here must use the token mode this process's Ray read when it was imported
+    os.environ["RAY_AUTH_MODE"] = "token" if is_token_auth_enabled() else "disabled"
     results = []
     for nodes in args.nodes:
         r = measure(nodes, args.clients_per_node, args.state_floats, args.rounds, args.repeats)

@@ -20,16 +20,24 @@ from raytest import TESTS_DIR
 OBJECT_STORE_BYTES = 150 * 1024 * 1024
 
 
+def process_auth_mode() -> str:
+    """The token-authentication mode this process's Ray uses, for the nodes it starts to agree with it.
+
+    Ray reads it once per process: a Ray session this process ran before (another test module) leaves token
+    mode on inside the process while the environment it restored no longer says so.
+    """
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+    return "token" if is_token_auth_enabled() else "disabled"
+
+
 @contextlib.contextmanager
 def multi_node_cluster(workers: int = 3, cpus_per_worker: float = 2, head_cpus: float = 1) -> Iterator[Cluster]:
     """A head (``head_cpus``, resource ``head``) plus ``workers`` nodes (``cpus_per_worker``, resource
     ``site_<i>``), with this process connected as the driver; everything is shut down at the end."""
     saved = dict(os.environ)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, saved.get("PYTHONPATH")) if p)
-    # the nodes' processes and this driver must agree on token authentication; a Ray session this process ran
-    # before (another test module) leaves token mode on inside the process, while the environment it restored
-    # no longer says so to the nodes started here
-    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_MODE"] = process_auth_mode()
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": head_cpus, "resources": {"head": 1}, "object_store_memory": OBJECT_STORE_BYTES,
         "include_dashboard": False})
