@@ -59,8 +59,8 @@ FULL = {
                  "images": 640},
 }
 CPU = {  # the stand-in without a GPU: the same measurements at sizes a few CPU cores get through in minutes
-    "models": [("densenet121", 64, 8), ("resnet20", 32, 32)], "steps": 10, "repeats": 3,
-    "auc": {"model": "cnn", "model_width": 16, "iterations": 200, "seeds": [0, 1]},
+    "models": [("densenet121", 32, 8), ("resnet20", 32, 32)], "steps": 5, "repeats": 3,
+    "auc": {"model": "cnn", "model_width": 16, "iterations": 100, "seeds": [0, 1]},
     "shared": {"model": "cnn", "size": 32, "batch": 32, "iterations": 80, "local_steps": 10, "samples": 512},
     "pipeline": {"model": "cnn", "size": 64, "batch": 16, "iterations": 80, "local_steps": 10, "images": 256},
 }
@@ -156,7 +156,8 @@ def shared_gpu(spec: dict, device: torch.device) -> dict:
 
     started = not ray.is_initialized()
     if started:  # one local Ray for both runs (a run reuses the Ray of its process)
-        ray.init(include_dashboard=False, log_to_driver=False, **({} if device.type == "cuda" else {"num_cpus": 4}))
+        ray.init(address="local", include_dashboard=False, log_to_driver=False,  # private, never a shared cluster
+                 **({} if device.type == "cuda" else {"num_cpus": 4}))
     try:
         rows = {k: shared_run(k, spec, shape, common, device, cpus) for k in (1, 4)}
     finally:
