@@ -103,15 +103,15 @@ def test_bf16_runs_the_network_in_bf16_and_everything_else_in_float32():
     assert losses[0].dtype == torch.float32 and c.flat.forward(x).dtype == torch.float32
     flat = c.flat
     for t in (flat.v, flat.grad, flat.a, flat.b, flat.alpha, flat.alpha.grad, flat.buffers, c.solver.c_v,
-              c.solver.corr_v, c.solver.prox_ref, c.objective.p):
+              c.solver.corr_v, c.solver.prox_ref, c.replica.objective.p):
         assert t.dtype == torch.float32
     assert all(p.dtype == torch.float32 for p in flat.model.parameters()) and flat.bound()
     update = c.local_round(state, RoundPlan(1, 1, 3, 0.1, 0))
     assert all(a.dtype == np.float32 for a in (update.v, update.alpha, update.buffers, update.c_v, update.c_alpha))
     # scoring runs the same forward pass
-    assert seen_by(first_conv(c), lambda: c.score(c.train))["out_dtype"] == torch.bfloat16
+    assert seen_by(first_conv(c), lambda: c.replica.score(c.train))["out_dtype"] == torch.bfloat16
     plain = client()
-    assert seen_by(first_conv(plain), lambda: plain.score(plain.train))["out_dtype"] == torch.float32
+    assert seen_by(first_conv(plain), lambda: plain.replica.score(plain.train))["out_dtype"] == torch.float32
 
 
 def test_fp16_skips_a_step_whose_gradients_overflow_and_lowers_the_scale():
@@ -220,7 +220,7 @@ def test_a_round_moves_each_state_vector_once_each_way(algorithm):
         elif cv:
             np.testing.assert_array_equal(update.c_v, c.solver.control_variate()[0])
     c.flat.link.log.clear()
-    c.scores_of(state, c.train)  # scoring loads the model, not the control variates
+    c.replica.scores_of(state, c.train)  # scoring loads the model, not the control variates
     assert c.flat.link.log == [("up", n), ("up", nb), ("up", m)]
 
 
