@@ -117,6 +117,7 @@ def measure(args) -> dict:
     import ray
 
     started = not ray.is_initialized()
+    saved_env = dict(os.environ)  # ray.init sets RAY_ADDRESS and the like for this process: undone at the end
     if started:  # logical CPUs: enough for the largest layout's quarter-CPU actors; the OS shares the cores
         most = max([math.ceil(max(args.clients) / args.pool)] + [k for k in args.clients if k <= args.max_actors])
         ray.init(num_cpus=max(4, math.ceil(0.25 * max(args.pool, most)) + 1), include_dashboard=False,
@@ -134,6 +135,8 @@ def measure(args) -> dict:
     finally:
         if started:
             ray.shutdown()
+            os.environ.clear()
+            os.environ.update(saved_env)
     return {"rows": rows}
 
 
