@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -321,7 +322,9 @@ def test_a_clients_data_error_mid_round_under_ray_prints_one_error_and_no_unhand
     proc = subprocess.run([sys.executable, "-c", DAMAGED_RUN], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=240)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "stopped: client 0 failed in round" in proc.stderr and "the file is truncated" in proc.stderr
+    # whichever client's error reaches the driver first stops the run (several fail in the same round)
+    assert re.search(r"stopped: client [0-3] failed in round \d+", proc.stderr), proc.stderr[-3000:]
+    assert "the file is truncated" in proc.stderr
     assert "Unhandled error" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
