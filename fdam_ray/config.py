@@ -211,6 +211,11 @@ FIELDS: tuple[Field, ...] = (
     _f("reduce", "str", "star", "ray executor: star (every actor's partial sum goes to the driver) or node (the "
        "actors on one node fold their partial sums into one on that node; the driver receives one per node).",
        choices=("star", "node")),
+    _f("transport", "str", "classic", "ray executor: how a round reaches the actors and comes back: classic "
+       "(one Ray call per actor, the state through the object store) or compiled (one Ray Compiled Graph built "
+       "per federation: the state and the partial sums travel through pre-allocated shared-memory channels; "
+       "rebuilt when an actor is replaced). Evaluation and set-up calls stay classic either way.",
+       choices=("classic", "compiled")),
     _f("placement_timeout_s", "float", 120.0, "Longest wait for lost actors' placement-group bundles to be "
        "placed again after a node is lost; then the run stops, naming the clients and resources that cannot be "
        "placed.", check=_pos[0], allowed=_pos[1]),
@@ -259,7 +264,7 @@ RESUME_MAY_CHANGE = {"iterations", "eval_every", "checkpoint_every", "tensorboar
                      "clients_per_actor",
                      "placement_strategy", "gpu_memory_cap", "eval_on", "fold_order", "on_client_failure",
                      "max_client_retries", "ray_timeout_s", "data_workers", "eval_batch_size", "deterministic",
-                     "trackers", "tracker_project", "channels_last"}
+                     "trackers", "tracker_project", "channels_last", "transport"}
 
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
 
@@ -279,8 +284,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "run": ("eval_batch_size", "eval_every", "seed", "executor", "deterministic", "device", "threads_per_actor",
             "clients_per_actor", "precision", "channels_last"),
     "ray": ("address", "cpus_per_actor", "gpus_per_actor", "placement_strategy", "gpu_memory_cap", "fold_order",
-            "eval_on", "on_client_failure", "max_client_retries", "ray_timeout_s", "reduce", "client_resources",
-            "client_data_roots", "placement_timeout_s"),
+            "eval_on", "on_client_failure", "max_client_retries", "ray_timeout_s", "reduce", "transport",
+            "client_resources", "client_data_roots", "placement_timeout_s"),
     "outputs": ("out_dir", "run_name", "checkpoint_every", "tensorboard", "trackers", "tracker_project"),
 }
 

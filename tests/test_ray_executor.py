@@ -35,6 +35,8 @@ from fdam_ray.state import RoundPlan
 
 HALF = dict(cpus_per_client=0.5)  # K clients fit the module's 4 logical CPUs
 ARRAYS = dict(model="mlp", model_width=8, batch_size="full", eval_every=2, seed=2, lr=0.2, local_steps=2, **HALF)
+# the failure tests run under both ways a round reaches the actors
+TRANSPORTS = pytest.mark.parametrize("transport", ["classic", "compiled"])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -122,13 +124,14 @@ class KillDuringRound(RayExecutor):
         super().run_round(state, plan, fold)
 
 
-def test_a_killed_client_process_is_replaced_and_the_run_ends_near_the_undisturbed_one(caplog):
+@TRANSPORTS
+def test_a_killed_client_process_is_replaced_and_the_run_ends_near_the_undisturbed_one(transport, caplog):
     cfg = dict(dataset="digits", num_clients=4, model="cnn", model_width=8, batch_size=32, local_steps=25,
                iterations=200, eval_every=100, seed=3, algorithm="codasca", lr=0.1, **HALF)
     undisturbed = run(build_config(dict(cfg, executor="inline")), save=False)
     executor = KillDuringRound(victim=1, at_round=2, how="pid")
     with caplog.at_level(logging.WARNING, logger="fdam_ray"):
-        disturbed = run(build_config(dict(cfg, executor="ray")), executor=executor, save=False)
+        disturbed = run(build_config(dict(cfg, executor="ray", transport=transport)), executor=executor, save=False)
     [event] = executor.events
     assert (event["client"], event["round"], event["action"]) == (1, 2, "local_round")
     assert "died" in event["error"] and event["outcome"].startswith("replaced")
@@ -150,11 +153,12 @@ class AdoptGlobalC(InlineExecutor):
         super().run_round(state, plan, fold)
 
 
-def test_a_replaced_client_restarts_from_the_global_control_variate():
+@TRANSPORTS
+def test_a_replaced_client_restarts_from_the_global_control_variate(transport):
     clients, test = gaussian_clients(num_clients=3)
     cfg = dict(ARRAYS, algorithm="codasca", iterations=10, positive_ratio=0.3)
     executor = KillDuringRound(victim=2, at_round=3, how="ray.kill")
-    got = arrays_run(dict(cfg, executor="ray"), clients, test, executor=executor)
+    got = arrays_run(dict(cfg, executor="ray", transport=transport), clients, test, executor=executor)
     want = arrays_run(dict(cfg, executor="inline"), clients, test, executor=AdoptGlobalC(victim=2, at_round=3))
     plain = arrays_run(dict(cfg, executor="inline"), clients, test)
     assert [(e["client"], e["round"]) for e in executor.events] == [(2, 3)]
@@ -171,11 +175,13 @@ def poisoned(clients, test, bad: int) -> ArraysSource:
     return source
 
 
-def test_an_exception_in_client_code_reaches_the_driver_with_client_round_and_traceback():
+@TRANSPORTS
+def test_an_exception_in_client_code_reaches_the_driver_with_client_round_and_traceback(transport):
     clients, test = gaussian_clients(num_clients=3)
     executor = RayExecutor()
     with pytest.raises(ClientError) as info:
-        arrays_run(dict(ARRAYS, iterations=6, executor="ray", on_client_failure="abort"), clients, test,
+        arrays_run(dict(ARRAYS, iterations=6, executor="ray", on_client_failure="abort", transport=transport),
+                   clients, test,
                    executor=executor, source=poisoned(clients, test, bad=1))
     err = info.value
     assert (err.client_id, err.round, err.action) == (1, 1, "local_round")
@@ -187,20 +193,23 @@ def test_an_exception_in_client_code_reaches_the_driver_with_client_round_and_tr
     assert no_leftover_groups()
 
 
-def test_retry_replaces_a_failing_client_up_to_the_limit_then_stops_the_run():
+@TRANSPORTS
+def test_retry_replaces_a_failing_client_up_to_the_limit_then_stops_the_run(transport):
     clients, test = gaussian_clients(num_clients=2)
     executor = RayExecutor()
     with pytest.raises(ClientError, match="client 0 failed in round 1"):
-        arrays_run(dict(ARRAYS, iterations=6, executor="ray", on_client_failure="retry", max_client_retries=1),
-                   clients, test, executor=executor, source=poisoned(clients, test, bad=0))
+        arrays_run(dict(ARRAYS, iterations=6, executor="ray", on_client_failure="retry", max_client_retries=1,
+                        transport=transport), clients, test, executor=executor, source=poisoned(clients, test, bad=0))
     assert [e["outcome"] for e in executor.events] == ["replaced (attempt 1 of 1)", "abort"]
 
 
-def test_drop_goes_on_without_the_failing_client():
+@TRANSPORTS
+def test_drop_goes_on_without_the_failing_client(transport):
     clients, test = gaussian_clients(num_clients=3)
     cfg = dict(ARRAYS, algorithm="codasca", iterations=8, positive_ratio=0.3)
     executor = RayExecutor()
-    got = arrays_run(dict(cfg, executor="ray", on_client_failure="drop", max_client_retries=0), clients, test,
+    got = arrays_run(dict(cfg, executor="ray", on_client_failure="drop", max_client_retries=0, transport=transport),
+                     clients, test,
                      executor=executor, source=poisoned(clients, test, bad=1))
     without = arrays_run(dict(cfg, executor="inline"), [clients[0], clients[2]], test)
     assert [(e["client"], e["round"], e["outcome"]) for e in executor.events] == [(1, 1, "dropped")]
@@ -224,10 +233,12 @@ def test_bad_client_input_is_not_retried_and_the_cli_says_it_in_one_line(tmp_pat
     assert [e["outcome"] for e in executor.events] == ["abort"]
 
 
-def test_a_client_that_does_not_answer_in_time_fails_instead_of_hanging():
+@TRANSPORTS
+def test_a_client_that_does_not_answer_in_time_fails_instead_of_hanging(transport):
     clients, test = gaussian_clients(num_clients=2)
     source = SlowClientSource(ArraysSource(clients, test), slow=1, delay_s=30.0)
-    config = build_config(dict(ARRAYS, batch_size=4, dataset="arrays", num_clients=2, on_client_failure="abort"))
+    config = build_config(dict(ARRAYS, batch_size=4, dataset="arrays", num_clients=2, on_client_failure="abort",
+                               transport=transport))
     with RayExecutor() as ex:
         ex.start(config, source)
         ex.timeout = 2.0  # after start-up, which may be slow on a loaded machine
@@ -485,10 +496,11 @@ def test_in_memory_arrays_reach_only_their_own_client():
     assert digits.for_client(1) is digits  # a recipe is shared, not copied per client
 
 
-def test_a_replaced_client_and_why_a_run_stopped_are_in_train_log(tmp_path):
+@TRANSPORTS
+def test_a_replaced_client_and_why_a_run_stopped_are_in_train_log(transport, tmp_path):
     clients, test = gaussian_clients(3)
     config = build_config(dict(ARRAYS, dataset="arrays", num_clients=3, iterations=8, out_dir=str(tmp_path),
-                               run_name="r", tensorboard=False))
+                               run_name="r", tensorboard=False, transport=transport))
     run(config, source=ArraysSource(clients, test), executor=KillDuringRound(victim=1, at_round=2, how="ray.kill"))
     log = (tmp_path / "r" / "train.log").read_text()
     assert "WARNING client 1 failed in round 2 (local_round)" in log and "-> replaced (attempt 1 of 2)" in log

@@ -52,6 +52,7 @@ class ExecutorSection(ClientSection):
     ray_timeout_s: float
     client_resources: tuple[dict, ...] | None
     reduce: str
+    transport: str
     placement_timeout_s: float
 
 

@@ -171,6 +171,36 @@ class ClientShell:
         self._each("local_round", client_ids, run)
         return partial
 
+    def compiled_round(self, message: tuple) -> PartialSum | None:
+        """One round under ``transport: compiled`` (on the graph's thread): ``message`` is
+        ``(state, plan, calls)`` with ``calls`` mapping an actor index to its ``(client_ids, adopt_global_c)``;
+        an actor with no client in the round returns None.
+
+        How it ended stays readable by :meth:`round_status` (a classic call, answered on the actor's main
+        thread even while this runs), so the driver can recover the round when the graph breaks.
+        """
+        state, plan, calls = message
+        ids, adopt = calls.get(self.actor, ((), ()))
+        self._status = (plan.round, "running", None)
+        if not ids:
+            self._status = (plan.round, "done", None)
+            return None
+        try:
+            partial = self.local_round(state, plan, ids, adopt)
+        except BaseException as exc:
+            self._status = (plan.round, "failed", exc)
+            raise
+        self._status = (plan.round, "done", partial)
+        return partial
+
+    def round_status(self, round_index: int) -> tuple[str, PartialSum | BaseException | None]:
+        """How this actor's compiled round ``round_index`` went: ``("done", partial sum or None)``,
+        ``("failed", error)``, ``("running", None)`` or ``("not started", None)``."""
+        status = getattr(self, "_status", None)
+        if status is None or status[0] != round_index:
+            return "not started", None
+        return status[1], status[2]
+
     def evaluate(self, state: GlobalState, client_ids: Sequence[int]) -> list[Scores | None]:
         return self._each("evaluate", client_ids, lambda c: c.evaluate(state))
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pickle
+import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -63,6 +64,7 @@ from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.client import ClientSection
 from fdam_ray.data import DataSource
 from fdam_ray.executors.base import Executor, ExecutorSection, actor_groups
+from fdam_ray.executors.compiled import CompiledRounds
 from fdam_ray.executors.errors import ClientError, ClientInputError
 from fdam_ray.executors.ray_actor import ClientShell
 from fdam_ray.executors.ray_session import ensure_ray
@@ -127,6 +129,19 @@ def node_addresses() -> dict[str, str]:
     return {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes()}
 
 
+def raylet_answers(node_id: str, timeout_s: float = 1.0) -> bool:
+    """Whether the node's raylet still accepts connections (its port open): a node going down stops at once,
+    before the GCS marks it dead."""
+    info = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
+    if info is None or not info.get("Alive") or not info.get("NodeManagerPort"):
+        return False
+    try:
+        with socket.create_connection((info["NodeManagerAddress"], int(info["NodeManagerPort"])), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 def custom_resources(nodes: Sequence[dict]) -> list[str]:
     """The custom resources the live ``nodes`` (``ray.nodes()`` entries) offer, sorted."""
     names = {r for n in nodes if n.get("Alive") for r in n.get("Resources", {})}
@@ -180,12 +195,18 @@ class RayExecutor(Executor):
         self.bundles: dict[int, dict] = {}
         self.lost_nodes: list[dict] = []
         self._reducers: dict[str, Any] = {}
+        self.graph: CompiledRounds | None = None
 
     # -- set-up ---------------------------------------------------------------------------
     def start(self, config: ExecutorSection, source: DataSource) -> list[ClientInfo]:
         self.config = config = ExecutorSection.of(config)
         self._client_section = ClientSection.of(config)
         self.timeout = config.ray_timeout_s
+        if config.transport == "compiled":
+            if config.reduce == "node":
+                raise ValueError("transport=compiled folds every actor's partial sum at the driver; reduce=node "
+                                 "needs transport=classic")
+            self.graph = CompiledRounds(self.timeout)
         self.num_clients = num_clients = source.num_clients
         groups = actor_groups(num_clients, config.clients_per_actor)
         if config.device == "cuda" and not config.gpus_per_actor:
@@ -317,15 +338,16 @@ class RayExecutor(Executor):
 
     # -- calls on every actor, with failures handled ---------------------------------------
     def _each(self, action: str, submit: Callable[[int, Any], Any],
-              actors: list[int] | None = None, *, ordered: bool = True) -> Iterator[tuple[int, Any]]:
+              actors: list[int] | None = None, *, ordered: bool = True,
+              attempts: dict[int, int] | None = None) -> Iterator[tuple[int, Any]]:
         """Call every live actor (or ``actors``); yield ``(a, result)`` in actor order, or with
-        ``ordered=False`` as results arrive.
+        ``ordered=False`` as results arrive. ``attempts``: failures already counted in this call (a re-run).
 
         In actor order, results that arrive early are fetched (an error shows at
         once) but are views into the object store, touched only when consumed.
         """
         remaining = sorted(self.actors if actors is None else actors)
-        attempts = dict.fromkeys(remaining, 0)
+        attempts = {**dict.fromkeys(remaining, 0), **(attempts or {})}
         pending: dict[Any, tuple[int, float]] = {}
         self._in_flight = pending  # what is left of it when the run stops is settled at shutdown
         results: dict[int, Any] = {}
@@ -424,8 +446,8 @@ class RayExecutor(Executor):
     def _note_lost_node(self, a: int) -> None:
         """When actor ``a``'s node is gone, log it once with every client that was on it."""
         node = self.where_of.get(a, {}).get("node_id")
-        if node is None or any(e["node_id"] == node for e in self.lost_nodes):
-            return
+        if node is None or any(e["node_id"] == node for e in self.lost_nodes) or raylet_answers(node):
+            return  # an actor that died alone (killed, out of memory) on a node that is still there
         deadline = time.monotonic() + 10.0  # the GCS marks a node dead a moment after its raylet stops
         while True:
             alive = {n["NodeID"]: n.get("Alive", False) for n in ray.nodes()}
@@ -570,6 +592,10 @@ class RayExecutor(Executor):
             return actor.local_round.remote(ref, plan, ids, [k for k in ids if k in self._adopt_global_c])
 
         targets = [a for a in self.actors if ids_of(a)]  # an actor with no client in the round is not called
+        if self.graph is not None:
+            calls = {a: (ids_of(a), [k for k in ids_of(a) if k in self._adopt_global_c]) for a in targets}
+            self._round_compiled(state, plan, calls, call, fold)
+            return
         if self.config.reduce == "node":
             self._round_by_node(call, targets, fold)
             return
@@ -616,6 +642,72 @@ class RayExecutor(Executor):
         attempts = dict.fromkeys(failed, 0)
         again = [a for a, exc in sorted(failed.items()) if self._failed(a, "local_round", exc, attempts)]
         for _, partial in self._each("local_round", call, again):
+            self._folded(partial, fold)
+
+    def _round_compiled(self, state: GlobalState, plan: RoundPlan, calls: dict[int, tuple[list[int], list[int]]],
+                        call: Callable[[int, Any], Any], fold: Callable[[PartialSum], None]) -> None:
+        """``transport: compiled``: the round as one execution of the compiled graph, its outputs folded in
+        actor order (so a compiled run equals a classic ``fold_order: client`` run bit for bit). When the graph
+        breaks (an actor raised, died or did not answer), the round is recovered from the actors themselves."""
+        started = time.monotonic()
+        graph = self.graph
+        graph.timeout_s = self.timeout
+        try:
+            graph.ensure(self.actors, state.nbytes)
+            outputs = graph.run((state, plan, calls))
+        except Exception as exc:  # Ray's task, channel and timeout errors: the actors say what happened
+            log.debug("the compiled round %d broke: %s: %s", plan.round, type(exc).__name__, exc)
+        else:
+            for partial in outputs:
+                if partial is not None:
+                    self._folded(partial, fold)
+            return
+        self._recover_compiled(plan, sorted(calls), started, call, fold)
+
+    def _recover_compiled(self, plan: RoundPlan, targets: list[int], started: float,
+                          call: Callable[[int, Any], Any], fold: Callable[[PartialSum], None]) -> None:
+        """Ask every actor of a broken compiled round how its part ended (a classic call, answered while the
+        graph's thread still runs), waiting at most ``ray_timeout_s`` from the round's start for those still
+        running; fold what finished, apply the failure policy to what raised, died or is late (ended first,
+        so the graph can be torn down), and re-run the rest with classic calls. The graph is rebuilt next
+        round."""
+        deadline = started + self.timeout
+        status: dict[int, tuple[str, Any]] = {}
+        waiting = list(targets)
+        while waiting:
+            asked = {a: self.actors[a].round_status.remote(plan.round) for a in waiting}
+            waiting = []
+            for a, ref in asked.items():
+                try:
+                    status[a] = ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
+                except ray.exceptions.GetTimeoutError:
+                    status[a] = ("running", None)
+                except ray.exceptions.RayError as exc:
+                    status[a] = ("dead", exc)
+                    continue
+                if status[a][0] == "running" and time.monotonic() < deadline:
+                    waiting.append(a)
+            if waiting:
+                time.sleep(0.02)
+        failed: dict[int, BaseException] = {}
+        again: list[int] = []
+        for a in targets:
+            what, value = status[a]
+            if what == "running":
+                failed[a] = self._actor_error(a, "local_round", f"no answer within ray_timeout_s={self.timeout:g} s")
+                self._kill(a)  # before the teardown, which would otherwise wait for it
+            elif what in ("failed", "dead"):
+                failed[a] = value
+            elif what == "not started":
+                again.append(a)
+        self.graph.teardown()
+        for a in targets:
+            what, partial = status[a]
+            if what == "done" and partial is not None:
+                self._folded(partial, fold)
+        attempts = dict.fromkeys(failed, 0)
+        again += [a for a, exc in sorted(failed.items()) if self._failed(a, "local_round", exc, attempts)]
+        for _, partial in self._each("local_round", call, sorted(again), attempts=attempts):
             self._folded(partial, fold)
 
     def _folded(self, partial: PartialSum, fold: Callable[[PartialSum], None]) -> None:
@@ -683,8 +775,12 @@ class RayExecutor(Executor):
 
     def shutdown(self) -> None:
         abandoned = list(self._in_flight)
+        if self.graph is not None and not self.graph.busy:  # idle: its actors leave their loops at once
+            self.graph.teardown()
         for a in list(self.actors):
             self._kill(a)
+        if self.graph is not None:  # a round cut short: the actors it waited on are gone, so it ends at once
+            self.graph.teardown()
         for reducer in self._reducers.values():
             ray.kill(reducer, no_restart=True)
         self._reducers = {}

@@ -1,0 +1,96 @@
+"""The round as one Ray Compiled Graph (``transport: compiled``).
+
+The graph is ``message -> every actor's compiled_round -> one output per
+actor``, where ``message = (state, plan, calls)``: the global state, the
+round's plan and, per actor, the clients it runs this round (client sampling
+and stage changes are inputs, so they never recompile). Ray compiles it once
+into pre-allocated shared-memory channels between the driver and the actors
+(one input channel read by every actor on a node, one output channel per
+actor), which removes the per-call launch and object-store work of classic
+Ray calls. The channels are sized for the state at build time.
+
+The graph is built for one set of actor handles; :class:`CompiledRounds`
+rebuilds it when that set changes (an actor replaced or ended). Compiled
+tasks run on a background thread of each actor, so the classic calls the
+executor makes between rounds (evaluation, checkpoints, set-up) run on the
+actor's main thread while the graph waits for its next input: the driver
+never overlaps the two.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Ray logs every compile and teardown, and a traceback for each actor that is already dead when a broken graph
+# is torn down (from a monitor thread, at any time); the executor reports every failure it meets itself, once,
+# with the client and the round.
+logging.getLogger("ray.dag.compiled_dag_node").setLevel(logging.CRITICAL)
+
+_CHANNEL_SLACK = 1 << 20  # bytes beyond the state: plan, client lists, pickling headers, step statistics
+
+
+class CompiledRounds:
+    """The compiled round graph of one federation: built on demand, rebuilt when the actors change.
+
+    Args:
+        timeout_s: the longest wait for a round's outputs and for a free input channel (``ray_timeout_s``).
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.graph: Any = None
+        self.key: tuple = ()
+        self.builds = 0
+        self.busy = False  # an execution was sent and its outputs not all read
+
+    def _key(self, actors: dict[int, Any]) -> tuple:
+        return tuple((a, actors[a]._actor_id.hex()) for a in sorted(actors))
+
+    def ensure(self, actors: dict[int, Any], state_bytes: int) -> None:
+        """Have a graph over exactly ``actors`` (index -> handle), with channels for ``state_bytes``."""
+        key = self._key(actors)
+        if self.graph is not None and key == self.key:
+            return
+        self.teardown()
+        from ray.dag import InputNode, MultiOutputNode
+
+        with InputNode() as message:
+            outputs = [actors[a].compiled_round.bind(message) for a in sorted(actors)]
+            dag = MultiOutputNode(outputs)
+        self.graph = dag.experimental_compile(_submit_timeout=self.timeout_s,
+                                              _buffer_size_bytes=int(state_bytes) + _CHANNEL_SLACK,
+                                              _max_inflight_executions=1)
+        self.key = key
+        self.builds += 1
+        if self.builds > 1:
+            log.info("the round's compiled graph was rebuilt over actors %s", ", ".join(str(a) for a, _ in key))
+
+    @property
+    def actors(self) -> list[int]:
+        """The actor indices of the graph's outputs, in order."""
+        return [a for a, _ in self.key]
+
+    def run(self, message: tuple) -> list[Any]:
+        """Execute one round; the outputs in actor order (partial sums, or None for actors without clients).
+
+        Raises what Ray raises when an actor raised, died or did not answer within ``timeout_s``: the caller
+        then tears the graph down and recovers the round from the actors (:meth:`ClientShell.round_status`).
+        """
+        self.busy = True
+        refs = self.graph.execute(message)
+        outputs = [ref.get(timeout=self.timeout_s) for ref in refs]
+        self.busy = False
+        return outputs
+
+    def teardown(self) -> None:
+        """End the graph (the actors stay alive and take classic calls and a new graph)."""
+        graph, self.graph, self.key, self.busy = self.graph, None, (), False
+        if graph is not None:
+            try:
+                graph.teardown()
+            except Exception as exc:  # a graph broken by a dead actor may fail to end cleanly; it is gone either way
+                log.debug("teardown of the compiled graph: %s", exc)
+
