@@ -66,6 +66,19 @@ def test_each_trial_reserves_bundles_for_its_own_number_of_clients(tmp_path, ray
     assert all(r["iterations"] == "30" and not r["error"] for r in rows)
 
 
+def test_compiled_rounds_run_inside_the_trials_and_end_with_them(tmp_path, ray_session):
+    from ray.util.placement_group import placement_group_table
+
+    space = load_space(str(write_space(tmp_path, {"lr": {"grid": [0.2, 0.002]}}, {"name": "cg", "driver_cpus": 0.5},
+                                       base={"executor": "ray", "cpus_per_client": 0.25, "iterations": 60,
+                                             "transport": "compiled"})))
+    rows = read_rows(run_sweep(space).path)
+    assert len(rows) == 2 and all(r["iterations"] == "60" and not r["error"] for r in rows)
+    assert float(rows[0]["lr"]) == 0.2 and float(rows[0]["final_test_auc"]) > float(rows[1]["final_test_auc"])
+    # each trial's graph, actors and bundles went with the trial
+    assert all(g["state"] == "REMOVED" for g in placement_group_table().values())
+
+
 def test_asha_stops_weak_trials_early(tmp_path, ray_session):
     space = load_space(str(write_space(
         tmp_path, {"lr": {"grid": [0.3, 0.1, 0.001, 0.0003]}},
