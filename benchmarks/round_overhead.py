@@ -1,38 +1,47 @@
-"""What a round costs the Ray executor beyond the clients' own compute, and the driver's memory in K.
+"""What a round costs the Ray executor beyond the clients' own compute, under both transports, next to the
+paper's own all-reduce; and the driver's memory in K.
 
 K client actors each take one tiny local step (a linear scorer over N - 3
 features, so the model state v is exactly N floats with a and b) on a shard
 of one sample built in the actor. Per round we time what the driver loop does
 (``run_round`` with the reducer's fold, then the server step) and subtract the
 slowest client's compute (``compute_s``, measured in the client around its
-steps): the rest is broadcast, transfer, serialisation and reduction.
+steps): the rest is broadcast, transfer, serialisation and reduction. It is
+measured for both transports of the executor (``classic``: one Ray call per
+actor through the object store; ``compiled``: one Ray Compiled Graph).
 
-The reference is the plain-Ray pattern on the same K and N in the same run
-(one ``ray.put`` of a numpy buffer, K actors return numpy, a running mean).
-Blocks of rounds of the two alternate ``--repeats`` times, so machine noise
-hits both alike; each figure is the median over the blocks, and the blocks'
-range is the noise. Target: the executor's overhead at most 1.5 x the plain
-pattern's (a ratio, so a slower or busier machine does not move it). The copy
-floor (``K + 1`` numpy copies of an N-float buffer) is reported for scale.
-Then, at the largest N, the driver's memory before and during rounds at
-K = 2, 4, 8, each in a fresh driver process (target: peak RSS at the largest K
-at most 1.5 x that at the smallest).
+References in the same run, same K and N: the plain-Ray pattern (one
+``ray.put`` of a numpy buffer, K actors return numpy, a running mean) and the
+paper's way, a ``torch.distributed`` gloo all-reduce among K spawned
+processes (127.0.0.1, one torch thread each; its round = the slowest rank's
+all-reduce plus the division by K). Blocks of rounds of all of them alternate
+``--repeats`` times, so machine noise hits them alike; each figure is the
+median over the blocks, and the blocks' range is the noise. Targets: the
+classic overhead at most 1.5 x the plain pattern's; the compiled overhead at
+most the gloo all-reduce round at every N (ratio <= 1.0) and at most 0.5 x the
+classic overhead at the smallest N. The copy floor (``K + 1`` numpy copies of
+an N-float buffer) is reported for scale. Then, at the largest N, the driver's
+memory before and during rounds at K = 2, 4, 8, each in a fresh driver process
+(target: peak RSS at the largest K at most 1.5 x that at the smallest).
 
     python benchmarks/round_overhead.py [--sizes 270000 7000000] [--clients 4] [--also-clients 2]
                                         [--rounds 12] [--repeats 3] [--mem-clients 2 4 8]
                                         [--out benchmarks/results/round_overhead.md]
 
-Last line: ``RESULT state_floats=... overhead_ms=... plain_ray_ms=... ratio=... target_met=...
-floor_ms=... driver_mem_ratio_k8_k2=... driver_rss_ratio_k8_k2=...`` (largest N, K = --clients;
-ratio = overhead / plain-Ray overhead, target_met = 1 when ratio <= 1.5; driver_mem = private
-memory, driver_rss = resident set including mapped object-store pages).
+Last line: ``RESULT state_floats=... compiled_ms=... classic_ms=... gloo_ms=... ratio_compiled_gloo=...
+ratio_compiled_gloo_small=... ratio_compiled_classic_small=... plain_ray_ms=... ratio_classic_plain=...
+floor_ms=... driver_mem_ratio_k8_k2=... driver_rss_ratio_k8_k2=...`` (largest N, K = --clients, except the
+``_small`` ratios, at the smallest N; driver_mem = private memory, driver_rss = resident set including mapped
+object-store pages).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -52,7 +61,9 @@ from fdam_ray.data import DataSource, Shard, Split
 from fdam_ray.executors.ray_executor import RayExecutor
 from fdam_ray.state import RoundPlan
 
-TARGET_RATIO = 1.5  # round overhead at most this times the plain-Ray pattern's (same K, N and run)
+TARGET_RATIO = 1.5  # classic round overhead at most this times the plain-Ray pattern's (same K, N and run)
+GLOO_TARGET = 1.0  # compiled round overhead at most this times the gloo all-reduce round (every N)
+CLASSIC_TARGET = 0.5  # compiled round overhead at most this times the classic one (smallest N)
 MEMORY_TARGET = 1.5  # peak driver RSS at the largest K at most this times that at the smallest
 
 
@@ -124,11 +135,11 @@ def copy_floor_ms(n: int, k: int, repeats: int = 15) -> float:
     return 1e3 * statistics.median(times)
 
 
-def federation(num_clients: int, state_floats: int):
+def federation(num_clients: int, state_floats: int, transport: str = "classic"):
     """A started Ray executor with ``num_clients`` clients whose state v has ``state_floats`` floats."""
     config = build_config(dict(dataset="arrays", num_clients=num_clients, model="linear", algorithm="coda_plus",
                                batch_size="full", local_steps=1, lr=0.01, executor="ray", eval_on="driver",
-                               cpus_per_actor=1.0))
+                               cpus_per_actor=1.0, transport=transport))
     source = WideSource(num_clients, state_floats - 3)  # w (d), bias, a, b
     executor = RayExecutor()
     executor.start(config, source)
@@ -192,27 +203,84 @@ def plain_ray_rounds(actors: list, state_floats: int, rounds: int, warmup: int =
     return {"wall_ms": 1e3 * statistics.median(walls), "overhead_ms": 1e3 * statistics.median(over)}
 
 
-def measure_case(num_clients: int, state_floats: int, rounds: int, repeats: int) -> dict:
-    """Alternating blocks of executor rounds and plain-Ray rounds; medians and ranges over the blocks."""
-    executor, algorithm, state = federation(num_clients, state_floats)
+def _gloo_rank(rank: int, k: int, n: int, rounds: int, warmup: int, port: int, results) -> None:
+    """One rank of the all-reduce reference: a trivial step, then all-reduce and divide by K, per round."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=k, rank=rank)
+    try:
+        x = torch.zeros(n, dtype=torch.float32)
+        times = torch.zeros(rounds, dtype=torch.float64)
+        for r in range(warmup + rounds):
+            x += 1e-3  # the step (not timed, as the clients' compute is not)
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            x /= k
+            if r >= warmup:
+                times[r - warmup] = time.perf_counter() - t0
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a round ends when its slowest rank has the mean
+        if rank == 0:
+            results.put(times.tolist())
+    finally:
+        dist.destroy_process_group()
+
+
+def gloo_rounds(k: int, n: int, rounds: int, warmup: int = 2) -> dict:
+    """The paper's way, same K and N: K spawned processes all-reduce an N-float tensor over gloo (127.0.0.1)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_rank, args=(rank, k, n, rounds, warmup, port, results)) for rank in range(k)]
+    for proc in procs:
+        proc.start()
+    try:
+        times = results.get(timeout=600)
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+    return {"overhead_ms": 1e3 * statistics.median(times)}
+
+
+def measure_case(num_clients: int, state_floats: int, rounds: int, repeats: int, gloo: bool) -> dict:
+    """Alternating blocks of executor rounds (both transports), plain-Ray rounds and gloo all-reduce rounds;
+    medians and ranges over the blocks."""
+    executors = {t: federation(num_clients, state_floats, t) for t in ("classic", "compiled")}
     actors = [PlainActor.remote() for _ in range(num_clients)]
-    ours, plain, floors = [], [], []
+    blocks: dict[str, list[dict]] = {"classic": [], "compiled": [], "plain": [], "gloo": []}
+    floors = []
     try:
         for _ in range(repeats):
-            state, block = executor_rounds(executor, algorithm, state, rounds)
-            ours.append(block)
-            plain.append(plain_ray_rounds(actors, state_floats, rounds))
+            for transport, (executor, algorithm, state) in executors.items():
+                state, block = executor_rounds(executor, algorithm, state, rounds)
+                executors[transport] = (executor, algorithm, state)
+                blocks[transport].append(block)
+                if executor.graph is not None:  # its waiting threads poll a core each: not during the others
+                    executor.graph.teardown()
+            blocks["plain"].append(plain_ray_rounds(actors, state_floats, rounds))
+            if gloo:
+                blocks["gloo"].append(gloo_rounds(num_clients, state_floats, rounds))
             floors.append(copy_floor_ms(state_floats, num_clients))
     finally:
-        executor.shutdown()
+        for executor, _, _ in executors.values():
+            executor.shutdown()
         for a in actors:
             ray.kill(a)
-    med = lambda xs: statistics.median(xs)
-    over, ref = [b["overhead_ms"] for b in ours], [b["overhead_ms"] for b in plain]
-    return {"n": state_floats, "k": num_clients, "wall_ms": med([b["wall_ms"] for b in ours]),
-            "compute_ms": med([b["compute_ms"] for b in ours]), "overhead_ms": med(over), "overhead_lo": min(over),
-            "overhead_hi": max(over), "plain_ms": med(ref), "plain_lo": min(ref), "plain_hi": max(ref),
-            "floor_ms": med(floors), "ratio": med(over) / med(ref)}
+    med = statistics.median
+    row = {"n": state_floats, "k": num_clients, "floor_ms": med(floors)}
+    for name, got in blocks.items():
+        if not got:
+            continue
+        over = [b["overhead_ms"] for b in got]
+        row[name] = {"ms": med(over), "lo": min(over), "hi": max(over)}
+        if "compute_ms" in got[0]:
+            row[name].update(wall_ms=med([b["wall_ms"] for b in got]), compute_ms=med([b["compute_ms"] for b in got]))
+    return row
 
 
 def driver_memory(num_clients: int, state_floats: int, rounds: int) -> dict:
@@ -268,17 +336,18 @@ def main(argv: list[str] | None = None) -> str:
     if len(args.mem_clients) < 2:
         parser.error("--mem-clients needs at least two K to compare")
     ks = [args.clients, *args.also_clients]
-    ray.init(num_cpus=max(2 * max(ks), *args.mem_clients), include_dashboard=False, log_to_driver=False)
+    # logical CPUs: both transports' actors and the plain actors exist at once (they take turns to run)
+    ray.init(num_cpus=max(3 * max(ks), *args.mem_clients), include_dashboard=False, log_to_driver=False)
     gpus = int(ray.cluster_resources().get("GPU", 0))
 
     cases = [(n, args.clients) for n in args.sizes] + [(max(args.sizes), k) for k in args.also_clients]
     rows = []
     for n, k in cases:
-        r = measure_case(k, n, args.rounds, args.repeats)
+        r = measure_case(k, n, args.rounds, args.repeats, gloo=k == args.clients)
         rows.append(r)
-        print(f"N={n:>9,}  K={k}  overhead {r['overhead_ms']:7.1f} ms ({r['overhead_lo']:.1f}..{r['overhead_hi']:.1f})"
-              f"  plain Ray {r['plain_ms']:6.1f} ms ({r['plain_lo']:.1f}..{r['plain_hi']:.1f})"
-              f"  ratio {r['ratio']:.2f}  floor {r['floor_ms']:6.1f} ms", flush=True)
+        gloo = f"  gloo all-reduce {r['gloo']['ms']:6.1f} ms" if "gloo" in r else ""
+        print(f"N={n:>9,}  K={k}  compiled {r['compiled']['ms']:7.1f} ms  classic {r['classic']['ms']:7.1f} ms"
+              f"  plain Ray {r['plain']['ms']:6.1f} ms{gloo}  floor {r['floor_ms']:6.1f} ms", flush=True)
     mem_n = max(args.sizes)
     address = ray.get_runtime_context().gcs_address
     mem = {}
@@ -291,35 +360,48 @@ def main(argv: list[str] | None = None) -> str:
     ray.shutdown()
 
     main_row = next(r for r in rows if r["n"] == max(args.sizes) and r["k"] == args.clients)
+    small_row = next(r for r in rows if r["n"] == min(args.sizes) and r["k"] == args.clients)
     k_lo, k_hi = min(mem), max(mem)
     private_ratio = mem[k_hi]["peak"]["private"] / mem[k_lo]["peak"]["private"]
     rss_ratio = mem[k_hi]["peak"]["total"] / mem[k_lo]["peak"]["total"]
-    met = lambda r: r["ratio"] <= TARGET_RATIO
-    case_rows = [[f"{r['n']:,}", r["k"], f"{r['wall_ms']:.1f}", f"{r['compute_ms']:.1f}",
-                  f"{r['overhead_ms']:.1f} ({r['overhead_lo']:.1f}..{r['overhead_hi']:.1f})",
-                  f"{r['plain_ms']:.1f} ({r['plain_lo']:.1f}..{r['plain_hi']:.1f})", f"{r['ratio']:.2f}",
-                  "yes" if met(r) else "no", f"{r['floor_ms']:.1f}", f"{r['overhead_ms'] / r['floor_ms']:.2f}"]
-                 for r in rows]
+    ratio = lambda r, a, b: r[a]["ms"] / r[b]["ms"]
+    span = lambda m: f"{m['ms']:.1f} ({m['lo']:.1f}..{m['hi']:.1f})"
+    yes = lambda ok: "yes" if ok else "no"
+    case_rows = []
+    for r in rows:
+        gloo = "gloo" in r
+        case_rows.append([
+            f"{r['n']:,}", r["k"], f"{r['compiled']['compute_ms']:.1f}", span(r["compiled"]), span(r["classic"]),
+            span(r["plain"]), span(r["gloo"]) if gloo else "-",
+            f"{ratio(r, 'compiled', 'gloo'):.2f}" if gloo else "-",
+            yes(ratio(r, "compiled", "gloo") <= GLOO_TARGET) if gloo else "-",
+            f"{ratio(r, 'compiled', 'classic'):.2f}", f"{ratio(r, 'classic', 'plain'):.2f}",
+            yes(ratio(r, "classic", "plain") <= TARGET_RATIO), f"{r['floor_ms']:.1f}"])
     mem_rows = [[k, f"{m['base']['private']:.0f}", f"{m['peak']['private']:.0f}", f"{m['base']['total']:.0f}",
                  f"{m['peak']['total']:.0f}", f"{m['peak']['shared']:.0f}"] for k, m in mem.items()]
     body = f"""
 K client actors, one local step each on one sample (a linear scorer whose state v has N floats), CODA+. \
-{args.repeats} alternating blocks of {args.rounds} timed rounds (after 2 warm-up rounds) of the executor and of \
-the plain-Ray pattern; each figure is the median over the blocks of the blocks' medians, (lo..hi) the range over \
-the blocks. Overhead = the driver's round time (broadcast, local rounds, streaming fold, server step) minus the \
-slowest client's compute (its local steps). Plain Ray = the reference pattern with the same K and N: one \
-`ray.put` of a numpy buffer, K actors add a constant and return numpy, the driver keeps a running mean as \
-results arrive (round time minus the slowest actor's step). Target: overhead / plain Ray <= {TARGET_RATIO}. \
-Copy floor = K+1 numpy copies (`ndarray.copy()`) of N floats, median of {args.repeats} x 15. \
-Machine: {os.cpu_count()} CPU cores, {gpus} GPUs in the Ray cluster; all actors on this node.
+{args.repeats} alternating blocks of {args.rounds} timed rounds (after 2 warm-up rounds) of the executor under \
+each transport, of the plain-Ray pattern and of the gloo all-reduce; each figure is the median over the blocks \
+of the blocks' medians, (lo..hi) the range over the blocks. Overhead = the driver's round time (broadcast, \
+local rounds, fold, server step) minus the slowest client's compute (its local steps). Compiled = `transport: \
+compiled` (one Ray Compiled Graph: shared-memory channels; ended after each of its blocks, since its waiting \
+threads poll a core each, and built again in the next block's warm-up rounds), classic = `transport: classic` \
+(a Ray call per actor, the object store). Plain Ray = one `ray.put` of a numpy buffer, K actors add a constant \
+and return numpy, the driver keeps a running mean as results arrive (round time minus the slowest actor's \
+step). Gloo all-reduce = the paper's way: K spawned processes (127.0.0.1, one torch thread each) all-reduce an \
+N-float tensor and divide by K (the slowest rank's time; the step before it is not counted). Targets: compiled \
+/ gloo <= {GLOO_TARGET} at every N; compiled / classic <= {CLASSIC_TARGET} at N = {min(args.sizes):,}; classic \
+/ plain Ray <= {TARGET_RATIO}. Copy floor = K+1 numpy copies (`ndarray.copy()`) of N floats. Machine: \
+{os.cpu_count()} CPU cores, {gpus} GPUs in the Ray cluster; all actors on this node.
 
-{C.table(["N floats", "K", "round wall ms", "slowest compute ms", "overhead ms (lo..hi)",
-          "plain Ray overhead ms (lo..hi)", "overhead / plain Ray", f"target <= {TARGET_RATIO} met",
-          "copy floor ms", "overhead / floor"], case_rows)}
+{C.table(["N floats", "K", "slowest compute ms", "compiled overhead ms (lo..hi)", "classic overhead ms (lo..hi)",
+          "plain Ray ms (lo..hi)", "gloo all-reduce ms (lo..hi)", "compiled / gloo", f"<= {GLOO_TARGET} met",
+          "compiled / classic", "classic / plain Ray", f"<= {TARGET_RATIO} met", "copy floor ms"], case_rows)}
 
-Driver memory at N = {mem_n:,} floats ({mem_n * 4 / 2**20:.1f} MiB per state), each K in a fresh driver \
-process, before 4 rounds (after 2 warm-up rounds) and the peak during them (sampled after every fold and \
-every 1 ms). Private = the driver's own memory (RssAnon); RSS also counts the object-store pages the driver \
+Driver memory at N = {mem_n:,} floats ({mem_n * 4 / 2**20:.1f} MiB per state), classic transport, each K in a \
+fresh driver process, before 4 rounds (after 2 warm-up rounds) and the peak during them (sampled after every fold \
+and every 1 ms). Private = the driver's own memory (RssAnon); RSS also counts the object-store pages the driver \
 has touched (RssShmem).
 
 {C.table(["K", "private MiB before", "private MiB peak", "RSS MiB before", "RSS MiB peak",
@@ -330,9 +412,13 @@ Peak private memory K={k_hi} / K={k_lo}: {private_ratio:.2f}; peak RSS K={k_hi} 
 """
     out = Path(args.out) if args.out else C.RESULTS_DIR / "round_overhead.md"
     C.write_results(out, "Round overhead of the Ray executor", C.command_line("round_overhead.py", argv), body)
-    line = C.result_line(state_floats=main_row["n"], overhead_ms=main_row["overhead_ms"],
-                         plain_ray_ms=main_row["plain_ms"], ratio=main_row["ratio"],
-                         target_met=int(met(main_row)), floor_ms=main_row["floor_ms"],
+    line = C.result_line(state_floats=main_row["n"], compiled_ms=main_row["compiled"]["ms"],
+                         classic_ms=main_row["classic"]["ms"], gloo_ms=main_row["gloo"]["ms"],
+                         ratio_compiled_gloo=ratio(main_row, "compiled", "gloo"),
+                         ratio_compiled_gloo_small=ratio(small_row, "compiled", "gloo"),
+                         ratio_compiled_classic_small=ratio(small_row, "compiled", "classic"),
+                         plain_ray_ms=main_row["plain"]["ms"], ratio_classic_plain=ratio(main_row, "classic", "plain"),
+                         floor_ms=main_row["floor_ms"],
                          **{f"driver_mem_ratio_k{k_hi}_k{k_lo}": private_ratio,
                             f"driver_rss_ratio_k{k_hi}_k{k_lo}": rss_ratio})
     print(line)

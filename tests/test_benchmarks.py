@@ -404,17 +404,19 @@ def test_step_overhead_script(tmp_path):
 def test_round_overhead_script(tmp_path):
     out = tmp_path / "ro.md"
     out.write_text(f"{C.BEGIN}\nold\n{C.END}\n\n## Reading\nkept\n")
-    _, values = run_script_process("benchmarks/round_overhead.py", "--sizes", "2000", "--clients", "2",
-                                   "--also-clients", "--rounds", "2", "--repeats", "2", "--mem-clients", "1", "2",
+    _, values = run_script_process("benchmarks/round_overhead.py", "--sizes", "2000", "4000", "--clients", "2",
+                                   "--also-clients", "--rounds", "2", "--repeats", "1", "--mem-clients", "1", "2",
                                    "--out", str(out))
-    assert set(values) == {"state_floats", "overhead_ms", "plain_ray_ms", "ratio", "target_met", "floor_ms",
-                           "driver_mem_ratio_k2_k1", "driver_rss_ratio_k2_k1"}
-    assert values["state_floats"] == 2000 and values["plain_ray_ms"] > 0
-    assert values["ratio"] == pytest.approx(values["overhead_ms"] / values["plain_ray_ms"], rel=2e-3)
-    assert values["target_met"] == float(values["ratio"] <= 1.5)
+    assert set(values) == {"state_floats", "compiled_ms", "classic_ms", "gloo_ms", "ratio_compiled_gloo",
+                           "ratio_compiled_gloo_small", "ratio_compiled_classic_small", "plain_ray_ms",
+                           "ratio_classic_plain", "floor_ms", "driver_mem_ratio_k2_k1", "driver_rss_ratio_k2_k1"}
+    assert values["state_floats"] == 4000 and min(values["plain_ray_ms"], values["gloo_ms"]) > 0
+    assert values["ratio_compiled_gloo"] == pytest.approx(values["compiled_ms"] / values["gloo_ms"], rel=2e-3)
+    assert values["ratio_classic_plain"] == pytest.approx(values["classic_ms"] / values["plain_ray_ms"], rel=2e-3)
     text = out.read_text()
     assert "\nold\n" not in text and text.endswith(f"{C.END}\n\n## Reading\nkept\n")
-    assert "| 2,000 | 2 |" in text and "Command: `python benchmarks/round_overhead.py --sizes 2000" in text
+    assert "| 2,000 | 2 |" in text and "| 4,000 | 2 |" in text
+    assert "Command: `python benchmarks/round_overhead.py --sizes 2000" in text
 
 
 @pytest.mark.slow  # a multi-node cluster of its own: about a minute

@@ -9,6 +9,11 @@ into pre-allocated shared-memory channels between the driver and the actors
 actor), which removes the per-call launch and object-store work of classic
 Ray calls. The channels are sized for the state at build time.
 
+Ray's channels poll: while a graph waits for its next input, each actor's
+graph thread keeps a core busy, and so does the driver while it waits for the
+outputs. The executor therefore ends the graph before work that is not a
+round (scoring, checkpoints) and builds it again at the next round.
+
 The graph is built for one set of actor handles; :class:`CompiledRounds`
 rebuilds it when that set changes (an actor replaced or ended). Compiled
 tasks run on a background thread of each actor, so the classic calls the
@@ -44,6 +49,8 @@ class CompiledRounds:
         self.graph: Any = None
         self.key: tuple = ()
         self.builds = 0
+        self.actor_sets = 0  # builds over a set of actors other than the previous build's (a replacement)
+        self._last_key: tuple = ()
         self.busy = False  # an execution was sent and its outputs not all read
 
     def _key(self, actors: dict[int, Any]) -> tuple:
@@ -65,8 +72,11 @@ class CompiledRounds:
                                               _max_inflight_executions=1)
         self.key = key
         self.builds += 1
+        self.actor_sets += key != self._last_key
+        self._last_key = key
         if self.builds > 1:
-            log.info("the round's compiled graph was rebuilt over actors %s", ", ".join(str(a) for a, _ in key))
+            log.debug("the round's compiled graph was built again over actors %s",
+                      ", ".join(str(a) for a, _ in key))
 
     @property
     def actors(self) -> list[int]:

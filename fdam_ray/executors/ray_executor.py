@@ -720,7 +720,15 @@ class RayExecutor(Executor):
                 num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
         return self._reducers[node]
 
+    def _rest_graph(self) -> None:
+        """End the compiled graph before work that is not a round (scoring, checkpoints): its threads poll
+        their channels, a core each, the whole time they wait, which would slow that work. The next round
+        builds it again (a fraction of a second)."""
+        if self.graph is not None and self.graph.graph is not None and not self.graph.busy:
+            self.graph.teardown()
+
     def evaluate(self, state: GlobalState) -> list[Scores]:
+        self._rest_graph()
         ref = self._state_ref(state)
         scores = self._per_client("evaluate", lambda a, actor: actor.evaluate.remote(ref, self.hosted[a]))
         return [s for s in scores if s is not None]
@@ -729,6 +737,7 @@ class RayExecutor(Executor):
         """With ``eval_on: clients``: every live actor scores a slice of the global test set, pooled here."""
         if self.config.eval_on != "clients" or self._test_size == 0:
             return None
+        self._rest_graph()
         while True:
             actors = sorted(self.actors)
             bounds = np.linspace(0, self._test_size, min(len(actors), self._test_size) + 1).astype(int)
@@ -745,11 +754,13 @@ class RayExecutor(Executor):
                               np.concatenate([s.labels for _, s in parts]))
 
     def score_moments(self, state: GlobalState) -> list[Moments]:
+        self._rest_graph()
         ref = self._state_ref(state)
         return self._per_client("score_moments", lambda a, actor: actor.score_moments.remote(ref, self.hosted[a]))
 
     def client_states(self) -> list[dict | None]:
         """Every client's state; None for a client that was dropped."""
+        self._rest_graph()
         got = {s["client_id"]: s for s in self._per_client("client_states",
                                                              lambda a, actor: actor.get_state.remote(self.hosted[a]))}
         return [got.get(k) for k in range(self.num_clients)]
