@@ -12,7 +12,9 @@ Ray calls. The channels are sized for the state at build time.
 Ray's channels poll: while a graph waits for its next input, each actor's
 graph thread keeps a core busy, and so does the driver while it waits for the
 outputs. The executor therefore ends the graph before work that is not a
-round (scoring, checkpoints) and builds it again at the next round.
+round (scoring, checkpoints) and builds it again at the next round, and the
+driver sleeps through half the shortest of the last rounds before it reads a
+round's outputs.
 
 The graph is built for one set of actor handles; :class:`CompiledRounds`
 rebuilds it when that set changes (an actor replaced or ended). Compiled
@@ -24,7 +26,9 @@ never overlaps the two.
 
 from __future__ import annotations
 
+import collections
 import logging
+import time
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -34,6 +38,7 @@ log = logging.getLogger(__name__)
 # with the client and the round.
 logging.getLogger("ray.dag.compiled_dag_node").setLevel(logging.CRITICAL)
 
+NAP_FRACTION = 0.5  # of the shortest of the last 8 rounds, slept before reading a round's outputs
 _CHANNEL_SLACK = 1 << 20  # bytes beyond the state: plan, client lists, pickling headers, step statistics
 
 
@@ -51,6 +56,7 @@ class CompiledRounds:
         self.builds = 0
         self.actor_sets = 0  # builds over a set of actors other than the previous build's (a replacement)
         self._last_key: tuple = ()
+        self._recent: collections.deque[float] = collections.deque(maxlen=8)  # the last rounds' durations, s
         self.busy = False  # an execution was sent and its outputs not all read
 
     def _key(self, actors: dict[int, Any]) -> tuple:
@@ -90,8 +96,14 @@ class CompiledRounds:
         then tears the graph down and recovers the round from the actors (:meth:`ClientShell.round_status`).
         """
         self.busy = True
+        started = time.monotonic()
         refs = self.graph.execute(message)
+        if self._recent:
+            # reading the outputs polls a core: first sleep through half the shortest recent round, leaving
+            # that core to the clients where they share the driver's cores
+            time.sleep(NAP_FRACTION * min(self._recent))
         outputs = [ref.get(timeout=self.timeout_s) for ref in refs]
+        self._recent.append(time.monotonic() - started)
         self.busy = False
         return outputs
 
