@@ -15,7 +15,7 @@ import pytest
 import ray
 from conftest import gaussian_clients
 from image_fixtures import write_image_folder
-from multinode import multi_node_cluster, node_ids_by_site
+from multinode import OBJECT_STORE_BYTES, multi_node_cluster, node_ids_by_site
 from raytest import SlowClientSource
 
 from fdam_ray.checkpoint import load_checkpoint
@@ -167,16 +167,85 @@ class RemoveNodeDuringRound(RayExecutor):
         super().__init__()
         self.cluster, self.at_round, self.delay_s = cluster, at_round, delay_s
         self.removed: str | None = None
+        self.site: int | None = None
         self.victim: int | None = None
+
+    def victim_actor(self, workers: dict[str, int]) -> int:
+        return next(a for a in sorted(self.where_of) if self.where_of[a]["node_id"] in workers)
 
     def run_round(self, state, plan, fold, clients=None):
         if plan.round == self.at_round and self.removed is None:
             workers = {n.node_id: site for site, n in self.cluster.sites.items()}
-            a = next(a for a in sorted(self.where_of) if self.where_of[a]["node_id"] in workers)
+            a = self.victim_actor(workers)
             self.victim, self.removed = self.hosted[a][0], self.where_of[a]["node_id"]
-            node = self.cluster.sites.pop(workers[self.removed])
+            self.site = workers[self.removed]
+            node = self.cluster.sites.pop(self.site)
             threading.Timer(self.delay_s, self.cluster.remove_node, (node,)).start()
         super().run_round(state, plan, fold, clients)
+
+
+class RemoveBusiestNodeDuringRound(RemoveNodeDuringRound):
+    """Removes the worker node hosting the most actors (with ``reduce: node`` their sums go through its
+    reducer) and counts the partial sums the driver folds in each round."""
+
+    def __init__(self, cluster, at_round: int, delay_s: float = 0.3) -> None:
+        super().__init__(cluster, at_round, delay_s)
+        self.folds: dict[int, int] = {}
+        self.actors_on_removed = 0
+
+    def victim_actor(self, workers: dict[str, int]) -> int:
+        count = {n: sum(w["node_id"] == n for w in self.where_of.values()) for n in workers}
+        node = max(count, key=count.get)
+        self.actors_on_removed = count[node]
+        return next(a for a in sorted(self.where_of) if self.where_of[a]["node_id"] == node)
+
+    def run_round(self, state, plan, fold, clients=None):
+        self.folds[plan.round] = 0
+
+        def counted(partial):
+            self.folds[plan.round] += 1
+            fold(partial)
+
+        super().run_round(state, plan, counted, clients)
+
+
+def add_site_node(cluster, site: int):
+    """A fresh worker node offering ``site_<site>`` (where a removed one was), for the tests that follow."""
+    cluster.sites[site] = cluster.add_node(num_cpus=2, resources={f"site_{site}": 1},
+                                           object_store_memory=OBJECT_STORE_BYTES)
+    cluster.wait_for_nodes()
+    return cluster.sites[site]
+
+
+def test_a_lost_node_s_reducer_and_clients_are_replaced_and_the_run_ends_near_the_undisturbed_one(cluster,
+                                                                                                tmp_path):
+    clients, test = gaussian_clients(num_clients=6, n=60)
+    values = dict(algorithm="codasca", iterations=24, eval_every=12, positive_ratio=0.3, on_client_failure="retry",
+                  placement_strategy="PACK", local_steps=4, batch_size=20, reduce="node")
+    undisturbed = run(arrays_config(clients, **dict(values, executor="inline")), save=False,
+                      source=SlowEveryClient(ArraysSource(clients, test), slow=0, delay_s=0.0))
+    executor = RemoveBusiestNodeDuringRound(cluster, at_round=3)
+    try:
+        disturbed = federate(arrays_config(clients, **values), executor=executor, run_dir=tmp_path / "run",
+                             source=SlowEveryClient(ArraysSource(clients, test), slow=0, delay_s=0.004))
+    finally:
+        if executor.site is not None:
+            add_site_node(cluster, executor.site)
+    assert executor.actors_on_removed >= 2  # their sums went through the removed node's reducer
+    [lost] = executor.lost_nodes
+    assert lost["node_id"] == executor.removed and lost["round"] == 3
+    assert len(lost["clients"]) == executor.actors_on_removed
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert executor.removed not in alive
+    assert all(w["node_id"] in alive for w in executor.where_of.values())
+    # after the loss the driver still folds one sum per node, grouped by where the replacements run
+    nodes_after = len({w["node_id"] for w in executor.where_of.values()})
+    assert [executor.folds[r] for r in range(4, 7)] == [nodes_after] * 3
+    assert disturbed.state.round == 6
+    assert abs(disturbed.summary["final_test_auc"] - undisturbed.summary["final_test_auc"]) <= 0.01
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert f"node {executor.removed}" in log and "was lost in round 3" in log and "(replacement)" in log
+    assert f"the reducer of node {executor.removed} failed in round 3" in log
 
 
 def test_a_lost_node_s_clients_are_rebuilt_on_the_others_and_the_run_ends_near_the_undisturbed_one(cluster,

@@ -80,27 +80,79 @@ class NodeReducer:
     """Folds the partial sums of the actors on one node into one, on that node (``reduce: node``).
 
     It receives the actors' result refs inside a list, so it fetches them
-    itself (node-local reads); an actor that failed is reported back by index
-    with its error, and the driver replaces it and folds its re-run directly.
+    itself (node-local reads) and folds each as it arrives (in actor order with
+    ``ordered``), the first two in one pass into float32 sums it keeps from
+    round to round, so a round neither allocates a state nor copies one before
+    adding it. An actor that failed is reported back by index with its error,
+    and the driver replaces it and folds its re-run directly.
     """
 
-    def merge(self, refs: list, actors: list[int]) -> tuple[PartialSum | None, list[tuple[int, BaseException]]]:
+    def __init__(self) -> None:
+        self._kept: PartialSum | None = None
+
+    def merge(self, refs: list, actors: list[int], ordered: bool = False
+              ) -> tuple[PartialSum | None, list[tuple[int, BaseException]]]:
+        held: PartialSum | None = None  # the first part to arrive, a read-only view until a second one comes
         total: PartialSum | None = None
         failed: list[tuple[int, BaseException]] = []
-        for a, ref in zip(actors, refs, strict=True):
+        for a, ref in _arrivals(dict(zip(refs, actors, strict=True)), ordered):
             try:
                 part = ray.get(ref)
             except Exception as exc:  # the driver applies the failure policy
                 failed.append((a, _portable(exc)))
                 continue
-            if total is None:  # a writable copy: what ray.get returned are read-only views into the object store
-                total = dataclasses.replace(part, **{f: None if getattr(part, f) is None else np.array(getattr(part, f))
-                                                     for f in ("v", "alpha", "buffers", "counters", "c_v", "c_alpha")},
-                                            stats=list(part.stats))
+            if held is None and total is None:
+                held = part
+            elif total is None:
+                total, held = self._sum_of(held, part), None
             else:
                 total.merge(part)
             del part
-        return total, failed
+        return (held if total is None else total), failed
+
+    def _sum_of(self, first: PartialSum, second: PartialSum) -> PartialSum:
+        """``first + second`` written into the sums kept on this reducer (made again only when shapes change)."""
+        if first.control_variates != second.control_variates:
+            late = second if first.control_variates else first
+            raise ValueError(f"the partial sum of clients {[s.client_id for s in late.stats]} holds no control "
+                             "variate")
+        kept = self._kept
+        if kept is None or any(getattr(kept, f) is None or getattr(kept, f).shape != getattr(first, f).shape
+                               for f in _SUM_FIELDS if getattr(first, f) is not None):
+            kept = self._kept = dataclasses.replace(
+                first, **{f: None if getattr(first, f) is None else np.empty_like(getattr(first, f))
+                          for f in _SUM_FIELDS})
+        out = {}
+        for f in _SUM_FIELDS:
+            x, y, buf = getattr(first, f), getattr(second, f), getattr(kept, f)
+            if x is None:
+                out[f] = None
+            else:
+                (np.maximum if f == "counters" else np.add)(x, y, out=buf)
+                out[f] = buf
+        return dataclasses.replace(first, **out, weight=first.weight + second.weight,
+                                   count=first.count + second.count, bytes_up=first.bytes_up + second.bytes_up,
+                                   stats=[*first.stats, *second.stats])
+
+
+_SUM_FIELDS = ("v", "alpha", "buffers", "counters", "c_v", "c_alpha")
+
+
+def _arrivals(pending: dict, ordered: bool, timeout: float | None = None) -> Iterator[tuple[Any, Any]]:
+    """``(value, ref)`` for each ref of ``pending`` (ref -> value) as it is ready, or in the dict's order with
+    ``ordered``; stops early (leaving the rest in ``pending``) when none is ready within ``timeout`` s."""
+    pending_refs = list(pending)
+    while pending_refs:
+        if ordered:
+            ref = pending_refs[0]
+            ready, _ = ray.wait([ref], timeout=timeout)
+        else:
+            ready, _ = ray.wait(pending_refs, num_returns=1, timeout=timeout)
+        if not ready:
+            return
+        for ref in ready:
+            pending_refs.remove(ref)
+            yield pending.pop(ref), ref
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -434,6 +486,7 @@ class RayExecutor(Executor):
             time.sleep(0.5)
         if alive.get(node, False):
             return
+        self._drop_reducer(node)
         on_it = sorted(b for b, w in self.where_of.items() if w.get("node_id") == node)
         clients = sorted(k for b in on_it for k in self.hosted.get(b, ()))
         event = {"node_id": node, "address": node_addresses().get(node, ""), "round": self._round,
@@ -582,36 +635,52 @@ class RayExecutor(Executor):
     def _round_by_node(self, call: Callable[[int, Any], Any], targets: list[int],
                        fold: Callable[[PartialSum], None]) -> None:
         """``reduce: node``: the actors on one node are merged there by its :class:`NodeReducer`; the driver folds
-        one partial sum per node (an actor alone on its node is folded directly), then re-runs failed actors."""
+        one partial sum per node as each arrives (an actor alone on its node, or on a node known to be lost, is
+        folded directly), then re-runs the failed actors on their replacements."""
+        ordered = self.config.fold_order == "client"
+        lost = {e["node_id"] for e in self.lost_nodes}
         by_node: dict[Any, list[int]] = {}
         for a in sorted(targets):
             by_node.setdefault(self.where_of.get(a, {}).get("node_id"), []).append(a)
         refs = {a: call(a, self.actors[a]) for a in sorted(targets)}
-        self._in_flight = dict.fromkeys(refs.values(), (0, 0.0))
-        merges, direct = {}, []
+        waiting: dict[Any, tuple[Any, list[int]]] = {}  # a merge (node, its actors) or an actor's sum (None, [a])
         for node, actors in by_node.items():
-            if node is None or len(actors) == 1:
-                direct.extend(actors)
+            if node is None or node in lost or len(actors) == 1:
+                waiting.update({refs[a]: (None, [a]) for a in actors})
             else:
-                merges[node] = (self._reducer(node).merge.remote([refs[a] for a in actors], actors), actors)
+                merged = self._reducer(node).merge.remote([refs[a] for a in actors], actors, ordered)
+                waiting[merged] = (node, actors)
+        self._in_flight = dict.fromkeys([*refs.values(), *waiting], (0, 0.0))
         failed: dict[int, BaseException] = {}
-        for a in direct:
+        for (node, actors), ref in _arrivals(waiting, ordered, timeout=self.timeout):
             try:
-                partial = ray.get(refs[a], timeout=self.timeout)
+                got = ray.get(ref, timeout=self.timeout)
             except (ray.exceptions.RayError, ClientError) as exc:
-                failed[a] = exc
-            else:
-                self._folded(partial, fold)
-        for node, (merged, actors) in merges.items():
-            try:
-                partial, errors = ray.get(merged, timeout=self.timeout)
-            except ray.exceptions.RayError as exc:  # the reducer (its node) is gone: so are its actors' sums
-                self._reducers.pop(node, None)
-                failed.update(dict.fromkeys(actors, exc))
+                if node is None:
+                    failed[actors[0]] = exc
+                    continue
+                # the reducer is gone (with its node, or killed): never reused; its actors' sums are fetched here
+                log.warning("the reducer of node %s failed in round %d (%s); folding its actors' sums directly",
+                            node, self._round, type(exc).__name__)
+                self._drop_reducer(node)
+                for a in actors:
+                    try:
+                        self._folded(ray.get(refs[a], timeout=self.timeout), fold)
+                    except (ray.exceptions.RayError, ClientError) as exc_a:
+                        failed[a] = exc_a
                 continue
-            failed.update(errors)
-            if partial is not None:
-                self._folded(partial, fold)
+            if node is None:
+                self._folded(got, fold)
+            else:
+                partial, errors = got
+                failed.update(errors)
+                if partial is not None:
+                    self._folded(partial, fold)
+                del partial
+            del got
+        for _, actors in waiting.values():  # no answer within ray_timeout_s
+            for a in actors:
+                failed[a] = self._actor_error(a, "local_round", f"no answer within ray_timeout_s={self.timeout:g} s")
         self._in_flight = {}
         attempts = dict.fromkeys(failed, 0)
         again = [a for a, exc in sorted(failed.items()) if self._failed(a, "local_round", exc, attempts)]
@@ -627,6 +696,14 @@ class RayExecutor(Executor):
             self._reducers[node] = _RemoteReducer.options(
                 num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
         return self._reducers[node]
+
+    def _drop_reducer(self, node: str) -> None:
+        reducer = self._reducers.pop(node, None)
+        if reducer is not None:
+            try:
+                ray.kill(reducer, no_restart=True)
+            except Exception as exc:  # already gone with its node
+                log.debug("kill of the reducer of node %s: %s", node, exc)
 
     def evaluate(self, state: GlobalState) -> list[Scores]:
         ref = self._state_ref(state)
@@ -685,9 +762,8 @@ class RayExecutor(Executor):
         abandoned = list(self._in_flight)
         for a in list(self.actors):
             self._kill(a)
-        for reducer in self._reducers.values():
-            ray.kill(reducer, no_restart=True)
-        self._reducers = {}
+        for node in list(self._reducers):
+            self._drop_reducer(node)
         self._settle(abandoned)
         if self._own_group and self.placement_group is not None:
             remove_placement_group(self.placement_group)
