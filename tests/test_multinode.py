@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 import ray
+import torch
 from conftest import gaussian_clients
 from image_fixtures import write_image_folder
 from multinode import OBJECT_STORE_BYTES, multi_node_cluster, node_ids_by_site
@@ -22,8 +23,10 @@ from fdam_ray.checkpoint import load_checkpoint
 from fdam_ray.config import build_config
 from fdam_ray.data import make_source
 from fdam_ray.data.arrays import ArraysSource
+from fdam_ray.executors.inline import InlineExecutor
 from fdam_ray.executors.ray_executor import PlacementError, RayExecutor
-from fdam_ray.recipe import federate, run
+from fdam_ray.federation import rebuilt_states
+from fdam_ray.recipe import federate, resume, run
 
 SMALL = dict(model="mlp", model_width=8, batch_size="full", seed=2, lr=0.2, local_steps=2, cpus_per_actor=0.5)
 
@@ -270,19 +273,69 @@ def test_a_lost_node_s_clients_are_rebuilt_on_the_others_and_the_run_ends_near_t
     assert f"node {executor.removed}" in log and "was lost in round 3" in log and "(replacement)" in log
 
 
-def test_clients_pinned_to_a_lost_site_stop_the_run_quickly_naming_them_and_keep_the_checkpoint(cluster, tmp_path):
+def test_clients_pinned_to_a_lost_site_stop_the_run_with_a_checkpoint_of_that_round_and_resume_rebuilds_them(
+        cluster, tmp_path):
     clients, test = gaussian_clients(num_clients=2, n=60)
     site, node = next(iter(cluster.sites.items()))
     other = next(s for s in node_ids_by_site() if s != f"site_{site}")
-    config = arrays_config(clients, iterations=40, local_steps=4, batch_size=20, checkpoint_every=2,
-                           client_resources=[{f"site_{site}": 0.01}, {other: 0.01}], ray_timeout_s=1800)
+    config = arrays_config(clients, algorithm="codasca", iterations=40, local_steps=4, batch_size=20,
+                           checkpoint_every=2, client_resources=[{f"site_{site}": 0.01}, {other: 0.01}],
+                           ray_timeout_s=1800)
     executor = RemoveNodeDuringRound(cluster, at_round=4)
+    run_dir = tmp_path / "run"
     started = time.monotonic()
     with pytest.raises(PlacementError) as got:
-        federate(config, executor=executor, run_dir=tmp_path / "run",
+        federate(config, executor=executor, run_dir=run_dir,
                  source=SlowEveryClient(ArraysSource(clients, test), slow=0, delay_s=0.004))
     assert time.monotonic() - started < 120  # not ray_timeout_s
     assert executor.removed == node.node_id
     message = str(got.value)
     assert "client 0" in message and f"site_{site}" in message and "\n" not in message
-    assert load_checkpoint(tmp_path / "run" / "checkpoint.pt")["loop"]["state"]["round"] == 2
+    assert "round 4 did not finish" in message and f"fdam train --resume {run_dir}" in message
+    assert "run stopped: " + message in (run_dir / "train.log").read_text()
+    # the state round 4 started from (not the periodic checkpoint of round 2), the placed client's own state,
+    # the unplaced client marked for a rebuild (not dropped)
+    saved = load_checkpoint(run_dir / "checkpoint.pt")
+    assert saved["loop"]["state"]["round"] == 3 and saved["loop"]["position"]["round"] == 3
+    assert saved["clients"][0] == {"client_id": 0, "rebuild": True}
+    assert saved["clients"][1]["client_id"] == 1 and saved["clients"][1]["c_v"] is not None
+
+    new_node = add_site_node(cluster, site)  # the site is back
+    resumed = resume(run_dir, source=SlowEveryClient(ArraysSource(clients, test), slow=0, delay_s=0.0))
+    assert resumed.state.round == 10 and 0 <= resumed.summary["final_test_auc"] <= 1
+    log = (run_dir / "train.log").read_text().split("resumed at round 3")[1]
+    assert "client 0 could not be placed when the checkpoint was written" in log
+    assert f"placement: clients 0 -> actor 0 -> node {new_node.node_id}" in log
+    final = load_checkpoint(run_dir / "checkpoint.pt")
+    assert [c["client_id"] for c in final["clients"]] == [0, 1] and "rebuild" not in final["clients"][0]
+
+
+def test_a_client_marked_for_a_rebuild_resumes_with_the_global_control_variate_and_a_fresh_sampler(tmp_path):
+    clients, test = gaussian_clients(num_clients=2, n=60)
+    config = arrays_config(clients, executor="inline", algorithm="codasca", iterations=16, local_steps=4,
+                           batch_size=20, checkpoint_every=2)
+    first = federate(config, source=ArraysSource(clients, test), run_dir=tmp_path / "run")
+    payload = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
+    own, kept = payload["clients"]
+    payload["clients"][0] = {"client_id": 0, "rebuild": True}
+    state = first.state
+    states = rebuilt_states(payload["clients"], state)
+    np.testing.assert_array_equal(states[0]["c_v"], state.c_v)
+    np.testing.assert_array_equal(states[0]["c_alpha"], state.c_alpha)
+    assert states[0]["sampler"] is None and states[1] is kept
+
+    class Restored(InlineExecutor):
+        def restore_client_states(self, states):
+            super().restore_client_states(states)
+            self.after = [(c.control_variate(), c.sampler.get_state()) for c in self.clients]
+
+    executor = Restored()
+    fresh = InlineExecutor()
+    fresh.start(config, ArraysSource(clients, test))
+    federate(config, source=ArraysSource(clients, test), executor=executor, resume=payload, save=False)
+    (c_v, c_alpha), sampler = executor.after[0]
+    np.testing.assert_array_equal(c_v, state.c_v)
+    np.testing.assert_array_equal(c_alpha, state.c_alpha)
+    assert torch.equal(sampler["generator"], fresh.clients[0].sampler.get_state()["generator"])
+    assert not torch.equal(sampler["generator"], own["sampler"]["generator"])
+    np.testing.assert_array_equal(executor.after[1][0][0], kept["c_v"])

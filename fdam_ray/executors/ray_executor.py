@@ -37,7 +37,10 @@ every client of the actor when the actor itself died or did not answer),
 ``abort`` stops at the first failure. A ``ValueError`` in client code (bad
 data or config) is never retried. Every event is logged with the client (or
 the actor and its clients) and the round, and kept in
-:attr:`RayExecutor.events`.
+:attr:`RayExecutor.events`. A lost actor whose bundle cannot be placed again
+within ``placement_timeout_s`` stops the run with a :class:`PlacementError`;
+its clients stay hosted (not dropped), so :meth:`RayExecutor.client_states`
+marks them for a rebuild in the checkpoint the federation then writes.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.client import ClientSection
 from fdam_ray.data import DataSource
 from fdam_ray.executors.base import Executor, ExecutorSection, actor_groups
-from fdam_ray.executors.errors import ClientError, ClientInputError
+from fdam_ray.executors.errors import ClientError, ClientInputError, PlacementError
 from fdam_ray.executors.ray_actor import ClientShell
 from fdam_ray.executors.ray_session import ensure_ray
 from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores
@@ -168,10 +171,6 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 _RemoteReducer = ray.remote(NodeReducer)
-
-
-class PlacementError(RuntimeError):
-    """Clients cannot be placed (again) on the nodes the cluster has: which, and what they ask for."""
 
 
 def node_addresses() -> dict[str, str]:
@@ -520,8 +519,7 @@ class RayExecutor(Executor):
         raise PlacementError(
             f"clients {', '.join(map(str, clients))} (actor {a}) cannot be placed again within "
             f"placement_timeout_s={cfg.placement_timeout_s:g} s: their bundle {self.bundles.get(a)} fits none of "
-            f"the live nodes beside the other actors (available: {ray.available_resources()}); the run stops "
-            "(the last checkpoint is kept)")
+            f"the live nodes beside the other actors (available: {ray.available_resources()}); the run stops")
 
     def _event(self, err: ClientError, outcome: str, dropped: list[int] | None = None) -> None:
         self.events.append({"client": err.client_id, "actor": err.actor, "clients": list(err.clients),
@@ -734,10 +732,13 @@ class RayExecutor(Executor):
         return self._per_client("score_moments", lambda a, actor: actor.score_moments.remote(ref, self.hosted[a]))
 
     def client_states(self) -> list[dict | None]:
-        """Every client's state; None for a client that was dropped."""
+        """Every client's state; None for a client that was dropped, and ``{"client_id": k, "rebuild": True}``
+        for one whose actor is lost and not placed again (the run stops with a :class:`PlacementError`): a
+        resume rebuilds it from its shard with the global control variate, as a replaced actor's clients are."""
         got = {s["client_id"]: s for s in self._per_client("client_states",
                                                              lambda a, actor: actor.get_state.remote(self.hosted[a]))}
-        return [got.get(k) for k in range(self.num_clients)]
+        unplaced = {k for a, ids in self.hosted.items() if a not in self.actors for k in ids}
+        return [{"client_id": k, "rebuild": True} if k in unplaced else got.get(k) for k in range(self.num_clients)]
 
     def restore_client_states(self, states: list[dict | None]) -> None:
         gone = [k for k, s in enumerate(states) if s is None and k in self.live]
