@@ -301,7 +301,13 @@ class Federation:
         states and the unplaced ones marked for a rebuild, and say so in the error."""
         at_start = dataclasses.replace(loop, position=Position(done=plan.iteration, round=plan.round - 1,
                                                                stage=plan.stage, stage_rounds=stage_rounds))
-        run_dir = self.observer.interrupted(plan.round - 1, self._snapshot(at_start, started))
+        try:
+            run_dir = self.observer.interrupted(plan.round - 1, self._snapshot(at_start, started))
+        except Exception as again:  # the stop's own reason comes first
+            exc.args = (f"{exc.args[0]}; round {plan.round} did not finish and its checkpoint could not be written "
+                        f"({type(again).__name__}: {str(again).strip().splitlines()[0] if str(again).strip() else ''}); the "
+                        "last checkpoint is kept",)
+            return
         if run_dir is not None:
             exc.args = (f"{exc.args[0]}; round {plan.round} did not finish: a checkpoint of the state it started "
                         f"from was written; once the cluster can hold every client again, continue with: "

@@ -339,3 +339,54 @@ def test_a_client_marked_for_a_rebuild_resumes_with_the_global_control_variate_a
     assert torch.equal(sampler["generator"], fresh.clients[0].sampler.get_state()["generator"])
     assert not torch.equal(sampler["generator"], own["sampler"]["generator"])
     np.testing.assert_array_equal(executor.after[1][0][0], kept["c_v"])
+
+
+class UnplaceableAt(InlineExecutor):
+    """Raises a PlacementError before any client runs round ``at`` (once); with ``states_fail``, reading the
+    clients' states for the checkpoint fails too."""
+
+    def __init__(self, at: int, states_fail: bool = False) -> None:
+        super().__init__()
+        self.at, self.states_fail, self.raised = at, states_fail, False
+
+    def run_round(self, state, plan, fold, clients=None):
+        if plan.round == self.at and not self.raised:
+            self.raised = True
+            raise PlacementError("client 0 cannot be placed: test")
+        super().run_round(state, plan, fold, clients)
+
+    def client_states(self):
+        if self.raised and self.states_fail:
+            raise RuntimeError("an actor died\nwith a traceback")
+        return super().client_states()
+
+
+@pytest.mark.parametrize("at", [3, 5])  # round 5 begins stage 2
+def test_a_placement_stop_checkpoints_the_round_s_start_and_a_resume_ends_bit_identical(tmp_path, at):
+    clients, test = gaussian_clients(num_clients=2, n=60)
+    config = arrays_config(clients, executor="inline", algorithm="codasca", iterations=24, local_steps=2,
+                           batch_size=20, stage_length=8, eval_every=100, checkpoint_every=100)
+    undisturbed = run(config, source=ArraysSource(clients, test), save=False)
+    with pytest.raises(PlacementError) as got:
+        federate(config, source=ArraysSource(clients, test), executor=UnplaceableAt(at), run_dir=tmp_path / "run")
+    assert f"round {at} did not finish" in str(got.value)
+    saved = load_checkpoint(tmp_path / "run" / "checkpoint.pt")["loop"]
+    assert saved["state"]["round"] == saved["position"]["round"] == at - 1
+    assert (saved["position"]["stage"], saved["position"]["stage_rounds"]) == ((2, 0) if at == 5 else (1, at - 1))
+    resumed = resume(tmp_path / "run", source=ArraysSource(clients, test))
+    assert resumed.state.round == 12
+    for name in ("v", "alpha", "buffers", "c_v", "c_alpha"):
+        np.testing.assert_array_equal(getattr(resumed.state, name), getattr(undisturbed.state, name), err_msg=name)
+
+
+def test_a_placement_stop_whose_checkpoint_cannot_be_written_says_so_and_keeps_the_last_one(tmp_path):
+    clients, test = gaussian_clients(num_clients=2, n=60)
+    config = arrays_config(clients, executor="inline", iterations=24, local_steps=2, batch_size=20,
+                           checkpoint_every=2)
+    with pytest.raises(PlacementError) as got:
+        federate(config, source=ArraysSource(clients, test), executor=UnplaceableAt(4, states_fail=True),
+                 run_dir=tmp_path / "run")
+    message = str(got.value)
+    assert message.startswith("client 0 cannot be placed: test; round 4 did not finish and its checkpoint could "
+                              "not be written (RuntimeError: an actor died)") and "\n" not in message
+    assert load_checkpoint(tmp_path / "run" / "checkpoint.pt")["loop"]["state"]["round"] == 2
