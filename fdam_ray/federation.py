@@ -304,9 +304,9 @@ class Federation:
         try:
             run_dir = self.observer.interrupted(plan.round - 1, self._snapshot(at_start, started))
         except Exception as again:  # the stop's own reason comes first
+            why = (str(again).strip().splitlines() or [""])[0]
             exc.args = (f"{exc.args[0]}; round {plan.round} did not finish and its checkpoint could not be written "
-                        f"({type(again).__name__}: {str(again).strip().splitlines()[0] if str(again).strip() else ''}); the "
-                        "last checkpoint is kept",)
+                        f"({type(again).__name__}: {why}); the last checkpoint is kept",)
             return
         if run_dir is not None:
             exc.args = (f"{exc.args[0]}; round {plan.round} did not finish: a checkpoint of the state it started "

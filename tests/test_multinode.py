@@ -1,7 +1,8 @@
 """Many nodes: one Ray cluster of a head and three worker nodes on this machine (tests/multinode.py).
 
 One cluster serves the whole module (starting it takes ~25 s); the node-loss
-tests remove worker nodes and therefore run last.
+tests remove worker nodes and therefore run after the others (those that need
+the removed site again add a node offering it).
 """
 
 from __future__ import annotations
