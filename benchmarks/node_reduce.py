@@ -212,8 +212,12 @@ same memory and {os.cpu_count()} cores, so moving an object between "nodes" is a
 reducers' merges take the same cores as the clients: what `node` saves here is the driver's copying and \
 folding of {args.clients_per_node}x the bytes, not network time. Round time at {last['nodes']} nodes: \
 {last['round_ratio']:.2f} x star's (target at most {TARGET_ROUND_RATIO}: \
-{"met" if last['round_ratio'] <= TARGET_ROUND_RATIO else "not met on this machine"}). On this machine the \
-star rounds cost {ms_per_byte * 1e6:.2f} ms per MB received by the driver.
+{"met" if last['round_ratio'] <= TARGET_ROUND_RATIO else "not met on this machine"}). Both reductions fold \
+each sum as it arrives (a node's reducer its actors' sums, the driver the nodes' sums), but a node's sum can \
+leave its node only once its last actor has finished, while star's transfers overlap the other actors' local \
+steps: what `node` keeps after its actors finish is one merge, one copy into the reducer's object store and \
+{last['nodes']} transfers of a state to the driver's node. On this machine the star rounds cost \
+{ms_per_byte * 1e6:.2f} ms per MB received by the driver.
 
 **On a real cluster** the driver's network link carries the ingress. Time to receive one round's updates \
 through the driver's link alone (state of float32, 16 clients per node, link at its nominal rate, no \

@@ -42,7 +42,7 @@ def _summary(summary: dict) -> str:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from fdam_ray.executors.errors import ClientError
+    from fdam_ray.executors.errors import ClientError, PlacementError
     from fdam_ray.federation import DivergenceError
     from fdam_ray.outputs import RunStopped, clear_stop_request, request_stop
     from fdam_ray.recipe import resume, run
@@ -76,6 +76,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 128 + signal.SIGTERM
     except DivergenceError as exc:
         print(f"fdam: run diverged: {exc}", file=sys.stderr)
+        return 1
+    except PlacementError as exc:  # names the clients, what they ask for and, mid-run, how to resume
+        print(f"fdam: {exc}", file=sys.stderr)
         return 1
     except ClientError as exc:
         if isinstance(exc, ValueError):

@@ -296,7 +296,8 @@ class Client:
             raise ValueError(f"state of client {state['client_id']} given to client {self.client_id}")
         if state["c_v"] is not None:
             self.set_control_variate(state["c_v"], state["c_alpha"])
-        self.sampler.set_state(state["sampler"])
+        if state["sampler"] is not None:  # None: a client rebuilt on resume keeps its fresh sampler
+            self.sampler.set_state(state["sampler"])
         self.flat.precision.load_state_dict(state.get("scaler"))
 
 

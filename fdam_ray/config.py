@@ -218,7 +218,8 @@ FIELDS: tuple[Field, ...] = (
        choices=("classic", "compiled")),
     _f("placement_timeout_s", "float", 120.0, "Longest wait for lost actors' placement-group bundles to be "
        "placed again after a node is lost; then the run stops, naming the clients and resources that cannot be "
-       "placed.", check=_pos[0], allowed=_pos[1]),
+       "placed, with a checkpoint of the state the round started from (continue it with --resume).",
+       check=_pos[0], allowed=_pos[1]),
     _f("gpu_memory_cap", "bool", True, "With a fractional gpus_per_actor, cap each actor's CUDA memory to "
        "that fraction of the GPU."),
     _f("fold_order", "str", "arrival", "ray executor: fold client updates as they arrive (arrival) or in client "

@@ -39,6 +39,7 @@ from fdam_ray.client import Replica, all_finite
 from fdam_ray.data import DataSource
 from fdam_ray.evaluation import Evaluator
 from fdam_ray.executors import Executor, ExecutorSection
+from fdam_ray.executors.errors import PlacementError
 from fdam_ray.objectives import global_positive_ratio
 from fdam_ray.outputs import Observer, RunStart
 from fdam_ray.schedules import Position, Schedule, ScheduleSection
@@ -252,12 +253,15 @@ class Federation:
         else:
             loop = LoopState.from_payload(resume["loop"])
             self.executor.begin_stage(loop.server.reference, False)
-            self.executor.restore_client_states(resume["clients"])
+            self.executor.restore_client_states(rebuilt_states(resume["clients"], loop.state))
             torch.set_rng_state(resume["torch_rng"])
         snapshot = self._snapshot(loop, started)
         observer = self.observer
         observer.start(RunStart(resumed=resume is not None, history=loop.history, round=loop.state.round,
                                 iteration=loop.state.iteration, iterations=self.schedule.iterations))
+        for k in [] if resume is None else [k for k, s in enumerate(resume["clients"]) if s and s.get("rebuild")]:
+            observer.event("client %d could not be placed when the checkpoint was written; it starts again from "
+                           "its shard with the global control variate", k, level=logging.WARNING)
         for line in getattr(self.executor, "placement_lines", list)():  # where each client runs (Ray)
             observer.event("%s", line)
         evaluator = Evaluator(self.replica, self.source, self.executor)
@@ -271,7 +275,11 @@ class Federation:
                     self._end_stage(loop)
                     observer.event("stage %d began at iteration %d (round %d)", plan.stage, plan.iteration,
                                    plan.round)
-                self._round(loop, plan)
+                try:
+                    self._round(loop, plan)
+                except PlacementError as exc:
+                    self._stop_unplaced(exc, loop, plan, schedule.position.stage_rounds - 1, started)
+                    raise
                 loop.position = dataclasses.replace(schedule.position)
                 rec = None
                 if loop.state.iteration >= loop.next_eval or loop.state.iteration >= self.schedule.iterations:
@@ -285,6 +293,25 @@ class Federation:
             raise
         finally:
             observer.close(error)
+
+    def _stop_unplaced(self, exc: PlacementError, loop: LoopState, plan: RoundPlan, stage_rounds: int,
+                       started: float) -> None:
+        """Clients lost mid-round cannot be placed again: checkpoint the state round ``plan.round`` started from
+        (the loop has not changed it; its stage, if the round began one, has begun) with the placed clients'
+        states and the unplaced ones marked for a rebuild, and say so in the error."""
+        at_start = dataclasses.replace(loop, position=Position(done=plan.iteration, round=plan.round - 1,
+                                                               stage=plan.stage, stage_rounds=stage_rounds))
+        try:
+            run_dir = self.observer.interrupted(plan.round - 1, self._snapshot(at_start, started))
+        except Exception as again:  # the stop's own reason comes first
+            why = (str(again).strip().splitlines() or [""])[0]
+            exc.args = (f"{exc.args[0]}; round {plan.round} did not finish and its checkpoint could not be written "
+                        f"({type(again).__name__}: {why}); the last checkpoint is kept",)
+            return
+        if run_dir is not None:
+            exc.args = (f"{exc.args[0]}; round {plan.round} did not finish: a checkpoint of the state it started "
+                        f"from was written; once the cluster can hold every client again, continue with: "
+                        f"fdam train --resume {run_dir}",)
 
     def _finish(self, loop: LoopState, started: float, snapshot: Callable[[], dict]) -> RunResult:
         state, history = loop.state, loop.history
@@ -316,3 +343,15 @@ class Federation:
         run_dir = summary["run_dir"]
         return RunResult(None, model_state, a, b, state.alpha.copy(), cv, history, summary, state,
                          None if run_dir is None else Path(run_dir))
+
+
+def rebuilt_states(states: list[dict | None], state: GlobalState) -> list[dict | None]:
+    """A checkpoint's client states, where a client marked ``rebuild`` (its actor could not be placed when the
+    checkpoint was written) gets the global control variate c of ``state`` and keeps the fresh sampler it
+    starts with, as a replaced actor's client does."""
+    out: list[dict | None] = []
+    for k, s in enumerate(states):
+        if s is not None and s.get("rebuild"):
+            s = {"client_id": k, "c_v": state.c_v, "c_alpha": state.c_alpha, "sampler": None, "scaler": None}
+        out.append(s)
+    return out

@@ -220,6 +220,12 @@ class Observer:
     def event(self, message: str, *args: Any, level: int = logging.INFO) -> None:
         """Something worth a line in the run's log (a stage switch)."""
 
+    def interrupted(self, round_: int, snapshot: Snapshot) -> Path | None:
+        """The next round cannot finish and the run stops (clients that cannot be placed): an observer that
+        saves the run writes a checkpoint of ``snapshot()`` (the state after round ``round_``) and returns the
+        folder to resume; the others return None."""
+        return None
+
     def finish(self, summary: dict, model: dict, snapshot: Snapshot) -> None:
         """The last round is done: the run's summary and final model. An observer that saves the run
         sets ``summary["run_dir"]``."""
@@ -249,6 +255,10 @@ class Observers(Observer):
     def event(self, message: str, *args: Any, level: int = logging.INFO) -> None:
         for o in self.observers:
             o.event(message, *args, level=level)
+
+    def interrupted(self, round_: int, snapshot: Snapshot) -> Path | None:
+        saved = [o.interrupted(round_, snapshot) for o in self.observers]
+        return next((d for d in saved if d is not None), None)
 
     def finish(self, summary: dict, model: dict, snapshot: Snapshot) -> None:
         for o in self.observers:
@@ -371,6 +381,12 @@ class RunFolder(Observer):
     def event(self, message: str, *args: Any, level: int = logging.INFO) -> None:
         if self.writer is not None:
             self.writer.event(message, *args, level=level)
+
+    def interrupted(self, round_: int, snapshot: Snapshot) -> Path | None:
+        if not self.checkpoints or self.writer is None:
+            return None
+        self._checkpoint(snapshot, round_)
+        return self.dir
 
     def finish(self, summary: dict, model: dict, snapshot: Snapshot) -> None:
         if self.writer is None:

@@ -1,4 +1,4 @@
-"""Typed failures of clients and of the connection to a Ray cluster (importable without Ray)."""
+"""Typed failures of clients, of their placement and of the connection to a Ray cluster (importable without Ray)."""
 
 from __future__ import annotations
 
@@ -58,3 +58,12 @@ def client_error(client_id: int, round: int, action: str, exc: BaseException, tr
 
 class ClusterConnectionError(ConnectionError, ValueError):
     """The Ray cluster named by ``address`` / ``RAY_ADDRESS`` cannot be used as given (with what to change)."""
+
+
+class PlacementError(RuntimeError):
+    """Clients cannot be placed (again) on the nodes the cluster has: which, and what they ask for.
+
+    Raised mid-run (the nodes left after a node loss cannot hold a lost actor),
+    it stops the run with a checkpoint of the state the round started from,
+    which ``--resume`` continues once the cluster can hold every client again.
+    """

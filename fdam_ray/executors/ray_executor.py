@@ -37,7 +37,10 @@ every client of the actor when the actor itself died or did not answer),
 ``abort`` stops at the first failure. A ``ValueError`` in client code (bad
 data or config) is never retried. Every event is logged with the client (or
 the actor and its clients) and the round, and kept in
-:attr:`RayExecutor.events`.
+:attr:`RayExecutor.events`. A lost actor whose bundle cannot be placed again
+within ``placement_timeout_s`` stops the run with a :class:`PlacementError`;
+its clients stay hosted (not dropped), so :meth:`RayExecutor.client_states`
+marks them for a rebuild in the checkpoint the federation then writes.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ from fdam_ray.client import ClientSection
 from fdam_ray.data import DataSource
 from fdam_ray.executors.base import Executor, ExecutorSection, actor_groups
 from fdam_ray.executors.compiled import CompiledRounds
-from fdam_ray.executors.errors import ClientError, ClientInputError
+from fdam_ray.executors.errors import ClientError, ClientInputError, PlacementError
 from fdam_ray.executors.ray_actor import ClientShell
 from fdam_ray.executors.ray_session import ensure_ray
 from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores
@@ -82,27 +85,79 @@ class NodeReducer:
     """Folds the partial sums of the actors on one node into one, on that node (``reduce: node``).
 
     It receives the actors' result refs inside a list, so it fetches them
-    itself (node-local reads); an actor that failed is reported back by index
-    with its error, and the driver replaces it and folds its re-run directly.
+    itself (node-local reads) and folds each as it arrives (in actor order with
+    ``ordered``), the first two in one pass into float32 sums it keeps from
+    round to round, so a round neither allocates a state nor copies one before
+    adding it. An actor that failed is reported back by index with its error,
+    and the driver replaces it and folds its re-run directly.
     """
 
-    def merge(self, refs: list, actors: list[int]) -> tuple[PartialSum | None, list[tuple[int, BaseException]]]:
+    def __init__(self) -> None:
+        self._kept: PartialSum | None = None
+
+    def merge(self, refs: list, actors: list[int], ordered: bool = False
+              ) -> tuple[PartialSum | None, list[tuple[int, BaseException]]]:
+        held: PartialSum | None = None  # the first part to arrive, a read-only view until a second one comes
         total: PartialSum | None = None
         failed: list[tuple[int, BaseException]] = []
-        for a, ref in zip(actors, refs, strict=True):
+        for a, ref in _arrivals(dict(zip(refs, actors, strict=True)), ordered):
             try:
                 part = ray.get(ref)
             except Exception as exc:  # the driver applies the failure policy
                 failed.append((a, _portable(exc)))
                 continue
-            if total is None:  # a writable copy: what ray.get returned are read-only views into the object store
-                total = dataclasses.replace(part, **{f: None if getattr(part, f) is None else np.array(getattr(part, f))
-                                                     for f in ("v", "alpha", "buffers", "counters", "c_v", "c_alpha")},
-                                            stats=list(part.stats))
+            if held is None and total is None:
+                held = part
+            elif total is None:
+                total, held = self._sum_of(held, part), None
             else:
                 total.merge(part)
             del part
-        return total, failed
+        return (held if total is None else total), failed
+
+    def _sum_of(self, first: PartialSum, second: PartialSum) -> PartialSum:
+        """``first + second`` written into the sums kept on this reducer (made again only when shapes change)."""
+        if first.control_variates != second.control_variates:
+            late = second if first.control_variates else first
+            raise ValueError(f"the partial sum of clients {[s.client_id for s in late.stats]} holds no control "
+                             "variate")
+        kept = self._kept
+        if kept is None or any(getattr(kept, f) is None or getattr(kept, f).shape != getattr(first, f).shape
+                               for f in _SUM_FIELDS if getattr(first, f) is not None):
+            kept = self._kept = dataclasses.replace(
+                first, **{f: None if getattr(first, f) is None else np.empty_like(getattr(first, f))
+                          for f in _SUM_FIELDS})
+        out = {}
+        for f in _SUM_FIELDS:
+            x, y, buf = getattr(first, f), getattr(second, f), getattr(kept, f)
+            if x is None:
+                out[f] = None
+            else:
+                (np.maximum if f == "counters" else np.add)(x, y, out=buf)
+                out[f] = buf
+        return dataclasses.replace(first, **out, weight=first.weight + second.weight,
+                                   count=first.count + second.count, bytes_up=first.bytes_up + second.bytes_up,
+                                   stats=[*first.stats, *second.stats])
+
+
+_SUM_FIELDS = ("v", "alpha", "buffers", "counters", "c_v", "c_alpha")
+
+
+def _arrivals(pending: dict, ordered: bool, timeout: float | None = None) -> Iterator[tuple[Any, Any]]:
+    """``(value, ref)`` for each ref of ``pending`` (ref -> value) as it is ready, or in the dict's order with
+    ``ordered``; stops early (leaving the rest in ``pending``) when none is ready within ``timeout`` s."""
+    pending_refs = list(pending)
+    while pending_refs:
+        if ordered:
+            ref = pending_refs[0]
+            ready, _ = ray.wait([ref], timeout=timeout)
+        else:
+            ready, _ = ray.wait(pending_refs, num_returns=1, timeout=timeout)
+        if not ready:
+            return
+        for ref in ready:
+            pending_refs.remove(ref)
+            yield pending.pop(ref), ref
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -118,10 +173,6 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 _RemoteReducer = ray.remote(NodeReducer)
-
-
-class PlacementError(RuntimeError):
-    """Clients cannot be placed (again) on the nodes the cluster has: which, and what they ask for."""
 
 
 def node_addresses() -> dict[str, str]:
@@ -456,6 +507,7 @@ class RayExecutor(Executor):
             time.sleep(0.5)
         if alive.get(node, False):
             return
+        self._drop_reducer(node)
         on_it = sorted(b for b, w in self.where_of.items() if w.get("node_id") == node)
         clients = sorted(k for b in on_it for k in self.hosted.get(b, ()))
         event = {"node_id": node, "address": node_addresses().get(node, ""), "round": self._round,
@@ -489,8 +541,7 @@ class RayExecutor(Executor):
         raise PlacementError(
             f"clients {', '.join(map(str, clients))} (actor {a}) cannot be placed again within "
             f"placement_timeout_s={cfg.placement_timeout_s:g} s: their bundle {self.bundles.get(a)} fits none of "
-            f"the live nodes beside the other actors (available: {ray.available_resources()}); the run stops "
-            "(the last checkpoint is kept)")
+            f"the live nodes beside the other actors (available: {ray.available_resources()}); the run stops")
 
     def _event(self, err: ClientError, outcome: str, dropped: list[int] | None = None) -> None:
         self.events.append({"client": err.client_id, "actor": err.actor, "clients": list(err.clients),
@@ -608,36 +659,52 @@ class RayExecutor(Executor):
     def _round_by_node(self, call: Callable[[int, Any], Any], targets: list[int],
                        fold: Callable[[PartialSum], None]) -> None:
         """``reduce: node``: the actors on one node are merged there by its :class:`NodeReducer`; the driver folds
-        one partial sum per node (an actor alone on its node is folded directly), then re-runs failed actors."""
+        one partial sum per node as each arrives (an actor alone on its node, or on a node known to be lost, is
+        folded directly), then re-runs the failed actors on their replacements."""
+        ordered = self.config.fold_order == "client"
+        lost = {e["node_id"] for e in self.lost_nodes}
         by_node: dict[Any, list[int]] = {}
         for a in sorted(targets):
             by_node.setdefault(self.where_of.get(a, {}).get("node_id"), []).append(a)
         refs = {a: call(a, self.actors[a]) for a in sorted(targets)}
-        self._in_flight = dict.fromkeys(refs.values(), (0, 0.0))
-        merges, direct = {}, []
+        waiting: dict[Any, tuple[Any, list[int]]] = {}  # a merge (node, its actors) or an actor's sum (None, [a])
         for node, actors in by_node.items():
-            if node is None or len(actors) == 1:
-                direct.extend(actors)
+            if node is None or node in lost or len(actors) == 1:
+                waiting.update({refs[a]: (None, [a]) for a in actors})
             else:
-                merges[node] = (self._reducer(node).merge.remote([refs[a] for a in actors], actors), actors)
+                merged = self._reducer(node).merge.remote([refs[a] for a in actors], actors, ordered)
+                waiting[merged] = (node, actors)
+        self._in_flight = dict.fromkeys([*refs.values(), *waiting], (0, 0.0))
         failed: dict[int, BaseException] = {}
-        for a in direct:
+        for (node, actors), ref in _arrivals(waiting, ordered, timeout=self.timeout):
             try:
-                partial = ray.get(refs[a], timeout=self.timeout)
+                got = ray.get(ref, timeout=self.timeout)
             except (ray.exceptions.RayError, ClientError) as exc:
-                failed[a] = exc
-            else:
-                self._folded(partial, fold)
-        for node, (merged, actors) in merges.items():
-            try:
-                partial, errors = ray.get(merged, timeout=self.timeout)
-            except ray.exceptions.RayError as exc:  # the reducer (its node) is gone: so are its actors' sums
-                self._reducers.pop(node, None)
-                failed.update(dict.fromkeys(actors, exc))
+                if node is None:
+                    failed[actors[0]] = exc
+                    continue
+                # the reducer is gone (with its node, or killed): never reused; its actors' sums are fetched here
+                log.warning("the reducer of node %s failed in round %d (%s); folding its actors' sums directly",
+                            node, self._round, type(exc).__name__)
+                self._drop_reducer(node)
+                for a in actors:
+                    try:
+                        self._folded(ray.get(refs[a], timeout=self.timeout), fold)
+                    except (ray.exceptions.RayError, ClientError) as exc_a:
+                        failed[a] = exc_a
                 continue
-            failed.update(errors)
-            if partial is not None:
-                self._folded(partial, fold)
+            if node is None:
+                self._folded(got, fold)
+            else:
+                partial, errors = got
+                failed.update(errors)
+                if partial is not None:
+                    self._folded(partial, fold)
+                del partial
+            del got
+        for _, actors in waiting.values():  # no answer within ray_timeout_s
+            for a in actors:
+                failed[a] = self._actor_error(a, "local_round", f"no answer within ray_timeout_s={self.timeout:g} s")
         self._in_flight = {}
         attempts = dict.fromkeys(failed, 0)
         again = [a for a, exc in sorted(failed.items()) if self._failed(a, "local_round", exc, attempts)]
@@ -727,6 +794,14 @@ class RayExecutor(Executor):
         if self.graph is not None and self.graph.graph is not None and not self.graph.busy:
             self.graph.teardown()
 
+    def _drop_reducer(self, node: str) -> None:
+        reducer = self._reducers.pop(node, None)
+        if reducer is not None:
+            try:
+                ray.kill(reducer, no_restart=True)
+            except Exception as exc:  # already gone with its node
+                log.debug("kill of the reducer of node %s: %s", node, exc)
+
     def evaluate(self, state: GlobalState) -> list[Scores]:
         self._rest_graph()
         ref = self._state_ref(state)
@@ -759,11 +834,14 @@ class RayExecutor(Executor):
         return self._per_client("score_moments", lambda a, actor: actor.score_moments.remote(ref, self.hosted[a]))
 
     def client_states(self) -> list[dict | None]:
-        """Every client's state; None for a client that was dropped."""
+        """Every client's state; None for a client that was dropped, and ``{"client_id": k, "rebuild": True}``
+        for one whose actor is lost and not placed again (the run stops with a :class:`PlacementError`): a
+        resume rebuilds it from its shard with the global control variate, as a replaced actor's clients are."""
         self._rest_graph()
         got = {s["client_id"]: s for s in self._per_client("client_states",
                                                              lambda a, actor: actor.get_state.remote(self.hosted[a]))}
-        return [got.get(k) for k in range(self.num_clients)]
+        unplaced = {k for a, ids in self.hosted.items() if a not in self.actors for k in ids}
+        return [{"client_id": k, "rebuild": True} if k in unplaced else got.get(k) for k in range(self.num_clients)]
 
     def restore_client_states(self, states: list[dict | None]) -> None:
         gone = [k for k, s in enumerate(states) if s is None and k in self.live]
@@ -792,9 +870,8 @@ class RayExecutor(Executor):
             self._kill(a)
         if self.graph is not None:  # a round cut short: the actors it waited on are gone, so it ends at once
             self.graph.teardown()
-        for reducer in self._reducers.values():
-            ray.kill(reducer, no_restart=True)
-        self._reducers = {}
+        for node in list(self._reducers):
+            self._drop_reducer(node)
         self._settle(abandoned)
         if self._own_group and self.placement_group is not None:
             remove_placement_group(self.placement_group)
