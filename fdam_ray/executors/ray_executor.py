@@ -708,7 +708,7 @@ class RayExecutor(Executor):
         self._in_flight = {}
         attempts = dict.fromkeys(failed, 0)
         again = [a for a, exc in sorted(failed.items()) if self._failed(a, "local_round", exc, attempts)]
-        for _, partial in self._each("local_round", call, again):
+        for _, partial in self._each("local_round", call, again, attempts=attempts):
             self._folded(partial, fold)
 
     def _round_compiled(self, state: GlobalState, plan: RoundPlan, calls: dict[int, tuple[list[int], list[int]]],
