@@ -261,9 +261,12 @@ def test_sigterm_stops_an_inline_run_at_a_round_end_with_a_checkpoint_and_resume
     stop_with_sigterm_and_resume(tmp_path, ["executor=inline"])
 
 
-def test_sigterm_stops_a_ray_run_the_same_way(tmp_path):
-    # fold_order=client makes the Ray run the inline run bit for bit, so the inline reference holds
-    stop_with_sigterm_and_resume(tmp_path, ["executor=ray", "fold_order=client", "cpus_per_actor=0.5"])
+@pytest.mark.parametrize("transport", ["classic", "compiled"])
+def test_sigterm_stops_a_ray_run_the_same_way(tmp_path, transport):
+    # fold_order=client (and the compiled transport's actor order) make the Ray run the inline run bit for bit,
+    # so the inline reference holds
+    stop_with_sigterm_and_resume(tmp_path, ["executor=ray", "fold_order=client", "cpus_per_actor=0.5",
+                                            f"transport={transport}"])
 
 
 def test_sigint_stops_a_run_and_resume_from_its_last_checkpoint_ends_bit_identical(tmp_path):
@@ -302,7 +305,8 @@ from fdam_ray.recipe import run
 
 clients, test = gaussian_clients(num_clients=4)
 config = build_config(dict(model="mlp", model_width=8, batch_size=4, eval_every=2, seed=2, lr=0.2, local_steps=2,
-                           cpus_per_actor=0.5, dataset="arrays", num_clients=4, executor="ray", iterations=200))
+                           cpus_per_actor=0.5, dataset="arrays", num_clients=4, executor="ray", iterations=200,
+                           transport=sys.argv[1]))
 try:
     run(config, source=DamagedSource(ArraysSource(clients, test)), save=False)
 except ValueError as exc:
@@ -312,14 +316,16 @@ except ValueError as exc:
 """
 
 
-def test_a_clients_data_error_mid_round_under_ray_prints_one_error_and_no_unhandled_ray_tracebacks(tmp_path):
+@pytest.mark.parametrize("transport", ["classic", "compiled"])
+def test_a_clients_data_error_mid_round_under_ray_prints_one_error_and_no_unhandled_ray_tracebacks(tmp_path,
+                                                                                                   transport):
     # every client's files turn out damaged within a few rounds: the first error stops the run, and the calls
     # of the other clients still in flight (which fail the same way) must not reach stderr as Ray's
     # "Unhandled error" tracebacks
     tests_dir = str(Path(__file__).parent)
     path = os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "RAY_ADDRESS": "", "PYTHONPATH": path}
-    proc = subprocess.run([sys.executable, "-c", DAMAGED_RUN], cwd=tmp_path, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", DAMAGED_RUN, transport], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=240)
     assert proc.returncode == 2, proc.stderr[-3000:]
     # whichever client's error reaches the driver first stops the run (several fail in the same round)

@@ -252,16 +252,23 @@ def test_a_lost_node_s_reducer_and_clients_are_replaced_and_the_run_ends_near_th
     assert f"the reducer of node {executor.removed} failed in round 3" in log
 
 
+@pytest.mark.parametrize("transport", ["classic", "compiled"])
 def test_a_lost_node_s_clients_are_rebuilt_on_the_others_and_the_run_ends_near_the_undisturbed_one(cluster,
-                                                                                                  tmp_path):
+                                                                                                  tmp_path,
+                                                                                                  transport):
     clients, test = gaussian_clients(num_clients=3, n=60)
     values = dict(algorithm="codasca", iterations=24, eval_every=12, positive_ratio=0.3, on_client_failure="retry",
                   placement_strategy="SPREAD", local_steps=4, batch_size=20)
     undisturbed = run(arrays_config(clients, **dict(values, executor="inline")), save=False,
                       source=SlowEveryClient(ArraysSource(clients, test), slow=0, delay_s=0.0))
     executor = RemoveNodeDuringRound(cluster, at_round=3)
-    disturbed = federate(arrays_config(clients, **values), executor=executor, run_dir=tmp_path / "run",
-                         source=SlowEveryClient(ArraysSource(clients, test), slow=0, delay_s=0.004))
+    try:
+        disturbed = federate(arrays_config(clients, **values, transport=transport), executor=executor,
+                             run_dir=tmp_path / "run",
+                             source=SlowEveryClient(ArraysSource(clients, test), slow=0, delay_s=0.004))
+    finally:
+        if executor.site is not None:
+            add_site_node(cluster, executor.site)
     assert executor.removed is not None
     [lost] = executor.lost_nodes
     assert lost["node_id"] == executor.removed and executor.victim in lost["clients"] and lost["round"] == 3
