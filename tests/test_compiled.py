@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import raytest
+import torch
 from oracle import run_oracle
 from test_hosted import BASE, assert_same_state, sized_clients, train
 from test_oracle import CASES as ORACLE_CASES
@@ -12,8 +13,11 @@ from test_oracle import initial_v, uneven_clients
 from test_sampling import CASES as SAMPLING_CASES
 
 import fdam_ray
+from fdam_ray.client import Replica
 from fdam_ray.config import ConfigError, build_config
-from fdam_ray.executors.ray_executor import RayExecutor
+from fdam_ray.data.arrays import ArraysSource
+from fdam_ray.executors.ray_executor import REST_RATIO, RayExecutor
+from fdam_ray.state import RoundPlan
 
 RAY = dict(executor="ray", cpus_per_actor=0.5, threads_per_actor=1)
 
@@ -67,3 +71,24 @@ def test_compiled_with_per_node_reduction_is_refused_in_one_line():
         train(dict(BASE, transport="compiled", reduce="node", iterations=3, **RAY), clients, test)
     with pytest.raises(ConfigError, match="transport"):
         build_config(dict(transport="nccl"))
+
+
+def test_the_graph_rests_during_scoring_only_when_scoring_takes_several_builds():
+    clients, test = sized_clients()
+    source = ArraysSource(clients, test)
+    config = build_config(dict(BASE, dataset="arrays", num_clients=len(clients), transport="compiled", **RAY))
+    with RayExecutor() as ex:
+        ex.start(config, source)
+        state = Replica(config, source, device=torch.device("cpu")).flat.initial_state()
+        state.c_v, state.c_alpha = np.zeros_like(state.v), np.zeros_like(state.alpha)
+        ex.configure(np.array([0.3]))
+        ex.begin_stage(state.v, True)
+        ex.run_round(state, RoundPlan(1, 1, 2, 0.1, 0), lambda partial: None)
+        assert ex.graph.graph is not None and ex.graph.build_s > 0
+        ex.evaluate(state)  # no scoring timed yet: the graph stays
+        assert ex.graph.graph is not None and ex._took["evaluate"] > 0
+        ex._took["evaluate"] = REST_RATIO * ex.graph.build_s * 1.01  # as if the last scoring had been long
+        ex.evaluate(state)
+        assert ex.graph.graph is None  # ended for the scoring ...
+        ex.run_round(state, RoundPlan(2, 1, 2, 0.1, 2), lambda partial: None)
+        assert ex.graph.graph is not None and ex.graph.builds == 2 and ex.graph.actor_sets == 1  # ... and back

@@ -163,7 +163,7 @@ def test_a_replaced_client_restarts_from_the_global_control_variate(transport):
     plain = arrays_run(dict(cfg, executor="inline"), clients, test)
     assert [(e["client"], e["round"]) for e in executor.events] == [(2, 3)]
     if transport == "compiled":  # built for the first actors, then once more over the replaced one
-        assert executor.graph.actor_sets == 2 and executor.graph.builds > 2  # and again after every scoring
+        assert executor.graph.actor_sets == 2
     np.testing.assert_allclose(got.state.v, want.state.v, atol=1e-6)
     np.testing.assert_allclose(got.state.c_v, want.state.c_v, atol=1e-6)
     assert np.abs(got.state.v - plain.state.v).max() > 1e-4  # the replacement did change the run

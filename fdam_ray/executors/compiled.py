@@ -12,9 +12,10 @@ Ray calls. The channels are sized for the state at build time.
 Ray's channels poll: while a graph waits for its next input, each actor's
 graph thread keeps a core busy, and so does the driver while it waits for the
 outputs. The executor therefore ends the graph before work that is not a
-round (scoring, checkpoints) and builds it again at the next round, and the
-driver sleeps through half the shortest of the last rounds before it reads a
-round's outputs.
+round (scoring, checkpoints) when such work last took several times longer
+than a build, and builds it again at the next round; and the driver sleeps
+through half the shortest of the last rounds before it reads a round's
+outputs.
 
 The graph is built for one set of actor handles; :class:`CompiledRounds`
 rebuilds it when that set changes (an actor replaced or ended). Compiled
@@ -58,6 +59,7 @@ class CompiledRounds:
         self._last_key: tuple = ()
         self._recent: collections.deque[float] = collections.deque(maxlen=8)  # the last rounds' durations, s
         self.busy = False  # an execution was sent and its outputs not all read
+        self.build_s = 0.0  # how long the last build took
 
     def _key(self, actors: dict[int, Any]) -> tuple:
         return tuple((a, actors[a]._actor_id.hex()) for a in sorted(actors))
@@ -73,9 +75,11 @@ class CompiledRounds:
         with InputNode() as message:
             outputs = [actors[a].compiled_round.bind(message) for a in sorted(actors)]
             dag = MultiOutputNode(outputs)
+        started = time.monotonic()
         self.graph = dag.experimental_compile(_submit_timeout=self.timeout_s,
                                               _buffer_size_bytes=int(state_bytes) + _CHANNEL_SLACK,
                                               _max_inflight_executions=1)
+        self.build_s = time.monotonic() - started
         self.key = key
         self.builds += 1
         self.actor_sets += key != self._last_key

@@ -46,6 +46,7 @@ marks them for a rebuild in the checkpoint the federation then writes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import pickle
 import socket
@@ -215,6 +216,28 @@ def check_offered(client_resources: Sequence[dict], nodes: Sequence[dict],
                                      f"{', '.join(custom_resources(nodes)) or 'no custom resources'}")
 
 
+REST_RATIO = 4.0  # end the compiled graph before work between rounds that last took this x its build time
+
+
+def _between_rounds(kind: str) -> Callable:
+    """Work between rounds (scoring, checkpoints): end the compiled graph first when that is worth it, and
+    keep how long this kind of work took."""
+
+    def wrap(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def run(self: RayExecutor, *args: Any, **kwargs: Any) -> Any:
+            self._rest_graph(kind)
+            started = time.monotonic()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self._took[kind] = time.monotonic() - started
+
+        return run
+
+    return wrap
+
+
 class RayExecutor(Executor):
     """Runs the clients in Ray actors, ``clients_per_actor`` to an actor (see the module docstring).
 
@@ -247,6 +270,7 @@ class RayExecutor(Executor):
         self.lost_nodes: list[dict] = []
         self._reducers: dict[str, Any] = {}
         self.graph: CompiledRounds | None = None
+        self._took: dict[str, float] = {}  # seconds the last scoring / checkpoint call of each kind took
 
     # -- set-up ---------------------------------------------------------------------------
     def start(self, config: ExecutorSection, source: DataSource) -> list[ClientInfo]:
@@ -787,12 +811,15 @@ class RayExecutor(Executor):
                 num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
         return self._reducers[node]
 
-    def _rest_graph(self) -> None:
-        """End the compiled graph before work that is not a round (scoring, checkpoints): its threads poll
-        their channels, a core each, the whole time they wait, which would slow that work. The next round
-        builds it again (a fraction of a second)."""
-        if self.graph is not None and self.graph.graph is not None and not self.graph.busy:
-            self.graph.teardown()
+    def _rest_graph(self, kind: str) -> None:
+        """End the compiled graph before work that is not a round (scoring, checkpoints) when the last such
+        work took more than ``REST_RATIO`` times what building the graph takes: its waiting threads poll their
+        channels, a core each, which slows long work, while for short work a rebuild costs more than the
+        polling. The next round builds it again."""
+        graph = self.graph
+        if (graph is not None and graph.graph is not None and not graph.busy
+                and self._took.get(kind, 0.0) > REST_RATIO * graph.build_s):
+            graph.teardown()
 
     def _drop_reducer(self, node: str) -> None:
         reducer = self._reducers.pop(node, None)
@@ -802,17 +829,17 @@ class RayExecutor(Executor):
             except Exception as exc:  # already gone with its node
                 log.debug("kill of the reducer of node %s: %s", node, exc)
 
+    @_between_rounds("evaluate")
     def evaluate(self, state: GlobalState) -> list[Scores]:
-        self._rest_graph()
         ref = self._state_ref(state)
         scores = self._per_client("evaluate", lambda a, actor: actor.evaluate.remote(ref, self.hosted[a]))
         return [s for s in scores if s is not None]
 
+    @_between_rounds("score_test_set")
     def score_test_set(self, state: GlobalState) -> Scores | None:
         """With ``eval_on: clients``: every live actor scores a slice of the global test set, pooled here."""
         if self.config.eval_on != "clients" or self._test_size == 0:
             return None
-        self._rest_graph()
         while True:
             actors = sorted(self.actors)
             bounds = np.linspace(0, self._test_size, min(len(actors), self._test_size) + 1).astype(int)
@@ -828,16 +855,16 @@ class RayExecutor(Executor):
                 return Scores(-1, np.concatenate([s.scores for _, s in parts]),
                               np.concatenate([s.labels for _, s in parts]))
 
+    @_between_rounds("score_moments")
     def score_moments(self, state: GlobalState) -> list[Moments]:
-        self._rest_graph()
         ref = self._state_ref(state)
         return self._per_client("score_moments", lambda a, actor: actor.score_moments.remote(ref, self.hosted[a]))
 
+    @_between_rounds("client_states")
     def client_states(self) -> list[dict | None]:
         """Every client's state; None for a client that was dropped, and ``{"client_id": k, "rebuild": True}``
         for one whose actor is lost and not placed again (the run stops with a :class:`PlacementError`): a
         resume rebuilds it from its shard with the global control variate, as a replaced actor's clients are."""
-        self._rest_graph()
         got = {s["client_id"]: s for s in self._per_client("client_states",
                                                              lambda a, actor: actor.get_state.remote(self.hosted[a]))}
         unplaced = {k for a, ids in self.hosted.items() if a not in self.actors for k in ids}
