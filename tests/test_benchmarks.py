@@ -395,7 +395,8 @@ def test_step_overhead_script(tmp_path):
     assert set(values) == {"step_ratio", "step_ratio_lo", "step_ratio_hi", "client_ms", "bare_ms", "target_met"}
     assert values["step_ratio_lo"] <= values["step_ratio_hi"] and values["client_ms"] > 0 and values["bare_ms"] > 0
     assert values["step_ratio"] == pytest.approx(values["client_ms"] / values["bare_ms"], rel=2e-3)
-    assert values["target_met"] == float(values["step_ratio"] <= 1.1)
+    if abs(values["step_ratio"] - 1.1) > 1e-3:  # the line prints 4 significant digits: 1.1 may be 1.1004
+        assert values["target_met"] == float(values["step_ratio"] <= 1.1)
     text = out.read_text()
     assert text.startswith(C.BEGIN) and "Command: `python benchmarks/step_overhead.py --models cnn" in text
     assert "| cnn | 56,545 |" in text

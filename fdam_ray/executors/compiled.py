@@ -88,11 +88,6 @@ class CompiledRounds:
             log.debug("the round's compiled graph was built again over actors %s",
                       ", ".join(str(a) for a, _ in key))
 
-    @property
-    def actors(self) -> list[int]:
-        """The actor indices of the graph's outputs, in order."""
-        return [a for a, _ in self.key]
-
     def run(self, message: tuple) -> list[Any]:
         """Execute one round; the outputs in actor order (partial sums, or None for actors without clients).
 
