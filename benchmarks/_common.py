@@ -328,6 +328,13 @@ def figure(path: Path, series: Mapping[str, tuple[Sequence[float], Sequence[floa
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
+    save_figure(fig, ax, path)
+
+
+def save_figure(fig, ax, path: Path) -> None:
+    """Grid, legend and tight layout, then write ``fig`` to ``path`` (its folder made) and close it."""
+    import matplotlib.pyplot as plt
+
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

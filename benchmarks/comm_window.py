@@ -392,12 +392,7 @@ def figure(path: Path, args, rows: dict, tol: dict) -> None:
     ax.set_ylabel("AUC(I) - AUC(I=1), paired over seeds")
     ax.set_title(f"{args.dataset}-IH, K={args.clients}, {args.iterations} iterations, {len(args.seeds)} seeds; "
                  f"bars: {LEVEL:.0%} interval, dotted: -tolerance", fontsize=8)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    C.save_figure(fig, ax, path)
 
 
 def main(argv: list[str] | None = None) -> str:

@@ -20,6 +20,18 @@ NUM_CPUS = 4  # logical CPUs; clients run one torch thread each, so 4 of them sh
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
+def first_state(executor, config, source):
+    """Ready a started executor's clients for round 1 (p = 0.3, a first stage) and return the initial global
+    state, with zero control variates."""
+    from fdam_ray.client import Replica
+
+    state = Replica(config, source, device=torch.device("cpu")).flat.initial_state()
+    state.c_v, state.c_alpha = np.zeros_like(state.v), np.zeros_like(state.alpha)
+    executor.configure(np.array([0.3]))
+    executor.begin_stage(state.v, True)
+    return state
+
+
 @contextlib.contextmanager
 def ray_session(num_cpus: int = NUM_CPUS):
     """Start Ray unless this process already runs it; shut it down (and undo its env changes) at the end."""

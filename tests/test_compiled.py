@@ -5,15 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import raytest
-import torch
 from oracle import run_oracle
+from raytest import first_state
 from test_hosted import BASE, assert_same_state, sized_clients, train
 from test_oracle import CASES as ORACLE_CASES
 from test_oracle import initial_v, uneven_clients
 from test_sampling import CASES as SAMPLING_CASES
 
 import fdam_ray
-from fdam_ray.client import Replica
 from fdam_ray.config import ConfigError, build_config
 from fdam_ray.data.arrays import ArraysSource
 from fdam_ray.executors.ray_executor import REST_RATIO, RayExecutor
@@ -79,10 +78,7 @@ def test_the_graph_rests_during_scoring_only_when_scoring_takes_several_builds()
     config = build_config(dict(BASE, dataset="arrays", num_clients=len(clients), transport="compiled", **RAY))
     with RayExecutor() as ex:
         ex.start(config, source)
-        state = Replica(config, source, device=torch.device("cpu")).flat.initial_state()
-        state.c_v, state.c_alpha = np.zeros_like(state.v), np.zeros_like(state.alpha)
-        ex.configure(np.array([0.3]))
-        ex.begin_stage(state.v, True)
+        state = first_state(ex, config, source)
         ex.run_round(state, RoundPlan(1, 1, 2, 0.1, 0), lambda partial: None)
         assert ex.graph.graph is not None and ex.graph.build_s > 0
         ex.evaluate(state)  # no scoring timed yet: the graph stays

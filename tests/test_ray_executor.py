@@ -17,7 +17,7 @@ import torch
 from conftest import arrays_in, gaussian_clients
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-from raytest import SlowClientSource, ray_session
+from raytest import SlowClientSource, first_state, ray_session
 
 import fdam_ray
 from fdam_ray.cli import main
@@ -91,10 +91,7 @@ def test_updates_are_folded_one_at_a_time():
     config = build_config(dict(ARRAYS, dataset="arrays", num_clients=3, algorithm="codasca"))
     with RayExecutor() as ex:
         ex.start(config, source)
-        state = fdam_ray.client.Replica(config, source, device=torch.device("cpu")).flat.initial_state()
-        state.c_v, state.c_alpha = np.zeros_like(state.v), np.zeros_like(state.alpha)
-        ex.configure(np.array([0.3]))
-        ex.begin_stage(state.v, True)
+        state = first_state(ex, config, source)
         seen, alive_at_fold = [], []
 
         def fold(update):
@@ -244,10 +241,7 @@ def test_a_client_that_does_not_answer_in_time_fails_instead_of_hanging(transpor
     with RayExecutor() as ex:
         ex.start(config, source)
         ex.timeout = 2.0  # after start-up, which may be slow on a loaded machine
-        state = fdam_ray.client.Replica(config, source, device=torch.device("cpu")).flat.initial_state()
-        state.c_v, state.c_alpha = np.zeros_like(state.v), np.zeros_like(state.alpha)
-        ex.configure(np.array([0.3]))
-        ex.begin_stage(state.v, True)
+        state = first_state(ex, config, source)
         t0 = time.monotonic()
         with pytest.raises(ClientError, match="client 1 failed in round 1 \\(local_round\\): no answer within "
                                               "ray_timeout_s=2 s"):

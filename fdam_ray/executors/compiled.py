@@ -44,14 +44,9 @@ _CHANNEL_SLACK = 1 << 20  # bytes beyond the state: plan, client lists, pickling
 
 
 class CompiledRounds:
-    """The compiled round graph of one federation: built on demand, rebuilt when the actors change.
+    """The compiled round graph of one federation: built on demand, rebuilt when the actors change."""
 
-    Args:
-        timeout_s: the longest wait for a round's outputs and for a free input channel (``ray_timeout_s``).
-    """
-
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
+    def __init__(self) -> None:
         self.graph: Any = None
         self.key: tuple = ()
         self.builds = 0
@@ -64,8 +59,9 @@ class CompiledRounds:
     def _key(self, actors: dict[int, Any]) -> tuple:
         return tuple((a, actors[a]._actor_id.hex()) for a in sorted(actors))
 
-    def ensure(self, actors: dict[int, Any], state_bytes: int) -> None:
-        """Have a graph over exactly ``actors`` (index -> handle), with channels for ``state_bytes``."""
+    def ensure(self, actors: dict[int, Any], state_bytes: int, timeout_s: float) -> None:
+        """Have a graph over exactly ``actors`` (index -> handle), with channels for ``state_bytes``;
+        ``timeout_s`` (``ray_timeout_s``) bounds the wait for a free input channel."""
         key = self._key(actors)
         if self.graph is not None and key == self.key:
             return
@@ -76,7 +72,7 @@ class CompiledRounds:
             outputs = [actors[a].compiled_round.bind(message) for a in sorted(actors)]
             dag = MultiOutputNode(outputs)
         started = time.monotonic()
-        self.graph = dag.experimental_compile(_submit_timeout=self.timeout_s,
+        self.graph = dag.experimental_compile(_submit_timeout=timeout_s,
                                               _buffer_size_bytes=int(state_bytes) + _CHANNEL_SLACK,
                                               _max_inflight_executions=1)
         self.build_s = time.monotonic() - started
@@ -88,7 +84,7 @@ class CompiledRounds:
             log.debug("the round's compiled graph was built again over actors %s",
                       ", ".join(str(a) for a, _ in key))
 
-    def run(self, message: tuple) -> list[Any]:
+    def run(self, message: tuple, timeout_s: float) -> list[Any]:
         """Execute one round; the outputs in actor order (partial sums, or None for actors without clients).
 
         Raises what Ray raises when an actor raised, died or did not answer within ``timeout_s``: the caller
@@ -101,7 +97,7 @@ class CompiledRounds:
             # reading the outputs polls a core: first sleep through half the shortest recent round, leaving
             # that core to the clients where they share the driver's cores
             time.sleep(NAP_FRACTION * min(self._recent))
-        outputs = [ref.get(timeout=self.timeout_s) for ref in refs]
+        outputs = [ref.get(timeout=timeout_s) for ref in refs]
         self._recent.append(time.monotonic() - started)
         self.busy = False
         return outputs

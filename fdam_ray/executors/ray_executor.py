@@ -281,7 +281,7 @@ class RayExecutor(Executor):
             if config.reduce == "node":
                 raise ValueError("transport=compiled folds every actor's partial sum at the driver; reduce=node "
                                  "needs transport=classic")
-            self.graph = CompiledRounds(self.timeout)
+            self.graph = CompiledRounds()
         self.num_clients = num_clients = source.num_clients
         groups = actor_groups(num_clients, config.clients_per_actor)
         if config.device == "cuda" and not config.gpus_per_actor:
@@ -460,9 +460,12 @@ class RayExecutor(Executor):
                 for ref, (ad, deadline) in list(pending.items()):
                     if deadline <= now:
                         del pending[ref]
-                        late = self._actor_error(ad, action, f"no answer within ray_timeout_s={self.timeout:g} s")
+                        late = self._late(ad, action)
                         if self._failed(ad, action, late, attempts):
                             launch(ad)
+
+    def _late(self, a: int, action: str) -> ClientError:
+        return self._actor_error(a, action, f"no answer within ray_timeout_s={self.timeout:g} s")
 
     def _actor_error(self, a: int, action: str, error: str, traceback: str = "") -> ClientError:
         hosted = tuple(self.hosted.get(a, ()))
@@ -675,10 +678,8 @@ class RayExecutor(Executor):
             self._round_by_node(call, targets, fold)
             return
         for _, partial in self._each("local_round", call, targets, ordered=self.config.fold_order == "client"):
-            ran = [s.client_id for s in partial.stats]
-            fold(partial)
+            self._folded(partial, fold)
             del partial
-            self._adopt_global_c.difference_update(ran)
 
     def _round_by_node(self, call: Callable[[int, Any], Any], targets: list[int],
                        fold: Callable[[PartialSum], None]) -> None:
@@ -728,12 +729,9 @@ class RayExecutor(Executor):
             del got
         for _, actors in waiting.values():  # no answer within ray_timeout_s
             for a in actors:
-                failed[a] = self._actor_error(a, "local_round", f"no answer within ray_timeout_s={self.timeout:g} s")
+                failed[a] = self._late(a, "local_round")
         self._in_flight = {}
-        attempts = dict.fromkeys(failed, 0)
-        again = [a for a, exc in sorted(failed.items()) if self._failed(a, "local_round", exc, attempts)]
-        for _, partial in self._each("local_round", call, again, attempts=attempts):
-            self._folded(partial, fold)
+        self._rerun(failed, call, fold)
 
     def _round_compiled(self, state: GlobalState, plan: RoundPlan, calls: dict[int, tuple[list[int], list[int]]],
                         call: Callable[[int, Any], Any], fold: Callable[[PartialSum], None]) -> None:
@@ -742,10 +740,9 @@ class RayExecutor(Executor):
         breaks (an actor raised, died or did not answer), the round is recovered from the actors themselves."""
         started = time.monotonic()
         graph = self.graph
-        graph.timeout_s = self.timeout
         try:
-            graph.ensure(self.actors, state.nbytes)
-            outputs = graph.run((state, plan, calls))
+            graph.ensure(self.actors, state.nbytes, self.timeout)
+            outputs = graph.run((state, plan, calls), self.timeout)
         except Exception as exc:  # Ray's task, channel and timeout errors: the actors say what happened
             log.debug("the compiled round %d broke: %s: %s", plan.round, type(exc).__name__, exc)
         else:
@@ -785,7 +782,7 @@ class RayExecutor(Executor):
         for a in targets:
             what, value = status[a]
             if what == "running":
-                failed[a] = self._actor_error(a, "local_round", f"no answer within ray_timeout_s={self.timeout:g} s")
+                failed[a] = self._late(a, "local_round")
                 self._kill(a)  # before the teardown, which would otherwise wait for it
             elif what in ("failed", "dead"):
                 failed[a] = value
@@ -796,9 +793,16 @@ class RayExecutor(Executor):
             what, partial = status[a]
             if what == "done" and partial is not None:
                 self._folded(partial, fold)
+        self._rerun(failed, call, fold, again)
+
+    def _rerun(self, failed: dict[int, BaseException], call: Callable[[int, Any], Any],
+               fold: Callable[[PartialSum], None], again: Sequence[int] = ()) -> None:
+        """After a round that did not go through ``_each``: apply the failure policy to the ``failed`` actors and
+        re-run the round's call on their replacements and on ``again`` (actors whose call never ran), counting
+        the failures of the re-run with these."""
         attempts = dict.fromkeys(failed, 0)
-        again += [a for a, exc in sorted(failed.items()) if self._failed(a, "local_round", exc, attempts)]
-        for _, partial in self._each("local_round", call, sorted(again), attempts=attempts):
+        rerun = [*again, *(a for a, exc in sorted(failed.items()) if self._failed(a, "local_round", exc, attempts))]
+        for _, partial in self._each("local_round", call, sorted(rerun), attempts=attempts):
             self._folded(partial, fold)
 
     def _folded(self, partial: PartialSum, fold: Callable[[PartialSum], None]) -> None:
