@@ -8,7 +8,8 @@ of one sample built in the actor. Per round we time what the driver loop does
 slowest client's compute (``compute_s``, measured in the client around its
 steps): the rest is broadcast, transfer, serialisation and reduction. It is
 measured for both transports of the executor (``classic``: one Ray call per
-actor through the object store; ``compiled``: one Ray Compiled Graph).
+actor through the object store; ``compiled``: one Ray Compiled Graph, with
+its default ``channel_wait: sleep`` and with ``spin``).
 
 References in the same run, same K and N: the plain-Ray pattern (one
 ``ray.put`` of a numpy buffer, K actors return numpy, a running mean) and the
@@ -28,11 +29,11 @@ memory before and during rounds at K = 2, 4, 8, each in a fresh driver process
                                         [--rounds 12] [--repeats 3] [--mem-clients 2 4 8]
                                         [--out benchmarks/results/round_overhead.md]
 
-Last line: ``RESULT state_floats=... compiled_ms=... classic_ms=... gloo_ms=... ratio_compiled_gloo=...
-ratio_compiled_gloo_small=... ratio_compiled_classic_small=... plain_ray_ms=... ratio_classic_plain=...
-floor_ms=... driver_mem_ratio_k8_k2=... driver_rss_ratio_k8_k2=...`` (largest N, K = --clients, except the
-``_small`` ratios, at the smallest N; driver_mem = private memory, driver_rss = resident set including mapped
-object-store pages).
+Last line: ``RESULT state_floats=... compiled_ms=... classic_ms=... gloo_ms=... compiled_spin_ms=...
+ratio_compiled_gloo=... ratio_compiled_gloo_small=... ratio_compiled_classic_small=... plain_ray_ms=...
+ratio_classic_plain=... floor_ms=... driver_mem_ratio_k8_k2=... driver_rss_ratio_k8_k2=...`` (largest N,
+K = --clients, except the ``_small`` ratios, at the smallest N; driver_mem = private memory, driver_rss =
+resident set including mapped object-store pages).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from fdam_ray.algorithms import Algorithm, AlgorithmSection
 from fdam_ray.client import Replica
 from fdam_ray.config import build_config
 from fdam_ray.data import DataSource, Shard, Split
+from fdam_ray.executors.compiled import SPIN_S
 from fdam_ray.executors.ray_executor import RayExecutor
 from fdam_ray.state import RoundPlan
 
@@ -135,11 +137,11 @@ def copy_floor_ms(n: int, k: int, repeats: int = 15) -> float:
     return 1e3 * statistics.median(times)
 
 
-def federation(num_clients: int, state_floats: int, transport: str = "classic"):
+def federation(num_clients: int, state_floats: int, transport: str = "classic", channel_wait: str = "sleep"):
     """A started Ray executor with ``num_clients`` clients whose state v has ``state_floats`` floats."""
     config = build_config(dict(dataset="arrays", num_clients=num_clients, model="linear", algorithm="coda_plus",
                                batch_size="full", local_steps=1, lr=0.01, executor="ray", eval_on="driver",
-                               cpus_per_actor=1.0, transport=transport))
+                               cpus_per_actor=1.0, transport=transport, channel_wait=channel_wait))
     source = WideSource(num_clients, state_floats - 3)  # w (d), bias, a, b
     executor = RayExecutor()
     executor.start(config, source)
@@ -249,11 +251,14 @@ def gloo_rounds(k: int, n: int, rounds: int, warmup: int = 2) -> dict:
 
 
 def measure_case(num_clients: int, state_floats: int, rounds: int, repeats: int, gloo: bool) -> dict:
-    """Alternating blocks of executor rounds (both transports), plain-Ray rounds and gloo all-reduce rounds;
+    """Alternating blocks of executor rounds (both transports, the compiled one with both ways of waiting),
+    plain-Ray rounds and gloo all-reduce rounds;
     medians and ranges over the blocks."""
-    executors = {t: federation(num_clients, state_floats, t) for t in ("classic", "compiled")}
+    executors = {"classic": federation(num_clients, state_floats, "classic"),
+                 "compiled": federation(num_clients, state_floats, "compiled", "sleep"),
+                 "compiled_spin": federation(num_clients, state_floats, "compiled", "spin")}
     actors = [PlainActor.remote() for _ in range(num_clients)]
-    blocks: dict[str, list[dict]] = {"classic": [], "compiled": [], "plain": [], "gloo": []}
+    blocks: dict[str, list[dict]] = {"classic": [], "compiled": [], "compiled_spin": [], "plain": [], "gloo": []}
     floors = []
     try:
         for _ in range(repeats):
@@ -261,7 +266,7 @@ def measure_case(num_clients: int, state_floats: int, rounds: int, repeats: int,
                 state, block = executor_rounds(executor, algorithm, state, rounds)
                 executors[transport] = (executor, algorithm, state)
                 blocks[transport].append(block)
-                if executor.graph is not None:  # its waiting threads poll a core each: not during the others
+                if executor.graph is not None:  # a spinning graph's threads poll a core each: not during the others
                     executor.graph.teardown()
             blocks["plain"].append(plain_ray_rounds(actors, state_floats, rounds))
             if gloo:
@@ -338,8 +343,8 @@ def main(argv: list[str] | None = None) -> str:
     if len(args.mem_clients) < 2:
         parser.error("--mem-clients needs at least two K to compare")
     ks = [args.clients, *args.also_clients]
-    # logical CPUs: both transports' actors and the plain actors exist at once (they take turns to run)
-    ray.init(num_cpus=max(3 * max(ks), *args.mem_clients), include_dashboard=False, log_to_driver=False)
+    # logical CPUs: the three executors' actors and the plain actors exist at once (they take turns to run)
+    ray.init(num_cpus=max(4 * max(ks), *args.mem_clients), include_dashboard=False, log_to_driver=False)
     gpus = int(ray.cluster_resources().get("GPU", 0))
 
     cases = [(n, args.clients) for n in args.sizes] + [(max(args.sizes), k) for k in args.also_clients]
@@ -374,12 +379,14 @@ def main(argv: list[str] | None = None) -> str:
         gloo = "gloo" in r
         case_rows.append([
             f"{r['n']:,}", r["k"], f"{r['compiled']['compute_ms']:.1f}",
-            f"{r['compiled']['wall_ms']:.1f} / {r['classic']['wall_ms']:.1f}",
-            f"{r['compiled']['driver_cpu_ms']:.1f} / {r['classic']['driver_cpu_ms']:.1f}",
-            span(r["compiled"]), span(r["classic"]),
+            f"{r['compiled']['wall_ms']:.1f} / {r['compiled_spin']['wall_ms']:.1f} / {r['classic']['wall_ms']:.1f}",
+            f"{r['compiled']['driver_cpu_ms']:.1f} / {r['compiled_spin']['driver_cpu_ms']:.1f} / "
+            f"{r['classic']['driver_cpu_ms']:.1f}",
+            span(r["compiled"]), span(r["compiled_spin"]), span(r["classic"]),
             span(r["plain"]), span(r["gloo"]) if gloo else "-",
             f"{ratio(r, 'compiled', 'gloo'):.2f}" if gloo else "-",
             yes(ratio(r, "compiled", "gloo") <= GLOO_TARGET) if gloo else "-",
+            f"{ratio(r, 'compiled_spin', 'gloo'):.2f}" if gloo else "-",
             f"{ratio(r, 'compiled', 'classic'):.2f}", f"{ratio(r, 'classic', 'plain'):.2f}",
             yes(ratio(r, "classic", "plain") <= TARGET_RATIO), f"{r['floor_ms']:.1f}"])
     mem_rows = [[k, f"{m['base']['private']:.0f}", f"{m['peak']['private']:.0f}", f"{m['base']['total']:.0f}",
@@ -390,9 +397,11 @@ K client actors, one local step each on one sample (a linear scorer whose state 
 each transport, of the plain-Ray pattern and of the gloo all-reduce; each figure is the median over the blocks \
 of the blocks' medians, (lo..hi) the range over the blocks. Overhead = the driver's round time (broadcast, \
 local rounds, fold, server step) minus the slowest client's compute (its local steps). Compiled = `transport: \
-compiled` (one Ray Compiled Graph: shared-memory channels; ended after each of its blocks, since its waiting \
-threads poll a core each, and built again in the next block's warm-up rounds), classic = `transport: classic` \
-(a Ray call per actor, the object store). Plain Ray = one `ray.put` of a numpy buffer, K actors add a constant \
+compiled` (one Ray Compiled Graph: shared-memory channels) with its default `channel_wait: sleep` (a wait polls \
+for its first {SPIN_S * 1e3:g} ms, then sleeps between checks); compiled spin = the same with `channel_wait: \
+spin` (Ray's polling throughout); each graph is ended after its block (a spinning graph's waiting threads keep a \
+core each busy) and built again in the next block's warm-up rounds. Classic = `transport: classic` (a Ray call \
+per actor, the object store). Plain Ray = one `ray.put` of a numpy buffer, K actors add a constant \
 and return numpy, the driver keeps a running mean as results arrive (round time minus the slowest actor's \
 step). Gloo all-reduce = the paper's way: K spawned processes (127.0.0.1, one torch thread each) all-reduce an \
 N-float tensor and divide by K (the slowest rank's time; the step before it is not counted). Targets: compiled \
@@ -401,9 +410,11 @@ N-float tensor and divide by K (the slowest rank's time; the step before it is n
 channels poll while they wait). Copy floor = K+1 numpy copies (`ndarray.copy()`) of N floats. Machine: \
 {os.cpu_count()} CPU cores, {gpus} GPUs in the Ray cluster; all actors on this node.
 
-{C.table(["N floats", "K", "slowest compute ms", "round wall ms compiled / classic",
-          "driver CPU ms per round compiled / classic", "compiled overhead ms (lo..hi)", "classic overhead ms (lo..hi)",
+{C.table(["N floats", "K", "slowest compute ms", "round wall ms compiled / spin / classic",
+          "driver CPU ms per round compiled / spin / classic", "compiled overhead ms (lo..hi)",
+          "compiled spin overhead ms (lo..hi)", "classic overhead ms (lo..hi)",
           "plain Ray ms (lo..hi)", "gloo all-reduce ms (lo..hi)", "compiled / gloo", f"<= {GLOO_TARGET} met",
+          "compiled spin / gloo",
           "compiled / classic", "classic / plain Ray", f"<= {TARGET_RATIO} met", "copy floor ms"], case_rows)}
 
 Driver memory at N = {mem_n:,} floats ({mem_n * 4 / 2**20:.1f} MiB per state), classic transport, each K in a \
@@ -421,6 +432,7 @@ Peak private memory K={k_hi} / K={k_lo}: {private_ratio:.2f}; peak RSS K={k_hi} 
     C.write_results(out, "Round overhead of the Ray executor", C.command_line("round_overhead.py", argv), body)
     line = C.result_line(state_floats=main_row["n"], compiled_ms=main_row["compiled"]["ms"],
                          classic_ms=main_row["classic"]["ms"], gloo_ms=main_row["gloo"]["ms"],
+                         compiled_spin_ms=main_row["compiled_spin"]["ms"],
                          ratio_compiled_gloo=ratio(main_row, "compiled", "gloo"),
                          ratio_compiled_gloo_small=ratio(small_row, "compiled", "gloo"),
                          ratio_compiled_classic_small=ratio(small_row, "compiled", "classic"),

@@ -216,6 +216,12 @@ FIELDS: tuple[Field, ...] = (
        "per federation: the state and the partial sums travel through pre-allocated shared-memory channels; "
        "rebuilt when an actor is replaced). Evaluation and set-up calls stay classic either way.",
        choices=("classic", "compiled")),
+    _f("channel_wait", "str", "sleep", "transport=compiled: how the actors and the driver wait on the graph's "
+       "channels: sleep (Ray's polling for the first 50 ms of a wait, then sleeps with pauses that grow with the "
+       "wait: an idle graph costs almost no CPU, and a long wait ends at most a few percent later) or spin "
+       "(Ray's polling throughout: every waiting actor keeps a core busy, also while the run scores or writes "
+       "checkpoints).",
+       choices=("sleep", "spin")),
     _f("placement_timeout_s", "float", 120.0, "Longest wait for lost actors' placement-group bundles to be "
        "placed again after a node is lost; then the run stops, naming the clients and resources that cannot be "
        "placed, with a checkpoint of the state the round started from (continue it with --resume).",
@@ -265,7 +271,7 @@ RESUME_MAY_CHANGE = {"iterations", "eval_every", "checkpoint_every", "tensorboar
                      "clients_per_actor",
                      "placement_strategy", "gpu_memory_cap", "eval_on", "fold_order", "on_client_failure",
                      "max_client_retries", "ray_timeout_s", "data_workers", "eval_batch_size", "deterministic",
-                     "trackers", "tracker_project", "channels_last", "transport"}
+                     "trackers", "tracker_project", "channels_last", "transport", "channel_wait"}
 
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
 
@@ -286,6 +292,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
             "clients_per_actor", "precision", "channels_last"),
     "ray": ("address", "cpus_per_actor", "gpus_per_actor", "placement_strategy", "gpu_memory_cap", "fold_order",
             "eval_on", "on_client_failure", "max_client_retries", "ray_timeout_s", "reduce", "transport",
+            "channel_wait",
             "client_resources", "client_data_roots", "placement_timeout_s"),
     "outputs": ("out_dir", "run_name", "checkpoint_every", "tensorboard", "trackers", "tracker_project"),
 }

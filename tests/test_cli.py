@@ -151,8 +151,9 @@ def test_fields_filters_by_section_or_word(capsys):
     everything = listed()
     assert everything == [f.name for f in FIELDS]
     assert listed("ray") == ["address", "cpus_per_actor", "gpus_per_actor", "placement_strategy", "client_resources",
-                             "client_data_roots", "reduce", "transport", "placement_timeout_s", "gpu_memory_cap",
-                             "fold_order", "eval_on", "on_client_failure", "max_client_retries", "ray_timeout_s"]
+                             "client_data_roots", "reduce", "transport", "channel_wait", "placement_timeout_s",
+                             "gpu_memory_cap", "fold_order", "eval_on", "on_client_failure", "max_client_retries",
+                             "ray_timeout_s"]
     assert listed("RAY") == listed("ray")
     assert listed("schedule") == list(SECTIONS["schedule"])
     gpu = listed("gpu")  # a word: in the name, or starting a word of the meaning

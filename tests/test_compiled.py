@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 import pytest
+import ray
 import raytest
+import torch
 from oracle import run_oracle
 from raytest import first_state
 from test_hosted import BASE, assert_same_state, sized_clients, train
@@ -15,6 +20,7 @@ from test_sampling import CASES as SAMPLING_CASES
 import fdam_ray
 from fdam_ray.config import ConfigError, build_config
 from fdam_ray.data.arrays import ArraysSource
+from fdam_ray.executors.compiled import PAUSE_CAP_S, PAUSE_OF_WAIT, patient_read
 from fdam_ray.executors.ray_executor import REST_RATIO, RayExecutor
 from fdam_ray.state import RoundPlan
 
@@ -72,10 +78,11 @@ def test_compiled_with_per_node_reduction_is_refused_in_one_line():
         build_config(dict(transport="nccl"))
 
 
-def test_the_graph_rests_during_scoring_only_when_scoring_takes_several_builds():
+def test_a_spinning_graph_rests_during_scoring_only_when_scoring_takes_several_builds():
     clients, test = sized_clients()
     source = ArraysSource(clients, test)
-    config = build_config(dict(BASE, dataset="arrays", num_clients=len(clients), transport="compiled", **RAY))
+    config = build_config(dict(BASE, dataset="arrays", num_clients=len(clients), transport="compiled",
+                               channel_wait="spin", **RAY))
     with RayExecutor() as ex:
         ex.start(config, source)
         state = first_state(ex, config, source)
@@ -88,3 +95,138 @@ def test_the_graph_rests_during_scoring_only_when_scoring_takes_several_builds()
         assert ex.graph.graph is None  # ended for the scoring ...
         ex.run_round(state, RoundPlan(2, 1, 2, 0.1, 2), lambda partial: None)
         assert ex.graph.graph is not None and ex.graph.builds == 2 and ex.graph.actor_sets == 1  # ... and back
+
+
+def test_a_sleeping_graph_stays_through_scoring():
+    clients, test = sized_clients()
+    source = ArraysSource(clients, test)
+    config = build_config(dict(BASE, dataset="arrays", num_clients=len(clients), transport="compiled", **RAY))
+    assert config.channel_wait == "sleep"
+    with RayExecutor() as ex:
+        ex.start(config, source)
+        state = first_state(ex, config, source)
+        ex.run_round(state, RoundPlan(1, 1, 2, 0.1, 0), lambda partial: None)
+        ex._took["evaluate"] = REST_RATIO * ex.graph.build_s * 10
+        ex.evaluate(state)
+        ex.run_round(state, RoundPlan(2, 1, 2, 0.1, 2), lambda partial: None)
+        assert ex.graph.graph is not None and ex.graph.builds == 1
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process CPU time from /proc")
+def test_waiting_actors_sleep_instead_of_keeping_a_core_busy():
+    # between rounds a compiled graph's actors wait for the next input: polling (spin) keeps a core busy each,
+    # sleeping waits cost almost nothing
+    clients, test = sized_clients()
+    source = ArraysSource(clients, test)
+    idle = {}
+    for wait in ("spin", "sleep"):
+        config = build_config(dict(BASE, dataset="arrays", num_clients=len(clients), transport="compiled",
+                                   channel_wait=wait, **RAY))
+        with RayExecutor() as ex:
+            ex.start(config, source)
+            state = first_state(ex, config, source)
+            ex.run_round(state, RoundPlan(1, 1, 2, 0.1, 0), lambda partial: None)
+            pids = [ex.where_of[a]["pid"] for a in sorted(ex.actors)]
+            before, started = [_cpu_seconds(p) for p in pids], time.monotonic()
+            time.sleep(2.0)
+            took = time.monotonic() - started
+            idle[wait] = max(_cpu_seconds(p) - b for p, b in zip(pids, before, strict=True)) / took
+            ex.run_round(state, RoundPlan(2, 1, 2, 0.1, 2), lambda partial: None)  # the graph still answers
+            assert ex.graph.builds == 1
+    assert idle["sleep"] < 0.1, idle  # cores per waiting actor
+    assert idle["spin"] > 3 * idle["sleep"], idle
+
+
+class _Channel:
+    """A channel whose data arrive ``ready_s`` after it is made; counts the checks of a zero-timeout read."""
+
+    def __init__(self, ready_s: float, value=None, error: BaseException | None = None) -> None:
+        self.ready_at = time.monotonic() + ready_s
+        self.value, self.error, self.checks = value, error, 0
+
+    def read(self, timeout: float) -> object:
+        from ray.exceptions import RayChannelTimeoutError
+
+        if timeout > 0:  # Ray's polling wait, as one check
+            time.sleep(max(0.0, min(timeout, self.ready_at - time.monotonic())))
+        self.checks += 1
+        if time.monotonic() < self.ready_at:
+            raise RayChannelTimeoutError("no data yet")
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def test_a_patient_read_returns_soon_after_the_data_with_few_checks():
+    from ray.exceptions import RayChannelTimeoutError
+
+    wait = 0.5
+    channel = _Channel(wait, value="data")
+    assert patient_read(_Channel.read, channel, None) == "data"
+    late = time.monotonic() - channel.ready_at
+    assert late <= PAUSE_OF_WAIT * wait + 0.01, late  # the longest pause, plus the scheduler's slack
+    assert channel.checks < 400, channel.checks  # a polling read checks hundreds of thousands of times
+    # a wait split into reads of 0.1 s (as Ray's read loop does) backs off as one wait
+    channel = _Channel(wait, value="data")
+    timeouts = 0
+    while True:
+        try:
+            got = patient_read(_Channel.read, channel, 0.1)
+            break
+        except RayChannelTimeoutError:
+            timeouts += 1
+    assert got == "data" and timeouts >= 4
+    assert time.monotonic() - channel.ready_at <= PAUSE_OF_WAIT * wait + 0.01
+    assert channel.checks < 400, channel.checks
+    assert channel._fdam_waiting_since is None  # the next wait starts afresh
+    # a timeout is kept to (within a pause), and errors pass through
+    started = time.monotonic()
+    with pytest.raises(RayChannelTimeoutError):
+        patient_read(_Channel.read, _Channel(10.0), 0.05)
+    assert 0.05 <= time.monotonic() - started < 0.05 + PAUSE_CAP_S + 0.01
+    channel = _Channel(0.01, error=ValueError("broken"))
+    with pytest.raises(ValueError, match="broken"):
+        patient_read(_Channel.read, channel, None)
+    assert channel._fdam_waiting_since is None
+
+
+def _same(a, b) -> bool:
+    """Equal nested states (dicts, sequences, tensors, arrays, scalars)."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and np.array_equal(a, b)
+    return a == b
+
+
+def test_a_round_reported_not_started_never_runs_on_the_graph_thread_afterwards():
+    # recovery asks each actor how its part of a broken round went; "not started" makes the driver re-run that
+    # part with a classic call, so an input that reaches the actor later must not run it a second time
+    clients, test = sized_clients()
+    source = ArraysSource(clients, test)
+    config = build_config(dict(BASE, dataset="arrays", num_clients=len(clients), transport="compiled", **RAY))
+    with RayExecutor() as ex:
+        ex.start(config, source)
+        state = first_state(ex, config, source)
+        actor = ex.actors[0]
+        ids = ex.hosted[0]
+        message = (state, RoundPlan(1, 1, 2, 0.1, 0), {0: (ids, [])})
+        before = ray.get(actor.get_state.remote(ids))
+        assert ray.get(actor.round_status.remote(1)) == ("not started", None)
+        assert ray.get(actor.compiled_round.remote(message)) is None
+        assert ray.get(actor.round_status.remote(1)) == ("not started", None)
+        after = ray.get(actor.get_state.remote(ids))
+        assert _same([s["sampler"] for s in after], [s["sampler"] for s in before])  # nothing ran
+        message = (state, RoundPlan(2, 1, 2, 0.1, 0), {0: (ids, [])})
+        partial = ray.get(actor.compiled_round.remote(message))  # the next round runs as usual
+        assert [s.client_id for s in partial.stats] == list(ids)
+        assert ray.get(actor.round_status.remote(2))[0] == "done"

@@ -53,6 +53,7 @@ class ExecutorSection(ClientSection):
     client_resources: tuple[dict, ...] | None
     reduce: str
     transport: str
+    channel_wait: str
     placement_timeout_s: float
 
 

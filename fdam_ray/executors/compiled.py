@@ -9,13 +9,22 @@ into pre-allocated shared-memory channels between the driver and the actors
 actor), which removes the per-call launch and object-store work of classic
 Ray calls. The channels are sized for the state at build time.
 
-Ray's channels poll: while a graph waits for its next input, each actor's
-graph thread keeps a core busy, and so does the driver while it waits for the
-outputs. The executor therefore ends the graph before work that is not a
+Waiting on a channel (``channel_wait``). Ray's channel reads poll: while a
+graph waits for its next input, each actor's graph thread keeps a core busy,
+and so does the driver while it waits for the outputs, so actors that share
+cores slow down the ones still computing, and an idle graph (during scoring
+or a checkpoint) burns a core per actor. With ``channel_wait: sleep`` (the
+default) a read of the graph's channels, by an actor or by the driver, polls
+as Ray does for its first ``SPIN_S`` only (the gaps inside a loop of rounds
+are shorter) and then sleeps between checks, with pauses that grow with the
+time already waited (:func:`patient_read`): at most ``PAUSE_CAP_S`` while the
+wait is short, at most ``PAUSE_OF_WAIT`` of the time waited after that, so a
+long wait ends at most a few percent later than its data arrived and an idle
+graph costs almost no CPU. With ``channel_wait: spin`` Ray's own polling is
+left as it is; the executor then ends the graph before work that is not a
 round (scoring, checkpoints) when such work last took several times longer
-than a build, and builds it again at the next round; and the driver sleeps
-through half the shortest of the last rounds before it reads a round's
-outputs.
+than a build. Either way the driver sleeps through half the shortest of the
+last rounds before it reads a round's outputs.
 
 The graph is built for one set of actor handles; :class:`CompiledRounds`
 rebuilds it when that set changes (an actor replaced or ended). Compiled
@@ -30,6 +39,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -39,14 +49,85 @@ log = logging.getLogger(__name__)
 # with the client and the round.
 logging.getLogger("ray.dag.compiled_dag_node").setLevel(logging.CRITICAL)
 
-NAP_FRACTION = 0.5  # of the shortest of the last 8 rounds, slept before reading a round's outputs
+NAP_FRACTION = 0.5  # channel_wait=spin: of the shortest of the last 8 rounds, slept before reading the outputs
 _CHANNEL_SLACK = 1 << 20  # bytes beyond the state: plan, client lists, pickling headers, step statistics
+
+# channel_wait=sleep: how long a wait polls before it sleeps (the gaps inside a loop of rounds are shorter), the
+# first pause after that, the longest pause while a wait is short, and the longest pause as a fraction of the
+# time already waited
+SPIN_S = 0.05
+FIRST_PAUSE_S = 20e-6
+PAUSE_CAP_S = 200e-6
+PAUSE_OF_WAIT = 0.02
+_patience = {"on": False, "installed": False}
+
+
+def patient_read(ray_read: Callable[[Any, float], Any], channel: Any, timeout: float | None) -> Any:
+    """Read ``channel`` as ``ray_read(channel, timeout)`` would, but sleep once a wait has lasted ``SPIN_S``.
+
+    For its first ``SPIN_S`` a wait is Ray's own (polling: the quickest hand-over, and the gaps inside a loop
+    of rounds are shorter); after that it checks with a zero timeout and sleeps between checks, with pauses
+    that start at ``FIRST_PAUSE_S`` and double up to the larger of ``PAUSE_CAP_S`` and ``PAUSE_OF_WAIT``
+    times the time this channel has been waited on. A wait that the caller splits into several reads (Ray's
+    read loop asks again every ``read_iteration_timeout``) counts as one. Raises Ray's timeout error at the
+    deadline, and whatever ``ray_read`` raises.
+    """
+    from ray.exceptions import RayChannelTimeoutError
+
+    now = time.monotonic()
+    deadline = None if timeout is None or timeout < 0 else now + timeout
+    since = getattr(channel, "_fdam_waiting_since", None) or now
+    channel._fdam_waiting_since = since
+    pause = FIRST_PAUSE_S
+    while True:
+        poll = max(0.0, SPIN_S - (now - since))  # Ray's polling while the wait is young
+        if deadline is not None:
+            poll = min(poll, max(0.0, deadline - now))
+        try:
+            value = ray_read(channel, poll)
+        except RayChannelTimeoutError:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise  # the caller's next read goes on with the same wait: `since` is kept
+            if now - since >= SPIN_S:
+                time.sleep(pause if deadline is None else min(pause, deadline - now))
+                pause = min(2 * pause, max(PAUSE_CAP_S, PAUSE_OF_WAIT * (now - since)))
+            continue
+        except BaseException:
+            channel._fdam_waiting_since = None
+            raise
+        channel._fdam_waiting_since = None
+        return value
+
+
+def patient_reads(on: bool) -> bool:
+    """Make this process's reads of compiled-graph channels sleep between checks (``on``, see
+    :func:`patient_read`) or poll as Ray does. Returns whether reads are patient now (False where this Ray
+    has no shared-memory channel to wrap)."""
+    try:
+        from ray.experimental.channel.shared_memory_channel import Channel
+    except ImportError:  # pragma: no cover - a Ray without compiled graphs' shared-memory channels
+        return False
+    if not _patience["installed"]:
+        ray_read = Channel.read
+
+        def read(self, timeout: float | None = None) -> Any:
+            if not _patience["on"]:
+                return ray_read(self, timeout)
+            return patient_read(ray_read, self, timeout)
+
+        read.__doc__ = ray_read.__doc__
+        Channel.read = read
+        _patience["installed"] = True
+    _patience["on"] = on
+    return on
 
 
 class CompiledRounds:
     """The compiled round graph of one federation: built on demand, rebuilt when the actors change."""
 
-    def __init__(self) -> None:
+    def __init__(self, channel_wait: str = "sleep") -> None:
+        self.channel_wait = channel_wait
         self.graph: Any = None
         self.key: tuple = ()
         self.builds = 0
@@ -92,12 +173,17 @@ class CompiledRounds:
         """
         self.busy = True
         started = time.monotonic()
-        refs = self.graph.execute(message)
-        if self._recent:
-            # reading the outputs polls a core: first sleep through half the shortest recent round, leaving
-            # that core to the clients where they share the driver's cores
-            time.sleep(NAP_FRACTION * min(self._recent))
-        outputs = [ref.get(timeout=timeout_s) for ref in refs]
+        patient = patient_reads(self.channel_wait == "sleep")
+        try:
+            refs = self.graph.execute(message)
+            if self._recent:
+                # reading polls a core at first: sleep through half the shortest recent round, leaving that
+                # core to the clients where they share the driver's cores
+                time.sleep(NAP_FRACTION * min(self._recent))
+            outputs = [ref.get(timeout=timeout_s) for ref in refs]
+        finally:
+            if patient:
+                patient_reads(False)  # the driver's other compiled graphs, if any, read as Ray does
         self._recent.append(time.monotonic() - started)
         self.busy = False
         return outputs

@@ -18,6 +18,7 @@ runs ``threads`` torch threads.
 from __future__ import annotations
 
 import os
+import threading
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ import torch
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.client import Client, ClientSection, TrainingReplica, begin_stage_hosted, run_hosted
 from fdam_ray.data import AnySplit, DatasetSplit, Split
+from fdam_ray.executors.compiled import patient_reads
 from fdam_ray.executors.errors import client_error
 from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores
 
@@ -72,10 +74,12 @@ class ClientShell:
         device: the config's ``device`` (auto, cpu, cuda).
         gpu_share: GPUs Ray reserves for this actor (``gpus_per_actor``).
         gpu_memory_cap: cap CUDA memory to ``gpu_share`` when it is a fraction.
+        channel_wait: how the actor's compiled-graph thread waits for a round (``sleep`` or ``spin``; see
+            :mod:`fdam_ray.executors.compiled`).
     """
 
     def __init__(self, actor: int, client_ids: Sequence[int], *, threads: int, device: str, gpu_share: float,
-                 gpu_memory_cap: bool) -> None:
+                 gpu_memory_cap: bool, channel_wait: str = "sleep") -> None:
         self.actor = actor
         self.client_ids = tuple(client_ids)
         self.round = 0
@@ -83,8 +87,13 @@ class ClientShell:
         self.clients: dict[int, Client] = {}
         self.test: AnySplit | None = None
         self._partial: PartialSum | None = None
+        # how the last compiled round went, (round, "running" | "done" | "failed" | "withdrawn", value); set on
+        # the graph's thread, read on the main thread
+        self._status: tuple[int, str, object] | None = None
+        self._status_lock = threading.Lock()
         self._sources: dict = {}  # object ref -> data source spec read here
         torch.set_num_threads(threads)
+        patient_reads(channel_wait == "sleep")  # only the compiled graph's thread reads channels here
         # states arrive as read-only views into the object store; the clients only copy from them
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         self.device = self._call("start", lambda: actor_device(device, gpu_share=gpu_share,
@@ -181,7 +190,10 @@ class ClientShell:
         """
         state, plan, calls = message
         ids, adopt = calls.get(self.actor, ((), ()))
-        self._status = (plan.round, "running", None)
+        with self._status_lock:
+            if self._status is not None and self._status[:2] == (plan.round, "withdrawn"):
+                return None  # the driver was told "not started" and runs this round with a classic call
+            self._status = (plan.round, "running", None)
         if not ids:
             self._status = (plan.round, "done", None)
             return None
@@ -195,11 +207,17 @@ class ClientShell:
 
     def round_status(self, round_index: int) -> tuple[str, PartialSum | BaseException | None]:
         """How this actor's compiled round ``round_index`` went: ``("done", partial sum or None)``,
-        ``("failed", error)``, ``("running", None)`` or ``("not started", None)``."""
-        status = getattr(self, "_status", None)
-        if status is None or status[0] != round_index:
-            return "not started", None
-        return status[1], status[2]
+        ``("failed", error)``, ``("running", None)`` or ``("not started", None)``.
+
+        "not started" withdraws the round from the graph: should its input still reach this actor, the graph's
+        thread does not run it (the driver re-runs it with a classic call, and it must not run twice).
+        """
+        with self._status_lock:
+            status = self._status
+            if status is None or status[0] != round_index or status[1] == "withdrawn":
+                self._status = (round_index, "withdrawn", None)
+                return "not started", None
+            return status[1], status[2]
 
     def evaluate(self, state: GlobalState, client_ids: Sequence[int]) -> list[Scores | None]:
         return self._each("evaluate", client_ids, lambda c: c.evaluate(state))

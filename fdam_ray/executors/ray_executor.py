@@ -281,7 +281,7 @@ class RayExecutor(Executor):
             if config.reduce == "node":
                 raise ValueError("transport=compiled folds every actor's partial sum at the driver; reduce=node "
                                  "needs transport=classic")
-            self.graph = CompiledRounds()
+            self.graph = CompiledRounds(config.channel_wait)
         self.num_clients = num_clients = source.num_clients
         groups = actor_groups(num_clients, config.clients_per_actor)
         if config.device == "cuda" and not config.gpus_per_actor:
@@ -409,7 +409,7 @@ class RayExecutor(Executor):
             num_cpus=cfg.cpus_per_actor, num_gpus=cfg.gpus_per_actor, max_restarts=0, max_task_retries=0,
             scheduling_strategy=strategy,
         ).remote(a, self.hosted[a], threads=threads, device=cfg.device, gpu_share=cfg.gpus_per_actor,
-                 gpu_memory_cap=cfg.gpu_memory_cap)
+                 gpu_memory_cap=cfg.gpu_memory_cap, channel_wait=cfg.channel_wait)
 
     # -- calls on every actor, with failures handled ---------------------------------------
     def _each(self, action: str, submit: Callable[[int, Any], Any],
@@ -658,8 +658,10 @@ class RayExecutor(Executor):
     def run_round(self, state: GlobalState, plan: RoundPlan, fold: Callable[[PartialSum], None],
                   clients: Sequence[int] | None = None) -> None:
         self._round = plan.round
-        ref = ray.put(state)  # always fresh: the driver may have changed the state since it was last put
         self._put_state = None
+        put: list = []  # the round's object-store copy of the state: made by its first classic call (never when
+        # the compiled graph carries the round), always fresh, since the driver changes a state in place only
+        # between scoring and the next round
         chosen = set(self.live) if clients is None else set(clients) & set(self.live)
 
         def ids_of(a: int) -> list[int]:
@@ -667,7 +669,9 @@ class RayExecutor(Executor):
 
         def call(a: int, actor) -> Any:
             ids = ids_of(a)
-            return actor.local_round.remote(ref, plan, ids, [k for k in ids if k in self._adopt_global_c])
+            if not put:
+                put.append(ray.put(state))
+            return actor.local_round.remote(put[0], plan, ids, [k for k in ids if k in self._adopt_global_c])
 
         targets = [a for a in self.actors if ids_of(a)]  # an actor with no client in the round is not called
         if self.graph is not None:
@@ -816,12 +820,12 @@ class RayExecutor(Executor):
         return self._reducers[node]
 
     def _rest_graph(self, kind: str) -> None:
-        """End the compiled graph before work that is not a round (scoring, checkpoints) when the last such
-        work took more than ``REST_RATIO`` times what building the graph takes: its waiting threads poll their
-        channels, a core each, which slows long work, while for short work a rebuild costs more than the
-        polling. The next round builds it again."""
+        """With ``channel_wait: spin``, end the compiled graph before work that is not a round (scoring,
+        checkpoints) when the last such work took more than ``REST_RATIO`` times what building the graph takes:
+        its waiting threads poll their channels, a core each, which slows long work, while for short work a
+        rebuild costs more than the polling. The next round builds it again. (Sleeping waits cost no core.)"""
         graph = self.graph
-        if (graph is not None and graph.graph is not None and not graph.busy
+        if (graph is not None and graph.graph is not None and not graph.busy and graph.channel_wait == "spin"
                 and self._took.get(kind, 0.0) > REST_RATIO * graph.build_s):
             graph.teardown()
 
