@@ -16,7 +16,8 @@ References in the same run, same K and N: the plain-Ray pattern (one
 paper's way, a ``torch.distributed`` gloo all-reduce among K spawned
 processes (127.0.0.1, one torch thread each; its round = the slowest rank's
 all-reduce plus the division by K). Blocks of rounds of all of them alternate
-``--repeats`` times, so machine noise hits them alike; each figure is the
+``--repeats`` times, each repeat starting one pattern further on, so machine
+noise and the clean-up after a block hit them alike; each figure is the
 median over the blocks, and the blocks' range is the noise. Targets: the
 classic overhead at most 1.5 x the plain pattern's; the compiled overhead at
 most the gloo all-reduce round at every N (ratio <= 1.0) and at most 0.5 x the
@@ -26,7 +27,7 @@ memory before and during rounds at K = 2, 4, 8, each in a fresh driver process
 (target: peak RSS at the largest K at most 1.5 x that at the smallest).
 
     python benchmarks/round_overhead.py [--sizes 270000 7000000] [--clients 4] [--also-clients 2]
-                                        [--rounds 12] [--repeats 3] [--mem-clients 2 4 8]
+                                        [--rounds 12] [--repeats 5] [--mem-clients 2 4 8]
                                         [--out benchmarks/results/round_overhead.md]
 
 Last line: ``RESULT state_floats=... compiled_ms=... classic_ms=... gloo_ms=... compiled_spin_ms=...
@@ -252,7 +253,8 @@ def gloo_rounds(k: int, n: int, rounds: int, warmup: int = 2) -> dict:
 
 def measure_case(num_clients: int, state_floats: int, rounds: int, repeats: int, gloo: bool) -> dict:
     """Alternating blocks of executor rounds (both transports, the compiled one with both ways of waiting),
-    plain-Ray rounds and gloo all-reduce rounds;
+    plain-Ray rounds and gloo all-reduce rounds, each repeat starting one pattern further on (the object store
+    frees a classic block's objects during the next block, so no pattern always follows the same one);
     medians and ranges over the blocks."""
     executors = {"classic": federation(num_clients, state_floats, "classic"),
                  "compiled": federation(num_clients, state_floats, "compiled", "sleep"),
@@ -261,16 +263,21 @@ def measure_case(num_clients: int, state_floats: int, rounds: int, repeats: int,
     blocks: dict[str, list[dict]] = {"classic": [], "compiled": [], "compiled_spin": [], "plain": [], "gloo": []}
     floors = []
     try:
-        for _ in range(repeats):
-            for transport, (executor, algorithm, state) in executors.items():
-                state, block = executor_rounds(executor, algorithm, state, rounds)
-                executors[transport] = (executor, algorithm, state)
-                blocks[transport].append(block)
-                if executor.graph is not None:  # a spinning graph's threads poll a core each: not during the others
-                    executor.graph.teardown()
-            blocks["plain"].append(plain_ray_rounds(actors, state_floats, rounds))
-            if gloo:
-                blocks["gloo"].append(gloo_rounds(num_clients, state_floats, rounds))
+        patterns = [*executors, "plain", *(["gloo"] if gloo else [])]
+        for repeat in range(repeats):
+            shift = repeat % len(patterns)
+            for pattern in patterns[shift:] + patterns[:shift]:
+                if pattern == "plain":
+                    blocks["plain"].append(plain_ray_rounds(actors, state_floats, rounds))
+                elif pattern == "gloo":
+                    blocks["gloo"].append(gloo_rounds(num_clients, state_floats, rounds))
+                else:
+                    executor, algorithm, state = executors[pattern]
+                    state, block = executor_rounds(executor, algorithm, state, rounds)
+                    executors[pattern] = (executor, algorithm, state)
+                    blocks[pattern].append(block)
+                    if executor.graph is not None:  # a spinning graph's threads poll a core each: not during others
+                        executor.graph.teardown()
             floors.append(copy_floor_ms(state_floats, num_clients))
     finally:
         for executor, _, _ in executors.values():
@@ -329,7 +336,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--also-clients", type=int, nargs="*", default=[2],
                         help="extra K measured at the largest size (K at most the cores: no oversubscription)")
     parser.add_argument("--rounds", type=int, default=12, help="timed rounds per block (after 2 warm-up rounds)")
-    parser.add_argument("--repeats", type=int, default=3, help="alternating blocks of the executor and plain Ray")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="alternating blocks of every pattern (each repeat starts one pattern further on)")
     parser.add_argument("--mem-clients", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--out", default=None, help="results file (default benchmarks/results/round_overhead.md)")
     parser.add_argument("--memory-run", type=int, help=argparse.SUPPRESS)  # internal: one memory measurement
@@ -394,7 +402,8 @@ def main(argv: list[str] | None = None) -> str:
     body = f"""
 K client actors, one local step each on one sample (a linear scorer whose state v has N floats), CODA+. \
 {args.repeats} alternating blocks of {args.rounds} timed rounds (after 2 warm-up rounds) of the executor under \
-each transport, of the plain-Ray pattern and of the gloo all-reduce; each figure is the median over the blocks \
+each transport, of the plain-Ray pattern and of the gloo all-reduce, each repeat starting one pattern further \
+on; each figure is the median over the blocks \
 of the blocks' medians, (lo..hi) the range over the blocks. Overhead = the driver's round time (broadcast, \
 local rounds, fold, server step) minus the slowest client's compute (its local steps). Compiled = `transport: \
 compiled` (one Ray Compiled Graph: shared-memory channels) with its default `channel_wait: sleep` (a wait polls \

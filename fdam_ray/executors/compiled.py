@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 # with the client and the round.
 logging.getLogger("ray.dag.compiled_dag_node").setLevel(logging.CRITICAL)
 
-NAP_FRACTION = 0.5  # channel_wait=spin: of the shortest of the last 8 rounds, slept before reading the outputs
+NAP_FRACTION = 0.5  # of the shortest of the last 8 rounds, slept before reading a round's outputs
 _CHANNEL_SLACK = 1 << 20  # bytes beyond the state: plan, client lists, pickling headers, step statistics
 
 # channel_wait=sleep: how long a wait polls before it sleeps (the gaps inside a loop of rounds are shorter), the
