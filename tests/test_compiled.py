@@ -169,26 +169,28 @@ def test_a_patient_read_returns_soon_after_the_data_with_few_checks():
     channel = _Channel(wait, value="data")
     assert patient_read(_Channel.read, channel, None) == "data"
     late = time.monotonic() - channel.ready_at
-    assert late <= PAUSE_OF_WAIT * wait + 0.01, late  # the longest pause, plus the scheduler's slack
+    assert late <= PAUSE_OF_WAIT * wait + 0.04, late  # the longest pause, plus slack for a busy machine
     assert channel.checks < 400, channel.checks  # a polling read checks hundreds of thousands of times
     # a wait split into reads of 0.1 s (as Ray's read loop does) backs off as one wait
     channel = _Channel(wait, value="data")
-    timeouts = 0
+    timeouts, since = 0, set()
     while True:
         try:
             got = patient_read(_Channel.read, channel, 0.1)
             break
         except RayChannelTimeoutError:
             timeouts += 1
+            since.add(channel._fdam_waiting_since)
     assert got == "data" and timeouts >= 4
-    assert time.monotonic() - channel.ready_at <= PAUSE_OF_WAIT * wait + 0.01
+    assert len(since) == 1 and None not in since  # every read went on with the wait the first one began
+    assert time.monotonic() - channel.ready_at <= PAUSE_OF_WAIT * wait + 0.04
     assert channel.checks < 400, channel.checks
     assert channel._fdam_waiting_since is None  # the next wait starts afresh
     # a timeout is kept to (within a pause), and errors pass through
     started = time.monotonic()
     with pytest.raises(RayChannelTimeoutError):
         patient_read(_Channel.read, _Channel(10.0), 0.05)
-    assert 0.05 <= time.monotonic() - started < 0.05 + PAUSE_CAP_S + 0.01
+    assert 0.05 <= time.monotonic() - started < 0.05 + PAUSE_CAP_S + 0.04
     channel = _Channel(0.01, error=ValueError("broken"))
     with pytest.raises(ValueError, match="broken"):
         patient_read(_Channel.read, channel, None)
