@@ -42,6 +42,16 @@ def pooled_positive_ratio(clients) -> float:
     return sum(float((y == 1).sum()) for _, y in clients) / sum(len(y) for _, y in clients)
 
 
+def assert_matches(result, v, alpha, c_v=None, c_a=None) -> None:
+    """A run's end point equals the oracle's (v, alpha; and the control variates when given) to float32
+    precision."""
+    np.testing.assert_allclose(result.state.v, v, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(result.alpha, [alpha], rtol=1e-5, atol=1e-6)
+    if c_v is not None:
+        np.testing.assert_allclose(result.control_variates[0], c_v, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(result.control_variates[1], [c_a], rtol=1e-4, atol=1e-5)
+
+
 def run_oracle(
     clients,
     v0,

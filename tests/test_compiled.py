@@ -10,7 +10,7 @@ import pytest
 import ray
 import raytest
 import torch
-from oracle import run_oracle
+from oracle import assert_matches, run_oracle
 from raytest import first_state
 from test_hosted import BASE, assert_same_state, sized_clients, train
 from test_oracle import CASES as ORACLE_CASES
@@ -20,8 +20,8 @@ from test_sampling import CASES as SAMPLING_CASES
 import fdam_ray
 from fdam_ray.config import ConfigError, build_config
 from fdam_ray.data.arrays import ArraysSource
-from fdam_ray.executors.compiled import PAUSE_CAP_S, PAUSE_OF_WAIT, patient_read
-from fdam_ray.executors.ray_executor import REST_RATIO, RayExecutor
+from fdam_ray.executors.compiled import PAUSE_CAP_S, PAUSE_OF_WAIT, REST_RATIO, patient_read
+from fdam_ray.executors.ray_executor import RayExecutor
 from fdam_ray.state import RoundPlan
 
 RAY = dict(executor="ray", cpus_per_actor=0.5, threads_per_actor=1)
@@ -57,10 +57,7 @@ def test_compiled_runs_match_the_numpy_oracle(case):
     kwargs = {k: v for k, v in case.items() if k != "algorithm"}
     v, alpha, c_v, c_a = run_oracle([(X.astype(np.float64), y) for X, y in clients], initial_v(4), **kwargs,
                                     control_variates=True)
-    np.testing.assert_allclose(result.state.v, v, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(result.alpha, [alpha], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(result.control_variates[0], c_v, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(result.control_variates[1], [c_a], rtol=1e-4, atol=1e-5)
+    assert_matches(result, v, alpha, c_v, c_a)
 
 
 def test_the_graph_ends_with_the_run():

@@ -11,7 +11,7 @@ import signal
 import numpy as np
 import pytest
 import raytest
-from oracle import run_oracle
+from oracle import assert_matches, run_oracle
 from test_oracle import initial_v
 
 import fdam_ray
@@ -141,10 +141,7 @@ def test_hosted_clients_with_sampling_and_weights_match_the_numpy_oracle():
     result = train(dict(BASE, batch_size="full", **case, clients_per_actor=2), clients, test)
     v, alpha, c_v, c_a = run_oracle([(X.astype(np.float64), y) for X, y in clients], initial_v(4, 0),
                                     control_variates=True, **case)
-    np.testing.assert_allclose(result.state.v, v, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(result.alpha, [alpha], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(result.control_variates[0], c_v, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(result.control_variates[1], [c_a], rtol=1e-4, atol=1e-5)
+    assert_matches(result, v, alpha, c_v, c_a)
 
 
 def test_the_inline_executor_hosts_every_client_on_one_replica():

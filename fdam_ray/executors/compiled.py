@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 logging.getLogger("ray.dag.compiled_dag_node").setLevel(logging.CRITICAL)
 
 NAP_FRACTION = 0.5  # of the shortest of the last 8 rounds, slept before reading a round's outputs
+REST_RATIO = 4.0  # channel_wait=spin: end the graph before work between rounds that last took this x a build
 _CHANNEL_SLACK = 1 << 20  # bytes beyond the state: plan, client lists, pickling headers, step statistics
 
 # channel_wait=sleep: how long a wait polls before it sleeps (the gaps inside a loop of rounds are shorter), the
@@ -187,6 +188,15 @@ class CompiledRounds:
         self._recent.append(time.monotonic() - started)
         self.busy = False
         return outputs
+
+    def rest(self, took_s: float) -> None:
+        """Before work that is not a round (scoring, checkpoints) whose last run took ``took_s``: with
+        ``channel_wait: spin``, end an idle graph when that work took more than ``REST_RATIO`` builds. Its
+        waiting threads poll a core each, which slows long work, while for short work a rebuild costs more
+        than the polling; the next round builds it again. Sleeping waits cost no core: the graph stays."""
+        if (self.channel_wait == "spin" and self.graph is not None and not self.busy
+                and took_s > REST_RATIO * self.build_s):
+            self.teardown()
 
     def teardown(self) -> None:
         """End the graph (the actors stay alive and take classic calls and a new graph)."""

@@ -216,17 +216,15 @@ def check_offered(client_resources: Sequence[dict], nodes: Sequence[dict],
                                      f"{', '.join(custom_resources(nodes)) or 'no custom resources'}")
 
 
-REST_RATIO = 4.0  # end the compiled graph before work between rounds that last took this x its build time
-
-
 def _between_rounds(kind: str) -> Callable:
-    """Work between rounds (scoring, checkpoints): end the compiled graph first when that is worth it, and
-    keep how long this kind of work took."""
+    """Work between rounds (scoring, checkpoints): let the compiled graph rest first when that is worth it
+    (:meth:`CompiledRounds.rest`), and keep how long this kind of work took."""
 
     def wrap(method: Callable) -> Callable:
         @functools.wraps(method)
         def run(self: RayExecutor, *args: Any, **kwargs: Any) -> Any:
-            self._rest_graph(kind)
+            if self.graph is not None:
+                self.graph.rest(self._took.get(kind, 0.0))
             started = time.monotonic()
             try:
                 return method(self, *args, **kwargs)
@@ -664,19 +662,20 @@ class RayExecutor(Executor):
         # between scoring and the next round
         chosen = set(self.live) if clients is None else set(clients) & set(self.live)
 
-        def ids_of(a: int) -> list[int]:
-            return [k for k in self.hosted.get(a, ()) if k in chosen]
+        def work(a: int) -> tuple[list[int], list[int]]:
+            """Actor ``a``'s clients in this round, and those of them that first adopt the global c."""
+            ids = [k for k in self.hosted.get(a, ()) if k in chosen]
+            return ids, [k for k in ids if k in self._adopt_global_c]
 
         def call(a: int, actor) -> Any:
-            ids = ids_of(a)
             if not put:
                 put.append(ray.put(state))
-            return actor.local_round.remote(put[0], plan, ids, [k for k in ids if k in self._adopt_global_c])
+            return actor.local_round.remote(put[0], plan, *work(a))  # at call time: a replacement adopts c
 
-        targets = [a for a in self.actors if ids_of(a)]  # an actor with no client in the round is not called
+        # an actor with no client in the round is not called
+        targets = [a for a in self.actors if any(k in chosen for k in self.hosted.get(a, ()))]
         if self.graph is not None:
-            calls = {a: (ids_of(a), [k for k in ids_of(a) if k in self._adopt_global_c]) for a in targets}
-            self._round_compiled(state, plan, calls, call, fold)
+            self._round_compiled(state, plan, {a: work(a) for a in targets}, call, fold)
             return
         if self.config.reduce == "node":
             self._round_by_node(call, targets, fold)
@@ -818,16 +817,6 @@ class RayExecutor(Executor):
             self._reducers[node] = _RemoteReducer.options(
                 num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
         return self._reducers[node]
-
-    def _rest_graph(self, kind: str) -> None:
-        """With ``channel_wait: spin``, end the compiled graph before work that is not a round (scoring,
-        checkpoints) when the last such work took more than ``REST_RATIO`` times what building the graph takes:
-        its waiting threads poll their channels, a core each, which slows long work, while for short work a
-        rebuild costs more than the polling. The next round builds it again. (Sleeping waits cost no core.)"""
-        graph = self.graph
-        if (graph is not None and graph.graph is not None and not graph.busy and graph.channel_wait == "spin"
-                and self._took.get(kind, 0.0) > REST_RATIO * graph.build_s):
-            graph.teardown()
 
     def _drop_reducer(self, node: str) -> None:
         reducer = self._reducers.pop(node, None)
