@@ -45,7 +45,7 @@ import torch
 from ray.cluster_utils import Cluster
 from round_overhead import WideSource
 
-from fdam_ray.algorithms import Algorithm, AlgorithmSection
+from fdam_ray.algorithms import AlgorithmSection, build_algorithm
 from fdam_ray.client import Replica
 from fdam_ray.config import build_config
 from fdam_ray.executors.ray_executor import RayExecutor
@@ -79,7 +79,7 @@ def start_executor(nodes: int, clients_per_node: int, state_floats: int):
     state = Replica(config, source, device=torch.device("cpu")).flat.initial_state()
     executor.configure(np.array([0.5]))
     executor.begin_stage(state.v, True)
-    return executor, Algorithm.from_section(AlgorithmSection.of(config)), state
+    return executor, build_algorithm(AlgorithmSection.of(config)), state
 
 
 def rounds(executor, algorithm, state, reduce: str, count: int, warmup: int = 1):

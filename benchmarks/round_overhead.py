@@ -56,7 +56,7 @@ import numpy as np
 import ray
 import torch
 
-from fdam_ray.algorithms import Algorithm, AlgorithmSection
+from fdam_ray.algorithms import AlgorithmSection, build_algorithm
 from fdam_ray.client import Replica
 from fdam_ray.config import build_config
 from fdam_ray.data import DataSource, Shard, Split
@@ -151,7 +151,7 @@ def federation(num_clients: int, state_floats: int, transport: str = "classic", 
     assert state.v.size == state_floats, state.v.size
     executor.configure(np.array([0.5]))
     executor.begin_stage(state.v, True)
-    return executor, Algorithm.from_section(AlgorithmSection.of(config)), state
+    return executor, build_algorithm(AlgorithmSection.of(config)), state
 
 
 def executor_rounds(executor, algorithm, state, rounds: int, warmup: int = 2):

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from fdam_ray.algorithms import Algorithm, AlgorithmSection, LocalSolver
+from fdam_ray.algorithms import AlgorithmSection, LocalSolver, build_algorithm
+from fdam_ray.algorithms.drift import ClientVariate
 from fdam_ray.algorithms.sampling import client_weights
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.data import AnySplit, DataSource, Split, iter_batches, make_sampler
@@ -95,7 +96,7 @@ class Replica:
         self.device = device
         if config.deterministic:
             use_deterministic_kernels()
-        self.algorithm = Algorithm.from_section(config)
+        self.algorithm = build_algorithm(config)
         self.objective = self.algorithm.objective(source.num_tasks)
         model = build_model(config.model, source.input_shape, source.num_tasks,
                             width=config.model_width, seed=config.seed)
@@ -126,32 +127,37 @@ class TrainingReplica(Replica):
     executor's driver, or one Ray actor), one client at a time: a client's own
     state (:class:`Client`: shard, sampler position, control variate) is bound to
     it for the client's round. The objective's p and the stage's proximal centre
-    are the same on every client, so the replica holds them once.
+    are the same on every client, so the replica holds them once. Mixed precision
+    and loss scaling wrap the solver here (:meth:`train_step`); the solver holds
+    the algorithm's math only.
     """
 
     def __init__(self, config: ClientSection, source: DataSource, *, device: torch.device) -> None:
         super().__init__(config, source, device=device)
         self.solver = self.algorithm.solver(self.flat, self.objective)
-        self._spare_cv = self._solver_cv()  # the solver's own c^k buffers, handed to the first client
+        self.precision = self.flat.precision
+        self.precision.note_training()
         self.bound: Client | None = None
 
-    def _solver_cv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return (self.solver.c_v, self.solver.c_alpha) if self.solver.control_variates else None
-
-    def new_control_variate(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Zero c^k buffers for a client hosted here (None without drift correction)."""
-        if not self.solver.control_variates:
-            return None
-        if self._spare_cv is not None:
-            cv, self._spare_cv = self._spare_cv, None
-            return cv
-        return torch.zeros_like(self.solver.c_v), torch.zeros_like(self.solver.c_alpha)
+    def new_control_variate(self) -> ClientVariate:
+        """The client's own drift-correction state for a client hosted here (None without drift correction)."""
+        return self.solver.new_variate()
 
     def bind(self, client: Client) -> None:
         """Make the solver step with ``client``'s control variate (its own buffers: no copy)."""
-        if self.bound is not client and client.cv is not None:
-            self.solver.c_v, self.solver.c_alpha = client.cv
+        if self.bound is not client:
+            self.solver.bind(client.cv)
         self.bound = client
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, lr: float) -> torch.Tensor:
+        """One local step of the bound client under the run's precision; returns the minibatch objective (a
+        detached tensor, no device sync). With fp16 the loss is scaled for the backward pass and the step is
+        skipped when a gradient overflowed."""
+        solver = self.solver
+        loss = solver.loss(x, y)
+        self.precision.backward(loss)
+        self.precision.step(lambda: solver.apply(lr), solver.scaled_params)
+        return loss.detach()
 
     def configure(self, positive_ratio: np.ndarray) -> None:
         """Set the global p of the objective (the same on every client)."""
@@ -234,22 +240,20 @@ class Client:
         ``copy=False`` returns views of the replica's and the client's buffers (valid until the replica's
         next call), for a caller that folds or serialises the update at once: one copy of the state fewer.
         """
-        solver = self.solver
-        solver.begin(state)
+        solver, replica = self.solver, self.replica
+        solver.begin(state)  # client init
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=self.device)
         samples = 0
-        for _ in range(plan.steps):
+        for _ in range(plan.steps):  # client steps
             x, y = self.sampler.next()
-            loss_sum += solver.step(x, y, plan.lr)
+            loss_sum += replica.train_step(x, y, plan.lr)
             samples += x.shape[0]
         loss = float(loss_sum) / plan.steps  # waits for the steps on a GPU
         compute_s = time.perf_counter() - start  # the steps alone: loading and exporting the state are transfer
-        # a sampled round: the server needs c^k_new - c^k_old
-        (solver.end_sampled if plan.partial else solver.end)(plan.steps, plan.lr)
-        v, alpha, buffers, counters, c_v, c_alpha = solver.export(copy=copy)
+        solver.end(plan.steps, plan.lr, partial=plan.partial)  # client final (a sampled round sends the change)
         stats = StepStats(self.client_id, loss, plan.steps, samples, compute_s, finite=self._finite())
-        return ClientUpdate(self.client_id, v, alpha, buffers, counters, c_v, c_alpha, stats)
+        return ClientUpdate(**solver.export(copy=copy), client_id=self.client_id, stats=stats)
 
     def _finite(self) -> bool:
         """Whether the round's end point and c^k hold no NaN or infinity (one check where they live)."""

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fdam_ray.algorithms import Algorithm, AlgorithmSection, ServerState
+from fdam_ray.algorithms import AlgorithmSection, ServerState, build_algorithm
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.algorithms.stages import moments_nbytes
 from fdam_ray.client import Replica, all_finite
@@ -139,7 +139,7 @@ class Federation:
         self.source = source
         self.executor = executor
         self.config = config
-        self.algorithm = Algorithm.from_section(algorithm)
+        self.algorithm = build_algorithm(algorithm)
         self.positive_ratio_override = algorithm.positive_ratio
         self.schedule = schedule
         self.eval_every = eval_every
@@ -171,7 +171,7 @@ class Federation:
     # -- one stage end, one round ------------------------------------------------------
     def _end_stage(self, loop: LoopState) -> None:
         alpha = None
-        if self.algorithm.recompute_alpha:  # CODA: one extra round of score sums
+        if self.algorithm.needs_stage_moments:  # CODA: one extra round of score sums
             moments = self.executor.score_moments(loop.state)
             loop.bytes_down += self.executor.active_clients * loop.state.nbytes
             loop.bytes_up += moments_nbytes(moments)

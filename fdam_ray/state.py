@@ -9,39 +9,75 @@ never as a dict of many small tensors (ARCHITECTURE.md, "One round, as data").
 from __future__ import annotations
 
 import dataclasses
+import enum
+from typing import Any
 
 import numpy as np
 
 
-def _nbytes(*arrays: np.ndarray | None) -> int:
-    return int(sum(a.nbytes for a in arrays if a is not None))
+class Rule(enum.Enum):
+    """How the server combines one state vector over the clients of a round (docs/algorithms.md s.3)."""
+
+    EXTRAPOLATE = "extrapolate"  # weighted mean, then the server step eta_g (and the algorithm's projection)
+    MEAN = "mean"  # weighted mean (BatchNorm running statistics: not optimised, no eta_g)
+    MAX = "max"  # elementwise max (integer buffers such as num_batches_tracked)
+    CONTROL = "control"  # a control variate: the mean over all clients (SCAFFOLD's rule under sampling)
+
+
+def _meta(rule: Rule, doc: str, *, corrects: str | None = None) -> dict[str, Any]:
+    """A state vector's declaration: how the server combines it, what it is, which vector it corrects."""
+    return {"rule": rule, "doc": doc, "corrects": corrects}
 
 
 @dataclasses.dataclass
-class GlobalState:
-    """The server's state after a round (r = ``round``).
+class StateVectors:
+    """The state vectors, declared once.
 
-    Attributes:
-        v: primal variables (w, a, b), float32.
-        alpha: dual variable, one per task (empty for bce), float32.
-        buffers: float model buffers (BatchNorm statistics), float32; plain mean.
-        counters: integer model buffers, int64; max over clients.
-        c_v, c_alpha: global control variates (None without drift correction).
+    Every record that carries model state (the global state, a client's
+    update, a partial sum of updates) is a :class:`StateVectors` with fields of
+    its own; the server's sums, the per-node reducers, byte counts and the
+    checkpoint walk :func:`vector_fields`, so adding a vector here is the whole
+    change. A vector an algorithm does not use is None (the control variates
+    without drift correction).
     """
 
-    v: np.ndarray
-    alpha: np.ndarray
-    buffers: np.ndarray
-    counters: np.ndarray
-    c_v: np.ndarray | None = None
-    c_alpha: np.ndarray | None = None
-    round: int = 0
-    iteration: int = 0
+    v: np.ndarray = dataclasses.field(metadata=_meta(Rule.EXTRAPOLATE, "primal variables (w, a, b), float32"))
+    alpha: np.ndarray = dataclasses.field(metadata=_meta(Rule.EXTRAPOLATE, "dual variable per task (empty for bce)"))
+    buffers: np.ndarray = dataclasses.field(metadata=_meta(Rule.MEAN, "float model buffers (BatchNorm statistics)"))
+    counters: np.ndarray = dataclasses.field(metadata=_meta(Rule.MAX, "integer model buffers (num_batches_tracked)"))
+    c_v: np.ndarray | None = dataclasses.field(
+        default=None, metadata=_meta(Rule.CONTROL, "control variate of v (c or c^k)", corrects="v"))
+    c_alpha: np.ndarray | None = dataclasses.field(
+        default=None, metadata=_meta(Rule.CONTROL, "control variate of alpha", corrects="alpha"))
 
     @property
     def nbytes(self) -> int:
-        """Bytes one client receives per round."""
-        return _nbytes(self.v, self.alpha, self.buffers, self.counters, self.c_v, self.c_alpha)
+        """Bytes of the vectors (what one transfer of this record moves)."""
+        return int(sum(x.nbytes for x in self.vectors().values() if x is not None))
+
+    def vectors(self) -> dict[str, np.ndarray | None]:
+        """The state vectors by name (None where unused)."""
+        return {f.name: getattr(self, f.name) for f in vector_fields()}
+
+
+def vector_fields(rule: Rule | None = None) -> tuple[dataclasses.Field, ...]:
+    """The declared state vectors (those combined by ``rule``, when given), in declaration order."""
+    return tuple(f for f in dataclasses.fields(StateVectors) if rule is None or f.metadata["rule"] is rule)
+
+
+def vector_names(rule: Rule | None = None) -> tuple[str, ...]:
+    return tuple(f.name for f in vector_fields(rule))
+
+
+@dataclasses.dataclass(kw_only=True)
+class GlobalState(StateVectors):
+    """The server's state after a round (r = ``round``): the state vectors plus the round's position.
+
+    ``nbytes`` is what one client receives per round.
+    """
+
+    round: int = 0
+    iteration: int = 0
 
 
 @dataclasses.dataclass
@@ -78,23 +114,13 @@ class StepStats:
     finite: bool = True  # every value of the update (v, alpha, buffers, c^k) is finite
 
 
-@dataclasses.dataclass
-class ClientUpdate:
-    """A client's end point of a round and (with drift correction) its new control variate."""
+@dataclasses.dataclass(kw_only=True)
+class ClientUpdate(StateVectors):
+    """A client's end point of a round and (with drift correction) its new control variate, or its change in a
+    partial round (RoundPlan.partial). ``nbytes`` is what the client sends up."""
 
     client_id: int
-    v: np.ndarray
-    alpha: np.ndarray
-    buffers: np.ndarray
-    counters: np.ndarray
-    c_v: np.ndarray | None  # c^k after the round, or its change in a partial round (RoundPlan.partial)
-    c_alpha: np.ndarray | None
     stats: StepStats
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the client sends up."""
-        return _nbytes(self.v, self.alpha, self.buffers, self.counters, self.c_v, self.c_alpha)
 
 
 @dataclasses.dataclass

@@ -7,7 +7,7 @@ import pytest
 from conftest import gaussian_clients
 
 import fdam_ray
-from fdam_ray.algorithms.local import LocalSolver
+from fdam_ray.algorithms.drift import ClientControlVariates
 
 BASE = dict(model="mlp", model_width=8, batch_size="full", eval_every=1000, seed=3, lr=0.2, prox_weight=0.01,
             executor="inline")
@@ -28,7 +28,7 @@ def test_codasca_with_zero_control_variates_equals_coda_plus(monkeypatch, client
     plus = fdam_ray.train_arrays(dict(cfg, algorithm="coda_plus"), clients, test)
     sca = fdam_ray.train_arrays(dict(cfg, algorithm="codasca"), clients, test)
     assert np.abs(plus.state.v - sca.state.v).max() > 1e-4  # real control variates change the run
-    monkeypatch.setattr(LocalSolver, "end", lambda self, steps, lr: None)  # c^k stays 0
+    monkeypatch.setattr(ClientControlVariates, "end", lambda self, flat, steps, lr, change: None)  # c^k stays 0
     forced = fdam_ray.train_arrays(dict(cfg, algorithm="codasca"), clients, test)
     same_state(plus, forced)
     np.testing.assert_array_equal(forced.control_variates[0], 0)

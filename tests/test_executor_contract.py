@@ -20,7 +20,7 @@ import torch
 from conftest import gaussian_clients
 from raytest import ray_session
 
-from fdam_ray.algorithms import Algorithm, AlgorithmSection
+from fdam_ray.algorithms import AlgorithmSection, build_algorithm
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.client import Client, Replica
 from fdam_ray.config import build_config
@@ -47,8 +47,7 @@ def assert_partial_is_update(got: PartialSum, want: ClientUpdate) -> None:
     """A partial sum of one client (uniform weights) holds exactly that client's update."""
     assert (got.count, got.weight, got.bytes_up) == (1, 1.0, want.nbytes)
     [stats] = got.stats
-    assert_update_equal(ClientUpdate(stats.client_id, got.v, got.alpha, got.buffers, got.counters, got.c_v,
-                                     got.c_alpha, stats), want)
+    assert_update_equal(ClientUpdate(**got.vectors(), client_id=stats.client_id, stats=stats), want)
 
 
 def by_client(p: PartialSum) -> int:
@@ -120,7 +119,7 @@ class ExecutorContract:
 
     def test_control_variates_stay_with_the_clients_across_rounds(self, ready):
         executor, oracle, _, state, config, _ = ready
-        algorithm = Algorithm.from_section(AlgorithmSection.of(config))
+        algorithm = build_algorithm(AlgorithmSection.of(config))
         for r in (1, 2, 3):
             plan = RoundPlan(round=r, stage=1, steps=2, lr=0.1, iteration=2 * (r - 1))
             reducer, expected = algorithm.reducer(state), algorithm.reducer(state)
@@ -212,7 +211,7 @@ def test_an_update_without_copies_is_views_of_the_clients_buffers_and_equal_to_t
         c.begin_stage(state.v, True)
     plan = RoundPlan(1, 1, 2, 0.1, 0)
     views, copies = a.local_round(state, plan, copy=False), b.local_round(state, plan)
-    assert np.shares_memory(views.v, a.flat.v.numpy()) and np.shares_memory(views.c_v, a.solver.c_v.numpy())
+    assert np.shares_memory(views.v, a.flat.v.numpy()) and np.shares_memory(views.c_v, a.solver.correction.c_v.numpy())
     assert not np.shares_memory(copies.v, b.flat.v.numpy())
     assert_update_equal(views, copies)
 

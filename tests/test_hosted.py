@@ -64,10 +64,10 @@ def assert_same_state(a, b, *, exact: bool, atol: float = 1e-6) -> None:
 
 # -- the partial-sum format ------------------------------------------------------------------------
 def random_updates(rng, n=7, m=2, nb=3, count=5):
-    return [ClientUpdate(k, rng.standard_normal(n).astype(np.float32), rng.random(m).astype(np.float32),
+    return [ClientUpdate(rng.standard_normal(n).astype(np.float32), rng.random(m).astype(np.float32),
                          rng.random(nb).astype(np.float32), rng.integers(0, 9, 2),
                          rng.standard_normal(n).astype(np.float32), rng.standard_normal(m).astype(np.float32),
-                         StepStats(k, 0.5, 3, 24, 0.01, finite=k != 3)) for k in range(count)]
+                         client_id=k, stats=StepStats(k, 0.5, 3, 24, 0.01, finite=k != 3)) for k in range(count)]
 
 
 def test_partial_sums_merged_in_any_grouping_reduce_to_the_drivers_folds():
@@ -155,7 +155,7 @@ def test_the_inline_executor_hosts_every_client_on_one_replica():
     assert len({id(c.replica) for c in ex.clients}) == 1 and ex.groups == [[0, 1], [2, 3], [4]]
     # each client keeps its own control variate and sampler; the replica's solver steps with the bound one
     assert len({id(c.cv[0]) for c in ex.clients}) == K
-    assert ex.clients[3].solver.c_v is ex.clients[3].cv[0]
+    assert ex.clients[3].solver.correction.c_v is ex.clients[3].cv[0]
 
 
 def test_a_divergence_in_a_hosted_client_names_that_client(monkeypatch):

@@ -35,7 +35,7 @@ def client(**kw) -> Client:
 
 def start_state(c: Client):
     state = c.flat.initial_state()
-    if c.solver.control_variates:
+    if c.replica.algorithm.control_variates:
         state.c_v, state.c_alpha = np.zeros_like(state.v), np.zeros_like(state.alpha)
     c.begin_stage(state.v.copy(), True)
     return state
@@ -98,12 +98,12 @@ def test_bf16_runs_the_network_in_bf16_and_everything_else_in_float32():
     c.solver.begin(state)
     x, y = c.sampler.next()
     losses = []
-    seen = seen_by(first_conv(c), lambda: losses.append(c.solver.step(x, y, 0.1)))
+    seen = seen_by(first_conv(c), lambda: losses.append(c.replica.train_step(x, y, 0.1)))
     assert seen["out_dtype"] == torch.bfloat16 and x.dtype == torch.float32
     assert losses[0].dtype == torch.float32 and c.flat.forward(x).dtype == torch.float32
     flat = c.flat
-    for t in (flat.v, flat.grad, flat.a, flat.b, flat.alpha, flat.alpha.grad, flat.buffers, c.solver.c_v,
-              c.solver.corr_v, c.solver.prox_ref, c.replica.objective.p):
+    for t in (flat.v, flat.grad, flat.a, flat.b, flat.alpha, flat.alpha.grad, flat.buffers, c.solver.correction.c_v,
+              c.solver.correction.corr_v, c.solver.prox_ref, c.replica.objective.p):
         assert t.dtype == torch.float32
     assert all(p.dtype == torch.float32 for p in flat.model.parameters()) and flat.bound()
     update = c.local_round(state, RoundPlan(1, 1, 3, 0.1, 0))
@@ -203,9 +203,9 @@ def test_a_round_moves_each_state_vector_once_each_way(algorithm):
     assert not c.flat.link.pinned and HostLink(torch.device("cuda")).pinned  # pinned staging only on a GPU
     state = start_state(c)
     n, m, nb = c.flat.state_size, c.flat.aux_size, c.flat.buffers.numel()
-    cv = c.solver.control_variates
+    cv = c.replica.algorithm.control_variates
     for partial in (False, True):
-        before = c.solver.control_variate()
+        before = c.control_variate()
         c.flat.link.log.clear()
         update = c.local_round(state, RoundPlan(1, 1, 3, 0.1, 0, partial=partial))
         up = [k for d, k in c.flat.link.log if d == "up"]
@@ -213,12 +213,12 @@ def test_a_round_moves_each_state_vector_once_each_way(algorithm):
         assert up == [n, nb, m, *([n, m] if cv else [])]
         assert down == [n, m, nb, *([n, m] if cv else [])]
         if cv and partial:  # the change of c^k, formed on the device
-            after = c.solver.control_variate()
+            after = c.control_variate()
             np.testing.assert_array_equal(update.c_v, after[0] - before[0])
             np.testing.assert_array_equal(update.c_alpha, after[1] - before[1])
             assert np.abs(update.c_v).max() > 0
         elif cv:
-            np.testing.assert_array_equal(update.c_v, c.solver.control_variate()[0])
+            np.testing.assert_array_equal(update.c_v, c.control_variate()[0])
     c.flat.link.log.clear()
     c.replica.scores_of(state, c.train)  # scoring loads the model, not the control variates
     assert c.flat.link.log == [("up", n), ("up", nb), ("up", m)]

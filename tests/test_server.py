@@ -23,11 +23,11 @@ def random_state(rng, n=7, m=2, nb=3, cv=True):
 
 def random_update(rng, k, prev):
     return ClientUpdate(
-        k, prev.v + rng.standard_normal(prev.v.size).astype(np.float32),
+        prev.v + rng.standard_normal(prev.v.size).astype(np.float32),
         (prev.alpha + rng.standard_normal(prev.alpha.size)).astype(np.float32),
         rng.random(prev.buffers.size).astype(np.float32), prev.counters + rng.integers(0, 9, 2),
         rng.standard_normal(prev.v.size).astype(np.float32), rng.standard_normal(prev.alpha.size).astype(np.float32),
-        StepStats(k, 0.0, 10, 100, 0.0))
+        client_id=k, stats=StepStats(k, 0.0, 10, 100, 0.0))
 
 
 @pytest.mark.parametrize("global_lr", [1.0, 1.3, 0.9])

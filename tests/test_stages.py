@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import fdam_ray
-from fdam_ray.algorithms import Algorithm, AlgorithmSection
+from fdam_ray.algorithms import AlgorithmSection, build_algorithm
 from fdam_ray.algorithms.stages import after_round, coda_alpha, end_stage, init_server_state
 from fdam_ray.checkpoint import load_checkpoint
 from fdam_ray.config import build_config
@@ -35,7 +35,9 @@ def test_a_stage_of_rounds_then_its_end_match_numpy(reference_point, reset):
         server = after_round(server, s, reference_point=reference_point)
     last = rounds[-1]
     want_c = (np.zeros_like(last.c_v), np.zeros_like(last.c_alpha)) if reset else (last.c_v.copy(), last.c_alpha.copy())
-    server = end_stage(server, reference_point=reference_point, reset_control_variates=reset)
+    algorithm = build_algorithm(AlgorithmSection.of(build_config(
+        algorithm="codasca", reference_point=reference_point, reset_control_variates=reset)))
+    server = algorithm.end_stage(server)  # the stage step, then the drift correction's reset
     want_ref = np.mean([s.v.astype(np.float64) for s in rounds], 0) if reference_point == "average" else last.v
     np.testing.assert_allclose(server.reference, want_ref, rtol=1e-6)
     assert server.reference.dtype == np.float32
@@ -45,8 +47,7 @@ def test_a_stage_of_rounds_then_its_end_match_numpy(reference_point, reset):
     np.testing.assert_array_equal(server.global_state.c_alpha, want_c[1])
     # the next stage's average covers only its own rounds
     nxt = state(rng, r=4)
-    server = end_stage(after_round(server, nxt, reference_point=reference_point), reference_point=reference_point,
-                       reset_control_variates=reset)
+    server = end_stage(after_round(server, nxt, reference_point=reference_point), reference_point=reference_point)
     np.testing.assert_allclose(server.reference, nxt.v, rtol=1e-6)
 
 
@@ -71,7 +72,7 @@ def test_coda_alpha_with_sample_weights_pools_client_sums(objective):
 def test_algorithm_init_zeroes_the_global_control_variate_only_with_drift_correction():
     rng = np.random.default_rng(1)
     for name, has_c in (("codasca", True), ("coda_plus", False), ("scaffold", True)):
-        algorithm = Algorithm.from_section(AlgorithmSection.of(build_config(algorithm=name)))
+        algorithm = build_algorithm(AlgorithmSection.of(build_config(algorithm=name)))
         server = algorithm.init(state(rng, cv=False))
         assert (server.global_state.c_v is not None) == has_c
         if has_c:

@@ -1,43 +1,33 @@
-"""An algorithm = objective x drift correction x schedule (docs/algorithms.md s.4).
+"""Algorithms as modules: one family per module, one protocol (docs/algorithms.md s.4).
 
-:class:`Algorithm` is built from the algorithm section of a config and hands
-out the pieces each side runs, in the manner of an ``init`` / ``apply`` pair
-over named state:
+- :mod:`.base`: the protocol (:class:`Algorithm`: server init/apply, client
+  init/step/final, stage end) and :class:`Preset`;
+- families: :mod:`.coda` (CODA+, CODASCA, NPA, CODA, centralized),
+  :mod:`.fedavg` (FedAvg, SCAFFOLD), :mod:`.fedprox` (FedProx),
+  :mod:`.fedprox_auc` (FedProx-AUC); :mod:`.presets` gathers their presets;
+- parts they share: :mod:`.drift` (drift correction as a strategy: none or
+  control variates), :mod:`.local` (the local step, s.2), :mod:`.server` (the
+  server step and the one partial-sum format, s.3, s.3b), :mod:`.stages`
+  (stage transitions, s.5), :mod:`.sampling` (client sampling and weights, s.3b).
 
-- client side: :meth:`Algorithm.solver` (local steps and the control-variate
-  update, :mod:`.local`);
-- server side: :meth:`Algorithm.init` (the :class:`ServerState` of round 0),
-  :meth:`Algorithm.reducer` (one round's running means and extrapolation,
-  :mod:`.server`), :meth:`Algorithm.after_round` and :meth:`Algorithm.end_stage`
-  (the stage's reference point, control-variate reset and CODA's alpha,
-  :mod:`.stages`).
-
-Where each equation lives: the objectives and p in :mod:`fdam_ray.objectives`
-(s.1), the local step and c^k in :mod:`.local` (s.2, s.3 step 2), the server
-step in :mod:`.server` (s.3 step 3), stage transitions in :mod:`.stages` (s.5),
-the schedules' stage lengths and step sizes in :mod:`fdam_ray.schedules` (s.5),
-client sampling and client weights in :mod:`.sampling` (s.3b).
+The objectives and p live in :mod:`fdam_ray.objectives` (s.1), the schedules'
+stage lengths and step sizes in :mod:`fdam_ray.schedules` (s.5), the state
+vectors in :mod:`fdam_ray.state`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
-import numpy as np
-
+from fdam_ray.algorithms.base import Algorithm, Preset
 from fdam_ray.algorithms.local import LocalSolver
-from fdam_ray.algorithms.presets import PRESETS, Preset
-from fdam_ray.algorithms.sampling import client_weights, sample_clients
+from fdam_ray.algorithms.presets import PRESETS
 from fdam_ray.algorithms.server import PartialSum, RoundReducer
-from fdam_ray.algorithms.stages import ServerState, after_round, coda_alpha, end_stage, init_server_state
-from fdam_ray.flat import FlatModel
-from fdam_ray.objectives import Objective
+from fdam_ray.algorithms.stages import ServerState
 from fdam_ray.sections import Section
-from fdam_ray.state import GlobalState, Moments
 
 __all__ = ["PRESETS", "Algorithm", "AlgorithmSection", "LocalSolver", "PartialSum", "Preset", "RoundReducer",
-           "ServerState"]
+           "ServerState", "build_algorithm"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,76 +48,14 @@ class AlgorithmSection(Section):
     client_weighting: str
 
 
-@dataclasses.dataclass(frozen=True)
-class Algorithm:
-    preset: Preset
-    objective_name: str
-    margin: float
-    global_lr: float
-    prox_weight: float
-    weight_decay: float
-    grad_clip: float | None
-    reference_point: str = "average"
-    reset_control_variates: bool = True
-    clients_per_round: int | None = None
-    client_weighting: str = "uniform"
-
-    @classmethod
-    def from_section(cls, section: AlgorithmSection) -> Algorithm:
-        if section.objective is None:
-            raise ValueError("the algorithm section has no objective (build the config with build_config)")
-        return cls(PRESETS[section.algorithm], section.objective, section.margin, section.global_lr,
-                   section.prox_weight, section.weight_decay, section.grad_clip, section.reference_point,
-                   section.reset_control_variates, section.clients_per_round, section.client_weighting)
-
-    @property
-    def control_variates(self) -> bool:
-        return self.preset.control_variates
-
-    @property
-    def recompute_alpha(self) -> bool:
-        return self.preset.recompute_alpha
-
-    # -- client side -------------------------------------------------------------------
-    def objective(self, num_tasks: int) -> Objective:
-        return Objective(self.objective_name, num_tasks=num_tasks, margin=self.margin)
-
-    def solver(self, flat: FlatModel, objective: Objective) -> LocalSolver:
-        return LocalSolver(flat, objective, control_variates=self.control_variates, prox_weight=self.prox_weight,
-                           weight_decay=self.weight_decay, grad_clip=self.grad_clip)
-
-    # -- server side -------------------------------------------------------------------
-    def init(self, initial: GlobalState) -> ServerState:
-        """The server state before round 1: ``initial`` with zero global c when the algorithm has one."""
-        if self.control_variates:
-            initial.c_v = np.zeros_like(initial.v)
-            initial.c_alpha = np.zeros_like(initial.alpha)
-        return init_server_state(initial)
-
-    def participants(self, seed: int, round_: int, num_clients: int) -> list[int] | None:
-        """The clients of round ``round_`` (client sampling), or None when every client takes part."""
-        return sample_clients(seed, round_, num_clients, self.clients_per_round)
-
-    def weights(self, num_train: Sequence[int]) -> np.ndarray | None:
-        """w_k by client id for the server's means and CODA's alpha (None: uniform)."""
-        return client_weights(self.client_weighting, num_train)
-
-    def reducer(self, previous: GlobalState, *, weights: np.ndarray | None = None,
-                partial_total: float | None = None) -> RoundReducer:
-        """The round's reducer; ``partial_total`` (all clients' total weight) for a round of sampled clients."""
-        return RoundReducer(previous, global_lr=self.global_lr,
-                            alpha_nonnegative=self.objective_name == "auc_margin",
-                            control_variates=self.control_variates, weights=weights, partial_total=partial_total)
-
-    def after_round(self, server: ServerState, new_state: GlobalState) -> ServerState:
-        return after_round(server, new_state, reference_point=self.reference_point)
-
-    def stage_alpha(self, moments: Sequence[Moments], positive_ratio: np.ndarray,
-                    weights: np.ndarray | None = None) -> np.ndarray:
-        """CODA's closed-form alpha from the clients' score sums (only for ``recompute_alpha``)."""
-        return coda_alpha(moments, objective=self.objective_name, margin=self.margin,
-                          positive_ratio=positive_ratio, weights=weights)
-
-    def end_stage(self, server: ServerState, *, alpha: np.ndarray | None = None) -> ServerState:
-        return end_stage(server, reference_point=self.reference_point,
-                         reset_control_variates=self.reset_control_variates, alpha=alpha)
+def build_algorithm(section: object) -> Algorithm:
+    """The algorithm a config section names, built as its family's class with the hyperparameters the section
+    carries (a client's section has no server fields: those keep their neutral defaults)."""
+    name = getattr(section, "algorithm")  # noqa: B009 (any section with the algorithm's fields)
+    objective = getattr(section, "objective")  # noqa: B009
+    if objective is None:
+        raise ValueError("the algorithm section has no objective (build the config with build_config)")
+    chosen = PRESETS[name]
+    hyper = {f.name: getattr(section, f.name) for f in dataclasses.fields(Algorithm)
+             if f.name not in ("preset", "objective_name") and hasattr(section, f.name)}
+    return chosen.family(chosen, objective, **hyper)

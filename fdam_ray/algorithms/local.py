@@ -1,18 +1,19 @@
-"""Client side of a round: begin (load global state), step (docs/algorithms.md s.2), end (control variate).
+"""Client side of a round: init (load the global state), step (docs/algorithms.md s.2), final (control variate).
 
 One local step, with g the minibatch gradients at (v, alpha):
 
-    d_v    = clip(g_w), g_a, g_b  +  gamma (v - v_ref)  +  wd v
-    v     <- v - eta (d_v - c_v^k + c_v)             # c terms only with control variates
-    alpha <- alpha + eta (g_alpha - c_alpha^k + c_alpha), then max(alpha, 0) for auc_margin
+    d_v    = clip(g_w), g_a, g_b  +  gamma (v - v_ref)  +  wd v  +  correction
+    v     <- v - eta d_v
+    alpha <- alpha + eta (g_alpha + correction), then max(alpha, 0) for auc_margin
 
-and at the round's end, with I the steps taken (CODASCA lines; SCAFFOLD option II):
+The correction is the drift-correction strategy's (:mod:`.drift`): c - c^k
+with control variates (CODASCA, SCAFFOLD), nothing without (CODA+, FedAvg),
+and at the round's end that strategy updates c^k. The proximal centre v_ref is
+the stage's reference point (CODA+, CODASCA: ``proximal="stage"``) or the point
+the round started from (FedProx: ``proximal="round"``).
 
-    c_v^k     <- c_v^k - c_v + (v_start - v_end) / (I eta)
-    c_alpha^k <- c_alpha^k - c_alpha + (alpha_end - alpha_start) / (I eta)
-
-Without control variates the same code runs with the c terms left out, which
-is CODA+ (and, with bce, FedAvg); the drift correction is the only difference.
+The solver holds the math only: mixed precision and loss scaling wrap it from
+the replica that runs it (:meth:`fdam_ray.client.TrainingReplica.train_step`).
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fdam_ray.algorithms.drift import ClientCorrection, ClientVariate
 from fdam_ray.flat import FlatModel
 from fdam_ray.objectives import Objective
-from fdam_ray.state import GlobalState
+from fdam_ray.state import GlobalState, vector_names
+
+PROXIMAL_CENTRES = ("stage", "round")
 
 
 class LocalSolver:
@@ -31,10 +35,12 @@ class LocalSolver:
     Args:
         flat: the client's model replica in flat storage.
         objective: the minibatch objective (p already set).
-        control_variates: keep a control variate c^k and correct every step with c - c^k.
-        prox_weight: gamma.
+        correction: the client half of the drift correction.
+        prox_weight: gamma (FedProx's mu).
         weight_decay: wd.
         grad_clip: element-wise clip of the network's gradient (None = off).
+        proximal: the proximal term's centre: ``stage`` (the stage's reference point, set by
+            :meth:`set_reference`) or ``round`` (the global state the round starts from).
     """
 
     def __init__(
@@ -42,74 +48,52 @@ class LocalSolver:
         flat: FlatModel,
         objective: Objective,
         *,
-        control_variates: bool,
+        correction: ClientCorrection,
         prox_weight: float,
         weight_decay: float,
         grad_clip: float | None,
+        proximal: str = "stage",
     ) -> None:
+        if proximal not in PROXIMAL_CENTRES:
+            raise ValueError(f"proximal centre {proximal!r} is not one of {', '.join(PROXIMAL_CENTRES)}")
         self.flat = flat
         self.objective = objective
-        self.control_variates = control_variates
+        self.correction = correction
         self.prox_weight = prox_weight
         self.weight_decay = weight_decay
         self.grad_clip = grad_clip
-        flat.precision.note_training()
-        n, m, dev = flat.state_size, flat.aux_size, flat.device
-        self.prox_ref = torch.zeros(n, device=dev)  # gamma * v_ref
-        self.v_start = torch.zeros(n, device=dev)
-        self.alpha_start = torch.zeros(m, device=dev)
-        self._change = False  # whether end() kept the change of c^k (in v_start, alpha_start)
-        if control_variates:
-            self.c_v = torch.zeros(n, device=dev)  # this client's c^k
-            self.c_alpha = torch.zeros(m, device=dev)
-            self.corr_v = torch.zeros(n, device=dev)  # c - c^k for this round
-            self.corr_alpha = torch.zeros(m, device=dev)
+        self.proximal = proximal
+        self.prox_ref = torch.zeros(flat.state_size, device=flat.device)  # gamma * v_ref
 
     # -- stage -------------------------------------------------------------------
     def set_reference(self, reference: np.ndarray) -> None:
-        """Set the proximal centre v_ref of the stage that starts."""
-        with torch.no_grad():
-            self.prox_ref.copy_(torch.from_numpy(reference)).mul_(self.prox_weight)
+        """Set the proximal centre v_ref of the stage that starts (unused when the centre is the round's start)."""
+        if self.proximal == "stage":
+            with torch.no_grad():
+                self.prox_ref.copy_(torch.from_numpy(reference)).mul_(self.prox_weight)
 
-    def reset_control_variate(self) -> None:
-        if self.control_variates:
-            self.c_v.zero_()
-            self.c_alpha.zero_()
-
-    # -- round -------------------------------------------------------------------
+    # -- round: init, step, final ---------------------------------------------------
     def begin(self, state: GlobalState) -> None:
-        """Start a round from the global state (and compute this round's correction c - c^k)."""
-        self._change = False
-        if not self.control_variates:
-            self.flat.load(state)
-            return
-        if state.c_v is None or state.c_alpha is None:
-            raise ValueError("the algorithm uses control variates but the global state carries none")
-        # the global c lands in corr (one crossing with the state), then corr = c - c^k on the device
-        self.flat.load(state, also=[(state.c_v, self.corr_v), (state.c_alpha, self.corr_alpha)])
-        with torch.no_grad():
-            self.v_start.copy_(self.flat.v)  # the start point is needed only for the c^k update in end()
-            self.alpha_start.copy_(self.flat.alpha)
-            self.corr_v.sub_(self.c_v)
-            self.corr_alpha.sub_(self.c_alpha)
+        """Start a round from the global state (the correction computes this round's terms)."""
+        self.correction.begin(self.flat, state)
+        if self.proximal == "round" and self.prox_weight:
+            with torch.no_grad():
+                self.prox_ref.copy_(self.flat.v).mul_(self.prox_weight)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, lr: float) -> torch.Tensor:
-        """One local step; returns the minibatch objective (a detached tensor, no device sync)."""
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The minibatch objective at the current point, gradients zeroed for its backward pass."""
         flat = self.flat
         flat.grad.zero_()
         flat.alpha.grad.zero_()
-        loss = self.objective(flat.forward(x), y, flat.a, flat.b, flat.alpha)
-        flat.precision.backward(loss)
-        flat.precision.step(lambda: self._apply(lr), self._scaled_params)
-        return loss.detach()
+        return self.objective(flat.forward(x), y, flat.a, flat.b, flat.alpha)
 
-    def _scaled_params(self) -> list[torch.Tensor]:
-        """The gradients a loss scaler unscales: one tensor over the whole flat gradient, and alpha's."""
+    def scaled_params(self) -> list[torch.Tensor]:
+        """The tensors whose gradients a loss scaler unscales: one over the whole flat gradient, and alpha."""
         whole = torch.nn.Parameter(self.flat.v, requires_grad=False)  # shares flat.v's storage
         whole.grad = self.flat.grad
         return [whole, self.flat.alpha]
 
-    def _apply(self, lr: float) -> None:
+    def apply(self, lr: float) -> None:
         """The step of the module docstring, from the gradients in the flat buffers."""
         flat = self.flat
         with torch.no_grad():
@@ -121,64 +105,29 @@ class LocalSolver:
                 d.add_(flat.v, alpha=pull)
             if self.prox_weight:
                 d.sub_(self.prox_ref)
-            if self.control_variates:
-                d.add_(self.corr_v)
+            self.correction.correct_v(d)
             flat.v.add_(d, alpha=-lr)
             if flat.aux_size:
                 g_alpha = flat.alpha.grad
-                if self.control_variates:
-                    g_alpha.add_(self.corr_alpha)
+                self.correction.correct_alpha(g_alpha)
                 flat.alpha.add_(g_alpha, alpha=lr)
                 if self.objective.alpha_nonnegative:
                     flat.alpha.clamp_(min=0)
 
-    def end(self, steps: int, lr: float) -> None:
-        """Update c^k from the round's movement (no-op without control variates)."""
-        self._end(steps, lr, change=False)
+    def end(self, steps: int, lr: float, *, partial: bool = False) -> None:
+        """The round's final phase: the correction updates the client's own state (c^k); in a round of sampled
+        clients (``partial``) the change c^k_new - c^k_old is what :meth:`export` sends."""
+        self.correction.end(self.flat, steps, lr, change=partial)
 
-    def end_sampled(self, steps: int, lr: float) -> None:
-        """:meth:`end` of a round of sampled clients: keeps the change c^k_new - c^k_old for :meth:`export`."""
-        self._end(steps, lr, change=True)
+    def export(self, *, copy: bool = True) -> dict[str, np.ndarray | None]:
+        """The round's end point and what the server needs of the client's own state, in one pass to the host,
+        as the state vectors by name (those the algorithm does not use are absent)."""
+        # the flat model exports in the vectors' declared order, the correction's tensors last
+        return dict(zip(vector_names(), self.flat.export(copy=copy, also=self.correction.exported()), strict=False))
 
-    def _end(self, steps: int, lr: float, *, change: bool) -> None:
-        self._change = change and self.control_variates
-        if not self.control_variates:
-            return
-        scale = 1.0 / (steps * lr)
-        with torch.no_grad():
-            # c^k - c + (v_start - v_end)/(I eta): c^k - c is -corr.
-            self.v_start.sub_(self.flat.v)
-            self.alpha_start.sub_(self.flat.alpha)
-            if not change:
-                self.c_v.copy_(self.corr_v).neg_().add_(self.v_start, alpha=scale)
-                self.c_alpha.copy_(self.corr_alpha).neg_().sub_(self.alpha_start, alpha=scale)
-                return
-            # c^k_new into corr (used up), the change into v_start / alpha_start, then c^k <- c^k_new
-            self.corr_v.neg_().add_(self.v_start, alpha=scale)
-            self.corr_alpha.neg_().sub_(self.alpha_start, alpha=scale)
-            torch.sub(self.corr_v, self.c_v, out=self.v_start)
-            torch.sub(self.corr_alpha, self.c_alpha, out=self.alpha_start)
-            self.c_v.copy_(self.corr_v)
-            self.c_alpha.copy_(self.corr_alpha)
+    # -- the bound client's own state ----------------------------------------------------
+    def new_variate(self) -> ClientVariate:
+        return self.correction.new_variate()
 
-    def export(self, *, copy: bool = True) -> tuple[np.ndarray, ...]:
-        """The round's end point and what the server needs of c^k, in one pass to the host:
-        (v, alpha, buffers, counters, c_v, c_alpha), where c is c^k, or its change after
-        :meth:`end_sampled`, or None without control variates."""
-        if not self.control_variates:
-            return (*self.flat.export(copy=copy), None, None)
-        cv = (self.v_start, self.alpha_start) if self._change else (self.c_v, self.c_alpha)
-        return self.flat.export(copy=copy, also=cv)
-
-    def control_variate(self, *, copy: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
-        """c^k as numpy arrays (copies, or with ``copy=False`` views where it lives on the CPU)."""
-        if not self.control_variates:
-            return None
-        c_v, c_alpha = self.c_v.detach().cpu().numpy(), self.c_alpha.detach().cpu().numpy()
-        return (c_v.copy(), c_alpha.copy()) if copy else (c_v, c_alpha)
-
-    def set_control_variate(self, c_v: np.ndarray, c_alpha: np.ndarray) -> None:
-        if self.control_variates:
-            with torch.no_grad():
-                self.c_v.copy_(torch.from_numpy(np.asarray(c_v, dtype=np.float32)))
-                self.c_alpha.copy_(torch.from_numpy(np.asarray(c_alpha, dtype=np.float32)))
+    def bind(self, variate: ClientVariate) -> None:
+        self.correction.bind(variate)

@@ -27,92 +27,131 @@ import dataclasses
 
 import numpy as np
 
-from fdam_ray.state import ClientUpdate, GlobalState, StepStats
+from fdam_ray.state import ClientUpdate, GlobalState, Rule, StateVectors, StepStats, vector_fields, vector_names
 
 
-@dataclasses.dataclass
-class PartialSum:
+@dataclasses.dataclass(kw_only=True)
+class PartialSum(StateVectors):
     """Weighted sums of some clients' updates of one round (a plain picklable record of numpy buffers).
 
+    Its state vectors hold sum_k w_k x^k over the clients folded in (float32; the control variates, or their
+    changes in a partial round, only with drift correction), except those combined by max (integer buffers),
+    which hold the elementwise max.
+
     Attributes:
-        v, alpha, buffers: sum_k w_k x^k over the clients folded in (float32).
-        counters: elementwise max of the integer buffers (int64).
-        c_v, c_alpha: sum_k w_k c^k (or of the change of c^k in a partial round); None without drift correction.
         weight: sum_k w_k (the count of clients without weights).
         count: how many clients were folded in.
         bytes_up: bytes those clients sent up (each client's own update, as a client-server round counts them).
         stats: each folded client's :class:`StepStats` (loss, time, whether its update was finite).
     """
 
-    v: np.ndarray
-    alpha: np.ndarray
-    buffers: np.ndarray
-    counters: np.ndarray
-    c_v: np.ndarray | None = None
-    c_alpha: np.ndarray | None = None
     weight: float = 0.0
     count: int = 0
     bytes_up: int = 0
     stats: list[StepStats] = dataclasses.field(default_factory=list)
 
     @classmethod
-    def zeros(cls, like: GlobalState, *, control_variates: bool) -> PartialSum:
+    def zeros(cls, like: StateVectors, *, control_variates: bool) -> PartialSum:
         """An empty sum for states shaped like ``like`` (with control-variate sums when asked)."""
-        return cls(np.zeros_like(like.v, dtype=np.float32), np.zeros_like(like.alpha, dtype=np.float32),
-                   np.zeros_like(like.buffers, dtype=np.float32), np.zeros_like(like.counters, dtype=np.int64),
-                   np.zeros_like(like.v, dtype=np.float32) if control_variates else None,
-                   np.zeros_like(like.alpha, dtype=np.float32) if control_variates else None)
+        out: dict[str, np.ndarray | None] = {}
+        for f in vector_fields():
+            rule = f.metadata["rule"]
+            if rule is Rule.CONTROL:
+                of = getattr(like, f.metadata["corrects"])
+                out[f.name] = np.zeros_like(of, dtype=np.float32) if control_variates else None
+            else:
+                out[f.name] = np.zeros_like(getattr(like, f.name), dtype=np.int64 if rule is Rule.MAX else np.float32)
+        return cls(**out)
 
     @property
     def control_variates(self) -> bool:
-        return self.c_v is not None
+        return all(getattr(self, name) is not None for name in _CONTROL)
 
-    def _sums(self) -> list[np.ndarray]:
-        return [self.v, self.alpha, self.buffers] + ([self.c_v, self.c_alpha] if self.control_variates else [])
+    def _summed(self) -> list[str]:
+        """The names of the vectors this partial sum adds up (every one present but those combined by max)."""
+        return [f.name for f in vector_fields() if f.metadata["rule"] is not Rule.MAX
+                and getattr(self, f.name) is not None]
 
     def reset(self) -> PartialSum:
         """Empty the sums in place (a host reuses one partial sum round after round)."""
-        for total in self._sums():
-            total.fill(0)
-        self.counters.fill(0)
+        for x in self.vectors().values():
+            if x is not None:
+                x.fill(0)
         self.weight, self.count, self.bytes_up, self.stats = 0.0, 0, 0, []
         return self
 
     def fold(self, update: ClientUpdate, weight: float | None = None) -> None:
         """Add one client's update with weight ``weight`` (None: weight 1, added without a multiplication)."""
-        if self.control_variates and (update.c_v is None or update.c_alpha is None):
+        if self.control_variates and not all(getattr(update, name) is not None for name in _CONTROL):
             raise ValueError(f"client {update.client_id} sent no control variate")
-        terms = [update.v, update.alpha, update.buffers]
-        if self.control_variates:
-            terms += [update.c_v, update.c_alpha]
+        names = self._summed()
         if weight is None:
-            for total, x in zip(self._sums(), terms, strict=True):
-                np.add(total, x, out=total)
+            for name in names:
+                total = getattr(self, name)
+                np.add(total, getattr(update, name), out=total)
             self.weight += 1.0
         else:
             w = np.float32(weight)
-            for total, x in zip(self._sums(), terms, strict=True):
+            for name in names:
+                total = getattr(self, name)
                 scaled = self._scratch(total.size)
-                np.multiply(x, w, out=scaled)
+                np.multiply(getattr(update, name), w, out=scaled)
                 np.add(total, scaled, out=total)
             self.weight += float(weight)
-        np.maximum(self.counters, update.counters, out=self.counters)
+        self._fold_max(update)
         self.count += 1
         self.bytes_up += update.nbytes
         self.stats.append(update.stats)
+
+    def _fold_max(self, other: StateVectors) -> None:
+        for name in vector_names(Rule.MAX):
+            total = getattr(self, name)
+            np.maximum(total, getattr(other, name), out=total)
 
     def merge(self, other: PartialSum) -> None:
         """Add another partial sum of the same round (its clients' sums, weights, counts, bytes and stats)."""
         if self.control_variates and not other.control_variates:
             ids = [s.client_id for s in other.stats]
             raise ValueError(f"the partial sum of clients {ids} holds no control variate")
-        for total, x in zip(self._sums(), other._sums(), strict=False):
-            np.add(total, x, out=total)
-        np.maximum(self.counters, other.counters, out=self.counters)
+        for name in self._summed():
+            if getattr(other, name) is not None:
+                total = getattr(self, name)
+                np.add(total, getattr(other, name), out=total)
+        self._fold_max(other)
+        self._add_counts(other)
+
+    def _add_counts(self, other: PartialSum) -> None:
         self.weight += other.weight
         self.count += other.count
         self.bytes_up += other.bytes_up
         self.stats.extend(other.stats)
+
+    @staticmethod
+    def sum_of(first: PartialSum, second: PartialSum, into: PartialSum | None = None) -> PartialSum:
+        """``first + second`` as a new partial sum whose vectors are written into ``into``'s buffers (a kept
+        partial sum, reused while the shapes match; new buffers otherwise): one pass, no copy of either part.
+
+        ``into`` is left untouched apart from its buffers; use the returned record.
+        """
+        if first.control_variates != second.control_variates:
+            late = second if first.control_variates else first
+            raise ValueError(f"the partial sum of clients {[s.client_id for s in late.stats]} holds no control "
+                             "variate")
+        out: dict[str, np.ndarray | None] = {}
+        for f in vector_fields():
+            x, y = getattr(first, f.name), getattr(second, f.name)
+            if x is None:
+                out[f.name] = None
+                continue
+            buf = None if into is None else getattr(into, f.name)
+            if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
+                buf = np.empty_like(x)
+            (np.maximum if f.metadata["rule"] is Rule.MAX else np.add)(x, y, out=buf)
+            out[f.name] = buf
+        total = PartialSum(**out)  # type: ignore[arg-type]
+        total._add_counts(first)
+        total._add_counts(second)
+        return total
 
     def _scratch(self, size: int) -> np.ndarray:
         """w_k x^k lands here: one buffer per length, kept between folds (no allocation per update)."""
@@ -123,6 +162,9 @@ class PartialSum:
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "_scratch_by_size"}  # the scratch does not travel
+
+
+_CONTROL = vector_names(Rule.CONTROL)
 
 
 class RoundReducer:
@@ -193,36 +235,32 @@ class RoundReducer:
         if self._finished:
             raise RuntimeError("this round's reducer has already finished")
         self._finished = True
-        sums = self.sums
+        sums, prev = self.sums, self.previous
         inv = np.float32(1.0 / sums.weight)
-        prev = self.previous
-        for total in (sums.v, sums.alpha, sums.buffers):
-            total *= inv
-        v = self._extrapolate(sums.v, prev.v)
-        alpha = self._extrapolate(sums.alpha, prev.alpha)
+        out: dict[str, np.ndarray | None] = {}
+        for f in vector_fields():
+            total, rule = getattr(sums, f.name), f.metadata["rule"]
+            if rule is Rule.CONTROL and not self.control_variates:
+                total = None
+            elif rule in (Rule.EXTRAPOLATE, Rule.MEAN):
+                total *= inv
+                if rule is Rule.EXTRAPOLATE:
+                    total = self._extrapolate(total, getattr(prev, f.name))
+            elif rule is Rule.CONTROL:
+                total = self._control_mean(total, getattr(prev, f.name), inv)
+            out[f.name] = total
         if self.alpha_nonnegative:
-            np.maximum(alpha, 0, out=alpha)
-        c_v = c_alpha = None
-        if self.control_variates:
-            if self.partial_total is None:  # every client took part: c is their (weighted) mean
-                sums.c_v *= inv
-                sums.c_alpha *= inv
-            else:  # c <- c + sum_k w_k (c^k_new - c^k_old) / sum_all w
-                if prev.c_v is None or prev.c_alpha is None:
-                    raise ValueError("a partial round needs the previous global control variate")
-                share = np.float32(1.0 / self.partial_total)
-                sums.c_v *= share
-                sums.c_v += prev.c_v
-                sums.c_alpha *= share
-                sums.c_alpha += prev.c_alpha
-            c_v, c_alpha = sums.c_v, sums.c_alpha
-        return GlobalState(
-            v=v.astype(np.float32, copy=False),
-            alpha=alpha.astype(np.float32, copy=False),
-            buffers=sums.buffers,
-            counters=sums.counters,
-            c_v=c_v,
-            c_alpha=c_alpha,
-            round=prev.round + 1,
-            iteration=prev.iteration + steps,
-        )
+            np.maximum(out["alpha"], 0, out=out["alpha"])
+        return GlobalState(**out, round=prev.round + 1, iteration=prev.iteration + steps)  # type: ignore[arg-type]
+
+    def _control_mean(self, total: np.ndarray, prev: np.ndarray | None, inv: np.float32) -> np.ndarray:
+        """c from the clients' (weighted) sum: their mean when every client took part, else
+        c <- c + sum_k w_k (c^k_new - c^k_old) / sum_all w (SCAFFOLD's rule, s.3b)."""
+        if self.partial_total is None:
+            total *= inv
+            return total
+        if prev is None:
+            raise ValueError("a partial round needs the previous global control variate")
+        total *= np.float32(1.0 / self.partial_total)
+        total += prev
+        return total

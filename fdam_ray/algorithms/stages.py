@@ -9,7 +9,8 @@ this stage's round-end global iterates and their count:
     after every round:  sum <- sum + v_r,  count <- count + 1          (average only)
     at a stage end:     v_ref <- sum / count  (average)  or  v_r  (last)
                         sum, count <- 0
-                        c_v, c_alpha <- 0     (reset_control_variates; the paper's DSGSCA+ start)
+                        c <- 0                (reset_control_variates; the paper's DSGSCA+ start;
+                                               the drift correction's step, :mod:`.drift`)
                         alpha <- alpha*(v_r)  (CODA only: the closed form of s.1 from client moments)
 
 The next stage starts from the last global iterate (v_r, alpha_r); with
@@ -64,9 +65,8 @@ def after_round(server: ServerState, new_state: GlobalState, *, reference_point:
     return server
 
 
-def end_stage(server: ServerState, *, reference_point: str, reset_control_variates: bool,
-              alpha: np.ndarray | None = None) -> ServerState:
-    """Hand the stage over: new centre, empty running sum, zero global c (by default), CODA's alpha.
+def end_stage(server: ServerState, *, reference_point: str, alpha: np.ndarray | None = None) -> ServerState:
+    """Hand the stage over: new centre, empty running sum, CODA's alpha (the drift correction then resets c).
 
     ``alpha``, when given, replaces the global alpha before the centre moves
     (CODA's closed-form step, :func:`coda_alpha`).
@@ -80,9 +80,6 @@ def end_stage(server: ServerState, *, reference_point: str, reset_control_variat
         server.reference = state.v.copy()
     server.ref_sum[:] = 0.0
     server.ref_count = 0
-    if reset_control_variates and state.c_v is not None:
-        state.c_v = np.zeros_like(state.c_v)
-        state.c_alpha = np.zeros_like(state.c_alpha)
     return server
 
 
