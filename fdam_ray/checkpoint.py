@@ -16,8 +16,9 @@ over the old file, so a crash mid-write leaves the previous checkpoint intact.
 
 The global state's vectors, the server's and the loop's fields are written and
 read by their dataclass fields, so a field added to :class:`~fdam_ray.state.GlobalState`
-(or to the server or loop state) needs no change here; a field added with a
-default reads from older files as that default. A change of the layout itself
+(or to the server or loop state) needs no change here; a state vector added
+with a default reads from older files as that default (any other field missing
+from a file means a damaged file). A change of the layout itself
 raises :data:`SCHEMA` and adds a reader to :data:`_READERS` for the old one.
 A file of a schema this fdam-ray does not read (a newer one, or an old one no
 longer read) is refused with one line naming the file, its version and the
@@ -157,15 +158,16 @@ def _fields(obj: Any) -> dict:
 _T = TypeVar("_T")
 
 
-def _build(cls: type[_T], values: dict, path: str | Path, what: str) -> _T:
-    """``cls`` from ``values`` by its fields: a field missing from the file takes its default; one without a
-    default, or a value the file holds that ``cls`` has no field for, is a one-line :class:`CheckpointError`."""
+def _build(cls: type[_T], values: dict, path: str | Path, what: str, *, defaults: bool = False) -> _T:
+    """``cls`` from ``values`` by its fields. Every field must be in the file, except, with ``defaults``, one that has
+    a default (a state vector added since the file was written); a field missing, or a value the file holds that
+    ``cls`` has no field for, is a one-line :class:`CheckpointError`."""
     known = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(values) - set(known))
     if unknown:
         raise CheckpointError(f"checkpoint '{path}' holds {what} this fdam-ray does not know: {', '.join(unknown)}")
-    missing = [n for n, f in known.items() if n not in values and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
+    missing = [n for n, f in known.items() if n not in values and not (
+        defaults and (f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING))]
     if missing:
         raise CheckpointError(f"checkpoint '{path}' is damaged: its {what} lacks {', '.join(missing)}")
     return cls(**values)
@@ -174,7 +176,7 @@ def _build(cls: type[_T], values: dict, path: str | Path, what: str) -> _T:
 def _loop_from(payload: dict, path: str | Path) -> LoopState:
     values = dict(payload)
     server = {f.name: values.pop(_key(f.name)) for f in dataclasses.fields(ServerState) if _key(f.name) in values}
-    server["global_state"] = _build(GlobalState, server["global_state"], path, "global state")
+    server["global_state"] = _build(GlobalState, server["global_state"], path, "global state", defaults=True)
     values["position"] = _build(Position, values["position"], path, "schedule position")
     return _build(LoopState, {"server": _build(ServerState, server, path, "server state"), **values}, path,
                   "run state")

@@ -108,6 +108,9 @@ CASES = [
     ("checkpoint without a run state", lambda t: (strip_checkpoint(t / "runs" / "old"),
                                                   ["--resume", str(t / "runs" / "old")])[1],
      "is damaged: its 'loop' entry is missing or not a dict", True),
+    ("checkpoint of a newer schema", lambda t: (newer_checkpoint(t / "runs" / "old"),
+                                                ["--resume", str(t / "runs" / "old")])[1],
+     "has schema version 2, which this fdam-ray does not read (it reads version 1): a newer fdam-ray wrote it", True),
 ]
 
 
@@ -115,6 +118,13 @@ def strip_checkpoint(run: Path) -> None:
     ck = run / "checkpoint.pt"
     raw = torch.load(ck, weights_only=True)
     del raw["payload"]["loop"]
+    torch.save(raw, ck)
+
+
+def newer_checkpoint(run: Path) -> None:
+    ck = run / "checkpoint.pt"
+    raw = torch.load(ck, weights_only=True)
+    raw["format"] = "fdam-ray-checkpoint/2"
     torch.save(raw, ck)
 
 
