@@ -121,8 +121,9 @@ class Checkpoint:
 
 
 # What a payload holds at its top and in its "loop" entry, and of what kind (the rest is read by dataclass fields).
-_PAYLOAD = {"config": dict, "loop": dict, "clients": list, "positive_ratio": object, "torch_rng": torch.Tensor}
-_LOOP = {"state": dict, "history": list, "position": dict}  # (and, by their fields, the rest)
+_PAYLOAD: dict[str, type] = {"config": dict, "loop": dict, "clients": list, "positive_ratio": object,
+                             "torch_rng": torch.Tensor}
+_LOOP: dict[str, type] = {"state": dict, "history": list, "position": dict}  # (and, by their fields, the rest)
 
 
 def _check_kinds(payload: Any, kinds: dict[str, type], path: str | Path, where: str) -> None:

@@ -104,7 +104,7 @@ def auc_limits(curves: list[tuple[np.ndarray, np.ndarray]], *, skip: float = 0.1
 
 def _labels(runs: list[Run]) -> list[str]:
     labels = [r.label for r in runs]
-    counts = defaultdict(int)
+    counts: dict[str, int] = defaultdict(int)
     for lab in labels:
         counts[lab] += 1
     return [f"{r.label} ({r.path.name})" if counts[r.label] > 1 else r.label for r in runs]

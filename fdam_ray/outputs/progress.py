@@ -32,7 +32,7 @@ class Progress(Observer):
     """
 
     def __init__(self, file: Any = None) -> None:
-        self.bar = None
+        self.bar: Any = None
         self.auc = float("nan")
         self.file = file
 

@@ -115,7 +115,7 @@ class RunFolder(Observer):
         if every and plan.round % every == 0:
             self._checkpoint(snapshot, plan.round)
         reason = _stop_reason
-        if reason is not None and self.writer is not None:  # a round boundary: the state is whole
+        if reason is not None and self.writer is not None and self.dir is not None:  # a round end: the state is whole
             if self._last_checkpoint != plan.round:
                 self._checkpoint(snapshot, plan.round)
             raise RunStopped(f"{reason}: stopped after round {plan.round} (iteration {plan.iteration + plan.steps}) "
