@@ -1,30 +1,193 @@
-"""Checkpoint files: written atomically, read without unpickling arbitrary objects.
+"""Checkpoints: one typed record of a run at a round boundary, in a versioned file.
 
-A checkpoint is a nested structure of dicts, lists, strings, numbers, numpy
-arrays and torch tensors. Numpy arrays are stored as tensors (tagged so they
-come back as arrays), and the file is read with ``torch.load(weights_only=True)``,
-which refuses anything but tensors and plain containers: opening a checkpoint
-never runs code from it. Writing goes to a temporary file in the same folder,
-is flushed to disk, then renamed over the old file, so a crash mid-write
-leaves the previous checkpoint intact.
+A :class:`Checkpoint` is everything a resumed run needs to continue the same
+run: the driver loop's :class:`LoopState` (the global state, the stage's
+proximal centre and running sum, byte, sample and time counters, the metric
+history, the schedule position), every client's own state, the global p, the
+torch RNG and the run's config.
+
+On disk it is a nested structure of dicts, lists, strings, numbers and tensors
+under a ``format`` tag naming the schema version (:data:`FORMAT`). Numpy arrays
+are stored as tensors (tagged so they come back as arrays), and the file is
+read with ``torch.load(weights_only=True)``, which refuses anything but tensors
+and plain containers: opening a checkpoint never runs code from it. Writing
+goes to a temporary file in the same folder, is flushed to disk, then renamed
+over the old file, so a crash mid-write leaves the previous checkpoint intact.
+
+The global state's vectors, the server's and the loop's fields are written and
+read by their dataclass fields, so a field added to :class:`~fdam_ray.state.GlobalState`
+(or to the server or loop state) needs no change here; a state vector added
+with a default reads from older files as that default (any other field missing
+from a file means a damaged file). A change of the layout itself
+raises :data:`SCHEMA` and adds a reader to :data:`_READERS` for the old one.
+A file of a schema this fdam-ray does not read (a newer one, or an old one no
+longer read) is refused with one line naming the file, its version and the
+versions read here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
 
-FORMAT = "fdam-ray-checkpoint/1"
+from fdam_ray.algorithms import ServerState
+from fdam_ray.schedules import Position
+from fdam_ray.state import GlobalState
+
+SCHEMA = 1  # the schema this fdam-ray writes
+_PREFIX = "fdam-ray-checkpoint/"
+FORMAT = f"{_PREFIX}{SCHEMA}"
 _ARRAY = "__ndarray__"
+
+# A client's own state (control variate, sampler position, loss scaler), as its executor exports it; None for a
+# dropped client; ``{"client_id": k, "rebuild": True}`` for one that could not be placed when it was written.
+ClientState = dict | None
 
 
 class CheckpointError(ValueError):
-    """A checkpoint file is missing, damaged or of another format."""
+    """A checkpoint file is missing, damaged, or of a schema this fdam-ray does not read."""
+
+
+@dataclasses.dataclass
+class LoopState:
+    """What the driver loop carries between rounds (all of it goes into a checkpoint)."""
+
+    server: ServerState
+    bytes_up: int = 0
+    bytes_down: int = 0
+    samples: int = 0
+    train_s: float = 0.0
+    wall_offset: float = 0.0  # wall time of earlier sessions of a resumed run
+    loss_sum: float = 0.0
+    loss_rounds: int = 0
+    next_eval: int = 0
+    history: list[dict] = dataclasses.field(default_factory=list)
+    position: Position = dataclasses.field(default_factory=Position)  # in the schedule, after the last round
+
+    @property
+    def state(self) -> GlobalState:
+        return self.server.global_state
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """A run at a round boundary: what :func:`save_checkpoint` writes and :func:`load_checkpoint` reads.
+
+    Attributes:
+        loop: the driver loop's state (global state, reference point, running sum, counters, history, position).
+        clients: every client's own state (see :data:`ClientState`), in client order.
+        positive_ratio: the global p, one per task.
+        torch_rng: the driver's torch RNG state.
+        config: the run's config (``Config.to_dict()``); None until the observer that writes the file adds it.
+    """
+
+    schema: ClassVar[int] = SCHEMA
+
+    loop: LoopState
+    clients: list[ClientState]
+    positive_ratio: np.ndarray
+    torch_rng: torch.Tensor
+    config: dict | None = None
+
+    def with_config(self, config: dict) -> Checkpoint:
+        return dataclasses.replace(self, config=config)
+
+    def unplaced_clients(self) -> list[int]:
+        """The clients marked for a rebuild (their actors could not be placed when this was written)."""
+        return [k for k, s in enumerate(self.clients) if s and s.get("rebuild")]
+
+    def to_payload(self) -> dict:
+        """The file's payload in the layout of :data:`SCHEMA`."""
+        return {"config": self.config, "loop": _loop_payload(self.loop), "clients": list(self.clients),
+                "positive_ratio": self.positive_ratio, "torch_rng": self.torch_rng}
+
+    @classmethod
+    def from_payload(cls, payload: Any, path: str | Path) -> Checkpoint:
+        """Read a payload of the current schema; anything not a run's state is a :class:`CheckpointError`
+        naming ``path``."""
+        _check_kinds(payload, _PAYLOAD, path, "")
+        _check_kinds(payload["loop"], _LOOP, path, "run state's ")
+        return cls(loop=_loop_from(payload["loop"], path), clients=payload["clients"],
+                   positive_ratio=payload["positive_ratio"], torch_rng=payload["torch_rng"],
+                   config=payload["config"])
+
+
+# What a payload holds at its top and in its "loop" entry, and of what kind (the rest is read by dataclass fields).
+_PAYLOAD: dict[str, type] = {"config": dict, "loop": dict, "clients": list, "positive_ratio": object,
+                             "torch_rng": torch.Tensor}
+_LOOP: dict[str, type] = {"state": dict, "history": list, "position": dict}  # (and, by their fields, the rest)
+
+
+def _check_kinds(payload: Any, kinds: dict[str, type], path: str | Path, where: str) -> None:
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"checkpoint '{path}' is damaged: it holds a {type(payload).__name__}, not a run's "
+                              "state")
+    for key, kind in kinds.items():
+        if key not in payload or not isinstance(payload[key], kind):
+            raise CheckpointError(f"checkpoint '{path}' is damaged: its {where}'{key}' entry is missing or not a "
+                                  f"{kind.__name__}")
+
+
+def _key(server_field: str) -> str:
+    """The ``loop`` entry's key of a server-state field (the global state is ``state``)."""
+    return "state" if server_field == "global_state" else server_field
+
+
+def _loop_payload(loop: LoopState) -> dict:
+    """The ``loop`` entry: one flat mapping (state, reference, ref_sum, ref_count, the counters, history, position),
+    each part by its dataclass fields."""
+    out = {_key(name): value for name, value in _fields(loop.server).items()}
+    out["state"] = _fields(loop.state)
+    out.update((name, value) for name, value in _fields(loop).items() if name != "server")
+    out["position"] = _fields(loop.position)
+    return out
+
+
+def _fields(obj: Any) -> dict:
+    """A dataclass's fields by name, values as they are (not copied)."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+_T = TypeVar("_T")
+
+
+def _build(cls: type[_T], values: dict, path: str | Path, what: str, *, defaults: bool = False) -> _T:
+    """``cls`` from ``values`` by its fields. Every field must be in the file, except, with ``defaults``, one that has
+    a default (a state vector added since the file was written); a field missing, or a value the file holds that
+    ``cls`` has no field for, is a one-line :class:`CheckpointError`."""
+    known = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise CheckpointError(f"checkpoint '{path}' holds {what} this fdam-ray does not know: {', '.join(unknown)}")
+    missing = [n for n, f in known.items() if n not in values and not (
+        defaults and (f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING))]
+    if missing:
+        raise CheckpointError(f"checkpoint '{path}' is damaged: its {what} lacks {', '.join(missing)}")
+    return cls(**values)
+
+
+def _loop_from(payload: dict, path: str | Path) -> LoopState:
+    values = dict(payload)
+    server = {f.name: values.pop(_key(f.name)) for f in dataclasses.fields(ServerState) if _key(f.name) in values}
+    server["global_state"] = _build(GlobalState, server["global_state"], path, "global state", defaults=True)
+    values["position"] = _build(Position, values["position"], path, "schedule position")
+    return _build(LoopState, {"server": _build(ServerState, server, path, "server state"), **values}, path,
+                  "run state")
+
+
+# -- the file ---------------------------------------------------------------------------------------------------
+
+# Readers of the payloads of every schema this fdam-ray reads (an older layout gets a function that reads it).
+_READERS: dict[int, Callable[[Any, Path], Checkpoint]] = {SCHEMA: Checkpoint.from_payload}
+READS = tuple(sorted(_READERS))
 
 
 def _encode(obj: Any) -> Any:
@@ -49,13 +212,15 @@ def _decode(obj: Any) -> Any:
     return obj
 
 
-def save_checkpoint(path: str | Path, payload: dict) -> None:
-    """Write ``payload`` to ``path`` atomically (temp file, fsync, rename)."""
+def save_checkpoint(path: str | Path, checkpoint: Checkpoint) -> None:
+    """Write ``checkpoint`` (with its config) to ``path`` atomically (temp file, fsync, rename)."""
+    if checkpoint.config is None:
+        raise ValueError("a checkpoint is written with the run's config (Checkpoint.with_config)")
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
-            torch.save({"format": FORMAT, "payload": _encode(payload)}, fh)
+            torch.save({"format": FORMAT, "payload": _encode(checkpoint.to_payload())}, fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -65,7 +230,23 @@ def save_checkpoint(path: str | Path, payload: dict) -> None:
         raise
 
 
-def load_checkpoint(path: str | Path) -> dict:
+def schema_of(data: Any, path: str | Path) -> int:
+    """The schema version of a file's contents; one line naming ``path`` if it is not one this fdam-ray reads."""
+    tag = data.get("format") if isinstance(data, dict) else None
+    match = re.fullmatch(re.escape(_PREFIX) + r"(\d+)", tag) if isinstance(tag, str) else None
+    if match is None or "payload" not in data:
+        raise CheckpointError(f"'{path}' is not an fdam-ray checkpoint ({FORMAT})")
+    version = int(match.group(1))
+    if version not in _READERS:
+        reads = ", ".join(map(str, READS))
+        why = "a newer fdam-ray wrote it; upgrade fdam-ray to resume it" if version > SCHEMA else \
+            "an older fdam-ray wrote it, and this one no longer reads that schema"
+        raise CheckpointError(f"checkpoint '{path}' has schema version {version}, which this fdam-ray does not "
+                              f"read (it reads version {reads}): {why}")
+    return version
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
     """Read a checkpoint written by :func:`save_checkpoint` (no arbitrary unpickling)."""
     path = Path(path)
     if not path.exists():
@@ -77,6 +258,10 @@ def load_checkpoint(path: str | Path) -> dict:
             f"checkpoint '{path}' cannot be read (damaged, truncated or not an fdam-ray checkpoint): "
             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         ) from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise CheckpointError(f"'{path}' is not an fdam-ray checkpoint ({FORMAT})")
-    return _decode(data["payload"])
+    version = schema_of(data, path)
+    try:
+        return _READERS[version](_decode(data["payload"]), path)
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:  # a value of the wrong kind deep inside
+        raise CheckpointError(f"checkpoint '{path}' is damaged: {type(exc).__name__}: {exc}") from None

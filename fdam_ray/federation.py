@@ -15,9 +15,10 @@ the clients; what is written, shown or reported hangs off one
 (data, executor, initial weights, pre-training, resume, outputs) is
 :mod:`fdam_ray.recipe`'s job.
 
-Everything the loop carries from round to round is in :class:`LoopState`; a
-checkpoint is that, the clients' states (control variates, sampler positions)
-and the config, so a resumed run continues the same run.
+Everything the loop carries from round to round is in
+:class:`~fdam_ray.checkpoint.LoopState`; a :class:`~fdam_ray.checkpoint.Checkpoint`
+is that, the clients' states (control variates, sampler positions) and the
+config, so a resumed run continues the same run.
 """
 
 from __future__ import annotations
@@ -26,22 +27,22 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from fdam_ray.algorithms import AlgorithmSection, ServerState, build_algorithm
+from fdam_ray.algorithms import AlgorithmSection, build_algorithm
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.algorithms.stages import moments_nbytes
+from fdam_ray.checkpoint import Checkpoint, ClientState, LoopState
 from fdam_ray.client import Replica, all_finite
 from fdam_ray.data import DataSource
 from fdam_ray.evaluation import Evaluator
 from fdam_ray.executors import Executor, ExecutorSection
 from fdam_ray.executors.errors import PlacementError
 from fdam_ray.objectives import global_positive_ratio
-from fdam_ray.outputs import Observer, RunStart
+from fdam_ray.outputs import Observer, RunStart, Snapshot
 from fdam_ray.schedules import Position, Schedule, ScheduleSection
 from fdam_ray.state import ClientUpdate, GlobalState, RoundPlan
 
@@ -79,44 +80,6 @@ class RunResult:
     state: GlobalState
     run_dir: Path | None
     pretrain: RunResult | None = None
-
-
-@dataclasses.dataclass
-class LoopState:
-    """What the driver loop carries between rounds (all of it goes into a checkpoint)."""
-
-    server: ServerState
-    bytes_up: int = 0
-    bytes_down: int = 0
-    samples: int = 0
-    train_s: float = 0.0
-    wall_offset: float = 0.0  # wall time of earlier sessions of a resumed run
-    loss_sum: float = 0.0
-    loss_rounds: int = 0
-    next_eval: int = 0
-    history: list[dict] = dataclasses.field(default_factory=list)
-    position: Position = dataclasses.field(default_factory=Position)  # in the schedule, after the last round
-
-    @property
-    def state(self) -> GlobalState:
-        return self.server.global_state
-
-    def to_payload(self) -> dict:
-        """The checkpoint's ``loop`` entry (one flat mapping: state, reference, ref_sum, ref_count, ...)."""
-        server = self.server
-        d = {"state": dataclasses.asdict(server.global_state), "reference": server.reference,
-             "ref_sum": server.ref_sum, "ref_count": server.ref_count}
-        for f in dataclasses.fields(self):
-            if f.name != "server":
-                d[f.name] = getattr(self, f.name)
-        d["position"] = dataclasses.asdict(self.position)
-        return d
-
-    @classmethod
-    def from_payload(cls, d: dict) -> LoopState:
-        d = dict(d)
-        server = ServerState(GlobalState(**d.pop("state")), d.pop("reference"), d.pop("ref_sum"), d.pop("ref_count"))
-        return cls(server=server, **{**d, "position": Position(**d["position"])})
 
 
 class Federation:
@@ -230,20 +193,20 @@ class Federation:
                  rec["test_auc"])
         return rec
 
-    def _snapshot(self, loop: LoopState, started: float) -> Callable[[], dict]:
-        """A function returning the checkpoint payload of this moment (the observers add the config)."""
+    def _snapshot(self, loop: LoopState, started: float) -> Snapshot:
+        """A function returning the checkpoint of this moment (the observers add the config). It shares the loop's
+        arrays, so it is written before the next round changes them."""
 
-        def payload() -> dict:
-            loop_payload = loop.to_payload()
-            loop_payload["wall_offset"] = loop.wall_offset + time.perf_counter() - started
-            return {"loop": loop_payload, "clients": self.executor.client_states(),
-                    "positive_ratio": self.positive_ratio, "torch_rng": torch.get_rng_state()}
+        def checkpoint() -> Checkpoint:
+            now = dataclasses.replace(loop, wall_offset=loop.wall_offset + time.perf_counter() - started)
+            return Checkpoint(loop=now, clients=self.executor.client_states(), positive_ratio=self.positive_ratio,
+                              torch_rng=torch.get_rng_state())
 
-        return payload
+        return checkpoint
 
     # -- the run ----------------------------------------------------------------------
-    def run(self, *, resume: dict | None = None) -> RunResult:
-        """Run (or, with ``resume``, a checkpoint payload, continue) the federation."""
+    def run(self, *, resume: Checkpoint | None = None) -> RunResult:
+        """Run (or, with ``resume``, a checkpoint, continue) the federation."""
         initial = self._start()
         started = time.perf_counter()
         if resume is None:
@@ -251,15 +214,15 @@ class Federation:
             self.executor.begin_stage(loop.server.reference, True)
             loop.bytes_down += self.executor.active_clients * loop.server.reference.nbytes
         else:
-            loop = LoopState.from_payload(resume["loop"])
+            loop = dataclasses.replace(resume.loop)  # its counters change; the checkpoint keeps its own
             self.executor.begin_stage(loop.server.reference, False)
-            self.executor.restore_client_states(rebuilt_states(resume["clients"], loop.state))
-            torch.set_rng_state(resume["torch_rng"])
+            self.executor.restore_client_states(rebuilt_states(resume.clients, loop.state))
+            torch.set_rng_state(resume.torch_rng)
         snapshot = self._snapshot(loop, started)
         observer = self.observer
         observer.start(RunStart(resumed=resume is not None, history=loop.history, round=loop.state.round,
                                 iteration=loop.state.iteration, iterations=self.schedule.iterations))
-        for k in [] if resume is None else [k for k, s in enumerate(resume["clients"]) if s and s.get("rebuild")]:
+        for k in [] if resume is None else resume.unplaced_clients():
             observer.event("client %d could not be placed when the checkpoint was written; it starts again from "
                            "its shard with the global control variate", k, level=logging.WARNING)
         for line in getattr(self.executor, "placement_lines", list)():  # where each client runs (Ray)
@@ -313,7 +276,7 @@ class Federation:
                         f"from was written; once the cluster can hold every client again, continue with: "
                         f"fdam train --resume {run_dir}",)
 
-    def _finish(self, loop: LoopState, started: float, snapshot: Callable[[], dict]) -> RunResult:
+    def _finish(self, loop: LoopState, started: float, snapshot: Snapshot) -> RunResult:
         state, history = loop.state, loop.history
         flat = self.replica.flat
         flat.load(state)
@@ -345,11 +308,11 @@ class Federation:
                          None if run_dir is None else Path(run_dir))
 
 
-def rebuilt_states(states: list[dict | None], state: GlobalState) -> list[dict | None]:
+def rebuilt_states(states: list[ClientState], state: GlobalState) -> list[ClientState]:
     """A checkpoint's client states, where a client marked ``rebuild`` (its actor could not be placed when the
     checkpoint was written) gets the global control variate c of ``state`` and keeps the fresh sampler it
     starts with, as a replaced actor's client does."""
-    out: list[dict | None] = []
+    out: list[ClientState] = []
     for k, s in enumerate(states):
         if s is not None and s.get("rebuild"):
             s = {"client_id": k, "c_v": state.c_v, "c_alpha": state.c_alpha, "sampler": None, "scaler": None}

@@ -104,7 +104,7 @@ def auc_limits(curves: list[tuple[np.ndarray, np.ndarray]], *, skip: float = 0.1
 
 def _labels(runs: list[Run]) -> list[str]:
     labels = [r.label for r in runs]
-    counts = defaultdict(int)
+    counts: dict[str, int] = defaultdict(int)
     for lab in labels:
         counts[lab] += 1
     return [f"{r.label} ({r.path.name})" if counts[r.label] > 1 else r.label for r in runs]
@@ -116,22 +116,35 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     plt = _pyplot()
-    written = []
-    labels = _labels(runs)
-
+    labelled = list(zip(runs, _labels(runs), strict=True))
     zoom = auc_limits([(run.series("iteration"), run.series("test_auc")) for run in runs])
+    figures = [_auc_vs_iterations(plt, labelled, zoom, out / "auc_vs_iterations.png"),
+               _auc_vs_bytes(plt, labelled, zoom, out / "auc_vs_bytes.png"),
+               _auc_vs_local_steps(plt, runs, out / "auc_vs_local_steps.png"),
+               _task_auc(plt, labelled, out / "task_auc.png")]
+    return [path for path in figures if path is not None]
+
+
+Zoom = tuple[float, float] | None
+
+
+def _auc_vs_iterations(plt, labelled: list[tuple[Run, str]], zoom: Zoom, path: Path) -> Path:
+    """Test AUC against iterations, one curve per run (the paper's top row)."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for run, label in zip(runs, labels, strict=True):
+    for run, label in labelled:
         ax.plot(run.series("iteration"), run.series("test_auc"), marker=".", label=label)
     ax.set(xlabel="iteration", ylabel="test AUC (pooled)", title="Test AUC during training")
     if zoom is not None:  # the untrained start (and the climb after it) may lie below the axis
         ax.set_ylim(*zoom)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    written.append(_save(fig, out / "auc_vs_iterations.png", plt))
+    return _save(fig, path, plt)
 
+
+def _auc_vs_bytes(plt, labelled: list[tuple[Run, str]], zoom: Zoom, path: Path) -> Path:
+    """Test AUC against megabytes communicated (log scale)."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for run, label in zip(runs, labels, strict=True):
+    for run, label in labelled:
         mb = (run.series("bytes_up") + run.series("bytes_down")) / 1e6
         ax.plot(np.maximum(mb, 1e-3), run.series("test_auc"), marker=".", label=label)
     if zoom is not None:
@@ -140,44 +153,52 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     ax.set(xlabel="megabytes communicated (up + down)", ylabel="test AUC (pooled)", title="AUC against communication")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    written.append(_save(fig, out / "auc_vs_bytes.png", plt))
+    return _save(fig, path, plt)
 
+
+def _auc_vs_local_steps(plt, runs: list[Run], path: Path) -> Path | None:
+    """Final test AUC against I, CODA+ and CODASCA side by side (the paper's bottom row); runs that share
+    algorithm and I give a mean with a min-max band. None without a CODA+ or CODASCA run."""
     by_alg: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     for run in runs:
         if run.algorithm in ("coda_plus", "codasca") and run.local_steps:
             by_alg[run.algorithm][int(run.local_steps)].append(run.history[-1]["test_auc"])
-    if by_alg:
-        names = [a for a in ("coda_plus", "codasca") if a in by_alg]
-        fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), sharey=True, squeeze=False)
-        for ax, name in zip(axes[0], names, strict=True):
-            steps = sorted(by_alg[name])
-            vals = [np.array(by_alg[name][i]) for i in steps]
-            mean = [v.mean() for v in vals]
-            ax.plot(steps, mean, marker="o", label="mean")
-            ax.fill_between(steps, [v.min() for v in vals], [v.max() for v in vals], alpha=0.2, label="min-max")
-            ax.set_xscale("log", base=2)
-            ax.set(xlabel="local steps I", title={"coda_plus": "CODA+", "codasca": "CODASCA"}[name])
-            ax.grid(alpha=0.3)
-        axes[0][0].set_ylabel("final test AUC")
-        axes[0][0].legend(fontsize=8)
-        written.append(_save(fig, out / "auc_vs_local_steps.png", plt))
+    if not by_alg:
+        return None
+    names = [a for a in ("coda_plus", "codasca") if a in by_alg]
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), sharey=True, squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        steps = sorted(by_alg[name])
+        vals = [np.array(by_alg[name][i]) for i in steps]
+        mean = [v.mean() for v in vals]
+        ax.plot(steps, mean, marker="o", label="mean")
+        ax.fill_between(steps, [v.min() for v in vals], [v.max() for v in vals], alpha=0.2, label="min-max")
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="local steps I", title={"coda_plus": "CODA+", "codasca": "CODASCA"}[name])
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("final test AUC")
+    axes[0][0].legend(fontsize=8)
+    return _save(fig, path, plt)
 
-    multi = [(r, lab) for r, lab in zip(runs, labels, strict=True) if r.history[-1].get("task_auc")]
-    if multi:
-        tasks = list(multi[0][0].history[-1]["task_auc"])
-        fig, ax = plt.subplots(figsize=(max(6, 1.5 * len(tasks) * len(multi) / 2), 4.5))
-        width = 0.8 / len(multi)
-        x = np.arange(len(tasks))
-        for i, (run, label) in enumerate(multi):
-            vals = [run.history[-1]["task_auc"].get(t) or np.nan for t in tasks]
-            ax.bar(x + i * width - 0.4 + width / 2, vals, width, label=label)
-        ax.set_xticks(x, tasks, rotation=20)
-        ax.set(ylabel="final test AUC", title="AUC per task")
-        lo = np.nanmin([v or np.nan for r, _ in multi for v in r.history[-1]["task_auc"].values()])
-        ax.set_ylim(max(0.0, lo - 0.05), 1.0)
-        ax.legend(fontsize=8)
-        written.append(_save(fig, out / "task_auc.png", plt))
-    return written
+
+def _task_auc(plt, labelled: list[tuple[Run, str]], path: Path) -> Path | None:
+    """Final per-task AUC bars of the multi-label runs; None without one."""
+    multi = [(r, lab) for r, lab in labelled if r.history[-1].get("task_auc")]
+    if not multi:
+        return None
+    tasks = list(multi[0][0].history[-1]["task_auc"])
+    fig, ax = plt.subplots(figsize=(max(6, 1.5 * len(tasks) * len(multi) / 2), 4.5))
+    width = 0.8 / len(multi)
+    x = np.arange(len(tasks))
+    for i, (run, label) in enumerate(multi):
+        vals = [run.history[-1]["task_auc"].get(t) or np.nan for t in tasks]
+        ax.bar(x + i * width - 0.4 + width / 2, vals, width, label=label)
+    ax.set_xticks(x, tasks, rotation=20)
+    ax.set(ylabel="final test AUC", title="AUC per task")
+    lo = np.nanmin([v or np.nan for r, _ in multi for v in r.history[-1]["task_auc"].values()])
+    ax.set_ylim(max(0.0, lo - 0.05), 1.0)
+    ax.legend(fontsize=8)
+    return _save(fig, path, plt)
 
 
 def _save(fig, path: Path, plt) -> Path:

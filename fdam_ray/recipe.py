@@ -20,8 +20,8 @@ in order:
    per evaluation, the experiment trackers the config names (:mod:`fdam_ray.trackers`)
    and any observer the caller adds (a Tune trial's reports);
 5. the :class:`~fdam_ray.federation.Federation`, run from the start or from a
-   resume payload (a checkpoint's), which then holds the whole state: initial
-   weights and pre-training are skipped.
+   :class:`~fdam_ray.checkpoint.Checkpoint`, which then holds the whole state:
+   initial weights and pre-training are skipped.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from fdam_ray.algorithms import AlgorithmSection
-from fdam_ray.checkpoint import CheckpointError, load_checkpoint
+from fdam_ray.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from fdam_ray.client import resolve_device
 from fdam_ray.config import RENAMED_PER_ACTOR, RESUME_MAY_CHANGE, Config, ConfigError, build_config
 from fdam_ray.data import DataSource, make_source
@@ -62,7 +62,7 @@ def federate(
     source: DataSource | None = None,
     executor: Executor | None = None,
     initial_model_state: dict[str, torch.Tensor] | None = None,
-    resume: dict | None = None,
+    resume: Checkpoint | None = None,
     save: bool = True,
     run_dir: Path | None = None,
     checkpoints: bool = True,
@@ -77,7 +77,7 @@ def federate(
         source: the data (default: the dataset the config names).
         executor: how clients run (default: the config's ``executor``); shut down at the end.
         initial_model_state: network weights to start from (default: ``model_weights``, else seeded).
-        resume: a checkpoint payload to continue from (initial weights and pre-training are then skipped).
+        resume: a checkpoint to continue from (initial weights and pre-training are then skipped).
         save: write a run folder (:class:`~fdam_ray.outputs.RunFolder`).
         run_dir: the run folder to write (a resumed run's); None makes a new one under ``out_dir``.
         checkpoints: write ``checkpoint.pt`` into the run folder.
@@ -236,25 +236,6 @@ def run(
                     initial_model_state=initial_model_state)
 
 
-# What every checkpoint holds (fdam_ray.federation.Federation._snapshot, plus the config).
-_PAYLOAD = {"config": dict, "loop": dict, "clients": list, "positive_ratio": object, "torch_rng": torch.Tensor}
-_LOOP = ("state", "reference", "ref_sum", "ref_count", "history", "position")
-
-
-def _check_payload(payload: dict, path: Path) -> None:
-    """Refuse, in one line naming the file, a checkpoint whose structure is not a run's."""
-    if not isinstance(payload, dict):
-        raise CheckpointError(f"checkpoint '{path}' is damaged: it holds a {type(payload).__name__}, not a run's "
-                              "state")
-    for key, kind in _PAYLOAD.items():
-        if key not in payload or not isinstance(payload[key], kind):
-            raise CheckpointError(f"checkpoint '{path}' is damaged: its '{key}' entry is missing or not a "
-                                  f"{kind.__name__}")
-    missing = [k for k in _LOOP if k not in payload["loop"]]
-    if missing:
-        raise CheckpointError(f"checkpoint '{path}' is damaged: its run state lacks {', '.join(missing)}")
-
-
 def resume(
     run_dir: str | Path,
     changes: dict | None = None,
@@ -281,9 +262,8 @@ def resume(
         raise ValueError(f"--resume: '{run_dir}' has no checkpoint.pt (not a run folder, or its run stopped "
                          "before the first checkpoint)")
     check_not_in_use(run_dir)  # at once, not after the clients have started
-    payload = load_checkpoint(run_dir / "checkpoint.pt")
-    _check_payload(payload, run_dir / "checkpoint.pt")
-    recorded = dict(payload["config"])
+    checkpoint = load_checkpoint(run_dir / "checkpoint.pt")
+    recorded = dict(checkpoint.config or {})
     saved_model = recorded.get("model")
     if model is not None:
         given = model_name(model)
@@ -311,4 +291,4 @@ def resume(
         detail = ", ".join(f"{k}: {getattr(saved, k)!r} -> {getattr(wanted, k)!r}" for k in differ)
         raise ConfigError(f"cannot resume '{run_dir}' with a different config ({detail}); only "
                           f"{', '.join(sorted(RESUME_MAY_CHANGE))} may change")
-    return federate(wanted, source=source, resume=payload, run_dir=run_dir, on_eval=on_eval, progress=progress)
+    return federate(wanted, source=source, resume=checkpoint, run_dir=run_dir, on_eval=on_eval, progress=progress)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import chestxray_fixtures
 import pytest
+import torch
 
-from fdam_ray.checkpoint import load_checkpoint, save_checkpoint
 from fdam_ray.cli import main
 
 FAST = ["executor=inline", "tensorboard=false"]
@@ -108,14 +108,24 @@ CASES = [
     ("checkpoint without a run state", lambda t: (strip_checkpoint(t / "runs" / "old"),
                                                   ["--resume", str(t / "runs" / "old")])[1],
      "is damaged: its 'loop' entry is missing or not a dict", True),
+    ("checkpoint of a newer schema", lambda t: (newer_checkpoint(t / "runs" / "old"),
+                                                ["--resume", str(t / "runs" / "old")])[1],
+     "has schema version 2, which this fdam-ray does not read (it reads version 1): a newer fdam-ray wrote it", True),
 ]
 
 
 def strip_checkpoint(run: Path) -> None:
     ck = run / "checkpoint.pt"
-    payload = load_checkpoint(ck)
-    del payload["loop"]
-    save_checkpoint(ck, payload)
+    raw = torch.load(ck, weights_only=True)
+    del raw["payload"]["loop"]
+    torch.save(raw, ck)
+
+
+def newer_checkpoint(run: Path) -> None:
+    ck = run / "checkpoint.pt"
+    raw = torch.load(ck, weights_only=True)
+    raw["format"] = "fdam-ray-checkpoint/2"
+    torch.save(raw, ck)
 
 
 def _write_bytes(path: Path, data: bytes) -> Path:

@@ -68,7 +68,7 @@ def test_a_second_writer_on_a_live_run_folder_is_refused_and_a_killed_runs_lock_
     finally:
         stop(proc)  # SIGKILL: the lock file stays, with the dead process in it
     assert str(proc.pid) in (run / ".lock").read_text()
-    done = load_checkpoint(run / "checkpoint.pt")["loop"]["state"]["iteration"]
+    done = load_checkpoint(run / "checkpoint.pt").loop.state.iteration
     assert main(["train", "--resume", str(run), f"iterations={done + 20}", "--quiet"]) == 0
     lines = records(run)
     assert lines[-1]["iteration"] == done + 20
@@ -244,7 +244,7 @@ def stop_with_sigterm_and_resume(tmp_path: Path, executor: list[str]) -> None:
     assert "Traceback" not in output and "core dumped" not in output.lower()
     log = (run / "train.log").read_text()
     assert "run stopped: received SIGTERM: stopped after round" in log
-    stopped_at = load_checkpoint(run / "checkpoint.pt")["loop"]["state"]["iteration"]
+    stopped_at = load_checkpoint(run / "checkpoint.pt").loop.state.iteration
     assert 0 < stopped_at < 2000 and not (run / "model.pt").exists()
     assert main(["train", "--resume", str(run), "executor=inline", "--quiet"]) == 0
     whole, resumed = (torch.load(tmp_path / n / "model.pt", weights_only=True) for n in ("whole", "cut"))
@@ -286,7 +286,7 @@ def test_sigint_stops_a_run_and_resume_from_its_last_checkpoint_ends_bit_identic
         stop(proc)
     output = (tmp_path / "cut.log").read_text()
     assert rc == 130 and "fdam: interrupted" in output and "Traceback" not in output, output[-3000:]
-    assert 0 < load_checkpoint(run / "checkpoint.pt")["loop"]["state"]["iteration"] < 2000
+    assert 0 < load_checkpoint(run / "checkpoint.pt").loop.state.iteration < 2000
     assert not (run / "model.pt").exists()
     assert main(["train", "--resume", str(run), "executor=inline", "--quiet"]) == 0
     whole, resumed = (torch.load(tmp_path / n / "model.pt", weights_only=True) for n in ("whole", "cut"))

@@ -304,9 +304,9 @@ def test_clients_pinned_to_a_lost_site_stop_the_run_with_a_checkpoint_of_that_ro
     # the state round 4 started from (not the periodic checkpoint of round 2), the placed client's own state,
     # the unplaced client marked for a rebuild (not dropped)
     saved = load_checkpoint(run_dir / "checkpoint.pt")
-    assert saved["loop"]["state"]["round"] == 3 and saved["loop"]["position"]["round"] == 3
-    assert saved["clients"][0] == {"client_id": 0, "rebuild": True}
-    assert saved["clients"][1]["client_id"] == 1 and saved["clients"][1]["c_v"] is not None
+    assert saved.loop.state.round == 3 and saved.loop.position.round == 3
+    assert saved.clients[0] == {"client_id": 0, "rebuild": True}
+    assert saved.clients[1]["client_id"] == 1 and saved.clients[1]["c_v"] is not None
 
     new_node = add_site_node(cluster, site)  # the site is back
     resumed = resume(run_dir, source=SlowEveryClient(ArraysSource(clients, test), slow=0, delay_s=0.0))
@@ -315,7 +315,7 @@ def test_clients_pinned_to_a_lost_site_stop_the_run_with_a_checkpoint_of_that_ro
     assert "client 0 could not be placed when the checkpoint was written" in log
     assert f"placement: clients 0 -> actor 0 -> node {new_node.node_id}" in log
     final = load_checkpoint(run_dir / "checkpoint.pt")
-    assert [c["client_id"] for c in final["clients"]] == [0, 1] and "rebuild" not in final["clients"][0]
+    assert [c["client_id"] for c in final.clients] == [0, 1] and "rebuild" not in final.clients[0]
 
 
 def test_a_client_marked_for_a_rebuild_resumes_with_the_global_control_variate_and_a_fresh_sampler(tmp_path):
@@ -324,10 +324,10 @@ def test_a_client_marked_for_a_rebuild_resumes_with_the_global_control_variate_a
                            batch_size=20, checkpoint_every=2)
     first = federate(config, source=ArraysSource(clients, test), run_dir=tmp_path / "run")
     payload = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
-    own, kept = payload["clients"]
-    payload["clients"][0] = {"client_id": 0, "rebuild": True}
+    own, kept = payload.clients
+    payload.clients[0] = {"client_id": 0, "rebuild": True}
     state = first.state
-    states = rebuilt_states(payload["clients"], state)
+    states = rebuilt_states(payload.clients, state)
     np.testing.assert_array_equal(states[0]["c_v"], state.c_v)
     np.testing.assert_array_equal(states[0]["c_alpha"], state.c_alpha)
     assert states[0]["sampler"] is None and states[1] is kept
@@ -378,9 +378,9 @@ def test_a_placement_stop_checkpoints_the_round_s_start_and_a_resume_ends_bit_id
     with pytest.raises(PlacementError) as got:
         federate(config, source=ArraysSource(clients, test), executor=UnplaceableAt(at), run_dir=tmp_path / "run")
     assert f"round {at} did not finish" in str(got.value)
-    saved = load_checkpoint(tmp_path / "run" / "checkpoint.pt")["loop"]
-    assert saved["state"]["round"] == saved["position"]["round"] == at - 1
-    assert (saved["position"]["stage"], saved["position"]["stage_rounds"]) == ((2, 0) if at == 5 else (1, at - 1))
+    saved = load_checkpoint(tmp_path / "run" / "checkpoint.pt").loop
+    assert saved.state.round == saved.position.round == at - 1
+    assert (saved.position.stage, saved.position.stage_rounds) == ((2, 0) if at == 5 else (1, at - 1))
     resumed = resume(tmp_path / "run", source=ArraysSource(clients, test))
     assert resumed.state.round == 12
     for name in ("v", "alpha", "buffers", "c_v", "c_alpha"):
@@ -397,4 +397,4 @@ def test_a_placement_stop_whose_checkpoint_cannot_be_written_says_so_and_keeps_t
     message = str(got.value)
     assert message.startswith("client 0 cannot be placed: test; round 4 did not finish and its checkpoint could "
                               "not be written (RuntimeError: an actor died)") and "\n" not in message
-    assert load_checkpoint(tmp_path / "run" / "checkpoint.pt")["loop"]["state"]["round"] == 2
+    assert load_checkpoint(tmp_path / "run" / "checkpoint.pt").loop.state.round == 2

@@ -11,8 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from fdam_ray import outputs
-from fdam_ray.outputs import Progress, RunStart, grouped_name, grouped_scalars, scalars
+from fdam_ray.outputs import Progress, RunStart, grouped_name, grouped_scalars, progress, scalars
 from fdam_ray.state import RoundPlan
 
 RECORD = {"iteration": 40, "round": 4, "stage": 2, "lr": 0.05, "train_loss": 0.25, "test_auc": 0.8,
@@ -83,12 +82,12 @@ def test_progress_of_a_resumed_run_starts_from_its_last_auc():
 
 
 def test_progress_draws_where_the_terminal_reports_zero_columns(monkeypatch):
-    monkeypatch.setattr(outputs.os, "get_terminal_size", lambda *a: os.terminal_size((0, 0)))
+    monkeypatch.setattr(progress.os, "get_terminal_size", lambda *a: os.terminal_size((0, 0)))
     monkeypatch.delenv("COLUMNS", raising=False)
     monkeypatch.delenv("LINES", raising=False)
-    assert outputs.terminal_size(sys.stderr) == (80, 24)
+    assert progress.terminal_size(sys.stderr) == (80, 24)
     monkeypatch.setenv("COLUMNS", "100")
-    assert outputs.terminal_size(sys.stderr)[0] == 100
+    assert progress.terminal_size(sys.stderr)[0] == 100
 
 
 def test_progress_bar_on_a_terminal_of_zero_columns(monkeypatch):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +19,8 @@ from fdam_ray.executors.inline import InlineExecutor
 from fdam_ray.recipe import resume, run
 
 TIMING = {"wall_s", "samples_per_s"}
+# written by fdam-ray before checkpoints were typed (schema 1); see tests/test_checkpoint.py
+OLD_CHECKPOINT = Path(__file__).parent / "fixtures" / "checkpoint_v1.pt"
 
 
 def cfg(tmp_path, **kw):
@@ -65,7 +69,7 @@ def test_missing_tensorboard_is_a_notice_not_a_crash(tmp_path, monkeypatch, capl
         return real_import(name, *a, **k)
 
     monkeypatch.setattr(builtins, "__import__", no_tb)
-    monkeypatch.setattr(fdam_ray.outputs, "_notice_given", False)
+    monkeypatch.setattr(fdam_ray.outputs.writer, "_notice_given", False)
     r = run(cfg(tmp_path, tensorboard=True, iterations=6))
     assert "tensorboard" in caplog.text and not (r.run_dir / "events").exists()
 
@@ -85,7 +89,7 @@ def test_interrupted_and_resumed_run_is_bit_identical(tmp_path, monkeypatch):
     monkeypatch.setattr(InlineExecutor, "run_round", crash_in_round_11)
     with pytest.raises(KeyboardInterrupt):
         run(cfg(tmp_path / "b"))
-    assert load_checkpoint(tmp_path / "b" / "run" / "checkpoint.pt")["loop"]["state"]["round"] == 8
+    assert load_checkpoint(tmp_path / "b" / "run" / "checkpoint.pt").loop.state.round == 8
     monkeypatch.setattr(InlineExecutor, "run_round", original)
     resumed = resume(tmp_path / "b" / "run")
     for name in ("v", "alpha", "buffers", "counters", "c_v", "c_alpha"):
@@ -133,18 +137,20 @@ def test_checkpoints_never_unpickle_arbitrary_objects(tmp_path):
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     path = tmp_path / "c.pt"
-    save_checkpoint(path, {"x": np.arange(3), "y": None, "z": [1.5, {"w": "s"}]})
-    assert load_checkpoint(path)["z"] == [1.5, {"w": "s"}]
-    np.testing.assert_array_equal(load_checkpoint(path)["x"], np.arange(3))
+    ck = load_checkpoint(OLD_CHECKPOINT)
+    save_checkpoint(path, ck)
+    assert load_checkpoint(path).loop.history == ck.loop.history
+    np.testing.assert_array_equal(load_checkpoint(path).loop.state.v, ck.loop.state.v)
 
     def dies_mid_write(obj, fh, *a, **k):
         fh.write(b"partial")
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", dies_mid_write)
+    later = dataclasses.replace(ck, loop=dataclasses.replace(ck.loop, history=[]))
     with pytest.raises(OSError):
-        save_checkpoint(path, {"x": np.arange(5)})
-    np.testing.assert_array_equal(load_checkpoint(path)["x"], np.arange(3))  # previous one intact
+        save_checkpoint(path, later)
+    assert load_checkpoint(path).loop.history == ck.loop.history  # previous one intact
     assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]  # no temp file left
 
 
@@ -162,7 +168,7 @@ def test_divergence_names_round_and_client_and_keeps_last_good_checkpoint(tmp_pa
     with pytest.raises(fdam_ray.DivergenceError, match="round 6: client 1 sent a NaN"):
         run(cfg(tmp_path))
     ck = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
-    assert ck["loop"]["state"]["round"] == 4 and np.isfinite(ck["loop"]["state"]["v"]).all()
+    assert ck.loop.state.round == 4 and np.isfinite(ck.loop.state.v).all()
     assert "run stopped: round 6: client 1" in (tmp_path / "run" / "train.log").read_text()
 
 

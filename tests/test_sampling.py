@@ -93,7 +93,7 @@ def test_under_sampling_c_stays_the_weighted_mean_of_every_clients_c(algorithm, 
                             stage_length=18, tensorboard=False))
     seen = ClientStates()
     result = federate(cfg, source=ArraysSource(clients, test), save=False, observers=[seen])
-    c_k = np.array([s["c_v"] for s in seen.payload["clients"]])
+    c_k = np.array([s["c_v"] for s in seen.payload.clients])
     w = np.ones(3) if weighting == "uniform" else np.array([20.0, 60.0, 100.0])
     np.testing.assert_allclose(result.control_variates[0], (w / w.sum()) @ c_k, rtol=1e-4, atol=1e-6)
     assert np.abs(c_k).max() > 1e-3

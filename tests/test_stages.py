@@ -126,7 +126,7 @@ def test_observer_hooks_come_in_order_and_the_run_folder_checkpoints_on_time(tmp
     assert saved == [0, 3, 6, 7]  # round 0, every 3 rounds, the end
     assert result.run_dir == tmp_path / "r" and result.summary["run_dir"] == str(tmp_path / "r")
     ck = load_checkpoint(tmp_path / "r" / "checkpoint.pt")
-    assert build_config(ck["config"]) == cfg and ck["loop"]["state"]["round"] == 7
+    assert build_config(ck.config) == cfg and ck.loop.state.round == 7
 
 
 def test_a_failed_run_closes_every_observer_with_the_error(tmp_path):

@@ -63,40 +63,90 @@ def write_sweep_outputs(grid, space: Space) -> SweepOutcome:
     """Table (CSV, Markdown) sorted by the metric, ``best_config.yaml`` (from finished trials of a sweep
     that ran to its end), ``top_trials.png`` and, when trials failed, their errors in full in ``errors.log``."""
     opts = space.options
-    location = str(grid.experiment_path)
+    out, remote = _results_folder(str(grid.experiment_path))
+    trials = _read_trials(grid, space)
+    rows = _sorted_rows(trials.rows, opts.metric, opts.mode)
+    _write_tables(rows, out)
+    # trials not yet made count too: with max_concurrent_trials a stopped sweep has not made them all
+    unfinished = max(0, expected_trials(space) - trials.done - len(trials.failed))
+    best_file = out / "best_config.yaml"
+    best_file.unlink(missing_ok=True)  # a resumed sweep's earlier answer does not stand
+    (out / ERRORS_FILE).unlink(missing_ok=True)
+    if trials.full_errors:
+        (out / ERRORS_FILE).write_text("\n".join(trials.full_errors), encoding="utf-8")
+    if not unfinished:
+        _write_best_config(rows, space, best_file)
+    plot_top_trials(rows[: opts.top_trials], out / "top_trials.png", opts.metric, list(space.search))
+    if remote is not None:
+        _upload(remote, out, best_file)
+    return SweepOutcome(out, max(len(grid), expected_trials(space)), trials.failed, unfinished,
+                        best_file if best_file.exists() else None, None if remote is None else remote.uri)
+
+
+def _results_folder(location: str) -> tuple[Path, RemoteFolder | None]:
+    """Where the results are written: the sweep folder, or for a sweep kept at a storage URI a local folder (to
+    read and train from) whose files are then uploaded to it."""
     remote = RemoteFolder(location) if is_uri(location) else None
     out = Path(location)
-    if remote is not None:  # tables and best config also go to a local folder, to read and train from
+    if remote is not None:
         out = (output_root(LOCAL_COPY, "tune.storage_path") / out.name).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    failed: list[tuple[str, str]] = []
-    full_errors: list[str] = []
-    done = 0
+    return out, remote
+
+
+@dataclasses.dataclass
+class _Trials:
+    """What the results of a sweep's trials say: one row per trial with a config, the failed trials' one-line
+    and full errors, and how many trials are done."""
+
+    rows: list[dict] = dataclasses.field(default_factory=list)
+    failed: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    full_errors: list[str] = dataclasses.field(default_factory=list)
+    done: int = 0
+
+
+def _read_trials(grid, space: Space) -> _Trials:
+    trials = _Trials()
     for result in grid:
-        done += result.error is None and bool((result.metrics or {}).get("done"))  # ended, or stopped by ASHA
+        trials.done += result.error is None and bool((result.metrics or {}).get("done"))  # ended, or stopped by ASHA
         if result.error is not None:
             name = Path(result.path).name
-            failed.append((name, error_line(result.error)))
-            full_errors.append(f"== trial {name}\n{result.error}\n")
-        if result.config is None:
-            continue
-        df = result.metrics_dataframe
-        hist = [] if df is None or opts.metric not in df else df[["iteration", opts.metric]].dropna().values.tolist()
-        last = result.metrics or {}
-        values = [v for _, v in hist]
-        best = (max(values) if opts.mode == "max" else min(values)) if values else None
-        rows.append({"trial": Path(result.path).name, **{k: result.config.get(k) for k in space.search},
-                     f"final_{opts.metric}": last.get(opts.metric), f"best_{opts.metric}": best,
-                     "iterations": last.get("iteration"), "error": None if result.error is None else "error",
-                     "_history": hist})
-    sign = -1 if opts.mode == "max" else 1
+            trials.failed.append((name, error_line(result.error)))
+            trials.full_errors.append(f"== trial {name}\n{result.error}\n")
+        if result.config is not None:
+            trials.rows.append(_trial_row(result, space))
+    return trials
+
+
+def _trial_row(result, space: Space) -> dict:
+    """A trial's row: its searched values, final and best metric, iterations, whether it failed, and its curve
+    (``_history``, for the figure)."""
+    opts = space.options
+    df = result.metrics_dataframe
+    hist = [] if df is None or opts.metric not in df else df[["iteration", opts.metric]].dropna().values.tolist()
+    last = result.metrics or {}
+    values = [v for _, v in hist]
+    best = (max(values) if opts.mode == "max" else min(values)) if values else None
+    return {"trial": Path(result.path).name, **{k: result.config.get(k) for k in space.search},
+            f"final_{opts.metric}": last.get(opts.metric), f"best_{opts.metric}": best,
+            "iterations": last.get("iteration"), "error": None if result.error is None else "error",
+            "_history": hist}
+
+
+def _sorted_rows(rows: list[dict], metric: str, mode: str) -> list[dict]:
+    """Best final metric first; trials without one, then failed trials, last."""
+    sign = -1 if mode == "max" else 1
 
     def key(r):
-        v = r[f"final_{opts.metric}"]
+        v = r[f"final_{metric}"]
         return (r["error"] is not None, v is None or (isinstance(v, float) and math.isnan(v)), sign * (v or 0))
 
     rows.sort(key=key)
+    return rows
+
+
+def _write_tables(rows: list[dict], out: Path) -> None:
+    """``sweep_results.csv`` and ``sweep_results.md``."""
     cols = [c for c in (rows[0] if rows else {}) if c != "_history"]
     with open(out / "sweep_results.csv", "w", newline="", encoding="utf-8") as fh:
         w = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")
@@ -106,31 +156,29 @@ def write_sweep_outputs(grid, space: Space) -> SweepOutcome:
     for r in rows:
         md.append("| " + " | ".join(cell(r[c]) for c in cols) + " |")
     (out / "sweep_results.md").write_text("\n".join(md) + "\n", encoding="utf-8")
-    # trials not yet made count too: with max_concurrent_trials a stopped sweep has not made them all
-    unfinished = max(0, expected_trials(space) - done - len(failed))
-    best_file = out / "best_config.yaml"
-    best_file.unlink(missing_ok=True)  # a resumed sweep's earlier answer does not stand
-    (out / ERRORS_FILE).unlink(missing_ok=True)
-    if full_errors:
-        (out / ERRORS_FILE).write_text("\n".join(full_errors), encoding="utf-8")
-    if (not unfinished and rows and rows[0]["error"] is None
-            and rows[0][f"final_{opts.metric}"] is not None):
-        best = {**space.base, **{k: rows[0][k] for k in space.search}}
-        best_cfg = build_config(best).to_dict()
-        best_cfg.update(out_dir="runs", run_name=None)
-        plain = {k: list(v) if isinstance(v, tuple) else v for k, v in best_cfg.items()}
-        (out / "best_config.yaml").write_text(
-            f"# best trial {rows[0]['trial']}: {opts.metric} = {rows[0][f'final_{opts.metric}']}\n"
-            f"# fdam train --config {out / 'best_config.yaml'}\n" + yaml.safe_dump(plain, sort_keys=False),
-            encoding="utf-8")
-    plot_top_trials(rows[: opts.top_trials], out / "top_trials.png", opts.metric, list(space.search))
-    if remote is not None:
-        for name in (best_file.name, ERRORS_FILE):
-            if not (out / name).exists():
-                remote.remove(name)
-        remote.upload(out, ["sweep_results.csv", "sweep_results.md", best_file.name, ERRORS_FILE, "top_trials.png"])
-    return SweepOutcome(out, max(len(grid), expected_trials(space)), failed, unfinished,
-                        best_file if best_file.exists() else None, None if remote is None else remote.uri)
+
+
+def _write_best_config(rows: list[dict], space: Space, path: Path) -> None:
+    """The best trial's config as ``best_config.yaml``, when the best trial finished with a metric."""
+    metric = space.options.metric
+    if not (rows and rows[0]["error"] is None and rows[0][f"final_{metric}"] is not None):
+        return
+    best = {**space.base, **{k: rows[0][k] for k in space.search}}
+    best_cfg = build_config(best).to_dict()
+    best_cfg.update(out_dir="runs", run_name=None)
+    plain = {k: list(v) if isinstance(v, tuple) else v for k, v in best_cfg.items()}
+    path.write_text(
+        f"# best trial {rows[0]['trial']}: {metric} = {rows[0][f'final_{metric}']}\n"
+        f"# fdam train --config {path}\n" + yaml.safe_dump(plain, sort_keys=False),
+        encoding="utf-8")
+
+
+def _upload(remote: RemoteFolder, out: Path, best_file: Path) -> None:
+    """The local results to the sweep's storage, removing there what this sweep no longer has."""
+    for name in (best_file.name, ERRORS_FILE):
+        if not (out / name).exists():
+            remote.remove(name)
+    remote.upload(out, ["sweep_results.csv", "sweep_results.md", best_file.name, ERRORS_FILE, "top_trials.png"])
 
 
 def expected_trials(space: Space) -> int:

@@ -65,7 +65,7 @@ class TuneReport(Observer):
                              f"{', '.join(metrics)}); per-client AUCs need clients with test splits of their own, "
                              "per-task AUCs a multi-task dataset")
         with tempfile.TemporaryDirectory() as d:
-            save_checkpoint(Path(d) / CHECKPOINT_FILE, {"config": self.config_dict, **snapshot()})
+            save_checkpoint(Path(d) / CHECKPOINT_FILE, snapshot().with_config(self.config_dict))
             tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
 
 

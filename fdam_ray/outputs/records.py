@@ -1,0 +1,55 @@
+"""The names an evaluation record's numbers go by: flat (``metrics.csv``, Tune) and grouped (TensorBoard tags,
+experiment trackers)."""
+
+from __future__ import annotations
+
+import math
+
+
+def flatten_record(rec: dict) -> dict:
+    out = {}
+    for key, value in rec.items():
+        if isinstance(value, dict):
+            for sub, v in value.items():
+                out[f"{key}.{sub}"] = v
+        else:
+            out[key] = value
+    return out
+
+
+def scalars(rec: dict) -> dict[str, float]:
+    """Every number of an evaluation record under its flat name (``task_auc.<task>``, ``client_auc.<id>``, as in
+    ``metrics.csv``), plus ``worst_task_auc`` and ``worst_client_auc`` (the lowest defined AUC) where the record has
+    per-task or per-client AUCs. What Tune and the experiment trackers receive."""
+    out: dict[str, float] = {}
+    for key, value in flatten_record(rec).items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = value
+    for part, name in (("task_auc", "worst_task_auc"), ("client_auc", "worst_client_auc")):
+        defined = [v for v in (rec.get(part) or {}).values()
+                   if isinstance(v, (int, float)) and not math.isnan(v)]
+        if defined:
+            out[name] = min(defined)
+    return out
+
+
+# Groups of the grouped metric names (TensorBoard tags, tracker metrics): AUCs, communication, training.
+_AUC_NAMES = {"test_auc": "auc/test", "worst_task_auc": "auc/worst_task", "worst_client_auc": "auc/worst_client",
+              "test_samples": "auc/test_samples"}
+_COMM_NAMES = {"bytes_up": "comm/bytes_up", "bytes_down": "comm/bytes_down"}
+_TRAIN_NAMES = {"train_loss": "train/loss"}
+
+
+def grouped_name(key: str) -> str:
+    """The grouped name of a flat metric name: ``test_auc`` -> ``auc/test``, ``task_auc.Edema`` ->
+    ``auc/task/Edema``, ``client_auc.3`` -> ``auc/client/3``, ``bytes_up`` -> ``comm/bytes_up``, ``train_loss`` ->
+    ``train/loss``, and any other (lr, stage, round, wall_s, samples_per_s) ``train/<key>``."""
+    for prefix, group in (("task_auc.", "auc/task/"), ("client_auc.", "auc/client/")):
+        if key.startswith(prefix):
+            return group + key[len(prefix):]
+    return _AUC_NAMES.get(key) or _COMM_NAMES.get(key) or _TRAIN_NAMES.get(key) or f"train/{key}"
+
+
+def grouped_scalars(rec: dict) -> dict[str, float]:
+    """:func:`scalars` under their grouped names, without the step (``iteration``)."""
+    return {grouped_name(k): v for k, v in scalars(rec).items() if k != "iteration"}

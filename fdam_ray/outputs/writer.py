@@ -1,0 +1,104 @@
+"""The files of a run folder, written as the run goes (see :mod:`fdam_ray.outputs` for the list)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from pathlib import Path
+
+import torch
+import yaml
+
+from fdam_ray.checkpoint import Checkpoint, save_checkpoint
+from fdam_ray.outputs.records import flatten_record, grouped_scalars
+
+log = logging.getLogger("fdam_ray.outputs")
+_notice_given = False
+
+
+def _tensorboard_writer(path: Path):
+    global _notice_given
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        if not _notice_given:
+            log.warning("TensorBoard files are not written: the 'tensorboard' package is not installed "
+                        "(pip install tensorboard)")
+            _notice_given = True
+        return None
+    return SummaryWriter(log_dir=str(path))
+
+
+class RunWriter:
+    """Writes a run's files as the run goes; on resume, rewrites the metric files from the checkpoint's history."""
+
+    def __init__(self, run_dir: Path, *, tensorboard: bool, history: list[dict] | None = None) -> None:
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.dir / "metrics.jsonl", "w", encoding="utf-8")
+        self._csv_file = open(self.dir / "metrics.csv", "w", encoding="utf-8", newline="")
+        self._csv: csv.DictWriter | None = None
+        self.log = logging.getLogger(f"fdam_ray.run.{id(self)}")
+        self.log.propagate = False
+        self.log.setLevel(logging.INFO)
+        self._handler = logging.FileHandler(self.dir / "train.log", encoding="utf-8")
+        self._handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        self.log.addHandler(self._handler)
+        # the package's warnings while the run writes here (a client replaced or dropped, a late stage switch)
+        self._warnings = logging.FileHandler(self.dir / "train.log", encoding="utf-8")
+        self._warnings.setLevel(logging.WARNING)
+        self._warnings.setFormatter(self._handler.formatter)
+        logging.getLogger("fdam_ray").addHandler(self._warnings)
+        self._tb = _tensorboard_writer(self.dir / "events") if tensorboard else None
+        for rec in history or []:
+            self._write_metrics(rec)
+
+    def write_config(self, config_dict: dict) -> None:
+        plain = {k: list(v) if isinstance(v, tuple) else v for k, v in config_dict.items()}
+        (self.dir / "config.yaml").write_text(yaml.safe_dump(plain, sort_keys=False), encoding="utf-8")
+
+    def _write_metrics(self, rec: dict) -> None:
+        self._jsonl.write(json.dumps(rec) + "\n")
+        self._jsonl.flush()
+        flat = flatten_record(rec)
+        if self._csv is None:
+            self._csv = csv.DictWriter(self._csv_file, fieldnames=list(flat), extrasaction="ignore")
+            self._csv.writeheader()
+        self._csv.writerow(flat)
+        self._csv_file.flush()
+
+    def record(self, rec: dict) -> None:
+        """Write one evaluation record to every output."""
+        self._write_metrics(rec)
+        self.log.info(
+            "iteration %d round %d stage %d lr %.4g loss %s test_auc %.6f bytes %d wall_s %.1f",
+            rec["iteration"], rec["round"], rec["stage"], rec["lr"],
+            "-" if rec.get("train_loss") is None else f"{rec['train_loss']:.6f}", rec["test_auc"],
+            rec["bytes_up"] + rec["bytes_down"], rec["wall_s"],
+        )
+        if self._tb is not None:
+            step = rec["iteration"]
+            for tag, value in grouped_scalars(rec).items():  # auc/..., comm/..., train/...
+                self._tb.add_scalar(tag, value, step)
+            self._tb.flush()
+
+    def event(self, message: str, *args, level: int = logging.INFO) -> None:
+        self.log.log(level, message, *args)
+
+    def checkpoint(self, checkpoint: Checkpoint) -> None:
+        save_checkpoint(self.dir / "checkpoint.pt", checkpoint)
+
+    def finish(self, model_payload: dict, summary: dict) -> None:
+        torch.save(model_payload, self.dir / "model.pt")
+        (self.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+
+    def close(self) -> None:
+        self._jsonl.close()
+        self._csv_file.close()
+        self.log.removeHandler(self._handler)
+        self._handler.close()
+        logging.getLogger("fdam_ray").removeHandler(self._warnings)
+        self._warnings.close()
+        if self._tb is not None:
+            self._tb.close()
