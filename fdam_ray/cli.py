@@ -13,9 +13,13 @@ import logging
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING, Any
 
 from fdam_ray.config import SECTIONS, ConfigError, build_config, describe_fields, load_config_file, parse_overrides
 from fdam_ray.locations import where
+
+if TYPE_CHECKING:
+    from fdam_ray.federation import RunResult
 
 
 def _version() -> str:
@@ -41,11 +45,23 @@ def _summary(summary: dict) -> str:
             f"{mb:.1f} MB moved, {summary['wall_s']:.1f} s, {summary['samples_per_s']} samples/s")
 
 
+def _train_or_resume(resume_dir: str | None, values: dict, **how: Any) -> RunResult:
+    """Run the config ``values`` describe, or continue the run in ``resume_dir`` (``values`` may change it)."""
+    from fdam_ray.recipe import resume, run
+
+    if resume_dir:
+        print(f"fdam train: resuming {resume_dir}", flush=True)
+        return resume(resume_dir, values, **how)
+    config = build_config(values)
+    print(f"fdam train: {config.algorithm} on {config.dataset}, K={config.num_clients}, I={config.local_steps}, "
+          f"{config.iterations} iterations, model {config.model}, executor {config.executor}", flush=True)
+    return run(config, **how)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from fdam_ray.executors.errors import ClientError, PlacementError
     from fdam_ray.federation import DivergenceError
     from fdam_ray.outputs import RunStopped, clear_stop_request, request_stop
-    from fdam_ray.recipe import resume, run
 
     values = load_config_file(args.config) if args.config else {}
     values.update(parse_overrides(args.overrides))
@@ -62,15 +78,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     main_thread = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
     previous = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
     try:
-        if args.resume:
-            print(f"fdam train: resuming {args.resume}", flush=True)
-            result = resume(args.resume, values, on_eval=on_eval, progress=progress)
-        else:
-            config = build_config(values)
-            print(f"fdam train: {config.algorithm} on {config.dataset}, K={config.num_clients}, "
-                  f"I={config.local_steps}, {config.iterations} iterations, model {config.model}, "
-                  f"executor {config.executor}", flush=True)
-            result = run(config, on_eval=on_eval, progress=progress)
+        result = _train_or_resume(args.resume, values, on_eval=on_eval, progress=progress)
     except RunStopped as exc:
         print(f"fdam: {exc}", file=sys.stderr)
         return 128 + signal.SIGTERM
@@ -92,7 +100,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGTERM, previous)
         clear_stop_request()
     print(_summary(result.summary))
-    print(f"run folder: {where(result.run_dir)}")
+    if result.run_dir is not None:  # a run of fdam train always writes its folder
+        print(f"run folder: {where(result.run_dir)}")
     return 0
 
 

@@ -20,31 +20,44 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from fdam_ray.algorithms import AlgorithmSection, LocalSolver, build_algorithm
+from fdam_ray.algorithms import LocalSolver, build_algorithm
 from fdam_ray.algorithms.drift import ClientVariate
 from fdam_ray.algorithms.sampling import client_weights
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.data import AnySplit, DataSource, Split, iter_batches, make_sampler
 from fdam_ray.flat import FlatModel
 from fdam_ray.models import build_model
-from fdam_ray.precision import Precision
+from fdam_ray.precision import Precision, PrecisionSection
+from fdam_ray.sections import AT_LEAST_ONE, Section, setting, shared
 from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, Moments, RoundPlan, Scores, StepStats
 
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
-class ClientSection(AlgorithmSection):
-    """What a client (and the driver's replica) needs of the config: the algorithm, the network, batches."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClientSection(Section):
+    """What a client (and the driver's replica) reads of the config: the algorithm's local side, the network,
+    batches and arithmetic. It is all a Ray actor receives: no server, executor or Ray field."""
 
-    model: str
-    model_width: int
-    seed: int
-    batch_size: int
-    eval_batch_size: int
-    deterministic: bool
-    precision: str
-    channels_last: bool | str
+    name = "client"
+
+    batch_size: int = setting(32, "B, local minibatch size; 0 or 'full' = full-batch gradients.", kind="batch",
+                              allowed=">= 0 or 'full'", aliases=("batchsize",))
+    eval_batch_size: int = setting(256, "Samples scored at once when evaluating (lower it for large images).",
+                                   check=AT_LEAST_ONE, resume=True)
+    algorithm: str = shared()
+    objective: str | None = shared()
+    margin: float = shared()
+    prox_weight: float = shared()
+    weight_decay: float = shared()
+    grad_clip: float | None = shared()
+    client_weighting: str = shared()
+    model: str = shared()
+    model_width: int = shared()
+    seed: int = shared()
+    deterministic: bool = shared()
+    precision: str = shared()
+    channels_last: bool | str = shared()
 
 
 def use_deterministic_kernels() -> None:
@@ -96,12 +109,12 @@ class Replica:
         self.device = device
         if config.deterministic:
             use_deterministic_kernels()
-        self.algorithm = build_algorithm(config)
+        self.algorithm = build_algorithm(config)  # the client's fields only: its server fields keep defaults
         self.objective = self.algorithm.objective(source.num_tasks)
         model = build_model(config.model, source.input_shape, source.num_tasks,
                             width=config.model_width, seed=config.seed)
         self.flat = FlatModel(model, aux_size=self.objective.aux_size, device=device,
-                              precision=Precision.of(config, model, device))
+                              precision=Precision.of(PrecisionSection.of(config), model, device))
 
     @torch.no_grad()
     def score(self, split: AnySplit) -> np.ndarray:

@@ -28,6 +28,7 @@ import logging
 import math
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -39,12 +40,15 @@ from fdam_ray.checkpoint import Checkpoint, ClientState, LoopState
 from fdam_ray.client import Replica, all_finite
 from fdam_ray.data import DataSource
 from fdam_ray.evaluation import Evaluator
-from fdam_ray.executors import Executor, ExecutorSection
+from fdam_ray.executors import Executor
 from fdam_ray.executors.errors import PlacementError
 from fdam_ray.objectives import global_positive_ratio
 from fdam_ray.outputs import Observer, RunStart, Snapshot
 from fdam_ray.schedules import Position, Schedule, ScheduleSection
 from fdam_ray.state import ClientUpdate, GlobalState, RoundPlan
+
+if TYPE_CHECKING:
+    from fdam_ray.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +92,7 @@ class Federation:
     Args:
         source: the data source spec (the driver reads only its test part, and only when clients do not score it).
         executor: how the clients run.
-        config: the executor's section (what each client and the executor need).
+        config: the run's config (the executor and the driver's replica cut the sections they read).
         algorithm: the algorithm's section.
         schedule: the schedule's section.
         eval_every: evaluate every this many iterations (at the first round end after it) and at the end.
@@ -96,7 +100,7 @@ class Federation:
         observer: what the run reports to (run folder, progress bar, callbacks, Tune).
     """
 
-    def __init__(self, *, source: DataSource, executor: Executor, config: ExecutorSection,
+    def __init__(self, *, source: DataSource, executor: Executor, config: Config,
                  algorithm: AlgorithmSection, schedule: ScheduleSection, eval_every: int,
                  driver_device: torch.device, observer: Observer) -> None:
         self.source = source

@@ -12,6 +12,7 @@ says what such a network may hold.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import socket
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from fdam_ray.factories import import_path_of, is_import_path, python_name, resolve
+from fdam_ray.sections import AT_LEAST_ONE, Section, setting
 
 
 def _image_shape(name: str, input_shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -129,6 +131,23 @@ def densenet161(input_shape: tuple[int, ...], num_tasks: int, width: int) -> nn.
 
 BUILDERS = {"linear": linear, "mlp": mlp, "cnn": cnn, "resnet20": resnet20, "densenet121": densenet121,
             "densenet161": densenet161}
+MODEL_NAMES = tuple(BUILDERS)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSection(Section):
+    """The config fields of the scoring network and its initial weights."""
+
+    name = "model"
+
+    model: str = setting("cnn", "Scoring network: a name, or your own factory module:attr called as "
+                         "factory(input_shape, num_tasks) -> nn.Module giving (B, T) logits, on the driver and every "
+                         "client.", kind="factory", choices=MODEL_NAMES)
+    model_width: int = setting(32, "Width of mlp hidden layers / cnn channels; passed to your own model factory as "
+                               "width= if it has that parameter, else unused.", check=AT_LEAST_ONE)
+    model_weights: str | None = setting(None, "Local file of initial network weights (a state_dict saved with "
+                                        "torch.save, or a run's model.pt); a classifier head of another size is "
+                                        "re-initialised. Never downloaded.")
 
 
 def model_name(model: str | Callable) -> str:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fdam_ray.sections import Section
+from fdam_ray.sections import Section, setting
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +40,20 @@ _warned_cpu_fp16 = False
 DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class PrecisionSection(Section):
     """The config fields that set how a client's forward pass computes."""
 
-    precision: str
-    channels_last: bool | str
-    deterministic: bool
+    name = "precision"
+
+    precision: str = setting("fp32", "Arithmetic of the network's forward pass: fp32, or bf16/fp16 autocast (the "
+                             "objective, a, b, alpha, the parameters and every sum stay float32; fp16 scales the "
+                             "loss).", choices=("fp32", "bf16", "fp16"))
+    channels_last: bool | str = setting("auto", "Run convolutional networks in channels-last memory format; auto = "
+                                        "on for conv nets on a GPU, off on the CPU.",
+                                        allowed="true, false or 'auto'", resume=True)
+    deterministic: bool = setting(False, "Ask torch for deterministic kernels (GPU runs then repeat bit for bit, "
+                                  "more slowly; CPU runs repeat exactly either way).", resume=True)
 
 
 def is_conv_net(model: nn.Module) -> bool:

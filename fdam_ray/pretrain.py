@@ -13,11 +13,30 @@ local SGD steps as every other run.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from fdam_ray.data import DataSource
 from fdam_ray.models import build_model
+from fdam_ray.sections import NONNEGATIVE, POSITIVE, Section, setting
 from fdam_ray.weights import head_keys
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PretrainSection(Section):
+    """The config fields of stage 1 (what :func:`pretrain_config` reads besides the run's own fields)."""
+
+    name = "pretrain"
+
+    pretrain_iterations: int = setting(0, "Two-stage recipe: iterations of BCE pre-training (fedavg) before the AUC "
+                                       "run, which keeps the pre-trained body and re-initialises the head; 0 = off.",
+                                       check=NONNEGATIVE)
+    pretrain_lr: float | None = setting(None, "Step size of pre-training; null = lr.", check=POSITIVE)
+    pretrain_batch_size: int | None = setting(None, "Minibatch of pre-training; null = batch_size.", kind="batch",
+                                              allowed=">= 0 or 'full'")
+    pretrain_federated: bool = setting(True, "Pre-train on all clients (fedavg); false = on client 0's data alone "
+                                       "(e.g. the first source).")
 
 
 class FirstClientSource(DataSource):

@@ -40,7 +40,7 @@ from fdam_ray.client import resolve_device
 from fdam_ray.config import RENAMED_PER_ACTOR, RESUME_MAY_CHANGE, Config, ConfigError, build_config
 from fdam_ray.data import DataSource, make_source
 from fdam_ray.data.datasets import DatasetsSource, describe_client
-from fdam_ray.executors import Executor, ExecutorSection, make_executor
+from fdam_ray.executors import Executor, make_executor
 from fdam_ray.executors.inline import InlineExecutor
 from fdam_ray.factories import PYTHON_PREFIX
 from fdam_ray.federation import Federation, RunResult
@@ -118,7 +118,7 @@ def federate(
     # outside Ray's GPU accounting (the clients hold the GPU shares).
     driver_device = resolve_device(config.device) if config.executor == "inline" else torch.device("cpu")
     with executor:
-        fed = Federation(source=source, executor=executor, config=ExecutorSection.of(config),
+        fed = Federation(source=source, executor=executor, config=config,
                          algorithm=AlgorithmSection.of(config), schedule=ScheduleSection.of(config),
                          eval_every=config.eval_every, driver_device=driver_device, observer=Observers(outputs))
         check_capacity(config, fed.replica.flat.state_size)

@@ -21,24 +21,48 @@ import logging
 import math
 from collections.abc import Iterator
 
-from fdam_ray.sections import Section
+from fdam_ray.sections import AT_LEAST_ONE, POSITIVE, ConfigError, Section, setting
 from fdam_ray.state import RoundPlan
 
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ScheduleSection(Section):
     """The config fields a schedule reads (``lr`` is lr_0 and ``local_steps`` I_0 for geometric)."""
 
-    schedule: str
-    iterations: int
-    local_steps: int
-    lr: float
-    stage_length: int
-    lr_decay: float
-    stage_growth: float
-    rounds_per_stage: int
+    name = "schedule"
+
+    schedule: str = setting("stagewise", "stagewise (decay every T0) or geometric (I_s grows by rho).",
+                            choices=("stagewise", "geometric"))
+    iterations: int = setting(2000, "t, total local steps per client.", check=AT_LEAST_ONE, resume=True,
+                              aliases=("steps", "total_iterations"))
+    local_steps: int = setting(10, "I, local steps per communication round (I_0 for the geometric schedule).",
+                               check=AT_LEAST_ONE, aliases=("i", "local_iterations"))
+    lr: float = setting(0.1, "eta (eta_l for CODASCA), local step size.", check=POSITIVE,
+                        aliases=("learning_rate", "eta", "eta_l", "local_lr"))
+    stage_length: int = setting(1000, "T0, iterations per stage (stagewise).", check=AT_LEAST_ONE, aliases=("t0",))
+    lr_decay: float = setting(3.0, "Divisor of lr at each stage end (stagewise).", check=AT_LEAST_ONE,
+                              aliases=("decay",))
+    stage_growth: float = setting(2.0, "rho, growth of I_s and shrink of lr per stage (geometric).",
+                                  check=AT_LEAST_ONE)
+    rounds_per_stage: int = setting(10, "R, rounds per stage (geometric).", check=AT_LEAST_ONE)
+
+    def check(self) -> None:
+        """The schedule must not decay lr below :data:`MIN_LR` before the run ends."""
+        stage, lr = last_stage(self)
+        if lr >= MIN_LR:
+            return
+        if self.schedule == "stagewise":
+            knobs = (f"lr={self.lr:g}, lr_decay={self.lr_decay:g}, stage_length={self.stage_length}, "
+                     f"iterations={self.iterations}")
+            fix = "raise stage_length, or lower lr_decay or iterations"
+        else:
+            knobs = (f"lr={self.lr:g}, stage_growth={self.stage_growth:g}, rounds_per_stage="
+                     f"{self.rounds_per_stage}, local_steps={self.local_steps}, iterations={self.iterations}")
+            fix = "raise rounds_per_stage, or lower stage_growth or iterations"
+        raise ConfigError(f"config: the schedule ({knobs}) runs {stage} stages and decays lr to {lr:.1e}, below "
+                          f"{MIN_LR:g} where float32 steps no longer move the model; {fix}")
 
 
 @dataclasses.dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -142,7 +143,8 @@ def test_version_prints_the_packages_version(capsys):
 
 
 def test_fields_filters_by_section_or_word(capsys):
-    from fdam_ray.config import FIELDS, SECTIONS
+    from fdam_ray.config import FIELDS, SECTION_CLASSES, SECTIONS
+    from fdam_ray.executors.ray_section import RaySection
 
     def listed(*terms):
         assert main(["fields", *terms]) == 0
@@ -151,11 +153,17 @@ def test_fields_filters_by_section_or_word(capsys):
     everything = listed()
     assert everything == [f.name for f in FIELDS]
     assert listed("ray") == ["address", "cpus_per_actor", "gpus_per_actor", "placement_strategy", "client_resources",
-                             "client_data_roots", "reduce", "transport", "channel_wait", "placement_timeout_s",
-                             "gpu_memory_cap", "fold_order", "eval_on", "on_client_failure", "max_client_retries",
-                             "ray_timeout_s"]
+                             "reduce", "transport", "channel_wait", "placement_timeout_s", "gpu_memory_cap",
+                             "fold_order", "ray_timeout_s"]
+    assert set(listed("ray")) < {f.name for f in dataclasses.fields(RaySection)}  # its own fields, not shared ones
     assert listed("RAY") == listed("ray")
     assert listed("schedule") == list(SECTIONS["schedule"])
+    # a section of `fdam fields` is a section class: every field in exactly one, in the class's order
+    assert list(SECTIONS) == [cls.name for cls in SECTION_CLASSES]
+    assert [name for cls in SECTION_CLASSES for name in listed(cls.name)] == everything
+    assert listed("precision") == ["precision", "channels_last", "deterministic"]
+    assert listed("executor") == ["executor", "device", "clients_per_actor", "threads_per_actor", "eval_on",
+                                  "on_client_failure", "max_client_retries"]
     gpu = listed("gpu")  # a word: in the name, or starting a word of the meaning
     assert {"gpus_per_actor", "gpu_memory_cap", "device", "deterministic"} <= set(gpu) and "lr" not in gpu
     assert listed("ray", "gpu") == ["gpus_per_actor", "gpu_memory_cap"]  # several terms: every one selects

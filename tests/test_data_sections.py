@@ -15,21 +15,23 @@ from image_fixtures import accept_checksums, write_cifar, write_image_folder
 
 from fdam_ray.algorithms import AlgorithmSection
 from fdam_ray.client import ClientSection
-from fdam_ray.config import DATASET_NAMES, FIELD_BY_NAME, Config, build_config, field_type
+from fdam_ray.config import DATASET_NAMES, FIELD_BY_NAME, SECTION_CLASSES, Config, build_config, field_type
 from fdam_ray.data import ChestXraySection, DataSection, Split, SyntheticSection, data_section, make_source
 from fdam_ray.data.sections import SECTIONS
 from fdam_ray.executors import ExecutorSection
+from fdam_ray.executors.ray_section import RayExecutorSection
 from fdam_ray.outputs import OutputSection
 from fdam_ray.schedules import ScheduleSection
 
-ALL_SECTIONS = [DataSection, SyntheticSection, ChestXraySection, ScheduleSection, AlgorithmSection, ClientSection,
-                ExecutorSection, OutputSection]
+ALL_SECTIONS = [*SECTION_CLASSES, RayExecutorSection]
+assert {DataSection, SyntheticSection, ChestXraySection, ScheduleSection, AlgorithmSection, ClientSection,
+        ExecutorSection, OutputSection} <= set(ALL_SECTIONS)
 
 
 @pytest.mark.parametrize("cls", ALL_SECTIONS, ids=lambda c: c.__name__)
 def test_section_fields_are_config_fields_of_the_same_type(cls):
     config_types = typing.get_type_hints(Config)
-    hints = typing.get_type_hints(cls)
+    hints = {k: v for k, v in typing.get_type_hints(cls).items() if typing.get_origin(v) is not typing.ClassVar}
     assert list(hints) == [f.name for f in dataclasses.fields(cls)]
     for name, hint in hints.items():
         assert name in FIELD_BY_NAME, f"{cls.__name__}.{name} is not a config field"

@@ -188,11 +188,11 @@ def test_channels_last_auto_and_cudnn_autotuning_follow_the_device(monkeypatch):
     assert wants_channels_last(True, cnn, CPU) and not wants_channels_last(False, cnn, cuda)
     assert not wants_channels_last(True, mlp, cuda)  # not a convolutional network
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
-    Precision.of(PrecisionSection("bf16", "auto", True), cnn, cuda)
+    Precision.of(PrecisionSection(precision="bf16", channels_last="auto", deterministic=True), cnn, cuda)
     assert torch.backends.cudnn.benchmark is False  # deterministic kernels asked for
-    Precision.of(PrecisionSection("bf16", "auto", False), cnn, CPU)
+    Precision.of(PrecisionSection(precision="bf16", channels_last="auto", deterministic=False), cnn, CPU)
     assert torch.backends.cudnn.benchmark is False  # not on the CPU
-    p = Precision.of(PrecisionSection("bf16", "auto", False), cnn, cuda)
+    p = Precision.of(PrecisionSection(precision="bf16", channels_last="auto", deterministic=False), cnn, cuda)
     assert torch.backends.cudnn.benchmark is True and p.channels_last and p.dtype == torch.bfloat16
 
 

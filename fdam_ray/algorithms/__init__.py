@@ -24,28 +24,53 @@ from fdam_ray.algorithms.local import LocalSolver
 from fdam_ray.algorithms.presets import PRESETS
 from fdam_ray.algorithms.server import PartialSum, RoundReducer
 from fdam_ray.algorithms.stages import ServerState
-from fdam_ray.sections import Section
+from fdam_ray.sections import AT_LEAST_ONE, FRACTION, NONNEGATIVE, POSITIVE, Section, fail, setting
 
 __all__ = ["PRESETS", "Algorithm", "AlgorithmSection", "LocalSolver", "PartialSum", "Preset", "RoundReducer",
            "ServerState", "build_algorithm"]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class AlgorithmSection(Section):
-    """The config fields that define the algorithm (see ``fdam fields`` for each one's meaning)."""
+    """The config fields that define the algorithm: objective, drift correction and the server's step."""
 
-    algorithm: str
-    objective: str | None
-    margin: float
-    global_lr: float
-    prox_weight: float
-    weight_decay: float
-    grad_clip: float | None
-    positive_ratio: float | None
-    reference_point: str
-    reset_control_variates: bool
-    clients_per_round: int | None
-    client_weighting: str
+    name = "algorithm"
+
+    algorithm: str = setting("codasca", "Named preset: objective x drift correction (docs/algorithms.md s.4).",
+                             choices=tuple(PRESETS))
+    objective: str | None = setting(None, "Loss: auc_square (paper eq. 2), auc_margin (AUC-M) or bce; default "
+                                    "from the algorithm preset.", choices=("auc_square", "auc_margin", "bce"))
+    margin: float = setting(1.0, "m, the margin of auc_margin.", check=POSITIVE)
+    num_clients: int = setting(4, "K, number of federated clients.", check=AT_LEAST_ONE,
+                               aliases=("clients", "n_clients", "k"))
+    clients_per_round: int | None = setting(None, "S, clients sampled (uniformly, without replacement, seeded by "
+                                            "seed and round) to take part in each round; null = all K.",
+                                            check=AT_LEAST_ONE)
+    client_weighting: str = setting("uniform", "Weights of the server's means and CODA's alpha: uniform (1/K, the "
+                                    "paper) or samples (n_k / n, the objective of the pooled data).",
+                                    choices=("uniform", "samples"))
+    global_lr: float = setting(1.0, "eta_g, server extrapolation; 1 is plain averaging.", check=POSITIVE,
+                               aliases=("global_learning_rate", "server_lr", "eta_g"))
+    prox_weight: float = setting(0.002, "gamma, weight of the proximal term towards the stage reference (fedprox, "
+                                 "fedprox_auc: towards the round's start, FedProx's mu).",
+                                 check=NONNEGATIVE, aliases=("gamma",))
+    weight_decay: float = setting(0.0, "wd, L2 weight decay on v.", check=NONNEGATIVE)
+    grad_clip: float | None = setting(None, "Element-wise clip of the model gradient to [-clip, clip]; null = off.",
+                                      check=POSITIVE)
+    positive_ratio: float | None = setting(None, "p in the objective; null = global positive ratio from client "
+                                           "counts.", check=FRACTION, aliases=("p",))
+    reference_point: str = setting("average", "Proximal centre of the next stage: average of the stage's "
+                                   "round-end global iterates, or the last one.", choices=("average", "last"))
+    reset_control_variates: bool = setting(True, "Zero the control variates at each stage start.")
+
+    def check(self) -> None:
+        preset = PRESETS[self.algorithm]
+        if self.objective not in preset.objectives:
+            raise fail("objective", self.objective,
+                       f"algorithm '{self.algorithm}' takes one of {', '.join(preset.objectives)}")
+        if self.clients_per_round is not None and self.clients_per_round > self.num_clients:
+            raise fail("clients_per_round", self.clients_per_round,
+                       f"at most num_clients = {self.num_clients}, or null for all")
 
 
 def build_algorithm(section: object) -> Algorithm:

@@ -13,55 +13,120 @@ import dataclasses
 from typing import Any
 
 from fdam_ray.factories import is_import_path
-from fdam_ray.sections import Section
+from fdam_ray.sections import AT_LEAST_ONE, EACH_ONCE, FRACTION, NONNEGATIVE, POSITIVE, Section, fail, setting, shared
+
+# "arrays" and "datasets" are set by fdam_ray.train_arrays / train_datasets (bring-your-own data), not by hand.
+DATASET_NAMES = ("digits", "synthetic", "arrays", "cifar10", "cifar100", "imagefolder", "mnist5k", "chestxray",
+                 "datasets")
+CHESTXRAY_SOURCES = ("chexpert", "nih", "padchest", "mimic", "vindr")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DataSection(Section):
     """The data fields read by digits, mnist5k, cifar10/100 and imagefolder (and, in part, by every source)."""
 
-    dataset: str
-    data_root: str | None
-    num_clients: int
-    seed: int
-    partition: str
-    imratio: float
-    dirichlet_concentration: float
-    positive_classes: tuple[int, ...] | None
-    negative_classes: tuple[int, ...] | None
-    test_fraction: float
-    image_size: int | None
-    augment: bool
-    data_workers: int | str
-    download: bool
+    name = "data"
+
+    dataset: str = setting("digits", "Dataset name, or your own factory module:attr called on each client as "
+                           "factory(client_id, num_clients, split) -> torch Dataset of (x, y) items, split 'train' "
+                           "or 'test' (None: no test split).", kind="factory", choices=DATASET_NAMES)
+    data_root: str | None = setting(None, "Folder of an on-disk dataset.")
+    partition: str = setting("ih", "How a labelled dataset is split over clients: ih (class-disjoint, the paper's) "
+                             "or dirichlet.", choices=("ih", "dirichlet"))
+    imratio: float = setting(0.1, "Positive fraction kept on each client (IH and Dirichlet partitions).",
+                             check=lambda v: 0 < v <= 0.5, allowed="in (0, 0.5]", aliases=("imbalance_ratio",))
+    dirichlet_concentration: float = setting(0.5, "Dirichlet concentration per class over clients (smaller = more "
+                                             "heterogeneous).", check=POSITIVE)
+    positive_classes: tuple[int, ...] | None = setting(None, "Original classes labelled positive; null = dataset "
+                                                       "default.")
+    negative_classes: tuple[int, ...] | None = setting(None, "Original classes labelled negative; null = every "
+                                                       "class that is not positive (classes in neither list are "
+                                                       "left out).")
+    test_fraction: float = setting(0.3, "Held-out fraction for datasets without a test split (digits).",
+                                   check=FRACTION)
+    image_size: int | None = setting(None, "Side of the square images a loader resizes to; null = the dataset's "
+                                     "default (imagefolder 224, chestxray 320).", check=AT_LEAST_ONE)
+    augment: bool = setting(False, "Random augmentation of training images (cifar: padded crop and flip; "
+                            "imagefolder: resized crop and flip; chestxray: the paper's random affine).")
+    data_workers: int | str = setting(0, "DataLoader worker processes per client for datasets read from disk; auto "
+                                      "= the CPUs Ray gave the client (the CPUs of this process inline) less one, "
+                                      "at most 8.", check=NONNEGATIVE, allowed=">= 0 or 'auto'", resume=True)
+    download: bool = setting(False, "cifar10/cifar100: fetch the official archive into data_root when its files "
+                             "are missing (torchvision); off = read local files only.")
+    client_data_roots: tuple[str, ...] | None = setting(None, "A data folder per client, in client order: client k "
+                                                        "reads its training data (all of it) from its own folder "
+                                                        "only, on the node it runs on; data_root then holds the "
+                                                        "global test set; null = every client takes its part of "
+                                                        "data_root.")
+    num_clients: int = shared()
+    seed: int = shared()
+
+    def check(self) -> None:
+        roots = self.client_data_roots
+        if roots is None:
+            return
+        if len(roots) != self.num_clients:
+            raise fail("client_data_roots", roots,
+                       f"one entry per client: {self.num_clients} (num_clients), not {len(roots)}")
+        if self.dataset in ("arrays", "datasets", "chestxray"):
+            raise fail("client_data_roots", roots,
+                       f"per-client folders of a dataset read from data_root; dataset={self.dataset} "
+                       + ("has per-source roots (chestxray_*_root)" if self.dataset == "chestxray"
+                          else "takes its data in memory"))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SyntheticSection(DataSection):
     """``dataset: synthetic``: the Gaussian mixtures' size and heterogeneity as well."""
 
-    heterogeneity: float
-    num_features: int
-    samples_per_client: int
+    name = "synthetic"
+
+    heterogeneity: float = setting(1.0, "Synthetic data: spread of each client's class-centre shift.",
+                                   check=NONNEGATIVE)
+    num_features: int = setting(20, "Synthetic data: feature dimension.", check=AT_LEAST_ONE)
+    samples_per_client: int = setting(500, "Synthetic data: training samples per client.", check=AT_LEAST_ONE)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ChestXraySection(DataSection):
     """``dataset: chestxray``: the organisations, their folders, the client layout, splits and label policies."""
 
-    chestxray_sources: tuple[str, ...]
-    chestxray_chexpert_root: str | None
-    chestxray_nih_root: str | None
-    chestxray_padchest_root: str | None
-    chestxray_mimic_root: str | None
-    chestxray_vindr_root: str | None
-    chestxray_clients: str
-    chestxray_clients_per_source: tuple[int, ...] | None
-    chestxray_test_fraction: float
-    chestxray_test_split: str
-    chestxray_uncertain: tuple[str, ...]
-    chestxray_blank: str
-    chestxray_frontal_only: bool
+    name = "chestxray"
+
+    chestxray_sources: tuple[str, ...] = setting(CHESTXRAY_SOURCES, "chestxray: the organisations, in client order "
+                                                 "(a list, or names joined by commas).", choices=CHESTXRAY_SOURCES,
+                                                 check=EACH_ONCE, allowed="each source once")
+    chestxray_chexpert_root: str | None = setting(None, "chestxray: folder with CheXpert's train.csv, valid.csv, "
+                                                  "train/.")
+    chestxray_nih_root: str | None = setting(None, "chestxray: folder with NIH's Data_Entry_2017*.csv and "
+                                             "images*/.")
+    chestxray_padchest_root: str | None = setting(None, "chestxray: folder with PadChest's labels CSV and numbered "
+                                                  "image folders.")
+    chestxray_mimic_root: str | None = setting(None, "chestxray: folder with MIMIC-CXR-JPG's "
+                                               "mimic-cxr-2.0.0-*.csv.gz and files/.")
+    chestxray_vindr_root: str | None = setting(None, "chestxray: folder with VinDr-CXR's image_labels_train.csv "
+                                               "(or Kaggle train.csv) and train/ images as PNG/JPEG.")
+    chestxray_clients: str = setting("source", "chestxray: source = one client per organisation; patient = "
+                                     "num_clients clients, each a patient group inside one organisation.",
+                                     choices=("source", "patient"))
+    chestxray_clients_per_source: tuple[int, ...] | None = setting(None, "chestxray, clients=patient: clients per "
+                                                                   "source in chestxray_sources order (sum = "
+                                                                   "num_clients); null = as even as possible.")
+    chestxray_test_fraction: float = setting(0.05, "chestxray: fraction of each organisation's patients held out "
+                                             "as its test split (fixed seed: the same patients for every run).",
+                                             check=FRACTION)
+    chestxray_test_split: str = setting("holdout", "chestxray: holdout (by patient) or official (CheXpert "
+                                        "valid.csv, MIMIC's test split, NIH test_list.txt; others fall back to "
+                                        "holdout).", choices=("holdout", "official"))
+    chestxray_uncertain: tuple[str, ...] = setting(("zeros", "ones", "zeros", "ones", "zeros"), "chestxray: "
+                                                   "uncertain (-1) labels per task (Cardiomegaly, Edema, "
+                                                   "Consolidation, Atelectasis, Pleural Effusion), or one for all: "
+                                                   "ones, zeros or ignore (missing).",
+                                                   choices=("ones", "zeros", "ignore"),
+                                                   check=lambda v: len(v) in (1, 5), allowed="1 or 5 policies")
+    chestxray_blank: str = setting("zeros", "chestxray: blank (not mentioned) labels: zeros (negative) or ignore "
+                                   "(missing).", choices=("zeros", "ignore"))
+    chestxray_frontal_only: bool = setting(True, "chestxray: keep frontal (PA/AP) views only.")
 
 
 # The section each dataset's source takes ("arrays" has none: its data comes in memory, not from a config).

@@ -15,13 +15,17 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from fdam_ray.algorithms.server import PartialSum
-from fdam_ray.client import ClientSection
 from fdam_ray.data import DataSource
+from fdam_ray.sections import AT_LEAST_ONE, NONNEGATIVE, Section, setting
 from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores
+
+if TYPE_CHECKING:
+    from fdam_ray.config import Config
 
 
 def actor_groups(num_clients: int, clients_per_actor: int) -> list[list[int]]:
@@ -30,41 +34,47 @@ def actor_groups(num_clients: int, clients_per_actor: int) -> list[list[int]]:
     return [list(range(a, min(a + m, num_clients))) for a in range(0, num_clients, m)]
 
 
-@dataclasses.dataclass(frozen=True)
-class ExecutorSection(ClientSection):
-    """What an executor reads of the config: how its clients run, plus what each client needs.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExecutorSection(Section):
+    """What any executor reads of the config: which executor, where and how its clients run.
 
-    Only the :class:`~fdam_ray.client.ClientSection` part travels to a client.
+    An executor is given the full config and cuts the sections it needs: this one,
+    :class:`~fdam_ray.client.ClientSection` (all a client receives), and the Ray executor's
+    :class:`~fdam_ray.executors.ray_section.RaySection`.
     """
 
-    device: str
-    threads_per_actor: int | None
-    address: str | None
-    clients_per_actor: int
-    cpus_per_actor: float
-    gpus_per_actor: float
-    placement_strategy: str
-    gpu_memory_cap: bool
-    fold_order: str
-    eval_on: str
-    on_client_failure: str
-    max_client_retries: int
-    ray_timeout_s: float
-    client_resources: tuple[dict, ...] | None
-    reduce: str
-    transport: str
-    channel_wait: str
-    placement_timeout_s: float
+    name = "executor"
+
+    executor: str = setting("ray", "ray: every client a Ray actor, all in parallel; inline: every client in the "
+                            "driver process, one after another (debuggers work).", choices=("ray", "inline"),
+                            resume=True)
+    device: str = setting("auto", "auto uses a GPU when one is visible.", choices=("auto", "cpu", "cuda"), resume=True)
+    clients_per_actor: int = setting(1, "M, clients each host runs one after another on one model replica (each "
+                                     "keeps its own shard, control variate and sampler position; the host returns "
+                                     "their updates folded into one partial sum); ceil(K / M) Ray actors; 1 = one "
+                                     "actor per client.", check=AT_LEAST_ONE, resume=True)
+    threads_per_actor: int | None = setting(None, "torch intra-op threads per actor process (inline: of the "
+                                            "driver; threads_per_client is read as this when clients_per_actor = "
+                                            "1); null = leave as is.", check=AT_LEAST_ONE, resume=True)
+    eval_on: str = setting("clients", "Where the global model is scored: clients (each actor scores a slice of the "
+                           "test set, in parallel) or driver.", choices=("clients", "driver"), resume=True)
+    on_client_failure: str = setting("retry", "A client actor that dies or raises: retry (replace it and re-run its "
+                                     "call, at most max_client_retries times, then stop the run), drop (the same "
+                                     "retries, then go on without it) or abort (stop at once).",
+                                     choices=("retry", "drop", "abort"), resume=True)
+    max_client_retries: int = setting(2, "Replacements of one client within one call before on_client_failure "
+                                      "gives up on it.", check=NONNEGATIVE, resume=True)
 
 
 class Executor(abc.ABC):
     """Runs the clients of one federation."""
 
     @abc.abstractmethod
-    def start(self, config: ExecutorSection, source: DataSource) -> list[ClientInfo]:
+    def start(self, config: Config, source: DataSource) -> list[ClientInfo]:
         """Create the K clients (each builds its own shard) and return what they report.
 
-        ``config`` is read as an :class:`ExecutorSection` (a full config has its fields too).
+        ``config`` is the full config: the executor cuts the sections it reads (:class:`ExecutorSection`, its own
+        section, and :class:`~fdam_ray.client.ClientSection`, the only part that travels to a client).
         """
 
     @abc.abstractmethod

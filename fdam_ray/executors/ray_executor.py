@@ -71,6 +71,7 @@ from fdam_ray.executors.base import Executor, ExecutorSection, actor_groups
 from fdam_ray.executors.compiled import CompiledRounds
 from fdam_ray.executors.errors import ClientError, ClientInputError, PlacementError
 from fdam_ray.executors.ray_actor import ClientShell
+from fdam_ray.executors.ray_section import RayExecutorSection
 from fdam_ray.executors.ray_session import ensure_ray
 from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores
 
@@ -272,8 +273,8 @@ class RayExecutor(Executor):
 
     # -- set-up ---------------------------------------------------------------------------
     def start(self, config: ExecutorSection, source: DataSource) -> list[ClientInfo]:
-        self.config = config = ExecutorSection.of(config)
         self._client_section = ClientSection.of(config)
+        self.config = config = RayExecutorSection.of(config)
         self.timeout = config.ray_timeout_s
         if config.transport == "compiled":
             if config.reduce == "node":

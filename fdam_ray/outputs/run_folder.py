@@ -14,20 +14,30 @@ from fdam_ray.locations import output_root
 from fdam_ray.outputs.observer import Observer, RunStart, Snapshot
 from fdam_ray.outputs.writer import RunWriter
 from fdam_ray.runlock import RunLock, check_not_in_use
-from fdam_ray.sections import Section
+from fdam_ray.sections import EACH_ONCE, NONNEGATIVE, Section, setting, shared
 from fdam_ray.state import RoundPlan
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class OutputSection(Section):
-    """The config fields of a run folder."""
+    """The config fields of a run folder and of the experiment trackers (:mod:`fdam_ray.trackers`)."""
 
-    out_dir: str
-    run_name: str | None
-    checkpoint_every: int
-    tensorboard: bool
-    algorithm: str
-    dataset: str
+    name = "outputs"
+
+    out_dir: str = setting("runs", "Folder under which run folders are made.", resume=True)
+    run_name: str | None = setting(None, "Run folder name; null = time stamp, algorithm and dataset.")
+    checkpoint_every: int = setting(100, "Write a checkpoint every this many rounds (and at the end); 0 = only at "
+                                    "the end.", check=NONNEGATIVE, resume=True)
+    tensorboard: bool = setting(True, "Write TensorBoard event files into the run folder (needs tensorboard).",
+                                resume=True)
+    trackers: tuple[str, ...] = setting((), "Experiment trackers that get the config, every evaluation and the "
+                                        "final model: mlflow, wandb (a list, or names joined by commas; each needs "
+                                        "its extra, pip install 'fdam-ray[mlflow]'); empty = none.",
+                                        choices=("mlflow", "wandb"), check=EACH_ONCE, allowed="each tracker once",
+                                        resume=True)
+    tracker_project: str = setting("fdam-ray", "MLflow experiment and W&B project the trackers log to.", resume=True)
+    algorithm: str = shared()
+    dataset: str = shared()
 
 
 _stop_reason: str | None = None

@@ -31,6 +31,7 @@ from fdam_ray.config import (
 from fdam_ray.locations import RemoteFolder, is_uri, join_uri
 
 SPEC_KINDS = ("grid", "choice", "uniform", "loguniform", "randint")
+RANGE_KINDS = ("uniform", "loguniform", "randint")
 REPORTED = ("iteration", "round", "stage", "test_auc", "train_loss", "bytes_up", "bytes_down", "wall_s")
 # Reported as well where a run has them (multi-task data, clients with test splits of their own): the AUC of each
 # task and each client under the metrics.csv names, and the lowest of each.
@@ -108,6 +109,7 @@ class Space:
 
 
 def _check_spec(name: str, spec: Any) -> None:
+    """One search entry: a config field and one of {grid | choice | uniform | loguniform | randint: [...]}."""
     if name not in FIELD_BY_NAME:
         raise ConfigError(f"search field '{name}' is not a config field (see `fdam fields`)")
     if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in SPEC_KINDS:
@@ -116,15 +118,20 @@ def _check_spec(name: str, spec: Any) -> None:
     kind, values = next(iter(spec.items()))
     if not isinstance(values, list) or not values:
         raise ConfigError(f"search field '{name}': {kind} needs a non-empty list, got {values!r}")
-    if kind in ("uniform", "loguniform", "randint"):
-        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
-        if kind == "randint":
-            numbers = numbers and all(float(v).is_integer() for v in values)
-        if len(values) != 2 or not numbers:
-            what = "two integers" if kind == "randint" else "two numbers"
-            raise ConfigError(f"search field '{name}': {kind} needs [low, high] ({what}), got {values!r}")
-        if not values[0] < values[1]:
-            raise ConfigError(f"search field '{name}': {kind} needs low < high, got {values!r}")
+    if kind in RANGE_KINDS:
+        _check_range(name, kind, values)
+
+
+def _check_range(name: str, kind: str, values: list) -> None:
+    """[low, high] of a uniform, loguniform or randint entry."""
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+    if kind == "randint":
+        numbers = numbers and all(float(v).is_integer() for v in values)
+    if len(values) != 2 or not numbers:
+        what = "two integers" if kind == "randint" else "two numbers"
+        raise ConfigError(f"search field '{name}': {kind} needs [low, high] ({what}), got {values!r}")
+    if not values[0] < values[1]:
+        raise ConfigError(f"search field '{name}': {kind} needs low < high, got {values!r}")
     if kind == "loguniform" and min(values) <= 0:
         raise ConfigError(f"search field '{name}': loguniform needs positive bounds, got {values!r}")
 
@@ -147,25 +154,8 @@ def make_space(data: dict[str, Any], overrides: dict[str, Any] | None = None, *,
     """Validate a search space given as a mapping with the sections of a space file (``base``, ``search``,
     ``tune``), as :func:`load_space` does for a file: a sweep from Python,
     ``run_sweep(make_space({"base": {...}, "search": {"lr": {"grid": [0.1, 0.01]}}, "tune": {...}}))``."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where} must be a mapping with sections base, search and tune, not "
-                          f"{type(data).__name__}")
-    unknown = set(data) - {"base", "search", "tune"}
-    if unknown:
-        raise ConfigError(f"{where}: unknown section(s) {sorted(unknown)} (base, search, tune)")
-    for section in ("base", "search", "tune"):
-        if not isinstance(data.get(section) or {}, dict):
-            raise ConfigError(f"{where}: section '{section}' must be a mapping of name: value, "
-                              f"not {type(data[section]).__name__}")
-    base = dict(data.get("base") or {})
-    search = dict(data.get("search") or {})
-    opts = dict(data.get("tune") or {})
-    for key, value in (overrides or {}).items():
-        if key.startswith("tune."):
-            opts[key[5:]] = read_text_value(value)
-        else:
-            base[key] = typed_value(key, value)
-            search.pop(key, None)
+    _check_sections(data, where)
+    base, search, opts = _with_overrides(data, overrides or {})
     known = {f.name for f in dataclasses.fields(TuneOptions)}
     for key in opts:
         if key not in known:
@@ -179,6 +169,35 @@ def make_space(data: dict[str, Any], overrides: dict[str, Any] | None = None, *,
         raise ConfigError("tune option 'searcher': grid takes only {grid: [...]} and {choice: [...]}; "
                           "use searcher: random for ranges")
     return Space(base, search, options)
+
+
+def _check_sections(data: Any, where: str) -> None:
+    """A mapping of the sections base, search and tune, each a mapping (or left out)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping with sections base, search and tune, not "
+                          f"{type(data).__name__}")
+    unknown = set(data) - {"base", "search", "tune"}
+    if unknown:
+        raise ConfigError(f"{where}: unknown section(s) {sorted(unknown)} (base, search, tune)")
+    for section in ("base", "search", "tune"):
+        if not isinstance(data.get(section) or {}, dict):
+            raise ConfigError(f"{where}: section '{section}' must be a mapping of name: value, "
+                              f"not {type(data[section]).__name__}")
+
+
+def _with_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> tuple[dict, dict, dict]:
+    """(base, search, tune options) of ``data`` with ``key=value`` overrides: ``tune.X`` sets an option, any other
+    key a base field (read as that field reads text), which then is not searched."""
+    base = dict(data.get("base") or {})
+    search = dict(data.get("search") or {})
+    opts = dict(data.get("tune") or {})
+    for key, value in overrides.items():
+        if key.startswith("tune."):
+            opts[key[5:]] = read_text_value(value)
+        else:
+            base[key] = typed_value(key, value)
+            search.pop(key, None)
+    return base, search, opts
 
 
 def param_space(search: dict[str, dict], searcher: str) -> dict:
@@ -202,8 +221,9 @@ def param_space(search: dict[str, dict], searcher: str) -> dict:
 
 def space_of_sweep(sweep_dir: str | Path) -> Space:
     """The search space a sweep folder was started with (for ``fdam tune --resume DIR``)."""
-    path = join_uri(sweep_dir, SPACE_FILE) if is_uri(str(sweep_dir)) else Path(sweep_dir) / SPACE_FILE
-    if not (RemoteFolder(str(sweep_dir)).exists(SPACE_FILE) if is_uri(str(sweep_dir)) else path.is_file()):
+    remote = is_uri(str(sweep_dir))
+    path: str | Path = join_uri(str(sweep_dir), SPACE_FILE) if remote else Path(sweep_dir) / SPACE_FILE
+    if not (RemoteFolder(str(sweep_dir)).exists(SPACE_FILE) if remote else Path(path).is_file()):
         raise ConfigError(f"'{sweep_dir}' is not a sweep folder made by fdam tune (no {SPACE_FILE})")
     data = read_yaml_file(path, "sweep space file")
     known = {f.name for f in dataclasses.fields(TuneOptions)}
