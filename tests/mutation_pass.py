@@ -46,15 +46,15 @@ class Mutation:
     why: str = ""  # for a mutation expected to survive: why it is harmless
 
 
-ORACLE = "tests/test_oracle.py"
-OBJ = "tests/test_objectives.py"
-SERVER = "tests/test_server.py"
-SCHED = "tests/test_schedules.py"
+ORACLE = "tests/unit/test_oracle.py"
+OBJ = "tests/unit/test_objectives.py"
+SERVER = "tests/unit/test_server.py"
+SCHED = "tests/unit/test_schedules.py"
 DATA = "tests/test_data.py"
 FED = "tests/test_federation.py"
-METRICS = "tests/test_metrics.py"
-STAGES = "tests/test_stages.py"
-SAMPLING = "tests/test_sampling.py"
+METRICS = "tests/unit/test_metrics.py"
+STAGES = "tests/unit/test_stages.py"
+SAMPLING = "tests/unit/test_sampling.py"
 CKPT = ("tests/test_runs.py", "-k", "checkpoint or resume or atomic or unpickle")
 IMG = "tests/test_imagefolder.py"
 
@@ -178,15 +178,15 @@ MUTATIONS: list[Mutation] = [
     Mutation("round_centre_not_moved", "fdam_ray/algorithms/local.py",
              'if self.proximal == "round" and self.prox_weight:',
              "if False:",
-             ("tests/test_fedprox.py",), "FedProx's proximal centre is never set to the round's starting point"),
+             ("tests/unit/test_fedprox.py",), "FedProx's proximal centre is never set to the round's starting point"),
     Mutation("fedprox_centred_on_the_stage", "fdam_ray/algorithms/fedprox.py",
              '    proximal = "round"',
              '    proximal = "stage"',
-             ("tests/test_fedprox.py",), "FedProx pulls towards the stage's reference point, not the round's start"),
+             ("tests/unit/test_fedprox.py",), "FedProx pulls towards the stage's reference point"),
     Mutation("fedprox_auc_centred_on_the_stage", "fdam_ray/algorithms/fedprox_auc.py",
              '    proximal = "round"',
              '    proximal = "stage"',
-             ("tests/test_fedprox.py",), "FedProx-AUC pulls towards the stage's reference point"),
+             ("tests/unit/test_fedprox.py",), "FedProx-AUC pulls towards the stage's reference point"),
     Mutation("codasca_without_drift_correction", "fdam_ray/algorithms/coda.py",
              'preset("codasca", Coda, AUC_OBJECTIVES, "control_variates",',
              'preset("codasca", Coda, AUC_OBJECTIVES, "none",',

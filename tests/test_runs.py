@@ -19,7 +19,7 @@ from fdam_ray.executors.inline import InlineExecutor
 from fdam_ray.recipe import resume, run
 
 TIMING = {"wall_s", "samples_per_s"}
-# written by fdam-ray before checkpoints were typed (schema 1); see tests/test_checkpoint.py
+# written by fdam-ray before checkpoints were typed (schema 1); see tests/unit/test_checkpoint.py
 OLD_CHECKPOINT = Path(__file__).parent / "fixtures" / "checkpoint_v1.pt"
 
 

@@ -6,7 +6,7 @@ import logging
 
 import numpy as np
 import pytest
-from conftest import gaussian_clients
+from sample_clients import gaussian_clients
 
 import fdam_ray
 

@@ -23,7 +23,7 @@ from fdam_ray.config import build_config
 from fdam_ray.recipe import resume, run
 from fdam_ray.state import GlobalState
 
-OLD_CHECKPOINT = Path(__file__).parent / "fixtures" / "checkpoint_v1.pt"
+OLD_CHECKPOINT = Path(__file__).parent.parent / "fixtures" / "checkpoint_v1.pt"
 TIMING = {"wall_s", "samples_per_s"}
 
 
