@@ -266,7 +266,7 @@ class Client:
         compute_s = time.perf_counter() - start  # the steps alone: loading and exporting the state are transfer
         solver.end(plan.steps, plan.lr, partial=plan.partial)  # client final (a sampled round sends the change)
         stats = StepStats(self.client_id, loss, plan.steps, samples, compute_s, finite=self._finite())
-        return ClientUpdate(**solver.export(copy=copy), client_id=self.client_id, stats=stats)
+        return ClientUpdate.from_vectors(solver.export(copy=copy), client_id=self.client_id, stats=stats)
 
     def _finite(self) -> bool:
         """Whether the round's end point and c^k hold no NaN or infinity (one check where they live)."""

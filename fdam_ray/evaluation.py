@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from fdam_ray.client import Replica
-from fdam_ray.data import DataSource
+from fdam_ray.data import AnySplit, DataSource
 from fdam_ray.executors import Executor
 from fdam_ray.metrics import mean_auc, pooled, task_aucs
 from fdam_ray.state import GlobalState
@@ -27,9 +27,9 @@ class Evaluator:
         self.task_names = source.task_names
         self.executor = executor
         self._test_loaded = False
-        self._test = None
+        self._test: AnySplit | None = None
 
-    def _driver_test_set(self):
+    def _driver_test_set(self) -> AnySplit | None:
         if not self._test_loaded:
             self._test, self._test_loaded = self.source.test_set(), True
         return self._test
@@ -37,8 +37,10 @@ class Evaluator:
     def __call__(self, state: GlobalState) -> dict:
         parts = self.executor.evaluate(state)
         s = self.executor.score_test_set(state)
-        if s is None and self._driver_test_set() is not None:
-            s = self.replica.scores_of(state, self._test)
+        if s is None:
+            test = self._driver_test_set()
+            if test is not None:
+                s = self.replica.scores_of(state, test)
         if s is not None:
             scores, labels = s.scores, s.labels
         elif parts:

@@ -28,7 +28,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -203,7 +203,9 @@ class Federation:
 
         def checkpoint() -> Checkpoint:
             now = dataclasses.replace(loop, wall_offset=loop.wall_offset + time.perf_counter() - started)
-            return Checkpoint(loop=now, clients=self.executor.client_states(), positive_ratio=self.positive_ratio,
+            # the executors give None for a dropped client (Executor.client_states is annotated list[dict])
+            clients = cast(list[ClientState], self.executor.client_states())
+            return Checkpoint(loop=now, clients=clients, positive_ratio=self.positive_ratio,
                               torch_rng=torch.get_rng_state())
 
         return checkpoint
@@ -220,7 +222,8 @@ class Federation:
         else:
             loop = dataclasses.replace(resume.loop)  # its counters change; the checkpoint keeps its own
             self.executor.begin_stage(loop.server.reference, False)
-            self.executor.restore_client_states(rebuilt_states(resume.clients, loop.state))
+            # the executors take None for a client that starts afresh (annotated list[dict])
+            self.executor.restore_client_states(cast(list[dict], rebuilt_states(resume.clients, loop.state)))
             torch.set_rng_state(resume.torch_rng)
         snapshot = self._snapshot(loop, started)
         observer = self.observer
@@ -303,13 +306,22 @@ class Federation:
             "positive_ratio": [round(float(x), 6) for x in self.positive_ratio],
             "run_dir": None,  # an observer that saves the run sets it
         }
-        cv = None if state.c_v is None else (state.c_v, state.c_alpha)
+        cv = _control_variates(state)
         self.observer.finish(summary, {"model": model_state, "a": torch.from_numpy(a), "b": torch.from_numpy(b),
                                        "alpha": torch.from_numpy(state.alpha.copy()),
                                        "task_names": list(self.source.task_names)}, snapshot)
         run_dir = summary["run_dir"]
         return RunResult(None, model_state, a, b, state.alpha.copy(), cv, history, summary, state,
                          None if run_dir is None else Path(run_dir))
+
+
+def _control_variates(state: GlobalState) -> tuple[np.ndarray, np.ndarray] | None:
+    """The final (c_v, c_alpha) of an algorithm with drift correction, else None."""
+    if state.c_v is None:
+        return None
+    if state.c_alpha is None:
+        raise RuntimeError("the final state has a control variate of v but none of alpha")
+    return state.c_v, state.c_alpha
 
 
 def rebuilt_states(states: list[ClientState], state: GlobalState) -> list[ClientState]:

@@ -26,7 +26,7 @@ from fdam_ray.precision import Precision
 from fdam_ray.state import GlobalState
 
 
-def _bind(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
+def _bind(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
     offset = 0
     for t in tensors:
         n = t.numel()
@@ -47,7 +47,8 @@ class HostLink:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pinned = device.type == "cuda"
-        self._up = self._down = None
+        self._up: torch.Tensor | None = None
+        self._down: torch.Tensor | None = None
         self._uploaded: torch.cuda.Event | None = None
         self.log: list[tuple[str, int]] = []
 
@@ -136,7 +137,8 @@ class FlatModel:
         self.alpha = torch.zeros(aux_size, device=device, requires_grad=True)
         self.alpha.grad = torch.zeros_like(self.alpha)
 
-        float_bufs, self._counter_slots = [], []
+        float_bufs: list[tuple[nn.Module, str, torch.Tensor]] = []
+        self._counter_slots: list[tuple[nn.Module, str]] = []
         for module in model.modules():
             for name, buf in module._buffers.items():
                 if buf is None:
@@ -171,6 +173,24 @@ class FlatModel:
                 and all(inside(b, self.buffers) for b in bufs))
 
     @property
+    def alpha_grad(self) -> torch.Tensor:
+        """alpha's gradient: allocated once at construction, zeroed and read in place by the local step."""
+        grad = self.alpha.grad
+        if grad is None:
+            raise RuntimeError("alpha's gradient buffer was removed (FlatModel allocates it once and keeps it)")
+        return grad
+
+    def _counters(self) -> list[torch.Tensor]:
+        """The integer buffers, looked up in their modules (a module may rebind a buffer; it must not drop one)."""
+        out = []
+        for m, n in self._counter_slots:
+            t = m._buffers[n]
+            if t is None:
+                raise RuntimeError(f"buffer {n!r} of {type(m).__name__} was set to None after the model was bound")
+            out.append(t)
+        return out
+
+    @property
     def state_size(self) -> int:
         return self.v.numel()
 
@@ -178,8 +198,7 @@ class FlatModel:
         if not self._counter_slots:
             return np.zeros(0, dtype=np.int64)
         # one transfer for all layers (not one device sync per BatchNorm layer)
-        return torch.stack([m._buffers[n].reshape(-1)[0] for m, n in self._counter_slots]).cpu().numpy().astype(
-            np.int64)
+        return torch.stack([t.reshape(-1)[0] for t in self._counters()]).cpu().numpy().astype(np.int64)
 
     def load(self, state: GlobalState, also: Sequence[tuple[np.ndarray, torch.Tensor]] = ()) -> None:
         """Copy the global model state into this replica, and each ``also`` host array into its device
@@ -187,8 +206,8 @@ class FlatModel:
         if state.v.shape[0] != self.v.numel():
             raise ValueError(f"state has {state.v.shape[0]} primal values, this model {self.v.numel()}")
         self.link.upload([(state.v, self.v), (state.buffers, self.buffers), (state.alpha, self.alpha), *also])
-        for (m, n), value in zip(self._counter_slots, state.counters.tolist(), strict=True):
-            m._buffers[n].fill_(value)
+        for counter, value in zip(self._counters(), state.counters.tolist(), strict=True):
+            counter.fill_(value)
 
     def export(self, *, copy: bool = True, also: Sequence[torch.Tensor] = ()) -> tuple[np.ndarray, ...]:
         """(v, alpha, buffers, counters, then each ``also`` tensor) as numpy arrays: copies, or with ``copy=False``

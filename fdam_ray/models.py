@@ -17,6 +17,7 @@ import inspect
 import math
 import socket
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ def _image_shape(name: str, input_shape: tuple[int, ...]) -> tuple[int, int, int
             f"model '{name}' needs image inputs (channels, height, width), the dataset gives {input_shape}; "
             "use model=linear or model=mlp"
         )
-    return input_shape  # type: ignore[return-value]
+    return input_shape
 
 
 def linear(input_shape: tuple[int, ...], num_tasks: int, width: int) -> nn.Module:
@@ -180,6 +181,8 @@ def build_model(
     ``name`` is a built-in name, an import path ``module:attr`` of a factory, or the factory itself.
     """
     input_shape = tuple(int(d) for d in input_shape)
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
     if isinstance(name, str) and name in BUILDERS:
         builder, args, kwargs = BUILDERS[name], (input_shape, num_tasks, width), {}
     else:

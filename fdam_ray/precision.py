@@ -80,7 +80,7 @@ def keep_channels_last(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, nn.Conv2d) and m.in_channels == 1 and not getattr(m, "_fdam_channels_last", False):
             m.register_forward_hook(_to_channels_last)
-            m._fdam_channels_last = True
+            m._fdam_channels_last = True  # type: ignore[assignment]  # a plain flag; Module's stub types tensors
 
 
 class _Update(torch.optim.Optimizer):
@@ -90,7 +90,9 @@ class _Update(torch.optim.Optimizer):
         super().__init__(list(params), {})
         self.update = update
 
-    def step(self, closure: Any = None) -> None:
+    # A GradScaler calls step() without a closure; the update takes none (the supertype's overloads also
+    # promise closure(), whose loss this step would have to return).
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
         self.update()
 
 

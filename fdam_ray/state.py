@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Self, cast
 
 import numpy as np
 
@@ -58,6 +59,16 @@ class StateVectors:
     def vectors(self) -> dict[str, np.ndarray | None]:
         """The state vectors by name (None where unused)."""
         return {f.name: getattr(self, f.name) for f in vector_fields()}
+
+    @classmethod
+    def from_vectors(cls, vectors: Mapping[str, np.ndarray | None], **fields: Any) -> Self:
+        """A record from its state vectors by name (as code walking :func:`vector_fields` builds them, and as
+        :meth:`vectors` gives them) and the fields of its own.
+
+        The names are the declared fields, so the vectors are passed as keywords; which of them may be None is
+        the declaration's business, checked here no further than by the constructor.
+        """
+        return cls(**cast(Mapping[str, Any], vectors), **fields)
 
 
 def vector_fields(rule: Rule | None = None) -> tuple[dataclasses.Field, ...]:

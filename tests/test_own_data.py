@@ -18,6 +18,7 @@ from raytest import ray_session
 import fdam_ray
 from fdam_ray.cli import main
 from fdam_ray.config import build_config
+from fdam_ray.data import base as data_base
 from fdam_ray.data import make_source
 from fdam_ray.executors.errors import ClientInputError
 from fdam_ray.recipe import run
@@ -67,6 +68,15 @@ def test_a_dataset_factory_named_in_the_config_gives_the_same_run_as_its_arrays(
     trains, tests = arrays_of()
     want = fdam_ray.train_arrays(FAST, trains, None, client_tests=tests)
     got = run(build_config(dict(FAST, dataset="own_fixtures:client_dataset", num_clients=K)), save=False)
+    assert_close_runs(got, want)
+
+
+def test_data_workers_auto_reads_the_labels_and_batches_with_the_clients_cpus_less_one(monkeypatch):
+    monkeypatch.setattr(data_base, "client_cpus", lambda: 1.0)  # auto: no worker processes, as data_workers=0
+    trains, tests = arrays_of()
+    want = fdam_ray.train_arrays(FAST, trains, None, client_tests=tests)
+    got = fdam_ray.train_datasets(dict(FAST, data_workers="auto"), [PairDataset(*a) for a in trains], None,
+                                  client_tests=[PairDataset(*a) for a in tests])
     assert_close_runs(got, want)
 
 

@@ -84,7 +84,7 @@ class LocalSolver:
         """The minibatch objective at the current point, gradients zeroed for its backward pass."""
         flat = self.flat
         flat.grad.zero_()
-        flat.alpha.grad.zero_()
+        flat.alpha_grad.zero_()
         return self.objective(flat.forward(x), y, flat.a, flat.b, flat.alpha)
 
     def scaled_params(self) -> list[torch.Tensor]:
@@ -108,7 +108,7 @@ class LocalSolver:
             self.correction.correct_v(d)
             flat.v.add_(d, alpha=-lr)
             if flat.aux_size:
-                g_alpha = flat.alpha.grad
+                g_alpha = flat.alpha_grad
                 self.correction.correct_alpha(g_alpha)
                 flat.alpha.add_(g_alpha, alpha=lr)
                 if self.objective.alpha_nonnegative:

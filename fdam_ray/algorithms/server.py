@@ -61,7 +61,7 @@ class PartialSum(StateVectors):
                 out[f.name] = np.zeros_like(of, dtype=np.float32) if control_variates else None
             else:
                 out[f.name] = np.zeros_like(getattr(like, f.name), dtype=np.int64 if rule is Rule.MAX else np.float32)
-        return cls(**out)
+        return cls.from_vectors(out)
 
     @property
     def control_variates(self) -> bool:
@@ -250,8 +250,11 @@ class RoundReducer:
                 total = self._control_mean(total, getattr(prev, f.name), inv)
             out[f.name] = total
         if self.alpha_nonnegative:
-            np.maximum(out["alpha"], 0, out=out["alpha"])
-        return GlobalState(**out, round=prev.round + 1, iteration=prev.iteration + steps)  # type: ignore[arg-type]
+            alpha = out["alpha"]
+            if alpha is None:
+                raise RuntimeError("the server combined no alpha (every state carries one, empty for bce)")
+            np.maximum(alpha, 0, out=alpha)
+        return GlobalState.from_vectors(out, round=prev.round + 1, iteration=prev.iteration + steps)
 
     def _control_mean(self, total: np.ndarray, prev: np.ndarray | None, inv: np.float32) -> np.ndarray:
         """c from the clients' (weighted) sum: their mean when every client took part, else

@@ -89,8 +89,9 @@ class CifarSource(ClassPoolSource):
         images = torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
         labels = self.binary_labels(classes)
         augment = self.augment and client_id is not None
+        augment_seed = split_seed(self.seed, client_id) if augment and client_id is not None else None
         dataset = ArrayImages(images, labels, cifar_transform(self.mean, self.std, augment=augment),
-                              augment_seed=split_seed(self.seed, client_id) if augment else None)
+                              augment_seed=augment_seed)
         return DatasetSplit(dataset, labels.numpy(), num_workers=self.num_workers)
 
 

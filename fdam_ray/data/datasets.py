@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fdam_ray.data.base import DatasetSplit, DataSource, Shard
+from fdam_ray.data.base import DatasetSplit, DataSource, Shard, loader_workers
 from fdam_ray.factories import resolve
 
 Entry = Any  # a torch Dataset, or a callable returning one (or None, for a test split)
@@ -166,12 +166,13 @@ class DatasetsSource(DataSource):
         clients: one entry per client: a Dataset, or a picklable callable ``() -> Dataset``.
         test: the global test set (a Dataset, a callable, or None when the clients' test splits are the test set).
         client_tests: one entry per client (a Dataset, a callable returning one or None, or None), or None.
-        data_workers: DataLoader worker processes per client for reading batches (and the label pass).
+        data_workers: DataLoader worker processes per client for reading batches (and the label pass); ``auto``:
+            see :func:`~fdam_ray.data.base.loader_workers`.
         names: how errors name client k's training data and test split, and the test set.
     """
 
     def __init__(self, clients: Sequence[Entry], test: Entry | None, client_tests: Sequence[Entry] | None = None,
-                 *, data_workers: int = 0, names: Callable[[int, str], str] | None = None) -> None:
+                 *, data_workers: int | str = 0, names: Callable[[int, str], str] | None = None) -> None:
         if len(clients) == 0:
             raise ValueError("clients: at least one Dataset (or callable building one) is needed")
         self.names = names or _default_names
@@ -186,7 +187,8 @@ class DatasetsSource(DataSource):
         self.test = None if test is None else _entry(test, self.names(-1, "test"), optional=False)
         self.num_clients = len(clients)
         self.data_workers = data_workers
-        self.input_shape: tuple[int, ...] | None = None
+        # None until described (see described): the one source that learns the shape from the data, lazily
+        self.input_shape = None  # type: ignore[assignment]
         self.num_tasks = 1
         self._built: dict[tuple[int, str], Any] = {}
         held = [(e, self.names(-1, "test")) for e in [self.test] if _is_dataset(e)]
@@ -242,11 +244,13 @@ class DatasetsSource(DataSource):
         if len(ds) == 0:
             raise ValueError(f"{what} has no samples")
         labels = read_labels(ds, what, input_shape=self.input_shape, num_tasks=self.num_tasks,
-                             workers=self.data_workers)
+                             workers=loader_workers(self.data_workers))
         return DatasetSplit(Items(ds, self.num_tasks), labels, self.data_workers)
 
     def client_shard(self, client_id: int) -> Shard:
         train = self._split(client_id, "train")
+        if train is None:  # _dataset refuses a missing training Dataset
+            raise ValueError(f"{self.names(client_id, 'train')}: no training Dataset")
         return Shard(train, None if self.tests is None else self._split(client_id, "test"))
 
     def test_set(self) -> DatasetSplit | None:

@@ -87,6 +87,7 @@ class ImageFolderSource(ClassPoolSource):
     def make_split(self, x: np.ndarray, classes: np.ndarray, *, client_id: int | None) -> DatasetSplit:
         labels = self.binary_labels(classes)
         augment = self.augment and client_id is not None
+        augment_seed = split_seed(self.seed, client_id) if augment and client_id is not None else None
         dataset = FileImages(self.root, x, labels, folder_transform(self.image_size, augment=augment),
-                             augment_seed=split_seed(self.seed, client_id) if augment else None)
+                             augment_seed=augment_seed)
         return DatasetSplit(dataset, labels.numpy(), num_workers=self.num_workers)

@@ -87,9 +87,10 @@ def read_errors(path: str, also: tuple[type[BaseException], ...] = ()):
 
     ``also``: further exception types the decoder raises for a bad file (PIL's are built in).
     """
+    bad_file: tuple[type[BaseException], ...] = (OSError, SyntaxError, ValueError, *also)  # PIL: the first three
     try:
         yield
-    except (OSError, SyntaxError, ValueError, *also) as exc:  # PIL raises the first three for damaged files
+    except bad_file as exc:
         raise ValueError(f"cannot read image '{path}': {type(exc).__name__}: {exc}") from None
 
 
