@@ -159,7 +159,7 @@ MUTATIONS: list[Mutation] = [
              "if False:",
              (SERVER, ORACLE), "eta_g ignored (plain averaging always)"),
     Mutation("server_alpha_unprojected", "fdam_ray/algorithms/server.py",
-             'np.maximum(out["alpha"], 0, out=out["alpha"])',
+             'np.maximum(alpha, 0, out=alpha)',
              "pass",
              (SERVER, ORACLE), "the server's alpha not projected for auc_margin"),
     Mutation("server_counters_summed", "fdam_ray/algorithms/server.py",
