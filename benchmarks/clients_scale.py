@@ -76,7 +76,7 @@ def run_layout(args, k: int, per_actor: int) -> dict:
     """One Ray federation of K clients, ``per_actor`` to an actor: memory and round times."""
     from fdam_ray.config import build_config
     from fdam_ray.data import make_source
-    from fdam_ray.executors.ray_executor import RayExecutor
+    from fdam_ray.executors.ray.executor import RayExecutor
     from fdam_ray.outputs import Observer
     from fdam_ray.recipe import federate
 

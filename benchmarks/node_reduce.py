@@ -48,7 +48,7 @@ from round_overhead import WideSource
 from fdam_ray.algorithms import AlgorithmSection, build_algorithm
 from fdam_ray.client import Replica
 from fdam_ray.config import build_config
-from fdam_ray.executors.ray_executor import RayExecutor
+from fdam_ray.executors.ray.executor import RayExecutor
 from fdam_ray.state import RoundPlan
 
 DENSENET121_FLOATS = 6_960_000  # trainable parameters of DenseNet121 with one output, plus a, b
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--out", default=None, help="results file (default benchmarks/results/node_reduce.md)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    from fdam_ray.executors.ray.compat import token_auth_enabled as is_token_auth_enabled
 
     # the nodes started here must use the token mode this process's Ray read when it was imported
     os.environ["RAY_AUTH_MODE"] = "token" if is_token_auth_enabled() else "disabled"

@@ -60,8 +60,8 @@ from fdam_ray.algorithms import AlgorithmSection, build_algorithm
 from fdam_ray.client import Replica
 from fdam_ray.config import build_config
 from fdam_ray.data import DataSource, Shard, Split
-from fdam_ray.executors.compiled import SPIN_S
-from fdam_ray.executors.ray_executor import RayExecutor
+from fdam_ray.executors.ray.executor import RayExecutor
+from fdam_ray.executors.ray.transports.compiled import SPIN_S
 from fdam_ray.state import RoundPlan
 
 TARGET_RATIO = 1.5  # classic round overhead at most this times the plain-Ray pattern's (same K, N and run)

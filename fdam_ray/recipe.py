@@ -142,16 +142,13 @@ def describe_data(source: DataSource, config: Config, executor: Executor | None)
     if not on_ray:
         source.describe_here()
         return
-    import ray
-
-    from fdam_ray.executors.ray_session import ensure_ray
+    from fdam_ray.executors.ray.session import run_task
 
     actors = -(-config.num_clients // config.clients_per_actor)
-    ensure_ray(address=config.address, cpus_needed=actors * config.cpus_per_actor)
-    task = ray.remote(num_cpus=0, max_retries=0)(describe_client)
     try:
-        found = ray.get(task.remote(source.for_client(0)), timeout=config.ray_timeout_s)
-    except ray.exceptions.GetTimeoutError:
+        found = run_task(describe_client, source.for_client(0), address=config.address,
+                         cpus_needed=actors * config.cpus_per_actor, timeout_s=config.ray_timeout_s)
+    except TimeoutError:
         raise RuntimeError(f"reading client 0's first sample took longer than ray_timeout_s="
                            f"{config.ray_timeout_s:g} s") from None
     if isinstance(found, str):

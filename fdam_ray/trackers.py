@@ -21,7 +21,7 @@ goes on (a tracking server that stops answering) logs one warning and stops
 logging; the run itself goes on.
 
 Ray Tune sweeps do not use these observers: each trial reports to Tune, and
-:func:`tune_callbacks` gives Ray's own MLflow and W&B logger callbacks.
+:func:`fdam_ray.tuning.callbacks.tune_callbacks` gives Ray's own MLflow and W&B logger callbacks.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 import tempfile
 from collections.abc import Callable, Sequence
 from datetime import datetime
@@ -243,24 +242,3 @@ class WandbTracker(Tracker):
 
     def end(self, status: str) -> None:
         self.run.finish(exit_code=0 if status == "finished" else 1)
-
-
-def tune_callbacks(config: Config) -> list:
-    """Ray Tune's own logger callbacks for the trackers a sweep's base config names: every trial's config and
-    reports (test_auc, per-task and per-client AUCs, bytes, ...) to MLflow (with the trial folder, its run and
-    checkpoints, as artifacts) and to W&B."""
-    check_installed(config.trackers)
-    callbacks = []
-    if "mlflow" in config.trackers:
-        from ray.air.integrations.mlflow import MLflowLoggerCallback
-
-        callbacks.append(MLflowLoggerCallback(experiment_name=config.tracker_project, save_artifact=True))
-    if "wandb" in config.trackers:
-        from ray.air.integrations.wandb import WandbLoggerCallback
-
-        # W&B runs each trial's logger in an actor that sees the cluster's environment, not this process's: pass
-        # WANDB_MODE (offline) and WANDB_DIR on as wandb.init arguments
-        settings = {key: os.environ[var] for key, var in (("mode", "WANDB_MODE"), ("dir", "WANDB_DIR"))
-                    if os.environ.get(var)}
-        callbacks.append(WandbLoggerCallback(project=config.tracker_project, **settings))
-    return callbacks

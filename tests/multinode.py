@@ -26,9 +26,9 @@ def process_auth_mode() -> str:
     Ray reads it once per process: a Ray session this process ran before (another test module) leaves token
     mode on inside the process while the environment it restored no longer says so.
     """
-    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    from fdam_ray.executors.ray.compat import token_auth_enabled
 
-    return "token" if is_token_auth_enabled() else "disabled"
+    return "token" if token_auth_enabled() else "disabled"
 
 
 @contextlib.contextmanager

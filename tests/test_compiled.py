@@ -20,8 +20,8 @@ from test_sampling import CASES as SAMPLING_CASES
 import fdam_ray
 from fdam_ray.config import ConfigError, build_config
 from fdam_ray.data.arrays import ArraysSource
-from fdam_ray.executors.compiled import PAUSE_CAP_S, PAUSE_OF_WAIT, REST_RATIO, patient_read
-from fdam_ray.executors.ray_executor import RayExecutor
+from fdam_ray.executors.ray.executor import RayExecutor
+from fdam_ray.executors.ray.transports.compiled import PAUSE_CAP_S, PAUSE_OF_WAIT, REST_RATIO, patient_read
 from fdam_ray.state import RoundPlan
 
 RAY = dict(executor="ray", cpus_per_actor=0.5, threads_per_actor=1)
@@ -86,8 +86,8 @@ def test_a_spinning_graph_rests_during_scoring_only_when_scoring_takes_several_b
         ex.run_round(state, RoundPlan(1, 1, 2, 0.1, 0), lambda partial: None)
         assert ex.graph.graph is not None and ex.graph.build_s > 0
         ex.evaluate(state)  # no scoring timed yet: the graph stays
-        assert ex.graph.graph is not None and ex._took["evaluate"] > 0
-        ex._took["evaluate"] = REST_RATIO * ex.graph.build_s * 1.01  # as if the last scoring had been long
+        assert ex.graph.graph is not None and ex.took["evaluate"] > 0
+        ex.took["evaluate"] = REST_RATIO * ex.graph.build_s * 1.01  # as if the last scoring had been long
         ex.evaluate(state)
         assert ex.graph.graph is None  # ended for the scoring ...
         ex.run_round(state, RoundPlan(2, 1, 2, 0.1, 2), lambda partial: None)
@@ -103,7 +103,7 @@ def test_a_sleeping_graph_stays_through_scoring():
         ex.start(config, source)
         state = first_state(ex, config, source)
         ex.run_round(state, RoundPlan(1, 1, 2, 0.1, 0), lambda partial: None)
-        ex._took["evaluate"] = REST_RATIO * ex.graph.build_s * 10
+        ex.took["evaluate"] = REST_RATIO * ex.graph.build_s * 10
         ex.evaluate(state)
         ex.run_round(state, RoundPlan(2, 1, 2, 0.1, 2), lambda partial: None)
         assert ex.graph.graph is not None and ex.graph.builds == 1

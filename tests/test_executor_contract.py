@@ -1,4 +1,8 @@
-"""The executor contract: the same tests run against the inline executor and the Ray executor.
+"""The executor contract: the same tests run against every allowed (executor, transport, reduce) combination.
+
+Inline; Ray with classic calls folded at the driver (star); Ray with per-node
+reducers (node: on this one-node Ray every actor shares the node, so all of
+them go through its reducer); Ray with the compiled graph.
 
 The oracle is a set of :class:`fdam_ray.client.Client` objects built in the test
 process from the same data source spec: whatever runs the clients, a round
@@ -10,6 +14,7 @@ client's update.
 from __future__ import annotations
 
 import contextlib
+import copy
 import re
 import subprocess
 import sys
@@ -38,9 +43,9 @@ def make_source() -> ArraysSource:
     return ArraysSource(clients, test, client_tests)
 
 
-def make_config(executor: str):
+def make_config(executor: str, **values):
     return build_config(dict(dataset="arrays", num_clients=K, model="mlp", model_width=8, batch_size=8,
-                             algorithm="codasca", seed=1, executor=executor, cpus_per_client=0.5))
+                             algorithm="codasca", seed=1, executor=executor, cpus_per_client=0.5, **values))
 
 
 def assert_partial_is_update(got: PartialSum, want: ClientUpdate) -> None:
@@ -48,6 +53,12 @@ def assert_partial_is_update(got: PartialSum, want: ClientUpdate) -> None:
     assert (got.count, got.weight, got.bytes_up) == (1, 1.0, want.nbytes)
     [stats] = got.stats
     assert_update_equal(ClientUpdate(**got.vectors(), client_id=stats.client_id, stats=stats), want)
+
+
+def keep(sums: list[PartialSum]):
+    """A fold that keeps a copy of each partial sum: a fold may not hold the one it is given past the round
+    (under the compiled transport it is a view of an output channel the next round writes again)."""
+    return lambda p: sums.append(copy.deepcopy(p))
 
 
 def by_client(p: PartialSum) -> int:
@@ -68,12 +79,14 @@ class ExecutorContract:
 
     executor_name: str
     scores_test_set_on_clients: bool
+    transport, reduce = "classic", "star"  # of the Ray executor (the inline one has neither)
+    sums_per_round = K  # partial sums a round folds (one client per actor; one per node with reduce: node)
 
     @pytest.fixture(scope="class")
     @classmethod
     def started(cls):
         with ray_session() if cls.executor_name == "ray" else contextlib.nullcontext():
-            source, config = make_source(), make_config(cls.executor_name)
+            source, config = make_source(), make_config(cls.executor_name, transport=cls.transport, reduce=cls.reduce)
             executor = make_executor(cls.executor_name)
             infos = executor.start(config, source)
             yield executor, source, config, infos
@@ -108,14 +121,27 @@ class ExecutorContract:
             assert info.state_size == size
 
     def test_a_round_folds_each_clients_own_update_once(self, ready):
-        executor, oracle, _, state, _, _ = ready
+        executor, oracle, _, state, config, _ = ready
         plan = RoundPlan(round=1, stage=1, steps=3, lr=0.1, iteration=0)
         folded: list[PartialSum] = []
-        executor.run_round(state, plan, folded.append)
-        folded.sort(key=by_client)  # the Ray executor folds in arrival order by default
-        assert [by_client(p) for p in folded] == list(range(K))
-        for got, client in zip(folded, oracle, strict=True):
-            assert_partial_is_update(got, client.local_round(state, plan))
+        executor.run_round(state, plan, keep(folded))
+        assert sorted(s.client_id for p in folded for s in p.stats) == list(range(K))  # every client once
+        assert len(folded) == self.sums_per_round
+        updates = [c.local_round(state, plan) for c in oracle]
+        if self.sums_per_round == K:  # one partial sum per client: each is exactly that client's update
+            folded.sort(key=by_client)  # the Ray executor folds in arrival order by default
+            for got, want in zip(folded, updates, strict=True):
+                assert_partial_is_update(got, want)
+            return
+        algorithm = build_algorithm(AlgorithmSection.of(config))  # merged sums: the same server step
+        reducer, expected = algorithm.reducer(state), algorithm.reducer(state)
+        for p in folded:
+            reducer.fold(p)
+        for u in updates:
+            expected.fold(u)
+        got, want = reducer.finish(steps=3), expected.finish(steps=3)
+        for name in ("v", "alpha", "buffers", "c_v", "c_alpha"):
+            np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-6, atol=1e-7, err_msg=name)
 
     def test_control_variates_stay_with_the_clients_across_rounds(self, ready):
         executor, oracle, _, state, config, _ = ready
@@ -149,12 +175,12 @@ class ExecutorContract:
         plan = RoundPlan(1, 1, 3, 0.1, 0)
         saved = executor.client_states()
         first: list[PartialSum] = []
-        executor.run_round(state, plan, first.append)
+        executor.run_round(state, plan, keep(first))
         executor.restore_client_states(saved)
         again: list[PartialSum] = []
-        executor.run_round(state, plan, again.append)
+        executor.run_round(state, plan, keep(again))
         for a, b in zip(sorted(again, key=by_client), sorted(first, key=by_client), strict=True):
-            assert [s.client_id for s in a.stats] == [s.client_id for s in b.stats]
+            assert sorted(s.client_id for s in a.stats) == sorted(s.client_id for s in b.stats)
             for name in ("v", "alpha", "buffers", "c_v", "c_alpha"):
                 np.testing.assert_allclose(getattr(a, name), getattr(b, name), rtol=1e-6, atol=1e-7)
 
@@ -193,9 +219,33 @@ class TestInlineExecutor(ExecutorContract):
     scores_test_set_on_clients = False
 
 
-class TestRayExecutor(ExecutorContract):
+class TestRayExecutorStar(ExecutorContract):
     executor_name = "ray"
     scores_test_set_on_clients = True
+    transport, reduce = "classic", "star"
+
+
+class TestRayExecutorNode(ExecutorContract):
+    executor_name = "ray"
+    scores_test_set_on_clients = True
+    transport, reduce = "classic", "node"
+    sums_per_round = 1  # one node: every actor's sum goes through its reducer
+
+    def test_the_actors_sums_go_through_their_nodes_reducer(self, ready):
+        executor = ready[0]
+        executor.run_round(ready[3], RoundPlan(1, 1, 1, 0.1, 0), lambda p: None)
+        assert executor.transport.name == "node" and len(executor.transport.reducers) == 1
+
+
+class TestRayExecutorCompiled(ExecutorContract):
+    executor_name = "ray"
+    scores_test_set_on_clients = True
+    transport, reduce = "compiled", "star"
+
+    def test_rounds_run_on_the_compiled_graph(self, ready):
+        executor = ready[0]
+        executor.run_round(ready[3], RoundPlan(1, 1, 1, 0.1, 0), lambda p: None)
+        assert executor.transport.name == "compiled" and executor.graph.builds >= 1
 
 
 

@@ -209,7 +209,7 @@ def test_a_web_server_at_the_address_is_named_as_one():
     import threading
 
     from fdam_ray.executors.errors import ClusterConnectionError
-    from fdam_ray.executors.ray_session import check_cluster_access
+    from fdam_ray.executors.ray.session import check_cluster_access
 
     server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
     threading.Thread(target=server.serve_forever, daemon=True).start()

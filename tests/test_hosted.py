@@ -230,7 +230,7 @@ RAY = dict(executor="ray", cpus_per_actor=0.5, threads_per_actor=1)
 
 
 def recording_executor():
-    from fdam_ray.executors.ray_executor import RayExecutor
+    from fdam_ray.executors.ray.executor import RayExecutor
 
     class Recording(RayExecutor):
         """Keeps which actors each round called, and with which clients."""
@@ -274,7 +274,7 @@ def test_ray_actors_hosting_clients_equal_the_inline_run(ray_session):
 
 
 def killing_executor(victim_actor: int, at_round: int):
-    from fdam_ray.executors.ray_executor import RayExecutor
+    from fdam_ray.executors.ray.executor import RayExecutor
 
     class KillActor(RayExecutor):
         """Kills actor ``victim_actor``'s process by pid as round ``at_round`` starts."""
@@ -325,7 +325,7 @@ def test_a_killed_actor_hosting_three_clients_is_rebuilt_and_the_run_goes_on(ray
 
 @pytest.mark.slow
 def test_a_ray_run_with_hosted_clients_stopped_and_resumed_equals_the_uninterrupted_run(ray_session, tmp_path):
-    from fdam_ray.executors.ray_executor import RayExecutor
+    from fdam_ray.executors.ray.executor import RayExecutor
 
     class StopInRound(RayExecutor):
         def run_round(self, state, plan, fold, clients=None):
@@ -346,7 +346,7 @@ def test_a_ray_run_with_hosted_clients_stopped_and_resumed_equals_the_uninterrup
 
 @pytest.mark.slow
 def test_drop_leaves_out_only_the_failing_client_of_an_actor_and_its_neighbour_goes_on(ray_session):
-    from fdam_ray.executors.ray_executor import RayExecutor
+    from fdam_ray.executors.ray.executor import RayExecutor
 
     clients, test = sized_clients(sizes=(40, 50, 45, 60))
     cfg = dict(BASE, batch_size="full", iterations=9, local_steps=3, positive_ratio=0.3, clients_per_actor=2,

@@ -24,8 +24,9 @@ from fdam_ray.checkpoint import load_checkpoint
 from fdam_ray.config import build_config
 from fdam_ray.data import make_source
 from fdam_ray.data.arrays import ArraysSource
+from fdam_ray.executors.errors import PlacementError
 from fdam_ray.executors.inline import InlineExecutor
-from fdam_ray.executors.ray_executor import PlacementError, RayExecutor
+from fdam_ray.executors.ray.executor import RayExecutor
 from fdam_ray.federation import rebuilt_states
 from fdam_ray.recipe import federate, resume, run
 

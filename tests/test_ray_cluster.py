@@ -138,7 +138,7 @@ def test_ray_job_submit_runs_a_federation_on_the_cluster(cluster):
 def test_without_an_address_a_local_ray_starts_with_its_dashboard_on_localhost():
     code = (
         "import ray\n"
-        "from fdam_ray.executors.ray_session import ensure_ray\n"
+        "from fdam_ray.executors.ray.session import ensure_ray\n"
         "assert ensure_ray(address=None, cpus_needed=3) is True\n"
         "assert ensure_ray(address=None, cpus_needed=3) is False  # the second call reuses it\n"
         "print(ray.cluster_resources()['CPU'], ray.get_runtime_context().gcs_address)\n"

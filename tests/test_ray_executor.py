@@ -25,11 +25,13 @@ from fdam_ray.client import ClientSection
 from fdam_ray.config import build_config
 from fdam_ray.data import make_source
 from fdam_ray.data.arrays import ArraysSource
-from fdam_ray.executors import ray_actor
 from fdam_ray.executors.errors import ClientError, ClientInputError, ClusterConnectionError
 from fdam_ray.executors.inline import InlineExecutor
-from fdam_ray.executors.ray_executor import RayExecutor
-from fdam_ray.executors.ray_session import check_cluster_access, ensure_ray
+from fdam_ray.executors.ray import actor as actor_shell
+from fdam_ray.executors.ray.executor import RayExecutor
+from fdam_ray.executors.ray.fleet import Fleet
+from fdam_ray.executors.ray.placement import Placement
+from fdam_ray.executors.ray.session import check_cluster_access, ensure_ray
 from fdam_ray.recipe import run
 from fdam_ray.state import RoundPlan
 
@@ -79,7 +81,7 @@ def test_with_eval_on_driver_the_driver_scores_the_global_test_set():
     cfg = dict(ARRAYS, algorithm="coda_plus", iterations=4, executor="ray")
     executor = RayExecutor()
     on_driver = arrays_run(dict(cfg, eval_on="driver"), clients, test, executor=executor)
-    assert executor._test_size == 0  # the clients did not load the test set
+    assert executor.fleet.test_size == 0  # the clients did not load the test set
     on_clients = arrays_run(dict(cfg, eval_on="clients"), clients, test)
     assert [h["test_auc"] for h in on_driver.history] == pytest.approx([h["test_auc"] for h in on_clients.history],
                                                                         abs=1e-9)
@@ -300,20 +302,22 @@ def test_own_group_has_the_chosen_strategy_and_clients_run_int_cpus_threads():
 def test_client_device_follows_the_gpus_ray_assigned(monkeypatch):
     fractions = []
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: fractions.append((f, d)))
-    monkeypatch.setattr(ray_actor.ray, "get_gpu_ids", lambda: ["3"])
-    assert ray_actor.actor_device("auto", gpu_share=0.25, memory_cap=True) == torch.device("cuda", 0)
-    assert ray_actor.actor_device("cuda", gpu_share=1.0, memory_cap=True) == torch.device("cuda", 0)
-    assert ray_actor.actor_device("auto", gpu_share=0.5, memory_cap=False) == torch.device("cuda", 0)
-    assert ray_actor.actor_device("cpu", gpu_share=0.5, memory_cap=True) == torch.device("cpu")
+    monkeypatch.setattr(actor_shell.ray, "get_gpu_ids", lambda: ["3"])
+    assert actor_shell.actor_device("auto", gpu_share=0.25, memory_cap=True) == torch.device("cuda", 0)
+    assert actor_shell.actor_device("cuda", gpu_share=1.0, memory_cap=True) == torch.device("cuda", 0)
+    assert actor_shell.actor_device("auto", gpu_share=0.5, memory_cap=False) == torch.device("cuda", 0)
+    assert actor_shell.actor_device("cpu", gpu_share=0.5, memory_cap=True) == torch.device("cpu")
     assert fractions == [(0.25, torch.device("cuda", 0))]
-    monkeypatch.setattr(ray_actor.ray, "get_gpu_ids", lambda: [])
-    assert ray_actor.actor_device("auto", gpu_share=0.0, memory_cap=True) == torch.device("cpu")
+    monkeypatch.setattr(actor_shell.ray, "get_gpu_ids", lambda: [])
+    assert actor_shell.actor_device("auto", gpu_share=0.0, memory_cap=True) == torch.device("cpu")
     with pytest.raises(ValueError, match="set gpus_per_actor > 0"):
-        ray_actor.actor_device("cuda", gpu_share=0.0, memory_cap=True)
+        actor_shell.actor_device("cuda", gpu_share=0.0, memory_cap=True)
 
 
 @ray.remote
-class WorkersProbe:
+class WorkersProbe(actor_shell.ClientShell):
+    """A client host that reports what ``data_workers: auto`` resolves to in it."""
+
     def auto(self):
         from fdam_ray.data.base import client_cpus, loader_workers
 
@@ -321,7 +325,8 @@ class WorkersProbe:
 
 
 def test_data_workers_auto_in_an_actor_follows_the_cpus_ray_gave_it():
-    probes = [WorkersProbe.options(num_cpus=c).remote() for c in (0.5, 2)]
+    probes = [WorkersProbe.options(num_cpus=c).remote(0, [0], threads=1, device="cpu", gpu_share=0.0,
+                                                      gpu_memory_cap=False) for c in (0.5, 2)]
     try:
         assert ray.get([p.auto.remote() for p in probes]) == [(0.5, 0), (2.0, 1)]
     finally:
@@ -330,21 +335,19 @@ def test_data_workers_auto_in_an_actor_follows_the_cpus_ray_gave_it():
 
 
 def test_a_group_the_cluster_cannot_hold_is_a_clear_error_not_a_hang():
-    ex = RayExecutor()
-    ex.config = build_config(dict(ARRAYS, dataset="arrays", num_clients=2, gpus_per_client=1.0))
-    ex.timeout = 1.0
+    ex = Placement(build_config(dict(ARRAYS, dataset="arrays", num_clients=2, gpus_per_client=1.0)), 1.0)
     with pytest.raises(ValueError, match="GPU: 2 needed, 0 in the cluster"):
-        ex._place(2, local=True)  # a local Ray this process started: nothing will join, fail at once
+        ex.place(2, local=True)  # a local Ray this process started: nothing will join, fail at once
     t0 = time.monotonic()
     with pytest.raises(ValueError, match=r"no node of the cluster can hold one actor \(\{'CPU': 0.5, 'GPU': 1.0\}; "
                                          r"the largest node has CPU 4, GPU 0\)"):
-        ex._place(2, local=False)  # one bundle is larger than any node: Ray could never place it
+        ex.place(2, local=False)  # one bundle is larger than any node: Ray could never place it
     assert time.monotonic() - t0 < 2
     # each bundle fits a node but all of them do not fit the cluster: it might grow, so wait, but not for ever
-    ex.config = build_config(dict(ARRAYS, dataset="arrays", num_clients=3, cpus_per_client=2.0))
+    ex = Placement(build_config(dict(ARRAYS, dataset="arrays", num_clients=3, cpus_per_client=2.0)), 1.0)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="was not placed within ray_timeout_s=1 s"):
-        ex._place(3, local=False)
+        ex.place(3, local=False)
     assert time.monotonic() - t0 < 10 and no_leftover_groups()
 
 
@@ -352,11 +355,11 @@ def test_gpus_left_unused_are_pointed_out_with_a_share_to_set(monkeypatch, caplo
     clients, test = gaussian_clients(4, n=30)
     real = ray.cluster_resources
     monkeypatch.setattr(ray, "cluster_resources", lambda: {**real(), "GPU": 1.0})  # as on a one-GPU machine
-    with caplog.at_level(logging.WARNING, logger="fdam_ray.executors.ray_executor"):
+    with caplog.at_level(logging.WARNING, logger="fdam_ray.executors.ray.executor"):
         arrays_run(dict(ARRAYS, iterations=2, executor="ray"), clients, test)
     assert "has 1 GPU(s) but gpus_per_actor=0" in caplog.text and "e.g. 0.25 for 4 actors per GPU" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="fdam_ray.executors.ray_executor"):
+    with caplog.at_level(logging.WARNING, logger="fdam_ray.executors.ray.executor"):
         arrays_run(dict(ARRAYS, iterations=2, executor="ray", device="cpu"), clients, test)
     assert "GPU(s)" not in caplog.text
 
@@ -416,17 +419,25 @@ def test_a_ray_run_stopped_and_resumed_ends_within_1e6_of_an_uninterrupted_run(t
     assert "resumed at round 6" in (tmp_path / "r" / "train.log").read_text()
 
 
-class Recording(RayExecutor):
+class RecordingFleet(Fleet):
     """Keeps every object an actor returned to the driver."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self.returned: list = []
 
-    def _each(self, action, submit, clients=None, *, ordered=True):
-        for k, result in super()._each(action, submit, clients, ordered=ordered):
+    def each(self, action, submit, actors=None, **kwargs):
+        for k, result in super().each(action, submit, actors, **kwargs):
             self.returned.append((action, result))
             yield k, result
+
+
+class Recording(RayExecutor):
+    fleet_type = RecordingFleet
+
+    @property
+    def returned(self) -> list:
+        return self.fleet.returned
 
 
 def test_no_training_sample_crosses_from_an_actor_to_the_driver():
@@ -455,7 +466,7 @@ def test_a_local_ray_started_for_a_run_binds_its_dashboard_to_localhost(tmp_path
     import subprocess
     import sys
 
-    code = ("import ray; from fdam_ray.executors.ray_session import ensure_ray; ensure_ray(address=None, "
+    code = ("import ray; from fdam_ray.executors.ray.session import ensure_ray; ensure_ray(address=None, "
             "cpus_needed=1); print(ray._private.worker._global_node.address_info['webui_url']); ray.shutdown()")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env,
@@ -482,12 +493,12 @@ def test_in_memory_arrays_reach_only_their_own_client():
     with RayExecutor() as ex:
         infos = ex.start(config, source)
         for k in range(3):
-            part = ray.get(ex._source_refs[k])
+            part = ray.get(ex.fleet.source_refs[k])
             assert set(part.trains) == {k}
             np.testing.assert_array_equal(part.trains[k][0], clients[k][0])
         assert [i.num_train for i in infos] == [len(y) for _, y in clients]
         # an actor receives the client's section of the config, not the whole config
-        assert type(ex._client_section) is ClientSection and ex._client_section == ClientSection.of(config)
+        assert type(ex.fleet.client_section) is ClientSection and ex.fleet.client_section == ClientSection.of(config)
     digits = make_source(build_config(num_clients=2))
     assert digits.for_client(1) is digits  # a recipe is shared, not copied per client
 

@@ -47,7 +47,7 @@ def test_the_wheel_installs_into_a_fresh_environment_and_runs(tmp_path):
         metadata = whl.read(f"fdam_ray-{version}.dist-info/METADATA").decode()
         entry_points = whl.read(f"fdam_ray-{version}.dist-info/entry_points.txt").decode()
     assert {"fdam_ray/__init__.py", "fdam_ray/trackers.py", "fdam_ray/tuning/sweep.py",
-            "fdam_ray/executors/ray_actor.py", "fdam_ray/data/chestxray.py"} <= in_wheel
+            "fdam_ray/executors/ray/actor.py", "fdam_ray/data/chestxray.py"} <= in_wheel
     assert not [n for n in in_wheel if n.startswith(("tests/", "examples/", "benchmarks/"))]
     assert "fdam = fdam_ray.cli:main" in entry_points
     assert "Provides-Extra: mlflow" in metadata and "Provides-Extra: wandb" in metadata

@@ -49,20 +49,25 @@ class Split:
 MAX_AUTO_WORKERS = 8  # data_workers=auto never starts more DataLoader processes than this per client
 
 
-def client_cpus() -> float:
-    """The CPUs this client may use: what Ray assigned to the actor it runs in, else the CPUs this process may
-    run on (``os.sched_getaffinity``; ``os.cpu_count`` where that is missing)."""
-    try:
-        import ray
+_host_cpus: dict[str, float] = {}  # "cpus": what the process hosting clients was given, when it says
 
-        if ray.is_initialized():
-            ctx = ray.get_runtime_context()
-            if ctx.get_actor_id() is not None:
-                cpus = ctx.get_assigned_resources().get("CPU")
-                if cpus is not None:
-                    return float(cpus)
-    except ImportError:
-        pass
+
+def set_host_cpus(cpus: float | None) -> None:
+    """Record the CPUs the process that hosts clients was given (a Ray actor: what Ray assigned it; None:
+    not known); :func:`client_cpus` answers it. The executor that starts the process says, so this module
+    needs no knowledge of Ray."""
+    if cpus is None:
+        _host_cpus.pop("cpus", None)
+    else:
+        _host_cpus["cpus"] = float(cpus)
+
+
+def client_cpus() -> float:
+    """The CPUs this client may use: what the process hosting it was given (:func:`set_host_cpus`, e.g. the
+    CPUs Ray assigned to its actor), else the CPUs this process may run on (``os.sched_getaffinity``;
+    ``os.cpu_count`` where that is missing)."""
+    if "cpus" in _host_cpus:
+        return _host_cpus["cpus"]
     if hasattr(os, "sched_getaffinity"):
         return float(len(os.sched_getaffinity(0)))
     return float(os.cpu_count() or 1)

@@ -13,7 +13,7 @@ def make_executor(name: str) -> Executor:
 
         return InlineExecutor()
     if name == "ray":
-        from fdam_ray.executors.ray_executor import RayExecutor
+        from fdam_ray.executors.ray.executor import RayExecutor
 
         return RayExecutor()
     raise ValueError(f"executor {name!r} is not known (ray, inline)")

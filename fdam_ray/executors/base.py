@@ -89,7 +89,10 @@ class Executor(abc.ABC):
     def run_round(self, state: GlobalState, plan: RoundPlan, fold: Callable[[PartialSum], None],
                   clients: Sequence[int] | None = None) -> None:
         """Run one round from ``state`` on every client (or on ``clients``, the round's sample); call ``fold``
-        once per host that ran clients, with the partial sum of their (weighted) updates."""
+        once per host that ran clients, with the partial sum of their (weighted) updates.
+
+        ``fold`` must not hold the partial sum past the round: it may be a view of a buffer the next round
+        writes again (the compiled transport's output channels), so a fold that keeps one keeps a copy."""
 
     @abc.abstractmethod
     def evaluate(self, state: GlobalState) -> list[Scores]:

@@ -4,6 +4,7 @@
     trial.py   one trial: a federation assembled by fdam_ray.recipe, reporting to Tune with checkpoints
     sweep.py   the sweep: Tune's searcher, scheduler and per-trial placement groups; resume
     report.py  the results: table, best config, figure
+    callbacks.py  Ray Tune's MLflow and W&B logger callbacks for the sweep's trackers
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import yaml
 from fdam_ray.config import ConfigError, build_config
 from fdam_ray.locations import RemoteFolder, is_uri, join_uri, local_path_of, output_root
 from fdam_ray.trackers import check_installed as check_trackers
-from fdam_ray.trackers import tune_callbacks
+from fdam_ray.tuning.callbacks import tune_callbacks
 from fdam_ray.tuning.report import SweepOutcome, cell, write_sweep_outputs
 from fdam_ray.tuning.space import SPACE_FILE, Space, param_space
 from fdam_ray.tuning.trial import federation_trial, trial_bundles
@@ -128,7 +128,7 @@ def run_sweep(space: Space, *, resume_dir: str | None = None, address: str | Non
                 raise ConfigError(f"sweep folder '{exp_dir}' exists; choose another tune.name or use --resume")
             exp_dir.mkdir(parents=True)
             (exp_dir / SPACE_FILE).write_text(text, encoding="utf-8")
-    from fdam_ray.executors.ray_session import ensure_ray
+    from fdam_ray.executors.ray.session import ensure_ray
 
     ensure_ray(address=address, cpus_needed=1)
     base, driver_cpus = space.base, space.options.driver_cpus

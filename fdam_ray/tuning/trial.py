@@ -75,13 +75,16 @@ def federation_trial(params: dict, base: dict, metric: str | None = None) -> Non
     Initial weights (``model_weights``) and pre-training (``pretrain_iterations``)
     apply as in ``fdam train``; a trial continued from a Tune checkpoint resumes
     from it instead. The sweep's ``trackers`` are Ray Tune's logger callbacks
-    (:func:`fdam_ray.trackers.tune_callbacks`), so a trial opens no tracker run of its own.
+    (:func:`fdam_ray.tuning.callbacks.tune_callbacks`), so a trial opens no tracker run of its own.
     """
     from ray import tune
 
     from fdam_ray.checkpoint import load_checkpoint
+    from fdam_ray.data.base import set_host_cpus
+    from fdam_ray.executors.ray.session import assigned_cpus
     from fdam_ray.recipe import federate
 
+    set_host_cpus(assigned_cpus())  # inline clients in this trial use the CPUs of its driver bundle
     trial_dir = Path(tune.get_context().get_trial_dir())
     config = build_config({**base, **params, "out_dir": str(trial_dir), "run_name": "run", "trackers": ()})
     resume = None

@@ -1,4 +1,4 @@
-"""The round as one Ray Compiled Graph (``transport: compiled``).
+"""``transport: compiled``: the round as one Ray Compiled Graph.
 
 The graph is ``message -> every actor's compiled_round -> one output per
 actor``, where ``message = (state, plan, calls)``: the global state, the
@@ -32,6 +32,12 @@ tasks run on a background thread of each actor, so the classic calls the
 executor makes between rounds (evaluation, checkpoints, set-up) run on the
 actor's main thread while the graph waits for its next input: the driver
 never overlaps the two.
+
+When the graph breaks (an actor raised, died or did not answer), the round is
+recovered from the actors themselves (:meth:`CompiledTransport.run_round`):
+each is asked how its part ended; what finished is folded, the failure policy
+applies to the rest, and their calls are re-run as classic calls. The graph
+is rebuilt next round.
 """
 
 from __future__ import annotations
@@ -41,6 +47,11 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Any
+
+import ray
+
+from fdam_ray.executors.ray import compat
+from fdam_ray.executors.ray.transports.base import Round, Transport
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +74,7 @@ PAUSE_OF_WAIT = 0.02
 _patience = {"on": False, "installed": False}
 
 
-def patient_read(ray_read: Callable[[Any, float], Any], channel: Any, timeout: float | None) -> Any:
+def patient_read(ray_read: Callable[[Any, float | None], Any], channel: Any, timeout: float | None) -> Any:
     """Read ``channel`` as ``ray_read(channel, timeout)`` would, but sleep once a wait has lasted ``SPIN_S``.
 
     For its first ``SPIN_S`` a wait is Ray's own (polling: the quickest hand-over, and the gaps inside a loop
@@ -105,23 +116,19 @@ def patient_reads(on: bool) -> bool:
     """Make this process's reads of compiled-graph channels sleep between checks (``on``, see
     :func:`patient_read`) or poll as Ray does. Returns whether reads are patient now (False where this Ray
     has no shared-memory channel to wrap)."""
-    try:
-        from ray.experimental.channel.shared_memory_channel import Channel
-    except ImportError:  # pragma: no cover - a Ray without compiled graphs' shared-memory channels
-        return False
     if not _patience["installed"]:
-        ray_read = Channel.read
-
-        def read(self, timeout: float | None = None) -> Any:
-            if not _patience["on"]:
-                return ray_read(self, timeout)
-            return patient_read(ray_read, self, timeout)
-
-        read.__doc__ = ray_read.__doc__
-        Channel.read = read
-        _patience["installed"] = True
+        _patience["installed"] = compat.wrap_channel_read(_read)
+        if not _patience["installed"]:  # pragma: no cover - a Ray without compiled graphs' shared-memory channels
+            return False
     _patience["on"] = on
     return on
+
+
+def _read(ray_read: Callable[[Any, float | None], Any], channel: Any, timeout: float | None) -> Any:
+    """A channel read: patient (:func:`patient_read`) while this process's reads are patient, else Ray's."""
+    if not _patience["on"]:
+        return ray_read(channel, timeout)
+    return patient_read(ray_read, channel, timeout)
 
 
 class CompiledRounds:
@@ -139,7 +146,7 @@ class CompiledRounds:
         self.build_s = 0.0  # how long the last build took
 
     def _key(self, actors: dict[int, Any]) -> tuple:
-        return tuple((a, actors[a]._actor_id.hex()) for a in sorted(actors))
+        return tuple((a, compat.actor_id(actors[a])) for a in sorted(actors))
 
     def ensure(self, actors: dict[int, Any], state_bytes: int, timeout_s: float) -> None:
         """Have a graph over exactly ``actors`` (index -> handle), with channels for ``state_bytes``;
@@ -148,15 +155,10 @@ class CompiledRounds:
         if self.graph is not None and key == self.key:
             return
         self.teardown()
-        from ray.dag import InputNode, MultiOutputNode
-
-        with InputNode() as message:
-            outputs = [actors[a].compiled_round.bind(message) for a in sorted(actors)]
-            dag = MultiOutputNode(outputs)
         started = time.monotonic()
-        self.graph = dag.experimental_compile(_submit_timeout=timeout_s,
-                                              _buffer_size_bytes=int(state_bytes) + _CHANNEL_SLACK,
-                                              _max_inflight_executions=1)
+        self.graph = compat.compile_graph(
+            lambda message: [actors[a].compiled_round.bind(message) for a in sorted(actors)],
+            submit_timeout_s=timeout_s, buffer_bytes=int(state_bytes) + _CHANNEL_SLACK)
         self.build_s = time.monotonic() - started
         self.key = key
         self.builds += 1
@@ -207,3 +209,86 @@ class CompiledRounds:
             except Exception as exc:  # a graph broken by a dead actor may fail to end cleanly; it is gone either way
                 log.debug("teardown of the compiled graph: %s", exc)
 
+
+
+class CompiledTransport(Transport):
+    """The round as one execution of the compiled graph, its outputs folded in actor order (so a compiled run
+    equals a classic ``fold_order: client`` run bit for bit)."""
+
+    name = "compiled"
+    serves = ("compiled", "star")
+
+    def __init__(self, fleet, config) -> None:
+        super().__init__(fleet, config)
+        self.graph = CompiledRounds(config.channel_wait)
+
+    def run_round(self, round: Round) -> None:
+        started = time.monotonic()
+        calls = {a: round.work(a) for a in round.targets}
+        try:
+            self.graph.ensure(self.fleet.actors, round.state.nbytes, self.fleet.timeout)
+            outputs = self.graph.run((round.state, round.plan, calls), self.fleet.timeout)
+        except Exception as exc:  # Ray's task, channel and timeout errors: the actors say what happened
+            log.debug("the compiled round %d broke: %s: %s", round.plan.round, type(exc).__name__, exc)
+        else:
+            for partial in outputs:
+                if partial is not None:
+                    self.fleet.folded(partial, round.fold)
+            return
+        self._recover_broken(round, sorted(calls), started)
+
+    def _recover_broken(self, round: Round, targets: list[int], started: float) -> None:
+        """Ask every actor of a broken compiled round how its part ended (a classic call, answered while the
+        graph's thread still runs), waiting at most ``ray_timeout_s`` from the round's start for those still
+        running; fold what finished, apply the failure policy to what raised, died or is late (ended first,
+        so the graph can be torn down), and re-run the rest with classic calls. The graph is rebuilt next
+        round."""
+        status = self._statuses(round.plan.round, targets, started + self.fleet.timeout)
+        failed: dict[int, BaseException] = {}
+        again: list[int] = []
+        for a in targets:
+            what, value = status[a]
+            if what == "running":
+                failed[a] = self.fleet.late(a, "local_round")
+                self.fleet.kill(a)  # before the teardown, which would otherwise wait for it
+            elif what in ("failed", "dead"):
+                failed[a] = value
+            elif what == "not started":
+                again.append(a)
+        self.graph.teardown()
+        for a in targets:
+            what, partial = status[a]
+            if what == "done" and partial is not None:
+                self.fleet.folded(partial, round.fold)
+        self.recover(round, failed, again)
+
+    def _statuses(self, round_index: int, targets: list[int], deadline: float) -> dict[int, tuple[str, Any]]:
+        """How each actor's part of round ``round_index`` ended (:meth:`ClientShell.round_status`, or
+        ``("dead", error)``), asking again those still running until ``deadline``."""
+        status: dict[int, tuple[str, Any]] = {}
+        waiting = list(targets)
+        while waiting:
+            asked = {a: self.fleet.actors[a].round_status.remote(round_index) for a in waiting}
+            waiting = []
+            for a, ref in asked.items():
+                try:
+                    status[a] = ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
+                except ray.exceptions.GetTimeoutError:
+                    status[a] = ("running", None)
+                except ray.exceptions.RayError as exc:
+                    status[a] = ("dead", exc)
+                    continue
+                if status[a][0] == "running" and time.monotonic() < deadline:
+                    waiting.append(a)
+            if waiting:
+                time.sleep(0.02)
+        return status
+
+    def rest(self, took_s: float) -> None:
+        self.graph.rest(took_s)
+
+    def close(self, end_actors) -> None:
+        if not self.graph.busy:  # idle: its actors leave their loops at once
+            self.graph.teardown()
+        end_actors()
+        self.graph.teardown()  # a round cut short: the actors it waited on are gone, so it ends at once

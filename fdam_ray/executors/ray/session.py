@@ -35,14 +35,17 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import ray
 
 from fdam_ray.executors.errors import ClusterConnectionError
+from fdam_ray.executors.ray import compat
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 AUTH_HELP = (
     "set RAY_AUTH_MODE=token and give this process the cluster's token: RAY_AUTH_TOKEN=<token>, "
@@ -107,12 +110,14 @@ def check_cluster_access(address: str, *, connect_timeout_s: float = 5.0) -> Non
                 f"{address} is not a Ray cluster: {other} answered there; give the address of the head node's GCS "
                 "(host:6379 by default; `ray start --head` prints it, `ray status` on the head shows it)")
     try:
-        from ray._raylet import GcsClient
         from ray.exceptions import AuthenticationError
-    except ImportError:  # a Ray without these internals: let ray.init report problems itself
+    except ImportError:  # a Ray without token authentication: let ray.init report problems itself
+        return
+    probe = compat.gcs_probe(address, connect_timeout_s)
+    if probe is None:  # a Ray without this client: let ray.init report problems itself
         return
     try:
-        GcsClient(address=address).internal_kv_get(b"fdam-probe", None, timeout=connect_timeout_s)
+        probe()
     except AuthenticationError:
         mode = os.environ.get("RAY_AUTH_MODE", "")
         if mode.lower() != "token":
@@ -179,12 +184,8 @@ def _keeping_sigterm_handler() -> Iterator[None]:
 
 def _enable_token_mode() -> None:
     """RAY_AUTH_MODE=token for this process, and Ray's cached config told so (it reads the variable once)."""
-    try:
-        from ray._private.authentication.authentication_token_setup import _enable_token_auth
-    except ImportError:
+    if not compat.enable_token_auth():
         os.environ["RAY_AUTH_MODE"] = "token"
-    else:
-        _enable_token_auth()
 
 
 def _token_at_hand() -> bool:
@@ -198,12 +199,11 @@ def local_cluster() -> str | None:
     Ray records it in ``ray_current_cluster`` in its temp folder (``RAY_TMPDIR``/ray, else /tmp/ray), which
     ``ray stop`` removes; a file left by a cluster that was killed is ignored.
     """
-    try:
-        from ray._common.utils import get_ray_address_file
-    except ImportError:
+    recorded = compat.ray_address_file()
+    if recorded is None:
         return None
     try:
-        address = Path(get_ray_address_file(None)).read_text().strip()
+        address = Path(recorded).read_text().strip()
     except OSError:
         return None
     hp = _host_port(address)
@@ -215,3 +215,27 @@ def local_cluster() -> str | None:
         log.info("the Ray cluster recorded at %s no longer answers; starting a private one", address)
         return None
     return address
+
+
+def run_task(fn: Callable[..., T], *args: Any, address: str | None, cpus_needed: float, timeout_s: float) -> T:
+    """``fn(*args)`` as a Ray task of its own (no CPU reserved), on the instance :func:`ensure_ray` gives.
+
+    Raises TimeoutError when it has not answered within ``timeout_s``.
+    """
+    ensure_ray(address=address, cpus_needed=cpus_needed)
+    task = ray.remote(num_cpus=0, max_retries=0)(fn)
+    try:
+        return ray.get(task.remote(*args), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(f"no answer within {timeout_s:g} s") from None
+
+
+def assigned_cpus() -> float | None:
+    """The CPUs Ray assigned to the actor this process runs, or None (no Ray, not in an actor, none given)."""
+    if not ray.is_initialized():
+        return None
+    ctx = ray.get_runtime_context()
+    if ctx.get_actor_id() is None:
+        return None
+    cpus = ctx.get_assigned_resources().get("CPU")
+    return None if cpus is None else float(cpus)

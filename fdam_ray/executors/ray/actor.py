@@ -11,7 +11,8 @@ code comes back as a :class:`ClientError` carrying the client id, the round,
 the action and the original traceback. The actor builds its clients' shards
 from the data source spec (the driver never holds training samples), takes
 its device from what Ray assigned (a GPU when ``ray.get_gpu_ids()`` is
-non-empty, with its CUDA memory capped to the share when GPUs are shared) and
+non-empty, with its CUDA memory capped to the share when GPUs are shared),
+tells the data layer the CPUs Ray assigned it (``data_workers: auto``) and
 runs ``threads`` torch threads.
 """
 
@@ -31,8 +32,10 @@ import torch
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.client import Client, ClientSection, TrainingReplica, begin_stage_hosted, run_hosted
 from fdam_ray.data import AnySplit, DatasetSplit, Split
-from fdam_ray.executors.compiled import patient_reads
+from fdam_ray.data.base import set_host_cpus
 from fdam_ray.executors.errors import client_error
+from fdam_ray.executors.ray.session import assigned_cpus
+from fdam_ray.executors.ray.transports.compiled import patient_reads
 from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores
 
 T = TypeVar("T")
@@ -75,7 +78,7 @@ class ClientShell:
         gpu_share: GPUs Ray reserves for this actor (``gpus_per_actor``).
         gpu_memory_cap: cap CUDA memory to ``gpu_share`` when it is a fraction.
         channel_wait: how the actor's compiled-graph thread waits for a round (``sleep`` or ``spin``; see
-            :mod:`fdam_ray.executors.compiled`).
+            :mod:`fdam_ray.executors.ray.transports.compiled`).
     """
 
     def __init__(self, actor: int, client_ids: Sequence[int], *, threads: int, device: str, gpu_share: float,
@@ -93,6 +96,7 @@ class ClientShell:
         self._status_lock = threading.Lock()
         self._sources: dict = {}  # object ref -> data source spec read here
         torch.set_num_threads(threads)
+        set_host_cpus(assigned_cpus())  # data_workers=auto follows the CPUs Ray gave this actor
         patient_reads(channel_wait == "sleep")  # only the compiled graph's thread reads channels here
         # states arrive as read-only views into the object store; the clients only copy from them
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")

@@ -1,0 +1,138 @@
+"""Every private or experimental Ray API the package uses, in one module, with the Ray versions it was tested on.
+
+Ray's public API (``ray.remote``, ``ray.get``, placement groups, scheduling
+strategies, ``ray.nodes``) is used where it is needed; what Ray does not
+promise to keep (underscore modules and attributes, the experimental
+compiled graphs and their shared-memory channels) is reached only through
+the functions below, so a Ray upgrade that moves one of them breaks here and
+in ``tests/test_ray_compat.py``, which checks that every name listed in
+:data:`PRIVATE_NAMES` exists in the installed Ray. Each function degrades the
+way the code relied on before: a missing probe is skipped, a missing token
+helper falls back to the environment variable.
+
+:data:`SUPPORTED` is the range the package was tested on (Ray 2.60); the
+package's requirement (``ray>=2.40,<3``) is wider, and the private names may
+differ outside this range.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+SUPPORTED = (">=2.60", "<2.61")  # the Ray versions these names were checked against
+
+# (module, attribute) of every private or experimental Ray name used below; the compat test imports each.
+PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
+    ("ray._raylet", "GcsClient"),
+    ("ray._private.authentication.authentication_token_setup", "_enable_token_auth"),
+    ("ray._private.authentication.authentication_utils", "is_token_auth_enabled"),
+    ("ray._common.utils", "get_ray_address_file"),
+    ("ray.experimental.channel.shared_memory_channel", "Channel"),
+    ("ray.dag", "InputNode"),
+    ("ray.dag", "MultiOutputNode"),
+)
+# underscore keyword arguments of DAGNode.experimental_compile, and the private attribute of an ActorHandle, used below
+COMPILE_ARGUMENTS = ("_submit_timeout", "_buffer_size_bytes", "_max_inflight_executions")
+ACTOR_ID_ATTRIBUTE = "_actor_id"
+
+
+def version_in_range(version: str, supported: tuple[str, ...] = SUPPORTED) -> bool:
+    """Whether ``version`` (``major.minor.patch``) satisfies every ``>=x.y`` / ``<x.y`` bound of ``supported``."""
+
+    def key(text: str) -> tuple[int, ...]:
+        return tuple(int(p) for p in text.split(".")[:3] if p.isdigit())
+
+    have = key(version)
+    for bound in supported:
+        op, limit = (">=", bound[2:]) if bound.startswith(">=") else ("<", bound[1:])
+        if (op == ">=" and have < key(limit)) or (op == "<" and have >= key(limit)):
+            return False
+    return True
+
+
+def _private(module: str, name: str) -> Any:
+    """``module.name`` from :data:`PRIVATE_NAMES`; raises ImportError where this Ray lacks it."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except AttributeError as exc:
+        raise ImportError(f"{module}.{name}: {exc}") from None
+
+
+# -- clusters and authentication ----------------------------------------------------------------------------
+def gcs_probe(address: str, timeout_s: float) -> Callable[[], None] | None:
+    """A call that asks the GCS at ``address`` for a key (raising Ray's ``AuthenticationError`` when it
+    refuses this process's credentials), or None where this Ray has no such client."""
+    try:
+        gcs_client = _private("ray._raylet", "GcsClient")
+    except ImportError:
+        return None
+
+    def probe() -> None:
+        gcs_client(address=address).internal_kv_get(b"fdam-probe", None, timeout=timeout_s)
+
+    return probe
+
+
+def enable_token_auth() -> bool:
+    """Switch token authentication on in Ray's cached config for this process (Ray reads ``RAY_AUTH_MODE``
+    once); False where this Ray has no such switch (the caller then sets the variable)."""
+    try:
+        enable = _private("ray._private.authentication.authentication_token_setup", "_enable_token_auth")
+    except ImportError:
+        return False
+    enable()
+    return True
+
+
+def token_auth_enabled() -> bool:
+    """Whether this process's Ray uses token authentication."""
+    return bool(_private("ray._private.authentication.authentication_utils", "is_token_auth_enabled")())
+
+
+def ray_address_file() -> str | None:
+    """The file where ``ray start`` records the address of the cluster it started on this machine (None
+    where this Ray does not say)."""
+    try:
+        return str(_private("ray._common.utils", "get_ray_address_file")(None))
+    except ImportError:
+        return None
+
+
+# -- compiled graphs ------------------------------------------------------------------------------------------
+def actor_id(handle: Any) -> str:
+    """The hex id of the actor behind ``handle`` (a replaced actor has a new one)."""
+    return getattr(handle, ACTOR_ID_ATTRIBUTE).hex()
+
+
+def compile_graph(bind: Callable[[Any], list], *, submit_timeout_s: float, buffer_bytes: int) -> Any:
+    """The compiled graph ``input -> bind(input) -> one output each``, one execution in flight at a time,
+    with channels of ``buffer_bytes`` and ``submit_timeout_s`` to wait for a free input channel."""
+    from ray.dag import InputNode, MultiOutputNode
+
+    with InputNode() as message:
+        dag = MultiOutputNode(bind(message))
+    arguments = dict(zip(COMPILE_ARGUMENTS, (submit_timeout_s, int(buffer_bytes), 1), strict=True))
+    return dag.experimental_compile(**arguments)
+
+
+def wrap_channel_read(read: Callable[[Callable[[Any, float | None], Any], Any, float | None], Any]) -> bool:
+    """Route every read of a compiled graph's shared-memory channel in this process through
+    ``read(ray_read, channel, timeout)`` (once per process; later calls keep the first wrapper). Returns False
+    where this Ray has no such channel."""
+    try:
+        channel = _private("ray.experimental.channel.shared_memory_channel", "Channel")
+    except ImportError:  # pragma: no cover - a Ray without compiled graphs' shared-memory channels
+        return False
+    if getattr(channel.read, "_fdam_wrapped", False):
+        return True
+    ray_read = channel.read
+
+    def wrapped(self: Any, timeout: float | None = None) -> Any:
+        return read(ray_read, self, timeout)
+
+    wrapped.__doc__ = ray_read.__doc__
+    wrapped._fdam_wrapped = True  # type: ignore[attr-defined]
+    channel.read = wrapped
+    return True

@@ -1,0 +1,286 @@
+"""Clients in Ray actors: the executor that wires placement, the fleet of actors and a transport.
+
+Hosting: ``clients_per_actor`` = M clients share an actor (one model replica;
+each client keeps its own shard, control variate and sampler position):
+client k lives on actor k // M, so there are A = ceil(K / M) actors. M = 1
+(the default) is one actor per client.
+
+The parts (ARCHITECTURE.md, "One round, as data"):
+
+- :mod:`~fdam_ray.executors.ray.placement`: one bundle per actor in a
+  placement group (or the enclosing Tune trial's), site pinning;
+- :mod:`~fdam_ray.executors.ray.fleet`: the actors, the clients each hosts,
+  calls on every actor with the failure policy (retry, drop, abort), lost
+  nodes and the events kept;
+- :mod:`~fdam_ray.executors.ray.transports`: how a round's state reaches the
+  actors and their partial sums come back, chosen from the config's
+  ``transport`` and ``reduce`` (star, node, compiled).
+
+Scoring, checkpoints and set-up are classic calls on every actor through the
+fleet, whatever the transport; before each the transport may rest
+(:meth:`~fdam_ray.executors.ray.transports.base.Transport.rest`). A lost actor
+whose bundle cannot be placed again within ``placement_timeout_s`` stops the
+run with a :class:`PlacementError`; its clients stay hosted (not dropped), so
+:meth:`RayExecutor.client_states` marks them for a rebuild in the checkpoint
+the federation then writes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import ray
+
+from fdam_ray.algorithms.server import PartialSum
+from fdam_ray.client import ClientSection
+from fdam_ray.data import DataSource
+from fdam_ray.executors.base import Executor, actor_groups
+from fdam_ray.executors.ray.fleet import Fleet
+from fdam_ray.executors.ray.placement import Placement
+from fdam_ray.executors.ray.session import ensure_ray
+from fdam_ray.executors.ray.transports import REGISTRY, Round, Transport, transport_for
+from fdam_ray.executors.ray.transports.compiled import CompiledRounds
+from fdam_ray.executors.ray_section import RayExecutorSection
+from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores
+
+log = logging.getLogger(__name__)
+
+
+def _between_rounds(kind: str) -> Callable:
+    """Work between rounds (scoring, checkpoints): let the transport rest first (:meth:`Transport.rest`), and
+    keep how long this kind of work took."""
+
+    def wrap(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def run(self: RayExecutor, *args: Any, **kwargs: Any) -> Any:
+            if self.transport is not None:
+                self.transport.rest(self.took.get(kind, 0.0))
+            started = time.monotonic()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self.took[kind] = time.monotonic() - started
+
+        return run
+
+    return wrap
+
+
+class RayExecutor(Executor):
+    """Runs the clients in Ray actors, ``clients_per_actor`` to an actor (see the module docstring).
+
+    Attributes:
+        placement: the actors' bundles and placement group.
+        fleet: the actors, their clients, the failure policy and its events.
+        transport: how rounds travel (set by :meth:`start`).
+        took: seconds the last scoring / checkpoint call of each kind took.
+    """
+
+    fleet_type: ClassVar[type[Fleet]] = Fleet
+
+    def __init__(self) -> None:
+        self.placement: Placement | None = None
+        self.fleet: Fleet | None = None
+        self.transport: Transport | None = None
+        self.num_clients = 0
+        self.took: dict[str, float] = {}
+        self._put_state: GlobalState | None = None
+        self._put_ref: Any = None
+
+    # -- what tests and diagnostics read -------------------------------------------------------
+    @property
+    def actors(self) -> dict[int, Any]:
+        """Actor index -> actor handle (live actors only)."""
+        return {} if self.fleet is None else self.fleet.actors
+
+    @property
+    def hosted(self) -> dict[int, list[int]]:
+        """Actor index -> the live clients it hosts."""
+        return {} if self.fleet is None else self.fleet.hosted
+
+    @property
+    def events(self) -> list[dict]:
+        """One dict per failure (client, actor, clients, round, action, error, outcome)."""
+        return [] if self.fleet is None else self.fleet.events
+
+    @property
+    def where_of(self) -> dict[int, dict]:
+        """Actor index -> where it runs."""
+        return {} if self.fleet is None else self.fleet.where_of
+
+    @property
+    def lost_nodes(self) -> list[dict]:
+        """One dict per node lost during the run."""
+        return [] if self.fleet is None else self.fleet.lost_nodes
+
+    @property
+    def bundle_of(self) -> dict[int, int]:
+        """Actor index -> placement group bundle index."""
+        return {} if self.placement is None else self.placement.bundle_of
+
+    @property
+    def placement_group(self) -> Any:
+        return None if self.placement is None else self.placement.placement_group
+
+    @property
+    def graph(self) -> CompiledRounds | None:
+        """The compiled graph of ``transport: compiled``, else None."""
+        return getattr(self.transport, "graph", None)
+
+    # -- set-up ---------------------------------------------------------------------------
+    def start(self, config: Any, source: DataSource) -> list[ClientInfo]:
+        client_section = ClientSection.of(config)
+        self.config = config = RayExecutorSection.of(config)
+        self.timeout = config.ray_timeout_s
+        transport = REGISTRY[transport_for(config.transport, config.reduce)]
+        self.num_clients = num_clients = source.num_clients
+        groups = actor_groups(num_clients, config.clients_per_actor)
+        if config.device == "cuda" and not config.gpus_per_actor:
+            raise ValueError("device=cuda with executor=ray needs gpus_per_actor > 0 (the GPU share of each actor)")
+        started_here = ensure_ray(address=config.address, cpus_needed=len(groups) * config.cpus_per_actor)
+        gpus = ray.cluster_resources().get("GPU", 0)
+        if gpus and not config.gpus_per_actor and config.device != "cpu":
+            per_gpu = -(-len(groups) // max(1, int(gpus)))  # the actors spread evenly over the GPUs
+            log.warning("the Ray cluster has %g GPU(s) but gpus_per_actor=0, so the clients train on CPUs; set "
+                        "gpus_per_actor (e.g. %g for %d actors per GPU) to use them, or device=cpu to silence this",
+                        gpus, round(1.0 / per_gpu, 4), per_gpu)
+        self.placement = Placement(config, self.timeout)
+        self.fleet = self.fleet_type(config, client_section, self.placement, self.timeout)
+        self.transport = transport(self.fleet, config)
+        self.placement.place(groups, local=started_here)
+        return self.fleet.start(groups, source)
+
+    def _state_ref(self, state: GlobalState) -> Any:
+        """The object-store copy of ``state`` for the scoring calls that follow a round (evaluation on the
+        clients' splits and on the test set, CODA's score sums): put once for all of them. A round puts its
+        state afresh, since the driver changes a state in place only between scoring and the next round."""
+        if self._put_state is not state:
+            self._put_state, self._put_ref = state, ray.put(state)
+        return self._put_ref
+
+    def _all(self, action: str, submit: Callable[[int, Any], Any]) -> None:
+        for _ in self._fleet.each(action, submit):
+            pass
+
+    @property
+    def _fleet(self) -> Fleet:
+        if self.fleet is None:
+            raise RuntimeError("the Ray executor has not been started")
+        return self.fleet
+
+    # -- the Executor interface ---------------------------------------------------------------
+    def configure(self, positive_ratio: np.ndarray) -> None:
+        fleet = self._fleet
+        fleet.positive_ratio = p = np.asarray(positive_ratio)
+        self._all("configure", lambda a, actor: actor.configure.remote(p))
+
+    def begin_stage(self, reference: np.ndarray, reset_control_variates: bool) -> None:
+        self._fleet.reference_ref = ref = ray.put(reference)
+        self._all("begin_stage", lambda a, actor: actor.begin_stage.remote(ref, reset_control_variates))
+
+    def run_round(self, state: GlobalState, plan: RoundPlan, fold: Callable[[PartialSum], None],
+                  clients: Sequence[int] | None = None) -> None:
+        fleet = self._fleet
+        fleet.round = plan.round
+        self._put_state = None
+        put: list = []  # the round's object-store copy of the state: made by its first classic call (never when
+        # the compiled graph carries the round), always fresh, since the driver changes a state in place only
+        # between scoring and the next round
+        chosen = set(fleet.live) if clients is None else set(clients) & set(fleet.live)
+
+        def work(a: int) -> tuple[list[int], list[int]]:
+            """Actor ``a``'s clients in this round, and those of them that first adopt the global c."""
+            ids = [k for k in fleet.hosted.get(a, ()) if k in chosen]
+            return ids, [k for k in ids if k in fleet.adopt_global_c]
+
+        def call(a: int, actor: Any) -> Any:
+            if not put:
+                put.append(ray.put(state))
+            return actor.local_round.remote(put[0], plan, *work(a))  # at call time: a replacement adopts c
+
+        # an actor with no client in the round is not called
+        targets = [a for a in fleet.actors if any(k in chosen for k in fleet.hosted.get(a, ()))]
+        assert self.transport is not None
+        self.transport.run_round(Round(state, plan, fold, targets, work, call))
+
+    @_between_rounds("evaluate")
+    def evaluate(self, state: GlobalState) -> list[Scores]:
+        ref = self._state_ref(state)
+        hosted = self._fleet.hosted
+        scores = self._fleet.per_client("evaluate", lambda a, actor: actor.evaluate.remote(ref, hosted[a]))
+        return [s for s in scores if s is not None]
+
+    @_between_rounds("score_test_set")
+    def score_test_set(self, state: GlobalState) -> Scores | None:
+        """With ``eval_on: clients``: every live actor scores a slice of the global test set, pooled here."""
+        fleet = self._fleet
+        if self.config.eval_on != "clients" or fleet.test_size == 0:
+            return None
+        while True:
+            actors = sorted(fleet.actors)
+            bounds = np.linspace(0, fleet.test_size, min(len(actors), fleet.test_size) + 1).astype(int)
+            slices = {a: (int(lo), int(hi)) for a, lo, hi in zip(actors, bounds[:-1], bounds[1:], strict=False)}
+            ref = self._state_ref(state)
+
+            def call(a: int, actor: Any, slices: dict = slices, ref: Any = ref) -> Any:
+                return actor.score_test_slice.remote(ref, *slices[a])
+
+            parts = list(fleet.each("evaluate", call, list(slices)))
+            if all(a in fleet.actors for a in slices):  # an actor dropped mid-call: slice again
+                parts.sort(key=lambda p: slices[p[0]][0])
+                return Scores(-1, np.concatenate([s.scores for _, s in parts]),
+                              np.concatenate([s.labels for _, s in parts]))
+
+    @_between_rounds("score_moments")
+    def score_moments(self, state: GlobalState) -> list[Moments]:
+        ref = self._state_ref(state)
+        hosted = self._fleet.hosted
+        return self._fleet.per_client("score_moments", lambda a, actor: actor.score_moments.remote(ref, hosted[a]))
+
+    @_between_rounds("client_states")
+    def client_states(self) -> list[dict | None]:
+        """Every client's state; None for a client that was dropped, and ``{"client_id": k, "rebuild": True}``
+        for one whose actor is lost and not placed again (the run stops with a :class:`PlacementError`): a
+        resume rebuilds it from its shard with the global control variate, as a replaced actor's clients are."""
+        fleet = self._fleet
+        got = {s["client_id"]: s for s in fleet.per_client(
+            "client_states", lambda a, actor: actor.get_state.remote(fleet.hosted[a]))}
+        unplaced = {k for a, ids in fleet.hosted.items() if a not in fleet.actors for k in ids}
+        return [{"client_id": k, "rebuild": True} if k in unplaced else got.get(k) for k in range(self.num_clients)]
+
+    def restore_client_states(self, states: list[dict | None]) -> None:
+        fleet = self._fleet
+        gone = [k for k, s in enumerate(states) if s is None and k in fleet.live]
+        for k in gone:
+            log.warning("client %d was dropped before the checkpoint; it stays out", k)
+        if gone:
+            fleet.drop(gone)
+        self._all("restore_client_states",
+                  lambda a, actor: actor.set_state.remote([states[k] for k in fleet.hosted[a]]))
+
+    @property
+    def active_clients(self) -> int:
+        return 0 if self.fleet is None else len(self.fleet.live)
+
+    def client_info(self) -> dict[int, dict]:
+        """Process id, node, placement group and device of the actor of every live client."""
+        fleet = self._fleet
+        where = dict(fleet.each("where", lambda a, actor: actor.where.remote()))
+        return {k: where[a] for a in sorted(where) for k in fleet.hosted[a]}
+
+    def shutdown(self) -> None:
+        fleet = self.fleet
+        if fleet is not None:
+            abandoned = list(fleet.in_flight)
+            if self.transport is not None:
+                self.transport.close(fleet.end)
+            else:
+                fleet.end()
+            fleet.settle(abandoned)
+        if self.placement is not None:
+            self.placement.release()

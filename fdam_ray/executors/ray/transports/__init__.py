@@ -1,0 +1,40 @@
+"""The transports of the Ray executor: how a round travels between the driver and the actors.
+
+    base.py      the interface (run a round, recover a broken one, rest between rounds, close) and a Round
+    star.py      classic calls, every actor's partial sum folded at the driver     transport=classic reduce=star
+    node.py      classic calls, the actors of a node folded there first            transport=classic reduce=node
+    compiled.py  the round as one Ray Compiled Graph                               transport=compiled reduce=star
+
+Adding a transport is one module with a :class:`Transport` subclass (its
+``name`` and the config's ``(transport, reduce)`` pair it ``serves``) and one
+entry in :data:`REGISTRY`.
+"""
+
+from __future__ import annotations
+
+from fdam_ray.executors.ray.transports.base import Round, Transport
+from fdam_ray.executors.ray.transports.compiled import CompiledTransport
+from fdam_ray.executors.ray.transports.node import NodeTransport
+from fdam_ray.executors.ray.transports.star import StarTransport
+
+__all__ = ["REFUSED", "REGISTRY", "Round", "Transport", "transport_for"]
+
+REGISTRY: dict[str, type[Transport]] = {cls.name: cls for cls in (StarTransport, NodeTransport, CompiledTransport)}
+
+# (transport, reduce) pairs of the config that no transport runs, and why
+REFUSED: dict[tuple[str, str], str] = {
+    ("compiled", "node"): "transport=compiled folds every actor's partial sum at the driver; reduce=node needs "
+                          "transport=classic",
+}
+
+
+def transport_for(transport: str, reduce: str) -> str:
+    """The name of the transport that runs the config's ``transport`` with its ``reduce``; a one-line
+    ValueError for a pair none runs."""
+    if (transport, reduce) in REFUSED:
+        raise ValueError(REFUSED[transport, reduce])
+    for name, cls in REGISTRY.items():
+        if cls.serves == (transport, reduce):
+            return name
+    served = ", ".join(f"transport={t} reduce={r}" for t, r in (cls.serves for cls in REGISTRY.values()))
+    raise ValueError(f"no transport runs transport={transport} with reduce={reduce} (there are: {served})")
