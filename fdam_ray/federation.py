@@ -28,7 +28,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -203,8 +203,7 @@ class Federation:
 
         def checkpoint() -> Checkpoint:
             now = dataclasses.replace(loop, wall_offset=loop.wall_offset + time.perf_counter() - started)
-            # the executors give None for a dropped client (Executor.client_states is annotated list[dict])
-            clients = cast(list[ClientState], self.executor.client_states())
+            clients = self.executor.client_states()  # None for a dropped client
             return Checkpoint(loop=now, clients=clients, positive_ratio=self.positive_ratio,
                               torch_rng=torch.get_rng_state())
 
@@ -223,7 +222,7 @@ class Federation:
             loop = dataclasses.replace(resume.loop)  # its counters change; the checkpoint keeps its own
             self.executor.begin_stage(loop.server.reference, False)
             # the executors take None for a client that starts afresh (annotated list[dict])
-            self.executor.restore_client_states(cast(list[dict], rebuilt_states(resume.clients, loop.state)))
+            self.executor.restore_client_states(rebuilt_states(resume.clients, loop.state))
             torch.set_rng_state(resume.torch_rng)
         snapshot = self._snapshot(loop, started)
         observer = self.observer

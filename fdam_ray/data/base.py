@@ -12,6 +12,8 @@ import abc
 import collections
 import dataclasses
 import os
+from collections.abc import Iterator, Sized
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -97,8 +99,9 @@ class DatasetSplit:
 
     def __post_init__(self) -> None:
         self.labels = np.asarray(self.labels, dtype=np.float32).reshape(len(self.labels), -1)
-        if len(self.dataset) != len(self.labels):
-            raise ValueError(f"dataset has {len(self.dataset)} samples but {len(self.labels)} labels")
+        size = len(cast(Sized, self.dataset))  # a map-style dataset, as every client's split is
+        if size != len(self.labels):
+            raise ValueError(f"dataset has {size} samples but {len(self.labels)} labels")
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -250,19 +253,22 @@ class LoaderSampler:
         self.split, self.device = split, device
         self.stream = IndexStream(len(split), batch_size, seed)
         self._batches: _Batches | None = None
-        self._iter = None
+        self._iter: Iterator[Any] | None = None
 
-    def _start(self) -> None:
-        self._batches = _Batches(self.stream)
-        self._iter = iter(torch.utils.data.DataLoader(
-            self.split.dataset, batch_sampler=self._batches, num_workers=loader_workers(self.split.num_workers),
+    def _start(self) -> tuple[_Batches, Iterator[Any]]:
+        self._batches = batches = _Batches(self.stream)
+        self._iter = loader = iter(torch.utils.data.DataLoader(
+            self.split.dataset, batch_sampler=batches, num_workers=loader_workers(self.split.num_workers),
             pin_memory=self.device.type == "cuda"))
+        return batches, loader
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._iter is None:
-            self._start()
-        x, y = next(self._iter)
-        self._batches.ahead.popleft()
+        if self._iter is None or self._batches is None:
+            batches, loader = self._start()
+        else:
+            batches, loader = self._batches, self._iter
+        x, y = next(loader)
+        batches.ahead.popleft()
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def _augment_generator(self) -> torch.Generator | None:

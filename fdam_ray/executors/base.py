@@ -103,11 +103,12 @@ class Executor(abc.ABC):
         """Every client's score sums over its training positives and negatives."""
 
     @abc.abstractmethod
-    def client_states(self) -> list[dict]:
-        """Every client's resumable state (``Client.get_state()``: control variate, sampler position)."""
+    def client_states(self) -> list[dict | None]:
+        """Every client's resumable state (``Client.get_state()``: control variate, sampler position); None for a
+        client that was dropped."""
 
     @abc.abstractmethod
-    def restore_client_states(self, states: list[dict]) -> None:
+    def restore_client_states(self, states: list[dict | None]) -> None:
         """Give every client back the state :meth:`client_states` returned (``Client.set_state``)."""
 
     @property

@@ -17,6 +17,7 @@ equals a Ray run with ``fold_order: client`` to the bit, whatever
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -62,7 +63,7 @@ class InlineExecutor(Executor):
     def score_moments(self, state: GlobalState) -> list[Moments]:
         return [c.score_moments(state) for c in self.clients]
 
-    def client_states(self) -> list[dict]:
+    def client_states(self) -> list[dict | None]:
         return [c.get_state() for c in self.clients]
 
     def restore_client_states(self, states: list[dict | None]) -> None:
@@ -71,7 +72,7 @@ class InlineExecutor(Executor):
             raise ValueError(f"client(s) {dropped} were dropped from the run being resumed; the inline executor "
                              "runs every client: resume it with executor=ray")
         for c, s in zip(self.clients, states, strict=True):
-            c.set_state(s)
+            c.set_state(cast(dict, s))  # None refused above
 
     @property
     def active_clients(self) -> int:

@@ -7,6 +7,7 @@ trial as a tracker run of its own.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from fdam_ray.config import Config
 from fdam_ray.trackers import check_installed
@@ -17,7 +18,7 @@ def tune_callbacks(config: Config) -> list:
     reports (test_auc, per-task and per-client AUCs, bytes, ...) to MLflow (with the trial folder, its run and
     checkpoints, as artifacts) and to W&B."""
     check_installed(config.trackers)
-    callbacks = []
+    callbacks: list[Any] = []
     if "mlflow" in config.trackers:
         from ray.air.integrations.mlflow import MLflowLoggerCallback
 
@@ -27,7 +28,7 @@ def tune_callbacks(config: Config) -> list:
 
         # W&B runs each trial's logger in an actor that sees the cluster's environment, not this process's: pass
         # WANDB_MODE (offline) and WANDB_DIR on as wandb.init arguments
-        settings = {key: os.environ[var] for key, var in (("mode", "WANDB_MODE"), ("dir", "WANDB_DIR"))
+        settings: dict[str, Any] = {key: os.environ[var] for key, var in (("mode", "WANDB_MODE"), ("dir", "WANDB_DIR"))
                     if os.environ.get(var)}
         callbacks.append(WandbLoggerCallback(project=config.tracker_project, **settings))
     return callbacks

@@ -18,12 +18,13 @@ runs ``threads`` torch threads.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import numpy as np
 import ray
@@ -117,7 +118,7 @@ class ClientShell:
             if client is None:
                 raise client_error(k, self.round, action, RuntimeError(f"client {k} is not set up on actor "
                                                                        f"{self.actor}"), "")
-            out.append(self._call(action, lambda c=client: fn(c), k))
+            out.append(self._call(action, functools.partial(fn, client), k))
         return out
 
     # -- life cycle -----------------------------------------------------------------
@@ -130,8 +131,7 @@ class ClientShell:
         """
         infos = []
         for k, source in zip(client_ids, sources, strict=True):
-            infos.append(self._call("start", lambda k=k, source=source: self._add(k, config, source, with_test_set),
-                                    k))
+            infos.append(self._call("start", functools.partial(self._add, k, config, source, with_test_set), k))
         return infos, 0 if self.test is None else len(self.test)
 
     def _add(self, client_id: int, config: ClientSection, source, with_test_set: bool) -> ClientInfo:
@@ -177,7 +177,7 @@ class ClientShell:
         partial = self._partial.reset()  # reused: Ray serialises the returned sum before this actor runs again
 
         def run(client: Client) -> None:
-            if client.client_id in adopt_global_c and state.c_v is not None:
+            if client.client_id in adopt_global_c and state.c_v is not None and state.c_alpha is not None:
                 client.set_control_variate(state.c_v, state.c_alpha)
             run_hosted([client], state, plan, partial)
 
@@ -221,7 +221,7 @@ class ClientShell:
             if status is None or status[0] != round_index or status[1] == "withdrawn":
                 self._status = (round_index, "withdrawn", None)
                 return "not started", None
-            return status[1], status[2]
+            return status[1], cast(PartialSum | BaseException | None, status[2])
 
     def evaluate(self, state: GlobalState, client_ids: Sequence[int]) -> list[Scores | None]:
         return self._each("evaluate", client_ids, lambda c: c.evaluate(state))

@@ -113,7 +113,7 @@ def compile_graph(bind: Callable[[Any], list], *, submit_timeout_s: float, buffe
 
     with InputNode() as message:
         dag = MultiOutputNode(bind(message))
-    arguments = dict(zip(COMPILE_ARGUMENTS, (submit_timeout_s, int(buffer_bytes), 1), strict=True))
+    arguments: dict[str, Any] = dict(zip(COMPILE_ARGUMENTS, (submit_timeout_s, int(buffer_bytes), 1), strict=True))
     return dag.experimental_compile(**arguments)
 
 

@@ -183,6 +183,8 @@ class Placement:
 
     def strategy(self, a: int) -> Any:
         """The scheduling strategy that puts actor ``a`` in its bundle."""
+        if self.placement_group is None:
+            raise RuntimeError("the actors' placement group is not placed yet (Placement.place comes first)")
         return PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=self.bundle_of[a])
 
     def wait_placed(self, a: int, clients: Sequence[int]) -> None:

@@ -53,11 +53,11 @@ class NodeReducer:
             except Exception as exc:  # the driver applies the failure policy
                 failed.append((a, _portable(exc)))
                 continue
-            if held is None and total is None:
+            if total is None and held is None:
                 held = part
-            elif total is None:
+            elif total is None and held is not None:
                 total, held = self._sum_of(held, part), None
-            else:
+            elif total is not None:
                 total.merge(part)
             del part
         return (held if total is None else total), failed
