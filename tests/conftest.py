@@ -15,9 +15,7 @@ torch.set_num_threads(1)
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
-from sample_clients import arrays_in, gaussian_clients  # noqa: E402 (after the path insert above)
-
-__all__ = ["arrays_in", "gaussian_clients"]
+from sample_clients import gaussian_clients  # noqa: E402 (after the path insert above)
 
 
 @pytest.fixture

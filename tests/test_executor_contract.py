@@ -22,8 +22,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import gaussian_clients
 from raytest import ray_session
+from sample_clients import gaussian_clients
 
 from fdam_ray.algorithms import AlgorithmSection, build_algorithm
 from fdam_ray.algorithms.server import PartialSum

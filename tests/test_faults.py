@@ -297,7 +297,7 @@ def test_sigint_stops_a_run_and_resume_from_its_last_checkpoint_ends_bit_identic
 DAMAGED_RUN = """
 import sys
 import time
-from conftest import gaussian_clients
+from sample_clients import gaussian_clients
 from raytest import DamagedSource
 from fdam_ray.config import build_config
 from fdam_ray.data.arrays import ArraysSource

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import gaussian_clients
+from sample_clients import gaussian_clients
 
 import fdam_ray
 from fdam_ray.metrics import task_aucs

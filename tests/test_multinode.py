@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import ray
 import torch
-from conftest import gaussian_clients
 from image_fixtures import write_image_folder
 from multinode import OBJECT_STORE_BYTES, multi_node_cluster, node_ids_by_site
 from raytest import SlowClientSource
+from sample_clients import gaussian_clients
 
 from fdam_ray.checkpoint import load_checkpoint
 from fdam_ray.config import build_config

@@ -10,7 +10,7 @@ import own_fixtures
 import pytest
 import torch
 import yaml
-from conftest import gaussian_clients
+from sample_clients import gaussian_clients
 from torch import nn
 
 import fdam_ray

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import ray
 import torch
-from conftest import arrays_in, gaussian_clients
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raytest import SlowClientSource, first_state, ray_session
+from sample_clients import arrays_in, gaussian_clients
 
 import fdam_ray
 from fdam_ray.cli import main

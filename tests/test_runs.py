@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import arrays_in
+from sample_clients import arrays_in
 
 import fdam_ray
 from fdam_ray.checkpoint import CheckpointError, load_checkpoint, save_checkpoint

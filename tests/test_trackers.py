@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import gaussian_clients
+from sample_clients import gaussian_clients
 
 import fdam_ray
 from fdam_ray.cli import main
