@@ -242,7 +242,7 @@ def test_a_client_that_does_not_answer_in_time_fails_instead_of_hanging(transpor
                                transport=transport))
     with RayExecutor() as ex:
         ex.start(config, source)
-        ex.timeout = 2.0  # after start-up, which may be slow on a loaded machine
+        ex.fleet.timeout = 2.0  # after start-up, which may be slow on a loaded machine
         state = first_state(ex, config, source)
         t0 = time.monotonic()
         with pytest.raises(ClientError, match="client 1 failed in round 1 \\(local_round\\): no answer within "

@@ -267,6 +267,10 @@ class RayExecutor(Executor):
     def active_clients(self) -> int:
         return 0 if self.fleet is None else len(self.fleet.live)
 
+    def placement_lines(self) -> list[str]:
+        """One line per live actor: its clients, its node id and the node's address (logged in the run)."""
+        return [] if self.fleet is None else self.fleet.placement_lines()
+
     def client_info(self) -> dict[int, dict]:
         """Process id, node, placement group and device of the actor of every live client."""
         fleet = self._fleet
