@@ -7,6 +7,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(1, os.path.join(os.path.dirname(__file__), "unit"))  # the oracle cases other tiers reuse
 torch.set_num_threads(1)
 # The suite runs on the CPU wherever it runs: its bit-for-bit comparisons assume CPU kernels, and a GPU in
 # view would move device=auto runs and Ray's resource counts onto it (CUDA starts lazily, so hiding it here,
