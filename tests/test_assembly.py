@@ -62,6 +62,7 @@ def first_auc(run_dir: Path) -> float:
     return rec["test_auc"]
 
 
+@pytest.mark.slow
 def test_sweep_trials_start_from_model_weights(tmp_path, ray_session):
     path, _ = saved_weights(tmp_path)
     direct = fdam_ray.train(build_config(BASE, model_weights=str(path)), save=False).history[0]["test_auc"]

@@ -69,7 +69,7 @@ CASES = [
     ("wrong type", lambda t: ["local_steps=many"], "config field 'local_steps': 'many' is not allowed", True),
     ("lr not positive", lambda t: ["lr=0"], "config field 'lr': 0.0 is not allowed (> 0)", True),
     ("imratio out of range", lambda t: ["imratio=0.7"], "'imratio': 0.7 is not allowed (in (0, 0.5])", True),
-    ("unknown algorithm", lambda t: ["algorithm=fedprox"], "'algorithm': 'fedprox' is not allowed (one of", True),
+    ("unknown algorithm", lambda t: ["algorithm=fedadam"], "'algorithm': 'fedadam' is not allowed (one of", True),
     ("preset conflict", lambda t: ["algorithm=npa", "local_steps=8"], "algorithm 'npa' requires local_steps = 1",
      True),
     ("impossible IH partition", lambda t: ["num_clients=6"], "num_clients=6 is more than the 5 positive classes",

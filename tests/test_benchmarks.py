@@ -346,6 +346,7 @@ def test_multi_source_needs_every_real_root_it_uses(tmp_path):
         multi_source.parse_args(["--chexpert-root", str(tmp_path), "--sources", "2"])
 
 
+@pytest.mark.slow
 def test_gpu_check_script_on_the_cpu(tmp_path):
     import gpu_check
 
@@ -402,6 +403,7 @@ def test_step_overhead_script(tmp_path):
     assert "| cnn | 56,545 |" in text
 
 
+@pytest.mark.slow
 def test_round_overhead_script(tmp_path):
     out = tmp_path / "ro.md"
     out.write_text(f"{C.BEGIN}\nold\n{C.END}\n\n## Reading\nkept\n")

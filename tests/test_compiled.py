@@ -75,6 +75,7 @@ def test_compiled_with_per_node_reduction_is_refused_in_one_line():
         build_config(dict(transport="nccl"))
 
 
+@pytest.mark.slow
 def test_a_spinning_graph_rests_during_scoring_only_when_scoring_takes_several_builds():
     clients, test = sized_clients()
     source = ArraysSource(clients, test)
@@ -94,6 +95,7 @@ def test_a_spinning_graph_rests_during_scoring_only_when_scoring_takes_several_b
         assert ex.graph.graph is not None and ex.graph.builds == 2 and ex.graph.actor_sets == 1  # ... and back
 
 
+@pytest.mark.slow
 def test_a_sleeping_graph_stays_through_scoring():
     clients, test = sized_clients()
     source = ArraysSource(clients, test)
@@ -115,6 +117,7 @@ def _cpu_seconds(pid: int) -> float:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process CPU time from /proc")
+@pytest.mark.slow
 def test_waiting_actors_sleep_instead_of_keeping_a_core_busy():
     # between rounds a compiled graph's actors wait for the next input: polling (spin) keeps a core busy each,
     # sleeping waits cost almost nothing

@@ -115,6 +115,7 @@ def test_a_driver_without_the_token_is_told_what_to_set_at_once(cluster):
     assert not Path(cluster["temp"], "runs").exists()
 
 
+@pytest.mark.slow
 def test_a_driver_connecting_by_address_trains_on_the_cluster(cluster):
     r = _fdam(["train", "--address", cluster["address"], *SMALL_RUN, f"out_dir={cluster['temp']}/runs",
                "run_name=by-address"], cluster["env"])
@@ -124,6 +125,7 @@ def test_a_driver_connecting_by_address_trains_on_the_cluster(cluster):
     assert summary["rounds"] == 4 and summary["iterations"] == 20
 
 
+@pytest.mark.slow
 def test_ray_job_submit_runs_a_federation_on_the_cluster(cluster):
     out = Path(cluster["temp"], "runs")
     cmd = [os.path.join(BIN, "ray"), "job", "submit", "--address", cluster["dashboard"], "--",

@@ -37,6 +37,7 @@ def write_space(tmp_path, search, tune_opts, base=None, name="space.yaml"):
     return path
 
 
+@pytest.mark.slow
 def test_grid_sweep_picks_the_best_trial_and_its_config_trains(tmp_path, ray_session, capsys):
     # Client actors inside each trial's placement group: 0.5 + 2 x 0.25 CPU, so two trials share 2 CPUs.
     space = load_space(str(write_space(tmp_path, {"lr": {"grid": [0.2, 0.002]}, "local_steps": {"grid": [2, 10]}},
@@ -57,6 +58,7 @@ def test_grid_sweep_picks_the_best_trial_and_its_config_trains(tmp_path, ray_ses
     assert rc == 0 and "final test AUC" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_each_trial_reserves_bundles_for_its_own_number_of_clients(tmp_path, ray_session):
     space = load_space(str(write_space(tmp_path, {"num_clients": {"grid": [1, 3]}},
                                        {"name": "k", "driver_cpus": 0.5},
@@ -66,6 +68,7 @@ def test_each_trial_reserves_bundles_for_its_own_number_of_clients(tmp_path, ray
     assert all(r["iterations"] == "30" and not r["error"] for r in rows)
 
 
+@pytest.mark.slow
 def test_compiled_rounds_run_inside_the_trials_and_end_with_them(tmp_path, ray_session):
     from ray.util.placement_group import placement_group_table
 
@@ -79,6 +82,7 @@ def test_compiled_rounds_run_inside_the_trials_and_end_with_them(tmp_path, ray_s
     assert all(g["state"] == "REMOVED" for g in placement_group_table().values())
 
 
+@pytest.mark.slow
 def test_asha_stops_weak_trials_early(tmp_path, ray_session):
     space = load_space(str(write_space(
         tmp_path, {"lr": {"grid": [0.3, 0.1, 0.001, 0.0003]}},

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from test_tune import read_rows, write_space
 
 # Long enough that a fast machine cannot finish the sweep between the fourth
@@ -25,6 +26,7 @@ def reports(sweep: Path) -> int:
     return max((int(p.name.split("_")[-1]) for p in sweep.glob("trial_*/checkpoint_*")), default=0)
 
 
+@pytest.mark.slow
 def test_a_stopped_sweep_resumes_and_finishes_every_trial(tmp_path):
     space = write_space(tmp_path, {"lr": {"grid": [0.2, 0.05, 0.01, 0.002]}},
                         {"name": "stopme", "driver_cpus": 1, "max_concurrent_trials": 2},

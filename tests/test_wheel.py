@@ -25,6 +25,7 @@ def run(cmd, cwd, env, timeout=300):
     return out.stdout
 
 
+@pytest.mark.slow
 def test_the_wheel_installs_into_a_fresh_environment_and_runs(tmp_path):
     pytest.importorskip("build")  # the dev extra installs it
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
