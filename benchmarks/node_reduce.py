@@ -49,6 +49,7 @@ from fdam_ray.algorithms import AlgorithmSection, build_algorithm
 from fdam_ray.client import Replica
 from fdam_ray.config import build_config
 from fdam_ray.executors.ray.executor import RayExecutor
+from fdam_ray.executors.ray.transports import REGISTRY, transport_for
 from fdam_ray.state import RoundPlan
 
 DENSENET121_FLOATS = 6_960_000  # trainable parameters of DenseNet121 with one output, plus a, b
@@ -82,9 +83,18 @@ def start_executor(nodes: int, clients_per_node: int, state_floats: int):
     return executor, build_algorithm(AlgorithmSection.of(config)), state
 
 
+def use_reduce(executor: RayExecutor, reduce: str, kept: dict) -> None:
+    """Switch the started executor's transport to the one that runs ``reduce`` (kept in ``kept`` by name, so the
+    node transport keeps its reducer actors from block to block); the executor closes the last one at shutdown."""
+    executor.config = dataclasses.replace(executor.config, reduce=reduce)
+    name = transport_for(executor.config.transport, reduce)
+    if name not in kept:
+        kept[name] = REGISTRY[name](executor.fleet, executor.config)
+    executor.transport = kept[name]
+
+
 def rounds(executor, algorithm, state, reduce: str, count: int, warmup: int = 1):
     """``count`` timed rounds (after ``warmup``) with ``reduce``; returns (state, median ms, ingress bytes/round)."""
-    executor.config = dataclasses.replace(executor.config, reduce=reduce)
     walls, ingress = [], []
     for r in range(warmup + count):
         plan = RoundPlan(round=state.round + 1, stage=1, steps=1, lr=0.01, iteration=state.iteration)
@@ -112,8 +122,10 @@ def measure(nodes: int, clients_per_node: int, state_floats: int, count: int, re
         executor, algorithm, state = start_executor(nodes, clients_per_node, state_floats)
         try:
             got = {"star": [], "node": []}
+            transports: dict = {}
             for _ in range(repeats):
                 for reduce in ("star", "node"):
+                    use_reduce(executor, reduce, transports)
                     state, ms, ingress, objects = rounds(executor, algorithm, state, reduce, count)
                     got[reduce].append((ms, ingress, objects))
             by_node = {}
