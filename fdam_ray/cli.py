@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from fdam_ray.config import SECTIONS, ConfigError, build_config, describe_fields, load_config_file, parse_overrides
 from fdam_ray.locations import where
+from fdam_ray.redact import redact, redact_handlers
 
 if TYPE_CHECKING:
     from fdam_ray.federation import RunResult
@@ -123,19 +124,20 @@ def cmd_tune(args: argparse.Namespace) -> int:
     outcome = run_sweep(space, resume_dir=args.resume, address=args.address, trust_storage=args.trust_storage)
     out = outcome.path
     if outcome.storage:
-        print(f"sweep stored:  {outcome.storage} (a copy of its results below)")
+        print(f"sweep stored:  {redact(outcome.storage)} (a copy of its results below)")
     print(f"sweep results: {where(out / 'sweep_results.md')}")
     if outcome.best_config is not None:
         print(f"best config:   {outcome.best_config}  (fdam train --config {outcome.best_config})")
     print(f"figure:        {out / 'top_trials.png'}")
     for trial, line in outcome.failed:
-        print(f"fdam tune: trial {trial} failed: {line}", file=sys.stderr)
+        print(f"fdam tune: trial {trial} failed: {redact(line)}", file=sys.stderr)
     if outcome.failed:
         print(f"fdam tune: {len(outcome.failed)} of {outcome.trials} trials failed; their errors in full: "
               f"{outcome.errors_file}", file=sys.stderr)
     if outcome.unfinished:
         print(f"fdam tune: the sweep was interrupted with {outcome.unfinished} of {outcome.trials} trials "
-              f"unfinished, so it has no best config yet; continue it with: fdam tune --resume {outcome.resume_from}"
+              "unfinished, so it has no best config yet; continue it with: fdam tune --resume "
+              f"{redact(outcome.resume_from)}"
               + (" --trust-storage" if outcome.storage else ""),
               file=sys.stderr)
         return 130
@@ -205,16 +207,17 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    redact_handlers()  # no password of a URI or address reaches stderr through a log line
     try:
         return args.func(args)
     except (ConfigError, ValueError) as exc:
-        print(f"fdam: error: {exc}", file=sys.stderr)
+        print(f"fdam: error: {redact(exc)}", file=sys.stderr)
         return 2
     except (OSError, RuntimeError) as exc:  # the machine, the cluster or a run that cannot go on
         if args.verbose:
             logging.getLogger("fdam_ray").exception("fdam %s failed", args.command)
-        print(f"fdam: error: {type(exc).__name__}: {exc}" + ("" if args.verbose else " (-v for the traceback)"),
-              file=sys.stderr)
+        print(f"fdam: error: {type(exc).__name__}: {redact(exc)}"
+              + ("" if args.verbose else " (-v for the traceback)"), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("fdam: interrupted", file=sys.stderr)

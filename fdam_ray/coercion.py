@@ -18,6 +18,7 @@ import yaml
 
 from fdam_ray.executors.ray_section import resource_list
 from fdam_ray.factories import PYTHON_PREFIX, import_path_of, is_import_path, resolve
+from fdam_ray.redact import short
 from fdam_ray.sections import ConfigError, fail
 from fdam_ray.yamlio import load_yaml
 
@@ -150,7 +151,7 @@ def _factory_name(field: Field, value: str, names: tuple[str, ...]) -> str:
         return value
     if value.startswith(PYTHON_PREFIX):
         raise ConfigError(
-            f"config field '{field.name}': {value!r} is a factory that was given in Python and cannot be "
+            f"config field '{field.name}': {short(value)} is a factory that was given in Python and cannot be "
             f"imported by name; give the callable again (fdam_ray.train(config, {field.name}=...), "
             f"fdam_ray.resume(run_dir, {field.name}=...)) or an import path module:attr")
     if is_import_path(value):

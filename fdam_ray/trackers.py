@@ -39,6 +39,7 @@ import torch
 
 from fdam_ray.config import Config, ConfigError
 from fdam_ray.outputs import Observer, RunStart, RunStopped, Snapshot, grouped_scalars
+from fdam_ray.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,11 @@ def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
+def _param(value: Any) -> Any:
+    """A config value as the tracker records it: a text without the credentials of any URI in it."""
+    return redact(value) if isinstance(value, str) else _plain(value)
+
+
 class Tracker(Observer):
     """What both trackers share: names, the run id kept in the run folder, failure handling, the model file."""
 
@@ -111,7 +117,7 @@ class Tracker(Observer):
         except Exception as exc:  # the run goes on without this tracker
             self.active = False
             log.warning("%s tracker: %s failed (%s: %s); it logs nothing more for this run", self.name, what,
-                        type(exc).__name__, exc)
+                        type(exc).__name__, redact(exc))  # a tracking URI in the error keeps no password
 
     def start(self, run: RunStart) -> None:
         run_dir = self.run_dir_of()
@@ -120,7 +126,7 @@ class Tracker(Observer):
         self.active = True
 
         def open_run() -> None:
-            params = {k: _plain(v) for k, v in self.config.to_dict().items()}
+            params = {k: _param(v) for k, v in self.config.to_dict().items()}
             run_id = self.open(_run_name(self.config, run_dir), params, resume_id)
             if run_dir is not None:
                 _write_ids(run_dir, {**ids, self.name: run_id})

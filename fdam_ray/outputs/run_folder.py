@@ -17,6 +17,21 @@ from fdam_ray.runlock import RunLock, check_not_in_use
 from fdam_ray.sections import EACH_ONCE, NONNEGATIVE, Section, setting, shared
 from fdam_ray.state import RoundPlan
 
+MAX_RUN_NAME = 100
+_DERIVED_SUFFIX = "-pretrain"  # the name of a recipe's pre-training stage: <run_name>-pretrain (fdam_ray.pretrain)
+RUN_NAME_ALLOWED = (f"one folder name of at most {MAX_RUN_NAME} characters: no '/', '\\', NUL or control "
+                    "characters, not '.' or '..'")
+
+
+def is_folder_name(name: str) -> bool:
+    """Whether ``name`` is one path component a run folder may take: a run folder stays under ``out_dir``, and a
+    huge name is not echoed back in every message."""
+    if not name:
+        return True  # as null: a time-stamped name
+    longest = MAX_RUN_NAME + (len(_DERIVED_SUFFIX) if name.endswith(_DERIVED_SUFFIX) else 0)
+    return (len(name) <= longest and name.strip() not in (".", "..")
+            and not any(c in "/\\" or ord(c) < 32 or ord(c) == 127 for c in name))
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OutputSection(Section):
@@ -25,7 +40,8 @@ class OutputSection(Section):
     name = "outputs"
 
     out_dir: str = setting("runs", "Folder under which run folders are made.", resume=True)
-    run_name: str | None = setting(None, "Run folder name; null = time stamp, algorithm and dataset.")
+    run_name: str | None = setting(None, "Run folder name; null = time stamp, algorithm and dataset.",
+                                   check=(lambda v: is_folder_name(v), RUN_NAME_ALLOWED))
     checkpoint_every: int = setting(100, "Write a checkpoint every this many rounds (and at the end); 0 = only at "
                                     "the end.", check=NONNEGATIVE, resume=True)
     tensorboard: bool = setting(True, "Write TensorBoard event files into the run folder (needs tensorboard).",

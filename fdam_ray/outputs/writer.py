@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -12,9 +13,23 @@ import yaml
 
 from fdam_ray.checkpoint import Checkpoint, save_checkpoint
 from fdam_ray.outputs.records import flatten_record, grouped_scalars
+from fdam_ray.redact import RedactingFilter
 
 log = logging.getLogger("fdam_ray.outputs")
 _notice_given = False
+PRIVATE_MODE = 0o600  # files that hold the config or messages about it: the owner's only (as checkpoint.pt is)
+
+
+def private_file(path: Path, text: str | None = None) -> Path:
+    """Make ``path`` readable by its owner only (created if missing) and, given ``text``, write it: the config and
+    the log may name addresses, storage paths and factories that others on the machine need not see."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if text is not None else os.O_APPEND)
+    fd = os.open(path, flags, PRIVATE_MODE)
+    with os.fdopen(fd, "a" if text is None else "w", encoding="utf-8") as fh:
+        os.fchmod(fd, PRIVATE_MODE)  # a file of an earlier session (resume) keeps its mode otherwise
+        if text is not None:
+            fh.write(text)
+    return path
 
 
 def _tensorboard_writer(path: Path):
@@ -42,12 +57,15 @@ class RunWriter:
         self.log = logging.getLogger(f"fdam_ray.run.{id(self)}")
         self.log.propagate = False
         self.log.setLevel(logging.INFO)
-        self._handler = logging.FileHandler(self.dir / "train.log", encoding="utf-8")
+        log_file = private_file(self.dir / "train.log")
+        self._handler = logging.FileHandler(log_file, encoding="utf-8")
         self._handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        self._handler.addFilter(RedactingFilter())  # credentials in a URI an event or a warning names
         self.log.addHandler(self._handler)
         # the package's warnings while the run writes here (a client replaced or dropped, a late stage switch)
-        self._warnings = logging.FileHandler(self.dir / "train.log", encoding="utf-8")
+        self._warnings = logging.FileHandler(log_file, encoding="utf-8")
         self._warnings.setLevel(logging.WARNING)
+        self._warnings.addFilter(RedactingFilter())
         self._warnings.setFormatter(self._handler.formatter)
         logging.getLogger("fdam_ray").addHandler(self._warnings)
         self._tb = _tensorboard_writer(self.dir / "events") if tensorboard else None
@@ -56,7 +74,7 @@ class RunWriter:
 
     def write_config(self, config_dict: dict) -> None:
         plain = {k: list(v) if isinstance(v, tuple) else v for k, v in config_dict.items()}
-        (self.dir / "config.yaml").write_text(yaml.safe_dump(plain, sort_keys=False), encoding="utf-8")
+        private_file(self.dir / "config.yaml", yaml.safe_dump(plain, sort_keys=False))
 
     def _write_metrics(self, rec: dict) -> None:
         self._jsonl.write(json.dumps(rec) + "\n")

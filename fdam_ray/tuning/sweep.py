@@ -13,6 +13,7 @@ import yaml
 
 from fdam_ray.config import ConfigError, build_config
 from fdam_ray.locations import RemoteFolder, is_uri, join_uri, local_path_of, output_root
+from fdam_ray.redact import redact
 from fdam_ray.trackers import check_installed as check_trackers
 from fdam_ray.tuning.callbacks import tune_callbacks
 from fdam_ray.tuning.report import SweepOutcome, cell, write_sweep_outputs
@@ -60,8 +61,8 @@ def check_resume_trusted(sweep_dir: str | Path, *, trust_storage: bool = False) 
     if local is None:
         if not trust_storage:
             raise ConfigError(
-                f"--resume: '{sweep_dir}' is remote storage; resuming unpickles the sweep's state, which runs any "
-                "code put in it, and who can write there cannot be checked from here: add --trust-storage if only "
+                f"--resume: '{redact(sweep_dir)}' is remote storage; resuming unpickles the sweep's state, which runs "
+                "any code put in it, and who can write there cannot be checked from here: add --trust-storage if only "
                 "you (or people you trust) can write to it")
         return
     folder = local
@@ -120,7 +121,8 @@ def run_sweep(space: Space, *, resume_dir: str | None = None, address: str | Non
         if is_uri(storage):
             folder = RemoteFolder(join_uri(storage, space.options.name))
             if folder.exists():
-                raise ConfigError(f"sweep folder '{folder.uri}' exists; choose another tune.name or use --resume")
+                raise ConfigError(f"sweep folder '{redact(folder.uri)}' exists; choose another tune.name or use "
+                                  "--resume")
             folder.write_text(SPACE_FILE, text)
         else:
             exp_dir = Path(storage) / space.options.name

@@ -43,6 +43,7 @@ import ray
 
 from fdam_ray.executors.errors import ClusterConnectionError
 from fdam_ray.executors.ray import compat
+from fdam_ray.redact import redact, short
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -96,19 +97,20 @@ def check_cluster_access(address: str, *, connect_timeout_s: float = 5.0) -> Non
         return
     hp = _host_port(address)
     if hp is None:
-        raise ClusterConnectionError(f"address {address!r} is not of the form host:port (e.g. 10.0.0.5:6379)")
+        raise ClusterConnectionError(f"address {short(address)} is not of the form host:port (e.g. 10.0.0.5:6379)")
     try:
         socket.create_connection(hp, timeout=connect_timeout_s).close()
     except OSError as exc:
         raise ClusterConnectionError(
-            f"no Ray cluster answers at {address} ({exc}); start one with `ray start --head` or check the address"
+            f"no Ray cluster answers at {redact(address)} ({redact(exc)}); start one with `ray start --head` or "
+            "check the address"
         ) from None
     if os.environ.get("RAY_USE_TLS", "0").lower() not in ("1", "true"):  # a TLS GCS answers only after a handshake
         other = what_answers(*hp, timeout_s=connect_timeout_s)
         if other is not None:
             raise ClusterConnectionError(
-                f"{address} is not a Ray cluster: {other} answered there; give the address of the head node's GCS "
-                "(host:6379 by default; `ray start --head` prints it, `ray status` on the head shows it)")
+                f"{redact(address)} is not a Ray cluster: {other} answered there; give the address of the head "
+                "node's GCS (host:6379 by default; `ray start --head` prints it, `ray status` on the head shows it)")
     try:
         from ray.exceptions import AuthenticationError
     except ImportError:  # a Ray without token authentication: let ray.init report problems itself
@@ -122,16 +124,16 @@ def check_cluster_access(address: str, *, connect_timeout_s: float = 5.0) -> Non
         mode = os.environ.get("RAY_AUTH_MODE", "")
         if mode.lower() != "token":
             raise ClusterConnectionError(
-                f"the Ray cluster at {address} requires token authentication but RAY_AUTH_MODE is "
+                f"the Ray cluster at {redact(address)} requires token authentication but RAY_AUTH_MODE is "
                 f"{mode or 'unset'}: {AUTH_HELP}"
             ) from None
         raise ClusterConnectionError(
-            f"the Ray cluster at {address} refused this process's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH "
+            f"the Ray cluster at {redact(address)} refused this process's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH "
             "or ~/.ray/auth_token holds a different one); give it the cluster's token (`ray get-auth-token` "
             "on the head node)"
         ) from None
     except Exception as exc:  # any other failure: ray.init says more
-        log.debug("probe of %s failed: %s", address, exc)
+        log.debug("probe of %s failed: %s", redact(address), redact(exc))
 
 
 def ensure_ray(*, address: str | None, cpus_needed: float) -> bool:
@@ -145,7 +147,7 @@ def ensure_ray(*, address: str | None, cpus_needed: float) -> bool:
     """
     if ray.is_initialized():
         if address:
-            log.info("reusing the Ray instance this process already runs (address=%s not used)", address)
+            log.info("reusing the Ray instance this process already runs (address=%s not used)", redact(address))
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address is None:
@@ -158,7 +160,7 @@ def ensure_ray(*, address: str | None, cpus_needed: float) -> bool:
                 _enable_token_mode()  # as Ray's own ray.init() does for a cluster of this machine
     if address and address != "local":
         check_cluster_access(address)
-        log.info("connecting to the Ray cluster at %s", address)
+        log.info("connecting to the Ray cluster at %s", redact(address))
         with _keeping_sigterm_handler():
             ray.init(address=address)  # never with start-up arguments: Ray refuses them when joining
         return False
