@@ -53,7 +53,7 @@ from fdam_ray.sections import (
     setting,
     shared_names,
 )
-from fdam_ray.yamlio import load_yaml, read_yaml_file
+from fdam_ray.yamlio import kind_of, load_yaml, read_yaml_file
 
 __all__ = ["CHESTXRAY_SOURCES", "DATASET_NAMES", "FIELDS", "FIELD_BY_NAME", "MODEL_NAMES", "RENAMED_PER_ACTOR",
            "RESUME_MAY_CHANGE", "SECTIONS", "SECTION_CLASSES", "CommandLineText", "Config", "ConfigError", "Field",
@@ -196,7 +196,7 @@ def _check_name(key: Any, section: str = "") -> None:
     """A config key is text (a field or section name); ``1: 2`` or ``null: x`` is one line naming it."""
     if not isinstance(key, str):
         where = f" in section '{clip(section, 80)}'" if section else ""
-        raise ConfigError(f"config key {short(key, 60)}{where} is a {type(key).__name__}, not a field name; keys "
+        raise ConfigError(f"config key {short(key, 60)}{where} is {kind_of(key)}, not a field name; keys "
                           "are field names, written as text (see `fdam fields`)")
 
 

@@ -69,12 +69,13 @@ class KeyNotTextError(yaml.YAMLError):
 
     def __init__(self, key: Any, line: int) -> None:
         shown = "null" if key is None else short(key, 60)
-        super().__init__(f"key {shown} on line {line} is {_kind_of(key)}, not a name; keys are field names, "
+        super().__init__(f"key {shown} on line {line} is {kind_of(key)}, not a name; keys are field names, "
                          "written as text")
         self.key, self.line = key, line
 
 
-def _kind_of(value: Any) -> str:
+def kind_of(value: Any) -> str:
+    """What a key that is not text is, in words (for the messages that refuse it)."""
     kinds = ((bool, "true/false"), (int, "an integer"), (float, "a number"), (list, "a list"), (dict, "a mapping"))
     if value is None:
         return "null"

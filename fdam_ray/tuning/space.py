@@ -30,6 +30,7 @@ from fdam_ray.config import (
 )
 from fdam_ray.locations import RemoteFolder, is_uri, join_uri
 from fdam_ray.redact import clip, short
+from fdam_ray.yamlio import kind_of
 
 SPEC_KINDS = ("grid", "choice", "uniform", "loguniform", "randint")
 RANGE_KINDS = ("uniform", "loguniform", "randint")
@@ -194,7 +195,7 @@ def _check_keys(mapping: dict, where: str) -> None:
     """Every key of a space's mapping is text (a section, a field or an option name)."""
     for key in mapping:
         if not isinstance(key, str):
-            raise ConfigError(f"{where}: key {short(key, 60)} is a {type(key).__name__}, not a name; keys are "
+            raise ConfigError(f"{where}: key {short(key, 60)} is {kind_of(key)}, not a name; keys are "
                               "field and option names, written as text")
 
 
