@@ -20,6 +20,11 @@ run's id is kept in ``<run>/trackers.json``. A tracker that fails while a run
 goes on (a tracking server that stops answering) logs one warning and stops
 logging; the run itself goes on.
 
+A password in the tracking URI (``http://user:pw@host``) or any other credential
+is never printed or logged: warnings show the URI as ``http://user:***@host``
+(:func:`fdam_ray.redact.redact`), and config values sent as parameters are
+redacted the same way.
+
 Ray Tune sweeps do not use these observers: each trial reports to Tune, and
 :func:`fdam_ray.tuning.callbacks.tune_callbacks` gives Ray's own MLflow and W&B logger callbacks.
 """

@@ -69,3 +69,26 @@ def test_fdam_train_shows_and_writes_no_planted_password(tmp_path):
     assert set(files_holding(tmp_path, TYPED_SECRET)) <= {f"runs/leak/{name}" for name in KEPT_FOR_RESUME}
     for name in ("train.log", *KEPT_FOR_RESUME):
         assert stat.S_IMODE((run_dir / name).stat().st_mode) & 0o077 == 0, name
+
+
+def test_config_values_sent_to_mlflow_as_parameters_are_redacted(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from fdam_ray.config import build_config
+    from fdam_ray.recipe import run
+
+    monkeypatch.chdir(tmp_path)  # MLflow's artifacts under ./mlruns
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    config = build_config(dataset="synthetic", model="mlp", model_width=8, num_clients=2, samples_per_client=80,
+                          batch_size=16, local_steps=3, iterations=6, stage_length=3, eval_every=3,
+                          out_dir=str(tmp_path / "runs"), run_name="params", executor="inline", tensorboard=False,
+                          trackers=["mlflow"], tracker_project="secrets",
+                          address=f"ray://fdam:{TYPED_SECRET}@127.0.0.1:1")
+    run(config)
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("secrets")
+    (only,) = client.search_runs([experiment.experiment_id])
+    assert only.data.params["address"] == "ray://fdam:***@127.0.0.1:1"
+    assert only.data.params["lr"] == "0.1"  # other values as they are
+    assert TYPED_SECRET not in str(only.data.params)

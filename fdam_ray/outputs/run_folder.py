@@ -40,7 +40,8 @@ class OutputSection(Section):
     name = "outputs"
 
     out_dir: str = setting("runs", "Folder under which run folders are made.", resume=True)
-    run_name: str | None = setting(None, "Run folder name; null = time stamp, algorithm and dataset.",
+    run_name: str | None = setting(None, "Run folder name, one path component of at most 100 characters; null = "
+                                   "time stamp, algorithm and dataset.",
                                    check=(lambda v: is_folder_name(v), RUN_NAME_ALLOWED))
     checkpoint_every: int = setting(100, "Write a checkpoint every this many rounds (and at the end); 0 = only at "
                                     "the end.", check=NONNEGATIVE, resume=True)
