@@ -202,6 +202,8 @@ def _check_name(key: Any, section: str = "") -> None:
 
 def nearest_field(key: str) -> str | None:
     """The field an unknown key most likely means (a near spelling of a field or of a common other name)."""
+    if len(key) > 100:  # no field is named so long; difflib would take seconds on a huge key
+        return None
     lowered = key.lower()
     if lowered in _OTHER_NAMES:
         return _OTHER_NAMES[lowered]

@@ -47,11 +47,19 @@ _SECRET_VARIABLE = re.compile(r"(?i)(token|secret|passw(or)?d|pwd|api[_-]?key|ac
 _SETTING_WORDS = frozenset({"true", "false", "yes", "no", "none", "null", "disabled", "enabled", "token", "k8s",
                             "offline", "online", "auto", "password"})
 _SHORTEST_LITERAL = 6  # environment values shorter than this are not replaced as literals (too many false hits)
+_REDACT_MARGIN = 4096  # characters past what a shortened text shows that are still redacted before the cut
 
 
 def _is_setting(value: str) -> bool:
-    """A value of a secret-named variable that is no secret: a path or a mode (RAY_AUTH_MODE=disabled)."""
-    return value.startswith(("/", "~", ".")) or value.lower() in _SETTING_WORDS
+    """A value of a secret-named variable that is no secret: a path, a mode (``RAY_AUTH_MODE=disabled``) or a
+    placeholder in advice (``RAY_AUTH_TOKEN=<token>``, ``$WANDB_API_KEY``)."""
+    return value.startswith(("/", "~", ".", "<", "$", "{")) or value.lower() in _SETTING_WORDS
+
+
+def _masked_param(match: re.Match) -> str:
+    if _is_setting(match["secret"]):
+        return match[0]
+    return f"{match['name']}={MASK}"
 
 
 def _environment_secrets() -> list[str]:
@@ -76,7 +84,7 @@ def redact(text: Any) -> str:
     out = str(text)
     out = _USERINFO.sub(lambda m: f"{m['head']}:{MASK}@", out)
     out = _TOKEN_USER.sub(lambda m: f"{m['head']}{MASK}@", out)
-    out = _SECRET_PARAM.sub(lambda m: f"{m['name']}={MASK}", out)
+    out = _SECRET_PARAM.sub(_masked_param, out)
     out = _QUERY_PARAM.sub(lambda m: f"{m['name']}={MASK}", out)
     out = _BEARER.sub(lambda m: f"{m['name']} {MASK}", out)
     for secret in _environment_secrets():
@@ -86,7 +94,10 @@ def redact(text: Any) -> str:
 
 def clip(text: Any, limit: int = 200) -> str:
     """A text for a message (a path, an error's own text): redacted, at most ``limit`` characters."""
-    out = redact(text)
+    out = str(text)
+    if len(out) > limit + _REDACT_MARGIN:  # redacting a huge text costs seconds; a URI straddling the cut is
+        out = out[: limit + _REDACT_MARGIN]  # this far past what is shown
+    out = redact(out)
     return out if len(out) <= limit else out[: max(limit - 3, 1)] + "..."
 
 

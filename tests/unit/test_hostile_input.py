@@ -57,6 +57,13 @@ def test_redact_leaves_texts_without_credentials_as_they_are(text):
     assert redact(text) == text
 
 
+def test_redact_keeps_advice_that_names_secret_settings():
+    from fdam_ray.executors.ray.session import AUTH_HELP
+
+    assert "RAY_AUTH_MODE=token" in AUTH_HELP and redact(AUTH_HELP) == AUTH_HELP
+    assert redact("set WANDB_API_KEY=$KEY or password=<yours>") == "set WANDB_API_KEY=$KEY or password=<yours>"
+
+
 def test_redact_replaces_secrets_the_environment_holds_wherever_they_appear(monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef0123")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://user:{SECRET}@127.0.0.1:9")
@@ -108,6 +115,15 @@ def test_a_config_error_shows_a_huge_value_shortened():
     with pytest.raises(ConfigError) as caught:
         build_config({"x" * 1_000_000: 1})
     assert len(str(caught.value)) < 300 and "unknown config field" in str(caught.value)
+
+
+@pytest.mark.parametrize("given", ["key", "model", "dataset", "algorithm", "run_name"])
+def test_a_20_mb_key_or_name_is_refused_at_once_in_a_short_line(given):
+    huge = "q" * 20_000_000
+    start = time.perf_counter()
+    with pytest.raises(ConfigError) as caught:
+        build_config({huge: 1} if given == "key" else {given: huge})
+    assert time.perf_counter() - start < 1.5 and len(str(caught.value)) < 400
 
 
 def test_a_field_holding_a_password_is_shown_redacted_in_its_error():
