@@ -283,3 +283,12 @@ def test_the_config_and_the_log_of_a_run_folder_are_the_owners_only_and_the_log_
     log = (tmp_path / "train.log").read_text()
     assert "earlier session" in log and "tracker at http://user:***@127.0.0.1:9 is gone" in log
     assert "mlflow: http://user:***@127.0.0.1:9 refused" in log and SECRET not in log
+
+
+def test_a_storage_uri_that_cannot_be_opened_is_named_without_its_password():
+    from fdam_ray.locations import RemoteFolder
+
+    with pytest.raises(OSError) as caught:
+        RemoteFolder(f"nosuchfs://user:{SECRET}@127.0.0.1/sweeps")
+    assert "storage 'nosuchfs://user:***@127.0.0.1/sweeps' cannot be opened" in str(caught.value)
+    assert SECRET not in str(caught.value)
