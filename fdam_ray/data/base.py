@@ -170,10 +170,6 @@ class DataSource(abc.ABC):
     num_tasks: int = 1
     input_shape: tuple[int, ...]
     task_names: tuple[str, ...] = ("positive",)
-    # Whether the source reads its samples from the folder ``data_root`` (so ``client_data_roots`` can give
-    # each client a folder of its own); a source that does not would give every client the same data.
-    reads_data_root: bool = False
-
     @classmethod
     def root_problem(cls, section: DataSection, root: str) -> str | None:
         """What is wrong with ``root`` as one client's data folder, checked on the driver when the folder is

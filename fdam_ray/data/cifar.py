@@ -37,7 +37,6 @@ class CifarSource(ClassPoolSource):
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     input_shape = (3, 32, 32)
-    reads_data_root = True
 
     @classmethod
     def root_problem(cls, section: DataSection, root: str) -> str | None:

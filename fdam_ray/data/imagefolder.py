@@ -47,8 +47,6 @@ def _class_folders(folder: str) -> list[str]:
 
 
 class ImageFolderSource(ClassPoolSource):
-    reads_data_root = True
-
     @classmethod
     def root_problem(cls, section: DataSection, root: str) -> str | None:
         problem = super().root_problem(section, root)

@@ -19,6 +19,10 @@ from fdam_ray.sections import AT_LEAST_ONE, EACH_ONCE, FRACTION, NONNEGATIVE, PO
 DATASET_NAMES = ("digits", "synthetic", "arrays", "cifar10", "cifar100", "imagefolder", "mnist5k", "chestxray",
                  "datasets")
 CHESTXRAY_SOURCES = ("chexpert", "nih", "padchest", "mimic", "vindr")
+# The datasets whose source reads its samples from the folder data_root, so that client_data_roots can give
+# each client a folder of its own. Any other dataset (digits and mnist5k are bundled, synthetic is drawn, your
+# own factory is called with a client number, never a folder) would give every client the same data.
+READS_DATA_ROOT = ("cifar10", "cifar100", "imagefolder")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -91,16 +95,14 @@ def roots_refusal(dataset: str) -> str | None:
     """Why ``client_data_roots`` cannot be used with ``dataset`` (None: its source reads data_root, so a folder
     per client gives each client its own data). A dataset that does not read data_root would give every client
     the same data: refused, never ignored."""
-    from fdam_ray.data import source_class
-
     if dataset == "chestxray":
         return "per-client folders of a dataset read from data_root; dataset=chestxray has per-source roots " \
                "(chestxray_*_root)"
     if dataset in ("arrays", "datasets"):
         return f"per-client folders of a dataset read from data_root; dataset={dataset} takes its data in memory"
-    if source_class(dataset).reads_data_root:
+    if dataset in READS_DATA_ROOT:
         return None
-    rooted = ", ".join(n for n in DATASET_NAMES if n in SECTIONS and source_class(n).reads_data_root)
+    rooted = ", ".join(READS_DATA_ROOT)
     if is_import_path(dataset):
         return (f"dataset '{dataset}' is your own factory, called as factory(client_id, num_clients, split), and "
                 "reads no data folder, so every client would get the same data: build client k's data from "
