@@ -183,9 +183,9 @@ def build_model(
     input_shape = tuple(int(d) for d in input_shape)
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    built_in = isinstance(name, str) and name in BUILDERS
-    if built_in:
-        builder, args, kwargs = BUILDERS[name], (input_shape, num_tasks, width), {}
+    built_in = BUILDERS.get(name) if isinstance(name, str) else None
+    if built_in is not None:
+        builder, args, kwargs = built_in, (input_shape, num_tasks, width), {}
     else:
         builder = _factory(name)
         args, kwargs = (input_shape, num_tasks), ({"width": width} if _takes_width(builder) else {})
@@ -199,7 +199,7 @@ def build_model(
             pass  # no signature to check against
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = builder(*args, **kwargs) if built_in else _call_factory(builder, name, args, kwargs)
+        model = builder(*args, **kwargs) if built_in is not None else _call_factory(builder, name, args, kwargs)
     return check_model(model, name, num_tasks)
 
 
