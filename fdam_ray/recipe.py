@@ -134,7 +134,8 @@ def describe_data(source: DataSource, config: Config, executor: Executor | None)
     """Read the sample shape and number of tasks of your own Datasets where client 0 runs, if not known yet.
 
     Inline, that is this process; under Ray, a task of its own (no CPU reserved), so that under Ray the
-    driver never reads a client's data.
+    driver never reads a client's data. Under Ray, first refuse in one line a model factory or client entry
+    that Ray could not send to the clients' processes.
     """
     on_ray = config.executor == "ray" if executor is None else not isinstance(executor, InlineExecutor)
     if on_ray:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import TYPE_CHECKING
 
 from fdam_ray.data.base import (
@@ -61,13 +62,19 @@ def make_source(config: Config | DataSection) -> DataSource:
 
 def clients_run_here(config: object) -> bool:
     """Whether the clients run on this machine (so their folders are this machine's): the inline executor, or
-    a Ray instance of this process (no ``address``, no ``RAY_ADDRESS``). A section without an executor field
-    counts as inline."""
+    Ray without a cluster address (no ``address``, no ``RAY_ADDRESS``) and, when this process already runs
+    Ray (a test session, a Tune trial), one of a single node. A section without an executor field counts as
+    inline."""
     executor = getattr(config, "executor", "inline")
     if executor == "inline":
         return True
     address = getattr(config, "address", None)
-    return executor == "ray" and address in (None, "", "local") and not os.environ.get("RAY_ADDRESS")
+    if executor != "ray" or address not in (None, "", "local") or os.environ.get("RAY_ADDRESS"):
+        return False
+    ray = sys.modules.get("ray")  # never imported here: only a Ray this process already runs is asked
+    if ray is not None and ray.is_initialized():
+        return len([node for node in ray.nodes() if node.get("Alive")]) == 1
+    return True
 
 
 def source_class(dataset: str) -> type[DataSource]:

@@ -89,4 +89,5 @@ def check_roots(cls: type[DataSource], section: DataSection, roots: Sequence[str
                 if (problem := cls.root_problem(section, root)) is not None]
     if problems:
         shown = problems[:8] + ([f"... ({len(problems)} bad folders in all)"] if len(problems) > 8 else [])
-        raise ValueError(f"client_data_roots: {'; '.join(shown)}")
+        raise ValueError(f"client_data_roots: {'; '.join(shown)} (checked on this machine, where the clients "
+                         "run; for a cluster whose nodes hold the folders, give its address)")
