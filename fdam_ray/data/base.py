@@ -125,7 +125,7 @@ AnySplit = Split | DatasetSplit
 
 
 @contextlib.contextmanager
-def loader_errors():
+def loader_errors() -> Iterator[None]:
     """An error raised in a DataLoader worker process as one line: the worker's own last line (torch re-raises
     it with the worker's whole traceback in the message). A ``ValueError`` there (a sample a Dataset could
     not read, named by client and index) stays a ValueError; anything else is a RuntimeError."""

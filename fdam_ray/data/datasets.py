@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -136,7 +136,7 @@ def read_item(dataset, index: int, what: str) -> Any:
                          f"{raised_at(exc)}; fix the Dataset (or leave that sample out)") from None
 
 
-def _items(dataset, what: str, n: int, workers: int):
+def _items(dataset, what: str, n: int, workers: int) -> Iterator[Any]:
     """The items of ``dataset`` in order: read here, or by ``workers`` DataLoader processes (whose errors are
     shortened to the worker's last line, the item's own message)."""
     if workers == 0:
