@@ -7,11 +7,10 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from fdam_ray.config import Config, build_config
 from fdam_ray.data.arrays import ArrayPair, ArraysSource
 from fdam_ray.data.datasets import DatasetsSource, Entry
+from fdam_ray.evaluation import one_class_problems
 from fdam_ray.federation import RunResult
 from fdam_ray.recipe import run
 
@@ -26,23 +25,14 @@ def _config(config: Config | Mapping[str, Any] | None, **overrides: Any) -> Conf
 
 def warn_one_class(source: ArraysSource) -> None:
     """One warning naming every test set (``test``, ``client_tests[k]``) that holds one class only for a task:
-    the AUC it gives is NaN, since an AUC compares positives with negatives."""
-    sets = ([("test", source.test, "the pooled test AUC")] if source.test is not None else []) + [
-        (f"client_tests[{k}]", pair, f"client {k}'s AUC") for k, pair in sorted((source.tests or {}).items())]
-    problems = []
-    for name, (_, labels), what in sets:
-        for t, task in enumerate(source.task_names):
-            column = labels[:, t][~np.isnan(labels[:, t])]
-            positives = int(column.sum())
-            negatives = len(column) - positives
-            if positives == 0 or negatives == 0:
-                if len(source.task_names) > 1:  # a multi-task AUC is the mean over the tasks that have one
-                    problems.append(f"{name} has {positives} positives and {negatives} negatives for task "
-                                    f"'{task}', so its AUC for that task is NaN")
-                else:
-                    problems.append(f"{name} has {positives} positives and {negatives} negatives, so {what} is NaN")
+    the AUC it gives is NaN, since an AUC compares positives with negatives. Given before the run; the run's
+    evaluations then do not warn again (other sources are warned about on their first evaluation)."""
+    sets = ([("test", source.test[1], "the pooled test AUC")] if source.test is not None else []) + [
+        (f"client_tests[{k}]", pair[1], f"client {k}'s AUC") for k, pair in sorted((source.tests or {}).items())]
+    problems = one_class_problems(sets, source.task_names)
     if problems:
         log.warning("%s (an AUC needs positives and negatives)", "; ".join(problems))
+    source.one_class_warned = True
 
 
 def _with_model(overrides: dict[str, Any], model: str | Callable | None) -> dict[str, Any]:

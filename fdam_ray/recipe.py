@@ -39,7 +39,7 @@ from fdam_ray.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from fdam_ray.client import resolve_device
 from fdam_ray.config import RENAMED_PER_ACTOR, RESUME_MAY_CHANGE, Config, ConfigError, build_config
 from fdam_ray.data import DataSource, make_source
-from fdam_ray.data.datasets import DatasetsSource, describe_client
+from fdam_ray.data.datasets import DatasetsSource, check_shippable, describe_client
 from fdam_ray.executors import Executor, make_executor
 from fdam_ray.executors.inline import InlineExecutor
 from fdam_ray.factories import PYTHON_PREFIX
@@ -134,11 +134,14 @@ def describe_data(source: DataSource, config: Config, executor: Executor | None)
     """Read the sample shape and number of tasks of your own Datasets where client 0 runs, if not known yet.
 
     Inline, that is this process; under Ray, a task of its own (no CPU reserved), so that under Ray the
-    driver never reads a client's data.
+    driver never reads a client's data. Under Ray, first refuse in one line a model factory or client entry
+    that Ray could not send to the clients' processes.
     """
+    on_ray = config.executor == "ray" if executor is None else not isinstance(executor, InlineExecutor)
+    if on_ray:
+        check_shippable(config.model, source)  # your own code that Ray cannot send: one line, before Ray starts
     if not isinstance(source, DatasetsSource) or source.described:
         return
-    on_ray = config.executor == "ray" if executor is None else not isinstance(executor, InlineExecutor)
     if not on_ray:
         source.describe_here()
         return
