@@ -80,7 +80,7 @@ class DataSection(Section):
                        f"one entry per client: {self.num_clients} (num_clients), not {len(roots)}")
         refused = roots_refusal(self.dataset)
         if refused:
-            raise fail("client_data_roots", short_list(roots), refused)
+            raise fail("client_data_roots", short_list(roots, shown=1, width=40), refused)
 
 
 def short_list(values: tuple[str, ...], *, shown: int = 2, width: int = 60) -> str:
