@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from fdam_ray.checkpoint import Checkpoint, save_checkpoint
+from fdam_ray.checkpoint import Checkpoint, save_checkpoint, write_atomically
 from fdam_ray.outputs.records import flatten_record, grouped_scalars
 
 log = logging.getLogger("fdam_ray.outputs")
@@ -55,8 +55,13 @@ class RunWriter:
             self._write_metrics(rec)
 
     def write_config(self, config_dict: dict) -> None:
-        plain = {k: list(v) if isinstance(v, tuple) else v for k, v in config_dict.items()}
-        (self.dir / "config.yaml").write_text(yaml.safe_dump(plain, sort_keys=False), encoding="utf-8")
+        self.write_yaml("config.yaml", config_dict, "the run's config")
+
+    def write_yaml(self, name: str, values: dict, what: str) -> None:
+        """Write ``values`` as YAML to ``name`` in the folder, atomically (a reader never sees half a file)."""
+        plain = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+        text = yaml.safe_dump(plain, sort_keys=False).encode("utf-8")
+        write_atomically(self.dir / name, lambda fh: fh.write(text), what)
 
     def _write_metrics(self, rec: dict) -> None:
         self._jsonl.write(json.dumps(rec) + "\n")
@@ -90,8 +95,9 @@ class RunWriter:
         save_checkpoint(self.dir / "checkpoint.pt", checkpoint)
 
     def finish(self, model_payload: dict, summary: dict) -> None:
-        torch.save(model_payload, self.dir / "model.pt")
-        (self.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        write_atomically(self.dir / "model.pt", lambda fh: torch.save(model_payload, fh), "the final model")
+        text = (json.dumps(summary, indent=2) + "\n").encode("utf-8")
+        write_atomically(self.dir / "summary.json", lambda fh: fh.write(text), "the summary")
 
     def close(self) -> None:
         self._jsonl.close()
