@@ -120,7 +120,8 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     A run without a single finite test AUC (NaN throughout: a test set of one class, a diverged run) has no
     curve to draw: it is named in one warning and left out, and the other runs are drawn; if no run is left,
     that is a ``ValueError`` naming them."""
-    runs, skipped = [], []
+    runs: list[Run] = []
+    skipped: list[Run] = []
     for p in run_dirs:
         run = Run(Path(p))
         (runs if np.isfinite(run.series("test_auc")).any() else skipped).append(run)

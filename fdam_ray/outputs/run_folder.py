@@ -193,6 +193,8 @@ class RunFolder(Observer):
         """The run stopped before its first round ended: remove the folder it made (nothing in it is worth
         resuming), so the same ``run_name`` runs again."""
         made, self._made = self._made, None
+        if made is None:
+            return
         for entry in [made] if self._created else list(made.iterdir()):  # a folder that was there stays
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)
