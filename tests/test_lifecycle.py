@@ -281,6 +281,21 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_previous_checkpoint
     assert resume(tmp_path / "full").state.iteration == 30
 
 
+def test_a_full_disk_while_metrics_are_written_names_the_folder(tmp_path, monkeypatch):
+    from fdam_ray.outputs.writer import RunWriter
+
+    run(cfg(tmp_path, iterations=12))
+
+    def full(self, rec):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(RunWriter, "_append_metrics", full)
+    with pytest.raises(DiskFullError, match=f"^no space left on {re.escape(str(tmp_path / 'run'))} "):
+        resume(tmp_path / "run", {"iterations": 24})
+    monkeypatch.undo()
+    assert load_checkpoint(tmp_path / "run" / "checkpoint.pt").loop.state.iteration == 12
+
+
 # -- what a resume may change: one list, from the fields' own declarations --------------------------------------
 
 def test_reduce_and_placement_timeout_may_change_on_resume(tmp_path):

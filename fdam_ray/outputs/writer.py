@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from fdam_ray.checkpoint import Checkpoint, save_checkpoint, write_atomically
+from fdam_ray.checkpoint import Checkpoint, DiskFullError, disk_full, save_checkpoint, write_atomically
 from fdam_ray.outputs.records import flatten_record, grouped_scalars
 
 log = logging.getLogger("fdam_ray.outputs")
@@ -30,6 +30,14 @@ def _tensorboard_writer(path: Path):
     return SummaryWriter(log_dir=str(path))
 
 
+class _LogFile(logging.FileHandler):
+    """``train.log``: a line that cannot be written (a full disk) is lost quietly; the run's own error says why
+    (logging would print a traceback for every line)."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        pass
+
+
 class RunWriter:
     """Writes a run's files as the run goes; on resume, rewrites the metric files from the checkpoint's history."""
 
@@ -42,11 +50,11 @@ class RunWriter:
         self.log = logging.getLogger(f"fdam_ray.run.{id(self)}")
         self.log.propagate = False
         self.log.setLevel(logging.INFO)
-        self._handler = logging.FileHandler(self.dir / "train.log", encoding="utf-8")
+        self._handler = _LogFile(self.dir / "train.log", encoding="utf-8")
         self._handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         self.log.addHandler(self._handler)
         # the package's warnings while the run writes here (a client replaced or dropped, a late stage switch)
-        self._warnings = logging.FileHandler(self.dir / "train.log", encoding="utf-8")
+        self._warnings = _LogFile(self.dir / "train.log", encoding="utf-8")
         self._warnings.setLevel(logging.WARNING)
         self._warnings.setFormatter(self._handler.formatter)
         logging.getLogger("fdam_ray").addHandler(self._warnings)
@@ -64,6 +72,17 @@ class RunWriter:
         write_atomically(self.dir / name, lambda fh: fh.write(text), what)
 
     def _write_metrics(self, rec: dict) -> None:
+        try:
+            self._append_metrics(rec)
+        except OSError as exc:
+            if disk_full(exc) is None:
+                raise
+            error = DiskFullError(f"no space left on {self.dir} (writing the metrics files); the last checkpoint "
+                                  "is kept: free space there, then continue the run with --resume")
+            error.errno = exc.errno
+            raise error from None
+
+    def _append_metrics(self, rec: dict) -> None:
         self._jsonl.write(json.dumps(rec) + "\n")
         self._jsonl.flush()
         flat = flatten_record(rec)
