@@ -289,8 +289,8 @@ def resume(
 
     ``changes`` may alter only fields in :data:`fdam_ray.config.RESUME_MAY_CHANGE`
     (how the run executes, or a longer ``iterations``); anything else means a
-    different run and is refused, and so is a shorter ``iterations`` (the run's
-    record would no longer match its metrics). A run that is finished is not
+    different run and is refused, and so is an ``iterations`` short of where the
+    run is already (its record would no longer match its metrics). A run that is finished is not
     trained again: its stored result is returned and nothing in its folder is
     rewritten. Stage 1's folder of a two-stage run (:mod:`fdam_ray.pretrain`)
     continues the whole recipe: stage 1 to its end, then stage 2. ``model``: the
@@ -313,7 +313,7 @@ def resume(
     if recipe is not None:
         return _resume_recipe(run_dir, checkpoint, saved, recipe, changes, source=source, on_eval=on_eval,
                               progress=progress, model=model)
-    wanted = _wanted(run_dir, saved, changes)
+    wanted = _wanted(run_dir, saved, changes, done=checkpoint.loop.state.iteration)
     return _continue(run_dir, checkpoint, saved, wanted, source=source, on_eval=on_eval, progress=progress)
 
 
@@ -338,28 +338,31 @@ def _saved_config(run_dir: Path, recorded: dict, model: str | Callable | None, h
         raise CheckpointError(f"{what} '{holder}' holds a config that is not valid: {exc}") from None
 
 
-def _wanted(run_dir: Path, saved: Config, changes: dict | None) -> Config:
-    """``saved`` with ``changes``, refused unless every change is one a resume may make."""
+def _wanted(run_dir: Path, saved: Config, changes: dict | None, *, done: int | None) -> Config:
+    """``saved`` with ``changes``, refused unless every change is one a resume may make (``done``: the iterations
+    the run has trained, None before it started)."""
     changes = dict(changes or {})
     renamed = {RENAMED_PER_ACTOR[k] for k in changes if k in RENAMED_PER_ACTOR}  # an old name overrides its field
     kept = {k: v for k, v in dataclasses.asdict(saved).items() if k not in renamed}  # a Python factory kept as is
     wanted = build_config({**kept, **changes})
-    check_may_change(run_dir, saved, wanted)
+    check_may_change(run_dir, saved, wanted, done=done)
     return wanted
 
 
-def check_may_change(run_dir: Path, saved: Config, wanted: Config) -> None:
-    """Refuse a resume of ``saved`` as ``wanted`` that changes what the run computes, or shortens it."""
+def check_may_change(run_dir: Path, saved: Config, wanted: Config, *, done: int | None) -> None:
+    """Refuse a resume of ``saved`` as ``wanted`` that changes what the run computes, or that would end it before
+    the ``done`` iterations it has trained (its metrics would then go past the ``iterations`` its config says)."""
     before, after = saved.to_dict(), wanted.to_dict()
     differ = [k for k in before if before[k] != after[k] and k not in RESUME_MAY_CHANGE]
     if differ:
         detail = ", ".join(f"{k}: {getattr(saved, k)!r} -> {getattr(wanted, k)!r}" for k in differ)
         raise ConfigError(f"cannot resume '{run_dir}' with a different config ({detail}); only "
                           f"{', '.join(sorted(RESUME_MAY_CHANGE))} may change")
-    if wanted.iterations < saved.iterations:
+    if done is not None and wanted.iterations < done:
         raise ConfigError(f"cannot resume '{run_dir}' with iterations={wanted.iterations}: the run's iterations is "
-                          f"{saved.iterations}, and a resume cannot shorten a run (its record would no longer match "
-                          f"its metrics); give iterations >= {saved.iterations}, or leave it out")
+                          f"{saved.iterations} and it has trained {done} already; a resume cannot end a run before "
+                          f"where it is (its record would no longer match its metrics): give iterations >= {done}, "
+                          "or leave it out")
 
 
 def _continue(run_dir: Path, checkpoint: Checkpoint, saved: Config, wanted: Config, *,
@@ -385,8 +388,8 @@ def stored_result(run_dir: Path, checkpoint: Checkpoint, config: Config) -> RunR
         model_state, a, b = model["model"], model["a"].numpy(), model["b"].numpy()
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError):
         return None  # not finished writing: the resume writes them
-    if not isinstance(summary, dict):
-        return None
+    if not isinstance(summary, dict) or summary.get("iterations") != checkpoint.loop.state.iteration:
+        return None  # (a summary of an earlier, shorter session of the run)
     state = checkpoint.loop.state
     cv = None if state.c_v is None or state.c_alpha is None else (state.c_v, state.c_alpha)
     return RunResult(config, model_state, a, b, state.alpha.copy(), cv, checkpoint.loop.history, summary, state,
@@ -398,13 +401,14 @@ def _resume_recipe(run_dir: Path, checkpoint: Checkpoint, saved_stage1: Config, 
                    progress: bool, model: str | Callable | None) -> RunResult:
     """Continue a two-stage run from stage 1's folder: stage 1 to its end, then stage 2 (or, when stage 2 has a
     checkpoint already, stage 2 from it)."""
-    whole = _wanted(run_dir, _saved_config(run_dir, dict(recipe["config"]), model, run_dir / RECIPE_FILE), changes)
+    whole = _wanted(run_dir, _saved_config(run_dir, dict(recipe["config"]), model, run_dir / RECIPE_FILE), changes,
+                    done=None)  # stage 2 has not begun
     stage2_dir = recipe.get("stage2_dir")
     if stage2_dir and (Path(stage2_dir) / "checkpoint.pt").exists():
         log.info("pre-training in '%s' is finished; continuing stage 2 in '%s'", run_dir, stage2_dir)
         return resume(stage2_dir, changes, source=source, on_eval=on_eval, progress=progress, model=model)
     stage1 = pretrain_config(whole)
-    check_may_change(run_dir, saved_stage1, stage1)
+    check_may_change(run_dir, saved_stage1, stage1, done=checkpoint.loop.state.iteration)
     source = source if source is not None else make_source(whole)
     describe_data(source, whole, None)
     first = _continue(run_dir, checkpoint, saved_stage1, stage1, source=pretrain_source(stage1, source),

@@ -23,13 +23,19 @@ from fdam_ray.cli import main
 from fdam_ray.config import FIELDS, RESUME_MAY_CHANGE, build_config
 from fdam_ray.evaluation import Evaluator
 from fdam_ray.executors.inline import InlineExecutor
-from fdam_ray.outputs import request_stop
+from fdam_ray.outputs import RunStopped, clear_stop_request, request_stop
 from fdam_ray.plots import plot_runs
 from fdam_ray.recipe import resume, run
 
 SMALL = dict(dataset="synthetic", model="mlp", model_width=16, num_clients=3, samples_per_client=120,
              batch_size=16, algorithm="codasca", local_steps=3, iterations=30, stage_length=12, eval_every=9,
              checkpoint_every=2, executor="inline", tensorboard=False)
+
+
+@pytest.fixture(autouse=True)
+def _no_stop_left_behind():
+    yield
+    clear_stop_request()
 
 
 def cfg(out: Path, **kw):
@@ -58,7 +64,22 @@ def test_a_resume_that_would_shorten_a_run_is_refused_in_one_line_and_rewrites_n
     assert main(["train", "--resume", str(tmp_path / "run"), "iterations=15"]) == 2
     line = one_line(capsys.readouterr().err)
     assert "iterations=15" in line and "the run's iterations is 30" in line and "Traceback" not in line
+    assert "give iterations >= 30" in line
     assert files_of(tmp_path / "run") == before
+
+
+def test_an_unfinished_run_may_end_earlier_than_planned_but_not_before_where_it_is(tmp_path, monkeypatch, capsys):
+    stop_in_round(monkeypatch, 5)  # iteration 15 of 30
+    with pytest.raises(RunStopped):
+        run(cfg(tmp_path))
+    clear_stop_request()
+    monkeypatch.undo()
+    assert main(["train", "--resume", str(tmp_path / "run"), "iterations=12"]) == 2
+    assert "iterations=12" in one_line(capsys.readouterr().err)
+    shorter = resume(tmp_path / "run", {"iterations": 21})
+    assert shorter.state.iteration == 21 and shorter.history[-1]["iteration"] == 21
+    assert "iterations: 21" in (tmp_path / "run" / "config.yaml").read_text()
+    assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])["iteration"] == 21
 
 
 def test_resuming_a_finished_run_says_it_is_finished_and_rewrites_nothing(tmp_path, capsys, caplog):
