@@ -116,8 +116,9 @@ class RunFolder(Observer):
         self.lock = RunLock(self.dir)  # before anything in the folder is opened for writing
         try:
             self.writer = RunWriter(self.dir, tensorboard=self.section.tensorboard, history=run.history)
-            if not run.resumed:
+            if not run.resumed or not (self.dir / "config.yaml").exists():  # (a resumed Tune trial's new folder)
                 self._write_config()
+            if not run.resumed:
                 for name, values in self.files.items():
                     self.writer.write_yaml(name, values, name)
         except BaseException:
