@@ -209,6 +209,33 @@ def test_a_recipe_whose_stage_2_failed_to_start_reruns_stage_2_from_stage_1s_fol
     assert_same_model(final_model(cut / "rec"), final_model(tmp_path / "whole" / "rec"))
 
 
+def test_sigterm_to_fdam_train_in_pretraining_prints_a_resume_that_runs_stage_2(tmp_path):
+    import signal
+
+    from test_faults import SMALL as FAULT_SMALL
+    from test_faults import records, start_fdam, stop, wait_for
+
+    recipe = ["executor=inline", "pretrain_iterations=2000", "iterations=40", "checkpoint_every=100000",
+              *FAULT_SMALL]
+    assert main(["train", f"out_dir={tmp_path / 'whole'}", "run_name=rec", *recipe, "--quiet"]) == 0
+    stage1 = tmp_path / "cut" / "rec-pretrain"
+    proc = start_fdam(["train", f"out_dir={tmp_path / 'cut'}", "run_name=rec", *recipe], tmp_path,
+                      tmp_path / "cut.log")
+    try:
+        wait_for(lambda: len(records(stage1)) >= 2, proc, tmp_path / "cut.log", timeout_s=180)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    finally:
+        stop(proc)
+    output = (tmp_path / "cut.log").read_text()
+    assert rc == 143 and f"continue with: fdam train --resume {stage1}" in output, output[-3000:]
+    assert not (tmp_path / "cut" / "rec").exists()
+    assert main(["train", "--resume", str(stage1), "--quiet"]) == 0
+    summary = json.loads((tmp_path / "cut" / "rec" / "summary.json").read_text())
+    assert summary["algorithm"] == "codasca" and summary["iterations"] == 40
+    assert_same_model(final_model(tmp_path / "cut" / "rec"), final_model(tmp_path / "whole" / "rec"))
+
+
 # -- a run that fails before it trains leaves no folder behind --------------------------------------------------
 
 def test_a_run_that_fails_during_set_up_leaves_no_folder_and_its_name_runs_again(tmp_path, monkeypatch, capsys):
