@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from fdam_ray.config import Config, build_config
+from fdam_ray.config import FIELD_BY_NAME, Config, build_config
 from fdam_ray.data.arrays import ArrayPair, ArraysSource
 from fdam_ray.data.datasets import DatasetsSource, Entry
 from fdam_ray.evaluation import one_class_problems
@@ -91,7 +91,7 @@ def train_datasets(
     *,
     client_tests: Sequence[Entry | None] | None = None,
     model: str | Callable | None = None,
-    save: bool = False,
+    save: bool | None = None,
     on_eval: Callable[[dict], None] | None = None,
 ) -> RunResult:
     """Train on your own torch Datasets: one entry per client and a test set.
@@ -105,11 +105,18 @@ def train_datasets(
     (T,) for T tasks; each client reads and checks its labels in one pass over
     its Dataset. Batches are read by a DataLoader with ``data_workers``
     processes; ``batch_size`` 0 (full batch) is not available. ``num_clients``
-    is taken from ``len(clients)``; ``model`` as for :func:`train`.
+    is taken from ``len(clients)``; ``model`` as for :func:`train`. ``save``:
+    write a run folder, as :func:`train` does; None (the default) writes one
+    when the config names where (``run_name`` or ``out_dir``), else none.
 
     Returns:
         :class:`RunResult`, as :func:`train_arrays`.
     """
     cfg = _config(config, **_with_model({"dataset": "datasets", "num_clients": len(clients)}, model))
     source = DatasetsSource(clients, test, client_tests, data_workers=cfg.data_workers)
-    return run(cfg, source=source, save=save, on_eval=on_eval)
+    return run(cfg, source=source, save=names_a_run_folder(cfg) if save is None else save, on_eval=on_eval)
+
+
+def names_a_run_folder(config: Config) -> bool:
+    """Whether ``config`` says where a run folder goes (a ``run_name``, or an ``out_dir`` of its own)."""
+    return config.run_name is not None or config.out_dir != FIELD_BY_NAME["out_dir"].default

@@ -52,7 +52,7 @@ class RaySection(Section):
                                                         "ask for the same; null = any node.")
     reduce: str = setting("star", "ray executor: star (every actor's partial sum goes to the driver) or node (the "
                           "actors on one node fold their partial sums into one on that node; the driver receives "
-                          "one per node).", choices=("star", "node"))
+                          "one per node).", choices=("star", "node"), resume=True)
     transport: str = setting("classic", "ray executor: how a round reaches the actors and comes back: classic (one "
                              "Ray call per actor, the state through the object store) or compiled (one Ray Compiled "
                              "Graph built per federation: the state and the partial sums travel through "
@@ -68,7 +68,8 @@ class RaySection(Section):
     placement_timeout_s: float = setting(120.0, "Longest wait for lost actors' placement-group bundles to be placed "
                                          "again after a node is lost; then the run stops, naming the clients and "
                                          "resources that cannot be placed, with a checkpoint of the state the round "
-                                         "started from (continue it with --resume).", check=POSITIVE)
+                                         "started from (continue it with --resume).", check=POSITIVE,
+                                         resume=True)
     gpu_memory_cap: bool = setting(True, "With a fractional gpus_per_actor, cap each actor's CUDA memory to that "
                                    "fraction of the GPU.", resume=True)
     fold_order: str = setting("arrival", "ray executor: fold client updates as they arrive (arrival) or in client "

@@ -11,6 +11,7 @@
     model.pt         the final model: {"model": state_dict, "a", "b", "alpha", "task_names"}
     summary.json     best and final test AUC, rounds, bytes moved, wall time, samples/s
     .lock            who writes the folder now (pid, host, start); see :mod:`fdam_ray.runlock`
+    recipe.yaml      stage 1 of a two-stage run: the whole run's config and stage 2's folder (:mod:`fdam_ray.pretrain`)
 
 Everything a run writes, shows or reports hangs off one :class:`Observer`
 interface: the run folder (:class:`RunFolder`, which also decides when a
