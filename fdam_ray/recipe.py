@@ -41,11 +41,12 @@ from fdam_ray.config import RENAMED_PER_ACTOR, RESUME_MAY_CHANGE, Config, Config
 from fdam_ray.data import DataSource, make_source
 from fdam_ray.data.datasets import DatasetsSource, describe_client
 from fdam_ray.executors import Executor, make_executor
+from fdam_ray.executors.errors import PlacementError
 from fdam_ray.executors.inline import InlineExecutor
 from fdam_ray.factories import PYTHON_PREFIX
 from fdam_ray.federation import Federation, RunResult
 from fdam_ray.models import model_name
-from fdam_ray.outputs import EvalCallback, Observer, Observers, Progress, RunFolder
+from fdam_ray.outputs import EvalCallback, Observer, Observers, Progress, RunFolder, RunStopped
 from fdam_ray.pretrain import pretrain_config, pretrain_source, pretrained_body
 from fdam_ray.runlock import check_not_in_use
 from fdam_ray.schedules import ScheduleSection
@@ -288,4 +289,10 @@ def resume(
         detail = ", ".join(f"{k}: {getattr(saved, k)!r} -> {getattr(wanted, k)!r}" for k in differ)
         raise ConfigError(f"cannot resume '{run_dir}' with a different config ({detail}); only "
                           f"{', '.join(sorted(RESUME_MAY_CHANGE))} may change")
-    return federate(wanted, source=source, resume=checkpoint, run_dir=run_dir, on_eval=on_eval, progress=progress)
+    try:
+        return federate(wanted, source=source, resume=checkpoint, run_dir=run_dir, on_eval=on_eval,
+                        progress=progress)
+    except (PlacementError, RunStopped) as exc:  # stopped before a round (placement, joining): say how to go on
+        if exc.args and "--resume" not in str(exc.args[0]):
+            exc.args = (f"{exc.args[0]}; its last checkpoint is kept: continue with: fdam train --resume {run_dir}",)
+        raise
