@@ -109,9 +109,15 @@ def check_capacity(bundle: dict[str, float], num_actors: int, *, grows: bool, ti
     """Fail at once when ``num_actors`` bundles can never be placed on the cluster as it is: more than its
     nodes hold together, no live node as large as one bundle, or a strict strategy its nodes cannot meet;
     ``grows``: an autoscaler may add nodes, so a cluster short in total is waited for (with a warning)."""
+    nodes = ray.nodes()
+    live = [n.get("Resources", {}) for n in nodes if n.get("Alive")]
+    if not grows and live and not any(all(res.get(r, 0) + 1e-9 >= v for r, v in bundle.items()) for res in live):
+        largest = max(live, key=lambda res: (res.get("GPU", 0), res.get("CPU", 0)))
+        raise ValueError(f"no node of the cluster can hold one actor ({bundle}; the largest node has "
+                         f"CPU {largest.get('CPU', 0):g}, GPU {largest.get('GPU', 0):g}): lower cpus_per_actor / "
+                         "gpus_per_actor, or add nodes that large")
     need = {r: v * num_actors for r, v in bundle.items()}
     have = ray.cluster_resources()
-    nodes = ray.nodes()
     short = {r: (v, have.get(r, 0)) for r, v in need.items() if have.get(r, 0) + 1e-9 < v}
     if short:
         detail = ", ".join(f"{r}: {v:g} needed, {h:g} in the cluster" for r, (v, h) in short.items())
@@ -121,12 +127,6 @@ def check_capacity(bundle: dict[str, float], num_actors: int, *, grows: bool, ti
                              "actor (clients_per_actor)")
         log.warning("the cluster cannot hold %d actors yet (%s); waiting up to %g s for its autoscaler to add "
                     "nodes", num_actors, detail, timeout_s)
-    live = [n.get("Resources", {}) for n in nodes if n.get("Alive")]
-    if live and not any(all(res.get(r, 0) + 1e-9 >= v for r, v in bundle.items()) for res in live):
-        largest = max(live, key=lambda res: (res.get("GPU", 0), res.get("CPU", 0)))
-        raise ValueError(f"no node of the cluster can hold one actor ({bundle}; the largest node has "
-                         f"CPU {largest.get('CPU', 0):g}, GPU {largest.get('GPU', 0):g}): lower cpus_per_actor / "
-                         "gpus_per_actor, or add nodes that large")
     if not grows:
         _check_strict(strategy, need, num_actors, nodes)
 
@@ -185,15 +185,24 @@ def wait_for_group(group: PlacementGroup, *, what: str, timeout_s: float, grows:
                         ray.available_resources())
 
 
-def cluster_gone(what: str) -> PlacementError | None:
-    """A one-line :class:`PlacementError` when the cluster's GCS no longer accepts connections, else None."""
+def gcs_answers() -> bool:
+    """Whether the GCS of the cluster this process joined still accepts connections (Ray's own calls would wait
+    for it for a minute and then end the process)."""
     gcs = ray.get_runtime_context().gcs_address
     host, _, port = gcs.rpartition(":")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=2.0).close()
-        return None
+        return True
     except (OSError, ValueError):
-        return PlacementError(f"the Ray cluster at {gcs} went away while placing {what} (its GCS no longer "
+        return False
+
+
+def cluster_gone(what: str) -> PlacementError | None:
+    """A one-line :class:`PlacementError` when the cluster's GCS no longer accepts connections, else None."""
+    if gcs_answers():
+        return None
+    gcs = ray.get_runtime_context().gcs_address
+    return PlacementError(f"the Ray cluster at {gcs} went away while placing {what} (its GCS no longer "
                               "answers); nothing was trained")
 
 
@@ -330,6 +339,8 @@ class Placement:
 
 def _remove(group: PlacementGroup) -> None:
     """Remove ``group``; a cluster that went away has removed it already."""
+    if not gcs_answers():
+        return
     try:
         remove_placement_group(group)
     except Exception as exc:  # the GCS is gone: nothing is left to remove
