@@ -209,3 +209,54 @@ def test_a_resume_stopped_before_its_first_round_names_the_command_that_continue
     assert main(["train", "--resume", str(tmp_path / "run"), "executor=ray"]) == 143
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.rstrip().endswith(f"continue with: fdam train --resume {tmp_path / 'run'}")
+
+
+# -- SIGTERM to `fdam train` while it waits for its actors to be placed -------------------------------------
+WAITING_TRAIN = textwrap.dedent("""
+    import sys
+    import ray
+    from ray.util.placement_group import placement_group
+    from fdam_ray.cli import main
+
+    ray.init(num_cpus=1, include_dashboard=False)  # joined as a cluster fdam did not start
+    busy = placement_group([{"CPU": 1}])  # the actor fits the cluster, but not while this holds its CPU
+    ray.get(busy.ready(), timeout=120)
+    sys.exit(main(["train", "--no-progress", "executor=ray", "dataset=synthetic", "model=mlp", "num_clients=1",
+                   "cpus_per_client=1", "iterations=2", "eval_every=1", "tensorboard=false",
+                   "out_dir=" + sys.argv[1]]))
+""")
+
+
+def _wait_for_line(lines: list[str], start: str | None, contains: str, timeout_s: float) -> float:
+    """Seconds until a line (read by another thread into ``lines``) starts with ``start`` or holds ``contains``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if any((start is not None and x.startswith(start)) or (contains and contains in x) for x in list(lines)):
+            return time.monotonic() - t0
+        time.sleep(0.1)
+    pytest.fail(f"no such line within {timeout_s:g} s: {''.join(lines)[-3000:]}")
+
+
+def test_sigterm_to_fdam_train_waiting_for_its_placement_ends_it_within_seconds(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    proc = subprocess.Popen([sys.executable, "-c", WAITING_TRAIN, str(tmp_path / "runs")], env=env,
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
+    reader.start()
+    try:
+        _wait_for_line(lines, None, "for the cluster to place 1 actor bundles", 180)  # the wait says so
+        proc.send_signal(signal.SIGTERM)
+        said = _wait_for_line(lines, "fdam: ", "", 30)
+        proc.wait(timeout=60)
+        reader.join(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = "".join(lines)
+    assert proc.returncode == 143, err[-3000:]
+    assert said < 5, said  # acted on at the next poll, not after ray_timeout_s
+    assert ("fdam: received SIGTERM: stopped while waiting for the cluster to place 1 actor bundles {'CPU': 1.0} "
+            "(PACK); nothing was trained") in err
+    assert "Traceback" not in err and not (tmp_path / "runs").exists()
