@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -247,3 +248,81 @@ def test_the_private_ray_started_instead_listens_on_127_0_0_1_only():
     listens = [line.split() for line in out.stdout.splitlines() if line.startswith("LISTEN")]
     assert len(listens) >= 5, out.stdout  # GCS, raylet, agents, the driver's and the actor's servers
     assert all(address == "127.0.0.1" for _, _, address in listens), out.stdout
+
+
+# -- joining an address where something speaks gRPC but never answers as a GCS -------------------------------
+class MuteGrpc(Listener):
+    """Answers the HTTP/2 preface with a SETTINGS frame, as a gRPC server does, and then says nothing."""
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn = self.server.accept()[0]
+            except OSError:
+                return
+            self.accepted.append(conn)
+            threading.Thread(target=self._mute, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _mute(conn: socket.socket) -> None:
+        try:
+            conn.recv(4096)
+            conn.sendall(b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+            while conn.recv(4096):
+                pass
+        except OSError:
+            pass
+
+
+JOIN = ["train", "--no-progress", "executor=ray", "dataset=synthetic", "model=mlp", "num_clients=1",
+        "iterations=2"]
+
+
+def _fdam(args: list[str], tmp_path: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    return subprocess.Popen([sys.executable, "-m", "fdam_ray", "-v", *args, f"out_dir={tmp_path / 'runs'}"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def test_an_address_that_speaks_grpc_but_is_no_gcs_fails_within_seconds_in_one_line(tmp_path):
+    mute = MuteGrpc()
+    try:
+        t0 = time.monotonic()
+        proc = _fdam([*JOIN, "--address", f"127.0.0.1:{mute.port}"], tmp_path)
+        try:
+            err = proc.communicate(timeout=120)[1]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        took = time.monotonic() - t0
+    finally:
+        mute.close()
+    assert proc.returncode == 2, err[-3000:]
+    assert f"fdam: error: the program at 127.0.0.1:{mute.port} did not answer as a Ray cluster's GCS within 5 s" \
+        in err
+    assert took < 60 and "Traceback" not in err and not (tmp_path / "runs").exists()
+
+
+def test_sigterm_while_joining_an_address_is_acted_on(tmp_path):
+    mute = MuteGrpc()
+    try:
+        proc = _fdam([*JOIN, "--address", f"127.0.0.1:{mute.port}"], tmp_path)
+        try:
+            deadline = time.monotonic() + 90
+            while not mute.accepted and time.monotonic() < deadline:  # fdam is at the address
+                time.sleep(0.2)
+            assert mute.accepted, "fdam never reached the address"
+            time.sleep(1.0)
+            proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            err = proc.communicate(timeout=60)[1]
+            took = time.monotonic() - t0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    finally:
+        mute.close()
+    assert proc.returncode == 143, err[-3000:]
+    assert f"fdam: received SIGTERM: stopped while joining the Ray cluster at 127.0.0.1:{mute.port}; nothing was " \
+           "trained" in err
+    assert took < 15, took  # the address is asked with 5 s limits; Ray alone would wait for minutes

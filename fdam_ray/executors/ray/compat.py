@@ -28,6 +28,7 @@ SUPPORTED = (">=2.60", "<2.61")  # the Ray versions these names were checked aga
 # (module, attribute) of every private or experimental Ray name used below; the compat test imports each.
 PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("ray._raylet", "GcsClient"),
+    ("ray._raylet", "InnerGcsClient"),
     ("ray._private.authentication.authentication_token_setup", "_enable_token_auth"),
     ("ray._private.authentication.authentication_utils", "is_token_auth_enabled"),
     ("ray._common.utils", "get_ray_address_file"),
@@ -69,6 +70,17 @@ def _private(module: str, name: str) -> Any:
 def gcs_probe(address: str, timeout_s: float) -> Callable[[], None] | None:
     """A call that asks the GCS at ``address`` for a key (raising Ray's ``AuthenticationError`` when it
     refuses this process's credentials), or None where this Ray has no such client."""
+    try:
+        inner = _private("ray._raylet", "InnerGcsClient")
+    except ImportError:
+        inner = None
+    if inner is not None and hasattr(inner, "standalone"):  # its connection bounded too (GcsClient waits 30 s)
+
+        def bounded() -> None:
+            inner.standalone(address, None, int(timeout_s * 1000)).internal_kv_get(b"fdam-probe", None,
+                                                                                   timeout=timeout_s)
+
+        return bounded
     try:
         gcs_client = _private("ray._raylet", "GcsClient")
     except ImportError:

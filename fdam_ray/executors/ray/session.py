@@ -138,6 +138,11 @@ def check_cluster_access(address: str, *, connect_timeout_s: float = 5.0) -> Non
             "or ~/.ray/auth_token holds a different one); give it the cluster's token (`ray get-auth-token` "
             "on the head node)"
         ) from None
+    except ray.exceptions.RpcError as exc:  # it speaks gRPC but not as a GCS does: Ray would wait for minutes
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise ClusterConnectionError(
+            f"the program at {address} did not answer as a Ray cluster's GCS within {connect_timeout_s:g} s "
+            f"({first}); give the address of the head node's GCS (`ray status` on the head shows it)") from None
     except Exception as exc:  # any other failure: ray.init says more
         log.debug("probe of %s failed: %s", address, exc)
 
@@ -170,15 +175,17 @@ def ensure_ray(*, address: str | None, cpus_needed: float) -> bool:
             if not os.environ.get("RAY_AUTH_MODE") and _token_at_hand():
                 _enable_token_mode()  # as Ray's own ray.init() does; the cluster's processes are this user's
     if address and address != "local":
-        check_cluster_access(address)
-        _raise_if_stopped(f"before joining the Ray cluster at {address}")
+        try:
+            check_cluster_access(address)
+        finally:  # a stop asked for meanwhile comes first
+            _raise_if_stopped(f"while joining the Ray cluster at {address}")
         log.info("connecting to the Ray cluster at %s", address)
-        with _keeping_sigterm_handler():
+        with _keeping_sigterm_handler(f"while joining the Ray cluster at {address}"):
             ray.init(address=address)  # never with start-up arguments: Ray refuses them when joining
         return False
     num_cpus = max(os.cpu_count() or 1, math.ceil(cpus_needed))
     log.info("starting a private local Ray instance (%d CPUs, every port on 127.0.0.1)", num_cpus)
-    with _keeping_sigterm_handler():
+    with _keeping_sigterm_handler("while a private local Ray started"):
         compat.start_loopback_ray(num_cpus=num_cpus, dashboard_host="127.0.0.1")
     return True
 
@@ -193,13 +200,20 @@ def _raise_if_stopped(when: str) -> None:
 
 
 @contextlib.contextmanager
-def _keeping_sigterm_handler() -> Iterator[None]:
+def _keeping_sigterm_handler(when: str = "while Ray started") -> Iterator[None]:
     """``ray.init`` makes SIGTERM exit the driver at once (a C++ abort follows); keep a handler the caller set
-    (``fdam train`` stops at a round end with a checkpoint)."""
+    (``fdam train`` stops at a round end with a checkpoint). A SIGTERM that arrives during ``ray.init`` (Ray's
+    handler: ``SystemExit``) stops the run there, in one line, where the caller had a handler of its own."""
+    from fdam_ray.outputs.run_folder import RunStopped
+
     main = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if main else None
     try:
         yield
+    except SystemExit as exc:
+        if exc.code != signal.SIGTERM or not callable(previous):
+            raise
+        raise RunStopped(f"received SIGTERM: stopped {when}; nothing was trained", None) from None
     finally:
         if main and callable(previous):
             signal.signal(signal.SIGTERM, previous)
