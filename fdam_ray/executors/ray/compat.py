@@ -143,12 +143,12 @@ def loopback_node() -> Iterator[None]:
     constants = importlib.import_module("ray._private.ray_constants")
     variable = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
     saved = os.environ.get(variable)
-    constants.ENABLE_RAY_CLUSTER = False
+    setattr(constants, "ENABLE_RAY_CLUSTER", False)  # noqa: B010 (a private name mypy does not see)
     os.environ[variable] = "0"
     try:
         yield
     finally:
-        constants.ENABLE_RAY_CLUSTER = before
+        setattr(constants, "ENABLE_RAY_CLUSTER", before)  # noqa: B010
         if saved is None:
             os.environ.pop(variable, None)
         else:

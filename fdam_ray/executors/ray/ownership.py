@@ -76,7 +76,7 @@ def _proc_listeners(port: int) -> list[tuple[ipaddress.IPv4Address | ipaddress.I
 def _psutil_listeners(port: int) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]] | None:
     """As :func:`_proc_listeners`, through psutil; None where it is missing or cannot name an owner."""
     try:
-        import psutil  # type: ignore[import-untyped]
+        import psutil
     except ImportError:
         return None
     try:
