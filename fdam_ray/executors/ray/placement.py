@@ -8,6 +8,13 @@ driver bundle 0, actor bundles 1..A), the actors go into that group's bundles
 1..A instead of a new group. A lost actor's bundle is placed again by Ray;
 :meth:`Placement.wait_placed` waits for that at most ``placement_timeout_s``
 and otherwise stops the run with a :class:`PlacementError` naming the clients.
+
+A group the cluster as it is can never hold (:func:`check_capacity`, and Ray's
+own verdict ``INFEASIBLE`` while waiting) fails within seconds, naming the
+bundles, the strategy and the nodes, unless an autoscaler may add nodes
+(:func:`~fdam_ray.executors.ray.compat.autoscaler_configured`). Every wait
+polls: a stop asked for (SIGTERM under ``fdam train``) and a cluster whose GCS
+went away end it at once, in one line.
 """
 
 from __future__ import annotations
@@ -180,9 +187,10 @@ def wait_for_group(group: PlacementGroup, *, what: str, timeout_s: float, grows:
             raise TimeoutError(waited)
         if waited - said >= (60.0 if said else 2.0):
             said = waited
-            log.warning("waiting %.0f s so far (up to %g s) for the cluster to place %s: %s; free resources %s",
+            free = ray.available_resources()
+            log.warning("waiting %.0f s so far (up to %g s) for the cluster to place %s: %s; free now: CPU %g, GPU %g",
                         waited, timeout_s, what, "an autoscaler may add nodes" if grows else "busy with other work",
-                        ray.available_resources())
+                        free.get("CPU", 0), free.get("GPU", 0))
 
 
 def gcs_answers() -> bool:
@@ -203,11 +211,12 @@ def cluster_gone(what: str) -> PlacementError | None:
         return None
     gcs = ray.get_runtime_context().gcs_address
     return PlacementError(f"the Ray cluster at {gcs} went away while placing {what} (its GCS no longer "
-                              "answers); nothing was trained")
+                          "answers); nothing was trained")
 
 
 def cluster_gone_or(exc: BaseException, what: str) -> BaseException:
-    """The cluster's disappearance as a :class:`PlacementError`, else ``exc`` (a group removed otherwise)."""
+    """The cluster's disappearance as a :class:`PlacementError`, else ``exc`` (a group removed otherwise) in one
+    line as one."""
     gone = cluster_gone(what)
     if gone is not None:
         return gone
