@@ -42,11 +42,12 @@ from fdam_ray.config import RENAMED_PER_ACTOR, RESUME_MAY_CHANGE, Config, Config
 from fdam_ray.data import DataSource, make_source
 from fdam_ray.data.datasets import DatasetsSource, check_shippable, describe_client
 from fdam_ray.executors import Executor, make_executor
+from fdam_ray.executors.errors import PlacementError
 from fdam_ray.executors.inline import InlineExecutor, ignored_fields
 from fdam_ray.factories import PYTHON_PREFIX
 from fdam_ray.federation import Federation, RunResult
 from fdam_ray.models import model_name
-from fdam_ray.outputs import EvalCallback, Observer, Observers, OutputSection, Progress, RunFolder
+from fdam_ray.outputs import EvalCallback, Observer, Observers, OutputSection, Progress, RunFolder, RunStopped
 from fdam_ray.outputs.run_folder import check_new_run_dir
 from fdam_ray.pretrain import (
     RECIPE_FILE,
@@ -380,7 +381,13 @@ def _continue(run_dir: Path, checkpoint: Checkpoint, saved: Config, wanted: Conf
                         saved.iterations)
             torch.set_rng_state(checkpoint.torch_rng)  # as the run left it (a recipe's stage 2 goes on from it)
             return stored
-    return federate(wanted, source=source, resume=checkpoint, run_dir=run_dir, on_eval=on_eval, progress=progress)
+    try:
+        return federate(wanted, source=source, resume=checkpoint, run_dir=run_dir, on_eval=on_eval,
+                        progress=progress)
+    except (PlacementError, RunStopped) as exc:  # stopped before a round (placement, joining): say how to go on
+        if exc.args and "--resume" not in str(exc.args[0]):
+            exc.args = (f"{exc.args[0]}; its last checkpoint is kept: continue with: fdam train --resume {run_dir}",)
+        raise
 
 
 def stored_result(run_dir: Path, checkpoint: Checkpoint, config: Config) -> RunResult | None:

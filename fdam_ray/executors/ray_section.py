@@ -32,8 +32,9 @@ class RaySection(Section):
 
     address: str | None = setting(None, "Ray cluster to connect to (host:port, ray://host:port, auto; local = a "
                                   "private local Ray even when a `ray start` cluster runs on this machine); null = "
-                                  "RAY_ADDRESS if set, else a `ray start` cluster of this machine, else start a "
-                                  "local Ray (a Ray already running in this process is reused).", resume=True)
+                                  "RAY_ADDRESS if set, else this user's `ray start` cluster of this machine, else "
+                                  "start a private local Ray on 127.0.0.1 (a Ray already running in this process is "
+                                  "reused).", resume=True)
     cpus_per_actor: float = setting(1.0, "CPUs Ray reserves for each actor (fractions allowed; cpus_per_client is "
                                     "read as this when clients_per_actor = 1); the actor runs max(1, int(this)) "
                                     "torch threads unless threads_per_actor says otherwise.", check=POSITIVE,

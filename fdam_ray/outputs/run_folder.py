@@ -71,6 +71,12 @@ def request_stop(reason: str) -> None:
     _stop_reason = reason
 
 
+def stop_requested() -> str | None:
+    """Why a stop was asked for (:func:`request_stop`), or None; waits outside rounds (placement, joining a
+    cluster) poll it, so that a stop is acted on while they wait too."""
+    return _stop_reason
+
+
 def clear_stop_request() -> None:
     global _stop_reason
     _stop_reason = None
@@ -80,10 +86,10 @@ class RunStopped(Exception):
     """A run stopped at a round end because it was asked to (:func:`request_stop`); its checkpoint is written.
 
     Attributes:
-        run_dir: the run folder, to continue with ``--resume``.
+        run_dir: the run folder, to continue with ``--resume`` (None: stopped before a run folder was made).
     """
 
-    def __init__(self, message: str, run_dir: Path) -> None:
+    def __init__(self, message: str, run_dir: Path | None) -> None:
         super().__init__(message)
         self.run_dir = run_dir
 
