@@ -188,6 +188,7 @@ def test_a_resume_stopped_before_its_first_round_names_the_command_that_continue
     from fdam_ray.cli import main
     from fdam_ray.executors.errors import PlacementError
 
+    # a run to resume further (iterations=8 below): a finished run with its own plan is not trained again
     recipe.run(build_config(dict(dataset="synthetic", model="mlp", model_width=8, num_clients=2,
                                  samples_per_client=60, iterations=4, eval_every=2, executor="inline",
                                  out_dir=str(tmp_path), run_name="run", tensorboard=False)))
@@ -198,7 +199,7 @@ def test_a_resume_stopped_before_its_first_round_names_the_command_that_continue
 
     monkeypatch.setattr(recipe, "federate", cluster_went_away)
     capsys.readouterr()
-    assert main(["train", "--resume", str(tmp_path / "run"), "executor=ray"]) == 1
+    assert main(["train", "--resume", str(tmp_path / "run"), "executor=ray", "iterations=8"]) == 1
     assert capsys.readouterr().err.splitlines() == [
         f"fdam: {gone}; its last checkpoint is kept: continue with: fdam train --resume {tmp_path / 'run'}"]
 
@@ -206,7 +207,7 @@ def test_a_resume_stopped_before_its_first_round_names_the_command_that_continue
         raise RunStopped("received SIGTERM: stopped while waiting for the cluster to place 2 actor bundles", None)
 
     monkeypatch.setattr(recipe, "federate", stopped)
-    assert main(["train", "--resume", str(tmp_path / "run"), "executor=ray"]) == 143
+    assert main(["train", "--resume", str(tmp_path / "run"), "executor=ray", "iterations=8"]) == 143
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.rstrip().endswith(f"continue with: fdam train --resume {tmp_path / 'run'}")
 
