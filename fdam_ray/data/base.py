@@ -18,6 +18,8 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from fdam_ray.interrupts import ignore_stop_signals
+
 
 class MissingExtraError(ImportError, ValueError):
     """An optional dependency is not installed (a ValueError too, so the CLI reports it plainly)."""
@@ -128,7 +130,7 @@ def iter_batches(split: AnySplit, batch_size: int, device: torch.device):
         return
     loader = torch.utils.data.DataLoader(split.dataset, batch_size=batch_size, shuffle=False,
                                          num_workers=loader_workers(split.num_workers),
-                                         pin_memory=device.type == "cuda")
+                                         pin_memory=device.type == "cuda", worker_init_fn=ignore_stop_signals)
     for x, y in loader:
         yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
@@ -259,7 +261,7 @@ class LoaderSampler:
         self._batches = batches = _Batches(self.stream)
         self._iter = loader = iter(torch.utils.data.DataLoader(
             self.split.dataset, batch_sampler=batches, num_workers=loader_workers(self.split.num_workers),
-            pin_memory=self.device.type == "cuda"))
+            pin_memory=self.device.type == "cuda", worker_init_fn=ignore_stop_signals))
         return batches, loader
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,6 +37,7 @@ import torch
 
 from fdam_ray.data.base import DatasetSplit, DataSource, Shard, loader_workers
 from fdam_ray.factories import resolve
+from fdam_ray.interrupts import ignore_stop_signals
 
 Entry = Any  # a torch Dataset, or a callable returning one (or None, for a test split)
 
@@ -131,7 +132,7 @@ def read_labels(dataset, what: str, *, input_shape: tuple[int, ...], num_tasks: 
     n = len(dataset)
     labels = np.empty((n, num_tasks), dtype=np.float32)
     items = (dataset[i] for i in range(n)) if workers == 0 else torch.utils.data.DataLoader(
-        dataset, batch_size=None, num_workers=workers, collate_fn=_identity)
+        dataset, batch_size=None, num_workers=workers, collate_fn=_identity, worker_init_fn=ignore_stop_signals)
     expected = "()" if num_tasks == 1 else f"({num_tasks},)"
     count = 0
     for i, item in enumerate(items):
