@@ -49,6 +49,10 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
+def _raise_interrupt(signum: int) -> None:
+    raise Interrupted(signum)
+
+
 class _State:
     """What the handlers know: the first signal, what a first signal does, whether a wait may be cut short."""
 
@@ -61,10 +65,6 @@ class _State:
 
 
 _state = _State()
-
-
-def _raise_interrupt(signum: int) -> None:
-    raise Interrupted(signum)
 
 
 def exit_code(signum: int) -> int:

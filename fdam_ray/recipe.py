@@ -49,7 +49,7 @@ from fdam_ray.outputs import EvalCallback, Observer, Observers, Progress, RunFol
 from fdam_ray.pretrain import pretrain_config, pretrain_source, pretrained_body
 from fdam_ray.runlock import check_not_in_use
 from fdam_ray.schedules import ScheduleSection
-from fdam_ray.trackers import check_installed as trackers_installed
+from fdam_ray.trackers import check_usable as trackers_usable
 from fdam_ray.trackers import make_trackers
 from fdam_ray.weights import load_weights, read_weights
 
@@ -86,7 +86,7 @@ def federate(
         observers: more observers of the run (e.g. a Tune trial's reports); stage 1 of pre-training
             reports only to its own run folder and progress bar.
     """
-    trackers_installed(config.trackers)  # before any data is read or client started
+    trackers_usable(config.trackers)  # before any data is read or client started
     source = source if source is not None else make_source(config)
     if source.num_clients != config.num_clients:
         raise ValueError(f"the data has {source.num_clients} clients but num_clients={config.num_clients}")

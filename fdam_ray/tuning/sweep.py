@@ -17,7 +17,7 @@ from fdam_ray import interrupts
 from fdam_ray.config import ConfigError, build_config
 from fdam_ray.locations import RemoteFolder, is_uri, join_uri, local_path_of, output_root
 from fdam_ray.runlock import RunLock
-from fdam_ray.trackers import check_installed as check_trackers
+from fdam_ray.trackers import check_usable as check_trackers
 from fdam_ray.tuning.callbacks import tune_callbacks
 from fdam_ray.tuning.report import SweepOutcome, cell, write_sweep_outputs
 from fdam_ray.tuning.space import SPACE_FILE, Space, param_space
