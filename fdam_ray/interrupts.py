@@ -15,10 +15,11 @@ process. A private local Ray whose driver is gone is ended by Ray's own reaper.
 Once the command has returned (:func:`command_returned`) any signal exits so:
 the state is saved by then.
 
-DataLoader worker processes ignore both signals (:func:`ignore_stop_signals`,
-their ``worker_init_fn``): a scheduler signals a job's whole process group, and
-a worker killed mid-batch would fail the driver before its own handler saved
-anything; the driver ends its workers when it stops.
+DataLoader worker processes ignore both signals unless their parent sends them
+(:func:`ignore_stop_signals`, their ``worker_init_fn``): a scheduler signals a
+job's whole process group, and a worker killed mid-batch would fail the driver
+before its own handler saved anything; the driver ends its workers when it
+stops.
 """
 
 from __future__ import annotations
@@ -158,7 +159,21 @@ def interruptible() -> Iterator[None]:
 
 
 def ignore_stop_signals(worker_id: int = 0) -> None:
-    """A DataLoader worker's ``worker_init_fn``: ignore SIGTERM and SIGINT (the driver stops its workers itself,
-    after it has saved its state)."""
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
+    """A DataLoader worker's ``worker_init_fn``: ignore Ctrl+C, and SIGTERM from anyone but the worker's parent.
+
+    A scheduler's SIGTERM to the whole job must leave the workers to the driver, which stops at its next round
+    end and then ends them itself. It ends them (and Python's exit ends a daemon process) with SIGTERM from
+    the parent, which must still work, as it does with torch's own handler: SIGTERM is blocked here and a
+    thread waits for it, leaving when the parent sent it and ignoring it otherwise.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started from here on block it too
+    threading.Thread(target=_leave_on_parents_sigterm, args=(parent,), name="fdam-sigterm", daemon=True).start()
+
+
+def _leave_on_parents_sigterm(parent: int) -> None:
+    while True:
+        info = signal.sigwaitinfo({signal.SIGTERM})
+        if info.si_pid == parent:
+            os._exit(0)  # as torch's worker handler does: the parent ends its worker, quietly
