@@ -142,7 +142,7 @@ def test_a_resume_of_a_sweep_another_driver_holds_is_refused_in_one_line_and_del
     (sweep / SPACE_FILE).write_text(write_space(tmp_path, {"lr": {"grid": [0.2]}}, {"name": "held"}).read_text())
     (sweep / "best_config.yaml").write_text("lr: 0.2\n")
     (sweep / "sweep_results.csv").write_text("trial,lr\nt,0.2\n")
-    lock = RunLock(sweep, "sweep folder")  # a live driver of this sweep (its own open file: a lock of its own)
+    lock = RunLock(sweep)  # a live driver of this sweep (its own open file: a lock of its own)
     try:
         rc = main(["tune", "--resume", str(sweep)])
     finally:
