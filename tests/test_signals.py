@@ -186,3 +186,32 @@ def test_a_wandb_install_that_fails_to_import_stops_fdam_tune_in_one_line(tmp_pa
         got.stderr)
     assert_quiet(got.stderr)
     assert not (tmp_path / "sweeps" / "broken").exists()
+
+
+def test_sigterm_while_a_tracker_waits_for_its_server_ends_the_wait_at_once(tmp_path):
+    """A tracking server that accepts connections and never answers: MLflow would wait minutes (a timeout per
+    request, several retries) before the run could stop at a round end."""
+    pytest.importorskip("mlflow")
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    silent.settimeout(120)
+    env = fdam_env(MLFLOW_TRACKING_URI=f"http://127.0.0.1:{silent.getsockname()[1]}",
+                   MLFLOW_HTTP_REQUEST_MAX_RETRIES="0")
+    proc = start(["train", f"out_dir={tmp_path}", "run_name=tracked", "executor=inline", "trackers=mlflow", *SMALL,
+                  "iterations=40"], tmp_path, tmp_path / "tracked.log", env)
+    try:
+        conn, _ = silent.accept()  # the tracker asks, and gets no answer
+        time.sleep(0.5)
+        assert proc.poll() is None, (tmp_path / "tracked.log").read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=30)  # MLflow's own request timeout is 120 s
+        conn.close()
+    finally:
+        stop(proc)
+        silent.close()
+    output = (tmp_path / "tracked.log").read_text()
+    assert rc == 143 and "fdam: interrupted" in output, (rc, output[-3000:])
+    assert_quiet(output)
