@@ -215,3 +215,35 @@ def test_sigterm_while_a_tracker_waits_for_its_server_ends_the_wait_at_once(tmp_
     output = (tmp_path / "tracked.log").read_text()
     assert rc == 143 and "fdam: interrupted" in output, (rc, output[-3000:])
     assert_quiet(output)
+
+
+def test_a_stop_signal_ends_a_compiled_graphs_teardown_wait():
+    """Ray's teardown of a compiled graph waits for the actors' loops (up to its own timeout): the first stop
+    signal ends that wait at once instead of at the next round end."""
+    import threading
+
+    from fdam_ray import interrupts
+    from fdam_ray.executors.ray.transports.compiled import CompiledRounds
+
+    class StuckGraph:
+        ended = False
+
+        def teardown(self):
+            time.sleep(30)  # actors that never leave their loops
+            StuckGraph.ended = True
+
+    rounds = CompiledRounds()
+    rounds.graph = StuckGraph()
+    stops: list[int] = []
+    assert interrupts.install(stops.append)  # a first SIGTERM elsewhere would only ask for a stop
+    try:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        started = time.monotonic()
+        with pytest.raises(interrupts.Interrupted) as stopped:
+            rounds.teardown()
+        assert time.monotonic() - started < 10 and stopped.value.signum == signal.SIGTERM
+        assert rounds.graph is None and not StuckGraph.ended and stops == []
+        assert interrupts.received() == signal.SIGTERM
+    finally:
+        interrupts.uninstall()
+    assert signal.getsignal(signal.SIGTERM) is not interrupts._handle
