@@ -76,11 +76,12 @@ def exit_code(signum: int) -> int:
 def _exit_now(signum: int) -> None:
     """Leave at once, quietly: one line, output flushed, no exit-time handlers (Ray's shutdown among them)."""
     name = signal.Signals(signum).name
-    saved = "" if _state.returned else "; what the first one saved is kept"
+    what = (f"{name} again: exiting now; what the first signal saved is kept" if _state.first is not None
+            else f"{name} while exiting: exiting now")
     with contextlib.suppress(Exception):
         sys.stdout.flush()
     with contextlib.suppress(Exception):
-        print(f"fdam: {name} again: exiting now{saved}", file=sys.stderr, flush=True)
+        print(f"fdam: {what}", file=sys.stderr, flush=True)
     os._exit(exit_code(signum))
 
 
