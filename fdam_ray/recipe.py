@@ -60,7 +60,7 @@ from fdam_ray.pretrain import (
 )
 from fdam_ray.runlock import check_not_in_use
 from fdam_ray.schedules import ScheduleSection
-from fdam_ray.trackers import check_installed as trackers_installed
+from fdam_ray.trackers import check_usable as trackers_usable
 from fdam_ray.trackers import make_trackers
 from fdam_ray.weights import load_weights, read_weights
 
@@ -101,7 +101,7 @@ def federate(
         pretrained: stage 1 of the two-stage recipe, already run (a resumed recipe's); None runs it here.
         files: more YAML files for a fresh run folder (stage 1's ``recipe.yaml``).
     """
-    trackers_installed(config.trackers)  # before any data is read or client started
+    trackers_usable(config.trackers)  # before any data is read or client started
     if resume is None and save and run_dir is None:
         check_new_run_dir(OutputSection.of(config))  # a name in use is refused now, not after pre-training
     source = source if source is not None else make_source(config)

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
+from fdam_ray.interrupts import ignore_stop_signals
+
 if TYPE_CHECKING:
     from fdam_ray.data.sections import DataSection
 
@@ -149,7 +151,7 @@ def iter_batches(split: AnySplit, batch_size: int, device: torch.device):
         return
     loader = torch.utils.data.DataLoader(split.dataset, batch_size=batch_size, shuffle=False,
                                          num_workers=loader_workers(split.num_workers),
-                                         pin_memory=device.type == "cuda")
+                                         pin_memory=device.type == "cuda", worker_init_fn=ignore_stop_signals)
     with loader_errors():
         for x, y in loader:
             yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -295,7 +297,7 @@ class LoaderSampler:
         self._batches = batches = _Batches(self.stream)
         self._iter = loader = iter(torch.utils.data.DataLoader(
             self.split.dataset, batch_sampler=batches, num_workers=loader_workers(self.split.num_workers),
-            pin_memory=self.device.type == "cuda"))
+            pin_memory=self.device.type == "cuda", worker_init_fn=ignore_stop_signals))
         return batches, loader
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,6 +37,7 @@ import torch
 
 from fdam_ray.data.base import DatasetSplit, DataSource, Shard, loader_errors, loader_workers
 from fdam_ray.factories import describe_error, raised_at, resolve, unpicklable
+from fdam_ray.interrupts import ignore_stop_signals
 
 Entry = Any  # a torch Dataset, or a callable returning one (or None, for a test split)
 
@@ -143,7 +144,7 @@ def _items(dataset, what: str, n: int, workers: int) -> Iterator[Any]:
         yield from (read_item(dataset, i, what) for i in range(n))
         return
     loader = torch.utils.data.DataLoader(Reads(dataset, what), batch_size=None, num_workers=workers,
-                                         collate_fn=_identity)
+                                         collate_fn=_identity, worker_init_fn=ignore_stop_signals)
     with loader_errors():
         yield from loader
 
