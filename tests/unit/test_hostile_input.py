@@ -292,3 +292,20 @@ def test_a_storage_uri_that_cannot_be_opened_is_named_without_its_password():
         RemoteFolder(f"nosuchfs://user:{SECRET}@127.0.0.1/sweeps")
     assert "storage 'nosuchfs://user:***@127.0.0.1/sweeps' cannot be opened" in str(caught.value)
     assert SECRET not in str(caught.value)
+
+
+def test_rays_own_log_lines_are_redacted_once_fdam_uses_ray():
+    import logging
+
+    import ray  # noqa: F401  (Ray installs its own stderr handler on import)
+
+    from fdam_ray.redact import redact_handlers
+
+    handlers = logging.getLogger("ray").handlers
+    assert handlers  # Ray's stderr handler: what prints Ray's own lines
+    redact_handlers(logging.getLogger("ray"))
+    for handler in handlers:
+        record = logging.LogRecord("ray.x", logging.WARNING, __file__, 1,
+                                   "connecting to %s", ("ray://user:PLANTEDPW@127.0.0.1:10001",), None)
+        assert handler.filter(record)
+        assert "PLANTEDPW" not in record.getMessage() and "127.0.0.1:10001" in record.getMessage()

@@ -51,7 +51,7 @@ import ray
 
 from fdam_ray.executors.errors import ClusterConnectionError
 from fdam_ray.executors.ray import compat, ownership
-from fdam_ray.redact import redact, short
+from fdam_ray.redact import redact, redact_handlers, short
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -158,6 +158,7 @@ def ensure_ray(*, address: str | None, cpus_needed: float) -> bool:
         cpus_needed: logical CPUs the clients reserve; a local Ray declares at least this many (each
             client runs one torch thread, so more clients than cores still run).
     """
+    redact_handlers(logging.getLogger("ray"))  # Ray's own log lines may name the address, password and all
     if ray.is_initialized():
         if address:
             log.info("reusing the Ray instance this process already runs (address=%s not used)", redact(address))
