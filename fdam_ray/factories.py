@@ -115,21 +115,3 @@ def raised_at(exc: BaseException) -> str:
         return ""
     frame = (yours or frames)[-1]
     return f" (at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name})"
-
-
-class _Discard:
-    """A file that keeps nothing: pickling into it measures whether an object can be pickled, without a copy."""
-
-    def write(self, data: bytes) -> int:
-        return len(data)
-
-
-def unpicklable(obj: object) -> str | None:
-    """Why Ray could not send ``obj`` to another process (its cloudpickle's error, one line), or None if it can."""
-    from ray import cloudpickle
-
-    try:
-        cloudpickle.CloudPickler(_Discard(), protocol=5).dump(obj)
-    except Exception as exc:  # PicklingError, TypeError ("cannot pickle '_thread.lock' object"), ...
-        return describe_error(exc)
-    return None

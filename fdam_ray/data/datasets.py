@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from fdam_ray.data.base import DatasetSplit, DataSource, Shard, loader_errors, loader_workers
-from fdam_ray.factories import describe_error, raised_at, resolve, unpicklable
+from fdam_ray.factories import describe_error, raised_at, resolve
 from fdam_ray.interrupts import ignore_stop_signals
 
 Entry = Any  # a torch Dataset, or a callable returning one (or None, for a test split)
@@ -352,6 +352,8 @@ def check_shippable(model: object, source: DataSource) -> None:
     """Refuse, in one line before Ray starts, a model factory or client entry that cannot be sent to the
     processes that run the clients (one holding an open file for writing, a lock, a connection, a generator),
     naming each such part; Ray's own error is a page of serialization details."""
+    from fdam_ray.executors.ray.shipping import unpicklable  # Ray's pickler: the Ray layer's to use
+
     parts: list[tuple[str, object]] = []
     if callable(model):
         from fdam_ray.models import model_name
