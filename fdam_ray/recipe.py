@@ -183,7 +183,10 @@ def describe_data(source: DataSource, config: Config, executor: Executor | None)
     """
     on_ray = config.executor == "ray" if executor is None else not isinstance(executor, InlineExecutor)
     if on_ray:
-        check_shippable(config.model, source)  # your own code that Ray cannot send: one line, before Ray starts
+        from fdam_ray.executors.ray.shipping import unpicklable
+
+        # your own code that Ray cannot send: one line, before Ray starts
+        check_shippable(config.model, source, unpicklable)
     if not isinstance(source, DatasetsSource) or source.described:
         return
     if not on_ray:

@@ -172,6 +172,7 @@ def test_entries_ray_cannot_send_are_named_in_one_line_before_ray_starts():
     import ray
 
     from fdam_ray.data.datasets import check_shippable
+    from fdam_ray.executors.ray.shipping import unpicklable
 
     lock = threading.Lock()
     with pytest.raises(ValueError) as info:
@@ -182,9 +183,10 @@ def test_entries_ray_cannot_send_are_named_in_one_line_before_ray_starts():
     assert "must be picklable" in line and "executor=inline" in line
     assert not ray.is_initialized()
     source = DatasetsSource([Pairs(), Pairs()], Pairs(), client_tests=[None, Pairs()])
-    check_shippable(lambda shape, tasks: own_fixtures.same_as_linear(shape, tasks), source)  # lambdas travel
+    lambda_factory = lambda shape, tasks: own_fixtures.same_as_linear(shape, tasks)  # noqa: E731
+    check_shippable(lambda_factory, source, unpicklable)  # lambdas travel
     with pytest.raises(ValueError, match=r"^model 'python:.*<locals>.build': cannot be sent"):
-        check_shippable(_factory_holding(lock), source)
+        check_shippable(_factory_holding(lock), source, unpicklable)
 
 
 def _factory_holding(lock):

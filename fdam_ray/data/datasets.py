@@ -348,12 +348,11 @@ class _FactoryNames:
         return f"dataset '{self.path}', client {client_id} (split '{split}')"
 
 
-def check_shippable(model: object, source: DataSource) -> None:
+def check_shippable(model: object, source: DataSource, unpicklable: Callable[[object], str | None]) -> None:
     """Refuse, in one line before Ray starts, a model factory or client entry that cannot be sent to the
     processes that run the clients (one holding an open file for writing, a lock, a connection, a generator),
-    naming each such part; Ray's own error is a page of serialization details."""
-    from fdam_ray.executors.ray.shipping import unpicklable  # Ray's pickler: the Ray layer's to use
-
+    naming each such part; Ray's own error is a page of serialization details. ``unpicklable`` says why an
+    object cannot travel (None if it can): :func:`fdam_ray.executors.ray.shipping.unpicklable`, Ray's pickler."""
     parts: list[tuple[str, object]] = []
     if callable(model):
         from fdam_ray.models import model_name
