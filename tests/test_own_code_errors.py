@@ -183,7 +183,7 @@ def test_entries_ray_cannot_send_are_named_in_one_line_before_ray_starts():
     assert "must be picklable" in line and "executor=inline" in line
     assert not ray.is_initialized()
     source = DatasetsSource([Pairs(), Pairs()], Pairs(), client_tests=[None, Pairs()])
-    lambda_factory = lambda shape, tasks: own_fixtures.same_as_linear(shape, tasks)  # noqa: E731
+    lambda_factory = lambda shape, tasks: own_fixtures.same_as_linear(shape, tasks)
     check_shippable(lambda_factory, source, unpicklable)  # lambdas travel
     with pytest.raises(ValueError, match=r"^model 'python:.*<locals>.build': cannot be sent"):
         check_shippable(_factory_holding(lock), source, unpicklable)
