@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from fdam_ray.algorithms.server import PartialSum, RoundReducer
-from fdam_ray.state import GlobalState, Rule, RoundPlan, StepStats, vector_fields
+from fdam_ray.state import GlobalState, RoundPlan, Rule, StepStats, vector_fields
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,6 @@ class GroupMember:
         """All-reduce ``mine`` (None: this member failed; it contributes nothing and flags the failure) with the
         group's, apply the server step, keep the new state; a broken all-reduce ends the process group and says
         why in the share. ``token`` names this try of the round in the store (the driver reads who arrived)."""
-        import torch.distributed as dist
 
         world, rank = self.world, self.rank
         layout = _layout(state)
