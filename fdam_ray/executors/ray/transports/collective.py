@@ -155,8 +155,7 @@ class CollectiveTransport(Transport):
                     failed[a] = fleet.late(a, "local_round")
                     fleet.kill(a)  # ends its connections, which releases the members waiting for it
                     del pending[a]
-                self._collect(pending, time.monotonic() + fleet.timeout, shares, failed)
-                for a in pending:
+                for a in self._collect(pending, time.monotonic() + fleet.timeout, shares, failed):
                     failed[a] = fleet.late(a, "local_round")
                     fleet.kill(a)
         finally:
