@@ -9,8 +9,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from oracle import assert_matches, run_oracle
 from raytest import ray_session
 from sample_clients import gaussian_clients
+from test_hosted import BASE, assert_same_state, sized_clients, train
+from test_oracle import CASES as ORACLE_CASES
+from test_oracle import initial_v, uneven_clients
+from test_sampling import CASES as SAMPLING_CASES
+
+import fdam_ray
 
 from fdam_ray.config import build_config
 from fdam_ray.data.arrays import ArraysSource
@@ -61,6 +68,34 @@ def test_a_collective_run_equals_the_classic_run_in_client_order(extra):
     assert transport.name == "collective" and transport.builds == 1 and transport.backend == "gloo"
     # the state went down in the first round and at the stage start only; the actors kept their copy otherwise
     assert transport.rounds_sent == 2
+
+
+RAY = dict(executor="ray", cpus_per_actor=0.5, threads_per_actor=1)
+
+
+@pytest.mark.parametrize("case", [ORACLE_CASES[1], ORACLE_CASES[2], ORACLE_CASES[3], SAMPLING_CASES[1]],
+                         ids=["coda-margin-stages", "codasca-stages", "codasca-keep-c", "sampled-weighted"])
+def test_collective_runs_match_the_numpy_oracle(case):
+    clients, test = uneven_clients()
+    cfg = dict(model="linear", batch_size="full", eval_every=1000, seed=0, transport="collective", **RAY, **case)
+    result = fdam_ray.train_arrays(cfg, clients, test)
+    kwargs = {k: v for k, v in case.items() if k != "algorithm"}
+    codasca = case["algorithm"] == "codasca"
+    v, alpha, c_v, c_a = run_oracle([(X.astype(np.float64), y) for X, y in clients], initial_v(4), **kwargs,
+                                    control_variates=codasca)
+    assert_matches(result, v, alpha, *((c_v, c_a) if codasca else ()))
+    assert result.state.round == -(-case["iterations"] // case["local_steps"])
+
+
+def test_hosted_sampled_weighted_rounds_over_stage_changes_equal_classic():
+    clients, test = sized_clients()
+    cfg = dict(BASE, clients_per_round=3, clients_per_actor=2, **RAY)
+    classic = train(dict(cfg, fold_order="client"), clients, test)
+    executor = RayExecutor()
+    got = train(dict(cfg, transport="collective"), clients, test, executor=executor)
+    assert_same_state(got, classic, exact=False)
+    assert got.summary["bytes_up"] == classic.summary["bytes_up"]
+    assert got.state.round == 6 and executor.transport.builds == 1
 
 
 def test_reduce_node_is_refused_in_one_line():
