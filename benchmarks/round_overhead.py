@@ -427,7 +427,8 @@ per actor, the object store). Plain Ray = one `ray.put` of a numpy buffer, K act
 and return numpy, the driver keeps a running mean as results arrive (round time minus the slowest actor's \
 step). Gloo all-reduce = the paper's way: K spawned processes (127.0.0.1, one torch thread each) all-reduce an \
 N-float tensor and divide by K (the slowest rank's time; the step before it is not counted). Targets: compiled \
-/ gloo <= {GLOO_TARGET} and collective / gloo <= {COLLECTIVE_TARGET} at every N; compiled / classic <= {CLASSIC_TARGET} at N = {min(args.sizes):,}; classic \
+/ gloo <= {GLOO_TARGET} and collective / gloo <= {COLLECTIVE_TARGET} at every N; compiled / classic <= \
+{CLASSIC_TARGET} at N = {min(args.sizes):,}; classic \
 / plain Ray <= {TARGET_RATIO}. Driver CPU = the driver process's CPU time per round (Ray's compiled-graph \
 channels poll while they wait). Copy floor = K+1 numpy copies (`ndarray.copy()`) of N floats. Machine: \
 {os.cpu_count()} CPU cores, {gpus} GPUs in the Ray cluster; all actors on this node.
@@ -437,7 +438,8 @@ channels poll while they wait). Copy floor = K+1 numpy copies (`ndarray.copy()`)
           "compiled spin overhead ms (lo..hi)", "classic overhead ms (lo..hi)",
           "plain Ray ms (lo..hi)", "gloo all-reduce ms (lo..hi)", "compiled / gloo", f"<= {GLOO_TARGET} met",
           "compiled spin / gloo", "collective overhead ms (lo..hi)", "collective / gloo",
-          f"<= {COLLECTIVE_TARGET} met", "compiled / classic", "classic / plain Ray", f"<= {TARGET_RATIO} met", "copy floor ms"], case_rows)}
+          f"<= {COLLECTIVE_TARGET} met", "compiled / classic", "classic / plain Ray", f"<= {TARGET_RATIO} met",
+          "copy floor ms"], case_rows)}
 
 Driver memory at N = {mem_n:,} floats ({mem_n * 4 / 2**20:.1f} MiB per state), classic transport, each K in a \
 fresh driver process, before 4 rounds (after 2 warm-up rounds) and the peak during them (sampled after every fold \

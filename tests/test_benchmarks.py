@@ -497,3 +497,19 @@ def test_gpu_throughput_script_on_the_cpu(tmp_path):
     for row in ("| densenet121 | 32x32 | 2 | bf16 | no |", "| resnet20 | 8x8 | 8 | fp32 | no |"):
         assert row in text
     assert "Command: `python benchmarks/gpu_throughput.py --quick --device cpu" in text
+
+
+@pytest.mark.slow  # over a minute: gpu_throughput's quick run and a local Ray for the collective round
+def test_gpu_suite_script_on_the_cpu(tmp_path):
+    _, values = run_script_process("benchmarks/gpu_suite.py", "--quick", "--device", "cpu", "--out-dir",
+                                   str(tmp_path))
+    assert set(values) == {"client_vs_bare_densenet_bf16", "shared_gpu_ratio", "pipeline_ratio", "collective_ms",
+                           "bare_allreduce_ms", "ratio_collective_bare", "collective_nccl", "bare_nccl"}
+    assert all(math.isfinite(v) and v >= 0 for v in values.values())
+    assert values["collective_nccl"] == values["bare_nccl"] == 0  # gloo on the CPU, both sides
+    assert values["ratio_collective_bare"] == pytest.approx(values["collective_ms"] / values["bare_allreduce_ms"],
+                                                            rel=2e-3)
+    suite = (tmp_path / "gpu_suite.md").read_text()
+    assert "Device: CPU" in suite and "| collective round overhead | gloo |" in suite
+    assert "Command: `python benchmarks/gpu_suite.py --quick --device cpu" in suite
+    assert "| densenet121 | 32x32 | 2 | bf16 |" in (tmp_path / "gpu_throughput.md").read_text()

@@ -18,7 +18,6 @@ from test_oracle import initial_v, uneven_clients
 from test_sampling import CASES as SAMPLING_CASES
 
 import fdam_ray
-
 from fdam_ray.config import build_config
 from fdam_ray.data.arrays import ArraysSource
 from fdam_ray.executors.ray.executor import RayExecutor

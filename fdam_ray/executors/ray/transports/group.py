@@ -10,13 +10,13 @@ for bit) and keeps that state for the next round, so the driver sends the
 state only when the members' copy is not the one it holds (see
 :func:`state_key`).
 
-Two all-reduces per round, in the same order on every member: first a small
-float64 one in which each member writes its own slot (its weight, client
-count, bytes, a failure flag and its integer buffers; sums of one non-zero
-term per slot, so exact), then, unless a member flagged a failure, one float32
-all-reduce of the summed vectors (v, alpha, BatchNorm statistics, control
-variates; every vector but those combined by max) laid end to end in one
-buffer. The member's own partial sum is copied into that buffer rather than
+Two all-reduces per round, queued back to back in the same order on every
+member: a small float64 one in which each member writes its own slot (its
+weight, client count, bytes, a failure flag and its integer buffers; sums of
+one non-zero term per slot, so exact), and one float32 all-reduce of the
+summed vectors (v, alpha, BatchNorm statistics, control variates; every
+vector but those combined by max) laid end to end in one buffer. A round in
+which a member flagged a failure is discarded. The member's own partial sum is copied into that buffer rather than
 reduced in place: a round whose all-reduce breaks is finished from the kept
 partial sums (:meth:`~fdam_ray.executors.ray.actor.ClientShell.collective_round`
 with ``reduce_only``) without running a client twice.
@@ -69,13 +69,29 @@ class ServerStep:
     alpha_nonnegative: bool
     control_variates: bool
 
-    def apply(self, previous: GlobalState, total: PartialSum, steps: int, partial_total: float | None
-              ) -> GlobalState:
-        """The new global state from the round's reduced sums, as the driver's reducer computes it."""
+    def apply(self, previous: GlobalState, total: PartialSum, steps: int, partial_total: float | None,
+              into: PartialSum | None = None) -> GlobalState:
+        """The new global state from the round's reduced sums, as the driver's reducer computes it (which folds
+        them into zeros: ``0 + x``, written here into ``into``'s buffers when their shapes match, so a round
+        allocates no state-sized buffer; the returned state's vectors are then those buffers)."""
         reducer = RoundReducer(previous, global_lr=self.global_lr, alpha_nonnegative=self.alpha_nonnegative,
                                control_variates=self.control_variates, partial_total=partial_total)
-        reducer.fold(total)
+        if into is None or not _same_shapes(into, total):
+            reducer.fold(total)
+            return reducer.finish(steps=steps)
+        for f in vector_fields():
+            x, out = getattr(total, f.name), getattr(into, f.name)
+            if x is not None:
+                (np.maximum if f.metadata["rule"] is Rule.MAX else np.add)(x, x.dtype.type(0), out=out)
+        into.weight, into.count, into.bytes_up, into.stats = 0.0 + total.weight, total.count, total.bytes_up, []
+        reducer.sums = into
         return reducer.finish(steps=steps)
+
+
+def _same_shapes(a: PartialSum, b: PartialSum) -> bool:
+    return all((x is None and y is None) or (x is not None and y is not None and x.shape == y.shape
+                                             and x.dtype == y.dtype)
+               for x, y in zip(a.vectors().values(), b.vectors().values(), strict=True))
 
 
 @dataclasses.dataclass
@@ -121,6 +137,9 @@ class GroupMember:
         self.step: ServerStep | None = None
         self.held: GlobalState | None = None
         self._flat = np.empty(0, dtype=np.float32)
+        # the server step's sums, two sets used in turn: the state held from the last round lives in one
+        self._sums: list[PartialSum | None] = [None, None]
+        self._turn = 0
 
     # -- the group ------------------------------------------------------------------------
     def open(self, host: str, timeout_s: float) -> int:
@@ -193,10 +212,9 @@ class GroupMember:
                 at += n
         try:
             self.store.set(f"{token}/{rank}", "1")
-            self._all_reduce(small)
+            self._all_reduce(small, flat)
             if small[3 * world:4 * world].any():
                 return RoundShare(mine_stats, broken="a member failed in its local round")
-            self._all_reduce(flat)
         except Exception as exc:  # a member died or did not answer: the group is broken
             why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             log.debug("the all-reduce of round %d broke: %s", plan.round, why)
@@ -205,7 +223,7 @@ class GroupMember:
         total = self._total(flat, layout, small, state)
         if self.step is None:
             return RoundShare(mine_stats, None, total if rank == 0 else None)
-        self.held = self.step.apply(state, total, plan.steps, partial_total)
+        self.held = self.step.apply(state, total, plan.steps, partial_total, self._server_sums(total))
         return RoundShare(mine_stats, state_key(self.held, plan.stage), total if rank == 0 else None)
 
     def _total(self, flat: np.ndarray, layout: list[tuple[str, int]], small: np.ndarray,
@@ -228,18 +246,32 @@ class GroupMember:
         return PartialSum.from_vectors(vectors, weight=weight, count=int(small[world:2 * world].sum()),
                                        bytes_up=int(small[2 * world:3 * world].sum()), stats=[])
 
+    def _server_sums(self, like: PartialSum) -> PartialSum:
+        """The next of the two sets of server-step sums (made again when shapes change); never the one whose
+        buffers the held state uses."""
+        self._turn ^= 1
+        sums = self._sums[self._turn]
+        if sums is None or not _same_shapes(sums, like):
+            sums = self._sums[self._turn] = PartialSum.from_vectors(
+                {k: None if x is None else np.empty_like(x) for k, x in like.vectors().items()})
+        return sums
+
     def _buffer(self, n: int) -> np.ndarray:
         if self._flat.size != n:
             self._flat = np.empty(n, dtype=np.float32)
         return self._flat
 
-    def _all_reduce(self, buf: np.ndarray) -> None:
-        """Sum ``buf`` over the group, in place (through the GPU under NCCL)."""
+    def _all_reduce(self, *bufs: np.ndarray) -> None:
+        """Sum each of ``bufs`` over the group, in place (through the GPU under NCCL); the calls are queued
+        back to back and waited for together (one hand-over between Python and the backend)."""
         import torch.distributed as dist
 
         if self.backend == "nccl":
-            on_gpu = torch.from_numpy(buf).to(self.device, non_blocking=True)
-            dist.all_reduce(on_gpu)
-            buf[:] = on_gpu.cpu().numpy()
+            tensors = [torch.from_numpy(b).to(self.device, non_blocking=True) for b in bufs]
         else:
-            dist.all_reduce(torch.from_numpy(buf))
+            tensors = [torch.from_numpy(b) for b in bufs]
+        for work in [dist.all_reduce(t, async_op=True) for t in tensors]:
+            work.wait()
+        if self.backend == "nccl":
+            for b, t in zip(bufs, tensors, strict=True):
+                b[:] = t.cpu().numpy()
