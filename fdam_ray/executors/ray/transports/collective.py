@@ -14,7 +14,12 @@ sums, which it folds once (its reducer then computes the state every actor
 already holds, bit for bit). The driver sends the global state only when the
 actors' copy is not the one it holds (the first round, a new stage, a rebuilt
 group, a resume; :func:`~fdam_ray.executors.ray.transports.group.state_key`),
-so a round moves one state up and none down instead of K up and K down.
+so a round moves one state up and none down instead of K up and K down. The
+driver still receives that one reduced sum every round, not only on
+evaluation and checkpoint rounds: the federation loop holds the global state
+after every round (the stage's running average, the finiteness check), and a
+driver that received only metrics would need that loop to hold the state
+lazily; the transport leaves the loop as it is.
 
 Sampled-out actors are in the group and contribute zeros. The group is the
 fleet's actors, not the round's: building a group costs a rendezvous (far
