@@ -102,3 +102,63 @@ def test_reduce_node_is_refused_in_one_line():
         transport_for("collective", "node")
     assert str(info.value) == REFUSED["collective", "node"] and "\n" not in str(info.value)
     assert transport_for("collective", "star") == "collective"
+
+
+def test_the_members_server_step_is_the_drivers_bit_for_bit_in_either_set_of_sums():
+    from fdam_ray.algorithms import AlgorithmSection, build_algorithm
+    from fdam_ray.algorithms.server import PartialSum
+    from fdam_ray.executors.ray.transports.group import ServerStep
+    from fdam_ray.state import GlobalState
+
+    rng = np.random.default_rng(0)
+    n = 5000
+    prev = GlobalState(v=rng.standard_normal(n, dtype=np.float32), alpha=np.array([0.3], np.float32),
+                       buffers=rng.standard_normal(7, dtype=np.float32), counters=np.array([3, 9]),
+                       c_v=rng.standard_normal(n, dtype=np.float32), c_alpha=np.array([0.1], np.float32))
+    total = PartialSum(v=rng.standard_normal(n, dtype=np.float32), alpha=np.array([-0.2], np.float32),
+                       buffers=rng.standard_normal(7, dtype=np.float32), counters=np.array([4, 2]),
+                       c_v=rng.standard_normal(n, dtype=np.float32), c_alpha=np.array([0.05], np.float32),
+                       weight=2.75, count=3, bytes_up=10)
+    total.v[:3], total.buffers[0] = -0.0, -0.0  # the driver folds into zeros: 0 + (-0) is +0
+    algorithm = build_algorithm(AlgorithmSection.of(build_config(dict(algorithm="codasca", global_lr=1.3))))
+    for partial_total in (None, 5.0):
+        reducer = algorithm.reducer(prev, partial_total=partial_total)
+        reducer.fold(total)
+        want = reducer.finish(steps=4)
+        step = ServerStep(reducer.global_lr, reducer.alpha_nonnegative, reducer.control_variates)
+        into = PartialSum.zeros(prev, control_variates=True)
+        into.v[:] = np.nan  # stale values of an earlier round
+        for got in (step.apply(prev, total, 4, partial_total), step.apply(prev, total, 4, partial_total, into)):
+            for name in FIELDS:
+                assert getattr(got, name).tobytes() == getattr(want, name).tobytes(), name
+            assert (got.round, got.iteration) == (want.round, want.iteration)
+
+
+def test_nccl_only_when_every_actor_holds_a_gpu_of_its_own_and_the_store_on_the_loopback_on_one_node():
+    from types import SimpleNamespace
+
+    from fdam_ray.executors.ray.transports.collective import CollectiveTransport
+
+    def backend(where: dict) -> tuple[str, str]:
+        transport = CollectiveTransport.__new__(CollectiveTransport)
+        transport.fleet = SimpleNamespace(where_of=where)
+        return transport._backend(sorted(where)), transport._host(sorted(where))
+
+    gpu = lambda node, ids: {"device": "cuda:0", "gpu_ids": ids, "node_id": node}
+    assert backend({0: gpu("n", [0]), 1: gpu("n", [1])}) == ("nccl", "127.0.0.1")
+    assert backend({0: gpu("n", [0]), 1: gpu("n", [0])})[0] == "gloo"  # a shared GPU: NCCL takes one rank per GPU
+    assert backend({0: gpu("n", [0]), 1: {"device": "cpu", "gpu_ids": [], "node_id": "n"}})[0] == "gloo"
+    assert backend({0: {"device": "cpu", "gpu_ids": [], "node_id": "n"}}) == ("gloo", "127.0.0.1")
+
+
+def test_a_state_key_changes_with_the_stage_and_with_the_values():
+    from fdam_ray.executors.ray.transports.group import state_key
+    from fdam_ray.state import GlobalState
+
+    v = np.arange(100_000, dtype=np.float32)
+    state = GlobalState(v=v, alpha=np.array([0.5], np.float32), buffers=np.zeros(3, np.float32),
+                        counters=np.zeros(1, np.int64), round=4, iteration=40)
+    key = state_key(state, 2)
+    assert state_key(state, 2) == key and state_key(state, 3) != key
+    state.alpha[0] = 0.25  # a stage end's new alpha
+    assert state_key(state, 2) != key
