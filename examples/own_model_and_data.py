@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> fdam_ray.RunResult:
               "iterations": 600, "stage_length": 300, "eval_every": 100, "cpus_per_actor": 0.5}
     if args.quick:
         config.update(executor="inline", iterations=20, stage_length=20, local_steps=5, eval_every=10)
+        del config["cpus_per_actor"]  # a Ray field: inline runs the clients in this process
     k = args.clients
     # Each entry is a picklable callable: the client's own process builds its Dataset.
     clients = [functools.partial(client_dataset, c, k, "train") for c in range(k)]

@@ -7,11 +7,10 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
-from fdam_ray.config import Config, build_config
+from fdam_ray.config import FIELD_BY_NAME, Config, build_config
 from fdam_ray.data.arrays import ArrayPair, ArraysSource
 from fdam_ray.data.datasets import DatasetsSource, Entry
+from fdam_ray.evaluation import one_class_problems
 from fdam_ray.federation import RunResult
 from fdam_ray.recipe import run
 
@@ -26,23 +25,14 @@ def _config(config: Config | Mapping[str, Any] | None, **overrides: Any) -> Conf
 
 def warn_one_class(source: ArraysSource) -> None:
     """One warning naming every test set (``test``, ``client_tests[k]``) that holds one class only for a task:
-    the AUC it gives is NaN, since an AUC compares positives with negatives."""
-    sets = ([("test", source.test, "the pooled test AUC")] if source.test is not None else []) + [
-        (f"client_tests[{k}]", pair, f"client {k}'s AUC") for k, pair in sorted((source.tests or {}).items())]
-    problems = []
-    for name, (_, labels), what in sets:
-        for t, task in enumerate(source.task_names):
-            column = labels[:, t][~np.isnan(labels[:, t])]
-            positives = int(column.sum())
-            negatives = len(column) - positives
-            if positives == 0 or negatives == 0:
-                if len(source.task_names) > 1:  # a multi-task AUC is the mean over the tasks that have one
-                    problems.append(f"{name} has {positives} positives and {negatives} negatives for task "
-                                    f"'{task}', so its AUC for that task is NaN")
-                else:
-                    problems.append(f"{name} has {positives} positives and {negatives} negatives, so {what} is NaN")
+    the AUC it gives is NaN, since an AUC compares positives with negatives. Given before the run; the run's
+    evaluations then do not warn again (other sources are warned about on their first evaluation)."""
+    sets = ([("test", source.test[1], "the pooled test AUC")] if source.test is not None else []) + [
+        (f"client_tests[{k}]", pair[1], f"client {k}'s AUC") for k, pair in sorted((source.tests or {}).items())]
+    problems = one_class_problems(sets, source.task_names)
     if problems:
         log.warning("%s (an AUC needs positives and negatives)", "; ".join(problems))
+    source.one_class_warned = True
 
 
 def _with_model(overrides: dict[str, Any], model: str | Callable | None) -> dict[str, Any]:
@@ -101,7 +91,7 @@ def train_datasets(
     *,
     client_tests: Sequence[Entry | None] | None = None,
     model: str | Callable | None = None,
-    save: bool = False,
+    save: bool | None = None,
     on_eval: Callable[[dict], None] | None = None,
 ) -> RunResult:
     """Train on your own torch Datasets: one entry per client and a test set.
@@ -115,11 +105,18 @@ def train_datasets(
     (T,) for T tasks; each client reads and checks its labels in one pass over
     its Dataset. Batches are read by a DataLoader with ``data_workers``
     processes; ``batch_size`` 0 (full batch) is not available. ``num_clients``
-    is taken from ``len(clients)``; ``model`` as for :func:`train`.
+    is taken from ``len(clients)``; ``model`` as for :func:`train`. ``save``:
+    write a run folder, as :func:`train` does; None (the default) writes one
+    when the config names where (``run_name`` or ``out_dir``), else none.
 
     Returns:
         :class:`RunResult`, as :func:`train_arrays`.
     """
     cfg = _config(config, **_with_model({"dataset": "datasets", "num_clients": len(clients)}, model))
     source = DatasetsSource(clients, test, client_tests, data_workers=cfg.data_workers)
-    return run(cfg, source=source, save=save, on_eval=on_eval)
+    return run(cfg, source=source, save=names_a_run_folder(cfg) if save is None else save, on_eval=on_eval)
+
+
+def names_a_run_folder(config: Config) -> bool:
+    """Whether ``config`` says where a run folder goes (a ``run_name``, or an ``out_dir`` of its own)."""
+    return config.run_name is not None or config.out_dir != FIELD_BY_NAME["out_dir"].default

@@ -28,6 +28,7 @@ versions read here.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import re
 import tempfile
@@ -54,6 +55,65 @@ ClientState = dict | None
 
 class CheckpointError(ValueError):
     """A checkpoint file is missing, damaged, or of a schema this fdam-ray does not read."""
+
+
+class DiskFullError(OSError):
+    """A run folder's file could not be written for lack of space; the file's previous version is kept."""
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(exc: BaseException) -> OSError | None:
+    """The "no space" error behind ``exc``, if that is what it is: torch reports a failed write of its zip
+    writer as a RuntimeError ("unexpected pos"), with the file's OSError as its context."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in _FULL:
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
+def write_atomically(path: str | Path, write: Callable[[Any], None], what: str, *, private: bool = False) -> None:
+    """Write a file through ``write(binary file)`` to a temporary file in its folder, flush it to disk, then
+    rename it over ``path``: a crash or a full disk mid-write leaves the previous file intact. A full disk is
+    one :class:`DiskFullError` line naming the folder (the temporary file is removed). ``private``: readable by
+    the owner only (a checkpoint); else as the umask says, like any file the run writes."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        if not private:
+            os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        full = disk_full(exc)
+        if full is not None:
+            then = ("the previous one is kept: free space there, then continue the run with --resume" if path.exists()
+                    else "free space there, then run again")
+            error = DiskFullError(f"no space left on {path.parent} (writing {what} '{path.name}'); {then}")
+            error.errno = full.errno
+            raise error from None
+        raise
 
 
 @dataclasses.dataclass
@@ -216,18 +276,8 @@ def save_checkpoint(path: str | Path, checkpoint: Checkpoint) -> None:
     """Write ``checkpoint`` (with its config) to ``path`` atomically (temp file, fsync, rename)."""
     if checkpoint.config is None:
         raise ValueError("a checkpoint is written with the run's config (Checkpoint.with_config)")
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save({"format": FORMAT, "payload": _encode(checkpoint.to_payload())}, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    payload = {"format": FORMAT, "payload": _encode(checkpoint.to_payload())}
+    write_atomically(path, lambda fh: torch.save(payload, fh), "the checkpoint", private=True)
 
 
 def schema_of(data: Any, path: str | Path) -> int:

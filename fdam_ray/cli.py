@@ -12,11 +12,12 @@ import argparse
 import logging
 import signal
 import sys
-import threading
 from typing import TYPE_CHECKING, Any
 
+from fdam_ray import interrupts
 from fdam_ray.config import SECTIONS, ConfigError, build_config, describe_fields, load_config_file, parse_overrides
 from fdam_ray.locations import where
+from fdam_ray.redact import redact, redact_handlers
 
 if TYPE_CHECKING:
     from fdam_ray.federation import RunResult
@@ -70,18 +71,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     on_eval = None if args.quiet else _print_record
     progress = not args.quiet and not args.no_progress and sys.stderr.isatty()
 
-    def on_sigterm(signum: int, frame) -> None:
-        request_stop("received SIGTERM")
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    def on_first_signal(signum: int) -> None:
+        if signum != signal.SIGTERM:
+            raise interrupts.Interrupted(signum)  # Ctrl+C: at once, the last checkpoint kept
+        request_stop("received SIGTERM")  # what Slurm, Kubernetes and spot reclaim send: at the next round end
 
     clear_stop_request()
-    main_thread = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
-    previous = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
+    interrupts.set_first(on_first_signal)
     try:
         result = _train_or_resume(args.resume, values, on_eval=on_eval, progress=progress)
     except RunStopped as exc:
         print(f"fdam: {exc}", file=sys.stderr)
-        return 128 + signal.SIGTERM
+        return interrupts.exit_code(signal.SIGTERM)
     except DivergenceError as exc:
         print(f"fdam: run diverged: {exc}", file=sys.stderr)
         return 1
@@ -96,8 +97,6 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(note, file=sys.stderr)
         return 1
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
         clear_stop_request()
     print(_summary(result.summary))
     if result.run_dir is not None:  # a run of fdam train always writes its folder
@@ -123,22 +122,23 @@ def cmd_tune(args: argparse.Namespace) -> int:
     outcome = run_sweep(space, resume_dir=args.resume, address=args.address, trust_storage=args.trust_storage)
     out = outcome.path
     if outcome.storage:
-        print(f"sweep stored:  {outcome.storage} (a copy of its results below)")
+        print(f"sweep stored:  {redact(outcome.storage)} (a copy of its results below)")
     print(f"sweep results: {where(out / 'sweep_results.md')}")
     if outcome.best_config is not None:
         print(f"best config:   {outcome.best_config}  (fdam train --config {outcome.best_config})")
     print(f"figure:        {out / 'top_trials.png'}")
     for trial, line in outcome.failed:
-        print(f"fdam tune: trial {trial} failed: {line}", file=sys.stderr)
+        print(f"fdam tune: trial {trial} failed: {redact(line)}", file=sys.stderr)
     if outcome.failed:
         print(f"fdam tune: {len(outcome.failed)} of {outcome.trials} trials failed; their errors in full: "
               f"{outcome.errors_file}", file=sys.stderr)
     if outcome.unfinished:
         print(f"fdam tune: the sweep was interrupted with {outcome.unfinished} of {outcome.trials} trials "
-              f"unfinished, so it has no best config yet; continue it with: fdam tune --resume {outcome.resume_from}"
+              "unfinished, so it has no best config yet; continue it with: fdam tune --resume "
+              f"{redact(outcome.resume_from)}"
               + (" --trust-storage" if outcome.storage else ""),
               file=sys.stderr)
-        return 130
+        return interrupts.exit_code(interrupts.received() or signal.SIGINT)
     if outcome.best_config is None:
         print("fdam tune: no trial finished without an error, so there is no best config", file=sys.stderr)
         return 1
@@ -196,6 +196,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``fdam`` command; its exit code.
+
+    SIGTERM and Ctrl+C stop it as :mod:`fdam_ray.interrupts` says. Called without ``argv`` (the ``fdam``
+    command, ``python -m fdam_ray``) the process is the command's: the handlers stay for Ray's exit-time
+    shutdown, where any signal exits at once. Called with ``argv`` (from a program or a test) the process's
+    own handlers are given back when the command returns.
+    """
+    whole_process = argv is None
+    interrupts.install()
+    try:
+        return _run_command(argv)
+    finally:
+        if whole_process:
+            interrupts.command_returned()
+        else:
+            interrupts.uninstall()
+
+
+def _run_command(argv: list[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # key=value given after an option (fdam train --config f.yaml lr=0.1)
@@ -205,20 +224,21 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    redact_handlers()  # no password of a URI or address reaches stderr through a log line
     try:
         return args.func(args)
     except (ConfigError, ValueError) as exc:
-        print(f"fdam: error: {exc}", file=sys.stderr)
+        print(f"fdam: error: {redact(exc)}", file=sys.stderr)
         return 2
     except (OSError, RuntimeError) as exc:  # the machine, the cluster or a run that cannot go on
         if args.verbose:
             logging.getLogger("fdam_ray").exception("fdam %s failed", args.command)
-        print(f"fdam: error: {type(exc).__name__}: {exc}" + ("" if args.verbose else " (-v for the traceback)"),
-              file=sys.stderr)
+        print(f"fdam: error: {type(exc).__name__}: {redact(exc)}"
+              + ("" if args.verbose else " (-v for the traceback)"), file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl+C, or a stop signal in a wait with nothing to save
         print("fdam: interrupted", file=sys.stderr)
-        return 130
+        return interrupts.exit_code(interrupts.received() or signal.SIGINT)
 
 
 if __name__ == "__main__":

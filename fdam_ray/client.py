@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -25,8 +25,9 @@ from fdam_ray.algorithms.drift import ClientVariate
 from fdam_ray.algorithms.sampling import client_weights
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.data import AnySplit, DataSource, Split, iter_batches, make_sampler
+from fdam_ray.factories import describe_error
 from fdam_ray.flat import FlatModel
-from fdam_ray.models import build_model
+from fdam_ray.models import build_model, model_name
 from fdam_ray.precision import Precision, PrecisionSection
 from fdam_ray.sections import AT_LEAST_ONE, Section, setting, shared
 from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, Moments, RoundPlan, Scores, StepStats
@@ -92,6 +93,19 @@ def check_features(split: AnySplit | None, client_id: int, what: str) -> None:
                      f"{sample}, feature column {column}); clean or impute them before training")
 
 
+def features_refused(exc: RuntimeError, x: torch.Tensor | None, model: str | Callable,
+                     what: str) -> ValueError | None:
+    """The one-line error for ``exc``, raised while the network ran on the batch ``x`` of ``what``, when the
+    features are not floating point (integers, bool): what they are and what to change. None for any other
+    error (raised as it was)."""
+    if x is None or x.is_floating_point():
+        return None
+    return ValueError(f"{what}: the features are {x.dtype} and model {model_name(model)!r} cannot take them "
+                      f"({describe_error(exc)}); give float features (convert x in the Dataset, e.g. x.float(), "
+                      "or for uint8 images torchvision's ToDtype(torch.float32, scale=True)) or a model whose "
+                      f"forward takes {x.dtype}")
+
+
 def resolve_device(name: str) -> torch.device:
     """``auto`` -> the first visible GPU if any, else CPU."""
     if name == "auto":
@@ -117,20 +131,30 @@ class Replica:
                               precision=Precision.of(PrecisionSection.of(config), model, device))
 
     @torch.no_grad()
-    def score(self, split: AnySplit) -> np.ndarray:
-        """Sigmoid scores (n, T) of the current model on ``split`` (eval mode, then back to train mode)."""
+    def score(self, split: AnySplit, what: str = "the samples scored") -> np.ndarray:
+        """Sigmoid scores (n, T) of the current model on ``split`` (eval mode, then back to train mode).
+
+        ``what`` names the split in the error of features the model cannot take."""
         model = self.flat.model
         model.eval()
+        x, out = None, []
         try:
             t, batches = self.objective.num_tasks, iter_batches(split, self.config.eval_batch_size, self.device)
-            out = [torch.sigmoid(self.flat.forward(x).reshape(-1, t)) for x, _ in batches]
+            for x, _ in batches:
+                out.append(torch.sigmoid(self.flat.forward(x).reshape(-1, t)))
+        except RuntimeError as exc:
+            refused = features_refused(exc, x, self.config.model, what)
+            if refused is None:
+                raise
+            raise refused from None
         finally:
             model.train()
         return torch.cat(out).cpu().numpy()
 
     def scores_of(self, state: GlobalState, split: AnySplit, client_id: int = -1) -> Scores:
         self.flat.load(state)
-        return Scores(client_id, self.score(split), split.y.cpu().numpy())
+        what = "the test set" if client_id < 0 else f"client {client_id}'s test split"
+        return Scores(client_id, self.score(split, what), split.y.cpu().numpy())
 
 
 class TrainingReplica(Replica):
@@ -258,10 +282,17 @@ class Client:
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=self.device)
         samples = 0
-        for _ in range(plan.steps):  # client steps
-            x, y = self.sampler.next()
-            loss_sum += replica.train_step(x, y, plan.lr)
-            samples += x.shape[0]
+        x = None
+        try:
+            for _ in range(plan.steps):  # client steps
+                x, y = self.sampler.next()
+                loss_sum += replica.train_step(x, y, plan.lr)
+                samples += x.shape[0]
+        except RuntimeError as exc:
+            refused = features_refused(exc, x, self.config.model, f"client {self.client_id}")
+            if refused is None:
+                raise
+            raise refused from None
         loss = float(loss_sum) / plan.steps  # waits for the steps on a GPU
         compute_s = time.perf_counter() - start  # the steps alone: loading and exporting the state are transfer
         solver.end(plan.steps, plan.lr, partial=plan.partial)  # client final (a sampled round sends the change)
@@ -284,7 +315,7 @@ class Client:
     def score_moments(self, state: GlobalState) -> Moments:
         """Per-task sums of h over the training positives and negatives (for CODA's closed-form alpha)."""
         self.flat.load(state)
-        h = self.replica.score(self.train)
+        h = self.replica.score(self.train, f"client {self.client_id}")
         y = self.train.y.cpu().numpy()
         pos, neg = y == 1, y == 0
         return Moments((h * pos).sum(0), pos.sum(0), (h * neg).sum(0), neg.sum(0), self.client_id)

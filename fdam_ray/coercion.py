@@ -18,6 +18,7 @@ import yaml
 
 from fdam_ray.executors.ray_section import resource_list
 from fdam_ray.factories import PYTHON_PREFIX, import_path_of, is_import_path, resolve
+from fdam_ray.redact import short
 from fdam_ray.sections import ConfigError, fail
 from fdam_ray.yamlio import load_yaml
 
@@ -98,6 +99,8 @@ def _str(field: Field, value: Any) -> Any:
 
 
 def _did_you_mean(value: str, names: tuple[str, ...]) -> str:
+    if len(value) > 100:  # no name is so long; difflib would take seconds on a huge value
+        return ""
     hint = difflib.get_close_matches(value, names, n=1)
     return f"; did you mean '{hint[0]}'?" if hint else ""
 
@@ -148,9 +151,12 @@ def _factory(field: Field, value: Any) -> Any:
 def _factory_name(field: Field, value: str, names: tuple[str, ...]) -> str:
     if value in names:
         return value
+    if len(value) > _LONGEST_IMPORT_PATH:  # not matched or resolved: that alone would take seconds on a huge text
+        raise fail(field.name, value, f"one of {', '.join(names)}, or an import path module:attr of at most "
+                   f"{_LONGEST_IMPORT_PATH} characters")
     if value.startswith(PYTHON_PREFIX):
         raise ConfigError(
-            f"config field '{field.name}': {value!r} is a factory that was given in Python and cannot be "
+            f"config field '{field.name}': {short(value)} is a factory that was given in Python and cannot be "
             f"imported by name; give the callable again (fdam_ray.train(config, {field.name}=...), "
             f"fdam_ray.resume(run_dir, {field.name}=...)) or an import path module:attr")
     if is_import_path(value):
@@ -161,6 +167,9 @@ def _factory_name(field: Field, value: str, names: tuple[str, ...]) -> str:
         return value
     raise fail(field.name, value, f"one of {', '.join(names)}, or your own factory as an import path "
                f"module:attr{_did_you_mean(value, names)}")
+
+
+_LONGEST_IMPORT_PATH = 1000
 
 
 def _or_auto(plain: Callable[[Field, Any], Any]) -> Callable[[Field, Any], Any]:

@@ -39,6 +39,7 @@ from fdam_ray.models import MODEL_NAMES, ModelSection
 from fdam_ray.outputs import OutputSection
 from fdam_ray.precision import PrecisionSection
 from fdam_ray.pretrain import PretrainSection
+from fdam_ray.redact import clip, short
 from fdam_ray.schedules import ScheduleSection
 from fdam_ray.sections import (
     AT_LEAST_ONE,
@@ -52,7 +53,7 @@ from fdam_ray.sections import (
     setting,
     shared_names,
 )
-from fdam_ray.yamlio import load_yaml, read_yaml_file
+from fdam_ray.yamlio import kind_of, load_yaml, read_yaml_file
 
 __all__ = ["CHESTXRAY_SOURCES", "DATASET_NAMES", "FIELDS", "FIELD_BY_NAME", "MODEL_NAMES", "RENAMED_PER_ACTOR",
            "RESUME_MAY_CHANGE", "SECTIONS", "SECTION_CLASSES", "CommandLineText", "Config", "ConfigError", "Field",
@@ -178,8 +179,10 @@ def _flatten_sections(values: Mapping[str, Any]) -> dict[str, Any]:
     """
     out: dict[str, Any] = {}
     for key, value in values.items():
+        _check_name(key)
         if isinstance(value, Mapping):
             for sub, v in value.items():
+                _check_name(sub, key)
                 out[key if sub == "name" else f"{key}_{sub}"] = v
         elif "." in key:
             section, _, sub = key.partition(".")
@@ -189,8 +192,18 @@ def _flatten_sections(values: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _check_name(key: Any, section: str = "") -> None:
+    """A config key is text (a field or section name); ``1: 2`` or ``null: x`` is one line naming it."""
+    if not isinstance(key, str):
+        where = f" in section '{clip(section, 80)}'" if section else ""
+        raise ConfigError(f"config key {short(key, 60)}{where} is {kind_of(key)}, not a field name; keys "
+                          "are field names, written as text (see `fdam fields`)")
+
+
 def nearest_field(key: str) -> str | None:
     """The field an unknown key most likely means (a near spelling of a field or of a common other name)."""
+    if len(key) > 100:  # no field is named so long; difflib would take seconds on a huge key
+        return None
     lowered = key.lower()
     if lowered in _OTHER_NAMES:
         return _OTHER_NAMES[lowered]
@@ -213,7 +226,7 @@ def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> C
     merged = {field.name: _value(field, given, preset) for field in FIELDS}
     for name, value in preset.fixed.items():
         if name in given and merged[name] != value:
-            raise fail(name, merged[name], f"algorithm '{algorithm}' requires {name} = {value!r}")
+            raise fail(name, merged[name], f"algorithm '{algorithm}' requires {name} = {short(value)}")
         merged[name] = value
     config = Config(**merged)
     config.check()
@@ -229,7 +242,7 @@ def _given(values: Mapping[str, Any] | None, overrides: Mapping[str, Any]) -> di
         if key not in FIELD_BY_NAME:
             hint = nearest_field(key)
             extra = f"; did you mean '{hint}'?" if hint else ""
-            raise ConfigError(f"unknown config field '{key}'{extra} (see `fdam fields` for the list)")
+            raise ConfigError(f"unknown config field '{clip(key, 80)}'{extra} (see `fdam fields` for the list)")
     return given
 
 
@@ -269,7 +282,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise ConfigError(f"override '{item}' is not of the form key=value")
+            raise ConfigError(f"override '{clip(item, 80)}' is not of the form key=value")
         out[key.strip()] = CommandLineText(raw)
     return out
 
@@ -298,7 +311,7 @@ def load_config_file(path: str) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file '{path}' must hold a mapping of field: value, not {type(data).__name__}")
+        raise ConfigError(f"config file '{clip(path)}' must hold a mapping of field: value, not {type(data).__name__}")
     return data
 
 
@@ -322,7 +335,7 @@ def describe_fields(terms: list[str] | tuple[str, ...] = ()) -> str:
     fields`); a term that selects nothing is a :class:`ConfigError` naming the sections."""
     fields = select_fields(terms)
     if not fields:
-        raise ConfigError(f"no config field matches {' '.join(terms)!r}; give a section ({', '.join(SECTIONS)}) "
+        raise ConfigError(f"no config field matches {short(' '.join(terms))}; give a section ({', '.join(SECTIONS)}) "
                           "or a word of a field's name or meaning, or nothing for every field")
     rows = []
     for f in fields:

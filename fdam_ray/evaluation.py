@@ -5,9 +5,18 @@ the driver (or in slices on the clients, when the executor offers it), or,
 when a dataset has no global test set, the union of the clients' own test
 splits. Per-client AUC is reported for clients that hold a
 test split of their own.
+
+Two things a user's own model or data can do wrong show here, each in one
+line: a network whose outputs are NaN (its weights are finite, the federation
+checks them every round) is refused, naming the model; a test set holding one
+class only for a task gets a warning on the first evaluation, since its AUC is
+NaN.
 """
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -15,19 +24,28 @@ from fdam_ray.client import Replica
 from fdam_ray.data import AnySplit, DataSource
 from fdam_ray.executors import Executor
 from fdam_ray.metrics import mean_auc, pooled, task_aucs
-from fdam_ray.state import GlobalState
+from fdam_ray.models import model_name
+from fdam_ray.state import GlobalState, Scores
+
+log = logging.getLogger(__name__)
 
 
 class Evaluator:
-    """Scores the global model; the driver loads the global test set only if the clients do not score it."""
+    """Scores the global model; the driver loads the global test set only if the clients do not score it.
 
-    def __init__(self, replica: Replica, source: DataSource, executor: Executor) -> None:
+    ``warn_one_class``: warn on the first evaluation about test sets of one class (off where the caller has
+    already, as :func:`fdam_ray.train_arrays` does before the run).
+    """
+
+    def __init__(self, replica: Replica, source: DataSource, executor: Executor, *,
+                 warn_one_class: bool = True) -> None:
         self.replica = replica
         self.source = source
         self.task_names = source.task_names
         self.executor = executor
         self._test_loaded = False
         self._test: AnySplit | None = None
+        self._warn_one_class = warn_one_class and not getattr(source, "one_class_warned", False)
 
     def _driver_test_set(self) -> AnySplit | None:
         if not self._test_loaded:
@@ -41,12 +59,22 @@ class Evaluator:
             test = self._driver_test_set()
             if test is not None:
                 s = self.replica.scores_of(state, test)
+        for p in [*parts, *([s] if s is not None else [])]:
+            self._check_outputs(p)
         if s is not None:
             scores, labels = s.scores, s.labels
         elif parts:
             scores, labels = pooled([(p.scores, p.labels) for p in parts])
         else:
             raise ValueError("the dataset has neither a test set nor client test splits")
+        if self._warn_one_class:
+            self._warn_one_class = False
+            sets = [("the test set" if s is not None else "the pooled test set (the clients' test splits)",
+                     labels, "the pooled test AUC")]
+            sets += [(f"client {p.client_id}'s test split", p.labels, f"client {p.client_id}'s AUC") for p in parts]
+            problems = one_class_problems(sets, self.task_names)
+            if problems:
+                log.warning("%s (an AUC needs positives and negatives)", "; ".join(problems))
         aucs = task_aucs(scores, labels)
         out: dict = {"test_auc": mean_auc(aucs), "test_samples": len(labels)}
         if len(aucs) > 1:
@@ -54,6 +82,36 @@ class Evaluator:
         if parts:
             out["client_auc"] = {str(p.client_id): _num(mean_auc(task_aucs(p.scores, p.labels))) for p in parts}
         return out
+
+    def _check_outputs(self, scores: Scores) -> None:
+        """Refuse NaN outputs of the network (an AUC cannot rank them), naming the model and the samples."""
+        bad = np.isnan(scores.scores).any(axis=tuple(range(1, scores.scores.ndim)))
+        if not bad.any():
+            return
+        where = "the test set" if scores.client_id < 0 else f"client {scores.client_id}'s test split"
+        raise ValueError(f"model {model_name(self.replica.config.model)!r}: its outputs were NaN for "
+                         f"{int(bad.sum())} of {len(bad)} samples of {where} (first: sample "
+                         f"{int(np.argmax(bad))}) while its weights are finite: its forward makes NaN (log or sqrt "
+                         "of a negative, 0/0, inf - inf); fix the network's forward")
+
+
+def one_class_problems(sets: Sequence[tuple[str, np.ndarray, str]], task_names: Sequence[str]) -> list[str]:
+    """For each ``(name, labels (n, T), what its AUC is called)`` whose labels hold one class only for a task:
+    a phrase saying so and that its AUC is NaN."""
+    problems = []
+    for name, labels, what in sets:
+        labels = np.asarray(labels, dtype=np.float64).reshape(len(labels), -1)
+        for t, task in enumerate(task_names):
+            column = labels[:, t][~np.isnan(labels[:, t])]
+            positives = int(column.sum())
+            negatives = len(column) - positives
+            if positives == 0 or negatives == 0:
+                if len(task_names) > 1:  # a multi-task AUC is the mean over the tasks that have one
+                    problems.append(f"{name} has {positives} positives and {negatives} negatives for task "
+                                    f"'{task}', so its AUC for that task is NaN")
+                else:
+                    problems.append(f"{name} has {positives} positives and {negatives} negatives, so {what} is NaN")
+    return problems
 
 
 def _num(x: float) -> float | None:

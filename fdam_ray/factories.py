@@ -16,7 +16,10 @@ function of the ``__main__`` script) in what a run folder records.
 from __future__ import annotations
 
 import importlib
+import os
 import re
+import sysconfig
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -43,10 +46,13 @@ def resolve(path: str, *, field: str, here: str = "") -> Callable:
     where = f" {here}" if here else ""
     try:
         obj: Any = importlib.import_module(module_name)
-    except Exception as exc:  # ImportError, or an error raised while the module runs
-        detail = " ".join(f"{type(exc).__name__}: {exc}".split())
-        raise ValueError(f"{field}: cannot import module '{module_name}' of '{path}'{where} ({detail}); "
-                         f"{ON_EVERY_NODE}") from None
+    except (Exception, SystemExit) as exc:  # ImportError, an error raised while the module runs, or sys.exit
+        if isinstance(exc, SystemExit):
+            raise ValueError(f"{field}: importing module '{module_name}' of '{path}'{where} called "
+                             f"{describe_error(exc)}{raised_at(exc)}; a module a factory lives in must not exit "
+                             "when imported (put script code under `if __name__ == \"__main__\":`)") from None
+        raise ValueError(f"{field}: cannot import module '{module_name}' of '{path}'{where} "
+                         f"({describe_error(exc)}); {ON_EVERY_NODE}") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"{field}: module '{module_name}' has no attribute '{attr}' (from '{path}'{where})")
@@ -80,3 +86,32 @@ def python_name(fn: Callable) -> str:
     module = getattr(fn, "__module__", None) or type(fn).__module__
     qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
     return f"{PYTHON_PREFIX}{module}.{qualname}"
+
+
+MAX_DETAIL = 300  # characters of an error message of your own code quoted in a one-line error
+
+
+def describe_error(exc: BaseException) -> str:
+    """``Type: message`` of an error raised by your own code, on one line and shortened (``sys.exit(code)``
+    for SystemExit)."""
+    if isinstance(exc, SystemExit):
+        return f"sys.exit({exc.code!r})"
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= MAX_DETAIL else text[: MAX_DETAIL - 3] + "..."
+
+
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__))
+_LIBRARY_DIRS = tuple({sysconfig.get_path(name) for name in ("stdlib", "purelib", "platlib")} - {None})
+
+
+def raised_at(exc: BaseException) -> str:
+    """`` (at file:line in function)``: where in your own code ``exc`` was raised: the innermost frame of its
+    traceback outside fdam_ray and outside installed libraries (else outside fdam_ray), or '' when none is."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not os.path.abspath(f.filename).startswith(_OWN_DIR + os.sep)]
+    yours = [f for f in frames if not f.filename.startswith("<")
+             and not os.path.abspath(f.filename).startswith(_LIBRARY_DIRS)]
+    if not frames:
+        return ""
+    frame = (yours or frames)[-1]
+    return f" (at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name})"

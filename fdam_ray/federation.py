@@ -192,6 +192,7 @@ class Federation:
             "samples_per_s": round(loop.samples / loop.train_s, 1) if loop.train_s else None,
         }
         loop.loss_sum, loop.loss_rounds = 0.0, 0
+        _warn_if_test_set_changed(loop.history, rec)
         loop.history.append(rec)
         log.info("iteration %d round %d stage %d: test AUC %.4f", rec["iteration"], plan_round, stage,
                  rec["test_auc"])
@@ -226,16 +227,16 @@ class Federation:
             torch.set_rng_state(resume.torch_rng)
         snapshot = self._snapshot(loop, started)
         observer = self.observer
-        observer.start(RunStart(resumed=resume is not None, history=loop.history, round=loop.state.round,
-                                iteration=loop.state.iteration, iterations=self.schedule.iterations))
-        for k in [] if resume is None else resume.unplaced_clients():
-            observer.event("client %d could not be placed when the checkpoint was written; it starts again from "
-                           "its shard with the global control variate", k, level=logging.WARNING)
-        for line in getattr(self.executor, "placement_lines", list)():  # where each client runs (Ray)
-            observer.event("%s", line)
-        evaluator = Evaluator(self.replica, self.source, self.executor)
         error: BaseException | None = None
-        try:
+        try:  # every observer closes however the run ends, also when one fails to start
+            observer.start(RunStart(resumed=resume is not None, history=loop.history, round=loop.state.round,
+                                    iteration=loop.state.iteration, iterations=self.schedule.iterations))
+            for k in [] if resume is None else resume.unplaced_clients():
+                observer.event("client %d could not be placed when the checkpoint was written; it starts again "
+                               "from its shard with the global control variate", k, level=logging.WARNING)
+            for line in getattr(self.executor, "placement_lines", list)():  # where each client runs (Ray)
+                observer.event("%s", line)
+            evaluator = Evaluator(self.replica, self.source, self.executor)
             if resume is None:
                 observer.record(self._record(loop, evaluator, 0, 1, self.schedule.lr, started), snapshot)
             schedule = Schedule(self.schedule, loop.position)
@@ -312,6 +313,19 @@ class Federation:
         run_dir = summary["run_dir"]
         return RunResult(None, model_state, a, b, state.alpha.copy(), cv, history, summary, state,
                          None if run_dir is None else Path(run_dir))
+
+
+def _warn_if_test_set_changed(history: list[dict], rec: dict) -> None:
+    """One warning when the pooled test set is not the one the last evaluation scored: a client dropped from the
+    run (``on_client_failure=drop``) takes its own test split out of a pool made of the clients' splits, and an
+    AUC over other samples cannot be compared with the earlier ones (each record keeps its ``test_samples``)."""
+    before = history[-1].get("test_samples") if history else None
+    now = rec.get("test_samples")
+    if before is not None and now is not None and now != before:
+        log.warning("the pooled test set has %d samples at iteration %d, %d at the evaluation before (the test "
+                    "splits of dropped clients are no longer scored): test AUCs before and after are not comparable, "
+                    "and best_test_auc may come from the larger set (metrics record test_samples per evaluation)",
+                    now, rec["iteration"], before)
 
 
 def _control_variates(state: GlobalState) -> tuple[np.ndarray, np.ndarray] | None:

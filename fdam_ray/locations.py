@@ -22,6 +22,8 @@ import re
 import socket
 from pathlib import Path
 
+from fdam_ray.redact import redact
+
 log = logging.getLogger(__name__)
 
 _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -71,15 +73,17 @@ def output_root(path: str | os.PathLike, field: str) -> Path:
         _said.add(field)
         log.warning("running as a Ray job in Ray's temporary copy of the working directory (%s), which Ray deletes "
                     "after the job: %s=%s is relative, so outputs go under %s on host %s; set %s to an absolute "
-                    "path on shared storage to choose where", Path.cwd(), field, path, chosen, socket.gethostname(),
+                    "path on shared storage to choose where", Path.cwd(), field, redact(path), redact(chosen),
+                    socket.gethostname(),
                     field)
     return chosen
 
 
 def where(path: str | os.PathLike) -> str:
-    """``path`` as a user should read it in a message: absolute, with the host when inside a Ray job."""
+    """``path`` as a user should read it in a message: absolute, with the host when inside a Ray job; a URI with
+    its credentials replaced by ``***`` (see :func:`fdam_ray.redact.redact`)."""
     if is_uri(str(path)):
-        return str(path)
+        return redact(path)
     text = str(Path(path).absolute())
     return f"{text} (on host {socket.gethostname()})" if job_working_dir() is not None else text
 
@@ -99,13 +103,13 @@ class RemoteFolder:
         try:
             self.fs, self.path = open_storage(self.uri)
         except (OSError, ValueError) as exc:  # an unknown scheme, no credentials, an unreachable endpoint
-            raise OSError(f"storage '{uri}' cannot be opened: {str(exc).splitlines()[0]}") from None
+            raise OSError(f"storage '{redact(uri)}' cannot be opened: {_first_line(exc)}") from None
 
     def _call(self, what: str, fn, *args):
         try:
             return fn(*args)
         except (OSError, ValueError) as exc:
-            raise OSError(f"storage '{self.uri}': cannot {what}: {str(exc).splitlines()[0]}") from None
+            raise OSError(f"storage '{redact(self.uri)}': cannot {what}: {_first_line(exc)}") from None
 
     def exists(self, name: str = "") -> bool:
         import pyarrow.fs
@@ -113,12 +117,17 @@ class RemoteFolder:
         info = self._call("look up", self.fs.get_file_info, join_uri(self.path, name) if name else self.path)
         return info.type != pyarrow.fs.FileType.NotFound
 
-    def read_text(self, name: str) -> str:
+    def read_text(self, name: str, limit: int | None = None) -> str:
+        """The text of the file ``name``; with ``limit``, a file of more bytes is an OSError saying so."""
+
         def read() -> bytes:
             with self.fs.open_input_stream(join_uri(self.path, name)) as fh:
-                return fh.read()
+                return fh.read() if limit is None else fh.read(limit + 1)
 
-        return self._call(f"read {name}", read).decode("utf-8")
+        data = self._call(f"read {name}", read)
+        if limit is not None and len(data) > limit:
+            raise OSError(f"storage '{redact(self.uri)}': {name} is larger than {limit:,} bytes")
+        return data.decode("utf-8")
 
     def write_text(self, name: str, text: str) -> None:
         def write() -> None:
@@ -145,10 +154,17 @@ class RemoteFolder:
                 self._call(f"write {name}", write)
 
 
-def read_uri_text(uri: str) -> str:
-    """The text of the file a storage URI names (FileNotFoundError if there is none)."""
+def read_uri_text(uri: str, limit: int | None = None) -> str:
+    """The text of the file a storage URI names (FileNotFoundError if there is none); with ``limit``, at most that
+    many bytes (more is an OSError)."""
     parent, _, name = uri.rstrip("/").rpartition("/")
     folder = RemoteFolder(parent)
     if not folder.exists(name):
-        raise FileNotFoundError(uri)
-    return folder.read_text(name)
+        raise FileNotFoundError(redact(uri))
+    return folder.read_text(name, limit)
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an error's text, redacted (a filesystem's error may repeat the URI with its key)."""
+    lines = str(exc).splitlines()
+    return redact(lines[0] if lines else type(exc).__name__)

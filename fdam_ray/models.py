@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fdam_ray.factories import import_path_of, is_import_path, python_name, resolve
+from fdam_ray.factories import describe_error, import_path_of, is_import_path, python_name, raised_at, resolve
 from fdam_ray.sections import AT_LEAST_ONE, Section, setting
 
 
@@ -183,8 +183,9 @@ def build_model(
     input_shape = tuple(int(d) for d in input_shape)
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    if isinstance(name, str) and name in BUILDERS:
-        builder, args, kwargs = BUILDERS[name], (input_shape, num_tasks, width), {}
+    built_in = BUILDERS.get(name) if isinstance(name, str) else None
+    if built_in is not None:
+        builder, args, kwargs = built_in, (input_shape, num_tasks, width), {}
     else:
         builder = _factory(name)
         args, kwargs = (input_shape, num_tasks), ({"width": width} if _takes_width(builder) else {})
@@ -198,8 +199,20 @@ def build_model(
             pass  # no signature to check against
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = builder(*args, **kwargs)
+        model = builder(*args, **kwargs) if built_in is not None else _call_factory(builder, name, args, kwargs)
     return check_model(model, name, num_tasks)
+
+
+def _call_factory(builder: Callable, name: str | Callable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Call your own model factory; an error it raises (or ``sys.exit``) becomes one line naming the factory,
+    how it was called and where in it the error came from, with no traceback through the federation."""
+    try:
+        return builder(*args, **kwargs)
+    except (Exception, SystemExit) as exc:  # the factory's own failure, whatever it is
+        call = ", ".join([*(repr(a) for a in args), *(f"{k}={v!r}" for k, v in kwargs.items())])
+        raise ValueError(f"model {model_name(name)!r}: the factory raised {describe_error(exc)}{raised_at(exc)} "
+                         f"when called as factory({call}); fix the factory so that this call returns an "
+                         "nn.Module") from None
 
 
 def check_model(model: object, name: str | Callable, num_tasks: int) -> nn.Module:

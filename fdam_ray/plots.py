@@ -13,12 +13,16 @@ and of a sweep (``fdam tune``): ``top_trials.png``, its best trials' curves.
 from __future__ import annotations
 
 import json
+import logging
+import math
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
 from fdam_ray.config import read_yaml_file
+
+log = logging.getLogger(__name__)
 
 
 class Run:
@@ -111,8 +115,21 @@ def _labels(runs: list[Run]) -> list[str]:
 
 
 def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
-    """Draw every figure that the given runs support into ``out_dir``; return the files written."""
-    runs = [Run(Path(p)) for p in run_dirs]
+    """Draw every figure that the given runs support into ``out_dir``; return the files written.
+
+    A run without a single finite test AUC (NaN throughout: a test set of one class, a diverged run) has no
+    curve to draw: it is named in one warning and left out, and the other runs are drawn; if no run is left,
+    that is a ``ValueError`` naming them."""
+    runs: list[Run] = []
+    skipped: list[Run] = []
+    for p in run_dirs:
+        run = Run(Path(p))
+        (runs if np.isfinite(run.series("test_auc")).any() else skipped).append(run)
+    if skipped:
+        names = ", ".join(f"'{r.path}'" for r in skipped)
+        if not runs:
+            raise ValueError(f"nothing to plot: the test AUC of {names} is NaN at every evaluation")
+        log.warning("not plotted: the test AUC of %s is NaN at every evaluation", names)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     plt = _pyplot()
@@ -161,8 +178,9 @@ def _auc_vs_local_steps(plt, runs: list[Run], path: Path) -> Path | None:
     algorithm and I give a mean with a min-max band. None without a CODA+ or CODASCA run."""
     by_alg: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     for run in runs:
-        if run.algorithm in ("coda_plus", "codasca") and run.local_steps:
-            by_alg[run.algorithm][int(run.local_steps)].append(run.history[-1]["test_auc"])
+        final = run.series("test_auc")[-1]
+        if run.algorithm in ("coda_plus", "codasca") and run.local_steps and math.isfinite(final):
+            by_alg[run.algorithm][int(run.local_steps)].append(final)
     if not by_alg:
         return None
     names = [a for a in ("coda_plus", "codasca") if a in by_alg]
@@ -195,8 +213,8 @@ def _task_auc(plt, labelled: list[tuple[Run, str]], path: Path) -> Path | None:
         ax.bar(x + i * width - 0.4 + width / 2, vals, width, label=label)
     ax.set_xticks(x, tasks, rotation=20)
     ax.set(ylabel="final test AUC", title="AUC per task")
-    lo = np.nanmin([v or np.nan for r, _ in multi for v in r.history[-1]["task_auc"].values()])
-    ax.set_ylim(max(0.0, lo - 0.05), 1.0)
+    finite = [v for r, _ in multi for v in r.history[-1]["task_auc"].values() if v is not None and math.isfinite(v)]
+    ax.set_ylim(max(0.0, min(finite, default=0.05) - 0.05), 1.0)
     ax.legend(fontsize=8)
     return _save(fig, path, plt)
 

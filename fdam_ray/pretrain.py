@@ -9,18 +9,34 @@ pre-training settings, assembled by :mod:`fdam_ray.recipe` like any other run,
 so no training loop is duplicated; this module only says what stage 1 is. The
 paper pre-trains with Adam (lr 1e-5, 2 epochs); here stage 1 takes the same
 local SGD steps as every other run.
+
+Each stage writes its own run folder (``<run_name>-pretrain``, then
+``<run_name>``). Stage 1's folder also holds ``recipe.yaml``: the whole
+two-stage run's config and, once stage 2 has made it, stage 2's folder. So
+``fdam train --resume`` on stage 1's folder, the command a run stopped during
+pre-training prints, continues the whole recipe: it finishes stage 1 and runs
+(or continues) stage 2 from its body (:func:`fdam_ray.recipe.resume`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
+import yaml
 
+from fdam_ray.checkpoint import CheckpointError, write_atomically
 from fdam_ray.data import DataSource
 from fdam_ray.models import build_model
+from fdam_ray.outputs.observer import Observer, RunStart
 from fdam_ray.sections import NONNEGATIVE, POSITIVE, Section, setting
 from fdam_ray.weights import head_keys
+from fdam_ray.yamlio import read_yaml_file
+
+RECIPE_FILE = "recipe.yaml"  # in stage 1's run folder: the whole run's config, and stage 2's folder
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -90,3 +106,45 @@ def pretrained_body(model_state: dict[str, torch.Tensor], config, source: DataSo
 def pretrain_source(config, source: DataSource) -> DataSource:
     """The data of stage 1: every client (federated), or client 0 alone."""
     return source if config.num_clients == source.num_clients else FirstClientSource(source)
+
+
+def _plain(values: dict) -> dict:
+    return {k: [dict(x) if isinstance(x, dict) else x for x in v] if isinstance(v, tuple) else v
+            for k, v in values.items()}
+
+
+def recipe_record(config: Any, stage2_dir: Path | None = None) -> dict:
+    """What stage 1's ``recipe.yaml`` holds: the two-stage run's config (``Config.to_dict()``) and stage 2's
+    folder (None until stage 2 has made it)."""
+    return {"stage": 1, "config": _plain(config.to_dict()),
+            "stage2_dir": None if stage2_dir is None else str(stage2_dir)}
+
+
+def read_recipe(run_dir: Path) -> dict | None:
+    """Stage 1's ``recipe.yaml`` in ``run_dir``, or None for a folder of an ordinary run (or of stage 2)."""
+    path = Path(run_dir) / RECIPE_FILE
+    if not path.is_file():
+        return None
+    data = read_yaml_file(path, "pre-training recipe file")
+    if not isinstance(data, dict) or not isinstance(data.get("config"), dict) or not isinstance(
+            data.get("stage2_dir"), (str, type(None))):
+        raise CheckpointError(f"pre-training recipe file '{path}' is damaged: it holds no 'config' mapping and "
+                              "'stage2_dir'")
+    return data
+
+
+class Stage2Folder(Observer):
+    """Records stage 2's run folder in stage 1's ``recipe.yaml`` when stage 2 starts, so that resuming stage 1's
+    folder continues stage 2 there."""
+
+    def __init__(self, stage1_dir: Path, config: Any, stage2_dir: Callable[[], Path | None]) -> None:
+        self.stage1_dir = Path(stage1_dir)
+        self.config = config
+        self.stage2_dir = stage2_dir
+
+    def start(self, run: RunStart) -> None:
+        folder = self.stage2_dir()
+        if folder is None:
+            return
+        text = yaml.safe_dump(recipe_record(self.config, folder), sort_keys=False).encode("utf-8")
+        write_atomically(self.stage1_dir / RECIPE_FILE, lambda fh: fh.write(text), "the pre-training recipe")

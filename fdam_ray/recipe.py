@@ -27,6 +27,7 @@ in order:
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -39,17 +40,27 @@ from fdam_ray.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from fdam_ray.client import resolve_device
 from fdam_ray.config import RENAMED_PER_ACTOR, RESUME_MAY_CHANGE, Config, ConfigError, build_config
 from fdam_ray.data import DataSource, make_source
-from fdam_ray.data.datasets import DatasetsSource, describe_client
+from fdam_ray.data.datasets import DatasetsSource, check_shippable, describe_client
 from fdam_ray.executors import Executor, make_executor
-from fdam_ray.executors.inline import InlineExecutor
+from fdam_ray.executors.errors import PlacementError
+from fdam_ray.executors.inline import InlineExecutor, ignored_fields
 from fdam_ray.factories import PYTHON_PREFIX
 from fdam_ray.federation import Federation, RunResult
 from fdam_ray.models import model_name
-from fdam_ray.outputs import EvalCallback, Observer, Observers, Progress, RunFolder
-from fdam_ray.pretrain import pretrain_config, pretrain_source, pretrained_body
+from fdam_ray.outputs import EvalCallback, Observer, Observers, OutputSection, Progress, RunFolder, RunStopped
+from fdam_ray.outputs.run_folder import check_new_run_dir
+from fdam_ray.pretrain import (
+    RECIPE_FILE,
+    Stage2Folder,
+    pretrain_config,
+    pretrain_source,
+    pretrained_body,
+    read_recipe,
+    recipe_record,
+)
 from fdam_ray.runlock import check_not_in_use
 from fdam_ray.schedules import ScheduleSection
-from fdam_ray.trackers import check_installed as trackers_installed
+from fdam_ray.trackers import check_usable as trackers_usable
 from fdam_ray.trackers import make_trackers
 from fdam_ray.weights import load_weights, read_weights
 
@@ -69,6 +80,8 @@ def federate(
     on_eval: Callable[[dict], None] | None = None,
     progress: bool = False,
     observers: Sequence[Observer] = (),
+    pretrained: RunResult | None = None,
+    files: dict[str, dict] | None = None,
 ) -> RunResult:
     """Assemble the federation ``config`` describes and run it (see the module docstring).
 
@@ -85,28 +98,26 @@ def federate(
         progress: show a progress bar over iterations.
         observers: more observers of the run (e.g. a Tune trial's reports); stage 1 of pre-training
             reports only to its own run folder and progress bar.
+        pretrained: stage 1 of the two-stage recipe, already run (a resumed recipe's); None runs it here.
+        files: more YAML files for a fresh run folder (stage 1's ``recipe.yaml``).
     """
-    trackers_installed(config.trackers)  # before any data is read or client started
+    trackers_usable(config.trackers)  # before any data is read or client started
+    if resume is None and save and run_dir is None:
+        check_new_run_dir(OutputSection.of(config))  # a name in use is refused now, not after pre-training
     source = source if source is not None else make_source(config)
     if source.num_clients != config.num_clients:
         raise ValueError(f"the data has {source.num_clients} clients but num_clients={config.num_clients}")
     describe_data(source, config, executor)
-    pretrained, weights, weights_from = None, initial_model_state, "initial_model_state"
-    if resume is None:
-        if config.pretrain_iterations:  # stage 1 starts from the given weights or model_weights, as any run does
-            stage1 = pretrain_config(config)
-            log.info("pre-training: %d iterations of %s with bce on %s", stage1.iterations, stage1.algorithm,
-                     "every client" if stage1.num_clients > 1 else "client 0")
-            pretrained = federate(stage1, source=pretrain_source(stage1, source), initial_model_state=weights,
-                                  save=save, progress=progress)
-            log.info("pre-training done: test AUC %.4f", pretrained.summary["final_test_auc"])
-            weights, weights_from = pretrained_body(pretrained.model_state, config, source), "pre-trained weights"
-        elif weights is None and config.model_weights:
-            weights, weights_from = read_weights(config.model_weights), f"model_weights '{config.model_weights}'"
+    if not config.pretrain_iterations or resume is not None:  # a two-stage run's warning comes with stage 1
+        warn_ignored(config)
+    weights, weights_from, pretrained = _initial_weights(config, source, initial_model_state, resume, pretrained,
+                                                         save=save, progress=progress)
     outputs: list[Observer] = []
-    folder = RunFolder(config, run_dir=run_dir, checkpoints=checkpoints) if save else None
+    folder = RunFolder(config, run_dir=run_dir, checkpoints=checkpoints, files=files) if save else None
     if folder is not None:
         outputs.append(folder)
+        if pretrained is not None and pretrained.run_dir is not None:
+            outputs.append(Stage2Folder(pretrained.run_dir, config, lambda: folder.dir))
     if progress:
         outputs.append(Progress())
     if on_eval is not None:
@@ -130,15 +141,51 @@ def federate(
     return result
 
 
+def warn_ignored(config: Config) -> None:
+    """One warning naming the Ray executor's fields that ``executor=inline`` ignores, when any is set."""
+    if config.executor == "inline":
+        ignored = ignored_fields(config)
+        if ignored:
+            log.warning("executor=inline ignores %s (fields of the Ray executor, which have no effect on an inline "
+                        "run)", ", ".join(ignored))
+
+
+def _initial_weights(config: Config, source: DataSource, weights: dict[str, torch.Tensor] | None,
+                     resume: Checkpoint | None, pretrained: RunResult | None, *, save: bool, progress: bool,
+                     ) -> tuple[dict[str, torch.Tensor] | None, str, RunResult | None]:
+    """(the weights a fresh run starts from, where they come from, stage 1's run when there is one).
+
+    With ``pretrain_iterations``, stage 1 runs here (it starts from the given weights or ``model_weights``, as
+    any run does) unless ``pretrained`` is its run already; its folder records the whole recipe
+    (:data:`~fdam_ray.pretrain.RECIPE_FILE`), so resuming it continues into stage 2."""
+    if resume is not None:
+        return weights, "initial_model_state", None
+    if config.pretrain_iterations:
+        if pretrained is None:
+            stage1 = pretrain_config(config)
+            log.info("pre-training: %d iterations of %s with bce on %s", stage1.iterations, stage1.algorithm,
+                     "every client" if stage1.num_clients > 1 else "client 0")
+            pretrained = federate(stage1, source=pretrain_source(stage1, source), initial_model_state=weights,
+                                  save=save, progress=progress, files={RECIPE_FILE: recipe_record(config)})
+            log.info("pre-training done: test AUC %.4f", pretrained.summary["final_test_auc"])
+        return pretrained_body(pretrained.model_state, config, source), "pre-trained weights", pretrained
+    if weights is None and config.model_weights:
+        return read_weights(config.model_weights), f"model_weights '{config.model_weights}'", None
+    return weights, "initial_model_state", None
+
+
 def describe_data(source: DataSource, config: Config, executor: Executor | None) -> None:
     """Read the sample shape and number of tasks of your own Datasets where client 0 runs, if not known yet.
 
     Inline, that is this process; under Ray, a task of its own (no CPU reserved), so that under Ray the
-    driver never reads a client's data.
+    driver never reads a client's data. Under Ray, first refuse in one line a model factory or client entry
+    that Ray could not send to the clients' processes.
     """
+    on_ray = config.executor == "ray" if executor is None else not isinstance(executor, InlineExecutor)
+    if on_ray:
+        check_shippable(config.model, source)  # your own code that Ray cannot send: one line, before Ray starts
     if not isinstance(source, DatasetsSource) or source.described:
         return
-    on_ray = config.executor == "ray" if executor is None else not isinstance(executor, InlineExecutor)
     if not on_ray:
         source.describe_here()
         return
@@ -246,11 +293,16 @@ def resume(
 
     ``changes`` may alter only fields in :data:`fdam_ray.config.RESUME_MAY_CHANGE`
     (how the run executes, or a longer ``iterations``); anything else means a
-    different run and is refused. ``model``: the model factory of a run that was
-    given one in Python which cannot be imported by name (its run folder records
-    only its name, ``python:module.name``); it must have that same name.
-    ``source``: the data of a run made by :func:`fdam_ray.train_arrays` or
-    :func:`fdam_ray.train_datasets` (given as a source, as those build it).
+    different run and is refused, and so is an ``iterations`` short of where the
+    run is already (its record would no longer match its metrics). A run that is finished is not
+    trained again: its stored result is returned and nothing in its folder is
+    rewritten. Stage 1's folder of a two-stage run (:mod:`fdam_ray.pretrain`)
+    continues the whole recipe: stage 1 to its end, then stage 2. ``model``: the
+    model factory of a run that was given one in Python which cannot be imported
+    by name (its run folder records only its name, ``python:module.name``); it
+    must have that same name. ``source``: the data of a run made by
+    :func:`fdam_ray.train_arrays` or :func:`fdam_ray.train_datasets` (given as a
+    source, as those build it).
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -260,7 +312,17 @@ def resume(
                          "before the first checkpoint)")
     check_not_in_use(run_dir)  # at once, not after the clients have started
     checkpoint = load_checkpoint(run_dir / "checkpoint.pt")
-    recorded = dict(checkpoint.config or {})
+    saved = _saved_config(run_dir, dict(checkpoint.config or {}), model, run_dir / "checkpoint.pt")
+    recipe = read_recipe(run_dir)
+    if recipe is not None:
+        return _resume_recipe(run_dir, checkpoint, saved, recipe, changes, source=source, on_eval=on_eval,
+                              progress=progress, model=model)
+    wanted = _wanted(run_dir, saved, changes, done=checkpoint.loop.state.iteration)
+    return _continue(run_dir, checkpoint, saved, wanted, source=source, on_eval=on_eval, progress=progress)
+
+
+def _saved_config(run_dir: Path, recorded: dict, model: str | Callable | None, holder: Path) -> Config:
+    """The config a run folder records (in ``holder``), with a Python model factory given again as ``model``."""
     saved_model = recorded.get("model")
     if model is not None:
         given = model_name(model)
@@ -274,18 +336,92 @@ def resume(
                           f"fdam_ray.resume('{run_dir}', model=<that factory>), or next time give the factory as "
                           "an import path module:attr")
     try:
-        saved = build_config(recorded)
+        return build_config(recorded)
     except ConfigError as exc:
-        raise CheckpointError(f"checkpoint '{run_dir / 'checkpoint.pt'}' holds a config that is not valid: "
-                              f"{exc}") from None
+        what = "checkpoint" if holder.name == "checkpoint.pt" else "file"
+        raise CheckpointError(f"{what} '{holder}' holds a config that is not valid: {exc}") from None
+
+
+def _wanted(run_dir: Path, saved: Config, changes: dict | None, *, done: int | None) -> Config:
+    """``saved`` with ``changes``, refused unless every change is one a resume may make (``done``: the iterations
+    the run has trained, None before it started)."""
     changes = dict(changes or {})
     renamed = {RENAMED_PER_ACTOR[k] for k in changes if k in RENAMED_PER_ACTOR}  # an old name overrides its field
     kept = {k: v for k, v in dataclasses.asdict(saved).items() if k not in renamed}  # a Python factory kept as is
     wanted = build_config({**kept, **changes})
+    check_may_change(run_dir, saved, wanted, done=done)
+    return wanted
+
+
+def check_may_change(run_dir: Path, saved: Config, wanted: Config, *, done: int | None) -> None:
+    """Refuse a resume of ``saved`` as ``wanted`` that changes what the run computes, or that would end it before
+    the ``done`` iterations it has trained (its metrics would then go past the ``iterations`` its config says)."""
     before, after = saved.to_dict(), wanted.to_dict()
     differ = [k for k in before if before[k] != after[k] and k not in RESUME_MAY_CHANGE]
     if differ:
         detail = ", ".join(f"{k}: {getattr(saved, k)!r} -> {getattr(wanted, k)!r}" for k in differ)
         raise ConfigError(f"cannot resume '{run_dir}' with a different config ({detail}); only "
                           f"{', '.join(sorted(RESUME_MAY_CHANGE))} may change")
-    return federate(wanted, source=source, resume=checkpoint, run_dir=run_dir, on_eval=on_eval, progress=progress)
+    if done is not None and wanted.iterations < done:
+        raise ConfigError(f"cannot resume '{run_dir}' with iterations={wanted.iterations}: the run's iterations is "
+                          f"{saved.iterations} and it has trained {done} already; a resume cannot end a run before "
+                          f"where it is (its record would no longer match its metrics): give iterations >= {done}, "
+                          "or leave it out")
+
+
+def _continue(run_dir: Path, checkpoint: Checkpoint, saved: Config, wanted: Config, *,
+              source: DataSource | None, on_eval: Callable[[dict], None] | None, progress: bool) -> RunResult:
+    """Continue one run folder as ``wanted``; a finished run (and no longer ``iterations``) is returned as it is."""
+    done = checkpoint.loop.state.iteration
+    if done >= wanted.iterations:
+        stored = stored_result(run_dir, checkpoint, saved)
+        if stored is not None:
+            log.warning("run '%s' is already finished (iteration %d of iterations=%d): nothing was trained or "
+                        "rewritten; to train it further, resume it with a larger iterations", run_dir, done,
+                        saved.iterations)
+            torch.set_rng_state(checkpoint.torch_rng)  # as the run left it (a recipe's stage 2 goes on from it)
+            return stored
+    try:
+        return federate(wanted, source=source, resume=checkpoint, run_dir=run_dir, on_eval=on_eval,
+                        progress=progress)
+    except (PlacementError, RunStopped) as exc:  # stopped before a round (placement, joining): say how to go on
+        if exc.args and "--resume" not in str(exc.args[0]):
+            exc.args = (f"{exc.args[0]}; its last checkpoint is kept: continue with: fdam train --resume {run_dir}",)
+        raise
+
+
+def stored_result(run_dir: Path, checkpoint: Checkpoint, config: Config) -> RunResult | None:
+    """The result of the finished run in ``run_dir``, read from its files (None when they are not all there)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+        model = torch.load(run_dir / "model.pt", map_location="cpu", weights_only=True)
+        model_state, a, b = model["model"], model["a"].numpy(), model["b"].numpy()
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError):
+        return None  # not finished writing: the resume writes them
+    if not isinstance(summary, dict) or summary.get("iterations") != checkpoint.loop.state.iteration:
+        return None  # (a summary of an earlier, shorter session of the run)
+    state = checkpoint.loop.state
+    cv = None if state.c_v is None or state.c_alpha is None else (state.c_v, state.c_alpha)
+    return RunResult(config, model_state, a, b, state.alpha.copy(), cv, checkpoint.loop.history, summary, state,
+                     run_dir)
+
+
+def _resume_recipe(run_dir: Path, checkpoint: Checkpoint, saved_stage1: Config, recipe: dict,
+                   changes: dict | None, *, source: DataSource | None, on_eval: Callable[[dict], None] | None,
+                   progress: bool, model: str | Callable | None) -> RunResult:
+    """Continue a two-stage run from stage 1's folder: stage 1 to its end, then stage 2 (or, when stage 2 has a
+    checkpoint already, stage 2 from it)."""
+    whole = _wanted(run_dir, _saved_config(run_dir, dict(recipe["config"]), model, run_dir / RECIPE_FILE), changes,
+                    done=None)  # stage 2 has not begun
+    stage2_dir = recipe.get("stage2_dir")
+    if stage2_dir and (Path(stage2_dir) / "checkpoint.pt").exists():
+        log.info("pre-training in '%s' is finished; continuing stage 2 in '%s'", run_dir, stage2_dir)
+        return resume(stage2_dir, changes, source=source, on_eval=on_eval, progress=progress, model=model)
+    stage1 = pretrain_config(whole)
+    check_may_change(run_dir, saved_stage1, stage1, done=checkpoint.loop.state.iteration)
+    source = source if source is not None else make_source(whole)
+    describe_data(source, whole, None)
+    first = _continue(run_dir, checkpoint, saved_stage1, stage1, source=pretrain_source(stage1, source),
+                      on_eval=None, progress=progress)
+    log.info("pre-training done: test AUC %.4f; stage 2 begins", first.summary["final_test_auc"])
+    return federate(whole, source=source, pretrained=first, on_eval=on_eval, progress=progress)

@@ -1,10 +1,13 @@
-"""Who writes a run folder now: an exclusive lock held for as long as a run writes it.
+"""Who writes a run or sweep folder now: an exclusive lock held for as long as a run (or a sweep's driver)
+writes it.
 
 A second writer (``--resume`` on a run that is still going, or a new run into
-its folder) would interleave records and corrupt ``metrics.jsonl``; it is
-refused, naming the holder. The lock is an ``flock`` on ``<run>/.lock``, which
-the kernel drops when its process ends however it ends, so the file a killed
-run leaves behind never blocks its resume.
+its folder) would interleave records and corrupt ``metrics.jsonl``; a second
+driver on a live sweep would restore its trials while they run, fail them and
+then rewrite its results as failed. Either is refused, naming the holder. The
+lock is an ``flock`` on ``<folder>/.lock``, which the kernel drops when its
+process ends however it ends, so the file a killed run leaves behind never
+blocks its resume.
 """
 
 from __future__ import annotations
@@ -31,14 +34,14 @@ class RunLock:
     the file a killed run leaves behind never blocks a resume.
     """
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, what: str = "run folder") -> None:
         self.path = Path(folder) / LOCK_FILE
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise RunFolderInUse(in_use_message(folder, _holder_text(self.path))) from None
+            raise RunFolderInUse(in_use_message(folder, _holder_text(self.path), what)) from None
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                  "started": f"{datetime.now():%Y-%m-%d %H:%M:%S}"}).encode())
@@ -59,12 +62,13 @@ def _holder_text(lock: Path) -> str:
         return "another process"
 
 
-def in_use_message(folder: Path, holder: str) -> str:
-    return (f"run folder '{folder}' is in use by {holder}; a second writer would corrupt it: wait for that run to "
+def in_use_message(folder: Path, holder: str, what: str = "run folder") -> str:
+    work = "sweep" if what.startswith("sweep") else "run"
+    return (f"{what} '{folder}' is in use by {holder}; a second writer would corrupt it: wait for that {work} to "
             "end or stop it, then continue it with --resume")
 
 
-def check_not_in_use(folder: str | Path) -> None:
+def check_not_in_use(folder: str | Path, what: str = "run folder") -> None:
     """Raise :class:`RunFolderInUse` when a live process holds ``folder``'s lock (it is left as it is)."""
     lock = Path(folder) / LOCK_FILE
     try:
@@ -74,6 +78,6 @@ def check_not_in_use(folder: str | Path) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise RunFolderInUse(in_use_message(Path(folder), _holder_text(lock))) from None
+        raise RunFolderInUse(in_use_message(Path(folder), _holder_text(lock), what)) from None
     finally:
         os.close(fd)  # closing drops a lock this call took

@@ -20,6 +20,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any, ClassVar, Self
 
+from fdam_ray.redact import short
+
 SETTING = "fdam_ray.setting"  # metadata key of a field a section owns
 
 
@@ -28,8 +30,9 @@ class ConfigError(ValueError):
 
 
 def fail(name: str, value: Any, allowed: str) -> ConfigError:
-    """The one-line error of a bad value: the field, the value and what is allowed."""
-    return ConfigError(f"config field '{name}': {value!r} is not allowed ({allowed})")
+    """The one-line error of a bad value: the field, the value (shortened and redacted: never the whole of a big
+    value) and what is allowed."""
+    return ConfigError(f"config field '{name}': {short(value)} is not allowed ({allowed})")
 
 
 @dataclasses.dataclass(frozen=True)

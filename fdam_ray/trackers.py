@@ -20,12 +20,18 @@ run's id is kept in ``<run>/trackers.json``. A tracker that fails while a run
 goes on (a tracking server that stops answering) logs one warning and stops
 logging; the run itself goes on.
 
+A password in the tracking URI (``http://user:pw@host``) or any other credential
+is never printed or logged: warnings show the URI as ``http://user:***@host``
+(:func:`fdam_ray.redact.redact`), and config values sent as parameters are
+redacted the same way.
+
 Ray Tune sweeps do not use these observers: each trial reports to Tune, and
 :func:`fdam_ray.tuning.callbacks.tune_callbacks` gives Ray's own MLflow and W&B logger callbacks.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import logging
@@ -38,7 +44,9 @@ from typing import Any
 import torch
 
 from fdam_ray.config import Config, ConfigError
+from fdam_ray.interrupts import interruptible
 from fdam_ray.outputs import Observer, RunStart, RunStopped, Snapshot, grouped_scalars
+from fdam_ray.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +60,47 @@ def check_installed(names: Sequence[str]) -> None:
         if importlib.util.find_spec(name) is None:
             raise ConfigError(f"trackers: {name} is not installed; install it with pip install 'fdam-ray[{name}]' "
                               f"(or pip install {name}), or leave {name} out of trackers")
+
+
+def check_usable(names: Sequence[str]) -> None:
+    """Refuse, before anything trains, trackers that would record nothing: a package missing
+    (:func:`check_installed`) or broken (it raises when imported), or W&B with no credentials outside offline
+    mode (it would warn once and log nothing). One line each, saying what to do."""
+    check_installed(names)
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # a broken install: any error at import, not only ImportError
+            why = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise ConfigError(f"trackers: {name} is installed but fails to import ({type(exc).__name__}: {why}); "
+                              f"reinstall it (pip install --force-reinstall {name}) or leave {name} out of trackers"
+                              ) from None
+    if "wandb" in names:
+        check_wandb_login()
+
+
+WANDB_KEYLESS_MODES = ("offline", "dryrun", "disabled")
+
+
+def check_wandb_login() -> None:
+    """Refuse W&B without credentials (``WANDB_API_KEY``, ``wandb login``'s netrc entry, W&B's settings) unless
+    it runs offline: ``wandb.init`` would then warn once and the run would record nothing."""
+    try:
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib.wbauth import HostUrl
+        from wandb.sdk.lib.wbauth.authenticate import _use_system_auth
+    except ImportError:  # another W&B version: wandb.init says what it lacks
+        return
+    settings = wandb_setup.singleton().settings
+    if str(settings.mode) in WANDB_KEYLESS_MODES:
+        return
+    try:
+        found = _use_system_auth(host=HostUrl(settings.base_url), source="fdam", update_session=False)
+    except Exception as exc:  # credentials found but malformed: W&B's own words
+        raise ConfigError(f"trackers: wandb: {str(exc).strip()[:200]}") from None
+    if found is None:
+        raise ConfigError("trackers: wandb has no API key, so it would log nothing: log in with `wandb login` (or "
+                          "set WANDB_API_KEY), or set WANDB_MODE=offline to log locally and `wandb sync` later")
 
 
 def make_trackers(config: Config, run_dir_of: Callable[[], Path | None] = lambda: None) -> list[Observer]:
@@ -75,6 +124,11 @@ def _run_name(config: Config, run_dir: Path | None) -> str:
 
 def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
+
+
+def _param(value: Any) -> Any:
+    """A config value as the tracker records it: a text without the credentials of any URI in it."""
+    return redact(value) if isinstance(value, str) else _plain(value)
 
 
 class Tracker(Observer):
@@ -111,7 +165,7 @@ class Tracker(Observer):
         except Exception as exc:  # the run goes on without this tracker
             self.active = False
             log.warning("%s tracker: %s failed (%s: %s); it logs nothing more for this run", self.name, what,
-                        type(exc).__name__, exc)
+                        type(exc).__name__, redact(exc))  # a tracking URI in the error keeps no password
 
     def start(self, run: RunStart) -> None:
         run_dir = self.run_dir_of()
@@ -120,14 +174,15 @@ class Tracker(Observer):
         self.active = True
 
         def open_run() -> None:
-            params = {k: _plain(v) for k, v in self.config.to_dict().items()}
+            params = {k: _param(v) for k, v in self.config.to_dict().items()}
             run_id = self.open(_run_name(self.config, run_dir), params, resume_id)
             if run_dir is not None:
                 _write_ids(run_dir, {**ids, self.name: run_id})
             if resume_id is not None:
                 self.log_metrics({"train/resumed_at_iteration": run.iteration}, run.iteration)
 
-        self._guard("starting its run", open_run)
+        with interruptible():  # a tracking server that does not answer: a stop signal ends the wait
+            self._guard("starting its run", open_run)
 
     def record(self, record: dict, snapshot: Snapshot) -> None:
         self._guard("logging an evaluation", lambda: self.log_metrics(grouped_scalars(record), record["iteration"]))

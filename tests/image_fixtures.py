@@ -79,10 +79,12 @@ def accept_checksums(monkeypatch, kind: str, written: dict) -> None:
     monkeypatch.setattr(cls, "meta", {**cls.meta, "md5": written["meta_md5"]})
 
 
-def write_image_folder(root: Path, train: dict[str, int], val: dict[str, int], *, shape=(10, 14)) -> None:
+def write_image_folder(root: Path, train: dict[str, int], val: dict[str, int], *, shape=(10, 14),
+                       classes: list[str] | None = None) -> None:
     """``root/{train,val}/<class>/<i>.(png|jpg)``; every image of class c is one flat grey level 20 * (c + 1),
-    c its index among the sorted training class names (so a read can be traced back to its class)."""
-    order = {name: i for i, name in enumerate(sorted(train))}
+    c its index among the sorted training class names, or in ``classes`` (a federation's list, when this
+    folder lacks some), so a read can be traced back to its class."""
+    order = {name: i for i, name in enumerate(classes or sorted(train))}
     for part, counts in (("train", train), ("val", val)):
         for name, n in counts.items():
             folder = root / part / name

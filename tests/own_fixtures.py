@@ -79,6 +79,45 @@ def two_args_only(input_shape):
     return nn.Linear(math.prod(input_shape), 1)
 
 
+def wrong_kwargs(input_shape, num_tasks):
+    """A factory that calls torch with a keyword it does not take (a TypeError in the user's own code)."""
+    return nn.Linear(math.prod(input_shape), num_tasks, hidden=4)
+
+
+def missing_key(input_shape, num_tasks):
+    """A factory that looks up a setting that is not there (a KeyError in the user's own code)."""
+    return {"linear": nn.Linear}["mlp"](math.prod(input_shape), num_tasks)
+
+
+class _NanForward(nn.Module):
+    def __init__(self, features: int, num_tasks: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(features, num_tasks)
+
+    def forward(self, x):
+        return torch.log(self.fc(x.flatten(1)) - 1e6)  # log of a negative: NaN, with finite weights
+
+
+def nan_outputs(input_shape, num_tasks):
+    return _NanForward(math.prod(input_shape), num_tasks)
+
+
+class _Embedded(nn.Module):
+    """Integer features as token ids: an embedding, mean-pooled, then a linear head."""
+
+    def __init__(self, tokens: int, num_tasks: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(tokens, 4)
+        self.fc = nn.Linear(4, num_tasks)
+
+    def forward(self, x):
+        return self.fc(self.embed(x).mean(1))
+
+
+def token_model(input_shape, num_tasks):
+    return _Embedded(10, num_tasks)
+
+
 # -- data -----------------------------------------------------------------------------------------
 def client_arrays(client_id: int, num_clients: int, split: str, num_tasks: int = NUM_TASKS):
     """Client ``client_id``'s samples (x float32 (n, 6), y (n, T) of 0, 1 and some NaN), shifted per client."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import TYPE_CHECKING
 
 from fdam_ray.data.base import (
@@ -16,7 +18,7 @@ from fdam_ray.data.base import (
     iter_batches,
     make_sampler,
 )
-from fdam_ray.data.sections import ChestXraySection, DataSection, SyntheticSection, data_section
+from fdam_ray.data.sections import ChestXraySection, DataSection, SyntheticSection, data_section, roots_refusal
 from fdam_ray.factories import is_import_path
 
 if TYPE_CHECKING:
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = ["AnySplit", "ChestXraySection", "DataSection", "DataSource", "DatasetSplit", "LoaderSampler", "Shard",
            "Split", "SyntheticSection", "TensorSampler", "as_labels", "data_section", "iter_batches", "make_sampler",
-           "make_source"]
+           "make_source", "source_class"]
 
 
 def make_source(config: Config | DataSection) -> DataSource:
@@ -32,7 +34,9 @@ def make_source(config: Config | DataSection) -> DataSource:
 
     ``config`` is a :class:`~fdam_ray.config.Config` or a section holding the
     dataset's fields; the source is given its dataset's section alone (see
-    :mod:`fdam_ray.data.sections`).
+    :mod:`fdam_ray.data.sections`). With ``client_data_roots`` the folders are
+    checked here, on the driver, when the clients run on this machine (every
+    bad folder named in one line).
     """
     if config.dataset == "arrays":
         raise ValueError("dataset 'arrays' takes in-memory data: call fdam_ray.train_arrays(config, clients, test)")
@@ -42,42 +46,70 @@ def make_source(config: Config | DataSection) -> DataSource:
     section = data_section(config)
     roots = getattr(config, "client_data_roots", None)
     if roots:
-        from fdam_ray.data.rooted import PerClientRoots
+        from fdam_ray.data.rooted import PerClientRoots, check_roots
 
+        refused = roots_refusal(section.dataset)
+        if refused:
+            raise ValueError(f"client_data_roots: {refused}")
         if section.data_root is None:
             raise ValueError("client_data_roots needs data_root as well: the folder of the global test set")
-        return PerClientRoots(_source_of, section, roots)
+        cls = source_class(section.dataset)
+        if clients_run_here(config):
+            check_roots(cls, section, roots)
+        return PerClientRoots(_source_of, cls.shared_section(section, tuple(roots)), roots)
     return _source_of(section)
+
+
+def clients_run_here(config: object) -> bool:
+    """Whether the clients run on this machine (so their folders are this machine's): the inline executor, or
+    Ray without a cluster address (no ``address``, no ``RAY_ADDRESS``) and, when this process already runs
+    Ray (a test session, a Tune trial), one of a single node. A section without an executor field counts as
+    inline."""
+    executor = getattr(config, "executor", "inline")
+    if executor == "inline":
+        return True
+    address = getattr(config, "address", None)
+    if executor != "ray" or address not in (None, "", "local") or os.environ.get("RAY_ADDRESS"):
+        return False
+    ray = sys.modules.get("ray")  # never imported here: only a Ray this process already runs is asked
+    if ray is not None and ray.is_initialized():
+        return len([node for node in ray.nodes() if node.get("Alive")]) == 1
+    return True
+
+
+def source_class(dataset: str) -> type[DataSource]:
+    """The class of the source of ``dataset`` (a name, or your own factory's import path)."""
+    if is_import_path(dataset):
+        from fdam_ray.data.datasets import FactorySource
+
+        return FactorySource
+    if dataset == "digits":
+        from fdam_ray.data.digits import DigitsSource
+
+        return DigitsSource
+    if dataset == "synthetic":
+        from fdam_ray.data.synthetic import SyntheticSource
+
+        return SyntheticSource
+    if dataset in ("cifar10", "cifar100"):
+        from fdam_ray.data.cifar import Cifar10Source, Cifar100Source
+
+        return Cifar10Source if dataset == "cifar10" else Cifar100Source
+    if dataset == "imagefolder":
+        from fdam_ray.data.imagefolder import ImageFolderSource
+
+        return ImageFolderSource
+    if dataset == "mnist5k":
+        from fdam_ray.data.mnist5k import Mnist5kSource
+
+        return Mnist5kSource
+    if dataset == "chestxray":
+        from fdam_ray.data.chestxray import ChestXraySource
+
+        return ChestXraySource
+    raise ValueError(f"dataset {dataset!r} has no loader")
 
 
 def _source_of(section: DataSection) -> DataSource:
     """The source of the dataset ``section`` names."""
-    if is_import_path(section.dataset):
-        from fdam_ray.data.datasets import FactorySource
-
-        return FactorySource(section)
-    if section.dataset == "digits":
-        from fdam_ray.data.digits import DigitsSource
-
-        return DigitsSource(section)
-    if isinstance(section, SyntheticSection):
-        from fdam_ray.data.synthetic import SyntheticSource
-
-        return SyntheticSource(section)
-    if section.dataset in ("cifar10", "cifar100"):
-        from fdam_ray.data.cifar import Cifar10Source, Cifar100Source
-
-        return Cifar10Source(section) if section.dataset == "cifar10" else Cifar100Source(section)
-    if section.dataset == "imagefolder":
-        from fdam_ray.data.imagefolder import ImageFolderSource
-
-        return ImageFolderSource(section)
-    if section.dataset == "mnist5k":
-        from fdam_ray.data.mnist5k import Mnist5kSource
-
-        return Mnist5kSource(section)
-    if isinstance(section, ChestXraySection):
-        from fdam_ray.data.chestxray import ChestXraySource
-
-        return ChestXraySource(section)
-    raise ValueError(f"dataset {section.dataset!r} has no loader")
+    return source_class(section.dataset)(section)  # type: ignore[call-arg]

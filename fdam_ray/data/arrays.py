@@ -39,6 +39,8 @@ class ArraysSource(DataSource):
     set, so under Ray each actor receives its own data only.
     """
 
+    one_class_warned = False  # set by fdam_ray.train_arrays once it has warned about one-class test sets
+
     def __init__(
         self,
         clients: Sequence[ArrayPair],

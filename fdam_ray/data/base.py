@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import abc
 import collections
+import contextlib
 import dataclasses
 import os
 from collections.abc import Iterator, Sized
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
+
+from fdam_ray.interrupts import ignore_stop_signals
+
+if TYPE_CHECKING:
+    from fdam_ray.data.sections import DataSection
 
 
 class MissingExtraError(ImportError, ValueError):
@@ -120,6 +126,23 @@ class DatasetSplit:
 AnySplit = Split | DatasetSplit
 
 
+@contextlib.contextmanager
+def loader_errors() -> Iterator[None]:
+    """An error raised in a DataLoader worker process as one line: the worker's own last line (torch re-raises
+    it with the worker's whole traceback in the message). A ``ValueError`` there (a sample a Dataset could
+    not read, named by client and index) stays a ValueError; anything else is a RuntimeError."""
+    try:
+        yield
+    except Exception as exc:
+        text = str(exc)
+        if "in DataLoader worker process" not in text:
+            raise
+        last = [line.strip() for line in text.splitlines() if line.strip()][-1]
+        if last.startswith("ValueError: "):
+            raise ValueError(last.removeprefix("ValueError: ")) from None
+        raise RuntimeError(f"a DataLoader worker process failed: {last}") from None
+
+
 def iter_batches(split: AnySplit, batch_size: int, device: torch.device):
     """(x, y) batches of a split in order, on ``device`` (for evaluation)."""
     if isinstance(split, Split):
@@ -128,9 +151,10 @@ def iter_batches(split: AnySplit, batch_size: int, device: torch.device):
         return
     loader = torch.utils.data.DataLoader(split.dataset, batch_size=batch_size, shuffle=False,
                                          num_workers=loader_workers(split.num_workers),
-                                         pin_memory=device.type == "cuda")
-    for x, y in loader:
-        yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                                         pin_memory=device.type == "cuda", worker_init_fn=ignore_stop_signals)
+    with loader_errors():
+        for x, y in loader:
+            yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
 @dataclasses.dataclass
@@ -148,6 +172,20 @@ class DataSource(abc.ABC):
     num_tasks: int = 1
     input_shape: tuple[int, ...]
     task_names: tuple[str, ...] = ("positive",)
+    @classmethod
+    def root_problem(cls, section: DataSection, root: str) -> str | None:
+        """What is wrong with ``root`` as one client's data folder, checked on the driver when the folder is
+        local (None: nothing found). The default: it must be an existing folder."""
+        path = os.path.expanduser(root)
+        if not os.path.exists(path):
+            return "does not exist"
+        return None if os.path.isdir(path) else "is not a folder"
+
+    @classmethod
+    def shared_section(cls, section: DataSection, roots: tuple[str, ...]) -> DataSection:
+        """The section every client of a federation over ``client_data_roots`` builds its source from: what
+        the clients' folders must agree on (e.g. one class numbering) is fixed here, on the driver."""
+        return section
 
     @abc.abstractmethod
     def client_shard(self, client_id: int) -> Shard:
@@ -259,7 +297,7 @@ class LoaderSampler:
         self._batches = batches = _Batches(self.stream)
         self._iter = loader = iter(torch.utils.data.DataLoader(
             self.split.dataset, batch_sampler=batches, num_workers=loader_workers(self.split.num_workers),
-            pin_memory=self.device.type == "cuda"))
+            pin_memory=self.device.type == "cuda", worker_init_fn=ignore_stop_signals))
         return batches, loader
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,7 +305,8 @@ class LoaderSampler:
             batches, loader = self._start()
         else:
             batches, loader = self._batches, self._iter
-        x, y = next(loader)
+        with loader_errors():
+            x, y = next(loader)
         batches.ahead.popleft()
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 

@@ -301,6 +301,37 @@ def require_pydicom(what: str) -> None:
                          f"to PNG with the same names)") from None
 
 
+def _vindr_image_labels(path: Path) -> tuple[np.ndarray, np.ndarray, tuple[bool, ...]]:
+    """(image ids, 0/1 codes per row and task, which tasks have a column) of VinDr-CXR's image_labels_train.csv."""
+    header = {c.strip().lower(): c for c in pd.read_csv(path, nrows=0).columns}
+    if "image_id" not in header:
+        raise ValueError(f"{path}: VinDr-CXR labels file lacks the image_id column")
+    columns = [header.get(t.lower()) for t in TASKS]
+    df = _read_csv(path, ["image_id", *[c for c in columns if c]], "VinDr-CXR labels")
+    codes = np.full((len(df), 5), np.nan, dtype=np.float32)
+    for t, c in enumerate(columns):
+        if c:
+            codes[:, t] = parse_codes(df[c], path, c)
+            if (codes[:, t] == -1).any() or np.isnan(codes[:, t]).any():
+                i = int(np.flatnonzero((codes[:, t] == -1) | np.isnan(codes[:, t]))[0])
+                raise ValueError(f"{path}: line {i + 2}, column '{c}': label {df[c].iloc[i]!r} is not 0 or 1")
+    return df["image_id"].str.strip().to_numpy(dtype=object), codes, tuple(c is not None for c in columns)
+
+
+def _vindr_kaggle_boxes(path: Path) -> tuple[np.ndarray, np.ndarray, tuple[bool, ...]]:
+    """The same from the Kaggle variant's train.csv (one row per box; a task without a class is missing)."""
+    df = _read_csv(path, ("image_id", "class_name"), "VinDr-CXR Kaggle boxes")
+    names = df["class_name"].str.strip().str.lower()
+    unknown = ~names.isin(VINDR_KAGGLE_CLASSES)
+    if unknown.any():
+        i = int(np.flatnonzero(unknown.to_numpy())[0])
+        raise ValueError(f"{path}: line {i + 2}, column 'class_name': unknown class {df['class_name'].iloc[i]!r}")
+    present = tuple(t.lower() in VINDR_KAGGLE_CLASSES for t in TASKS)
+    codes = np.stack([(names == t.lower()).to_numpy(np.float32) if p else np.full(len(df), np.nan, np.float32)
+                      for t, p in zip(TASKS, present, strict=True)], axis=1)
+    return df["image_id"].str.strip().to_numpy(dtype=object), codes, present
+
+
 def read_vindr(root: Path, *, official_test: bool = False) -> SourceTable:
     """VinDr-CXR, image-level labels of the training set, one row per radiologist.
 
@@ -318,33 +349,9 @@ def read_vindr(root: Path, *, official_test: bool = False) -> SourceTable:
     found = [p for p in (root / "image_labels_train.csv", root / "annotations" / "image_labels_train.csv")
              if p.is_file()]
     if found:
-        path = found[0]
-        header = {c.strip().lower(): c for c in pd.read_csv(path, nrows=0).columns}
-        if "image_id" not in header:
-            raise ValueError(f"{path}: VinDr-CXR labels file lacks the image_id column")
-        columns = [header.get(t.lower()) for t in TASKS]
-        df = _read_csv(path, ["image_id", *[c for c in columns if c]], "VinDr-CXR labels")
-        codes = np.full((len(df), 5), np.nan, dtype=np.float32)
-        for t, c in enumerate(columns):
-            if c:
-                codes[:, t] = parse_codes(df[c], path, c)
-                if (codes[:, t] == -1).any() or np.isnan(codes[:, t]).any():
-                    i = int(np.flatnonzero((codes[:, t] == -1) | np.isnan(codes[:, t]))[0])
-                    raise ValueError(f"{path}: line {i + 2}, column '{c}': label {df[c].iloc[i]!r} is not 0 or 1")
-        ids = df["image_id"].str.strip().to_numpy(dtype=object)
-        present = tuple(c is not None for c in columns)
+        ids, codes, present = _vindr_image_labels(found[0])
     elif (root / "train.csv").is_file():
-        path = root / "train.csv"
-        df = _read_csv(path, ("image_id", "class_name"), "VinDr-CXR Kaggle boxes")
-        names = df["class_name"].str.strip().str.lower()
-        unknown = ~names.isin(VINDR_KAGGLE_CLASSES)
-        if unknown.any():
-            i = int(np.flatnonzero(unknown.to_numpy())[0])
-            raise ValueError(f"{path}: line {i + 2}, column 'class_name': unknown class {df['class_name'].iloc[i]!r}")
-        present = tuple(t.lower() in VINDR_KAGGLE_CLASSES for t in TASKS)
-        codes = np.stack([(names == t.lower()).to_numpy(np.float32) if p else np.full(len(df), np.nan, np.float32)
-                          for t, p in zip(TASKS, present, strict=True)], axis=1)
-        ids = df["image_id"].str.strip().to_numpy(dtype=object)
+        ids, codes, present = _vindr_kaggle_boxes(root / "train.csv")
     else:
         raise ValueError(f"VinDr-CXR: neither image_labels_train.csv (or annotations/image_labels_train.csv) nor "
                          f"the Kaggle train.csv is in '{root}'")

@@ -38,6 +38,13 @@ class CifarSource(ClassPoolSource):
     std: tuple[float, float, float]
     input_shape = (3, 32, 32)
 
+    @classmethod
+    def root_problem(cls, section: DataSection, root: str) -> str | None:
+        path = os.path.expanduser(root)
+        if section.download and not os.path.exists(path):
+            return None  # download=true fetches the archive into it
+        return super().root_problem(section, root)
+
     def __init__(self, section: DataSection) -> None:
         super().__init__(section)
         if section.data_root is None:

@@ -29,14 +29,15 @@ from __future__ import annotations
 
 import copy
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from fdam_ray.data.base import DatasetSplit, DataSource, Shard, loader_workers
-from fdam_ray.factories import resolve
+from fdam_ray.data.base import DatasetSplit, DataSource, Shard, loader_errors, loader_workers
+from fdam_ray.factories import describe_error, raised_at, resolve
+from fdam_ray.interrupts import ignore_stop_signals
 
 Entry = Any  # a torch Dataset, or a callable returning one (or None, for a test split)
 
@@ -67,16 +68,19 @@ class FactorySplit:
 
 
 class Items(torch.utils.data.Dataset):
-    """A user's Dataset with each item as the samplers expect it: floating ``x`` as float32, ``y`` float32 (T,)."""
+    """A user's Dataset with each item as the samplers expect it: floating ``x`` as float32, ``y`` float32 (T,).
 
-    def __init__(self, dataset, num_tasks: int) -> None:
-        self.dataset, self.num_tasks = dataset, num_tasks
+    An error its ``__getitem__`` raises becomes one line naming ``what`` (the client) and the sample.
+    """
+
+    def __init__(self, dataset, num_tasks: int, what: str = "a Dataset") -> None:
+        self.dataset, self.num_tasks, self.what = dataset, num_tasks, what
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, index: int):
-        x, y = self.dataset[index]
+        x, y = read_item(self.dataset, index, self.what)
         x = torch.as_tensor(x)
         if x.is_floating_point() and x.dtype != torch.float32:
             x = x.to(torch.float32)
@@ -93,7 +97,7 @@ def _first_item(dataset, what: str) -> tuple[tuple[int, ...], int]:
     """(sample shape, T) of a Dataset's first item."""
     if len(dataset) == 0:
         raise ValueError(f"{what} has no samples")
-    x, y = _pair(dataset[0], what, 0)
+    x, y = _pair(read_item(dataset, 0, what), what, 0)
     label = np.asarray(y, dtype=np.float64) if _numeric(y) else None
     if label is None or label.ndim > 1:
         raise ValueError(f"{what}, sample 0: the label must be a number or a vector of T numbers (0, 1 or NaN), got "
@@ -124,21 +128,63 @@ def _pair(item: object, what: str, index: int) -> tuple[Any, Any]:
     return x, y
 
 
+def read_item(dataset, index: int, what: str) -> Any:
+    """``dataset[index]``; an error its ``__getitem__`` raises is one line naming ``what`` and the sample."""
+    try:
+        return dataset[index]
+    except Exception as exc:  # the Dataset's own code failed
+        raise ValueError(f"{what}, sample {index}: the Dataset's __getitem__ raised {describe_error(exc)}"
+                         f"{raised_at(exc)}; fix the Dataset (or leave that sample out)") from None
+
+
+def _items(dataset, what: str, n: int, workers: int) -> Iterator[Any]:
+    """The items of ``dataset`` in order: read here, or by ``workers`` DataLoader processes (whose errors are
+    shortened to the worker's last line, the item's own message)."""
+    if workers == 0:
+        yield from (read_item(dataset, i, what) for i in range(n))
+        return
+    loader = torch.utils.data.DataLoader(Reads(dataset, what), batch_size=None, num_workers=workers,
+                                         collate_fn=_identity, worker_init_fn=ignore_stop_signals)
+    with loader_errors():
+        yield from loader
+
+
+class Reads(torch.utils.data.Dataset):
+    """``dataset`` read through :func:`read_item` (in DataLoader workers: errors name the client and sample)."""
+
+    def __init__(self, dataset, what: str) -> None:
+        self.dataset, self.what = dataset, what
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        return read_item(self.dataset, index, self.what)
+
+
+def _check_finite(x: Any, what: str, index: int) -> None:
+    """Refuse a sample whose features hold NaN or infinity (they would later show only as a divergence)."""
+    t = torch.as_tensor(x)
+    if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
+        column = int((~torch.isfinite(t.reshape(-1))).nonzero()[0])
+        raise ValueError(f"{what}, sample {index}: x holds NaN or infinite values (first at flat feature "
+                         f"{column}): the data itself holds them; clean or impute it in the Dataset")
+
+
 def read_labels(dataset, what: str, *, input_shape: tuple[int, ...], num_tasks: int,
                 workers: int = 0) -> np.ndarray:
-    """Every label of ``dataset`` as float32 (n, T), in one pass, each item checked; errors name ``what`` and
-    the sample."""
+    """Every label of ``dataset`` as float32 (n, T), in one pass, each item checked (pair, shape, finite
+    features, label values); errors name ``what`` and the sample."""
     n = len(dataset)
     labels = np.empty((n, num_tasks), dtype=np.float32)
-    items = (dataset[i] for i in range(n)) if workers == 0 else torch.utils.data.DataLoader(
-        dataset, batch_size=None, num_workers=workers, collate_fn=_identity)
     expected = "()" if num_tasks == 1 else f"({num_tasks},)"
     count = 0
-    for i, item in enumerate(items):
+    for i, item in enumerate(_items(dataset, what, n, workers)):
         x, y = _pair(item, what, i)
         if tuple(x.shape) != input_shape:
             raise ValueError(f"{what}, sample {i}: x has shape {tuple(x.shape)}, the federation's samples "
                              f"{input_shape}")
+        _check_finite(x, what, i)
         if not _numeric(y):
             raise ValueError(f"{what}, sample {i}: the label is {_describe(y)}, not 0, 1 or NaN")
         label = np.asarray(y, dtype=np.float64)
@@ -245,7 +291,7 @@ class DatasetsSource(DataSource):
             raise ValueError(f"{what} has no samples")
         labels = read_labels(ds, what, input_shape=self.input_shape, num_tasks=self.num_tasks,
                              workers=loader_workers(self.data_workers))
-        return DatasetSplit(Items(ds, self.num_tasks), labels, self.data_workers)
+        return DatasetSplit(Items(ds, self.num_tasks, what), labels, self.data_workers)
 
     def client_shard(self, client_id: int) -> Shard:
         train = self._split(client_id, "train")
@@ -300,6 +346,32 @@ class _FactoryNames:
 
     def __call__(self, client_id: int, split: str) -> str:
         return f"dataset '{self.path}', client {client_id} (split '{split}')"
+
+
+def check_shippable(model: object, source: DataSource) -> None:
+    """Refuse, in one line before Ray starts, a model factory or client entry that cannot be sent to the
+    processes that run the clients (one holding an open file for writing, a lock, a connection, a generator),
+    naming each such part; Ray's own error is a page of serialization details."""
+    from fdam_ray.executors.ray.shipping import unpicklable  # Ray's pickler: the Ray layer's to use
+
+    parts: list[tuple[str, object]] = []
+    if callable(model):
+        from fdam_ray.models import model_name
+
+        parts.append((f"model {model_name(model)!r}", model))
+    if isinstance(source, DatasetsSource):
+        if source.test is not None:
+            parts.append((source.names(-1, "test"), source.test))
+        parts += [(source.names(k, "train"), e) for k, e in sorted(source.trains.items())]
+        parts += [(source.names(k, "test"), e) for k, e in sorted((source.tests or {}).items()) if e is not None]
+    bad = [(what, why) for what, why in ((what, unpicklable(obj)) for what, obj in parts) if why is not None]
+    if bad:
+        names = ", ".join(what for what, _ in bad)
+        raise ValueError(f"{names}: cannot be sent to the Ray processes that run the clients ({bad[0][1]}); under "
+                         "executor=ray a model factory and each Dataset or callable given for a client must be "
+                         "picklable: a module-level function or class (or functools.partial of one) that opens "
+                         "files, connections and locks when called instead of holding them; or use "
+                         "executor=inline")
 
 
 def describe_client(source: DatasetsSource) -> tuple[tuple[int, ...], int] | str:

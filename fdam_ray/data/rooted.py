@@ -43,7 +43,13 @@ class ClientRoot(DataSource):
     def client_shard(self, client_id: int) -> Shard:
         if client_id != self.client_id:
             raise ValueError(f"the data of client {self.client_id} was asked for client {client_id}'s shard")
-        return self._own().client_shard(0)
+        try:
+            return self._own().client_shard(0)
+        except ValueError as exc:  # the folder's data is refused: say whose folder it is
+            if str(exc).startswith(f"client {self.client_id}:"):
+                raise
+            raise ValueError(f"client {self.client_id} (client_data_roots[{self.client_id}] = '{self.root}'): "
+                             f"{exc}") from None
 
     def test_set(self) -> AnySplit | None:
         if "_test_source" not in self.__dict__:
@@ -74,3 +80,14 @@ class PerClientRoots(DataSource):
 
     def test_set(self) -> AnySplit | None:
         return self.inner.test_set()
+
+
+def check_roots(cls: type[DataSource], section: DataSection, roots: Sequence[str]) -> None:
+    """Check every client's folder on the driver (the clients run on this machine); every bad one is named in
+    one error, not only the first client's."""
+    problems = [f"client {k}: '{root}' {problem}" for k, root in enumerate(roots)
+                if (problem := cls.root_problem(section, root)) is not None]
+    if problems:
+        shown = problems[:8] + ([f"... ({len(problems)} bad folders in all)"] if len(problems) > 8 else [])
+        raise ValueError(f"client_data_roots: {'; '.join(shown)} (checked on this machine, where the clients "
+                         "run; for a cluster whose nodes hold the folders, give its address)")

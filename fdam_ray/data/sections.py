@@ -19,6 +19,10 @@ from fdam_ray.sections import AT_LEAST_ONE, EACH_ONCE, FRACTION, NONNEGATIVE, PO
 DATASET_NAMES = ("digits", "synthetic", "arrays", "cifar10", "cifar100", "imagefolder", "mnist5k", "chestxray",
                  "datasets")
 CHESTXRAY_SOURCES = ("chexpert", "nih", "padchest", "mimic", "vindr")
+# The datasets whose source reads its samples from the folder data_root, so that client_data_roots can give
+# each client a folder of its own. Any other dataset (digits and mnist5k are bundled, synthetic is drawn, your
+# own factory is called with a client number, never a folder) would give every client the same data.
+READS_DATA_ROOT = ("cifar10", "cifar100", "imagefolder")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,6 +62,12 @@ class DataSection(Section):
                                                         "only, on the node it runs on; data_root then holds the "
                                                         "global test set; null = every client takes its part of "
                                                         "data_root.")
+    class_names: tuple[str, ...] | None = setting(None, "imagefolder: the class folder names in class order "
+                                                  "(positive_classes and negative_classes number them); null = "
+                                                  "the class folders of data_root's train/ and, with "
+                                                  "client_data_roots, of every client folder found here, sorted.",
+                                                  check=lambda v: len(v) > 0 and len(set(v)) == len(v),
+                                                  allowed="a non-empty list of distinct folder names")
     num_clients: int = shared()
     seed: int = shared()
 
@@ -66,13 +76,39 @@ class DataSection(Section):
         if roots is None:
             return
         if len(roots) != self.num_clients:
-            raise fail("client_data_roots", roots,
+            raise fail("client_data_roots", short_list(roots),
                        f"one entry per client: {self.num_clients} (num_clients), not {len(roots)}")
-        if self.dataset in ("arrays", "datasets", "chestxray"):
-            raise fail("client_data_roots", roots,
-                       f"per-client folders of a dataset read from data_root; dataset={self.dataset} "
-                       + ("has per-source roots (chestxray_*_root)" if self.dataset == "chestxray"
-                          else "takes its data in memory"))
+        refused = roots_refusal(self.dataset)
+        if refused:
+            raise fail("client_data_roots", short_list(roots, shown=1, width=40), refused)
+
+
+def short_list(values: tuple[str, ...], *, shown: int = 2, width: int = 60) -> str:
+    """A list of texts shortened for a one-line message: the first ``shown``, each cut to ``width`` characters,
+    and how many there are."""
+    cut = [v if len(v) <= width else v[: width - 3] + "..." for v in map(str, values[:shown])]
+    more = f", ... ({len(values)} in all)" if len(values) > shown else ""
+    return "[" + ", ".join(cut) + more + "]"
+
+
+def roots_refusal(dataset: str) -> str | None:
+    """Why ``client_data_roots`` cannot be used with ``dataset`` (None: its source reads data_root, so a folder
+    per client gives each client its own data). A dataset that does not read data_root would give every client
+    the same data: refused, never ignored."""
+    if dataset == "chestxray":
+        return "per-client folders of a dataset read from data_root; dataset=chestxray has per-source roots " \
+               "(chestxray_*_root)"
+    if dataset in ("arrays", "datasets"):
+        return f"per-client folders of a dataset read from data_root; dataset={dataset} takes its data in memory"
+    if dataset in READS_DATA_ROOT:
+        return None
+    rooted = ", ".join(READS_DATA_ROOT)
+    if is_import_path(dataset):
+        return (f"dataset '{dataset}' is your own factory, called as factory(client_id, num_clients, split), and "
+                "reads no data folder, so every client would get the same data: build client k's data from "
+                "client_id in the factory and remove client_data_roots")
+    return (f"dataset={dataset} reads no data folder, so every client would train on the same whole dataset; "
+            f"per-client folders work with {rooted}: remove client_data_roots or use one of those")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -54,8 +54,10 @@ class ExecutorSection(Section):
                                      "their updates folded into one partial sum); ceil(K / M) Ray actors; 1 = one "
                                      "actor per client.", check=AT_LEAST_ONE, resume=True)
     threads_per_actor: int | None = setting(None, "torch intra-op threads per actor process (inline: of the "
-                                            "driver; threads_per_client is read as this when clients_per_actor = "
-                                            "1); null = leave as is.", check=AT_LEAST_ONE, resume=True)
+                                            "driver while the clients run; threads_per_client is read as this when "
+                                            "clients_per_actor = 1); null = as cpus_per_actor says (Ray), one "
+                                            "(inline, unless OMP_NUM_THREADS is set).", check=AT_LEAST_ONE,
+                                            resume=True)
     eval_on: str = setting("clients", "Where the global model is scored: clients (each actor scores a slice of the "
                            "test set, in parallel) or driver.", choices=("clients", "driver"), resume=True)
     on_client_failure: str = setting("retry", "A client actor that dies or raises: retry (replace it and re-run its "

@@ -12,12 +12,21 @@ Ray run with the same ``clients_per_actor`` folds them in (clients
 ``a*M .. a*M+M-1`` into one partial sum, the groups in order), so an inline run
 equals a Ray run with ``fold_order: client`` to the bit, whatever
 ``clients_per_actor`` is.
+
+Torch runs ``threads_per_actor`` intra-op threads here while the clients run,
+by default one, as a Ray actor with one CPU does (all of a machine's threads
+make small models many times slower on a busy machine, and an explicit
+``OMP_NUM_THREADS`` is left as it is); the caller's setting comes back at
+shutdown. The Ray executor's own fields mean nothing here: :func:`ignored_fields`
+names those set to other than their defaults, for one warning.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -26,17 +35,48 @@ from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.client import Client, ClientSection, begin_stage_hosted, host_clients, resolve_device, run_hosted
 from fdam_ray.data import DataSource
 from fdam_ray.executors.base import Executor, ExecutorSection, actor_groups
+from fdam_ray.executors.ray_section import RaySection
+from fdam_ray.sections import owned_fields
 from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores
+
+# ExecutorSection's fields that only the Ray executor reads (inline has no actors to replace or to score on).
+_RAY_ONLY_EXECUTOR_FIELDS = ("on_client_failure", "max_client_retries")
+
+
+def ignored_fields(config: Any) -> list[str]:
+    """The Ray executor's fields that ``config`` sets to other than their defaults: ``executor=inline`` ignores
+    them (``transport=compiled``, ``client_resources``, ...)."""
+    fields = [f for f in dataclasses.fields(ExecutorSection) if f.name in _RAY_ONLY_EXECUTOR_FIELDS]
+    fields += owned_fields(RaySection)
+    return [f"{f.name}={_short(getattr(config, f.name))}" for f in fields
+            if hasattr(config, f.name) and getattr(config, f.name) != f.default]
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def inline_threads(config: ExecutorSection) -> int | None:
+    """Torch threads of an inline run: ``threads_per_actor``, else one (None: leave them, as an explicit
+    ``OMP_NUM_THREADS`` asks)."""
+    if config.threads_per_actor:
+        return config.threads_per_actor
+    return None if os.environ.get("OMP_NUM_THREADS") else 1
 
 
 class InlineExecutor(Executor):
     def __init__(self) -> None:
         self.clients: list[Client] = []
         self.groups: list[list[int]] = []
+        self._threads_before: int | None = None
 
     def start(self, config: ExecutorSection, source: DataSource) -> list[ClientInfo]:
-        if config.threads_per_actor:
-            torch.set_num_threads(config.threads_per_actor)
+        threads = inline_threads(config)
+        if threads is not None:
+            if self._threads_before is None:
+                self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(threads)
         device = resolve_device(config.device)
         self.clients = host_clients(ClientSection.of(config), source, range(source.num_clients), device=device)
         self.groups = actor_groups(source.num_clients, config.clients_per_actor)
@@ -80,3 +120,6 @@ class InlineExecutor(Executor):
 
     def shutdown(self) -> None:
         self.clients = []
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None

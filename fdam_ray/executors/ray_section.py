@@ -32,8 +32,9 @@ class RaySection(Section):
 
     address: str | None = setting(None, "Ray cluster to connect to (host:port, ray://host:port, auto; local = a "
                                   "private local Ray even when a `ray start` cluster runs on this machine); null = "
-                                  "RAY_ADDRESS if set, else a `ray start` cluster of this machine, else start a "
-                                  "local Ray (a Ray already running in this process is reused).", resume=True)
+                                  "RAY_ADDRESS if set, else this user's `ray start` cluster of this machine, else "
+                                  "start a private local Ray on 127.0.0.1 (a Ray already running in this process is "
+                                  "reused).", resume=True)
     cpus_per_actor: float = setting(1.0, "CPUs Ray reserves for each actor (fractions allowed; cpus_per_client is "
                                     "read as this when clients_per_actor = 1); the actor runs max(1, int(this)) "
                                     "torch threads unless threads_per_actor says otherwise.", check=POSITIVE,
@@ -52,7 +53,7 @@ class RaySection(Section):
                                                         "ask for the same; null = any node.")
     reduce: str = setting("star", "ray executor: star (every actor's partial sum goes to the driver) or node (the "
                           "actors on one node fold their partial sums into one on that node; the driver receives "
-                          "one per node).", choices=("star", "node"))
+                          "one per node).", choices=("star", "node"), resume=True)
     transport: str = setting("classic", "ray executor: how a round reaches the actors and comes back: classic (one "
                              "Ray call per actor, the state through the object store) or compiled (one Ray Compiled "
                              "Graph built per federation: the state and the partial sums travel through "
@@ -71,7 +72,8 @@ class RaySection(Section):
     placement_timeout_s: float = setting(120.0, "Longest wait for lost actors' placement-group bundles to be placed "
                                          "again after a node is lost; then the run stops, naming the clients and "
                                          "resources that cannot be placed, with a checkpoint of the state the round "
-                                         "started from (continue it with --resume).", check=POSITIVE)
+                                         "started from (continue it with --resume).", check=POSITIVE,
+                                         resume=True)
     gpu_memory_cap: bool = setting(True, "With a fractional gpus_per_actor, cap each actor's CUDA memory to that "
                                    "fraction of the GPU.", resume=True)
     fold_order: str = setting("arrival", "ray executor: fold client updates as they arrive (arrival) or in client "

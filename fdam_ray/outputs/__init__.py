@@ -1,15 +1,17 @@
 """A run folder and what goes into it.
 
-    config.yaml      the resolved config (reloads to the same run)
+    config.yaml      the resolved config (reloads to the same run); mode 0600, as train.log and checkpoint.pt
     metrics.jsonl    one JSON record per evaluation
     metrics.csv      the same, flattened (task_auc.<task>, client_auc.<id> columns)
     train.log        one line per evaluation, plus events (stage switches, why a run stopped) and the package's
-                     warnings while the run writes (client actors replaced or dropped)
+                     warnings while the run writes (client actors replaced or dropped); credentials in any URI a
+                     line names are replaced by *** (fdam_ray.redact)
     events/          TensorBoard event files (when the tensorboard package is installed)
     checkpoint.pt    the latest checkpoint (atomic, versioned; see fdam_ray.checkpoint)
     model.pt         the final model: {"model": state_dict, "a", "b", "alpha", "task_names"}
     summary.json     best and final test AUC, rounds, bytes moved, wall time, samples/s
     .lock            who writes the folder now (pid, host, start); see :mod:`fdam_ray.runlock`
+    recipe.yaml      stage 1 of a two-stage run: the whole run's config and stage 2's folder (:mod:`fdam_ray.pretrain`)
 
 Everything a run writes, shows or reports hangs off one :class:`Observer`
 interface: the run folder (:class:`RunFolder`, which also decides when a

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import shutil
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,22 @@ from fdam_ray.runlock import RunLock, check_not_in_use
 from fdam_ray.sections import EACH_ONCE, NONNEGATIVE, Section, setting, shared
 from fdam_ray.state import RoundPlan
 
+log = logging.getLogger(__name__)
+MAX_RUN_NAME = 100
+_DERIVED_SUFFIX = "-pretrain"  # the name of a recipe's pre-training stage: <run_name>-pretrain (fdam_ray.pretrain)
+RUN_NAME_ALLOWED = (f"one folder name of at most {MAX_RUN_NAME} characters: no '/', '\\', NUL or control "
+                    "characters, not '.' or '..'")
+
+
+def is_folder_name(name: str) -> bool:
+    """Whether ``name`` is one path component a run folder may take: a run folder stays under ``out_dir``, and a
+    huge name is not echoed back in every message."""
+    if not name:
+        return True  # as null: a time-stamped name
+    longest = MAX_RUN_NAME + (len(_DERIVED_SUFFIX) if name.endswith(_DERIVED_SUFFIX) else 0)
+    return (len(name) <= longest and name.strip() not in (".", "..")
+            and not any(c in "/\\" or ord(c) < 32 or ord(c) == 127 for c in name))
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OutputSection(Section):
@@ -25,7 +42,9 @@ class OutputSection(Section):
     name = "outputs"
 
     out_dir: str = setting("runs", "Folder under which run folders are made.", resume=True)
-    run_name: str | None = setting(None, "Run folder name; null = time stamp, algorithm and dataset.")
+    run_name: str | None = setting(None, "Run folder name, one path component of at most 100 characters; null = "
+                                   "time stamp, algorithm and dataset.",
+                                   check=(lambda v: is_folder_name(v), RUN_NAME_ALLOWED))
     checkpoint_every: int = setting(100, "Write a checkpoint every this many rounds (and at the end); 0 = only at "
                                     "the end.", check=NONNEGATIVE, resume=True)
     tensorboard: bool = setting(True, "Write TensorBoard event files into the run folder (needs tensorboard).",
@@ -52,6 +71,12 @@ def request_stop(reason: str) -> None:
     _stop_reason = reason
 
 
+def stop_requested() -> str | None:
+    """Why a stop was asked for (:func:`request_stop`), or None; waits outside rounds (placement, joining a
+    cluster) poll it, so that a stop is acted on while they wait too."""
+    return _stop_reason
+
+
 def clear_stop_request() -> None:
     global _stop_reason
     _stop_reason = None
@@ -61,10 +86,10 @@ class RunStopped(Exception):
     """A run stopped at a round end because it was asked to (:func:`request_stop`); its checkpoint is written.
 
     Attributes:
-        run_dir: the run folder, to continue with ``--resume``.
+        run_dir: the run folder, to continue with ``--resume`` (None: stopped before a run folder was made).
     """
 
-    def __init__(self, message: str, run_dir: Path) -> None:
+    def __init__(self, message: str, run_dir: Path | None) -> None:
         super().__init__(message)
         self.run_dir = run_dir
 
@@ -76,42 +101,66 @@ class RunFolder(Observer):
     stopped before its first periodic checkpoint can be resumed), every
     ``checkpoint_every`` rounds, and at the end. Each holds the config.
 
+    ``config.yaml`` always repeats the run its folder holds: a fresh run writes it when it starts, a resumed
+    one with its first checkpoint (a resume that fails before it leaves the folder's record as it was). A
+    fresh run that stops before its first round ends leaves no folder behind (the folder it made is removed),
+    so its ``run_name`` can be run again at once.
+
     Args:
         config: the run's full config (written to ``config.yaml`` and into every checkpoint).
         run_dir: the folder (a resumed run's); None makes a new one under ``out_dir`` when the run starts,
             so bad data found while the clients start never leaves a half-made folder.
         checkpoints: write ``checkpoint.pt`` (a Tune trial's checkpoints are kept by Tune instead).
+        files: more YAML files to write into the folder when a fresh run starts (name -> mapping).
     """
 
-    def __init__(self, config: Any, *, run_dir: Path | None = None, checkpoints: bool = True) -> None:
+    def __init__(self, config: Any, *, run_dir: Path | None = None, checkpoints: bool = True,
+                 files: dict[str, dict] | None = None) -> None:
         self.config_dict = config.to_dict()
         self.section = OutputSection.of(config)
         self.dir = None if run_dir is None else Path(run_dir)
         self.checkpoints = checkpoints
+        self.files = dict(files or {})
         self.writer: RunWriter | None = None
         self.lock: RunLock | None = None
         self._last_checkpoint: int | None = None
+        self._config_written = False
+        self._made: Path | None = None  # the new run's folder (None: a folder given, or a resumed run's)
+        self._created = False  # whether this run created it (else it was there, empty)
+        self._trained = False
 
     def start(self, run: RunStart) -> None:
         if self.dir is None:
-            self.dir = make_run_dir(self.section)
+            self.dir, self._created = make_new_run_dir(self.section)
+            self._made = self.dir
         else:
             self.dir.mkdir(parents=True, exist_ok=True)
         self.lock = RunLock(self.dir)  # before anything in the folder is opened for writing
         try:
             self.writer = RunWriter(self.dir, tensorboard=self.section.tensorboard, history=run.history)
-            self.writer.write_config(self.config_dict)
+            if not run.resumed or not (self.dir / "config.yaml").exists():  # (a resumed Tune trial's new folder)
+                self._write_config()
+            if not run.resumed:
+                for name, values in self.files.items():
+                    self.writer.write_yaml(name, values, name)
         except BaseException:
             self.lock.release()
             raise
         if run.resumed:
             self._last_checkpoint = run.round
+            self._trained = True  # the folder holds earlier sessions: never removed
             self.writer.event("resumed at round %d, iteration %d", run.round, run.iteration)
+
+    def _write_config(self) -> None:
+        if self.writer is not None and not self._config_written:
+            self.writer.write_config(self.config_dict)
+            self._config_written = True
 
     def _checkpoint(self, snapshot: Snapshot, round_: int) -> None:
         if self.checkpoints and self.writer is not None:
             self.writer.checkpoint(snapshot().with_config(self.config_dict))
             self._last_checkpoint = round_
+            self._write_config()  # a resumed run's config, now that its checkpoint holds it
 
     def record(self, record: dict, snapshot: Snapshot) -> None:
         if self.writer is None:
@@ -121,6 +170,7 @@ class RunFolder(Observer):
             self._checkpoint(snapshot, record["round"])
 
     def round_end(self, plan: RoundPlan, record: dict | None, snapshot: Snapshot) -> None:
+        self._trained = True
         every = self.section.checkpoint_every
         if every and plan.round % every == 0:
             self._checkpoint(snapshot, plan.round)
@@ -147,6 +197,7 @@ class RunFolder(Observer):
         if self._last_checkpoint != summary["rounds"]:
             self._checkpoint(snapshot, summary["rounds"])
         summary["run_dir"] = str(self.dir)
+        self._write_config()
         self.writer.finish(model, summary)
 
     def close(self, error: BaseException | None) -> None:
@@ -158,22 +209,51 @@ class RunFolder(Observer):
         finally:
             if self.lock is not None:
                 self.lock.release()
+            if error is not None and self._made is not None and not self._trained:
+                self._remove_untrained()
+
+    def _remove_untrained(self) -> None:
+        """The run stopped before its first round ended: remove the folder it made (nothing in it is worth
+        resuming), so the same ``run_name`` runs again."""
+        made, self._made = self._made, None
+        if made is None:
+            return
+        for entry in [made] if self._created else list(made.iterdir()):  # a folder that was there stays
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+        log.info("removed the run folder '%s': the run stopped before its first round", made)
 
 
-def make_run_dir(config: OutputSection) -> Path:
-    """Create the run folder (refusing to reuse a non-empty one)."""
-    root = output_root(config.out_dir, "out_dir")
-    if config.run_name:
-        path = root / config.run_name
-        check_not_in_use(path)
-        if path.exists() and any(path.iterdir()):
-            raise ValueError(f"run folder '{path}' already exists and is not empty; choose another run_name "
-                             "or continue it with --resume")
-    else:
+def check_new_run_dir(config: OutputSection) -> Path | None:
+    """The folder a new run named ``run_name`` will make (None without a name); refused, with the command that
+    continues it, when it is in use or holds a run already."""
+    if not config.run_name:
+        return None
+    path = output_root(config.out_dir, "out_dir") / config.run_name
+    check_not_in_use(path)
+    if path.exists() and any(path.iterdir()):
+        raise ValueError(f"run folder '{path}' already exists and is not empty; choose another run_name "
+                         f"or continue it with: fdam train --resume {path}")
+    return path
+
+
+def make_new_run_dir(config: OutputSection) -> tuple[Path, bool]:
+    """Create the run folder (refusing to reuse a non-empty one); (the folder, whether this call made it)."""
+    path = check_new_run_dir(config)
+    if path is None:
+        root = output_root(config.out_dir, "out_dir")
         dataset = re.sub(r"[^\w.-]+", "_", str(config.dataset).rpartition(":")[2])  # a factory: its name
         base = f"{datetime.now():%Y%m%d-%H%M%S}-{config.algorithm}-{dataset}"
         path, n = root / base, 1
         while path.exists():
             path, n = root / f"{base}-{n}", n + 1
+    created = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
-    return path
+    return path, created
+
+
+def make_run_dir(config: OutputSection) -> Path:
+    """Create the run folder (refusing to reuse a non-empty one)."""
+    return make_new_run_dir(config)[0]

@@ -5,16 +5,31 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
 import yaml
 
-from fdam_ray.checkpoint import Checkpoint, save_checkpoint
+from fdam_ray.checkpoint import Checkpoint, DiskFullError, disk_full, save_checkpoint, write_atomically
 from fdam_ray.outputs.records import flatten_record, grouped_scalars
+from fdam_ray.redact import RedactingFilter
 
 log = logging.getLogger("fdam_ray.outputs")
 _notice_given = False
+PRIVATE_MODE = 0o600  # files that hold the config or messages about it: the owner's only (as checkpoint.pt is)
+
+
+def private_file(path: Path, text: str | None = None) -> Path:
+    """Make ``path`` readable by its owner only (created if missing) and, given ``text``, write it: the config and
+    the log may name addresses, storage paths and factories that others on the machine need not see."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if text is not None else os.O_APPEND)
+    fd = os.open(path, flags, PRIVATE_MODE)
+    with os.fdopen(fd, "a" if text is None else "w", encoding="utf-8") as fh:
+        os.fchmod(fd, PRIVATE_MODE)  # a file of an earlier session (resume) keeps its mode otherwise
+        if text is not None:
+            fh.write(text)
+    return path
 
 
 def _tensorboard_writer(path: Path):
@@ -30,6 +45,14 @@ def _tensorboard_writer(path: Path):
     return SummaryWriter(log_dir=str(path))
 
 
+class _LogFile(logging.FileHandler):
+    """``train.log``: a line that cannot be written (a full disk) is lost quietly; the run's own error says why
+    (logging would print a traceback for every line)."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        pass
+
+
 class RunWriter:
     """Writes a run's files as the run goes; on resume, rewrites the metric files from the checkpoint's history."""
 
@@ -42,12 +65,15 @@ class RunWriter:
         self.log = logging.getLogger(f"fdam_ray.run.{id(self)}")
         self.log.propagate = False
         self.log.setLevel(logging.INFO)
-        self._handler = logging.FileHandler(self.dir / "train.log", encoding="utf-8")
+        log_file = private_file(self.dir / "train.log")
+        self._handler = _LogFile(log_file, encoding="utf-8")
         self._handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        self._handler.addFilter(RedactingFilter())  # credentials in a URI an event or a warning names
         self.log.addHandler(self._handler)
         # the package's warnings while the run writes here (a client replaced or dropped, a late stage switch)
-        self._warnings = logging.FileHandler(self.dir / "train.log", encoding="utf-8")
+        self._warnings = _LogFile(log_file, encoding="utf-8")
         self._warnings.setLevel(logging.WARNING)
+        self._warnings.addFilter(RedactingFilter())
         self._warnings.setFormatter(self._handler.formatter)
         logging.getLogger("fdam_ray").addHandler(self._warnings)
         self._tb = _tensorboard_writer(self.dir / "events") if tensorboard else None
@@ -55,10 +81,27 @@ class RunWriter:
             self._write_metrics(rec)
 
     def write_config(self, config_dict: dict) -> None:
-        plain = {k: list(v) if isinstance(v, tuple) else v for k, v in config_dict.items()}
-        (self.dir / "config.yaml").write_text(yaml.safe_dump(plain, sort_keys=False), encoding="utf-8")
+        self.write_yaml("config.yaml", config_dict, "the run's config")
+
+    def write_yaml(self, name: str, values: dict, what: str) -> None:
+        """Write ``values`` as YAML to ``name`` in the folder, atomically (a reader never sees half a file) and
+        readable by the owner only (a config may name addresses, storage paths and factories)."""
+        plain = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+        text = yaml.safe_dump(plain, sort_keys=False).encode("utf-8")
+        write_atomically(self.dir / name, lambda fh: fh.write(text), what, private=True)
 
     def _write_metrics(self, rec: dict) -> None:
+        try:
+            self._append_metrics(rec)
+        except OSError as exc:
+            if disk_full(exc) is None:
+                raise
+            error = DiskFullError(f"no space left on {self.dir} (writing the metrics files); the last checkpoint "
+                                  "is kept: free space there, then continue the run with --resume")
+            error.errno = exc.errno
+            raise error from None
+
+    def _append_metrics(self, rec: dict) -> None:
         self._jsonl.write(json.dumps(rec) + "\n")
         self._jsonl.flush()
         flat = flatten_record(rec)
@@ -90,8 +133,9 @@ class RunWriter:
         save_checkpoint(self.dir / "checkpoint.pt", checkpoint)
 
     def finish(self, model_payload: dict, summary: dict) -> None:
-        torch.save(model_payload, self.dir / "model.pt")
-        (self.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        write_atomically(self.dir / "model.pt", lambda fh: torch.save(model_payload, fh), "the final model")
+        text = (json.dumps(summary, indent=2) + "\n").encode("utf-8")
+        write_atomically(self.dir / "summary.json", lambda fh: fh.write(text), "the summary")
 
     def close(self) -> None:
         self._jsonl.close()

@@ -10,14 +10,14 @@ import os
 from typing import Any
 
 from fdam_ray.config import Config
-from fdam_ray.trackers import check_installed
+from fdam_ray.trackers import check_usable
 
 
 def tune_callbacks(config: Config) -> list:
     """Ray Tune's own logger callbacks for the trackers a sweep's base config names: every trial's config and
     reports (test_auc, per-task and per-client AUCs, bytes, ...) to MLflow (with the trial folder, its run and
     checkpoints, as artifacts) and to W&B."""
-    check_installed(config.trackers)
+    check_usable(config.trackers)
     callbacks: list[Any] = []
     if "mlflow" in config.trackers:
         from ray.air.integrations.mlflow import MLflowLoggerCallback

@@ -12,6 +12,7 @@ import yaml
 from fdam_ray.config import build_config
 from fdam_ray.locations import RemoteFolder, is_uri, output_root
 from fdam_ray.plots import plot_top_trials
+from fdam_ray.redact import redact
 from fdam_ray.tuning.space import Space
 
 ERRORS_FILE = "errors.log"
@@ -73,7 +74,7 @@ def write_sweep_outputs(grid, space: Space) -> SweepOutcome:
     best_file.unlink(missing_ok=True)  # a resumed sweep's earlier answer does not stand
     (out / ERRORS_FILE).unlink(missing_ok=True)
     if trials.full_errors:
-        (out / ERRORS_FILE).write_text("\n".join(trials.full_errors), encoding="utf-8")
+        (out / ERRORS_FILE).write_text(redact("\n".join(trials.full_errors)), encoding="utf-8")
     if not unfinished:
         _write_best_config(rows, space, best_file)
     plot_top_trials(rows[: opts.top_trials], out / "top_trials.png", opts.metric, list(space.search))

@@ -29,6 +29,8 @@ from fdam_ray.config import (
     typed_value,
 )
 from fdam_ray.locations import RemoteFolder, is_uri, join_uri
+from fdam_ray.redact import clip, short
+from fdam_ray.yamlio import kind_of
 
 SPEC_KINDS = ("grid", "choice", "uniform", "loguniform", "randint")
 RANGE_KINDS = ("uniform", "loguniform", "randint")
@@ -64,11 +66,12 @@ class TuneOptions:
         allowed = {"mode": ("max", "min"), "searcher": ("grid", "random", "optuna"), "scheduler": ("fifo", "asha")}
         for name, choices in allowed.items():
             if getattr(self, name) not in choices:
-                raise ConfigError(f"tune option '{name}': {getattr(self, name)!r} is not allowed "
+                raise ConfigError(f"tune option '{name}': {short(getattr(self, name))} is not allowed "
                                   f"(one of {', '.join(choices)})")
         if not isinstance(self.metric, str) or not is_reported(self.metric):
-            raise ConfigError(f"tune option 'metric': {self.metric!r} is not reported (one of {', '.join(REPORTED)}, "
-                              "task_auc.<task>, client_auc.<client id>, worst_task_auc, worst_client_auc)")
+            raise ConfigError(f"tune option 'metric': {short(self.metric)} is not reported (one of "
+                              f"{', '.join(REPORTED)}, task_auc.<task>, client_auc.<client id>, worst_task_auc, "
+                              "worst_client_auc)")
         _check_option("num_samples", self.num_samples, integer=True, low=1)
         _check_option("grace_period", self.grace_period, integer=True, low=1, optional=True)
         _check_option("max_concurrent_trials", self.max_concurrent_trials, integer=True, low=1, optional=True)
@@ -81,7 +84,7 @@ class TuneOptions:
         for name in ("name", "storage_path"):
             value = getattr(self, name)
             if not (isinstance(value, str) and value.strip()) and not (name == "name" and value is None):
-                raise ConfigError(f"tune option '{name}': {value!r} is not allowed (a non-empty text)")
+                raise ConfigError(f"tune option '{name}': {short(value)} is not allowed (a non-empty text)")
 
 
 def _check_option(name: str, value: Any, *, integer: bool = False, low: int = 0, positive: bool = False,
@@ -97,7 +100,7 @@ def _check_option(name: str, value: Any, *, integer: bool = False, low: int = 0,
     else:
         ok, allowed = number and value > 0, "a number > 0"
     if not ok or (number and value != value):  # NaN
-        raise ConfigError(f"tune option '{name}': {value!r} is not allowed ({allowed}"
+        raise ConfigError(f"tune option '{name}': {short(value)} is not allowed ({allowed}"
                           + (" or null" if optional else "") + ")")
 
 
@@ -111,13 +114,13 @@ class Space:
 def _check_spec(name: str, spec: Any) -> None:
     """One search entry: a config field and one of {grid | choice | uniform | loguniform | randint: [...]}."""
     if name not in FIELD_BY_NAME:
-        raise ConfigError(f"search field '{name}' is not a config field (see `fdam fields`)")
+        raise ConfigError(f"search field {_name(name)} is not a config field (see `fdam fields`)")
     if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in SPEC_KINDS:
-        raise ConfigError(f"search field '{name}': {spec!r} must be one of "
+        raise ConfigError(f"search field '{name}': {short(spec)} must be one of "
                           + ", ".join(f"{{{k}: ...}}" for k in SPEC_KINDS))
     kind, values = next(iter(spec.items()))
     if not isinstance(values, list) or not values:
-        raise ConfigError(f"search field '{name}': {kind} needs a non-empty list, got {values!r}")
+        raise ConfigError(f"search field '{name}': {kind} needs a non-empty list, got {short(values)}")
     if kind in RANGE_KINDS:
         _check_range(name, kind, values)
 
@@ -129,11 +132,11 @@ def _check_range(name: str, kind: str, values: list) -> None:
         numbers = numbers and all(float(v).is_integer() for v in values)
     if len(values) != 2 or not numbers:
         what = "two integers" if kind == "randint" else "two numbers"
-        raise ConfigError(f"search field '{name}': {kind} needs [low, high] ({what}), got {values!r}")
+        raise ConfigError(f"search field '{name}': {kind} needs [low, high] ({what}), got {short(values)}")
     if not values[0] < values[1]:
-        raise ConfigError(f"search field '{name}': {kind} needs low < high, got {values!r}")
+        raise ConfigError(f"search field '{name}': {kind} needs low < high, got {short(values)}")
     if kind == "loguniform" and min(values) <= 0:
-        raise ConfigError(f"search field '{name}': loguniform needs positive bounds, got {values!r}")
+        raise ConfigError(f"search field '{name}': loguniform needs positive bounds, got {short(values)}")
 
 
 def _candidates(search: dict[str, dict]) -> list[dict]:
@@ -146,7 +149,7 @@ def _candidates(search: dict[str, dict]) -> list[dict]:
 
 def load_space(path: str, overrides: dict[str, Any] | None = None) -> Space:
     """Read and validate a search-space file; ``overrides`` set base fields (``tune.X`` keys set options)."""
-    return make_space(load_config_file(path), overrides, where=f"search space '{path}'")
+    return make_space(load_config_file(path), overrides, where=f"search space '{clip(path)}'")
 
 
 def make_space(data: dict[str, Any], overrides: dict[str, Any] | None = None, *,
@@ -159,7 +162,7 @@ def make_space(data: dict[str, Any], overrides: dict[str, Any] | None = None, *,
     known = {f.name for f in dataclasses.fields(TuneOptions)}
     for key in opts:
         if key not in known:
-            raise ConfigError(f"unknown tune option '{key}' (one of {', '.join(sorted(known))})")
+            raise ConfigError(f"unknown tune option {_name(key)} (one of {', '.join(sorted(known))})")
     for name, spec in search.items():
         _check_spec(name, spec)
     for combo in _candidates(search):
@@ -176,13 +179,29 @@ def _check_sections(data: Any, where: str) -> None:
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a mapping with sections base, search and tune, not "
                           f"{type(data).__name__}")
+    _check_keys(data, where)
     unknown = set(data) - {"base", "search", "tune"}
     if unknown:
-        raise ConfigError(f"{where}: unknown section(s) {sorted(unknown)} (base, search, tune)")
+        raise ConfigError(f"{where}: unknown section(s) {', '.join(map(_name, sorted(unknown)))} (base, search, "
+                          "tune)")
     for section in ("base", "search", "tune"):
         if not isinstance(data.get(section) or {}, dict):
             raise ConfigError(f"{where}: section '{section}' must be a mapping of name: value, "
                               f"not {type(data[section]).__name__}")
+        _check_keys(data.get(section) or {}, f"{where}: section '{section}'")
+
+
+def _check_keys(mapping: dict, where: str) -> None:
+    """Every key of a space's mapping is text (a section, a field or an option name)."""
+    for key in mapping:
+        if not isinstance(key, str):
+            raise ConfigError(f"{where}: key {short(key, 60)} is {kind_of(key)}, not a name; keys are "
+                              "field and option names, written as text")
+
+
+def _name(key: Any) -> str:
+    """A name the user gave, as a message shows it: quoted, redacted, at most 80 characters."""
+    return f"'{clip(key, 80)}'"
 
 
 def _with_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> tuple[dict, dict, dict]:
@@ -224,12 +243,12 @@ def space_of_sweep(sweep_dir: str | Path) -> Space:
     remote = is_uri(str(sweep_dir))
     path: str | Path = join_uri(str(sweep_dir), SPACE_FILE) if remote else Path(sweep_dir) / SPACE_FILE
     if not (RemoteFolder(str(sweep_dir)).exists(SPACE_FILE) if remote else Path(path).is_file()):
-        raise ConfigError(f"'{sweep_dir}' is not a sweep folder made by fdam tune (no {SPACE_FILE})")
+        raise ConfigError(f"'{clip(sweep_dir)}' is not a sweep folder made by fdam tune (no {SPACE_FILE})")
     data = read_yaml_file(path, "sweep space file")
     known = {f.name for f in dataclasses.fields(TuneOptions)}
     if (not isinstance(data, dict) or not all(isinstance(data.get(k), dict) for k in ("base", "search", "tune"))
             or not set(data["tune"]) <= known):
-        raise ConfigError(f"sweep space file '{path}' is damaged: it must hold base, search and tune mappings "
+        raise ConfigError(f"sweep space file '{clip(path)}' is damaged: it must hold base, search and tune mappings "
                           "as fdam tune wrote them")
     for name, spec in data["search"].items():
         _check_spec(name, spec)

@@ -5,19 +5,26 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import signal
 import stat
+import threading
 from datetime import datetime
 from pathlib import Path
 
 import yaml
 
+from fdam_ray import interrupts
 from fdam_ray.config import ConfigError, build_config
 from fdam_ray.locations import RemoteFolder, is_uri, join_uri, local_path_of, output_root
-from fdam_ray.trackers import check_installed as check_trackers
+from fdam_ray.redact import redact
+from fdam_ray.runlock import RunLock
+from fdam_ray.trackers import check_usable as check_trackers
 from fdam_ray.tuning.callbacks import tune_callbacks
 from fdam_ray.tuning.report import SweepOutcome, cell, write_sweep_outputs
 from fdam_ray.tuning.space import SPACE_FILE, Space, param_space
 from fdam_ray.tuning.trial import federation_trial, trial_bundles
+
+SWEEP_FOLDER = "sweep folder"  # what a lock refusal calls the folder
 
 
 def _trial_name(trial) -> str:
@@ -60,8 +67,8 @@ def check_resume_trusted(sweep_dir: str | Path, *, trust_storage: bool = False) 
     if local is None:
         if not trust_storage:
             raise ConfigError(
-                f"--resume: '{sweep_dir}' is remote storage; resuming unpickles the sweep's state, which runs any "
-                "code put in it, and who can write there cannot be checked from here: add --trust-storage if only "
+                f"--resume: '{redact(sweep_dir)}' is remote storage; resuming unpickles the sweep's state, which runs "
+                "any code put in it, and who can write there cannot be checked from here: add --trust-storage if only "
                 "you (or people you trust) can write to it")
         return
     folder = local
@@ -97,8 +104,6 @@ def run_sweep(space: Space, *, resume_dir: str | None = None, address: str | Non
     with a URI the trials' run folders are synced there too, and the tables and best config are written both
     there and to a local copy (:data:`fdam_ray.tuning.report.LOCAL_COPY`).
     """
-    from ray import tune
-
     if resume_dir:
         check_resume_trusted(resume_dir, trust_storage=trust_storage)
 
@@ -112,22 +117,48 @@ def run_sweep(space: Space, *, resume_dir: str | None = None, address: str | Non
     # (a URI) keeps it.
     if not is_uri(storage):
         os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
-    if not resume_dir:
-        if space.options.name is None:
-            space.options.name = f"sweep-{datetime.now():%Y%m%d-%H%M%S}"
-        text = yaml.safe_dump({"base": space.base, "search": space.search, "tune": dataclasses.asdict(space.options)},
-                              sort_keys=False)
-        if is_uri(storage):
-            folder = RemoteFolder(join_uri(storage, space.options.name))
-            if folder.exists():
-                raise ConfigError(f"sweep folder '{folder.uri}' exists; choose another tune.name or use --resume")
-            folder.write_text(SPACE_FILE, text)
-        else:
-            exp_dir = Path(storage) / space.options.name
-            if exp_dir.exists():
-                raise ConfigError(f"sweep folder '{exp_dir}' exists; choose another tune.name or use --resume")
-            exp_dir.mkdir(parents=True)
-            (exp_dir / SPACE_FILE).write_text(text, encoding="utf-8")
+    lock = _resumed_sweep_lock(resume_dir) if resume_dir else _new_sweep_folder(space, storage)
+    try:
+        return _run(space, base_config, storage, resume_dir=resume_dir, address=address)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _resumed_sweep_lock(resume_dir: str) -> RunLock | None:
+    """The lock of a local sweep folder being resumed, taken before Tune reads or writes anything in it: a
+    second driver on a live sweep would restore its trials while they run (see :mod:`fdam_ray.runlock`).
+    Who else writes a storage URI cannot be checked from here: None."""
+    local = local_path_of(resume_dir)
+    return None if local is None else RunLock(local, SWEEP_FOLDER)
+
+
+def _new_sweep_folder(space: Space, storage: str) -> RunLock | None:
+    """Make the sweep's folder (refusing an existing one) with its space file; a local one locked for as long
+    as this driver runs the sweep."""
+    if space.options.name is None:
+        space.options.name = f"sweep-{datetime.now():%Y%m%d-%H%M%S}"
+    text = yaml.safe_dump({"base": space.base, "search": space.search, "tune": dataclasses.asdict(space.options)},
+                          sort_keys=False)
+    if is_uri(storage):
+        folder = RemoteFolder(join_uri(storage, space.options.name))
+        if folder.exists():
+            raise ConfigError(f"sweep folder '{redact(folder.uri)}' exists; choose another tune.name or use --resume")
+        folder.write_text(SPACE_FILE, text)
+        return None
+    exp_dir = Path(storage) / space.options.name
+    if exp_dir.exists():
+        raise ConfigError(f"sweep folder '{exp_dir}' exists; choose another tune.name or use --resume")
+    exp_dir.mkdir(parents=True)
+    lock = RunLock(exp_dir, SWEEP_FOLDER)
+    (exp_dir / SPACE_FILE).write_text(text, encoding="utf-8")
+    return lock
+
+
+def _run(space: Space, base_config, storage: str, *, resume_dir: str | None, address: str | None) -> SweepOutcome:
+    """Start (or join) Ray, fit the sweep and write its outputs."""
+    from ray import tune
+
     from fdam_ray.executors.ray.session import ensure_ray
 
     ensure_ray(address=address, cpus_needed=1)
@@ -161,5 +192,25 @@ def run_sweep(space: Space, *, resume_dir: str | None = None, address: str | Non
                                       sync_config=tune.SyncConfig(sync_artifacts=is_uri(storage)),
                                       callbacks=tune_callbacks(base_config)),
         )
-    grid = tuner.fit()
+    grid = _fit(tuner)
     return write_sweep_outputs(grid, space)
+
+
+def _fit(tuner):
+    """``tuner.fit()``, stopped on a first SIGTERM or Ctrl+C the way Ray Tune stops on Ctrl+C: the trials
+    stopped, the experiment state saved, ``fit`` returning what it has (the caller then prints how to resume).
+    A second signal exits at once (:mod:`fdam_ray.interrupts`); Tune's own SIGINT handler is left out, which
+    would otherwise take the first Ctrl+C and hand the second back as a first."""
+    if not interrupts.active() or threading.current_thread() is not threading.main_thread():
+        return tuner.fit()
+    os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)  # Tune's stop handler, once fit() has set it up
+
+    def stop_sweep(signum: int) -> None:
+        tune_stop = signal.getsignal(signal.SIGUSR1)
+        if not callable(tune_stop):  # fit() has not reached its loop: nothing of the sweep to save yet
+            raise interrupts.Interrupted(signum)
+        tune_stop(signum, None)
+
+    with interrupts.first_signal_does(stop_sweep):
+        return tuner.fit()

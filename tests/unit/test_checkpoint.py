@@ -152,3 +152,41 @@ def test_a_checkpoint_is_written_with_its_config(tmp_path):
         save_checkpoint(tmp_path / "c.pt", dataclasses.replace(ck, config=None))
     assert not (tmp_path / "c.pt").exists()
     assert ck.unplaced_clients() == [] and ck.with_config({"x": 1}).config == {"x": 1}
+
+
+def test_a_full_disk_is_found_behind_torchs_error_and_the_old_file_stays(tmp_path):
+    import errno
+    import io
+
+    from fdam_ray.checkpoint import DiskFullError, disk_full, write_atomically
+
+    class Full(io.BufferedIOBase):
+        writes = 0
+
+        def writable(self):
+            return True
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes > 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return len(data)
+
+    with pytest.raises(RuntimeError) as info:  # torch's zip writer reports the failed write as "unexpected pos"
+        torch.save({"x": torch.zeros(1000)}, Full())
+    assert disk_full(info.value) is not None and disk_full(RuntimeError("other")) is None
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"old")
+
+    def fill(fh):
+        fh.write(b"new")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(DiskFullError, match=f"^no space left on {tmp_path} .*the previous one is kept") as full:
+        write_atomically(path, fill, "a file")
+    assert full.value.errno == errno.ENOSPC and isinstance(full.value, OSError)
+    assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["f.bin"]
+    write_atomically(path, lambda fh: fh.write(b"new"), "a file")
+    plain = tmp_path / "plain"
+    plain.write_bytes(b"")
+    assert path.read_bytes() == b"new" and path.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777  # umask

@@ -17,8 +17,10 @@ differ outside this range.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 SUPPORTED = (">=2.60", "<2.61")  # the Ray versions these names were checked against
@@ -26,9 +28,13 @@ SUPPORTED = (">=2.60", "<2.61")  # the Ray versions these names were checked aga
 # (module, attribute) of every private or experimental Ray name used below; the compat test imports each.
 PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("ray._raylet", "GcsClient"),
+    ("ray._raylet", "InnerGcsClient"),
     ("ray._private.authentication.authentication_token_setup", "_enable_token_auth"),
     ("ray._private.authentication.authentication_utils", "is_token_auth_enabled"),
     ("ray._common.utils", "get_ray_address_file"),
+    ("ray._private.ray_constants", "ENABLE_RAY_CLUSTER"),
+    ("ray._private.state", "state"),
+    ("ray.experimental.internal_kv", "_internal_kv_get"),
     ("ray.experimental.channel.shared_memory_channel", "Channel"),
     ("ray.dag", "InputNode"),
     ("ray.dag", "MultiOutputNode"),
@@ -65,6 +71,17 @@ def gcs_probe(address: str, timeout_s: float) -> Callable[[], None] | None:
     """A call that asks the GCS at ``address`` for a key (raising Ray's ``AuthenticationError`` when it
     refuses this process's credentials), or None where this Ray has no such client."""
     try:
+        inner = _private("ray._raylet", "InnerGcsClient")
+    except ImportError:
+        inner = None
+    if inner is not None and hasattr(inner, "standalone"):  # its connection bounded too (GcsClient waits 30 s)
+
+        def bounded() -> None:
+            inner.standalone(address, None, int(timeout_s * 1000)).internal_kv_get(b"fdam-probe", None,
+                                                                                   timeout=timeout_s)
+
+        return bounded
+    try:
         gcs_client = _private("ray._raylet", "GcsClient")
     except ImportError:
         return None
@@ -98,6 +115,67 @@ def ray_address_file() -> str | None:
         return str(_private("ray._common.utils", "get_ray_address_file")(None))
     except ImportError:
         return None
+
+
+def start_loopback_ray(**start: Any) -> None:
+    """``ray.init(address="local", **start)`` with the node's address 127.0.0.1, so that every process of the
+    private instance (GCS, raylet, agents, dashboard, workers) listens there only (:func:`loopback_node`)."""
+    import ray
+
+    with loopback_node():
+        ray.init(address="local", _node_ip_address="127.0.0.1", **start)
+
+
+@contextlib.contextmanager
+def loopback_node() -> Iterator[None]:
+    """While a private local Ray starts: its node address stays 127.0.0.1.
+
+    ``ray.init(_node_ip_address="127.0.0.1")`` alone turns the loopback address into the machine's network
+    address, and then every server binds all interfaces; Ray keeps 127.0.0.1 where it thinks clusters are off
+    (``ENABLE_RAY_CLUSTER``, the ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` variable its processes read), which is
+    set for the start only: this process and the processes Ray starts meanwhile (which start its workers).
+    """
+    try:
+        before = _private("ray._private.ray_constants", "ENABLE_RAY_CLUSTER")
+    except ImportError:  # a Ray without the switch: it binds as it does
+        yield
+        return
+    constants = importlib.import_module("ray._private.ray_constants")
+    variable = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+    saved = os.environ.get(variable)
+    setattr(constants, "ENABLE_RAY_CLUSTER", False)  # noqa: B010 (a private name mypy does not see)
+    os.environ[variable] = "0"
+    try:
+        yield
+    finally:
+        setattr(constants, "ENABLE_RAY_CLUSTER", before)  # noqa: B010
+        if saved is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = saved
+
+
+def autoscaler_configured() -> bool:
+    """Whether the connected cluster has an autoscaler that may add nodes (a placement the nodes of now cannot
+    hold may then still be placed): autoscaler v2's cluster config with node groups, or autoscaler v1's status
+    naming node types of a config (a cluster of ``ray start`` nodes mirrors each node as a type ``node_<id>``
+    and launches nothing). False where neither can be read."""
+    import json
+
+    try:
+        config = _private("ray._private.state", "state").get_cluster_config()
+        if config is not None and any(g.max_count for g in config.node_group_configs):
+            return True
+    except Exception:  # a Ray without autoscaler v2's state
+        pass
+    try:
+        raw = _private("ray.experimental.internal_kv", "_internal_kv_get")("__autoscaling_status")
+        report = (json.loads(raw) if raw else {}).get("autoscaler_report") or {}
+    except Exception:
+        return False
+    types = set((report.get("node_type_mapping") or {}).values())
+    return bool(report.get("pending_launches") or report.get("pending_nodes")
+                or any(not str(t).startswith("node_") for t in types))
 
 
 # -- compiled graphs ------------------------------------------------------------------------------------------

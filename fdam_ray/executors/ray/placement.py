@@ -8,6 +8,13 @@ driver bundle 0, actor bundles 1..A), the actors go into that group's bundles
 1..A instead of a new group. A lost actor's bundle is placed again by Ray;
 :meth:`Placement.wait_placed` waits for that at most ``placement_timeout_s``
 and otherwise stops the run with a :class:`PlacementError` naming the clients.
+
+A group the cluster as it is can never hold (:func:`check_capacity`, and Ray's
+own verdict ``INFEASIBLE`` while waiting) fails within seconds, naming the
+bundles, the strategy and the nodes, unless an autoscaler may add nodes
+(:func:`~fdam_ray.executors.ray.compat.autoscaler_configured`). Every wait
+polls: a stop asked for (SIGTERM under ``fdam train``) and a cluster whose GCS
+went away end it at once, in one line.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from fdam_ray.executors.errors import PlacementError
+from fdam_ray.executors.ray import compat
 from fdam_ray.executors.ray_section import RayExecutorSection
 
 log = logging.getLogger(__name__)
@@ -90,26 +98,130 @@ def check_offered(client_resources: Sequence[dict], nodes: Sequence[dict],
                                      f"{', '.join(custom_resources(nodes)) or 'no custom resources'}")
 
 
-def check_capacity(bundle: dict[str, float], num_actors: int, *, local: bool, timeout_s: float) -> None:
-    """Fail at once when ``num_actors`` bundles can never be placed: a local Ray short of resources (nothing
-    will join), or no live node as large as one bundle; warn when the cluster is short now (nodes may join)."""
+def _node_line(nodes: Sequence[dict]) -> str:
+    """What the live nodes offer, one ``node <ip>: CPU 4, GPU 1`` part each (at most 8 named)."""
+    live = [n for n in nodes if n.get("Alive")]
+    parts = []
+    for n in live[:8]:
+        res = n.get("Resources", {})
+        offered = ", ".join(f"{r} {res.get(r, 0):g}" for r in ("CPU", "GPU") if r == "CPU" or res.get(r))
+        extra = custom_resources([n])
+        parts.append(f"node {n.get('NodeManagerAddress', '?')}: {offered}" + (f", {', '.join(extra)}" if extra else ""))
+    more = f" and {len(live) - 8} more" if len(live) > 8 else ""
+    return f"{len(live)} live node{'s' if len(live) != 1 else ''} ({'; '.join(parts)}{more})"
+
+
+def check_capacity(bundle: dict[str, float], num_actors: int, *, grows: bool, timeout_s: float,
+                   strategy: str = "PACK") -> None:
+    """Fail at once when ``num_actors`` bundles can never be placed on the cluster as it is: more than its
+    nodes hold together, no live node as large as one bundle, or a strict strategy its nodes cannot meet;
+    ``grows``: an autoscaler may add nodes, so a cluster short in total is waited for (with a warning)."""
+    nodes = ray.nodes()
+    live = [n.get("Resources", {}) for n in nodes if n.get("Alive")]
+    if not grows and live and not any(all(res.get(r, 0) + 1e-9 >= v for r, v in bundle.items()) for res in live):
+        largest = max(live, key=lambda res: (res.get("GPU", 0), res.get("CPU", 0)))
+        raise ValueError(f"no node of the cluster can hold one actor ({bundle}; the largest node has "
+                         f"CPU {largest.get('CPU', 0):g}, GPU {largest.get('GPU', 0):g}): lower cpus_per_actor / "
+                         "gpus_per_actor, or add nodes that large")
     need = {r: v * num_actors for r, v in bundle.items()}
     have = ray.cluster_resources()
     short = {r: (v, have.get(r, 0)) for r, v in need.items() if have.get(r, 0) + 1e-9 < v}
     if short:
         detail = ", ".join(f"{r}: {v:g} needed, {h:g} in the cluster" for r, (v, h) in short.items())
-        if local:
-            raise ValueError(f"{num_actors} actors need more than this machine offers ({detail}); lower "
-                             "cpus_per_actor / gpus_per_actor, or host more clients per actor "
-                             "(clients_per_actor)")
-        log.warning("the cluster cannot hold %d actors yet (%s); waiting up to %g s for nodes to join",
-                    num_actors, detail, timeout_s)
-    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-    if nodes and not any(all(res.get(r, 0) + 1e-9 >= v for r, v in bundle.items()) for res in nodes):
-        largest = max(nodes, key=lambda res: (res.get("GPU", 0), res.get("CPU", 0)))
-        raise ValueError(f"no node of the cluster can hold one actor ({bundle}; the largest node has "
-                         f"CPU {largest.get('CPU', 0):g}, GPU {largest.get('GPU', 0):g}): lower cpus_per_actor / "
-                         "gpus_per_actor, or add nodes that large")
+        if not grows:
+            raise ValueError(f"{num_actors} actors need more than the cluster offers ({detail}; {_node_line(nodes)}, "
+                             "no autoscaler); lower cpus_per_actor / gpus_per_actor, or host more clients per "
+                             "actor (clients_per_actor)")
+        log.warning("the cluster cannot hold %d actors yet (%s); waiting up to %g s for its autoscaler to add "
+                    "nodes", num_actors, detail, timeout_s)
+    if not grows:
+        _check_strict(strategy, need, num_actors, nodes)
+
+
+def _check_strict(strategy: str, need: dict[str, float], num_actors: int, nodes: Sequence[dict]) -> None:
+    """Fail when a strict strategy cannot be met by the live ``nodes`` (``need``: all the bundles together)."""
+    live = [n.get("Resources", {}) for n in nodes if n.get("Alive")]
+    if strategy == "STRICT_SPREAD" and num_actors > len(live):
+        raise ValueError(f"placement_strategy=STRICT_SPREAD puts each of the {num_actors} actors on a node of its "
+                         f"own, but the cluster has {_node_line(nodes)} and no autoscaler; use PACK or SPREAD, or "
+                         "host more clients per actor (clients_per_actor)")
+    if strategy == "STRICT_PACK" and live and not any(
+            all(res.get(r, 0) + 1e-9 >= v for r, v in need.items()) for res in live):
+        raise ValueError(f"placement_strategy=STRICT_PACK puts all {num_actors} actors ({need}) on one node, but "
+                         f"the cluster has {_node_line(nodes)} and no autoscaler; use PACK or SPREAD")
+
+
+def wait_for_group(group: PlacementGroup, *, what: str, timeout_s: float, grows: bool, poll_s: float = 0.5) -> None:
+    """Wait until ``group`` is placed, checking every ``poll_s``: a stop asked for (SIGTERM), the cluster going
+    away, and Ray finding the group infeasible on a cluster without an autoscaler each end the wait at once;
+    otherwise a line says what is waited for (again each minute), and ``timeout_s`` ends it. ``what``: the
+    group's bundles and strategy, as the messages name them. The caller removes the group on an error."""
+    from fdam_ray.outputs.run_folder import RunStopped, stop_requested
+
+    started = time.monotonic()
+    ready = group.ready()
+    said = 0.0
+    while True:
+        done, _ = ray.wait([ready], timeout=poll_s)
+        if done:
+            try:
+                ray.get(ready, timeout=poll_s)
+                return
+            except ray.exceptions.RayError as exc:  # e.g. TaskPlacementGroupRemoved: its cluster went away
+                raise cluster_gone_or(exc, what) from None
+        reason = stop_requested()
+        if reason is not None:
+            raise RunStopped(f"{reason}: stopped while waiting for the cluster to place {what}; nothing was "
+                             "trained", None)
+        gone = cluster_gone(what)
+        if gone is not None:
+            raise gone
+        from ray.util import placement_group_table
+
+        stats = placement_group_table(group).get("stats") or {}
+        if stats.get("scheduling_state") == "INFEASIBLE" and not grows:
+            raise ValueError(f"the cluster can never place {what}: {_node_line(ray.nodes())}, no autoscaler; lower "
+                             "cpus_per_actor / gpus_per_actor, use placement_strategy PACK or SPREAD, or add nodes")
+        waited = time.monotonic() - started
+        if waited > timeout_s:
+            raise TimeoutError(waited)
+        if waited - said >= (60.0 if said else 2.0):
+            said = waited
+            free = ray.available_resources()
+            log.warning("waiting %.0f s so far (up to %g s) for the cluster to place %s: %s; free now: CPU %g, GPU %g",
+                        waited, timeout_s, what, "an autoscaler may add nodes" if grows else "busy with other work",
+                        free.get("CPU", 0), free.get("GPU", 0))
+
+
+def gcs_answers() -> bool:
+    """Whether the GCS of the cluster this process joined still accepts connections (Ray's own calls would wait
+    for it for a minute and then end the process)."""
+    gcs = ray.get_runtime_context().gcs_address
+    host, _, port = gcs.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=2.0).close()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def cluster_gone(what: str) -> PlacementError | None:
+    """A one-line :class:`PlacementError` when the cluster's GCS no longer accepts connections, else None."""
+    if gcs_answers():
+        return None
+    gcs = ray.get_runtime_context().gcs_address
+    return PlacementError(f"the Ray cluster at {gcs} went away while placing {what} (its GCS no longer "
+                          "answers); nothing was trained")
+
+
+def cluster_gone_or(exc: BaseException, what: str) -> BaseException:
+    """The cluster's disappearance as a :class:`PlacementError`, else ``exc`` (a group removed otherwise) in one
+    line as one."""
+    gone = cluster_gone(what)
+    if gone is not None:
+        return gone
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return PlacementError(f"the placement of {what} failed: {type(exc).__name__}: {first[:200]}")
 
 
 class Placement:
@@ -147,8 +259,9 @@ class Placement:
         if current is not None:
             self._enter(current, len(groups))
             return
-        check_capacity(base, len(groups), local=local, timeout_s=self.timeout)
-        self._own(base, len(groups))
+        grows = not local and compat.autoscaler_configured()
+        check_capacity(base, len(groups), grows=grows, timeout_s=self.timeout, strategy=cfg.placement_strategy)
+        self._own(base, len(groups), grows=grows)
 
     def _enter(self, current: PlacementGroup, num_actors: int) -> None:
         """Take bundles 1..A of the enclosing placement group (bundle 0 is the driver's)."""
@@ -167,17 +280,21 @@ class Placement:
         self.bundle_of = {a: a + 1 for a in range(num_actors)}
         log.info("placing %d actors in bundles 1..%d of the enclosing placement group", num_actors, num_actors)
 
-    def _own(self, bundle: dict[str, float], num_actors: int) -> None:
-        """A placement group of our own, one bundle per actor, placed within ``ray_timeout_s``."""
+    def _own(self, bundle: dict[str, float], num_actors: int, *, grows: bool) -> None:
+        """A placement group of our own, one bundle per actor, placed within ``ray_timeout_s`` (failing at once
+        when it never can be and the cluster cannot grow: :func:`wait_for_group`)."""
         cfg = self.config
         group = placement_group([dict(self.bundles[a]) for a in range(num_actors)], strategy=cfg.placement_strategy)
+        what = f"{num_actors} actor bundles {bundle} ({cfg.placement_strategy})"
         try:
-            ray.get(group.ready(), timeout=self.timeout)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(group)
-            raise RuntimeError(f"the placement group of {num_actors} actor bundles {bundle} "
-                               f"({cfg.placement_strategy}) was not placed within ray_timeout_s={self.timeout:g} s; "
-                               f"cluster resources: {ray.cluster_resources()}") from None
+            wait_for_group(group, what=what, timeout_s=self.timeout, grows=grows)
+        except TimeoutError:
+            _remove(group)
+            raise RuntimeError(f"the placement group of {what} was not placed within ray_timeout_s={self.timeout:g} "
+                               f"s; cluster resources: {ray.cluster_resources()}") from None
+        except BaseException:
+            _remove(group)
+            raise
         self.placement_group, self.own_group = group, True
         self.bundle_of = {a: a for a in range(num_actors)}
 
@@ -194,12 +311,21 @@ class Placement:
             return
         from ray.util import placement_group_table
 
+        from fdam_ray.outputs.run_folder import stop_requested
+
         cfg = self.config
         clients = list(clients)
         if cfg.client_resources:
             check_offered(cfg.client_resources, ray.nodes(), clients[:1])
         deadline = time.monotonic() + cfg.placement_timeout_s
+        what = f"the bundle of actor {a} (clients {', '.join(map(str, clients))})"
         while True:
+            reason = stop_requested()
+            if reason is not None:  # mid-round: the federation checkpoints the round's start
+                raise PlacementError(f"{reason}: stopped while waiting for the cluster to place {what} again")
+            gone = cluster_gone(what)
+            if gone is not None:
+                raise gone
             table = placement_group_table(self.placement_group)
             alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
             node = table.get("bundles_to_node_id", {}).get(self.bundle_of[a])
@@ -216,5 +342,15 @@ class Placement:
     def release(self) -> None:
         """Remove the placement group if it is this federation's own (an enclosing one stays)."""
         if self.own_group and self.placement_group is not None:
-            remove_placement_group(self.placement_group)
+            _remove(self.placement_group)
         self.placement_group, self.own_group = None, False
+
+
+def _remove(group: PlacementGroup) -> None:
+    """Remove ``group``; a cluster that went away has removed it already."""
+    if not gcs_answers():
+        return
+    try:
+        remove_placement_group(group)
+    except Exception as exc:  # the GCS is gone: nothing is left to remove
+        log.debug("removing a placement group: %s", exc)

@@ -6,9 +6,14 @@ otherwise ``address`` (config field / ``fdam train --address``) or the
 ``RAY_ADDRESS`` variable names a cluster to connect to; otherwise, as Ray's own
 ``ray.init()`` does, a cluster started on this machine with ``ray start`` (the
 address Ray records in ``<ray temp dir>/ray_current_cluster``) is joined, with
-one line saying so; otherwise, or with ``address=local``, a private local Ray is
-started with its dashboard bound to 127.0.0.1. Only a private instance is given
-start-up arguments (CPUs); Ray refuses them when joining a cluster.
+one line saying so, but only when that record and the process listening at the
+address it names are this user's (:mod:`~fdam_ray.executors.ray.ownership`;
+the folder is writable by every user, so anyone could plant a record there);
+otherwise, or with ``address=local``, a private local Ray is started, every
+one of its processes (GCS, raylet, workers, agents, dashboard) listening on
+127.0.0.1 only. Only a private instance is given start-up arguments (CPUs);
+Ray refuses them when joining a cluster. ``address=auto`` means the recorded
+cluster, under the same check.
 
 Before connecting by address, the port is asked what it is: Ray's GCS speaks
 gRPC (HTTP/2), and anything else that answers (a web server, the dashboard's
@@ -24,6 +29,9 @@ before connecting we ask the cluster's GCS once, and on an authentication
 refusal say what to set: ``RAY_AUTH_MODE=token`` plus the token in
 ``RAY_AUTH_TOKEN``, a file named by ``RAY_AUTH_TOKEN_PATH``, or
 ``~/.ray/auth_token`` (``ray get-auth-token`` prints it on the head node).
+Token mode is switched on here only for the recorded cluster of this machine
+once it is found to be this user's (its processes can read the token file
+anyway); an address nobody named never gets the token.
 """
 
 from __future__ import annotations
@@ -42,7 +50,8 @@ from typing import Any, TypeVar
 import ray
 
 from fdam_ray.executors.errors import ClusterConnectionError
-from fdam_ray.executors.ray import compat
+from fdam_ray.executors.ray import compat, ownership
+from fdam_ray.redact import redact, redact_handlers, short
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -96,19 +105,20 @@ def check_cluster_access(address: str, *, connect_timeout_s: float = 5.0) -> Non
         return
     hp = _host_port(address)
     if hp is None:
-        raise ClusterConnectionError(f"address {address!r} is not of the form host:port (e.g. 10.0.0.5:6379)")
+        raise ClusterConnectionError(f"address {short(address)} is not of the form host:port (e.g. 10.0.0.5:6379)")
     try:
         socket.create_connection(hp, timeout=connect_timeout_s).close()
     except OSError as exc:
         raise ClusterConnectionError(
-            f"no Ray cluster answers at {address} ({exc}); start one with `ray start --head` or check the address"
+            f"no Ray cluster answers at {redact(address)} ({redact(exc)}); start one with `ray start --head` or "
+            "check the address"
         ) from None
     if os.environ.get("RAY_USE_TLS", "0").lower() not in ("1", "true"):  # a TLS GCS answers only after a handshake
         other = what_answers(*hp, timeout_s=connect_timeout_s)
         if other is not None:
             raise ClusterConnectionError(
-                f"{address} is not a Ray cluster: {other} answered there; give the address of the head node's GCS "
-                "(host:6379 by default; `ray start --head` prints it, `ray status` on the head shows it)")
+                f"{redact(address)} is not a Ray cluster: {other} answered there; give the address of the head "
+                "node's GCS (host:6379 by default; `ray start --head` prints it, `ray status` on the head shows it)")
     try:
         from ray.exceptions import AuthenticationError
     except ImportError:  # a Ray without token authentication: let ray.init report problems itself
@@ -122,16 +132,21 @@ def check_cluster_access(address: str, *, connect_timeout_s: float = 5.0) -> Non
         mode = os.environ.get("RAY_AUTH_MODE", "")
         if mode.lower() != "token":
             raise ClusterConnectionError(
-                f"the Ray cluster at {address} requires token authentication but RAY_AUTH_MODE is "
+                f"the Ray cluster at {redact(address)} requires token authentication but RAY_AUTH_MODE is "
                 f"{mode or 'unset'}: {AUTH_HELP}"
             ) from None
         raise ClusterConnectionError(
-            f"the Ray cluster at {address} refused this process's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH "
+            f"the Ray cluster at {redact(address)} refused this process's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH "
             "or ~/.ray/auth_token holds a different one); give it the cluster's token (`ray get-auth-token` "
             "on the head node)"
         ) from None
+    except ray.exceptions.RpcError as exc:  # it speaks gRPC but not as a GCS does: Ray would wait for minutes
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise ClusterConnectionError(
+            f"the program at {address} did not answer as a Ray cluster's GCS within {connect_timeout_s:g} s "
+            f"({first}); give the address of the head node's GCS (`ray status` on the head shows it)") from None
     except Exception as exc:  # any other failure: ray.init says more
-        log.debug("probe of %s failed: %s", address, exc)
+        log.debug("probe of %s failed: %s", redact(address), redact(exc))
 
 
 def ensure_ray(*, address: str | None, cpus_needed: float) -> bool:
@@ -139,44 +154,69 @@ def ensure_ray(*, address: str | None, cpus_needed: float) -> bool:
 
     Args:
         address: a cluster address (``host:port``, ``ray://...``, ``auto``); None uses ``RAY_ADDRESS``
-            if set, else starts a local Ray.
+            if set, else this user's ``ray start`` cluster of this machine, else starts a private local Ray.
         cpus_needed: logical CPUs the clients reserve; a local Ray declares at least this many (each
             client runs one torch thread, so more clients than cores still run).
     """
+    redact_handlers(logging.getLogger("ray"))  # Ray's own log lines may name the address, password and all
     if ray.is_initialized():
         if address:
-            log.info("reusing the Ray instance this process already runs (address=%s not used)", address)
+            log.info("reusing the Ray instance this process already runs (address=%s not used)", redact(address))
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
-    if address is None:
+    if address == "auto":  # Ray would read the shared record itself, unchecked
+        address, why = recorded_cluster()
+        if address is None:
+            raise ClusterConnectionError(f"address=auto: {why}; give the cluster's host:port, or leave address "
+                                         "unset for a private local Ray")
+    elif address is None:
         running = local_cluster()
         if running is not None:
-            log.warning("joining the Ray cluster already running on this machine at %s (started by `ray start`); "
-                        "address=local starts a private Ray instead", running)
+            log.warning("joining the Ray cluster already running on this machine at %s (started by `ray start` "
+                        "as this user); address=local starts a private Ray instead", running)
             address = running
             if not os.environ.get("RAY_AUTH_MODE") and _token_at_hand():
-                _enable_token_mode()  # as Ray's own ray.init() does for a cluster of this machine
+                _enable_token_mode()  # as Ray's own ray.init() does; the cluster's processes are this user's
     if address and address != "local":
-        check_cluster_access(address)
-        log.info("connecting to the Ray cluster at %s", address)
-        with _keeping_sigterm_handler():
+        try:
+            check_cluster_access(address)
+        finally:  # a stop asked for meanwhile comes first
+            _raise_if_stopped(f"while joining the Ray cluster at {redact(address)}")
+        log.info("connecting to the Ray cluster at %s", redact(address))
+        with _keeping_sigterm_handler(f"while joining the Ray cluster at {redact(address)}"):
             ray.init(address=address)  # never with start-up arguments: Ray refuses them when joining
         return False
     num_cpus = max(os.cpu_count() or 1, math.ceil(cpus_needed))
-    log.info("starting a local Ray instance (%d CPUs, dashboard on 127.0.0.1)", num_cpus)
-    with _keeping_sigterm_handler():
-        ray.init(address="local", num_cpus=num_cpus, dashboard_host="127.0.0.1")
+    log.info("starting a private local Ray instance (%d CPUs, every port on 127.0.0.1)", num_cpus)
+    with _keeping_sigterm_handler("while a private local Ray started"):
+        compat.start_loopback_ray(num_cpus=num_cpus, dashboard_host="127.0.0.1")
     return True
 
 
+def _raise_if_stopped(when: str) -> None:
+    """Act on a stop asked for (SIGTERM under ``fdam train``) while getting a cluster: nothing has run yet."""
+    from fdam_ray.outputs.run_folder import RunStopped, stop_requested
+
+    reason = stop_requested()
+    if reason is not None:
+        raise RunStopped(f"{reason}: stopped {when}; nothing was trained", None)
+
+
 @contextlib.contextmanager
-def _keeping_sigterm_handler() -> Iterator[None]:
+def _keeping_sigterm_handler(when: str = "while Ray started") -> Iterator[None]:
     """``ray.init`` makes SIGTERM exit the driver at once (a C++ abort follows); keep a handler the caller set
-    (``fdam train`` stops at a round end with a checkpoint)."""
+    (``fdam train`` stops at a round end with a checkpoint). A SIGTERM that arrives during ``ray.init`` (Ray's
+    handler: ``SystemExit``) stops the run there, in one line, where the caller had a handler of its own."""
+    from fdam_ray.outputs.run_folder import RunStopped
+
     main = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if main else None
     try:
         yield
+    except SystemExit as exc:
+        if exc.code != signal.SIGTERM or not callable(previous):
+            raise
+        raise RunStopped(f"received SIGTERM: stopped {when}; nothing was trained", None) from None
     finally:
         if main and callable(previous):
             signal.signal(signal.SIGTERM, previous)
@@ -193,27 +233,42 @@ def _token_at_hand() -> bool:
                 or (Path.home() / ".ray" / "auth_token").is_file())
 
 
-def local_cluster() -> str | None:
-    """The address of the cluster last started on this machine with ``ray start`` if it still answers, else None.
+def recorded_cluster() -> tuple[str | None, str]:
+    """The address Ray recorded for the cluster started on this machine by ``ray start``, if that record and the
+    process listening there are this user's (else None), and why not. The address is not connected to.
 
     Ray records it in ``ray_current_cluster`` in its temp folder (``RAY_TMPDIR``/ray, else /tmp/ray), which
-    ``ray stop`` removes; a file left by a cluster that was killed is ignored.
+    ``ray stop`` removes; a file left by a cluster that was killed names an address where nothing listens.
     """
     recorded = compat.ray_address_file()
     if recorded is None:
-        return None
+        return None, "this Ray does not say where it records the cluster of this machine"
+    if not os.path.lexists(recorded):
+        return None, f"no Ray cluster is recorded in {recorded}"
+    problem = ownership.record_owner_problem(recorded)
+    if problem is not None:
+        return None, f"the cluster record {recorded} is not trusted: {problem}"
     try:
-        address = Path(recorded).read_text().strip()
-    except OSError:
-        return None
+        address = Path(recorded).read_text(errors="replace")[:300].strip()
+    except OSError as exc:
+        return None, f"the cluster record {recorded} cannot be read ({exc.strerror or exc})"
     hp = _host_port(address)
     if hp is None:
-        return None
-    try:
-        socket.create_connection(hp, timeout=2.0).close()
-    except OSError:
-        log.info("the Ray cluster recorded at %s no longer answers; starting a private one", address)
-        return None
+        return None, f"the cluster record {recorded} holds no host:port"
+    problem = ownership.listener_owner_problem(*hp)
+    if problem is not None:
+        return None, f"the cluster recorded in {recorded} at {address} is not joined: {problem}"
+    return address, ""
+
+
+def local_cluster() -> str | None:
+    """The address of this user's cluster last started on this machine with ``ray start``, else None (saying
+    why in a line when a record exists but is not trusted)."""
+    address, why = recorded_cluster()
+    if address is None and why.endswith("nothing listens there"):  # a cluster killed without `ray stop`
+        log.info("%s; starting a private local Ray", why)
+    elif address is None and not why.startswith("no Ray cluster is recorded"):
+        log.warning("%s; starting a private local Ray (give --address to join a cluster)", why)
     return address
 
 

@@ -52,6 +52,7 @@ import ray
 
 from fdam_ray.executors.ray import compat
 from fdam_ray.executors.ray.transports.base import Round, Transport
+from fdam_ray.interrupts import interruptible
 
 log = logging.getLogger(__name__)
 
@@ -201,11 +202,13 @@ class CompiledRounds:
             self.teardown()
 
     def teardown(self) -> None:
-        """End the graph (the actors stay alive and take classic calls and a new graph)."""
+        """End the graph (the actors stay alive and take classic calls and a new graph). Ray waits for the
+        actors' loops to end; a stop signal ends that wait (:func:`fdam_ray.interrupts.interruptible`)."""
         graph, self.graph, self.key, self.busy = self.graph, None, (), False
         if graph is not None:
             try:
-                graph.teardown()
+                with interruptible():
+                    graph.teardown()
             except Exception as exc:  # a graph broken by a dead actor may fail to end cleanly; it is gone either way
                 log.debug("teardown of the compiled graph: %s", exc)
 
