@@ -7,9 +7,11 @@ of one sample built in the actor. Per round we time what the driver loop does
 (``run_round`` with the reducer's fold, then the server step) and subtract the
 slowest client's compute (``compute_s``, measured in the client around its
 steps): the rest is broadcast, transfer, serialisation and reduction. It is
-measured for both transports of the executor (``classic``: one Ray call per
+measured for the transports of the executor (``classic``: one Ray call per
 actor through the object store; ``compiled``: one Ray Compiled Graph, with
-its default ``channel_wait: sleep`` and with ``spin``).
+its default ``channel_wait: sleep`` and with ``spin``; ``collective``: the
+actors all-reduce their partial sums over gloo and apply the server step,
+the driver folding the lowest rank's reduced sum).
 
 References in the same run, same K and N: the plain-Ray pattern (one
 ``ray.put`` of a numpy buffer, K actors return numpy, a running mean) and the
@@ -21,7 +23,8 @@ noise and the clean-up after a block hit them alike; each figure is the
 median over the blocks, and the blocks' range is the noise. Targets: the
 classic overhead at most 1.5 x the plain pattern's; the compiled overhead at
 most the gloo all-reduce round at every N (ratio <= 1.0) and at most 0.5 x the
-classic overhead at the smallest N. The copy floor (``K + 1`` numpy copies of
+classic overhead at the smallest N; the collective overhead at most 1.1 x the
+gloo all-reduce round at every N. The copy floor (``K + 1`` numpy copies of
 an N-float buffer) is reported for scale. Then, at the largest N, the driver's
 memory before and during rounds at K = 2, 4, 8, each in a fresh driver process
 (target: peak RSS at the largest K at most 1.5 x that at the smallest).
@@ -31,6 +34,7 @@ memory before and during rounds at K = 2, 4, 8, each in a fresh driver process
                                         [--out benchmarks/results/round_overhead.md]
 
 Last line: ``RESULT state_floats=... compiled_ms=... classic_ms=... gloo_ms=... compiled_spin_ms=...
+collective_ms=... ratio_collective_gloo=... ratio_collective_gloo_small=...
 ratio_compiled_gloo=... ratio_compiled_gloo_small=... ratio_compiled_classic_small=... plain_ray_ms=...
 ratio_classic_plain=... floor_ms=... driver_mem_ratio_k8_k2=... driver_rss_ratio_k8_k2=...`` (largest N,
 K = --clients, except the ``_small`` ratios, at the smallest N; driver_mem = private memory, driver_rss =
@@ -66,6 +70,7 @@ from fdam_ray.state import RoundPlan
 
 TARGET_RATIO = 1.5  # classic round overhead at most this times the plain-Ray pattern's (same K, N and run)
 GLOO_TARGET = 1.0  # compiled round overhead at most this times the gloo all-reduce round (every N)
+COLLECTIVE_TARGET = 1.1  # collective round overhead at most this times the gloo all-reduce round (every N)
 CLASSIC_TARGET = 0.5  # compiled round overhead at most this times the classic one (smallest N)
 MEMORY_TARGET = 1.5  # peak driver RSS at the largest K at most this times that at the smallest
 
@@ -258,9 +263,11 @@ def measure_case(num_clients: int, state_floats: int, rounds: int, repeats: int,
     medians and ranges over the blocks."""
     executors = {"classic": federation(num_clients, state_floats, "classic"),
                  "compiled": federation(num_clients, state_floats, "compiled", "sleep"),
-                 "compiled_spin": federation(num_clients, state_floats, "compiled", "spin")}
+                 "compiled_spin": federation(num_clients, state_floats, "compiled", "spin"),
+                 "collective": federation(num_clients, state_floats, "collective")}
     actors = [PlainActor.remote() for _ in range(num_clients)]
-    blocks: dict[str, list[dict]] = {"classic": [], "compiled": [], "compiled_spin": [], "plain": [], "gloo": []}
+    blocks: dict[str, list[dict]] = {"classic": [], "compiled": [], "compiled_spin": [], "collective": [],
+                                     "plain": [], "gloo": []}
     floors = []
     try:
         patterns = [*executors, "plain", *(["gloo"] if gloo else [])]
@@ -351,8 +358,8 @@ def main(argv: list[str] | None = None) -> str:
     if len(args.mem_clients) < 2:
         parser.error("--mem-clients needs at least two K to compare")
     ks = [args.clients, *args.also_clients]
-    # logical CPUs: the three executors' actors and the plain actors exist at once (they take turns to run)
-    ray.init(num_cpus=max(4 * max(ks), *args.mem_clients), include_dashboard=False, log_to_driver=False)
+    # logical CPUs: the four executors' actors and the plain actors exist at once (they take turns to run)
+    ray.init(num_cpus=max(5 * max(ks), *args.mem_clients), include_dashboard=False, log_to_driver=False)
     gpus = int(ray.cluster_resources().get("GPU", 0))
 
     cases = [(n, args.clients) for n in args.sizes] + [(max(args.sizes), k) for k in args.also_clients]
@@ -361,7 +368,8 @@ def main(argv: list[str] | None = None) -> str:
         r = measure_case(k, n, args.rounds, args.repeats, gloo=k == args.clients)
         rows.append(r)
         gloo = f"  gloo all-reduce {r['gloo']['ms']:6.1f} ms" if "gloo" in r else ""
-        print(f"N={n:>9,}  K={k}  compiled {r['compiled']['ms']:7.1f} ms  classic {r['classic']['ms']:7.1f} ms"
+        print(f"N={n:>9,}  K={k}  compiled {r['compiled']['ms']:7.1f} ms  collective {r['collective']['ms']:7.1f} ms"
+              f"  classic {r['classic']['ms']:7.1f} ms"
               f"  plain Ray {r['plain']['ms']:6.1f} ms{gloo}  floor {r['floor_ms']:6.1f} ms", flush=True)
     mem_n = max(args.sizes)
     address = ray.get_runtime_context().gcs_address
@@ -395,6 +403,8 @@ def main(argv: list[str] | None = None) -> str:
             f"{ratio(r, 'compiled', 'gloo'):.2f}" if gloo else "-",
             yes(ratio(r, "compiled", "gloo") <= GLOO_TARGET) if gloo else "-",
             f"{ratio(r, 'compiled_spin', 'gloo'):.2f}" if gloo else "-",
+            span(r["collective"]), f"{ratio(r, 'collective', 'gloo'):.2f}" if gloo else "-",
+            yes(ratio(r, "collective", "gloo") <= COLLECTIVE_TARGET) if gloo else "-",
             f"{ratio(r, 'compiled', 'classic'):.2f}", f"{ratio(r, 'classic', 'plain'):.2f}",
             yes(ratio(r, "classic", "plain") <= TARGET_RATIO), f"{r['floor_ms']:.1f}"])
     mem_rows = [[k, f"{m['base']['private']:.0f}", f"{m['peak']['private']:.0f}", f"{m['base']['total']:.0f}",
@@ -409,12 +419,16 @@ local rounds, fold, server step) minus the slowest client's compute (its local s
 compiled` (one Ray Compiled Graph: shared-memory channels) with its default `channel_wait: sleep` (a wait polls \
 for its first {SPIN_S * 1e3:g} ms, then sleeps between checks); compiled spin = the same with `channel_wait: \
 spin` (Ray's polling throughout); each graph is ended after its block (a spinning graph's waiting threads keep a \
-core each busy) and built again in the next block's warm-up rounds. Classic = `transport: classic` (a Ray call \
+core each busy) and built again in the next block's warm-up rounds. Collective = `transport: collective` (the \
+actors all-reduce their partial sums over gloo, one call per actor per round, and apply the server step; the \
+driver folds the lowest rank's reduced sum and finishes the round as usual; the state goes down only when the \
+actors' copy is stale, here never after the first round). Classic = `transport: classic` (a Ray call \
 per actor, the object store). Plain Ray = one `ray.put` of a numpy buffer, K actors add a constant \
 and return numpy, the driver keeps a running mean as results arrive (round time minus the slowest actor's \
 step). Gloo all-reduce = the paper's way: K spawned processes (127.0.0.1, one torch thread each) all-reduce an \
 N-float tensor and divide by K (the slowest rank's time; the step before it is not counted). Targets: compiled \
-/ gloo <= {GLOO_TARGET} at every N; compiled / classic <= {CLASSIC_TARGET} at N = {min(args.sizes):,}; classic \
+/ gloo <= {GLOO_TARGET} and collective / gloo <= {COLLECTIVE_TARGET} at every N; compiled / classic <= \
+{CLASSIC_TARGET} at N = {min(args.sizes):,}; classic \
 / plain Ray <= {TARGET_RATIO}. Driver CPU = the driver process's CPU time per round (Ray's compiled-graph \
 channels poll while they wait). Copy floor = K+1 numpy copies (`ndarray.copy()`) of N floats. Machine: \
 {os.cpu_count()} CPU cores, {gpus} GPUs in the Ray cluster; all actors on this node.
@@ -423,8 +437,9 @@ channels poll while they wait). Copy floor = K+1 numpy copies (`ndarray.copy()`)
           "driver CPU ms per round compiled / spin / classic", "compiled overhead ms (lo..hi)",
           "compiled spin overhead ms (lo..hi)", "classic overhead ms (lo..hi)",
           "plain Ray ms (lo..hi)", "gloo all-reduce ms (lo..hi)", "compiled / gloo", f"<= {GLOO_TARGET} met",
-          "compiled spin / gloo",
-          "compiled / classic", "classic / plain Ray", f"<= {TARGET_RATIO} met", "copy floor ms"], case_rows)}
+          "compiled spin / gloo", "collective overhead ms (lo..hi)", "collective / gloo",
+          f"<= {COLLECTIVE_TARGET} met", "compiled / classic", "classic / plain Ray", f"<= {TARGET_RATIO} met",
+          "copy floor ms"], case_rows)}
 
 Driver memory at N = {mem_n:,} floats ({mem_n * 4 / 2**20:.1f} MiB per state), classic transport, each K in a \
 fresh driver process, before 4 rounds (after 2 warm-up rounds) and the peak during them (sampled after every fold \
@@ -442,6 +457,9 @@ Peak private memory K={k_hi} / K={k_lo}: {private_ratio:.2f}; peak RSS K={k_hi} 
     line = C.result_line(state_floats=main_row["n"], compiled_ms=main_row["compiled"]["ms"],
                          classic_ms=main_row["classic"]["ms"], gloo_ms=main_row["gloo"]["ms"],
                          compiled_spin_ms=main_row["compiled_spin"]["ms"],
+                         collective_ms=main_row["collective"]["ms"],
+                         ratio_collective_gloo=ratio(main_row, "collective", "gloo"),
+                         ratio_collective_gloo_small=ratio(small_row, "collective", "gloo"),
                          ratio_compiled_gloo=ratio(main_row, "compiled", "gloo"),
                          ratio_compiled_gloo_small=ratio(small_row, "compiled", "gloo"),
                          ratio_compiled_classic_small=ratio(small_row, "compiled", "classic"),

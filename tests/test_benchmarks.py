@@ -411,11 +411,13 @@ def test_round_overhead_script(tmp_path):
                                    "--also-clients", "--rounds", "2", "--repeats", "1", "--mem-clients", "1", "2",
                                    "--out", str(out))
     assert set(values) == {"state_floats", "compiled_ms", "classic_ms", "gloo_ms", "compiled_spin_ms",
+                           "collective_ms", "ratio_collective_gloo", "ratio_collective_gloo_small",
                            "ratio_compiled_gloo", "ratio_compiled_gloo_small", "ratio_compiled_classic_small",
                            "plain_ray_ms", "ratio_classic_plain", "floor_ms", "driver_mem_ratio_k2_k1",
                            "driver_rss_ratio_k2_k1"}
     assert values["state_floats"] == 4000 and min(values["plain_ray_ms"], values["gloo_ms"]) > 0
     assert values["ratio_compiled_gloo"] == pytest.approx(values["compiled_ms"] / values["gloo_ms"], rel=2e-3)
+    assert values["ratio_collective_gloo"] == pytest.approx(values["collective_ms"] / values["gloo_ms"], rel=2e-3)
     assert values["ratio_classic_plain"] == pytest.approx(values["classic_ms"] / values["plain_ray_ms"], rel=2e-3)
     text = out.read_text()
     assert "\nold\n" not in text and text.endswith(f"{C.END}\n\n## Reading\nkept\n")
@@ -495,3 +497,19 @@ def test_gpu_throughput_script_on_the_cpu(tmp_path):
     for row in ("| densenet121 | 32x32 | 2 | bf16 | no |", "| resnet20 | 8x8 | 8 | fp32 | no |"):
         assert row in text
     assert "Command: `python benchmarks/gpu_throughput.py --quick --device cpu" in text
+
+
+@pytest.mark.slow  # over a minute: gpu_throughput's quick run and a local Ray for the collective round
+def test_gpu_suite_script_on_the_cpu(tmp_path):
+    _, values = run_script_process("benchmarks/gpu_suite.py", "--quick", "--device", "cpu", "--out-dir",
+                                   str(tmp_path))
+    assert set(values) == {"client_vs_bare_densenet_bf16", "shared_gpu_ratio", "pipeline_ratio", "collective_ms",
+                           "bare_allreduce_ms", "ratio_collective_bare", "collective_nccl", "bare_nccl"}
+    assert all(math.isfinite(v) and v >= 0 for v in values.values())
+    assert values["collective_nccl"] == values["bare_nccl"] == 0  # gloo on the CPU, both sides
+    assert values["ratio_collective_bare"] == pytest.approx(values["collective_ms"] / values["bare_allreduce_ms"],
+                                                            rel=2e-3)
+    suite = (tmp_path / "gpu_suite.md").read_text()
+    assert "Device: CPU" in suite and "| collective round overhead | gloo |" in suite
+    assert "Command: `python benchmarks/gpu_suite.py --quick --device cpu" in suite
+    assert "| densenet121 | 32x32 | 2 | bf16 |" in (tmp_path / "gpu_throughput.md").read_text()

@@ -248,6 +248,18 @@ class TestRayExecutorCompiled(ExecutorContract):
         assert executor.transport.name == "compiled" and executor.graph.builds >= 1
 
 
+class TestRayExecutorCollective(ExecutorContract):
+    executor_name = "ray"
+    scores_test_set_on_clients = True
+    transport, reduce = "collective", "star"
+    sums_per_round = 1  # the actors all-reduce their sums; the lowest rank's reduced sum is folded once
+
+    def test_rounds_run_on_the_actors_group(self, ready):
+        executor = ready[0]
+        executor.run_round(ready[3], RoundPlan(1, 1, 1, 0.1, 0), lambda p: None)
+        assert executor.transport.name == "collective" and executor.transport.builds == 1
+
+
 
 def test_an_update_without_copies_is_views_of_the_clients_buffers_and_equal_to_the_copied_one():
     # The Ray actor returns copy=False updates (Ray serialises them at once): one state copy fewer per round.

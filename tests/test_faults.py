@@ -261,7 +261,7 @@ def test_sigterm_stops_an_inline_run_at_a_round_end_with_a_checkpoint_and_resume
     stop_with_sigterm_and_resume(tmp_path, ["executor=inline"])
 
 
-@pytest.mark.parametrize("transport", ["classic", "compiled"])
+@pytest.mark.parametrize("transport", ["classic", "compiled", "collective"])
 @pytest.mark.slow
 def test_sigterm_stops_a_ray_run_the_same_way(tmp_path, transport):
     # fold_order=client (and the compiled transport's actor order) make the Ray run the inline run bit for bit,
@@ -317,7 +317,7 @@ except ValueError as exc:
 """
 
 
-@pytest.mark.parametrize("transport", ["classic", "compiled"])
+@pytest.mark.parametrize("transport", ["classic", "compiled", "collective"])
 @pytest.mark.slow
 def test_a_clients_data_error_mid_round_under_ray_prints_one_error_and_no_unhandled_ray_tracebacks(tmp_path,
                                                                                                    transport):

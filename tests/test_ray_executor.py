@@ -38,7 +38,7 @@ from fdam_ray.state import RoundPlan
 HALF = dict(cpus_per_client=0.5)  # K clients fit the module's 4 logical CPUs
 ARRAYS = dict(model="mlp", model_width=8, batch_size="full", eval_every=2, seed=2, lr=0.2, local_steps=2, **HALF)
 # the failure tests run under both ways a round reaches the actors
-TRANSPORTS = pytest.mark.parametrize("transport", ["classic", "compiled"])
+TRANSPORTS = pytest.mark.parametrize("transport", ["classic", "compiled", "collective"])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -164,6 +164,8 @@ def test_a_replaced_client_restarts_from_the_global_control_variate(transport):
     assert [(e["client"], e["round"]) for e in executor.events] == [(2, 3)]
     if transport == "compiled":  # built for the first actors, then once more over the replaced one
         assert executor.graph.actor_sets == 2
+    if transport == "collective":  # the group formed over the first actors, then once more over the replaced one
+        assert executor.transport.builds == 2
     np.testing.assert_allclose(got.state.v, want.state.v, atol=1e-6)
     np.testing.assert_allclose(got.state.c_v, want.state.c_v, atol=1e-6)
     assert np.abs(got.state.v - plain.state.v).max() > 1e-4  # the replacement did change the run

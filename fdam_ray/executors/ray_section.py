@@ -57,8 +57,11 @@ class RaySection(Section):
     transport: str = setting("classic", "ray executor: how a round reaches the actors and comes back: classic (one "
                              "Ray call per actor, the state through the object store) or compiled (one Ray Compiled "
                              "Graph built per federation: the state and the partial sums travel through "
-                             "pre-allocated shared-memory channels; rebuilt when an actor is replaced). Evaluation "
-                             "and set-up calls stay classic either way.", choices=("classic", "compiled"),
+                             "pre-allocated shared-memory channels; rebuilt when an actor is replaced) or "
+                             "collective (the actors all-reduce their partial sums among themselves, gloo on CPU, "
+                             "NCCL on GPUs, and apply the server step; the driver receives one reduced sum per "
+                             "round and sends the state only when the actors' copy is stale). Evaluation and "
+                             "set-up calls stay classic in every case.", choices=("classic", "compiled", "collective"),
                              resume=True)
     channel_wait: str = setting("sleep", "transport=compiled: how the actors and the driver wait on the graph's "
                                 "channels: sleep (Ray's polling for the first 50 ms of a wait, then sleeps with "

@@ -37,6 +37,7 @@ from fdam_ray.data.base import set_host_cpus
 from fdam_ray.executors.errors import client_error
 from fdam_ray.executors.ray.session import assigned_cpus
 from fdam_ray.executors.ray.transports.compiled import patient_reads
+from fdam_ray.executors.ray.transports.group import GroupMember, RoundShare, ServerStep
 from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores
 
 T = TypeVar("T")
@@ -96,6 +97,8 @@ class ClientShell:
         self._status: tuple[int, str, object] | None = None
         self._status_lock = threading.Lock()
         self._sources: dict = {}  # object ref -> data source spec read here
+        self._group: GroupMember | None = None  # transport=collective: this actor's place in the group
+        self._partial_round = -1  # the round self._partial holds (transport=collective keeps it for a re-run)
         torch.set_num_threads(threads)
         set_host_cpus(assigned_cpus())  # data_workers=auto follows the CPUs Ray gave this actor
         patient_reads(channel_wait == "sleep")  # only the compiled graph's thread reads channels here
@@ -222,6 +225,46 @@ class ClientShell:
                 self._status = (round_index, "withdrawn", None)
                 return "not started", None
             return status[1], cast(PartialSum | BaseException | None, status[2])
+
+    # -- transport: collective (fdam_ray.executors.ray.transports.collective) ------------------------
+    def _member(self) -> GroupMember:
+        if self._group is None:
+            self._group = GroupMember(self.device)
+        return self._group
+
+    def open_group(self, host: str, timeout_s: float) -> int:
+        """As the lowest rank of a new collective group: serve its store on ``host``; the port."""
+        return self._member().open(host, timeout_s)
+
+    def join_group(self, host: str, port: int, rank: int, world: int, backend: str, timeout_s: float,
+                   step: ServerStep | None) -> None:
+        """Join the collective group whose store is at ``host:port`` as ``rank`` of ``world``."""
+        self._member().join(host, port, rank, world, backend, timeout_s, step)
+
+    def collective_round(self, state: GlobalState | None, plan: RoundPlan, client_ids: Sequence[int],
+                         adopt_global_c: Sequence[int], reduce_only: bool, partial_total: float | None,
+                         token: str) -> RoundShare:
+        """One round under ``transport: collective``: the local round of ``client_ids`` (unless
+        ``reduce_only``: the partial sum kept from this round's local round), then the group's all-reduce and
+        the server step (:meth:`GroupMember.reduce`). ``state`` None: start from the state this actor holds.
+
+        A client's error is flagged to the group first (so no member waits for this one), then raised.
+        """
+        member = self._member()
+        start = member.state_for(state)
+        failure: BaseException | None = None
+        if not reduce_only:
+            try:
+                self.local_round(start, plan, client_ids, adopt_global_c)
+                self._partial_round = plan.round
+            except Exception as exc:  # a ClientError naming the client: raised after the group knows
+                failure = exc
+        elif self._partial_round != plan.round or self._partial is None:
+            failure = RuntimeError(f"actor {self.actor} holds no partial sum of round {plan.round} to reduce")
+        share = member.reduce(None if failure is not None else self._partial, start, plan, partial_total, token)
+        if failure is not None:
+            raise failure
+        return share
 
     def evaluate(self, state: GlobalState, client_ids: Sequence[int]) -> list[Scores | None]:
         return self._each("evaluate", client_ids, lambda c: c.evaluate(state))

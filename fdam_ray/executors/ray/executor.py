@@ -134,6 +134,7 @@ class RayExecutor(Executor):
 
     # -- set-up ---------------------------------------------------------------------------
     def start(self, config: Any, source: DataSource) -> list[ClientInfo]:
+        whole = config
         client_section = ClientSection.of(config)
         self.config = config = RayExecutorSection.of(config)
         self.timeout = config.ray_timeout_s
@@ -153,7 +154,9 @@ class RayExecutor(Executor):
         self.fleet = self.fleet_type(config, client_section, self.placement, self.timeout)
         self.transport = transport(self.fleet, config)
         self.placement.place(groups, local=started_here)
-        return self.fleet.start(groups, source)
+        infos = self.fleet.start(groups, source)
+        self.transport.started(whole, infos)
+        return infos
 
     def _state_ref(self, state: GlobalState) -> Any:
         """The object-store copy of ``state`` for the scoring calls that follow a round (evaluation on the

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.executors.ray_section import RayExecutorSection
-from fdam_ray.state import GlobalState, RoundPlan
+from fdam_ray.state import ClientInfo, GlobalState, RoundPlan
 
 if TYPE_CHECKING:
     from fdam_ray.executors.ray.fleet import Fleet
@@ -60,6 +60,9 @@ class Transport(abc.ABC):
     def __init__(self, fleet: Fleet, config: RayExecutorSection) -> None:
         self.fleet = fleet
         self.config = config
+
+    def started(self, config: Any, infos: list[ClientInfo]) -> None:  # noqa: B027 (optional hook)
+        """Once the actors are set up: the run's whole ``config`` and the clients' infos."""
 
     @abc.abstractmethod
     def run_round(self, round: Round) -> None:

@@ -1,0 +1,277 @@
+"""An actor's side of ``transport: collective``: its membership of the actors' group and its share of a round.
+
+Each actor of the round's group holds one :class:`GroupMember`. After the
+actor's local round, :meth:`GroupMember.reduce` all-reduces its weighted
+partial sum with the other members' (``torch.distributed``: gloo on CPU
+actors, NCCL when every member holds a GPU of its own), applies the server
+step itself (the same :class:`~fdam_ray.algorithms.server.RoundReducer` the
+driver runs, on the same sums, so the new global state is the driver's bit
+for bit) and keeps that state for the next round, so the driver sends the
+state only when the members' copy is not the one it holds (see
+:func:`state_key`).
+
+Two all-reduces per round, queued back to back in the same order on every
+member: a small float64 one in which each member writes its own slot (its
+weight, client count, bytes, a failure flag and its integer buffers; sums of
+one non-zero term per slot, so exact), and one float32 all-reduce of the
+summed vectors (v, alpha, BatchNorm statistics, control variates; every
+vector but those combined by max) laid end to end in one buffer. A round in
+which a member flagged a failure is discarded. The member's own partial sum is copied into that buffer rather than
+reduced in place: a round whose all-reduce breaks is finished from the kept
+partial sums (:meth:`~fdam_ray.executors.ray.actor.ClientShell.collective_round`
+with ``reduce_only``) without running a client twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import zlib
+from typing import Any
+
+import numpy as np
+import torch
+
+from fdam_ray.algorithms.server import PartialSum, RoundReducer
+from fdam_ray.state import GlobalState, RoundPlan, Rule, StepStats, vector_fields
+
+log = logging.getLogger(__name__)
+
+KEY_STRIDE = 997  # every this-many-th value of the long vectors enters a state's key (the short ones whole)
+_SLOTS = 4  # float64 slots per member before its integer buffers: weight, count, bytes, failed
+
+
+def state_key(state: GlobalState, stage: int) -> tuple:
+    """What identifies a global state between the driver and the members: its round, iteration and stage,
+    its shapes, and a CRC of its short vectors and of a strided sample of its long ones.
+
+    The driver changes a state it got from a round only at a stage end (a new alpha, a reset c), which the
+    stage in the key catches; the CRC catches a state the members never computed (a resume, a state built
+    elsewhere). Equal keys: the members' copy is the driver's, and the state is not sent.
+    """
+    crc = 0
+    shapes = []
+    for f in vector_fields():
+        x = getattr(state, f.name)
+        shapes.append(None if x is None else x.shape)
+        if x is not None:
+            sample = x if x.size <= 4 * KEY_STRIDE else x[::KEY_STRIDE]
+            crc = zlib.crc32(np.ascontiguousarray(sample).tobytes(), crc)
+    return state.round, state.iteration, stage, tuple(shapes), crc
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerStep:
+    """The server step the members apply after the all-reduce: the driver's reducer's settings."""
+
+    global_lr: float
+    alpha_nonnegative: bool
+    control_variates: bool
+
+    def apply(self, previous: GlobalState, total: PartialSum, steps: int, partial_total: float | None,
+              into: PartialSum | None = None) -> GlobalState:
+        """The new global state from the round's reduced sums, as the driver's reducer computes it (which folds
+        them into zeros: ``0 + x``, written here into ``into``'s buffers when their shapes match, so a round
+        allocates no state-sized buffer; the returned state's vectors are then those buffers)."""
+        reducer = RoundReducer(previous, global_lr=self.global_lr, alpha_nonnegative=self.alpha_nonnegative,
+                               control_variates=self.control_variates, partial_total=partial_total)
+        if into is None or not _same_shapes(into, total):
+            reducer.fold(total)
+            return reducer.finish(steps=steps)
+        for f in vector_fields():
+            x, out = getattr(total, f.name), getattr(into, f.name)
+            if x is not None:
+                (np.maximum if f.metadata["rule"] is Rule.MAX else np.add)(x, x.dtype.type(0), out=out)
+        into.weight, into.count, into.bytes_up, into.stats = 0.0 + total.weight, total.count, total.bytes_up, []
+        reducer.sums = into
+        return reducer.finish(steps=steps)
+
+
+def _same_shapes(a: PartialSum, b: PartialSum) -> bool:
+    return all((x is None and y is None) or (x is not None and y is not None and x.shape == y.shape
+                                             and x.dtype == y.dtype)
+               for x, y in zip(a.vectors().values(), b.vectors().values(), strict=True))
+
+
+@dataclasses.dataclass
+class RoundShare:
+    """What a member returns from a round.
+
+    Attributes:
+        stats: the member's clients' step statistics (in client order).
+        key: :func:`state_key` of the global state the member holds after the round (None: none held).
+        total: the round's reduced sums (the lowest rank only; None on the others and on a broken round).
+        broken: why the all-reduce did not complete ('' when it did).
+    """
+
+    stats: list[StepStats]
+    key: tuple | None = None
+    total: PartialSum | None = None
+    broken: str = ""
+
+
+def _layout(state: GlobalState) -> list[tuple[str, int]]:
+    """The summed vectors of a round from ``state`` (name, length), in the flat buffer's order."""
+    out = []
+    for f in vector_fields():
+        rule = f.metadata["rule"]
+        if rule is Rule.MAX:
+            continue
+        like = getattr(state, f.metadata["corrects"]) if rule is Rule.CONTROL else getattr(state, f.name)
+        if rule is Rule.CONTROL and state.c_v is None:
+            continue
+        out.append((f.name, int(like.size)))
+    return out
+
+
+class GroupMember:
+    """One actor in the collective group: rank, process group, the reduce buffers and the held global state."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.rank = -1
+        self.world = 0
+        self.backend = ""
+        self.store: Any = None
+        self.step: ServerStep | None = None
+        self.held: GlobalState | None = None
+        self._flat = np.empty(0, dtype=np.float32)
+        # the server step's sums, two sets used in turn: the state held from the last round lives in one
+        self._sums: list[PartialSum | None] = [None, None]
+        self._turn = 0
+
+    # -- the group ------------------------------------------------------------------------
+    def open(self, host: str, timeout_s: float) -> int:
+        """As the lowest rank of a new group: leave the old one and serve the new group's store on ``host``;
+        its port."""
+        import torch.distributed as dist
+
+        self.leave()
+        self.store = dist.TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                                   wait_for_workers=False)
+        return int(self.store.port)
+
+    def join(self, host: str, port: int, rank: int, world: int, backend: str, timeout_s: float,
+             step: ServerStep | None) -> None:
+        """Join the group whose store the lowest rank serves at ``host:port`` (leaving any other first); every
+        collective call of the group waits at most ``timeout_s``."""
+        import torch.distributed as dist
+
+        if rank != 0:
+            self.leave()
+            self.store = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout_s))
+        elif dist.is_initialized():
+            dist.destroy_process_group()
+        self.held = None
+        dist.init_process_group(backend, store=self.store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        self.rank, self.world, self.backend, self.step = rank, world, backend, step
+
+    def leave(self) -> None:
+        """Leave the group (a broken one too): its process group ended, its store dropped, no state held."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:  # a group broken by a dead member may not end cleanly; it is gone either way
+                log.debug("destroy_process_group: %s", exc)
+        self.store, self.rank, self.world, self.held = None, -1, 0, None
+
+    def state_for(self, given: GlobalState | None) -> GlobalState:
+        """The round's starting state: the one sent, else the one this member holds."""
+        if given is not None:
+            return given
+        if self.held is None:
+            raise RuntimeError("the driver sent no global state and this actor holds none")
+        return self.held
+
+    # -- a round --------------------------------------------------------------------------
+    def reduce(self, mine: PartialSum | None, state: GlobalState, plan: RoundPlan, partial_total: float | None,
+               token: str) -> RoundShare:
+        """All-reduce ``mine`` (None: this member failed; it contributes nothing and flags the failure) with the
+        group's, apply the server step, keep the new state; a broken all-reduce ends the process group and says
+        why in the share. ``token`` names this try of the round in the store (the driver reads who arrived)."""
+
+        world, rank = self.world, self.rank
+        layout = _layout(state)
+        counters = state.counters.size
+        small = np.zeros(world * (_SLOTS + counters), dtype=np.float64)
+        mine_stats = [] if mine is None else list(mine.stats)
+        if mine is None:
+            small[3 * world + rank] = 1.0
+        else:
+            small[rank], small[world + rank], small[2 * world + rank] = mine.weight, mine.count, mine.bytes_up
+            small[_SLOTS * world + rank * counters:_SLOTS * world + (rank + 1) * counters] = mine.counters
+        flat = self._buffer(sum(n for _, n in layout))
+        if mine is not None:
+            at = 0
+            for name, n in layout:
+                flat[at:at + n] = getattr(mine, name)
+                at += n
+        try:
+            self.store.set(f"{token}/{rank}", "1")
+            self._all_reduce(small, flat)
+            if small[3 * world:4 * world].any():
+                return RoundShare(mine_stats, broken="a member failed in its local round")
+        except Exception as exc:  # a member died or did not answer: the group is broken
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            log.debug("the all-reduce of round %d broke: %s", plan.round, why)
+            self.leave()
+            return RoundShare(mine_stats, broken=why)
+        total = self._total(flat, layout, small, state)
+        if self.step is None:
+            return RoundShare(mine_stats, None, total if rank == 0 else None)
+        self.held = self.step.apply(state, total, plan.steps, partial_total, self._server_sums(total))
+        return RoundShare(mine_stats, state_key(self.held, plan.stage), total if rank == 0 else None)
+
+    def _total(self, flat: np.ndarray, layout: list[tuple[str, int]], small: np.ndarray,
+               state: GlobalState) -> PartialSum:
+        """The reduced sums as a partial sum (views of ``flat``), weights added in rank order (the driver's
+        order of folding the actors' sums)."""
+        world, counters = self.world, state.counters.size
+        vectors: dict[str, np.ndarray | None] = dict.fromkeys(f.name for f in vector_fields())
+        at = 0
+        for name, n in layout:
+            like = getattr(state, "v" if name == "c_v" else "alpha" if name == "c_alpha" else name)
+            vectors[name] = flat[at:at + n].reshape(like.shape)
+            at += n
+        rows = small[_SLOTS * world:].reshape(world, counters)
+        vectors["counters"] = np.maximum(rows.max(axis=0), 0).astype(np.int64).reshape(state.counters.shape) \
+            if counters else np.zeros_like(state.counters, dtype=np.int64)
+        weight = 0.0
+        for r in range(world):
+            weight += float(small[r])
+        return PartialSum.from_vectors(vectors, weight=weight, count=int(small[world:2 * world].sum()),
+                                       bytes_up=int(small[2 * world:3 * world].sum()), stats=[])
+
+    def _server_sums(self, like: PartialSum) -> PartialSum:
+        """The next of the two sets of server-step sums (made again when shapes change); never the one whose
+        buffers the held state uses."""
+        self._turn ^= 1
+        sums = self._sums[self._turn]
+        if sums is None or not _same_shapes(sums, like):
+            sums = self._sums[self._turn] = PartialSum.from_vectors(
+                {k: None if x is None else np.empty_like(x) for k, x in like.vectors().items()})
+        return sums
+
+    def _buffer(self, n: int) -> np.ndarray:
+        if self._flat.size != n:
+            self._flat = np.empty(n, dtype=np.float32)
+        return self._flat
+
+    def _all_reduce(self, *bufs: np.ndarray) -> None:
+        """Sum each of ``bufs`` over the group, in place (through the GPU under NCCL); the calls are queued
+        back to back and waited for together (one hand-over between Python and the backend)."""
+        import torch.distributed as dist
+
+        if self.backend == "nccl":
+            tensors = [torch.from_numpy(b).to(self.device, non_blocking=True) for b in bufs]
+        else:
+            tensors = [torch.from_numpy(b) for b in bufs]
+        for work in [dist.all_reduce(t, async_op=True) for t in tensors]:
+            work.wait()
+        if self.backend == "nccl":
+            for b, t in zip(bufs, tensors, strict=True):
+                b[:] = t.cpu().numpy()
