@@ -42,6 +42,7 @@ import torch
 from fdam_ray.algorithms import ServerState
 from fdam_ray.schedules import Position
 from fdam_ray.state import GlobalState
+from fdam_ray.weights import safe_load, torch_load_failure
 
 SCHEMA = 1  # the schema this fdam-ray writes
 _PREFIX = "fdam-ray-checkpoint/"
@@ -301,12 +302,14 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"no checkpoint at '{path}'")
+    if not path.is_file():  # a device or a FIFO would be read without end
+        raise CheckpointError(f"checkpoint '{path}' is not a regular file")
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        data = safe_load(path)
     except Exception as exc:  # a truncated zip, a pickle of foreign objects, ...
         raise CheckpointError(
             f"checkpoint '{path}' cannot be read (damaged, truncated or not an fdam-ray checkpoint): "
-            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            f"{torch_load_failure(exc)}"
         ) from None
     version = schema_of(data, path)
     try:

@@ -190,3 +190,26 @@ def test_a_full_disk_is_found_behind_torchs_error_and_the_old_file_stays(tmp_pat
     plain = tmp_path / "plain"
     plain.write_bytes(b"")
     assert path.read_bytes() == b"new" and path.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777  # umask
+
+
+class _RunsCode:
+    """A pickle that would run a command when unpickled with full unpickling."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("echo unpickled",))
+
+
+def test_a_checkpoint_that_is_a_device_or_foreign_pickle_is_one_line_without_unsafe_advice(tmp_path):
+    import os
+    import pickle
+
+    os.symlink("/dev/zero", tmp_path / "zero.pt")  # read whole, it would never end
+    with pytest.raises(CheckpointError, match=r"zero.pt' is not a regular file$"):
+        load_checkpoint(tmp_path / "zero.pt")
+    (tmp_path / "evil.pt").write_bytes(pickle.dumps(_RunsCode()))
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(tmp_path / "evil.pt")
+    message = str(info.value)
+    assert "could run code" in message and "weights_only" not in message and "\n" not in message
