@@ -62,7 +62,7 @@ from fdam_ray.runlock import check_not_in_use
 from fdam_ray.schedules import ScheduleSection
 from fdam_ray.trackers import check_usable as trackers_usable
 from fdam_ray.trackers import make_trackers
-from fdam_ray.weights import load_weights, read_weights
+from fdam_ray.weights import load_weights, read_weights, safe_load
 
 log = logging.getLogger(__name__)
 
@@ -397,7 +397,7 @@ def stored_result(run_dir: Path, checkpoint: Checkpoint, config: Config) -> RunR
     """The result of the finished run in ``run_dir``, read from its files (None when they are not all there)."""
     try:
         summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
-        model = torch.load(run_dir / "model.pt", map_location="cpu", weights_only=True)
+        model = safe_load(run_dir / "model.pt")
         model_state, a, b = model["model"], model["a"].numpy(), model["b"].numpy()
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError):
         return None  # not finished writing: the resume writes them
