@@ -218,8 +218,9 @@ WAITING_TRAIN = textwrap.dedent("""
     import ray
     from ray.util.placement_group import placement_group
     from fdam_ray.cli import main
+    from fdam_ray.executors.ray.compat import start_loopback_ray
 
-    ray.init(num_cpus=1, include_dashboard=False)  # joined as a cluster fdam did not start
+    start_loopback_ray(num_cpus=1, include_dashboard=False)  # joined as a cluster fdam did not start (127.0.0.1)
     busy = placement_group([{"CPU": 1}])  # the actor fits the cluster, but not while this holds its CPU
     ray.get(busy.ready(), timeout=120)
     sys.exit(main(["train", "--no-progress", "executor=ray", "dataset=synthetic", "model=mlp", "num_clients=1",
