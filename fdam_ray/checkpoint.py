@@ -32,7 +32,9 @@ import errno
 import os
 import re
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -89,13 +91,31 @@ def _umask() -> int:
     return 0o022
 
 
+_SCRATCH: ContextVar[Path | None] = ContextVar("fdam_scratch", default=None)
+
+
+@contextmanager
+def scratch_folder(folder: Path) -> Iterator[Path]:
+    """While inside, :func:`write_atomically` writes its temporary files into ``folder`` (made if missing; it must
+    be on the same filesystem as the files written) instead of beside the file. Used where another process copies
+    the run folder while the run writes it (Ray Tune's sync of a trial's folder), so that a temporary file never
+    appears there to vanish between that copy's listing and its read."""
+    folder.mkdir(parents=True, exist_ok=True)
+    token = _SCRATCH.set(folder)
+    try:
+        yield folder
+    finally:
+        _SCRATCH.reset(token)
+
+
 def write_atomically(path: str | Path, write: Callable[[Any], None], what: str, *, private: bool = False) -> None:
-    """Write a file through ``write(binary file)`` to a temporary file in its folder, flush it to disk, then
-    rename it over ``path``: a crash or a full disk mid-write leaves the previous file intact. A full disk is
-    one :class:`DiskFullError` line naming the folder (the temporary file is removed). ``private``: readable by
-    the owner only (a checkpoint); else as the umask says, like any file the run writes."""
+    """Write a file through ``write(binary file)`` to a temporary file in its folder (or the
+    :func:`scratch_folder` in effect), flush it to disk, then rename it over ``path``: a crash or a full disk
+    mid-write leaves the previous file intact. A full disk is one :class:`DiskFullError` line naming the folder
+    (the temporary file is removed). ``private``: readable by the owner only (a checkpoint); else as the umask
+    says, like any file the run writes."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=_SCRATCH.get() or path.parent)
     try:
         if not private:
             os.fchmod(fd, 0o666 & ~_umask())

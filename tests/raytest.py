@@ -15,6 +15,7 @@ import ray
 import torch
 
 from fdam_ray.data import DatasetSplit, DataSource, Shard
+from fdam_ray.executors.ray.compat import start_loopback_ray
 
 NUM_CPUS = 4  # logical CPUs; clients run one torch thread each, so 4 of them share the 2 cores
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -40,7 +41,7 @@ def ray_session(num_cpus: int = NUM_CPUS):
         return
     saved = dict(os.environ)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, saved.get("PYTHONPATH")) if p)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    start_loopback_ray(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)  # listens on 127.0.0.1
     try:
         yield
     finally:

@@ -16,7 +16,7 @@ import pytest
 import ray
 import torch
 from image_fixtures import write_image_folder
-from multinode import OBJECT_STORE_BYTES, multi_node_cluster, node_ids_by_site
+from multinode import OBJECT_STORE_BYTES, add_loopback_node, multi_node_cluster, node_ids_by_site
 from raytest import SlowClientSource
 from sample_clients import gaussian_clients
 
@@ -216,8 +216,8 @@ class RemoveBusiestNodeDuringRound(RemoveNodeDuringRound):
 
 def add_site_node(cluster, site: int):
     """A fresh worker node offering ``site_<site>`` (where a removed one was), for the tests that follow."""
-    cluster.sites[site] = cluster.add_node(num_cpus=2, resources={f"site_{site}": 1},
-                                           object_store_memory=OBJECT_STORE_BYTES)
+    cluster.sites[site] = add_loopback_node(cluster, num_cpus=2, resources={f"site_{site}": 1},
+                                            object_store_memory=OBJECT_STORE_BYTES)
     cluster.wait_for_nodes()
     return cluster.sites[site]
 

@@ -134,7 +134,10 @@ VANISHING_SCRIPT = textwrap.dedent("""
     from fdam_ray.executors.ray.placement import Placement
     from fdam_ray.executors.errors import PlacementError
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    from fdam_ray.executors.ray.compat import loopback_node
+    with loopback_node():
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                                "node_ip_address": "127.0.0.1"})
     ray.init(address=cluster.address)
     blocker = ray.util.placement_group([{"CPU": 1}])  # the actor fits the cluster, but not now: a wait
     ray.get(blocker.ready(), timeout=60)

@@ -11,6 +11,7 @@ import yaml
 
 from fdam_ray.cli import main
 from fdam_ray.config import ConfigError, build_config, parse_overrides
+from fdam_ray.executors.ray.compat import start_loopback_ray
 from fdam_ray.tuning import load_space, run_sweep
 
 BASE = dict(algorithm="codasca", dataset="synthetic", heterogeneity=1.0, num_clients=2, samples_per_client=200,
@@ -20,7 +21,7 @@ BASE = dict(algorithm="codasca", dataset="synthetic", heterogeneity=1.0, num_cli
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    start_loopback_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield
     ray.shutdown()
 

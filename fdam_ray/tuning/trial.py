@@ -79,7 +79,7 @@ def federation_trial(params: dict, base: dict, metric: str | None = None) -> Non
     """
     from ray import tune
 
-    from fdam_ray.checkpoint import load_checkpoint
+    from fdam_ray.checkpoint import load_checkpoint, scratch_folder
     from fdam_ray.data.base import set_host_cpus
     from fdam_ray.executors.ray.session import assigned_cpus
     from fdam_ray.recipe import federate
@@ -92,5 +92,13 @@ def federation_trial(params: dict, base: dict, metric: str | None = None) -> Non
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
             resume = load_checkpoint(Path(d) / CHECKPOINT_FILE)
-    federate(config, resume=resume, run_dir=trial_dir / "run", checkpoints=False,
-             observers=[TuneReport(config, metric)])
+    with scratch_folder(trial_scratch(trial_dir)):
+        federate(config, resume=resume, run_dir=trial_dir / "run", checkpoints=False,
+                 observers=[TuneReport(config, metric)])
+
+
+def trial_scratch(trial_dir: Path) -> Path:
+    """Where a trial's atomic writes keep their temporary files: beside the experiment's ``driver_artifacts``
+    (which holds ``trial_dir`` and which Ray Tune copies to the storage path while trials write), on the same
+    filesystem but outside what is copied."""
+    return trial_dir.parent.parent / ".fdam-scratch" / trial_dir.name
