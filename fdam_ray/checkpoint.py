@@ -115,7 +115,8 @@ def write_atomically(path: str | Path, write: Callable[[Any], None], what: str, 
     (the temporary file is removed). ``private``: readable by the owner only (a checkpoint); else as the umask
     says, like any file the run writes."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=_SCRATCH.get() or path.parent)
+    folder = _SCRATCH.get() or path.parent
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     try:
         if not private:
             os.fchmod(fd, 0o666 & ~_umask())

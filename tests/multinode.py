@@ -51,7 +51,8 @@ def multi_node_cluster(workers: int = 3, cpus_per_worker: float = 2, head_cpus: 
         cluster.sites = {i: add_loopback_node(cluster, num_cpus=cpus_per_worker, resources={f"site_{i}": 1},
                                               object_store_memory=OBJECT_STORE_BYTES)
                          for i in range(workers)}  # site -> its node, for remove_node
-        ray.init(address=cluster.address, log_to_driver=False)
+        with loopback_node():  # else Ray turns the head's 127.0.0.1 into the machine's address
+            ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes()
         yield cluster
     finally:

@@ -248,7 +248,7 @@ MUTATIONS: list[Mutation] = [
              "return torch.load(path, map_location=\"cpu\", weights_only=False)",
              CKPT, "a checkpoint is read with full unpickling (runs code from the file)"),
     Mutation("checkpoint_write_in_place", "fdam_ray/checkpoint.py",
-             "fd, tmp = tempfile.mkstemp(prefix=f\".{path.name}.\", suffix=\".tmp\", dir=path.parent)",
+             "fd, tmp = tempfile.mkstemp(prefix=f\".{path.name}.\", suffix=\".tmp\", dir=folder)",
              "fd, tmp = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), str(path)",
              CKPT, "a checkpoint is overwritten in place (a crash mid-write destroys the previous one)"),
     # -- image-folder augmentation

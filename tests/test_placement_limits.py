@@ -138,7 +138,7 @@ VANISHING_SCRIPT = textwrap.dedent("""
     with loopback_node():
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
                                                                 "node_ip_address": "127.0.0.1"})
-    ray.init(address=cluster.address)
+        ray.init(address=cluster.address)
     blocker = ray.util.placement_group([{"CPU": 1}])  # the actor fits the cluster, but not now: a wait
     ray.get(blocker.ready(), timeout=60)
     config = build_config(dict(dataset="arrays", model="mlp", num_clients=1, cpus_per_client=1.0))
