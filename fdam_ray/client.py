@@ -155,7 +155,8 @@ class Replica:
 
     def scores_of(self, state: GlobalState, split: AnySplit, client_id: int = -1) -> Scores:
         self.flat.load(state)
-        what = "the test set" if client_id < 0 else f"client {client_id}'s test split"
+        who = client_label(client_id, self.config.client_names)
+        what = "the test set" if client_id < 0 else f"client {who}'s test split"
         return Scores(client_id, self.score(split, what), split.y.cpu().numpy())
 
 
