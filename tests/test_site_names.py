@@ -153,3 +153,24 @@ def test_mlflow_tags_and_wandb_config_carry_the_versions(tmp_path, monkeypatch):
     (tmp_path / "wb").mkdir()
     run(small(tmp_path / "runs", run_name="w", trackers=["wandb"], tracker_project="versions"))
     assert wandb_run(tmp_path / "wb")["config"]["versions"] == run_versions()
+
+
+@pytest.mark.slow
+def test_under_ray_a_replaced_client_and_the_placements_are_named_in_train_log(tmp_path):
+    from raytest import ray_session
+    from sample_clients import gaussian_clients as make_clients
+    from test_ray_executor import ARRAYS, KillDuringRound
+
+    from fdam_ray.data.arrays import ArraysSource
+
+    clients, test = make_clients(3)
+    config = build_config(dict(ARRAYS, dataset="arrays", num_clients=3, iterations=8, out_dir=str(tmp_path),
+                               run_name="r", tensorboard=False, client_names=["north", "south", "east"]))
+    with ray_session():
+        r = run(config, source=ArraysSource(clients, test), executor=KillDuringRound(victim=1, at_round=2,
+                                                                                     how="ray.kill"))
+    log = (tmp_path / "r" / "train.log").read_text()
+    assert "WARNING client south failed in round 2 (local_round)" in log and "-> replaced (attempt 1 of 2)" in log
+    assert "placement: clients north -> actor 0" in log and "placement: clients east -> actor 2" in log
+    assert "client 1 " not in log
+    assert r.summary["client_names"] == ["north", "south", "east"]
