@@ -30,6 +30,7 @@ from fdam_ray.flat import FlatModel
 from fdam_ray.models import build_model, model_name
 from fdam_ray.precision import Precision, PrecisionSection
 from fdam_ray.sections import AT_LEAST_ONE, Section, setting, shared
+from fdam_ray.sites import client_label
 from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, Moments, RoundPlan, Scores, StepStats
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class ClientSection(Section):
     deterministic: bool = shared()
     precision: str = shared()
     channels_last: bool | str = shared()
+    client_names: tuple[str, ...] | None = shared()
 
 
 def use_deterministic_kernels() -> None:
@@ -81,7 +83,7 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
-def check_features(split: AnySplit | None, client_id: int, what: str) -> None:
+def check_features(split: AnySplit | None, client: int | str, what: str) -> None:
     """Refuse features holding NaN or infinity before training (they would only show later as a divergence).
 
     Tensors held in memory are checked whole; images read from disk are decoded into finite pixels.
@@ -89,7 +91,7 @@ def check_features(split: AnySplit | None, client_id: int, what: str) -> None:
     if not isinstance(split, Split) or len(split) == 0 or all_finite([split.x]):
         return
     sample, column = (int(i) for i in (~torch.isfinite(split.x.reshape(len(split), -1))).nonzero()[0])
-    raise ValueError(f"client {client_id}: its {what} features hold NaN or infinite values (first at sample "
+    raise ValueError(f"client {client}: its {what} features hold NaN or infinite values (first at sample "
                      f"{sample}, feature column {column}); clean or impute them before training")
 
 
@@ -153,7 +155,8 @@ class Replica:
 
     def scores_of(self, state: GlobalState, split: AnySplit, client_id: int = -1) -> Scores:
         self.flat.load(state)
-        what = "the test set" if client_id < 0 else f"client {client_id}'s test split"
+        who = client_label(client_id, self.config.client_names)
+        what = "the test set" if client_id < 0 else f"client {who}'s test split"
         return Scores(client_id, self.score(split, what), split.y.cpu().numpy())
 
 
@@ -230,16 +233,21 @@ class Client:
         shard = source.client_shard(client_id)
         self.train = shard.train.to(device)
         self.test = None if shard.test is None else shard.test.to(device)
-        check_features(self.train, client_id, "training")
-        check_features(self.test, client_id, "test")
+        check_features(self.train, self.label, "training")
+        check_features(self.test, self.label, "test")
         if config.batch_size > len(self.train):
-            log.warning("client %d has %d training samples, fewer than batch_size=%d: each of its batches repeats "
-                        "samples", client_id, len(self.train), config.batch_size)
+            log.warning("client %s has %d training samples, fewer than batch_size=%d: each of its batches repeats "
+                        "samples", self.label, len(self.train), config.batch_size)
         self.sampler = make_sampler(self.train, config.batch_size, seed=config.seed * 1_000_003 + client_id,
                                     device=device)
         self.cv = self.replica.new_control_variate()  # (c_v^k, c_alpha^k) tensors, or None
         weights = client_weights(config.client_weighting, [len(self.train)])
         self.weight: float | None = None if weights is None else float(weights[0])  # w_k of the server's means
+
+    @property
+    def label(self) -> str:
+        """How this client is shown in messages: its name (``client_names``), else its index."""
+        return client_label(self.client_id, self.config.client_names)
 
     @property
     def flat(self) -> FlatModel:
@@ -289,7 +297,7 @@ class Client:
                 loss_sum += replica.train_step(x, y, plan.lr)
                 samples += x.shape[0]
         except RuntimeError as exc:
-            refused = features_refused(exc, x, self.config.model, f"client {self.client_id}")
+            refused = features_refused(exc, x, self.config.model, f"client {self.label}")
             if refused is None:
                 raise
             raise refused from None
@@ -315,7 +323,7 @@ class Client:
     def score_moments(self, state: GlobalState) -> Moments:
         """Per-task sums of h over the training positives and negatives (for CODA's closed-form alpha)."""
         self.flat.load(state)
-        h = self.replica.score(self.train, f"client {self.client_id}")
+        h = self.replica.score(self.train, f"client {self.label}")
         y = self.train.y.cpu().numpy()
         pos, neg = y == 1, y == 0
         return Moments((h * pos).sum(0), pos.sum(0), (h * neg).sum(0), neg.sum(0), self.client_id)

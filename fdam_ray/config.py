@@ -53,6 +53,8 @@ from fdam_ray.sections import (
     setting,
     shared_names,
 )
+from fdam_ray.sites import SiteSection
+from fdam_ray.versions import VERSIONS_KEY
 from fdam_ray.yamlio import kind_of, load_yaml, read_yaml_file
 
 __all__ = ["CHESTXRAY_SOURCES", "DATASET_NAMES", "FIELDS", "FIELD_BY_NAME", "MODEL_NAMES", "RENAMED_PER_ACTOR",
@@ -76,12 +78,13 @@ class RunSection(Section):
 SECTION_CLASSES: tuple[type[Section], ...] = (
     AlgorithmSection, ScheduleSection, DataSection, SyntheticSection, ChestXraySection, ModelSection,
     PretrainSection, ClientSection, PrecisionSection, RunSection, ExecutorSection, RaySection, OutputSection,
+    SiteSection,
 )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config(AlgorithmSection, ScheduleSection, SyntheticSection, ChestXraySection, ModelSection, PretrainSection,
-             ClientSection, PrecisionSection, RunSection, ExecutorSection, RaySection, OutputSection):
+             ClientSection, PrecisionSection, RunSection, ExecutorSection, RaySection, OutputSection, SiteSection):
     """A validated run configuration (every section's fields); build it with :func:`build_config`."""
 
     name = "config"
@@ -234,8 +237,9 @@ def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> C
 
 
 def _given(values: Mapping[str, Any] | None, overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """The user's keys as flat field names (old names read as their new ones); an unknown key is an error."""
-    given = _flatten_sections(values or {})
+    """The user's keys as flat field names (old names read as their new ones); an unknown key is an error. A run's
+    ``config.yaml`` read back keeps the versions it ran under (:data:`VERSIONS_KEY`): a record, not a field."""
+    given = _flatten_sections({k: v for k, v in (values or {}).items() if k != VERSIONS_KEY})
     given.update(_flatten_sections(overrides))
     given = _read_renamed(given)
     for key in given:

@@ -25,6 +25,7 @@ from fdam_ray.data import AnySplit, DataSource
 from fdam_ray.executors import Executor
 from fdam_ray.metrics import mean_auc, pooled, task_aucs
 from fdam_ray.models import model_name
+from fdam_ray.sites import client_label
 from fdam_ray.state import GlobalState, Scores
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,8 @@ class Evaluator:
             self._warn_one_class = False
             sets = [("the test set" if s is not None else "the pooled test set (the clients' test splits)",
                      labels, "the pooled test AUC")]
-            sets += [(f"client {p.client_id}'s test split", p.labels, f"client {p.client_id}'s AUC") for p in parts]
+            sets += [(f"client {self._label(p)}'s test split", p.labels, f"client {self._label(p)}'s AUC")
+                     for p in parts]
             problems = one_class_problems(sets, self.task_names)
             if problems:
                 log.warning("%s (an AUC needs positives and negatives)", "; ".join(problems))
@@ -80,15 +82,19 @@ class Evaluator:
         if len(aucs) > 1:
             out["task_auc"] = {name: _num(a) for name, a in zip(self.task_names, aucs, strict=True)}
         if parts:
-            out["client_auc"] = {str(p.client_id): _num(mean_auc(task_aucs(p.scores, p.labels))) for p in parts}
+            out["client_auc"] = {self._label(p): _num(mean_auc(task_aucs(p.scores, p.labels))) for p in parts}
         return out
+
+    def _label(self, scores: Scores) -> str:
+        """The client that scored ``scores``, as shown (its name, else its index): the key of its AUC."""
+        return client_label(scores.client_id, getattr(self.replica.config, "client_names", None))
 
     def _check_outputs(self, scores: Scores) -> None:
         """Refuse NaN outputs of the network (an AUC cannot rank them), naming the model and the samples."""
         bad = np.isnan(scores.scores).any(axis=tuple(range(1, scores.scores.ndim)))
         if not bad.any():
             return
-        where = "the test set" if scores.client_id < 0 else f"client {scores.client_id}'s test split"
+        where = "the test set" if scores.client_id < 0 else f"client {self._label(scores)}'s test split"
         raise ValueError(f"model {model_name(self.replica.config.model)!r}: its outputs were NaN for "
                          f"{int(bad.sum())} of {len(bad)} samples of {where} (first: sample "
                          f"{int(np.argmax(bad))}) while its weights are finite: its forward makes NaN (log or sqrt "

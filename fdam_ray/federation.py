@@ -42,9 +42,11 @@ from fdam_ray.data import DataSource
 from fdam_ray.evaluation import Evaluator
 from fdam_ray.executors import Executor
 from fdam_ray.executors.errors import PlacementError
+from fdam_ray.models import network_record
 from fdam_ray.objectives import global_positive_ratio
 from fdam_ray.outputs import Observer, RunStart, Snapshot
 from fdam_ray.schedules import Position, Schedule, ScheduleSection
+from fdam_ray.sites import client_label
 from fdam_ray.state import ClientUpdate, GlobalState, RoundPlan
 
 if TYPE_CHECKING:
@@ -113,6 +115,10 @@ class Federation:
         self.observer = observer
         self.replica = Replica(config, source, device=driver_device)
 
+    def _label(self, client_id: int) -> str:
+        """How a client is shown: its name (``client_names``), else its index."""
+        return client_label(client_id, self.config.client_names)
+
     # -- start -----------------------------------------------------------------------
     def _start(self) -> GlobalState:
         """Start the clients, fix the global p, and return the initial global state (from the replica)."""
@@ -120,10 +126,11 @@ class Federation:
         size = self.replica.flat.state_size
         for info in infos:
             if info.state_size != size:
-                raise RuntimeError(f"client {info.client_id} has {info.state_size} model values, the driver {size}")
+                raise RuntimeError(f"client {self._label(info.client_id)} has {info.state_size} model values, the "
+                                   f"driver {size}")
             if self.replica.objective.has_auxiliary and not np.all(info.positives):
-                log.warning("client %d has no positive training label for some task; it still takes part "
-                            "(its local objective uses the global p)", info.client_id)
+                log.warning("client %s has no positive training label for some task; it still takes part "
+                            "(its local objective uses the global p)", self._label(info.client_id))
         p = (global_positive_ratio([i.positives for i in infos], [i.labelled for i in infos])
              if self.positive_ratio_override is None
              else np.full(self.source.num_tasks, self.positive_ratio_override))
@@ -160,8 +167,8 @@ class Federation:
             # each client checks its own update (in parallel, where its buffers live); the driver trusts it
             for stats in update.stats if isinstance(update, PartialSum) else [update.stats]:
                 if not (stats.finite and math.isfinite(stats.loss)):
-                    raise DivergenceError(f"round {plan.round}: client {stats.client_id} sent a NaN or infinite "
-                                          f"update (loss {stats.loss}); lower lr or set grad_clip")
+                    raise DivergenceError(f"round {plan.round}: client {self._label(stats.client_id)} sent a NaN "
+                                          f"or infinite update (loss {stats.loss}); lower lr or set grad_clip")
             reducer.fold(update)
 
         if clients is None:
@@ -232,8 +239,9 @@ class Federation:
             observer.start(RunStart(resumed=resume is not None, history=loop.history, round=loop.state.round,
                                     iteration=loop.state.iteration, iterations=self.schedule.iterations))
             for k in [] if resume is None else resume.unplaced_clients():
-                observer.event("client %d could not be placed when the checkpoint was written; it starts again "
-                               "from its shard with the global control variate", k, level=logging.WARNING)
+                observer.event("client %s could not be placed when the checkpoint was written; it starts again "
+                               "from its shard with the global control variate", self._label(k),
+                               level=logging.WARNING)
             for line in getattr(self.executor, "placement_lines", list)():  # where each client runs (Ray)
                 observer.event("%s", line)
             evaluator = Evaluator(self.replica, self.source, self.executor)
@@ -304,12 +312,15 @@ class Federation:
             "wall_s": round(loop.wall_offset + time.perf_counter() - started, 3),
             "samples_per_s": round(loop.samples / loop.train_s, 1) if loop.train_s else None,
             "positive_ratio": [round(float(x), 6) for x in self.positive_ratio],
+            **({"client_names": list(self.config.client_names)} if self.config.client_names else {}),
             "run_dir": None,  # an observer that saves the run sets it
         }
         cv = _control_variates(state)
         self.observer.finish(summary, {"model": model_state, "a": torch.from_numpy(a), "b": torch.from_numpy(b),
                                        "alpha": torch.from_numpy(state.alpha.copy()),
-                                       "task_names": list(self.source.task_names)}, snapshot)
+                                       "task_names": list(self.source.task_names),
+                                       "network": network_record(self.config, self.source.input_shape,
+                                                                 self.source.num_tasks)}, snapshot)
         run_dir = summary["run_dir"]
         return RunResult(None, model_state, a, b, state.alpha.copy(), cv, history, summary, state,
                          None if run_dir is None else Path(run_dir))

@@ -47,6 +47,7 @@ from fdam_ray.config import Config, ConfigError
 from fdam_ray.interrupts import interruptible
 from fdam_ray.outputs import Observer, RunStart, RunStopped, Snapshot, grouped_scalars
 from fdam_ray.redact import redact
+from fdam_ray.versions import VERSIONS_KEY, run_versions
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +244,8 @@ class MLflowTracker(Tracker):
         experiment = self.client.get_experiment_by_name(self.config.tracker_project)
         experiment_id = (experiment.experiment_id if experiment is not None
                          else self.client.create_experiment(self.config.tracker_project))
-        tags = {"fdam.algorithm": self.config.algorithm, "fdam.dataset": self.config.dataset}
+        tags = {"fdam.algorithm": self.config.algorithm, "fdam.dataset": self.config.dataset,
+                **{f"fdam.version.{k}": str(v) for k, v in run_versions().items()}}
         run = self.client.create_run(experiment_id, run_name=run_name, tags=tags)
         self.run_id = run.info.run_id
         items = [Param(k, json.dumps(v) if isinstance(v, list) else str(v)) for k, v in params.items()]
@@ -280,7 +282,8 @@ class WandbTracker(Tracker):
         import wandb
 
         kwargs: dict[str, Any] = {"id": resume_id, "resume": "allow"} if resume_id is not None else {}
-        self.run = wandb.init(project=self.config.tracker_project, name=run_name, config=params,
+        self.run = wandb.init(project=self.config.tracker_project, name=run_name,
+                              config={**params, VERSIONS_KEY: run_versions()},
                               reinit="create_new", **kwargs)
         return self.run.id
 

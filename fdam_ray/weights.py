@@ -118,14 +118,7 @@ def load_weights(model: nn.Module, state: Mapping[str, torch.Tensor], *, source:
     if fresh_head:
         fresh_head = sorted(head)  # weight and bias together
         unexpected = [k for k in unexpected if not _same_module(k, head)]
-    problems = []
-    if bad := [k for k in mismatched if k not in head]:
-        problems.append("shapes differ: " + _names([f"{k} (file {_shape(state[k])}, model {_shape(own[k])})"
-                                                    for k in bad]))
-    if bad := [k for k in missing if k not in head]:
-        problems.append(f"the file lacks {len(bad)} key(s): {_names(bad)}")
-    if unexpected:
-        problems.append(f"the model has no key(s) {_names(unexpected)}")
+    problems = _misfits(own, state, head, missing=missing, mismatched=mismatched, unexpected=unexpected)
     if problems:
         raise ValueError(f"{source} do not fit model {type(model).__name__}: " + "; ".join(problems))
     with torch.no_grad():
@@ -136,6 +129,20 @@ def load_weights(model: nn.Module, state: Mapping[str, torch.Tensor], *, source:
         why = "its size differs from the file's" if head & set(mismatched) else "the weights have none"
         log.warning("%s: classifier head %s re-initialised (%s)", source, ", ".join(fresh_head), why)
     return fresh_head
+
+
+def _misfits(own: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], head: set[str], *,
+             missing: list[str], mismatched: list[str], unexpected: list[str]) -> list[str]:
+    """What keeps ``state`` from fitting the model (the classifier head excepted), a phrase per kind."""
+    problems = []
+    if bad := [k for k in mismatched if k not in head]:
+        problems.append("shapes differ: " + _names([f"{k} (file {_shape(state[k])}, model {_shape(own[k])})"
+                                                    for k in bad]))
+    if bad := [k for k in missing if k not in head]:
+        problems.append(f"the file lacks {len(bad)} key(s): {_names(bad)}")
+    if unexpected:
+        problems.append(f"the model has no key(s) {_names(unexpected)}")
+    return problems
 
 
 def _same_module(key: str, head: set[str]) -> bool:

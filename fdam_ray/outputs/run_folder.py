@@ -17,6 +17,8 @@ from fdam_ray.outputs.writer import RunWriter
 from fdam_ray.runlock import RunLock, check_not_in_use
 from fdam_ray.sections import EACH_ONCE, NONNEGATIVE, Section, setting, shared
 from fdam_ray.state import RoundPlan
+from fdam_ray.versions import VERSIONS_KEY, changed_versions, run_versions
+from fdam_ray.yamlio import read_yaml_file
 
 log = logging.getLogger(__name__)
 MAX_RUN_NAME = 100
@@ -138,6 +140,8 @@ class RunFolder(Observer):
         self.lock = RunLock(self.dir)  # before anything in the folder is opened for writing
         try:
             self.writer = RunWriter(self.dir, tensorboard=self.section.tensorboard, history=run.history)
+            if run.resumed:
+                _say_changed_versions(self.dir / "config.yaml")
             if not run.resumed or not (self.dir / "config.yaml").exists():  # (a resumed Tune trial's new folder)
                 self._write_config()
             if not run.resumed:
@@ -153,7 +157,7 @@ class RunFolder(Observer):
 
     def _write_config(self) -> None:
         if self.writer is not None and not self._config_written:
-            self.writer.write_config(self.config_dict)
+            self.writer.write_config({**self.config_dict, VERSIONS_KEY: run_versions()})
             self._config_written = True
 
     def _checkpoint(self, snapshot: Snapshot, round_: int) -> None:
@@ -197,6 +201,7 @@ class RunFolder(Observer):
         if self._last_checkpoint != summary["rounds"]:
             self._checkpoint(snapshot, summary["rounds"])
         summary["run_dir"] = str(self.dir)
+        summary[VERSIONS_KEY] = run_versions()
         self._write_config()
         self.writer.finish(model, summary)
 
@@ -224,6 +229,19 @@ class RunFolder(Observer):
             else:
                 entry.unlink(missing_ok=True)
         log.info("removed the run folder '%s': the run stopped before its first round", made)
+
+
+def _say_changed_versions(config_file: Path) -> None:
+    """One line when a resumed run continues under other versions than its ``config.yaml`` records (a run
+    folder of before versions were recorded, or a damaged one, says nothing)."""
+    try:
+        recorded = read_yaml_file(config_file, "run config") if config_file.is_file() else None
+    except ValueError:
+        return
+    before = recorded.get(VERSIONS_KEY) if isinstance(recorded, dict) else None
+    changed = changed_versions(before, run_versions()) if isinstance(before, dict) else ""
+    if changed:
+        log.warning("the run is resumed under other versions than it ran under before: %s", changed)
 
 
 def check_new_run_dir(config: OutputSection) -> Path | None:

@@ -37,7 +37,7 @@ RANGE_KINDS = ("uniform", "loguniform", "randint")
 REPORTED = ("iteration", "round", "stage", "test_auc", "train_loss", "bytes_up", "bytes_down", "wall_s")
 # Reported as well where a run has them (multi-task data, clients with test splits of their own): the AUC of each
 # task and each client under the metrics.csv names, and the lowest of each.
-REPORTED_PATTERNS = (re.compile(r"task_auc\..+"), re.compile(r"client_auc\.\d+"), re.compile(r"worst_task_auc"),
+REPORTED_PATTERNS = (re.compile(r"task_auc\..+"), re.compile(r"client_auc\..+"), re.compile(r"worst_task_auc"),
                      re.compile(r"worst_client_auc"), re.compile(r"lr|samples_per_s|test_samples"))
 
 
@@ -70,7 +70,7 @@ class TuneOptions:
                                   f"(one of {', '.join(choices)})")
         if not isinstance(self.metric, str) or not is_reported(self.metric):
             raise ConfigError(f"tune option 'metric': {short(self.metric)} is not reported (one of "
-                              f"{', '.join(REPORTED)}, task_auc.<task>, client_auc.<client id>, worst_task_auc, "
+                              f"{', '.join(REPORTED)}, task_auc.<task>, client_auc.<client>, worst_task_auc, "
                               "worst_client_auc)")
         _check_option("num_samples", self.num_samples, integer=True, low=1)
         _check_option("grace_period", self.grace_period, integer=True, low=1, optional=True)

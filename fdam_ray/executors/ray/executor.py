@@ -46,6 +46,7 @@ from fdam_ray.executors.ray.session import ensure_ray
 from fdam_ray.executors.ray.transports import REGISTRY, Round, Transport, transport_for
 from fdam_ray.executors.ray.transports.compiled import CompiledRounds
 from fdam_ray.executors.ray_section import RayExecutorSection
+from fdam_ray.sites import client_label
 from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores
 
 log = logging.getLogger(__name__)
@@ -257,7 +258,8 @@ class RayExecutor(Executor):
         fleet = self._fleet
         gone = [k for k, s in enumerate(states) if s is None and k in fleet.live]
         for k in gone:
-            log.warning("client %d was dropped before the checkpoint; it stays out", k)
+            log.warning("client %s was dropped before the checkpoint; it stays out",
+                        client_label(k, fleet.client_section.client_names))
         if gone:
             fleet.drop(gone)
         self._all("restore_client_states",
