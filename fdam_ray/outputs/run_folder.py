@@ -203,7 +203,9 @@ class RunFolder(Observer):
     def close(self, error: BaseException | None) -> None:
         try:
             if self.writer is not None:
-                if isinstance(error, Exception):
+                if isinstance(error, RunStopped):  # a stop asked for (SIGTERM), its checkpoint written: planned
+                    self.writer.event("run stopped: %s", error, level=logging.INFO)
+                elif isinstance(error, Exception):
                     self.writer.event("run stopped: %s", error, level=logging.ERROR)
                 self.writer.close()
         finally:
