@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +84,34 @@ def test_a_planned_stop_is_logged_as_info_and_a_real_error_as_error(tmp_path, mo
     with pytest.raises(Exception, match="disk on fire"):
         run(cfg(tmp_path, "tensorboard=false", "run_name=broken"))
     assert " ERROR run stopped: " in (tmp_path / "broken" / "train.log").read_text()
+
+
+def test_the_example_spaces_ship_in_the_package_and_run_by_name_from_any_folder(tmp_path, monkeypatch, capsys):
+    import fdam_ray
+    from fdam_ray.tuning import load_space
+    from fdam_ray.tuning.space import EXAMPLE_SPACES, example_names
+
+    assert EXAMPLE_SPACES.is_relative_to(Path(fdam_ray.__file__).parent)  # package data: in the wheel
+    assert example_names() == ["paper_grid", "small"]
+    monkeypatch.chdir(tmp_path)  # not a checkout
+    for name in ("small", "small.yaml", "tune/small.yaml"):
+        space = load_space(name, {"iterations": 400, "tune.scheduler": "asha"})
+        assert space.base["iterations"] == 400 and space.options.scheduler == "asha" and "lr" in space.search
+    assert load_space("paper_grid").base["model"]
+    (tmp_path / "small").write_text("base: {dataset: synthetic}\nsearch: {lr: {grid: [0.5]}}\n")
+    assert load_space("small").search == {"lr": {"grid": [0.5]}}  # a file of that name here comes first
+
+    assert main(["tune"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "paper_grid, small" in err and "`fdam tune small`" in err
+    assert str(EXAMPLE_SPACES) in err and (EXAMPLE_SPACES / "small.yaml").is_file()
+
+
+def test_setup_cfg_ships_the_example_spaces_as_package_data():
+    import configparser
+
+    root = Path(__file__).resolve().parent.parent
+    setup = configparser.ConfigParser()
+    setup.read(root / "setup.cfg")
+    assert setup["options.package_data"]["fdam_ray.tuning"].strip() == "spaces/*.yaml"
+    assert "recursive-include fdam_ray/tuning/spaces *.yaml" in (root / "MANIFEST.in").read_text()
