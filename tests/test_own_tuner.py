@@ -61,17 +61,19 @@ def test_tracker_callbacks_log_every_field_of_a_trials_config_to_mlflow(tmp_path
     callback.setup()
 
     class Trial:  # what Tune's callback reads of a trial
-        config = {"lr": 0.03, "local_steps": 7}
-        local_path = str(tmp_path)
+        def __init__(self):
+            self.config = {"lr": 0.03, "local_steps": 7}
+            self.local_path = str(tmp_path)
 
         def __str__(self):
             return "trial_1"
 
-    callback.log_trial_start(Trial())
+    trial = Trial()
+    callback.log_trial_start(trial)
     client = MlflowClient()
     [run] = client.search_runs([client.get_experiment_by_name("own").experiment_id])
     params = run.data.params
-    full = build_config({**base, **Trial.config}).to_dict()
+    full = build_config({**base, **trial.config}).to_dict()
     assert set(params) == set(full) and len(params) > 50  # every field, not only the 2 searched
     assert params["lr"] == "0.03" and params["local_steps"] == "7" and params["dataset"] == "synthetic"
     assert params["trackers"] == '["mlflow"]'
@@ -90,9 +92,10 @@ def test_tracker_callbacks_give_wandb_every_field_of_a_trials_config(monkeypatch
     [callback] = tracker_callbacks(base)
 
     class Trial:
-        config = {"lr": 0.03}
-        trial_id = "t1"
-        experiment_dir_name = "exp"
+        def __init__(self):
+            self.config = {"lr": 0.03}
+            self.trial_id = "t1"
+            self.experiment_dir_name = "exp"
 
     callback.log_trial_start(Trial())
     assert started["config"]["lr"] == 0.03 and started["config"]["model"] == "mlp"

@@ -39,7 +39,8 @@ def test_the_wheel_installs_into_a_fresh_environment_and_runs(tmp_path):
     with tarfile.open(sdist) as tar:
         in_sdist = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     assert {"README.md", "CHANGELOG.md", "setup.cfg", "pyproject.toml", "fdam_ray/cli.py", "fdam_ray/trackers.py",
-            "fdam_ray/tuning/spaces/small.yaml", "fdam_ray/tuning/spaces/paper_grid.yaml", "examples/hospitals.py", "examples/README.md",
+            "fdam_ray/tuning/spaces/small.yaml", "fdam_ray/tuning/spaces/paper_grid.yaml", "examples/hospitals.py",
+            "examples/README.md",
             "docs/algorithms.md", "tests/conftest.py"} <= in_sdist
     assert not [n for n in in_sdist if n.startswith((".venv", "runs/", ".git/")) or "__pycache__" in n]
 
