@@ -130,6 +130,8 @@ def differing_fields(runs: list[Run]) -> list[str]:
     for run in runs:
         names += [k for k in run.config if k not in names]
     return [k for k in names if k not in NOT_COMPARED and k not in ("algorithm", "local_steps")
+            and "version" not in k  # the software a run was made with: not a setting of the run
+            and not any(isinstance(run.config.get(k), dict) for run in runs)
             and len({_shown(run.config.get(k)) for run in runs}) > 1]
 
 
