@@ -268,9 +268,9 @@ def local_steps_groups(runs: list[Run]) -> dict[str, dict[str, dict[int, list[fl
     fields = [k for k in differing_fields(coda) if k != "seed"]
     groups: dict[str, dict[str, dict[int, list[float]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     for run in coda:
-        final = run.series("test_auc")[-1]
-        if math.isfinite(final):
-            groups[run.algorithm][_fields_text(run, fields)][int(run.local_steps)].append(float(final))
+        final, steps = run.series("test_auc")[-1], run.local_steps
+        if math.isfinite(final) and steps is not None:
+            groups[run.algorithm][_fields_text(run, fields)][int(steps)].append(float(final))
     return groups
 
 
