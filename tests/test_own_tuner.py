@@ -123,3 +123,13 @@ def test_the_own_tuner_example_runs_asha_and_its_callback_over_federations(tmp_p
     run_folder = Path(re.search(r"its run folder: (\S+)", out).group(1))
     assert (run_folder / "metrics.csv").is_file() and (run_folder / "config.yaml").is_file()
     assert "lr: 0.1" in (run_folder / "config.yaml").read_text()
+
+    # fdam plot takes the experiment folder as it takes a sweep folder of fdam tune: its trials, told apart by lr
+    from fdam_ray import plots
+    from fdam_ray.cli import main
+
+    experiment = Path(re.search(r"experiment folder: (\S+)", out).group(1))
+    assert main(["plot", str(experiment), "--out", str(tmp_path / "plots")]) == 0
+    assert (tmp_path / "plots" / "auc_vs_iterations.png").is_file()
+    runs = [plots.Run(p.parent) for p in experiment.glob("*/run/metrics.jsonl")]
+    assert sorted(plots._labels(runs)) == ["codasca I=5 lr=0.01", "codasca I=5 lr=0.1"]
