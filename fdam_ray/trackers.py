@@ -43,6 +43,7 @@ parameters and metric names.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -316,7 +317,12 @@ class MLflowTracker(Tracker):
                          else self.client.create_experiment(self.config.tracker_project))
         run = self.client.create_run(experiment_id, run_name=run_name, tags=run_tags(self.config))
         self.run_id = run.info.run_id
-        log_mlflow_params(self.client, self.run_id, params)
+        try:
+            log_mlflow_params(self.client, self.run_id, params)
+        except Exception:  # the run stops: its tracker run is not left RUNNING (where the store still answers)
+            with contextlib.suppress(Exception):
+                self.client.set_terminated(self.run_id, "FAILED")
+            raise
         return self.run_id
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
