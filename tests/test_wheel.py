@@ -80,3 +80,9 @@ def test_the_wheel_installs_into_a_fresh_environment_and_runs(tmp_path):
                "local_steps=5", "iterations=20", "eval_every=10", "executor=inline", "tensorboard=false",
                f"out_dir={tmp_path / 'runs'}", "run_name=wheel", "--quiet"], tmp_path, env)
     assert "final test AUC" in out and (tmp_path / "runs" / "wheel" / "model.pt").is_file()
+
+    # the hint of `fdam tune` without a space points into the installed package, where the example spaces are
+    hint = subprocess.run([str(fdam), "tune"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert hint.returncode == 2, hint.stderr
+    folder = Path(hint.stderr.split("copy one from ", 1)[1].split(" to start", 1)[0])
+    assert folder.is_relative_to(purelib) and (folder / "small.yaml").is_file(), hint.stderr
