@@ -117,7 +117,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         space = space_of_sweep(args.resume)
     else:
         if not args.space:
-            raise ConfigError("fdam tune needs a search-space file (see tune/*.yaml) or --resume DIR")
+            from fdam_ray.tuning.space import no_space_hint
+
+            raise ConfigError(no_space_hint())
         space = load_space(args.space, parse_overrides(args.overrides))
     outcome = run_sweep(space, resume_dir=args.resume, address=args.address, trust_storage=args.trust_storage)
     out = outcome.path
@@ -175,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", metavar="key=value", help="config fields (see `fdam fields`)")
     train.set_defaults(func=cmd_train)
     tune = sub.add_parser("tune", help="sweep hyper-parameters with Ray Tune; every trial is a whole federation")
-    tune.add_argument("space", nargs="?", help="search-space YAML file (base / search / tune sections)")
+    tune.add_argument("space", nargs="?", help="search-space YAML file (base / search / tune sections), or the "
+                      "name of an example space shipped with fdam-ray (small, paper_grid)")
     tune.add_argument("overrides", nargs="*", metavar="key=value",
                       help="base config fields, or tune.OPTION=value for the tune section")
     tune.add_argument("--resume", metavar="DIR", help="continue the sweep stored in DIR (a folder or a storage URI)")

@@ -6,7 +6,8 @@
     train.log        one line per evaluation, plus events (stage switches, why a run stopped) and the package's
                      warnings while the run writes (client actors replaced or dropped); credentials in any URI a
                      line names are replaced by *** (fdam_ray.redact)
-    events/          TensorBoard event files (when the tensorboard package is installed)
+    events/          TensorBoard event files (tensorboard: auto, the default, writes them where the tensorboard
+                     package is installed)
     checkpoint.pt    the latest checkpoint (atomic, versioned; see fdam_ray.checkpoint)
     model.pt         the final model: {"model": state_dict, "a", "b", "alpha", "task_names"}
     summary.json     best and final test AUC, rounds, bytes moved, wall time, samples/s

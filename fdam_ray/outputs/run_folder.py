@@ -13,7 +13,7 @@ from typing import Any
 
 from fdam_ray.locations import output_root
 from fdam_ray.outputs.observer import Observer, RunStart, Snapshot
-from fdam_ray.outputs.writer import RunWriter
+from fdam_ray.outputs.writer import RunWriter, tensorboard_installed
 from fdam_ray.runlock import RunLock, check_not_in_use
 from fdam_ray.sections import EACH_ONCE, NONNEGATIVE, Section, setting, shared
 from fdam_ray.state import RoundPlan
@@ -37,6 +37,14 @@ def is_folder_name(name: str) -> bool:
             and not any(c in "/\\" or ord(c) < 32 or ord(c) == 127 for c in name))
 
 
+TENSORBOARD_ALLOWED = "auto, false, or true where the tensorboard package is installed: pip install tensorboard"
+
+
+def _tensorboard_allowed(value: bool | str) -> bool:
+    """``tensorboard=true`` without the package: refused when the config is built, before anything runs."""
+    return value is not True or tensorboard_installed()
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OutputSection(Section):
     """The config fields of a run folder and of the experiment trackers (:mod:`fdam_ray.trackers`)."""
@@ -49,8 +57,9 @@ class OutputSection(Section):
                                    check=(lambda v: is_folder_name(v), RUN_NAME_ALLOWED))
     checkpoint_every: int = setting(100, "Write a checkpoint every this many rounds (and at the end); 0 = only at "
                                     "the end.", check=NONNEGATIVE, resume=True)
-    tensorboard: bool = setting(True, "Write TensorBoard event files into the run folder (needs tensorboard).",
-                                resume=True)
+    tensorboard: bool | str = setting("auto", "Write TensorBoard event files into the run folder: auto = where the "
+                                      "tensorboard package is installed (silent where not), true (needs it), "
+                                      "false.", check=(_tensorboard_allowed, TENSORBOARD_ALLOWED), resume=True)
     trackers: tuple[str, ...] = setting((), "Experiment trackers that get the config, every evaluation and the "
                                         "final model: mlflow, wandb (a list, or names joined by commas; each needs "
                                         "its extra, pip install 'fdam-ray[mlflow]'); empty = none.",
@@ -208,7 +217,9 @@ class RunFolder(Observer):
     def close(self, error: BaseException | None) -> None:
         try:
             if self.writer is not None:
-                if isinstance(error, Exception):
+                if isinstance(error, RunStopped):  # a stop asked for (SIGTERM), its checkpoint written: planned
+                    self.writer.event("run stopped: %s", error, level=logging.INFO)
+                elif isinstance(error, Exception):
                     self.writer.event("run stopped: %s", error, level=logging.ERROR)
                 self.writer.close()
         finally:

@@ -1,6 +1,6 @@
 """Search-space files of ``fdam tune``: reading, validating, and Ray Tune's spaces.
 
-A search-space file (``tune/*.yaml``) has three sections, all keyed by the
+A search-space file has three sections, all keyed by the
 training config's own field names:
 
     base:   fixed fields of every trial (a training config)
@@ -45,6 +45,32 @@ def is_reported(metric: str) -> bool:
     """Whether trials report ``metric`` to Tune (where the run has it): see :data:`REPORTED`."""
     return metric in REPORTED or any(p.fullmatch(metric) for p in REPORTED_PATTERNS)
 SPACE_FILE = "fdam_space.yaml"  # the space a sweep folder was started with
+# Example spaces shipped inside the package (so a wheel install has them): ``fdam tune small`` runs small.yaml.
+EXAMPLE_SPACES = Path(__file__).resolve().parent / "spaces"
+
+
+def example_names() -> list[str]:
+    """The names of the example spaces shipped with fdam-ray (small, paper_grid)."""
+    return sorted(p.stem for p in EXAMPLE_SPACES.glob("*.yaml"))
+
+
+def space_path(arg: str) -> str:
+    """What ``fdam tune SPACE`` reads: a file (or storage URI) of that name where there is one, else the example
+    space of that name shipped with fdam-ray (``small``, ``small.yaml``, ``tune/small.yaml`` as older
+    instructions wrote it)."""
+    if is_uri(arg) or Path(arg).exists():
+        return arg
+    name = Path(arg).name.removesuffix(".yaml")
+    example = EXAMPLE_SPACES / f"{name}.yaml"
+    if example.is_file() and (arg in (name, f"{name}.yaml", f"tune/{name}.yaml")):
+        return str(example)
+    return arg
+
+
+def no_space_hint() -> str:
+    """What ``fdam tune`` without a space says: the example spaces and where they are installed."""
+    return (f"fdam tune needs a search-space file, an example's name ({', '.join(example_names())}: `fdam tune "
+            f"small`; copy one from {EXAMPLE_SPACES} to start your own) or --resume DIR")
 
 
 @dataclasses.dataclass
@@ -148,7 +174,9 @@ def _candidates(search: dict[str, dict]) -> list[dict]:
 
 
 def load_space(path: str, overrides: dict[str, Any] | None = None) -> Space:
-    """Read and validate a search-space file; ``overrides`` set base fields (``tune.X`` keys set options)."""
+    """Read and validate a search-space file (or an example space by name: :func:`space_path`); ``overrides`` set
+    base fields (``tune.X`` keys set options)."""
+    path = space_path(path)
     return make_space(load_config_file(path), overrides, where=f"search space '{clip(path)}'")
 
 
