@@ -25,6 +25,7 @@ from fdam_ray.algorithms.drift import ClientVariate
 from fdam_ray.algorithms.sampling import client_weights
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.data import AnySplit, DataSource, Split, iter_batches, make_sampler
+from fdam_ray.data.base import hold_out_validation
 from fdam_ray.factories import describe_error
 from fdam_ray.flat import FlatModel
 from fdam_ray.models import build_model, model_name
@@ -59,6 +60,7 @@ class ClientSection(Section):
     deterministic: bool = shared()
     precision: str = shared()
     channels_last: bool | str = shared()
+    val_fraction: float = shared()
 
 
 def use_deterministic_kernels() -> None:
@@ -151,9 +153,9 @@ class Replica:
             model.train()
         return torch.cat(out).cpu().numpy()
 
-    def scores_of(self, state: GlobalState, split: AnySplit, client_id: int = -1) -> Scores:
+    def scores_of(self, state: GlobalState, split: AnySplit, client_id: int = -1, part: str = "test split") -> Scores:
         self.flat.load(state)
-        what = "the test set" if client_id < 0 else f"client {client_id}'s test split"
+        what = "the test set" if client_id < 0 else f"client {client_id}'s {part}"
         return Scores(client_id, self.score(split, what), split.y.cpu().numpy())
 
 
@@ -227,11 +229,14 @@ class Client:
         self.config = config
         self.device = device
         self.client_id = client_id
-        shard = source.client_shard(client_id)
+        shard = hold_out_validation(source.client_shard(client_id), config.val_fraction, seed=config.seed,
+                                    client_id=client_id, task_names=tuple(source.task_names))
         self.train = shard.train.to(device)
         self.test = None if shard.test is None else shard.test.to(device)
+        self.val = None if shard.val is None else shard.val.to(device)  # with val_fraction > 0
         check_features(self.train, client_id, "training")
         check_features(self.test, client_id, "test")
+        check_features(self.val, client_id, "validation")
         if config.batch_size > len(self.train):
             log.warning("client %d has %d training samples, fewer than batch_size=%d: each of its batches repeats "
                         "samples", client_id, len(self.train), config.batch_size)
@@ -307,9 +312,12 @@ class Client:
             parts += list(self.cv)
         return all_finite(parts)
 
-    def evaluate(self, state: GlobalState) -> Scores | None:
-        """Scores of the global model on this client's own test split (None if it has none)."""
-        return None if self.test is None else self.replica.scores_of(state, self.test, self.client_id)
+    def evaluate(self, state: GlobalState, split: str = "test") -> Scores | None:
+        """Scores of the global model on this client's own test split, or with ``split="val"`` its validation
+        part (None if it has none)."""
+        part = self.val if split == "val" else self.test
+        what = "validation part" if split == "val" else "test split"
+        return None if part is None else self.replica.scores_of(state, part, self.client_id, what)
 
     @torch.no_grad()
     def score_moments(self, state: GlobalState) -> Moments:

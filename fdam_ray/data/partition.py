@@ -127,3 +127,37 @@ def dirichlet_partition(
         f"partition=dirichlet: no draw in {max_tries} gave every one of {num_clients} clients a positive and a "
         f"negative (dirichlet_concentration={concentration}, imratio={imratio}); raise either or use fewer clients"
     )
+
+
+def validation_rows(labels: np.ndarray, fraction: float, rng: np.random.Generator, *, client_id: int,
+                    task_names: tuple[str, ...] | None = None) -> np.ndarray:
+    """The rows of a client's training shard held out as its validation part (sorted), ``fraction`` of them.
+
+    Stratified: each row's stratum is its rarest positive task on this client (or "no positive"), and every
+    stratum gives its share (largest remainder); a task with two or more positives on the client keeps one in
+    the validation part. The training part must keep a sample, and a positive of every task the client has
+    positives of: otherwise one line naming the client (and the task) says to lower ``val_fraction``.
+    """
+    y = np.asarray(labels, dtype=np.float64).reshape(len(labels), -1)
+    n = len(y)
+    n_val = max(1, round(fraction * n))
+    if n_val >= n:
+        raise ValueError(f"client {client_id}: val_fraction={fraction} holds out {n_val} of its {n} training "
+                         "samples, leaving none to train on; lower val_fraction")
+    positive = y == 1
+    counts = positive.sum(0)
+    rarest = np.where(positive, counts[None, :], np.iinfo(np.int64).max).argmin(1)
+    stratum = np.where(positive.any(1), rarest, -1)
+    groups = [np.flatnonzero(stratum == s) for s in np.unique(stratum)]
+    held = np.zeros(n, dtype=bool)
+    held[np.concatenate(_keep_stratified(groups, n_val, rng))] = True
+    names = task_names if task_names is not None and len(task_names) == y.shape[1] else None
+    for t in range(y.shape[1]):
+        rows = np.flatnonzero(positive[:, t])
+        if len(rows) >= 2 and not held[rows].any():
+            held[rng.choice(rows)] = True
+        if len(rows) and held[rows].all():
+            task = "" if y.shape[1] == 1 else f" of task '{names[t] if names else t}'"
+            raise ValueError(f"client {client_id}: val_fraction={fraction} holds out all its {len(rows)} "
+                             f"positive(s){task}, leaving its training part none; lower val_fraction")
+    return np.flatnonzero(held)
