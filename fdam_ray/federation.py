@@ -45,7 +45,7 @@ from fdam_ray.executors.errors import PlacementError
 from fdam_ray.objectives import global_positive_ratio
 from fdam_ray.outputs import Observer, RunStart, Snapshot
 from fdam_ray.schedules import Position, Schedule, ScheduleSection
-from fdam_ray.state import ClientUpdate, GlobalState, RoundPlan
+from fdam_ray.state import ClientUpdate, GlobalState, RoundPlan, Rule, vector_names
 
 if TYPE_CHECKING:
     from fdam_ray.config import Config
@@ -330,15 +330,16 @@ class Federation:
 
 def _keep_best(loop: LoopState, rec: dict) -> None:
     """Keep the evaluation with the highest validation AUC so far (the first of equal ones): its AUC, its
-    iteration and a copy of the global state there (the loop's arrays change in later rounds)."""
+    iteration and a copy of the model's state there (the loop's arrays change in later rounds; the control
+    variates are not the model's and are left out)."""
     val = rec.get("val_auc")
     if val is None or not math.isfinite(val) or (loop.best_val_auc is not None and val <= loop.best_val_auc):
         return
-    state = loop.state
+    state, control = loop.state, vector_names(Rule.CONTROL)
     loop.best_val_auc, loop.best_val_iteration = float(val), rec["iteration"]
     loop.best_val_state = GlobalState.from_vectors(
-        {k: None if x is None else x.copy() for k, x in state.vectors().items()}, round=state.round,
-        iteration=state.iteration)
+        {k: None if x is None or k in control else x.copy() for k, x in state.vectors().items()},
+        round=state.round, iteration=state.iteration)
 
 
 def _best_test(history: list[dict]) -> int:
