@@ -53,11 +53,15 @@ class ValidationSection(Section):
                                   "the test set is only reported; 0 = no validation, selection on test_auc.",
                                   check=(lambda v: 0 <= v < 1, "in [0, 1)"))
     augment: bool = shared()
+    chestxray_val_split: str = shared()
 
     def check(self) -> None:
         if self.val_fraction > 0 and self.augment:
             raise fail("val_fraction", self.val_fraction, "0 with augment=true: the validation part is cut from "
                        "training data, whose images are augmented; set augment=false or val_fraction=0")
+        if self.val_fraction == 0 and self.chestxray_val_split == "official":
+            raise fail("chestxray_val_split", self.chestxray_val_split, "holdout unless val_fraction > 0: the "
+                       "official validation split is kept out of training only to validate on")
 
 
 class Evaluator:

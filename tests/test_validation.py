@@ -315,3 +315,27 @@ def test_the_ray_executor_scores_the_validation_parts_as_inline_does(clients_and
         assert a["val_auc"] == pytest.approx(b["val_auc"], abs=1e-4)
         assert a["val_client_auc"] == pytest.approx(b["val_client_auc"], abs=1e-4)
     assert on_ray.summary["selected_by"] == "val_auc"
+
+
+# -- a dataset's own validation split -------------------------------------------------------------------------------
+
+def test_mimics_own_validate_split_is_the_validation_part_of_its_clients(tmp_path):
+    import chestxray_fixtures
+
+    from fdam_ray.data import data_section
+    from fdam_ray.data.chestxray import ChestXraySource
+
+    root = chestxray_fixtures.write_mimic(tmp_path)
+    values = dict(dataset="chestxray", chestxray_sources=["mimic"], num_clients=1, chestxray_mimic_root=str(root),
+                  image_size=16, chestxray_test_split="official", val_fraction=0.2)
+    official = ChestXraySource(data_section(build_config(values, chestxray_val_split="official")))
+    shard = official.client_shard(0)
+    table = official.table("mimic")[0]
+    val_patients = set(table.patients[np.isin(table.paths, shard.val.dataset.paths)])
+    train_patients = set(table.patients[np.isin(table.paths, shard.train.dataset.paths)])
+    assert val_patients == {"10000898"} and "10000898" not in train_patients  # the publisher's validate study
+    assert hold_out_validation(shard, 0.2, seed=0, client_id=0).val is shard.val
+    holdout = ChestXraySource(data_section(build_config(values))).client_shard(0)
+    assert holdout.val is None and len(holdout.train) == len(shard.train) + len(shard.val)
+    with pytest.raises(ConfigError, match=r"'chestxray_val_split': 'official' is not allowed \(holdout unless "):
+        build_config(values, val_fraction=0, chestxray_val_split="official")
