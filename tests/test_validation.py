@@ -82,6 +82,21 @@ def test_each_task_with_positives_keeps_one_in_both_parts():
         assert (y[held, t] == 1).any() and (y[kept, t] == 1).any(), t
 
 
+def test_groups_such_as_patients_are_held_out_whole():
+    rng = np.random.default_rng(1)
+    groups = np.repeat(np.arange(40), 3)  # 40 patients of 3 images each
+    y = np.zeros(120, dtype=np.float32)
+    y[:30] = 1  # patients 0-9 positive
+    held = validation_rows(y, 0.25, rng, client_id=0, groups=groups)
+    kept = np.setdiff1d(np.arange(120), held)
+    assert not set(groups[held]) & set(groups[kept]) and 27 <= len(held) <= 33
+    assert y[held].sum() in (6, 9) and y[kept].sum() > 0  # stratified by patient: 2 or 3 of the 10 positive ones
+    again = validation_rows(y, 0.25, np.random.default_rng(1), client_id=0, groups=groups)
+    assert again.tolist() == held.tolist()
+    shard = hold_out_validation(Shard(labelled_split(30, 90), groups=groups), 0.25, seed=0, client_id=0)
+    assert len(shard.groups) == len(shard.train) and set(shard.groups) == set(groups[rows(shard.train)])
+
+
 def test_a_dataset_read_from_disk_is_cut_by_rows_and_keeps_its_augmentation_generator():
     class Items(torch.utils.data.Dataset):
         generator = torch.Generator().manual_seed(0)
@@ -337,5 +352,9 @@ def test_mimics_own_validate_split_is_the_validation_part_of_its_clients(tmp_pat
     assert hold_out_validation(shard, 0.2, seed=0, client_id=0).val is shard.val
     holdout = ChestXraySource(data_section(build_config(values))).client_shard(0)
     assert holdout.val is None and len(holdout.train) == len(shard.train) + len(shard.val)
+    assert holdout.groups.tolist() == table.patients[np.isin(table.paths, holdout.train.dataset.paths)].tolist()
+    parts = hold_out_validation(holdout, 0.4, seed=0, client_id=0)  # by patient: none on both sides
+    held = set(table.patients[np.isin(table.paths, parts.val.dataset.dataset.paths[parts.val.dataset.rows])])
+    assert held and not held & set(parts.groups)
     with pytest.raises(ConfigError, match=r"'chestxray_val_split': 'official' is not allowed \(holdout unless "):
         build_config(values, val_fraction=0, chestxray_val_split="official")

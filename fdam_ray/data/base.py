@@ -166,6 +166,7 @@ class Shard:
     train: AnySplit
     test: AnySplit | None = None
     val: AnySplit | None = None
+    groups: np.ndarray | None = None  # per training row, its group (a patient): held out whole, never split
 
 
 class RowsOf(torch.utils.data.Dataset):
@@ -200,7 +201,8 @@ VALIDATION_STREAM = 0x5A11D  # keeps the validation draw apart from every other 
 def hold_out_validation(shard: Shard, fraction: float, *, seed: int, client_id: int,
                         task_names: tuple[str, ...] | None = None) -> Shard:
     """``shard`` with ``fraction`` of its training samples held out as its validation part (``val``): the same
-    rows for the same ``seed`` and client, stratified by label (:func:`fdam_ray.data.partition.validation_rows`).
+    rows for the same ``seed`` and client, stratified by label, whole ``groups`` (patients) where the shard has
+    them (:func:`fdam_ray.data.partition.validation_rows`).
     ``fraction`` 0 returns the shard without a validation part (a run without validation is unchanged); a
     source that has a validation split of its own sets ``val`` in :meth:`DataSource.client_shard`, and that
     split is then used instead of a held-out part."""
@@ -210,9 +212,10 @@ def hold_out_validation(shard: Shard, fraction: float, *, seed: int, client_id: 
         return shard
     labels = shard.train.y.cpu().numpy()
     rng = np.random.default_rng([seed, client_id, VALIDATION_STREAM])
-    held = validation_rows(labels, fraction, rng, client_id=client_id, task_names=task_names)
+    held = validation_rows(labels, fraction, rng, client_id=client_id, task_names=task_names, groups=shard.groups)
     kept = np.setdiff1d(np.arange(len(labels)), held)
-    return dataclasses.replace(shard, train=rows_of(shard.train, kept), val=rows_of(shard.train, held))
+    return dataclasses.replace(shard, train=rows_of(shard.train, kept), val=rows_of(shard.train, held),
+                               groups=None if shard.groups is None else shard.groups[kept])
 
 
 class DataSource(abc.ABC):

@@ -274,7 +274,8 @@ class ChestXraySource(DataSource):
             raise ValueError(f"chest X-ray client {client_id} ({self.places[client_id].source}) has no training images")
         return Shard(self._split(table, labels, train, split_seed(self.seed, client_id) if self.augment else None),
                      self._split(table, labels, test, None) if len(test) else None,
-                     self._split(table, labels, val, None) if val is not None and len(val) else None)
+                     self._split(table, labels, val, None) if val is not None and len(val) else None,
+                     groups=table.patients[train])  # a held-out validation part takes whole patients
 
     def test_set(self) -> None:
         return None
