@@ -229,6 +229,17 @@ def test_a_validated_run_reports_both_aucs_and_selects_and_saves_on_validation(t
     assert scalars(rec)["worst_val_client_auc"] == min(rec["val_client_auc"].values())
 
 
+def test_the_console_shows_the_validation_auc_beside_the_test_auc(tmp_path, capsys):
+    run(cfg(tmp_path / "bar", iterations=12), progress=True)
+    assert "val=" in capsys.readouterr().err
+    args = ["train", "dataset=synthetic", "model=linear", "num_clients=2", "iterations=6", "local_steps=3",
+            "eval_every=3", "executor=inline", "tensorboard=false", f"out_dir={tmp_path}", "val_fraction=0.2",
+            "--no-progress"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.count("val AUC") == 4 and "(selected by val AUC " in out  # 3 evaluations and the summary
+
+
 def test_resume_keeps_the_best_validation_point_and_its_state(tmp_path, monkeypatch):
     scripted_val_auc(monkeypatch, peak_iteration=18)
     full = run(cfg(tmp_path / "a"))
