@@ -150,9 +150,9 @@ def validation_rows(labels: np.ndarray, fraction: float, rng: np.random.Generato
     sizes = np.bincount(group_of)
     positive = y == 1
     counts = positive.sum(0)
-    has = np.zeros((len(sizes), y.shape[1]), dtype=np.int64)
-    np.add.at(has, group_of, positive)
-    has = has > 0
+    positives_of_group = np.zeros((len(sizes), y.shape[1]), dtype=np.int64)
+    np.add.at(positives_of_group, group_of, positive)
+    has = positives_of_group > 0
     stratum = np.where(has.any(1), np.where(has, counts[None, :], np.iinfo(np.int64).max).argmin(1), -1)
     held = np.zeros(len(sizes), dtype=bool)
     strata = np.unique(stratum)
