@@ -153,6 +153,11 @@ class LoopState:
     next_eval: int = 0
     history: list[dict] = dataclasses.field(default_factory=list)
     position: Position = dataclasses.field(default_factory=Position)  # in the schedule, after the last round
+    # with val_fraction > 0: the best validation AUC so far, its iteration and a copy of the global state there
+    # (best_model.pt); older checkpoints read without them
+    best_val_auc: float | None = None
+    best_val_iteration: int | None = None
+    best_val_state: GlobalState | None = None
 
     @property
     def state(self) -> GlobalState:
@@ -206,6 +211,8 @@ class Checkpoint:
 _PAYLOAD: dict[str, type] = {"config": dict, "loop": dict, "clients": list, "positive_ratio": object,
                              "torch_rng": torch.Tensor}
 _LOOP: dict[str, type] = {"state": dict, "history": list, "position": dict}  # (and, by their fields, the rest)
+# Loop fields added to schema 1 after files of it were written: such a file reads them as None.
+_LOOP_ADDED = ("best_val_auc", "best_val_iteration", "best_val_state")
 
 
 def _check_kinds(payload: Any, kinds: dict[str, type], path: str | Path, where: str) -> None:
@@ -228,8 +235,11 @@ def _loop_payload(loop: LoopState) -> dict:
     each part by its dataclass fields."""
     out = {_key(name): value for name, value in _fields(loop.server).items()}
     out["state"] = _fields(loop.state)
-    out.update((name, value) for name, value in _fields(loop).items() if name != "server")
+    out.update((name, value) for name, value in _fields(loop).items()
+               if name != "server" and not (name in _LOOP_ADDED and value is None))  # unset: written as before
     out["position"] = _fields(loop.position)
+    if loop.best_val_state is not None:
+        out["best_val_state"] = _fields(loop.best_val_state)
     return out
 
 
@@ -261,6 +271,10 @@ def _loop_from(payload: dict, path: str | Path) -> LoopState:
     server = {f.name: values.pop(_key(f.name)) for f in dataclasses.fields(ServerState) if _key(f.name) in values}
     server["global_state"] = _build(GlobalState, server["global_state"], path, "global state", defaults=True)
     values["position"] = _build(Position, values["position"], path, "schedule position")
+    for name in _LOOP_ADDED:  # absent from files written before they were added
+        values.setdefault(name, None)
+    if isinstance(values["best_val_state"], dict):
+        values["best_val_state"] = _build(GlobalState, values["best_val_state"], path, "best state", defaults=True)
     return _build(LoopState, {"server": _build(ServerState, server, path, "server state"), **values}, path,
                   "run state")
 

@@ -33,7 +33,8 @@ def _print_record(rec: dict) -> None:
     loss = rec.get("train_loss")
     loss_s = f"{loss:9.4f}" if loss is not None else "        -"
     line = (f"iter {rec['iteration']:>7}  round {rec['round']:>5}  stage {rec['stage']:>2}  lr {rec['lr']:<8.4g}"
-            f" loss {loss_s}  test AUC {rec['test_auc']:.4f}  [{rec['wall_s']:.1f} s]")
+            f" loss {loss_s}  test AUC {rec['test_auc']:.4f}"
+            + ("" if "val_auc" not in rec else f"  val AUC {rec['val_auc']:.4f}") + f"  [{rec['wall_s']:.1f} s]")
     from tqdm.auto import tqdm
 
     tqdm.write(line)  # keeps a progress bar, if one is shown, intact
@@ -41,7 +42,9 @@ def _print_record(rec: dict) -> None:
 
 def _summary(summary: dict) -> str:
     mb = (summary["bytes_up"] + summary["bytes_down"]) / 1e6
-    return (f"final test AUC {summary['final_test_auc']:.4f} (best {summary['best_test_auc']:.4f} at iteration "
+    best = (f"best {summary['best_test_auc']:.4f}" if "best_val_auc" not in summary else
+            f"selected by val AUC {summary['best_val_auc']:.4f}: test {summary['best_test_auc']:.4f}")
+    return (f"final test AUC {summary['final_test_auc']:.4f} ({best} at iteration "
             f"{summary['best_iteration']}); {summary['rounds']} rounds, {summary['iterations']} iterations, "
             f"{mb:.1f} MB moved, {summary['wall_s']:.1f} s, {summary['samples_per_s']} samples/s")
 

@@ -25,6 +25,7 @@ from fdam_ray.algorithms.drift import ClientVariate
 from fdam_ray.algorithms.sampling import client_weights
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.data import AnySplit, DataSource, Split, iter_batches, make_sampler
+from fdam_ray.data.base import hold_out_validation
 from fdam_ray.factories import describe_error
 from fdam_ray.flat import FlatModel
 from fdam_ray.models import build_model, model_name
@@ -61,6 +62,7 @@ class ClientSection(Section):
     precision: str = shared()
     channels_last: bool | str = shared()
     client_names: tuple[str, ...] | None = shared()
+    val_fraction: float = shared()
 
 
 def use_deterministic_kernels() -> None:
@@ -153,10 +155,10 @@ class Replica:
             model.train()
         return torch.cat(out).cpu().numpy()
 
-    def scores_of(self, state: GlobalState, split: AnySplit, client_id: int = -1) -> Scores:
+    def scores_of(self, state: GlobalState, split: AnySplit, client_id: int = -1, part: str = "test split") -> Scores:
         self.flat.load(state)
         who = client_label(client_id, self.config.client_names)
-        what = "the test set" if client_id < 0 else f"client {who}'s test split"
+        what = "the test set" if client_id < 0 else f"client {who}'s {part}"
         return Scores(client_id, self.score(split, what), split.y.cpu().numpy())
 
 
@@ -230,11 +232,14 @@ class Client:
         self.config = config
         self.device = device
         self.client_id = client_id
-        shard = source.client_shard(client_id)
+        shard = hold_out_validation(source.client_shard(client_id), config.val_fraction, seed=config.seed,
+                                    client_id=client_id, task_names=tuple(source.task_names))
         self.train = shard.train.to(device)
         self.test = None if shard.test is None else shard.test.to(device)
+        self.val = None if shard.val is None else shard.val.to(device)  # with val_fraction > 0
         check_features(self.train, self.label, "training")
         check_features(self.test, self.label, "test")
+        check_features(self.val, self.label, "validation")
         if config.batch_size > len(self.train):
             log.warning("client %s has %d training samples, fewer than batch_size=%d: each of its batches repeats "
                         "samples", self.label, len(self.train), config.batch_size)
@@ -315,9 +320,12 @@ class Client:
             parts += list(self.cv)
         return all_finite(parts)
 
-    def evaluate(self, state: GlobalState) -> Scores | None:
-        """Scores of the global model on this client's own test split (None if it has none)."""
-        return None if self.test is None else self.replica.scores_of(state, self.test, self.client_id)
+    def evaluate(self, state: GlobalState, split: str = "test") -> Scores | None:
+        """Scores of the global model on this client's own test split, or with ``split="val"`` its validation
+        part (None if it has none)."""
+        part = self.val if split == "val" else self.test
+        what = "validation part" if split == "val" else "test split"
+        return None if part is None else self.replica.scores_of(state, part, self.client_id, what)
 
     @torch.no_grad()
     def score_moments(self, state: GlobalState) -> Moments:

@@ -47,7 +47,7 @@ from fdam_ray.objectives import global_positive_ratio
 from fdam_ray.outputs import Observer, RunStart, Snapshot
 from fdam_ray.schedules import Position, Schedule, ScheduleSection
 from fdam_ray.sites import client_label
-from fdam_ray.state import ClientUpdate, GlobalState, RoundPlan
+from fdam_ray.state import ClientUpdate, GlobalState, RoundPlan, Rule, vector_names
 
 if TYPE_CHECKING:
     from fdam_ray.config import Config
@@ -114,6 +114,7 @@ class Federation:
         self.eval_every = eval_every
         self.observer = observer
         self.replica = Replica(config, source, device=driver_device)
+        self.validation = config.val_fraction > 0  # select on the clients' validation parts, not the test set
 
     def _label(self, client_id: int) -> str:
         """How a client is shown: its name (``client_names``), else its index."""
@@ -201,8 +202,13 @@ class Federation:
         loop.loss_sum, loop.loss_rounds = 0.0, 0
         _warn_if_test_set_changed(loop.history, rec)
         loop.history.append(rec)
-        log.info("iteration %d round %d stage %d: test AUC %.4f", rec["iteration"], plan_round, stage,
-                 rec["test_auc"])
+        if self.validation:
+            _keep_best(loop, rec)
+            log.info("iteration %d round %d stage %d: val AUC %.4f, test AUC %.4f", rec["iteration"], plan_round,
+                     stage, rec["val_auc"], rec["test_auc"])
+        else:
+            log.info("iteration %d round %d stage %d: test AUC %.4f", rec["iteration"], plan_round, stage,
+                     rec["test_auc"])
         return rec
 
     def _snapshot(self, loop: LoopState, started: float) -> Snapshot:
@@ -244,7 +250,7 @@ class Federation:
                                level=logging.WARNING)
             for line in getattr(self.executor, "placement_lines", list)():  # where each client runs (Ray)
                 observer.event("%s", line)
-            evaluator = Evaluator(self.replica, self.source, self.executor)
+            evaluator = Evaluator(self.replica, self.source, self.executor, validation=self.validation)
             if resume is None:
                 observer.record(self._record(loop, evaluator, 0, 1, self.schedule.lr, started), snapshot)
             schedule = Schedule(self.schedule, loop.position)
@@ -293,18 +299,17 @@ class Federation:
 
     def _finish(self, loop: LoopState, started: float, snapshot: Snapshot) -> RunResult:
         state, history = loop.state, loop.history
-        flat = self.replica.flat
-        flat.load(state)
-        n_w, m = flat.num_weights, flat.aux_size
-        a, b = state.v[n_w : n_w + m].copy(), state.v[n_w + m : n_w + 2 * m].copy()
-        model_state = flat.model_state_dict()
-        aucs = [h["test_auc"] for h in history]
-        best = int(np.nanargmax(aucs)) if np.any(np.isfinite(aucs)) else len(history) - 1
+        best = _selected(loop) if self.validation else _best_test(history)
+        if self.validation and loop.best_val_state is not None:
+            self.observer.best_model(self._model_payload(loop.best_val_state), history[best])
+        payload = self._model_payload(state)  # the final state, loaded last: the replica holds it
+        model_state, a, b = payload["model"], payload["a"].numpy(), payload["b"].numpy()
         summary = {
             "algorithm": self.algorithm.preset.name,
             "final_test_auc": history[-1]["test_auc"],
             "best_test_auc": history[best]["test_auc"],
             "best_iteration": history[best]["iteration"],
+            **(_validation_summary(history, best) if self.validation else {}),
             "iterations": state.iteration,
             "rounds": state.round,
             "bytes_up": loop.bytes_up,
@@ -316,14 +321,53 @@ class Federation:
             "run_dir": None,  # an observer that saves the run sets it
         }
         cv = _control_variates(state)
-        self.observer.finish(summary, {"model": model_state, "a": torch.from_numpy(a), "b": torch.from_numpy(b),
-                                       "alpha": torch.from_numpy(state.alpha.copy()),
-                                       "task_names": list(self.source.task_names),
-                                       "network": network_record(self.config, self.source.input_shape,
-                                                                 self.source.num_tasks)}, snapshot)
+        self.observer.finish(summary, payload, snapshot)
         run_dir = summary["run_dir"]
         return RunResult(None, model_state, a, b, state.alpha.copy(), cv, history, summary, state,
                          None if run_dir is None else Path(run_dir))
+
+    def _model_payload(self, state: GlobalState) -> dict:
+        """``model.pt``'s payload of ``state`` (loaded into the driver's replica): the network's state_dict,
+        a, b, alpha, the task names and which network it is (:func:`~fdam_ray.models.network_record`)."""
+        flat = self.replica.flat
+        flat.load(state)
+        n_w, m = flat.num_weights, flat.aux_size
+        a, b = state.v[n_w : n_w + m].copy(), state.v[n_w + m : n_w + 2 * m].copy()
+        return {"model": flat.model_state_dict(), "a": torch.from_numpy(a), "b": torch.from_numpy(b),
+                "alpha": torch.from_numpy(state.alpha.copy()), "task_names": list(self.source.task_names),
+                "network": network_record(self.config, self.source.input_shape, self.source.num_tasks)}
+
+
+def _keep_best(loop: LoopState, rec: dict) -> None:
+    """Keep the evaluation with the highest validation AUC so far (the first of equal ones): its AUC, its
+    iteration and a copy of the model's state there (the loop's arrays change in later rounds; the control
+    variates are not the model's and are left out)."""
+    val = rec.get("val_auc")
+    if val is None or not math.isfinite(val) or (loop.best_val_auc is not None and val <= loop.best_val_auc):
+        return
+    state, control = loop.state, vector_names(Rule.CONTROL)
+    loop.best_val_auc, loop.best_val_iteration = float(val), rec["iteration"]
+    loop.best_val_state = GlobalState.from_vectors(
+        {k: None if x is None or k in control else x.copy() for k, x in state.vectors().items()},
+        round=state.round, iteration=state.iteration)
+
+
+def _best_test(history: list[dict]) -> int:
+    """Without validation: the evaluation of the highest test AUC (the last one when none is defined)."""
+    aucs = [h["test_auc"] for h in history]
+    return int(np.nanargmax(aucs)) if np.any(np.isfinite(aucs)) else len(history) - 1
+
+
+def _selected(loop: LoopState) -> int:
+    """With validation: the evaluation of the best validation AUC (the last one when none is defined)."""
+    at = [i for i, h in enumerate(loop.history) if h["iteration"] == loop.best_val_iteration]
+    return at[-1] if at else len(loop.history) - 1
+
+
+def _validation_summary(history: list[dict], best: int) -> dict:
+    """The summary's validation fields: best_test_auc and best_iteration are then those of this evaluation."""
+    return {"best_val_auc": history[best]["val_auc"], "final_val_auc": history[-1]["val_auc"],
+            "selected_by": "val_auc"}
 
 
 def _warn_if_test_set_changed(history: list[dict], rec: dict) -> None:

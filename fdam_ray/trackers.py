@@ -287,8 +287,8 @@ def _write_ids(run_dir: Path, ids: dict[str, str]) -> None:
 
 
 # The summary's numbers logged at the end (the rest is in the metrics already).
-SUMMARY_KEYS = ("final_test_auc", "best_test_auc", "best_iteration", "rounds", "iterations", "bytes_up",
-                "bytes_down", "wall_s", "samples_per_s")
+SUMMARY_KEYS = ("final_test_auc", "best_test_auc", "best_iteration", "best_val_auc", "final_val_auc", "rounds",
+                "iterations", "bytes_up", "bytes_down", "wall_s", "samples_per_s")
 
 
 def log_mlflow_params(client: Any, run_id: str, params: dict[str, Any]) -> None:

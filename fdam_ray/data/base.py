@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
+from fdam_ray.data.partition import validation_rows
 from fdam_ray.interrupts import ignore_stop_signals
 
 if TYPE_CHECKING:
@@ -159,10 +160,62 @@ def iter_batches(split: AnySplit, batch_size: int, device: torch.device):
 
 @dataclasses.dataclass
 class Shard:
-    """One client's data: its training samples and, where it has one, its own test split."""
+    """One client's data: its training samples and, where it has one, its own test split; ``val``: a validation
+    split of the dataset's own, if it has one (else :func:`hold_out_validation` makes one when asked)."""
 
     train: AnySplit
     test: AnySplit | None = None
+    val: AnySplit | None = None
+    groups: np.ndarray | None = None  # per training row, its group (a patient): held out whole, never split
+
+
+class RowsOf(torch.utils.data.Dataset):
+    """Some rows of a map-style Dataset, in the order given (a client's training or validation part). The
+    wrapped Dataset's augmentation generator, if any, stays reachable as ``generator`` (samplers save it)."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset, rows: np.ndarray) -> None:
+        self.dataset, self.rows = dataset, np.asarray(rows, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[int(self.rows[index])]
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return getattr(self.dataset, "generator", None)
+
+
+def rows_of(split: AnySplit, rows: np.ndarray) -> AnySplit:
+    """The split made of ``rows`` of ``split`` (tensors indexed in memory; a Dataset read through its rows)."""
+    if isinstance(split, Split):
+        index = torch.from_numpy(np.asarray(rows, dtype=np.int64))
+        return Split(split.x[index], split.y[index])
+    return DatasetSplit(RowsOf(split.dataset, rows), split.labels[rows], num_workers=split.num_workers)
+
+
+VALIDATION_STREAM = 0x5A11D  # keeps the validation draw apart from every other seeded draw of a client
+
+
+def hold_out_validation(shard: Shard, fraction: float, *, seed: int, client_id: int,
+                        task_names: tuple[str, ...] | None = None) -> Shard:
+    """``shard`` with ``fraction`` of its training samples held out as its validation part (``val``): the same
+    rows for the same ``seed`` and client, stratified by label, whole ``groups`` (patients) where the shard has
+    them (:func:`fdam_ray.data.partition.validation_rows`).
+    ``fraction`` 0 returns the shard without a validation part (a run without validation is unchanged); a
+    source that has a validation split of its own sets ``val`` in :meth:`DataSource.client_shard`, and that
+    split is then used instead of a held-out part."""
+    if fraction == 0:
+        return shard if shard.val is None else dataclasses.replace(shard, val=None)
+    if shard.val is not None:
+        return shard
+    labels = shard.train.y.cpu().numpy()
+    rng = np.random.default_rng([seed, client_id, VALIDATION_STREAM])
+    held = validation_rows(labels, fraction, rng, client_id=client_id, task_names=task_names, groups=shard.groups)
+    kept = np.setdiff1d(np.arange(len(labels)), held)
+    return dataclasses.replace(shard, train=rows_of(shard.train, kept), val=rows_of(shard.train, held),
+                               groups=None if shard.groups is None else shard.groups[kept])
 
 
 class DataSource(abc.ABC):

@@ -192,6 +192,7 @@ class ChestXraySource(DataSource):
         self.blank = section.chestxray_blank
         self.frontal_only = section.chestxray_frontal_only
         self.official_test = section.chestxray_test_split == "official"
+        self.official_val = section.chestxray_val_split == "official"
         self.test_fraction = section.chestxray_test_fraction
         self.image_size = section.image_size or DEFAULT_IMAGE_SIZE
         self.augment = section.augment
@@ -214,7 +215,8 @@ class ChestXraySource(DataSource):
             if self.frontal_only:
                 keep &= raw.frontal
             table = SourceTable(raw.paths[keep], raw.patients[keep], raw.frontal[keep], raw.codes[keep], raw.present,
-                                None if raw.official_test is None else raw.official_test[keep])
+                                None if raw.official_test is None else raw.official_test[keep],
+                                None if raw.official_val is None else raw.official_val[keep])
             log.info("%s: %d of %d images kept (frontal only: %s)", name, int(keep.sum()), len(raw), self.frontal_only)
             self._cache = {name: (table, labels[keep])}  # one organisation at a time in memory
         return self._cache[name]
@@ -249,6 +251,15 @@ class ChestXraySource(DataSource):
         test = np.flatnonzero(is_test & np.isin(patients, test_group))
         return train, test
 
+    def official_val_rows(self, client_id: int, train: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """With ``chestxray_val_split=official``, a client of a source with a validation split of its own
+        (MIMIC-CXR's ``validate``): its training rows without that split's, and that split's (None: no such
+        split, so the client holds out ``val_fraction`` of its training rows instead)."""
+        official = self.table(self.places[client_id].source)[0].official_val
+        if not self.official_val or official is None:
+            return train, None
+        return train[~official[train]], train[official[train]]
+
     def _split(self, table: SourceTable, labels: np.ndarray, rows: np.ndarray, augment_seed: int | None
                ) -> DatasetSplit:
         dataset = ChestXrayImages(table.paths[rows], labels[rows], image_size=self.image_size,
@@ -257,11 +268,14 @@ class ChestXraySource(DataSource):
 
     def client_shard(self, client_id: int) -> Shard:
         train, test = self.client_rows(client_id)
+        train, val = self.official_val_rows(client_id, train)
         table, labels = self.table(self.places[client_id].source)
         if len(train) == 0:
             raise ValueError(f"chest X-ray client {client_id} ({self.places[client_id].source}) has no training images")
         return Shard(self._split(table, labels, train, split_seed(self.seed, client_id) if self.augment else None),
-                     self._split(table, labels, test, None) if len(test) else None)
+                     self._split(table, labels, test, None) if len(test) else None,
+                     self._split(table, labels, val, None) if val is not None and len(val) else None,
+                     groups=table.patients[train])  # a held-out validation part takes whole patients
 
     def test_set(self) -> None:
         return None

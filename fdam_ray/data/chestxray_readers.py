@@ -66,6 +66,7 @@ class SourceTable:
     codes: np.ndarray  # (n, 5) float32: 1, 0, -1 (uncertain), NaN (blank)
     present: tuple[bool, ...]  # per task: does the source label it at all
     official_test: np.ndarray | None = None  # (n,) bool: the publisher's own test split, if read
+    official_val: np.ndarray | None = None  # (n,) bool: the publisher's own validation split, where it has one
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -247,7 +248,8 @@ def read_mimic(root: Path, *, official_test: bool = False) -> SourceTable:
     study_id, subject_id, split) and ``root/files/pXX/pSUBJECT/sSTUDY/DICOM.jpg``
     (uncompressed ``.csv`` copies are read too). Each image takes its study's
     labels; images of studies without a label row are skipped. Frontal:
-    ViewPosition PA or AP. With ``official_test`` the ``test`` split is the test split.
+    ViewPosition PA or AP. With ``official_test`` the ``test`` split is the test split; the ``validate`` split
+    is marked as the official validation split (used with ``chestxray_val_split=official``).
     """
     def file(stem: str) -> Path:
         return _one_of(root, (f"mimic-cxr-2.0.0-{stem}.csv.gz", f"mimic-cxr-2.0.0-{stem}.csv"),
@@ -270,7 +272,8 @@ def read_mimic(root: Path, *, official_test: bool = False) -> SourceTable:
     return SourceTable(paths, images["subject_id"].to_numpy(dtype=object),
                        images["ViewPosition"].str.strip().isin(("PA", "AP")).to_numpy(),
                        study_codes[images["_row"].to_numpy()], (True,) * 5,
-                       (images["split"] == "test").to_numpy() if official_test else None)
+                       (images["split"] == "test").to_numpy() if official_test else None,
+                       (images["split"] == "validate").to_numpy())
 
 
 def _vindr_images(root: Path, ids: np.ndarray) -> np.ndarray:

@@ -97,8 +97,8 @@ class InlineExecutor(Executor):
             if hosted:  # a partial sum per group, as the actor hosting the group returns it
                 fold(run_hosted(hosted, state, plan))
 
-    def evaluate(self, state: GlobalState) -> list[Scores]:
-        return [s for s in (c.evaluate(state) for c in self.clients) if s is not None]
+    def evaluate(self, state: GlobalState, split: str = "test") -> list[Scores]:
+        return [s for s in (c.evaluate(state, split) for c in self.clients) if s is not None]
 
     def score_moments(self, state: GlobalState) -> list[Moments]:
         return [c.score_moments(state) for c in self.clients]

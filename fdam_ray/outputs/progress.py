@@ -25,7 +25,7 @@ def terminal_size(fp: Any) -> tuple[int, int]:
 
 
 class Progress(Observer):
-    """A progress bar over iterations (tqdm) with round, stage, lr, last test AUC and rate.
+    """A progress bar over iterations (tqdm) with round, stage, lr, last test AUC (and validation AUC) and rate.
 
     Args:
         file: where the bar is drawn (default: stderr).
@@ -34,13 +34,14 @@ class Progress(Observer):
     def __init__(self, file: Any = None) -> None:
         self.bar: Any = None
         self.auc = float("nan")
+        self.val_auc: float | None = None  # with a validation split
         self.file = file
 
     def start(self, run: RunStart) -> None:
         from tqdm.auto import tqdm
 
         if run.history:  # a resumed run: its last evaluation until the next one
-            self.auc = run.history[-1]["test_auc"]
+            self.auc, self.val_auc = run.history[-1]["test_auc"], run.history[-1].get("val_auc")
         # tqdm's own size query gives 0 x 0 where the terminal reports no size, and then it draws nothing
         file = self.file if self.file is not None else sys.stderr
         columns, lines = terminal_size(file)
@@ -49,15 +50,16 @@ class Progress(Observer):
         self.bar.dynamic_ncols = terminal_size  # follows a resized terminal
 
     def record(self, record: dict, snapshot: Snapshot) -> None:
-        self.auc = record["test_auc"]  # the initial evaluation too, before the first round ends
+        self.auc, self.val_auc = record["test_auc"], record.get("val_auc")  # the initial evaluation too
 
     def round_end(self, plan: RoundPlan, record: dict | None, snapshot: Snapshot) -> None:
         if self.bar is None:
             return
         if record is not None:
-            self.auc = record["test_auc"]
+            self.auc, self.val_auc = record["test_auc"], record.get("val_auc")
+        shown = {} if self.val_auc is None else {"val": f"{self.val_auc:.4f}"}
         self.bar.set_postfix(round=plan.round, stage=plan.stage, lr=f"{plan.lr:.3g}", auc=f"{self.auc:.4f}",
-                             refresh=False)
+                             **shown, refresh=False)
         self.bar.update(plan.steps)
 
     def close(self, error: BaseException | None) -> None:

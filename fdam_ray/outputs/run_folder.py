@@ -204,6 +204,10 @@ class RunFolder(Observer):
         self._checkpoint(snapshot, round_)
         return self.dir
 
+    def best_model(self, model: dict, record: dict) -> None:
+        if self.writer is not None:
+            self.writer.best_model(model, record)
+
     def finish(self, summary: dict, model: dict, snapshot: Snapshot) -> None:
         if self.writer is None:
             return

@@ -123,9 +123,10 @@ class RunWriter:
         """Write one evaluation record to every output."""
         self._write_metrics(rec)
         self.log.info(
-            "iteration %d round %d stage %d lr %.4g loss %s test_auc %.6f bytes %d wall_s %.1f",
+            "iteration %d round %d stage %d lr %.4g loss %s test_auc %.6f%s bytes %d wall_s %.1f",
             rec["iteration"], rec["round"], rec["stage"], rec["lr"],
             "-" if rec.get("train_loss") is None else f"{rec['train_loss']:.6f}", rec["test_auc"],
+            "" if "val_auc" not in rec else f" val_auc {rec['val_auc']:.6f}",
             rec["bytes_up"] + rec["bytes_down"], rec["wall_s"],
         )
         if self._tb is not None:
@@ -139,6 +140,12 @@ class RunWriter:
 
     def checkpoint(self, checkpoint: Checkpoint) -> None:
         save_checkpoint(self.dir / "checkpoint.pt", checkpoint)
+
+    def best_model(self, model_payload: dict, record: dict) -> None:
+        """``best_model.pt``: the model at the best validation AUC (``model.pt``'s format)."""
+        write_atomically(self.dir / "best_model.pt", lambda fh: torch.save(model_payload, fh), "the best model")
+        self.log.info("best_model.pt: the model of iteration %d (val AUC %.6f)", record["iteration"],
+                      record["val_auc"])
 
     def finish(self, model_payload: dict, summary: dict) -> None:
         write_atomically(self.dir / "model.pt", lambda fh: torch.save(model_payload, fh), "the final model")

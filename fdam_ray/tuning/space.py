@@ -7,14 +7,17 @@ training config's own field names:
     search: field -> {grid: [...]} | {choice: [...]} | {uniform: [lo, hi]}
                      | {loguniform: [lo, hi]} | {randint: [lo, hi]}
     tune:   metric (test_auc, train_loss, ..., task_auc.<task>, client_auc.<id>, worst_task_auc,
-            worst_client_auc), mode, searcher (grid | random | optuna), num_samples, scheduler (fifo | asha),
-            grace_period, reduction_factor, max_concurrent_trials, driver_cpus, name, storage_path
+            worst_client_auc; val_auc, val_task_auc.<task>, val_client_auc.<id>, worst_val_client_auc with
+            val_fraction > 0, where val_auc is the default), mode, searcher (grid | random | optuna),
+            num_samples, scheduler (fifo | asha), grace_period, reduction_factor, max_concurrent_trials,
+            driver_cpus, name, storage_path
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -32,13 +35,15 @@ from fdam_ray.locations import RemoteFolder, is_uri, join_uri
 from fdam_ray.redact import clip, short
 from fdam_ray.yamlio import kind_of
 
+log = logging.getLogger(__name__)
 SPEC_KINDS = ("grid", "choice", "uniform", "loguniform", "randint")
 RANGE_KINDS = ("uniform", "loguniform", "randint")
-REPORTED = ("iteration", "round", "stage", "test_auc", "train_loss", "bytes_up", "bytes_down", "wall_s")
+REPORTED = ("iteration", "round", "stage", "test_auc", "val_auc", "train_loss", "bytes_up", "bytes_down", "wall_s")
 # Reported as well where a run has them (multi-task data, clients with test splits of their own): the AUC of each
 # task and each client under the metrics.csv names, and the lowest of each.
 REPORTED_PATTERNS = (re.compile(r"task_auc\..+"), re.compile(r"client_auc\..+"), re.compile(r"worst_task_auc"),
-                     re.compile(r"worst_client_auc"), re.compile(r"lr|samples_per_s|test_samples"))
+                     re.compile(r"worst_client_auc"), re.compile(r"lr|samples_per_s|test_samples"),
+                     re.compile(r"val_task_auc\..+|val_client_auc\..+|worst_val_client_auc|val_samples"))
 
 
 def is_reported(metric: str) -> bool:
@@ -75,7 +80,7 @@ def no_space_hint() -> str:
 
 @dataclasses.dataclass
 class TuneOptions:
-    metric: str = "test_auc"
+    metric: str = "test_auc"  # val_auc where the base config has val_fraction > 0 (see make_space)
     mode: str = "max"
     searcher: str = "grid"
     num_samples: int = 1
@@ -193,13 +198,26 @@ def make_space(data: dict[str, Any], overrides: dict[str, Any] | None = None, *,
             raise ConfigError(f"unknown tune option {_name(key)} (one of {', '.join(sorted(known))})")
     for name, spec in search.items():
         _check_spec(name, spec)
-    for combo in _candidates(search):
-        build_config({**base, **combo})
+    configs = [build_config({**base, **combo}) for combo in _candidates(search)]
+    if "metric" not in opts and configs and all(c.val_fraction > 0 for c in configs):
+        opts["metric"] = "val_auc"  # select on validation, never on the test set
     options = TuneOptions(**opts)
+    _check_validation_metric(options.metric, configs)
     if options.searcher == "grid" and any(k not in ("grid", "choice") for s in search.values() for k in s):
         raise ConfigError("tune option 'searcher': grid takes only {grid: [...]} and {choice: [...]}; "
                           "use searcher: random for ranges")
     return Space(base, search, options)
+
+
+def _check_validation_metric(metric: str, configs: list) -> None:
+    """A validation metric needs every trial to have a validation split; a test metric where they have one is
+    allowed but selects on the test set, so it is said."""
+    validated = [c.val_fraction > 0 for c in configs]
+    if metric.startswith(("val_", "worst_val_")) and not all(validated):
+        raise ConfigError(f"tune option 'metric': {metric} needs val_fraction > 0 in every trial (set it in base)")
+    if not metric.startswith(("val_", "worst_val_")) and metric.endswith("auc") and any(validated):
+        log.warning("tune option 'metric' is %s while trials have a validation split (val_fraction > 0): the "
+                    "sweep selects on it, not on val_auc", metric)
 
 
 def _check_sections(data: Any, where: str) -> None:

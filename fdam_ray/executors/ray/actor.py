@@ -223,8 +223,8 @@ class ClientShell:
                 return "not started", None
             return status[1], cast(PartialSum | BaseException | None, status[2])
 
-    def evaluate(self, state: GlobalState, client_ids: Sequence[int]) -> list[Scores | None]:
-        return self._each("evaluate", client_ids, lambda c: c.evaluate(state))
+    def evaluate(self, state: GlobalState, client_ids: Sequence[int], split: str = "test") -> list[Scores | None]:
+        return self._each("evaluate", client_ids, lambda c: c.evaluate(state, split))
 
     def score_test_slice(self, state: GlobalState, start: int, stop: int) -> Scores:
         """Scores of ``state`` on samples ``start:stop`` of the global test set."""

@@ -210,10 +210,10 @@ class RayExecutor(Executor):
         self.transport.run_round(Round(state, plan, fold, targets, work, call))
 
     @_between_rounds("evaluate")
-    def evaluate(self, state: GlobalState) -> list[Scores]:
+    def evaluate(self, state: GlobalState, split: str = "test") -> list[Scores]:
         ref = self._state_ref(state)
         hosted = self._fleet.hosted
-        scores = self._fleet.per_client("evaluate", lambda a, actor: actor.evaluate.remote(ref, hosted[a]))
+        scores = self._fleet.per_client("evaluate", lambda a, actor: actor.evaluate.remote(ref, hosted[a], split))
         return [s for s in scores if s is not None]
 
     @_between_rounds("score_test_set")
