@@ -235,8 +235,8 @@ MUTATIONS: list[Mutation] = [
              "keep = np.ones(len(labels), dtype=bool)",
              (METRICS, FED), "a task's AUC keeps the samples without a label for it"),
     Mutation("test_auc_mean_of_client_aucs", "fdam_ray/evaluation.py",
-             "scores, labels = pooled([(p.scores, p.labels) for p in parts])",
-             "scores, labels = parts[0].scores, parts[0].labels",
+             "elif parts:\n            scores, labels = pooled([(p.scores, p.labels) for p in parts])",
+             "elif parts:\n            scores, labels = parts[0].scores, parts[0].labels",
              (FED,), "the test AUC is the first client's AUC, not one AUC over the pooled scores"),
     # -- checkpoints
     Mutation("checkpoint_arrays_come_back_as_tensors", "fdam_ray/checkpoint.py",

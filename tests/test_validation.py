@@ -196,7 +196,7 @@ def model_file(path):
 
 
 def assert_same_model(a, b):
-    assert list(a) == list(b) == ["model", "a", "b", "alpha", "task_names"]
+    assert list(a) == list(b) == ["model", "a", "b", "alpha", "task_names", "network"]
     for key in a["model"]:
         torch.testing.assert_close(a["model"][key], b["model"][key], rtol=0, atol=0, msg=key)
     for key in ("a", "b", "alpha"):
