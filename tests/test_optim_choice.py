@@ -172,3 +172,21 @@ def test_the_adam_step_is_torchs_adam():
         solver.apply(0.05)
     want = torch.cat([model.weight.reshape(-1), model.bias]).detach()
     torch.testing.assert_close(flat.v, want, rtol=1e-6, atol=1e-7)
+
+
+def test_the_readme_custom_loop_runs_in_at_most_15_lines_and_learns():
+    from pathlib import Path
+
+    from sklearn.metrics import roc_auc_score
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## AUC losses in your own loop", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert len(code.strip().splitlines()) <= 15
+    torch.manual_seed(0)
+    space: dict = {}
+    exec(compile(code, "README.md", "exec"), space)
+    with torch.no_grad():
+        scores = space["model"](space["x"]).reshape(-1).numpy()
+    assert roc_auc_score(space["y"].numpy(), scores) > 0.9
+    assert space["optimizer"].stage == 4 and space["loss_fn"].alpha.item() >= 0
