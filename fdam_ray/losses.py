@@ -69,6 +69,9 @@ class AUCLoss(nn.Module):
 
     objective: ClassVar[str] = ""
     alpha_nonnegative: ClassVar[bool] = False
+    p: torch.Tensor  # buffers: p per task, and the counts its estimate comes from
+    positives: torch.Tensor
+    labelled: torch.Tensor
 
     def __init__(self, *, num_tasks: int = 1, imratio: float | Sequence[float] | np.ndarray | None = None,
                  margin: float = 1.0, from_logits: bool = False) -> None:

@@ -59,7 +59,7 @@ def dual_ascent_(alpha: torch.Tensor, g_alpha: torch.Tensor, lr: float, *, nonne
         alpha.clamp_(min=0)
 
 
-def _check(name: str, value: float | None, ok: bool, allowed: str) -> None:
+def _check(name: str, value: object, ok: bool, allowed: str) -> None:
     if not ok:
         raise ValueError(f"{name}: {value!r} is not allowed ({allowed})")
 
@@ -131,12 +131,13 @@ class PrimalDualSGD(torch.optim.Optimizer):
         return loss
 
     def _step_one(self, p: torch.Tensor, group: dict[str, Any]) -> None:
-        lr = group["lr"]
+        lr, grad = group["lr"], p.grad
+        assert grad is not None  # step() skips parameters without a gradient
         if group["role"] == "dual":
-            dual_ascent_(p, p.grad, lr, nonnegative=self.loss_fn.alpha_nonnegative)
+            dual_ascent_(p, grad, lr, nonnegative=self.loss_fn.alpha_nonnegative)
             return
         state = self.state[p]
-        d = p.grad.clone()
+        d = grad.clone()
         if group["grad_clip"] is not None:
             d.clamp_(-group["grad_clip"], group["grad_clip"])
         gamma = group["prox_weight"]

@@ -190,3 +190,23 @@ def test_the_readme_custom_loop_runs_in_at_most_15_lines_and_learns():
         scores = space["model"](space["x"]).reshape(-1).numpy()
     assert roc_auc_score(space["y"].numpy(), scores) > 0.9
     assert space["optimizer"].stage == 4 and space["loss_fn"].alpha.item() >= 0
+
+
+def test_the_sampling_momentum_benchmark_in_quick_miniature(tmp_path):
+    import re
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import sampling_momentum
+
+    out = tmp_path / "sm.md"
+    line = sampling_momentum.main(["--quick", "--clients", "2", "--iterations", "16", "--local-steps", "4",
+                                   "--seeds", "0", "1", "--out", str(out)])
+    assert re.fullmatch(r"RESULT( \w+=(-?[0-9.e+-]+|nan))+", line), line
+    values = {k: float(v) for k, v in (item.split("=") for item in line.split()[1:])}
+    assert set(values) == {"plain", "balanced", "momentum", "balanced_gain", "momentum_gain"}
+    assert values["balanced_gain"] == pytest.approx(values["balanced"] - values["plain"], abs=1e-3)
+    text = out.read_text()
+    assert "Command: `python benchmarks/sampling_momentum.py --quick" in text
+    assert "| natural, momentum 0 |" in text and "balanced (share 0.5)" in text and "momentum 0.9, lr 0.03" in text

@@ -2,11 +2,17 @@
 
 One local step, with g the minibatch gradients at (v, alpha):
 
-    d_v    = clip(g_w), g_a, g_b  +  gamma (v - v_ref)  +  wd v  +  correction
+    d_v    = clip(g_w), g_a, g_b  +  gamma (v - v_ref)  +  wd v
     u     <- mu u + d_v        (only with momentum mu > 0; u is the client's own, kept across rounds)
-    v     <- v - eta u         (v - eta d_v without momentum)
+    v     <- v - eta (u + correction)      (d_v in place of u without momentum)
     alpha <- alpha + eta (g_alpha + correction), then max(alpha, 0) for auc_margin
 
+The correction is added after the momentum, not fed into it: c^k, which
+estimates the client's mean step direction from its displacement over the round
+(v_{r-1} - v^k) / (I eta), then estimates the mean of u, and the corrected step
+is u + c - c^k. Fed into u, a correction would be amplified by 1 / (1 - mu) and
+come back in the next c^k (at mu 0.9 every CODASCA run diverged on digits-IH).
+Adam (``local_optimizer: adam``, pre-training) takes the place of the momentum.
 The correction is the drift-correction strategy's (:mod:`.drift`): c - c^k
 with control variates (CODASCA, SCAFFOLD), nothing without (CODA+, FedAvg),
 and at the round's end that strategy updates c^k. The proximal centre v_ref is
@@ -157,13 +163,12 @@ class LocalSolver:
                 d[: flat.num_weights].clamp_(-self.grad_clip, self.grad_clip)
             primal_direction_(d, flat.v, prox_weight=self.prox_weight, weight_decay=self.weight_decay,
                               prox_ref=self.prox_ref)
-            self.correction.correct_v(d)
             if self.local_optimizer == "adam":
-                self._adam(d, lr)
-            else:
-                if self.momentum:
-                    d = heavy_ball_(self._moments()[0], d, self.momentum)
-                flat.v.add_(d, alpha=-lr)
+                d.copy_(self._adam_direction(d))
+            elif self.momentum:
+                d.copy_(heavy_ball_(self._moments()[0], d, self.momentum))
+            self.correction.correct_v(d)
+            flat.v.add_(d, alpha=-lr)
             if flat.aux_size:
                 g_alpha = flat.alpha_grad
                 self.correction.correct_alpha(g_alpha)
@@ -174,8 +179,9 @@ class LocalSolver:
             raise RuntimeError("the local step has moments but no client's were bound (bind_moments)")
         return self.moments
 
-    def _adam(self, d: torch.Tensor, lr: float) -> None:
-        """Adam's step on v (torch's single-tensor formula, L2 decay and prox already in d)."""
+    def _adam_direction(self, d: torch.Tensor) -> torch.Tensor:
+        """Adam's direction from d (torch's single-tensor formula, L2 decay and prox already in d): the step is
+        -lr times it."""
         m, s, t = self._moments()
         beta1, beta2 = ADAM_BETAS
         t.add_(1)
@@ -183,7 +189,7 @@ class LocalSolver:
         m.mul_(beta1).add_(d, alpha=1 - beta1)
         s.mul_(beta2).addcmul_(d, d, value=1 - beta2)
         denom = (s.sqrt() / math.sqrt(1 - beta2**step)).add_(ADAM_EPS)
-        self.flat.v.addcdiv_(m, denom, value=-lr / (1 - beta1**step))
+        return (m / denom).div_(1 - beta1**step)
 
     def end(self, steps: int, lr: float, *, partial: bool = False) -> None:
         """The round's final phase: the correction updates the client's own state (c^k); in a round of sampled
