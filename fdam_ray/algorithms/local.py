@@ -54,7 +54,8 @@ class LocalStepSection(Section):
     name = "local_step"
 
     momentum: float = setting(0.0, "mu, heavy-ball momentum of the local primal step (u <- mu u + d_v, v <- v - "
-                              "eta u; u is each client's own, kept across rounds and checkpointed); 0 = plain SGD.",
+                              "eta u, the drift correction added after; u is each client's own, kept across rounds "
+                              "and checkpointed; lr x (1 - mu) keeps the step size); 0 = plain SGD.",
                               check=(lambda v: 0 <= v < 1, "in [0, 1)"))
     local_optimizer: str = setting("sgd", "Local step: sgd (the primal-dual step, with momentum) or adam (Adam on "
                                    "the network; bce objectives only, as in pre-training).",

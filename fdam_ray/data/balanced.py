@@ -51,7 +51,8 @@ class SamplingSection(Section):
                                      "balanced (each batch holds positive_share positives, the few positives "
                                      "repeated; LibAUC's DualSampler).", choices=POSITIVE_SAMPLING)
     positive_share: float = setting(0.5, "Share of positives in each client batch with positive_sampling: "
-                                    "balanced.", check=FRACTION)
+                                    "balanced (also the objective's p, unless positive_ratio is set).",
+                                    check=FRACTION)
     batch_size: int = shared()
     algorithm: str = shared()
 
