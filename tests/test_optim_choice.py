@@ -104,6 +104,14 @@ def test_balanced_stream_state_restores_the_same_batches_and_multi_label_counts_
     assert all(torch.equal(a, stream.next()) for a in ahead)
 
 
+def test_balanced_batches_give_the_objective_their_share_as_p_unless_positive_ratio_is_set(tmp_path):
+    natural = run(cfg(tmp_path / "a", iterations=6))
+    share = run(cfg(tmp_path / "b", iterations=6, positive_sampling="balanced", positive_share=0.4))
+    fixed = run(cfg(tmp_path / "c", iterations=6, positive_sampling="balanced", positive_ratio=0.2))
+    assert natural.summary["positive_ratio"] == [0.1]  # the data's: imratio 0.1 on every client
+    assert share.summary["positive_ratio"] == [0.4] and fixed.summary["positive_ratio"] == [0.2]
+
+
 def test_a_client_with_one_class_draws_naturally_with_a_warning(caplog):
     stream = index_stream(torch.zeros(10, 1), 4, seed=0, positive_sampling="balanced", who="client 3")
     assert isinstance(stream, IndexStream) and "client 3 has no positive" in caplog.text
@@ -116,6 +124,7 @@ def test_a_client_with_one_class_draws_naturally_with_a_warning(caplog):
     ({"positive_sampling": "balanced", "batch_size": "full"}, "'batch_size'"),
     ({"local_optimizer": "adam"}, "'local_optimizer'"),
     ({"pretrain_optimizer": "lbfgs"}, "'pretrain_optimizer'"),
+    ({"positive_sampling": "balanced", "algorithm": "coda"}, "natural with algorithm coda"),
 ])
 def test_bad_values_are_one_line_config_errors(values, words):
     with pytest.raises(ConfigError, match=words) as info:
