@@ -219,3 +219,21 @@ def test_the_sampling_momentum_benchmark_in_quick_miniature(tmp_path):
     text = out.read_text()
     assert "Command: `python benchmarks/sampling_momentum.py --quick" in text
     assert "| natural, momentum 0 |" in text and "balanced (share 0.5)" in text and "momentum 0.9, lr 0.03" in text
+
+
+def test_balanced_batches_read_from_a_dataset_hold_the_share_and_resume_at_the_same_batch():
+    from fdam_ray.data.base import DatasetSplit
+
+    y = labels_of(6, 60)
+    dataset = torch.utils.data.TensorDataset(torch.arange(60, dtype=torch.float32).reshape(-1, 1), y)
+    split = DatasetSplit(dataset, y.numpy())
+    sampler = make_sampler(split, 8, seed=2, device=torch.device("cpu"), positive_sampling="balanced",
+                           positive_share=0.25)
+    for _ in range(3):
+        assert int(sampler.next()[1].sum()) == 2
+    saved = sampler.get_state()
+    ahead = [sampler.next()[0] for _ in range(4)]
+    twin = make_sampler(split, 8, seed=99, device=torch.device("cpu"), positive_sampling="balanced",
+                        positive_share=0.25)
+    twin.set_state(saved)
+    assert all(torch.equal(a, twin.next()[0]) for a in ahead)

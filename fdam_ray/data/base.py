@@ -274,7 +274,7 @@ class _Batches(torch.utils.data.Sampler):
     batch it hands to the DataLoader, so the state of the first batch not yet consumed is known even while
     the DataLoader's workers read ahead."""
 
-    def __init__(self, stream: IndexStream) -> None:
+    def __init__(self, stream: IndexStream | BalancedIndexStream) -> None:
         self.stream = stream
         self.ahead: collections.deque[dict] = collections.deque()
 
