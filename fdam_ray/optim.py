@@ -147,7 +147,7 @@ class PrimalDualSGD(torch.optim.Optimizer):
             velocity = state.setdefault("velocity", torch.zeros_like(p))
             d = heavy_ball_(velocity, d, group["momentum"])
         p.add_(d, alpha=-lr)
-        if self.reference_point == "average":
+        if self.reference_point == "average" and gamma:  # the centre matters only with a proximal term
             total = state.setdefault("iterate_sum", torch.zeros_like(p, dtype=torch.float64))
             total.add_(p)
             state["iterates"] = state.get("iterates", 0) + 1
