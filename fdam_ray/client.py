@@ -63,6 +63,10 @@ class ClientSection(Section):
     channels_last: bool | str = shared()
     client_names: tuple[str, ...] | None = shared()
     val_fraction: float = shared()
+    momentum: float = shared()
+    local_optimizer: str = shared()
+    positive_sampling: str = shared()
+    positive_share: float = shared()
 
 
 def use_deterministic_kernels() -> None:
@@ -177,6 +181,7 @@ class TrainingReplica(Replica):
     def __init__(self, config: ClientSection, source: DataSource, *, device: torch.device) -> None:
         super().__init__(config, source, device=device)
         self.solver = self.algorithm.solver(self.flat, self.objective)
+        self.solver.set_local_step(config.local_optimizer, config.momentum)
         self.precision = self.flat.precision
         self.precision.note_training()
         self.bound: Client | None = None
@@ -189,6 +194,7 @@ class TrainingReplica(Replica):
         """Make the solver step with ``client``'s control variate (its own buffers: no copy)."""
         if self.bound is not client:
             self.solver.bind(client.cv)
+            self.solver.bind_moments(client.moments)
         self.bound = client
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, lr: float) -> torch.Tensor:
@@ -244,8 +250,10 @@ class Client:
             log.warning("client %s has %d training samples, fewer than batch_size=%d: each of its batches repeats "
                         "samples", self.label, len(self.train), config.batch_size)
         self.sampler = make_sampler(self.train, config.batch_size, seed=config.seed * 1_000_003 + client_id,
-                                    device=device)
+                                    device=device, positive_sampling=config.positive_sampling,
+                                    positive_share=config.positive_share, who=f"client {client_id}")
         self.cv = self.replica.new_control_variate()  # (c_v^k, c_alpha^k) tensors, or None
+        self.moments = self.replica.solver.new_moments()  # the local step's momentum / Adam moments, or None
         weights = client_weights(config.client_weighting, [len(self.train)])
         self.weight: float | None = None if weights is None else float(weights[0])  # w_k of the server's means
 
@@ -318,6 +326,8 @@ class Client:
         parts = [flat.v, flat.alpha, flat.buffers]
         if self.cv is not None:
             parts += list(self.cv)
+        if self.moments is not None:
+            parts += list(self.moments)
         return all_finite(parts)
 
     def evaluate(self, state: GlobalState, split: str = "test") -> Scores | None:
@@ -349,11 +359,15 @@ class Client:
         return self.cv[0].detach().cpu().numpy().copy(), self.cv[1].detach().cpu().numpy().copy()
 
     def get_state(self) -> dict:
-        """What a checkpoint needs to continue this client exactly: c^k and the sampler's position."""
+        """What a checkpoint needs to continue this client exactly: c^k, the sampler's position and the local
+        step's moments."""
         cv = self.control_variate()
-        return {"client_id": self.client_id, "c_v": None if cv is None else cv[0],
-                "c_alpha": None if cv is None else cv[1], "sampler": self.sampler.get_state(),
-                "scaler": self.flat.precision.state_dict()}
+        state = {"client_id": self.client_id, "c_v": None if cv is None else cv[0],
+                 "c_alpha": None if cv is None else cv[1], "sampler": self.sampler.get_state(),
+                 "scaler": self.flat.precision.state_dict()}
+        if self.moments is not None:  # absent for plain SGD: a checkpoint as before
+            state["moments"] = [t.detach().cpu().numpy().copy() for t in self.moments]
+        return state
 
     def set_state(self, state: dict) -> None:
         if state["client_id"] != self.client_id:
@@ -363,6 +377,11 @@ class Client:
         if state["sampler"] is not None:  # None: a client rebuilt on resume keeps its fresh sampler
             self.sampler.set_state(state["sampler"])
         self.flat.precision.load_state_dict(state.get("scaler"))
+        moments = state.get("moments")
+        if moments is not None and self.moments is not None:  # None: a rebuilt client starts from zero moments
+            with torch.no_grad():
+                for t, x in zip(self.moments, moments, strict=True):
+                    t.copy_(torch.from_numpy(np.asarray(x, dtype=np.float32)))
 
 
 def host_clients(config: ClientSection, source: DataSource, client_ids: Sequence[int], *,

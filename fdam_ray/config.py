@@ -28,9 +28,11 @@ from typing import Any
 import yaml
 
 from fdam_ray.algorithms import AlgorithmSection
+from fdam_ray.algorithms.local import LocalStepSection
 from fdam_ray.algorithms.presets import PRESETS, Preset
 from fdam_ray.client import ClientSection
 from fdam_ray.coercion import CommandLineText, Field, coerce, from_text
+from fdam_ray.data.balanced import SamplingSection
 from fdam_ray.data.sections import CHESTXRAY_SOURCES, DATASET_NAMES, ChestXraySection, DataSection, SyntheticSection
 from fdam_ray.evaluation import ValidationSection
 from fdam_ray.executors.base import ExecutorSection
@@ -78,15 +80,15 @@ class RunSection(Section):
 # Every section, in the order of `fdam fields` (a section's own fields in the order it declares them).
 SECTION_CLASSES: tuple[type[Section], ...] = (
     AlgorithmSection, ScheduleSection, DataSection, SyntheticSection, ChestXraySection, ModelSection,
-    PretrainSection, ClientSection, PrecisionSection, RunSection, ValidationSection, ExecutorSection, RaySection,
-    OutputSection, SiteSection,
+    PretrainSection, ClientSection, LocalStepSection, SamplingSection, PrecisionSection, RunSection, ValidationSection,
+    ExecutorSection, RaySection, OutputSection, SiteSection,
 )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config(AlgorithmSection, ScheduleSection, SyntheticSection, ChestXraySection, ModelSection, PretrainSection,
-             ClientSection, PrecisionSection, RunSection, ValidationSection, ExecutorSection, RaySection,
-             OutputSection, SiteSection):
+             ClientSection, LocalStepSection, SamplingSection, PrecisionSection, RunSection, ValidationSection,
+             ExecutorSection, RaySection, OutputSection, SiteSection):
     """A validated run configuration (every section's fields); build it with :func:`build_config`."""
 
     name = "config"

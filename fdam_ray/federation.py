@@ -39,6 +39,7 @@ from fdam_ray.algorithms.stages import moments_nbytes
 from fdam_ray.checkpoint import Checkpoint, ClientState, LoopState
 from fdam_ray.client import Replica, all_finite
 from fdam_ray.data import DataSource
+from fdam_ray.data.balanced import objective_positive_ratio
 from fdam_ray.evaluation import Evaluator
 from fdam_ray.executors import Executor
 from fdam_ray.executors.errors import PlacementError
@@ -109,7 +110,7 @@ class Federation:
         self.executor = executor
         self.config = config
         self.algorithm = build_algorithm(algorithm)
-        self.positive_ratio_override = algorithm.positive_ratio
+        self.positive_ratio_override = objective_positive_ratio(config)  # positive_ratio, or a balanced share
         self.schedule = schedule
         self.eval_every = eval_every
         self.observer = observer

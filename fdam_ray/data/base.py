@@ -23,6 +23,7 @@ from fdam_ray.data.partition import validation_rows
 from fdam_ray.interrupts import ignore_stop_signals
 
 if TYPE_CHECKING:
+    from fdam_ray.data.balanced import BalancedIndexStream
     from fdam_ray.data.sections import DataSection
 
 
@@ -303,9 +304,10 @@ class IndexStream:
 class TensorSampler:
     """Minibatches from a tensor-backed split; ``batch_size`` 0 returns the whole split every time."""
 
-    def __init__(self, split: Split, batch_size: int, *, seed: int) -> None:
+    def __init__(self, split: Split, batch_size: int, *, seed: int,
+                 stream: IndexStream | BalancedIndexStream | None = None) -> None:
         self.split = split
-        self.stream = IndexStream(len(split), batch_size, seed)
+        self.stream = IndexStream(len(split), batch_size, seed) if stream is None else stream
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.stream.batch_size == 0:
@@ -325,7 +327,7 @@ class _Batches(torch.utils.data.Sampler):
     batch it hands to the DataLoader, so the state of the first batch not yet consumed is known even while
     the DataLoader's workers read ahead."""
 
-    def __init__(self, stream: IndexStream) -> None:
+    def __init__(self, stream: IndexStream | BalancedIndexStream) -> None:
         self.stream = stream
         self.ahead: collections.deque[dict] = collections.deque()
 
@@ -338,11 +340,12 @@ class _Batches(torch.utils.data.Sampler):
 class LoaderSampler:
     """Minibatches of a :class:`DatasetSplit` read by a DataLoader from an :class:`IndexStream`."""
 
-    def __init__(self, split: DatasetSplit, batch_size: int, *, seed: int, device: torch.device) -> None:
+    def __init__(self, split: DatasetSplit, batch_size: int, *, seed: int, device: torch.device,
+                 stream: IndexStream | BalancedIndexStream | None = None) -> None:
         if batch_size == 0:
             raise ValueError("batch_size=0 (full batch) needs in-memory data; this dataset is read from disk")
         self.split, self.device = split, device
-        self.stream = IndexStream(len(split), batch_size, seed)
+        self.stream = IndexStream(len(split), batch_size, seed) if stream is None else stream
         self._batches: _Batches | None = None
         self._iter: Iterator[Any] | None = None
 
@@ -382,8 +385,16 @@ class LoaderSampler:
             augment.set_state(state["augment"])
 
 
-def make_sampler(split: AnySplit, batch_size: int, *, seed: int, device: torch.device):
-    """The sampler that fits the split: tensors in memory, or a DataLoader over a dataset."""
+def make_sampler(split: AnySplit, batch_size: int, *, seed: int, device: torch.device,
+                 positive_sampling: str = "natural", positive_share: float = 0.5, who: str = "a client"):
+    """The sampler that fits the split: tensors in memory, or a DataLoader over a dataset; its batches drawn
+    naturally or with a set share of positives (:mod:`fdam_ray.data.balanced`)."""
+    stream = None
+    if positive_sampling != "natural":
+        from fdam_ray.data.balanced import index_stream
+
+        stream = index_stream(split.y, batch_size, seed, positive_sampling=positive_sampling,
+                              positive_share=positive_share, who=who)
     if isinstance(split, DatasetSplit):
-        return LoaderSampler(split, batch_size, seed=seed, device=device)
-    return TensorSampler(split, batch_size, seed=seed)
+        return LoaderSampler(split, batch_size, seed=seed, device=device, stream=stream)
+    return TensorSampler(split, batch_size, seed=seed, stream=stream)
