@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import sys
 import sysconfig
 import traceback
 from collections.abc import Callable
@@ -45,7 +46,7 @@ def resolve(path: str, *, field: str, here: str = "") -> Callable:
     module_name, _, attr = path.partition(":")
     where = f" {here}" if here else ""
     try:
-        obj: Any = importlib.import_module(module_name)
+        obj: Any = import_module(module_name)
     except (Exception, SystemExit) as exc:  # ImportError, an error raised while the module runs, or sys.exit
         if isinstance(exc, SystemExit):
             raise ValueError(f"{field}: importing module '{module_name}' of '{path}'{where} called "
@@ -60,6 +61,38 @@ def resolve(path: str, *, field: str, here: str = "") -> Callable:
     if not callable(obj):
         raise ValueError(f"{field}: '{path}' is a {type(obj).__name__}, not a callable factory")
     return obj
+
+
+def import_module(name: str) -> Any:
+    """``importlib.import_module(name)``, finding a module of the current folder too.
+
+    ``python -m`` and ``python script.py`` put a folder on ``sys.path``, but the ``fdam`` console script puts
+    its own ``bin`` folder there, so ``model=mymod:make`` would fail in the very folder ``mymod.py`` is in
+    until ``PYTHONPATH=.``. When the module is not found and the current folder holds it (``name.py`` or a
+    package folder), that folder is added at the end of ``sys.path`` (installed packages keep precedence) and
+    the import tried again. Ray workers of this machine find it too: Ray puts the driver's current folder on
+    their ``sys.path``.
+    """
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        top = name.partition(".")[0]
+        here = os.getcwd()
+        if exc.name != top or not _holds_module(here, top) or _on_path(here):
+            raise
+    sys.path.append(here)
+    importlib.invalidate_caches()
+    return importlib.import_module(name)
+
+
+def _holds_module(folder: str, name: str) -> bool:
+    return os.path.isfile(os.path.join(folder, f"{name}.py")) or os.path.isdir(os.path.join(folder, name))
+
+
+def _on_path(folder: str) -> bool:
+    """Whether ``folder`` is on ``sys.path`` already ('' is the current folder)."""
+    real = os.path.realpath(folder)
+    return any(os.path.realpath(p or os.curdir) == real for p in sys.path)
 
 
 def import_path_of(fn: Callable) -> str | None:
