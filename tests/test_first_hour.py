@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -212,6 +213,25 @@ def _pids_using(folder: str) -> list[int]:
     return pids
 
 
+def stop_head(head: subprocess.Popen, temp: str) -> None:
+    """Stop a `ray start --block` head and what it started (by process group and by its temp folder)."""
+    if head.poll() is None:
+        os.killpg(head.pid, signal.SIGTERM)  # --block stops the node's processes on SIGTERM
+        try:
+            head.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+    for pid in _pids_using(temp):  # what the head left, and only that
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if head.poll() is None:
+        os.killpg(head.pid, signal.SIGKILL)
+        head.wait(timeout=30)
+    shutil.rmtree(temp, ignore_errors=True)
+
+
 @pytest.mark.slow  # a `ray start` head of its own and a driver: about a minute here
 def test_fdam_joining_a_2_cpu_ray_start_head_fails_within_30_s_saying_what_fits(tmp_path):
     """Someone ran `ray start --head` (2 CPUs): fdam joins it and, its 4 actors not fitting, says so at once,
@@ -242,17 +262,35 @@ def test_fdam_joining_a_2_cpu_ray_start_head_fails_within_30_s_saying_what_fits(
                              timeout=300)
         took = time.monotonic() - t0
     finally:
-        if head.poll() is None:
-            os.killpg(head.pid, signal.SIGTERM)
-        for pid in _pids_using(temp):  # what the head started, and only that
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        head.wait(timeout=30)
+        stop_head(head, temp)
     assert "joining the Ray cluster already running on this machine" in out.stderr, out.stderr[-3000:]
     assert out.returncode == 2 and took < 30 + 20, (took, out.stderr[-3000:])  # 20 s: starting Python and Ray
     line = out.stderr.splitlines()[-1]
     assert line.startswith("fdam: error: 4 actors need more than the cluster offers (CPU: 4 needed, 2 in the "
                            "cluster;"), line
     assert "(cpus_per_actor=0.5 fits)" in line and "address=local starts a private Ray" in line
+
+
+def test_a_joined_cluster_too_small_names_what_fits_and_the_private_ray(monkeypatch):
+    """The same check in process, on a 4-CPU Ray taken as a joined cluster without an autoscaler (local=False)."""
+    from raytest import ray_session
+
+    from fdam_ray.config import build_config
+    from fdam_ray.executors.ray import session
+    from fdam_ray.executors.ray.placement import Placement
+
+    config = build_config(dict(dataset="synthetic", model="mlp", num_clients=3, cpus_per_client=2.0))
+    with ray_session():
+        monkeypatch.setattr(session, "_joined_recorded", "127.0.0.1:6379")  # joined as `ray start` recorded it
+        t0 = time.monotonic()
+        with pytest.raises(ValueError) as refused:
+            Placement(config, 600.0).place(3, local=False)
+        assert time.monotonic() - t0 < 30
+        monkeypatch.setattr(session, "_joined_recorded", None)  # joined by an address given
+        with pytest.raises(ValueError) as given:
+            Placement(config, 600.0).place(3, local=False)
+    message = str(refused.value)
+    assert message.startswith("3 actors need more than the cluster offers (CPU: 6 needed, 4 in the cluster;")
+    assert "lower cpus_per_actor / gpus_per_actor (cpus_per_actor=1.33 fits)" in message
+    assert message.endswith("address=local starts a private Ray sized for the run instead")
+    assert "address=local" not in str(given.value) and "cpus_per_actor=1.33 fits" in str(given.value)
