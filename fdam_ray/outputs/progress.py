@@ -156,7 +156,7 @@ class Progress(Observer):
             self.bar.set_postfix(round=plan.round, stage=plan.stage, lr=f"{plan.lr:.3g}", auc=f"{self.auc:.4f}",
                                  refresh=False)
         else:
-            self.bar.set_postfix_str(f"round {plan.round}, auc {self.auc:.4f}", refresh=False)
+            self.bar.set_postfix_str(f"round={plan.round}, auc={self.auc:.4f}", refresh=False)
         self.bar.update(plan.steps)
 
     def close(self, error: BaseException | None) -> None:
