@@ -66,6 +66,28 @@ def test_fdam_finds_a_model_factory_in_the_folder_it_runs_in_inline(tmp_path):
     assert "model mymod:make" in out.stdout and "final test AUC" in out.stdout
 
 
+def test_a_module_found_in_the_current_folder_is_shipped_to_a_joined_cluster(tmp_path, monkeypatch):
+    from fdam_ray import factories
+    from fdam_ray.executors.ray import session
+
+    (tmp_path / "fh_own_model.py").write_text(MODULE)
+    (tmp_path / "fh_own_pkg").mkdir()
+    (tmp_path / "fh_own_pkg" / "__init__.py").write_text(MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # what the import adds is undone
+    monkeypatch.setattr(factories, "_ADDED_FOLDERS", set())
+    try:
+        assert session._shipped() == {}
+        assert callable(factories.resolve("fh_own_model:make", field="model"))
+        assert callable(factories.resolve("fh_own_pkg:make", field="model"))
+        assert sys.path[-1] == str(tmp_path)  # after the installed packages
+        assert session._shipped() == {"runtime_env": {"py_modules": [str(tmp_path / "fh_own_model.py"),
+                                                                     str(tmp_path / "fh_own_pkg")]}}
+    finally:
+        sys.modules.pop("fh_own_model", None)
+        sys.modules.pop("fh_own_pkg", None)
+
+
 def test_a_module_the_current_folder_lacks_is_still_one_line_naming_it(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["train", "model=nosuchmod:make", "executor=inline", *SMALL, f"out_dir={tmp_path}/runs"]) == 2
@@ -261,6 +283,9 @@ def test_fdam_joining_a_2_cpu_ray_start_head_fails_within_30_s_saying_what_fits(
                               f"out_dir={tmp_path}"], env=env, cwd=tmp_path, capture_output=True, text=True,
                              timeout=300)
         took = time.monotonic() - t0
+        joined = subprocess.run([FDAM, "-v", "train", "executor=ray", *SMALL, "model=mymod:make",
+                                 f"out_dir={tmp_path}/runs"], env=env, cwd=own_module_folder(tmp_path),
+                                capture_output=True, text=True, timeout=300)
     finally:
         stop_head(head, temp)
     assert "joining the Ray cluster already running on this machine" in out.stderr, out.stderr[-3000:]
@@ -269,6 +294,10 @@ def test_fdam_joining_a_2_cpu_ray_start_head_fails_within_30_s_saying_what_fits(
     assert line.startswith("fdam: error: 4 actors need more than the cluster offers (CPU: 4 needed, 2 in the "
                            "cluster;"), line
     assert "(cpus_per_actor=0.5 fits)" in line and "address=local starts a private Ray" in line
+    # what fits runs, with a model of the folder fdam runs in shipped to the cluster's workers
+    assert joined.returncode == 0, joined.stderr[-3000:]
+    assert "shipping mymod.py of the current folder to the cluster" in joined.stderr
+    assert "final test AUC" in joined.stdout
 
 
 def test_a_joined_cluster_too_small_names_what_fits_and_the_private_ray(monkeypatch):

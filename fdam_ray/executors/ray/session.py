@@ -196,13 +196,27 @@ def ensure_ray(*, address: str | None, cpus_needed: float) -> bool:
             _raise_if_stopped(f"while joining the Ray cluster at {redact(address)}")
         log.info("connecting to the Ray cluster at %s", redact(address))
         with _keeping_sigterm_handler(f"while joining the Ray cluster at {redact(address)}"):
-            ray.init(address=address)  # never with start-up arguments: Ray refuses them when joining
+            ray.init(address=address, **_shipped())  # never with start-up arguments: Ray refuses them when joining
         return False
     num_cpus = max(os.cpu_count() or 1, math.ceil(cpus_needed))
     log.info("starting a private local Ray instance (%d CPUs, every port on 127.0.0.1)", num_cpus)
     with _keeping_sigterm_handler("while a private local Ray started"):
         compat.start_loopback_ray(num_cpus=num_cpus, dashboard_host="127.0.0.1")
     return True
+
+
+def _shipped() -> dict[str, Any]:
+    """``runtime_env`` for a cluster joined by address: the modules of the current folder a ``module:attr``
+    factory was found in (:func:`~fdam_ray.factories.current_folder_modules`), as Ray's ``py_modules``, so that
+    workers on other machines import them as this driver does."""
+    from fdam_ray.factories import current_folder_modules
+
+    modules = current_folder_modules()
+    if not modules:
+        return {}
+    log.info("shipping %s of the current folder to the cluster (Ray's runtime_env py_modules)",
+             ", ".join(os.path.basename(m) for m in modules))
+    return {"runtime_env": {"py_modules": modules}}
 
 
 def _remember_recorded(address: str | None) -> None:
