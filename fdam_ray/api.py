@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -49,12 +50,31 @@ def _with_model(overrides: dict[str, Any], model: str | Callable | None) -> dict
     return overrides if model is None else {**overrides, "model": model}
 
 
+def _shown(progress: bool | None, on_eval: Callable[[dict], None] | None) -> dict[str, Any]:
+    """``run``'s ``progress`` and ``on_eval`` for a ``progress`` argument: as ``fdam train`` shows a run, the
+    bar on stderr and a line per evaluation on stdout (fitted to the terminal); None: when stderr is a
+    terminal (a script run from a shell shows progress, one whose output goes to a file or a notebook does
+    not: pass True there)."""
+    shown = sys.stderr.isatty() if progress is None else bool(progress)
+    if not shown:
+        return {"progress": False, "on_eval": on_eval}
+    from fdam_ray.outputs.progress import write_evaluation
+
+    def show_and_call(record: dict) -> None:
+        write_evaluation(record)
+        if on_eval is not None:
+            on_eval(record)
+
+    return {"progress": True, "on_eval": show_and_call}
+
+
 def train(
     config: Config | Mapping[str, Any] | None = None,
     *,
     model: str | Callable | None = None,
     save: bool = True,
     on_eval: Callable[[dict], None] | None = None,
+    progress: bool | None = None,
 ) -> RunResult:
     """Train a federation on the dataset the config names; see :func:`fdam_ray.recipe.run`.
 
@@ -62,8 +82,10 @@ def train(
     factory ``(input_shape, num_tasks) -> nn.Module`` (README, "Your own model and data"). A factory that
     can be imported by name is recorded by its path; any other (a lambda, a local function, one of the
     ``__main__`` script) travels to the clients by value, and resuming its run needs it given again.
+    ``progress``: show the run as ``fdam train`` does (a bar on stderr, a line per evaluation on stdout);
+    None (the default) shows it when stderr is a terminal.
     """
-    return run(_config(config, **_with_model({}, model)), save=save, on_eval=on_eval)
+    return run(_config(config, **_with_model({}, model)), save=save, **_shown(progress, on_eval))
 
 
 def train_arrays(
@@ -75,6 +97,7 @@ def train_arrays(
     model: str | Callable | None = None,
     save: bool = False,
     on_eval: Callable[[dict], None] | None = None,
+    progress: bool | None = None,
 ) -> RunResult:
     """Train on in-memory data: one ``(X_k, y_k)`` pair per client and a test set ``(X, y)``.
 
@@ -82,7 +105,7 @@ def train_arrays(
     (n, T) for T tasks. ``num_clients`` is taken from ``len(clients)``. Set
     ``batch_size`` to 0 (or "full") for full-batch, sampling-free, deterministic
     gradients. ``client_tests`` adds each client's own test split and a
-    per-client AUC to the history. ``model`` as for :func:`train`.
+    per-client AUC to the history. ``model`` and ``progress`` as for :func:`train`.
 
     Returns:
         :class:`RunResult` with the final ``model_state`` (a ``state_dict``), ``a``,
@@ -91,7 +114,7 @@ def train_arrays(
     source = ArraysSource(clients, test, client_tests)
     cfg = _config(config, **_with_model({"dataset": "arrays", "num_clients": len(clients)}, model))
     warn_one_class(source, cfg.client_names)
-    return run(cfg, source=source, save=save, on_eval=on_eval)
+    return run(cfg, source=source, save=save, **_shown(progress, on_eval))
 
 
 def train_datasets(
@@ -103,6 +126,7 @@ def train_datasets(
     model: str | Callable | None = None,
     save: bool | None = None,
     on_eval: Callable[[dict], None] | None = None,
+    progress: bool | None = None,
 ) -> RunResult:
     """Train on your own torch Datasets: one entry per client and a test set.
 
@@ -115,7 +139,7 @@ def train_datasets(
     (T,) for T tasks; each client reads and checks its labels in one pass over
     its Dataset. Batches are read by a DataLoader with ``data_workers``
     processes; ``batch_size`` 0 (full batch) is not available. ``num_clients``
-    is taken from ``len(clients)``; ``model`` as for :func:`train`. ``save``:
+    is taken from ``len(clients)``; ``model`` and ``progress`` as for :func:`train`. ``save``:
     write a run folder, as :func:`train` does; None (the default) writes one
     when the config names where (``run_name`` or ``out_dir``), else none.
 
@@ -124,7 +148,8 @@ def train_datasets(
     """
     cfg = _config(config, **_with_model({"dataset": "datasets", "num_clients": len(clients)}, model))
     source = DatasetsSource(clients, test, client_tests, data_workers=cfg.data_workers)
-    return run(cfg, source=source, save=names_a_run_folder(cfg) if save is None else save, on_eval=on_eval)
+    return run(cfg, source=source, save=names_a_run_folder(cfg) if save is None else save,
+               **_shown(progress, on_eval))
 
 
 def names_a_run_folder(config: Config) -> bool:

@@ -30,14 +30,16 @@ def _version() -> str:
 
 
 def _print_record(rec: dict) -> None:
-    loss = rec.get("train_loss")
-    loss_s = f"{loss:9.4f}" if loss is not None else "        -"
-    line = (f"iter {rec['iteration']:>7}  round {rec['round']:>5}  stage {rec['stage']:>2}  lr {rec['lr']:<8.4g}"
-            f" loss {loss_s}  test AUC {rec['test_auc']:.4f}"
-            + ("" if "val_auc" not in rec else f"  val AUC {rec['val_auc']:.4f}") + f"  [{rec['wall_s']:.1f} s]")
-    from tqdm.auto import tqdm
+    from fdam_ray.outputs.progress import write_evaluation
 
-    tqdm.write(line)  # keeps a progress bar, if one is shown, intact
+    write_evaluation(rec)  # fitted to the terminal; keeps a progress bar, if one is shown, intact
+
+
+def _print(text: str) -> None:
+    """Print ``text`` to stdout, wrapped between its clauses to the terminal's width (never inside a number)."""
+    from fdam_ray.outputs.progress import fit_text, line_width
+
+    print("\n".join(fit_text(text, line_width(sys.stdout))), flush=True)
 
 
 def _summary(summary: dict) -> str:
@@ -57,8 +59,8 @@ def _train_or_resume(resume_dir: str | None, values: dict, **how: Any) -> RunRes
         print(f"fdam train: resuming {resume_dir}", flush=True)
         return resume(resume_dir, values, **how)
     config = build_config(values)
-    print(f"fdam train: {config.algorithm} on {config.dataset}, K={config.num_clients}, I={config.local_steps}, "
-          f"{config.iterations} iterations, model {config.model}, executor {config.executor}", flush=True)
+    _print(f"fdam train: {config.algorithm} on {config.dataset}, K={config.num_clients}, I={config.local_steps}, "
+           f"{config.iterations} iterations, model {config.model}, executor {config.executor}")
     return run(config, **how)
 
 
@@ -101,7 +103,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 1
     finally:
         clear_stop_request()
-    print(_summary(result.summary))
+    _print(_summary(result.summary))
     if result.run_dir is not None:  # a run of fdam train always writes its folder
         print(f"run folder: {where(result.run_dir)}")
     return 0

@@ -41,6 +41,7 @@ from fdam_ray.client import resolve_device
 from fdam_ray.config import RENAMED_PER_ACTOR, RESUME_MAY_CHANGE, Config, ConfigError, build_config
 from fdam_ray.data import DataSource, make_source
 from fdam_ray.data.datasets import DatasetsSource, check_shippable, describe_client
+from fdam_ray.data.rooted import check_data_here
 from fdam_ray.executors import Executor, make_executor
 from fdam_ray.executors.errors import PlacementError
 from fdam_ray.executors.inline import InlineExecutor, ignored_fields
@@ -107,6 +108,7 @@ def federate(
     source = source if source is not None else make_source(config)
     if source.num_clients != config.num_clients:
         raise ValueError(f"the data has {source.num_clients} clients but num_clients={config.num_clients}")
+    check_data_here(source, config)  # every missing folder or file at once, before Ray or any client starts
     describe_data(source, config, executor)
     if not config.pretrain_iterations or resume is not None:  # a two-stage run's warning comes with stage 1
         warn_ignored(config)

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from fdam_ray.data.base import DatasetSplit, DataSource, Shard
-from fdam_ray.data.chestxray_readers import READERS, TASKS, SourceTable
+from fdam_ray.data.chestxray_readers import READERS, TASKS, SourceTable, files_problem
 from fdam_ray.data.images import IMAGENET_MEAN, IMAGENET_STD, LazyImages, read_gray, split_seed
 from fdam_ray.data.sections import ChestXraySection
 
@@ -179,13 +179,15 @@ class ChestXraySource(DataSource):
         sources = tuple(section.chestxray_sources)
         if not sources:
             raise ValueError(f"chestxray_sources is empty; list some of {', '.join(SOURCES)}")
-        self.roots: dict[str, Path] = {}
-        for name in sources:
-            root = getattr(section, f"chestxray_{name}_root")
-            if not root:
-                raise ValueError(f"chestxray_sources lists '{name}' but chestxray_{name}_root is not set; set it to "
-                                 f"the folder of the {name} files or drop '{name}' from chestxray_sources")
-            self.roots[name] = Path(root).expanduser()
+        unset = [name for name in sources if not getattr(section, f"chestxray_{name}_root")]
+        if unset:
+            fields = ", ".join(f"chestxray_{name}_root" for name in unset)
+            raise ValueError(f"chestxray_sources lists {', '.join(repr(n) for n in unset)} but {fields} "
+                             f"{'is' if len(unset) == 1 else 'are'} not set; set {'it' if len(unset) == 1 else 'each'} "
+                             f"to the folder of that source's files or drop {'it' if len(unset) == 1 else 'them'} "
+                             "from chestxray_sources")
+        self.roots: dict[str, Path] = {name: Path(getattr(section, f"chestxray_{name}_root")).expanduser()
+                                       for name in sources}
         self.places = client_places(section)
         self.num_clients = len(self.places)
         self.uncertain = task_policies(section.chestxray_uncertain)
@@ -200,6 +202,12 @@ class ChestXraySource(DataSource):
         self.seed = section.seed
         self.input_shape = (3, self.image_size, self.image_size)
         self._cache: dict[str, tuple[SourceTable, np.ndarray]] = {}
+
+    def local_problems(self) -> list[str]:
+        """Every source whose folder or label files are not where the config says, each named with what it
+        lacks (read nothing; see :func:`~fdam_ray.data.rooted.check_data_here`)."""
+        return [f"chestxray_{name}_root: {problem}" for name, root in self.roots.items()
+                if (problem := files_problem(name, root, official_test=self.official_test)) is not None]
 
     def __getstate__(self):
         state = dict(self.__dict__)

@@ -91,3 +91,21 @@ def check_roots(cls: type[DataSource], section: DataSection, roots: Sequence[str
         shown = problems[:8] + ([f"... ({len(problems)} bad folders in all)"] if len(problems) > 8 else [])
         raise ValueError(f"client_data_roots: {'; '.join(shown)} (checked on this machine, where the clients "
                          "run; for a cluster whose nodes hold the folders, give its address)")
+
+
+def check_data_here(source: DataSource, config: object) -> None:
+    """Where the clients run on this machine (:func:`~fdam_ray.data.clients_run_here`), check the folders and
+    files a source reads before any client (or Ray) starts, and name every one that is missing in one error:
+    a wrong ``data_root`` is then found in seconds, not after the actors started and the first client failed
+    (and every missing source at once, not one per try). A source says what it lacks through a
+    ``local_problems()`` method (nothing read; sources without one are not checked here)."""
+    from fdam_ray.data import clients_run_here
+
+    problems_of = getattr(source, "local_problems", None)
+    if problems_of is None or not clients_run_here(config):
+        return
+    problems = problems_of()
+    if problems:
+        shown = problems[:8] + ([f"... ({len(problems)} in all)"] if len(problems) > 8 else [])
+        raise ValueError(f"dataset={getattr(config, 'dataset', '?')}: {'; '.join(shown)} (checked on this machine, "
+                         "where the clients run, before starting them)")

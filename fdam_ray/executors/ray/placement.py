@@ -20,6 +20,7 @@ went away end it at once, in one line.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import time
 from collections.abc import Sequence
@@ -130,12 +131,35 @@ def check_capacity(bundle: dict[str, float], num_actors: int, *, grows: bool, ti
         detail = ", ".join(f"{r}: {v:g} needed, {h:g} in the cluster" for r, (v, h) in short.items())
         if not grows:
             raise ValueError(f"{num_actors} actors need more than the cluster offers ({detail}; {_node_line(nodes)}, "
-                             "no autoscaler); lower cpus_per_actor / gpus_per_actor, or host more clients per "
-                             "actor (clients_per_actor)")
+                             f"no autoscaler); lower cpus_per_actor / gpus_per_actor{_fitting(short, num_actors)}, "
+                             f"or host more clients per actor (clients_per_actor){_private_instead()}")
         log.warning("the cluster cannot hold %d actors yet (%s); waiting up to %g s for its autoscaler to add "
                     "nodes", num_actors, detail, timeout_s)
     if not grows:
         _check_strict(strategy, need, num_actors, nodes)
+
+
+def _fitting(short: dict[str, tuple[float, float]], num_actors: int) -> str:
+    """`` (cpus_per_actor=0.5 fits)``: the per-actor shares of the short resources that the cluster holds for
+    ``num_actors`` actors together ('' where one of them is not there at all)."""
+    fits = []
+    for resource, field in (("CPU", "cpus_per_actor"), ("GPU", "gpus_per_actor")):
+        if resource in short:
+            have = short[resource][1]
+            if have <= 0:
+                return ""
+            fits.append(f"{field}={math.floor(have / num_actors * 100) / 100:g}")
+    return f" ({' and '.join(fits)} fits)" if fits and all(not f.endswith("=0") for f in fits) else ""
+
+
+def _private_instead() -> str:
+    """What to do instead when the cluster was joined only because ``ray start`` recorded it on this machine."""
+    from fdam_ray.executors.ray.session import joined_recorded_cluster
+
+    if not joined_recorded_cluster():
+        return ""
+    return ("; it is the cluster `ray start` left running on this machine, joined because no address was given: "
+            "address=local starts a private Ray sized for the run instead")
 
 
 def _check_strict(strategy: str, need: dict[str, float], num_actors: int, nodes: Sequence[dict]) -> None:
