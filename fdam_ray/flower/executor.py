@@ -76,6 +76,7 @@ class FlowerExecutor(Executor):
         self.shapes: SiteShapes | None = None
         self.secure: Callable[..., PartialSum | None] | None = None  # set by secagg.enable
         self.replaced: set[int] = set()  # sites that lost their state mid-run (they start from the global c)
+        self.with_tests: list[int] = []  # sites holding a test split of their own
 
     # -- finding the sites -----------------------------------------------------------------
     def connect(self) -> SiteShapes:
@@ -174,29 +175,34 @@ class FlowerExecutor(Executor):
         arrays = {"positive_ratio": self.positive_ratio, "reference": self.reference}
         return RecordDict({records.CONFIG: ConfigRecord(cfg), records.ARRAYS: records.arrays(arrays)})
 
-    def _setup_changed(self, *, require_all: bool) -> dict[int, RecordDict]:
+    def _start_sites(self) -> dict[int, RecordDict]:
+        """Give every site the run's setup now (a federation starts with all its sites)."""
         self.version += 1
-        sites = list(range(self.num_sites))
         self.refresh()
-        replies = self.ask("query.sync", {k: self._sync_content(k) for k in sites if k in self.node_of})
+        replies = self.ask("query.sync", {k: self._sync_content(k) for k in range(self.num_sites)
+                                          if k in self.node_of})
         for k in replies:
             self.synced[k] = self.version
             self.replaced.discard(k)
-        missing = [k for k in sites if k not in replies]
-        if missing and require_all:
+        missing = [k for k in range(self.num_sites) if k not in replies]
+        if missing:
             raise RuntimeError(f"sites {missing} did not start (see the warnings above); a federation starts with "
                                "all its sites")
-        if missing:
-            log.warning("sites %s did not take the new stage now; they will before their next round", missing)
         return replies
+
+    def _setup_changed(self) -> None:
+        """p or the stage changed: each site receives the new setup before its next message (one wave fewer per
+        change; a site that is away then catches up when it returns)."""
+        self.version += 1
 
     # -- the executor interface ------------------------------------------------------------------
     def start(self, config, source) -> list[ClientInfo]:  # type: ignore[override]
         self.config_json = records.to_json(config.to_dict())
         self.run_key = f"{self.run_key}-{hashlib.sha256(self.config_json.encode()).hexdigest()[:12]}"
         self.stage, self.reference, self.positive_ratio = 0, None, None
-        replies = self._setup_changed(require_all=True)
+        replies = self._start_sites()
         infos = [records.info_of(replies[k]) for k in range(self.num_sites)]
+        self.with_tests = [i.client_id for i in infos if i.num_test > 0]
         for k, info in enumerate(infos):
             if info.client_id != k:
                 raise RuntimeError(f"the node of site {k} answered as client {info.client_id}")
@@ -207,12 +213,12 @@ class FlowerExecutor(Executor):
 
     def configure(self, positive_ratio: np.ndarray) -> None:
         self.positive_ratio = np.asarray(positive_ratio)
-        self._setup_changed(require_all=False)
+        self._setup_changed()
 
     def begin_stage(self, reference: np.ndarray, reset_control_variates: bool) -> None:
         self.stage += 1
         self.reference, self.reset = np.asarray(reference, dtype=np.float32), reset_control_variates
-        self._setup_changed(require_all=False)
+        self._setup_changed()
 
     def run_round(self, state: GlobalState, plan: RoundPlan, fold: Callable[[PartialSum], None],
                   clients: Sequence[int] | None = None) -> None:
@@ -279,7 +285,7 @@ class FlowerExecutor(Executor):
                 setattr(updates[k], name, moved.astype(np.float32))
 
     def evaluate(self, state: GlobalState) -> list[Scores]:
-        ready = self.ensure_synced(range(self.num_sites))
+        ready = self.ensure_synced(self.with_tests)  # a site without a test split of its own is not asked
         replies = self.ask("evaluate", {k: records.global_state_content(state, self.header(k)) for k in ready})
         return [s for s in (records.scores_of(replies[k]) for k in sorted(replies)) if s is not None]
 

@@ -11,6 +11,7 @@ is lost, a node restarted with an empty state.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import uuid
@@ -93,8 +94,8 @@ class InProcessGrid(Grid):
             node = msg.metadata.dst_node_id
             if node in self.offline or node not in self.contexts:
                 continue
-            try:
-                reply = self.client_app(msg, self.contexts[node])
+            try:  # a node gets its own copy, as it would over the wire (a mod may change what it receives)
+                reply = self.client_app(copy.deepcopy(msg), self.contexts[node])
             except Exception as exc:  # as a SuperNode does: the error travels back as the reply
                 reply = Message(Error(code=1, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg)
             if self.lose_reply is not None and self.lose_reply(msg):
