@@ -8,6 +8,7 @@ trains without it.
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -37,11 +38,20 @@ def test_fdam_ray_runs_without_flower_and_the_bridge_says_what_to_install():
             print("refused:", exc)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-2000:]
     assert 'refused: fdam_ray.flower needs Flower: pip install "fdam-ray[flower]"' in out.stdout
 
 
+def test_a_simulation_reads_the_same_config_file_and_ignores_its_flower_section():
+    from fdam_ray.config import ConfigError, build_config
+
+    assert build_config({"algorithm": "codasca", "flower": {"secagg": True}}) == build_config({"algorithm": "codasca"})
+    with pytest.raises(ConfigError, match="unknown config field 'flowr_secagg'"):
+        build_config({"flowr": {"secagg": True}})
+
+
+os.environ["FLWR_TELEMETRY_ENABLED"] = "0"  # before flwr is imported: nothing leaves 127.0.0.0/8
 flwr = pytest.importorskip("flwr", reason="Flower is not installed (pip install \"fdam-ray[flower]\"): the Flower "
                                           "bridge's tests are skipped")
 
@@ -154,7 +164,7 @@ def test_under_secagg_the_server_sees_only_sums_and_the_run_is_within_the_quanti
 
 
 def test_a_site_that_requires_secagg_refuses_a_round_in_the_clear(data):
-    clients, test, folder = data
+    *_, folder = data
     grid = InProcessGrid(client_app, node_configs(folder, **{"require-secagg": True}))
     with pytest.raises(RuntimeError, match="no site's update reached the server"):
         flower_run(folder, CODASCA, grid)
@@ -248,7 +258,48 @@ def test_a_site_that_lost_its_state_rejoins_as_a_replaced_client(data, caplog):
 def test_the_flower_section_is_its_own_section_of_the_same_config():
     fields, flower = split_config({**CODASCA, "flower": {"secagg": True, "round_timeout_s": 30}})
     assert fields == CODASCA and flower.secagg and flower.round_timeout_s == 30
-    with pytest.raises(ConfigError, match="unknown field 'flower.secag'"):
+    with pytest.raises(ConfigError, match=r"unknown field 'flower\.secag'"):
         split_config({"flower": {"secag": True}})
-    with pytest.raises(ConfigError, match="flower.secagg_quantization_range"):
+    with pytest.raises(ConfigError, match=r"flower\.secagg_quantization_range"):
         split_config({"flower": {"secagg_quantization_range": 2**40}})
+
+
+@pytest.mark.slow
+def test_the_deployment_engine_with_tls_equals_the_inline_run(data, tmp_path):
+    """A SuperLink and 3 SuperNodes on 127.0.0.1 with TLS, started and stopped here by pid; ``flwr run`` submits
+    CODASCA (2 stages, eta_g 1.3), CODA+ and CODASCA under SecAgg+ in turn. Each message starts a ClientApp
+    process, so a run takes minutes on 2 busy cores."""
+    import yaml
+
+    from fdam_ray.flower.deployment import Consortium, _alive, write_app
+
+    clients, test, folder = data
+    small = dict(CODASCA, iterations=6, local_steps=2, stage_length=4, eval_every=6)
+    cases = [("codasca", small, {}), ("coda_plus", dict(small, algorithm="coda_plus"), {}),
+             ("secagg", dict(small, iterations=2, eval_every=2), {"secagg": True})]
+    app = write_app(tmp_path / "app")
+    with Consortium(tmp_path / "consortium", node_configs(folder, tmp_path / "site-state")) as consortium:
+        pids = [p.pid for p in consortium.processes.values()]
+        for name, case, flower in cases:
+            config = tmp_path / f"{name}.yaml"
+            config.write_text(yaml.safe_dump({**case, "num_clients": 3, "flower": {
+                "test_data": str(folder / "test.npz"), "round_timeout_s": 600, **flower}}))
+            consortium.run(app, config, tmp_path / f"{name}.npz", timeout=1200)
+            got = np.load(tmp_path / f"{name}.npz")
+            inline = fdam_ray.train_arrays(case, clients, test)
+            gap = max(float(np.abs(got[n].astype(np.float64) - x).max())
+                      for n, x in inline.state.vectors().items() if x is not None and x.size)
+            assert gap <= (SECAGG_TOLERANCE if flower else 1e-6), name
+        log = (tmp_path / "consortium" / "superlink.log").read_text()
+    assert "running on https://127.0.0.1:" in log  # TLS, loopback only
+    assert not [p for p in pids if _alive(p)]
+    assert len(list((tmp_path / "site-state").iterdir())) == 3
+
+
+@pytest.mark.slow
+def test_the_consortium_example_runs_quick(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "consortium.py"), "--quick", "--folder",
+                          str(tmp_path)], capture_output=True, text=True, timeout=1800,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "largest difference from the simulation's final state: 0.00e+00" in out.stdout

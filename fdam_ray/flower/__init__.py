@@ -22,6 +22,12 @@ Import this package only where Flower is installed (``pip install
 
 from __future__ import annotations
 
+import os
+
+# Flower reports usage events to its own server unless told not to, read once when flwr is imported: a
+# consortium's processes talk to its SuperLink only. FLWR_TELEMETRY_ENABLED=1 in the environment turns them on.
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+
 try:
     import flwr  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on the environment

@@ -22,9 +22,9 @@ import dataclasses
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
-from flwr.clientapp import ClientApp
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.client.mod import secaggplus_mod
+from flwr.clientapp import ClientApp
 
 from fdam_ray.flower import records
 from fdam_ray.flower.secagg import secure_round
@@ -52,8 +52,9 @@ def open_site(context: Context, cfg: ConfigRecord | None, *, check_run: bool = T
     if cfg is not None and check_run:
         if kept.run_key != cfg["run_key"] or kept.version != cfg["version"]:
             raise RuntimeError(f"site {site} is not in step with the server (run {kept.run_key or '-'} version "
-                               f"{kept.version}, server {cfg['run_key']} version {cfg['version']}): sync first")
-        kept.settle(int(cfg["counted"]))  # type: ignore[arg-type]
+                               f"{kept.version}, server {records.raw(cfg, 'run_key')} version "
+                               f"{records.raw(cfg, 'version')}): sync first")
+        kept.settle(records.integer(cfg, "counted"))
     return SiteCall(site, source, store, kept, context.node_config)
 
 
@@ -86,7 +87,7 @@ def hello(msg: Message, context: Context) -> Message:
     cfg = msg.content.config_records[records.CONFIG]
     same_run = call.kept.run_key == cfg["run_key"]
     src = call.source
-    return Message(RecordDict({records.CONFIG: ConfigRecord({
+    return Message(RecordDict({records.CONFIG: records.config({
         "site": call.site, "version": call.kept.version if same_run else 0,
         "input_shape": [int(d) for d in src.input_shape], "num_tasks": int(src.num_tasks),
         "task_names": [str(t) for t in src.task_names]})}), reply_to=msg)
@@ -99,19 +100,19 @@ def sync(msg: Message, context: Context) -> Message:
     kept = call.kept
     if kept.run_key != cfg["run_key"]:
         kept = call.kept = KeptState(run_key=str(cfg["run_key"]), replaced=bool(cfg["replaced"]))
-    kept.settle(int(cfg["counted"]))  # type: ignore[arg-type]
+    kept.settle(records.integer(cfg, "counted"))
     kept.config = str(cfg["config"])
     arrays = records.numpy_of(msg.content.array_records[records.ARRAYS])
     if "positive_ratio" in arrays:
         kept.positive_ratio = arrays["positive_ratio"]
-    stage = int(cfg["stage"])  # type: ignore[arg-type]
+    stage = records.integer(cfg, "stage")
     if stage > kept.stage:
         kept.reference = arrays["reference"]
         if cfg["reset"]:
             zero_control_variate(kept.client)
             kept.replaced = False  # the stage starts every c^k at zero
         kept.stage = stage
-    kept.version = int(cfg["version"])  # type: ignore[arg-type]
+    kept.version = records.integer(cfg, "version")
     info = build_client(call.site, call.source, kept).info()
     call.store.save(kept)
     return Message(records.info_content(info), reply_to=msg)
@@ -126,7 +127,7 @@ def train_round(msg: Message, context: Context) -> Message:
                               "(require-secagg); set flower.secagg: true on the server")
     update = local_round(call, records.global_state_of(msg.content), records.plan_of(cfg))
     return Message(RecordDict({records.STATE: records.arrays(update.vectors()),
-                               records.CONFIG: ConfigRecord(records.stats_config(update.stats))}), reply_to=msg)
+                               records.CONFIG: records.config(records.stats_config(update.stats))}), reply_to=msg)
 
 
 @app.train(mods=[secaggplus_mod])
@@ -138,7 +139,7 @@ def train_secure(msg: Message, context: Context) -> Message:
 def change(msg: Message, context: Context) -> Message:
     cfg = msg.content.config_records[records.CONFIG]
     call = open_site(context, None, check_run=False)
-    kept, wanted = call.kept, int(cfg["round"])  # type: ignore[arg-type]
+    kept, wanted = call.kept, records.integer(cfg, "round")
     if kept.pending is None or kept.pending_round != wanted or kept.pending_start is None:
         raise RuntimeError(f"site {call.site} holds no update of round {wanted}")
     new, old = kept.pending, kept.pending_start
@@ -166,5 +167,3 @@ def moments(msg: Message, context: Context) -> Message:
     return Message(records.moments_content(client.score_moments(records.global_state_of(msg.content))),
                    reply_to=msg)
 
-
-__all__ = ["app", "ArrayRecord"]

@@ -48,7 +48,7 @@ def make_certificates(folder: str | Path) -> Certificates:
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
 
     def name(text: str) -> x509.Name:
         return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, text)])
@@ -57,15 +57,17 @@ def make_certificates(folder: str | Path) -> Certificates:
         return builder.sign(key, hashes.SHA256())
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = signed(x509.CertificateBuilder().subject_name(name("fdam consortium CA")).issuer_name(name("fdam consortium CA"))
+    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=1)
+    authority = name("fdam consortium CA")
+    ca = signed(x509.CertificateBuilder().subject_name(authority).issuer_name(authority)
                 .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+                .not_valid_before(start).not_valid_after(end)
                 .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True), ca_key)
     key = ec.generate_private_key(ec.SECP256R1())
     sans = x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address(LOOPBACK))])
     cert = signed(x509.CertificateBuilder().subject_name(name("fdam superlink")).issuer_name(ca.subject)
                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                  .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+                  .not_valid_before(start).not_valid_after(end)
                   .add_extension(sans, critical=False), ca_key)
     out = Certificates(folder / "ca.crt", folder / "server.pem", folder / "server.key")
     out.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
@@ -143,7 +145,7 @@ class Consortium:
         self.processes: dict[str, subprocess.Popen] = {}
         self.home = self.folder / "flwr-home"
         bin_dir = str(Path(sys.executable).parent)  # Flower's processes start Flower's other commands by name
-        self.env = {**os.environ, "FLWR_HOME": str(self.home), "PYTHONUNBUFFERED": "1",
+        self.env = {**os.environ, "FLWR_HOME": str(self.home), "PYTHONUNBUFFERED": "1", "FLWR_TELEMETRY_ENABLED": "0",
                     "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
         self.env.pop("RAY_ADDRESS", None)
         self._write_connection()
@@ -166,7 +168,7 @@ root-certificates = "{self.certs.ca}"
         return found
 
     def _start(self, key: str, args: list[str]) -> subprocess.Popen:
-        logfile = open(self.folder / f"{key}.log", "ab")  # noqa: SIM115 (the process holds it)
+        logfile = open(self.folder / f"{key}.log", "ab")  # the process holds it; closed here after the start
         proc = subprocess.Popen(args, stdout=logfile, stderr=subprocess.STDOUT, env=self.env, cwd=self.folder,
                                 start_new_session=True)
         logfile.close()

@@ -26,6 +26,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
@@ -36,6 +37,10 @@ from fdam_ray.executors.base import Executor
 from fdam_ray.flower import records
 from fdam_ray.flower.section import FlowerSection
 from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, Moments, RoundPlan, Scores
+
+if TYPE_CHECKING:
+    from fdam_ray.config import Config
+    from fdam_ray.data import DataSource
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +110,7 @@ class FlowerExecutor(Executor):
         new = sorted(n for n in nodes if n not in self.site_of)
         if not new:
             return
-        cfg = ConfigRecord({"run_key": self.run_key})
+        cfg = records.config({"run_key": self.run_key})
         messages = [Message(RecordDict({records.CONFIG: cfg}), dst_node_id=n, message_type="query.hello")
                     for n in new]
         for reply in self.grid.send_and_receive(messages, timeout=self.flower.round_timeout_s):
@@ -116,13 +121,13 @@ class FlowerExecutor(Executor):
             self._adopt(reply.metadata.src_node_id, reply.content.config_records[records.CONFIG])
 
     def _adopt(self, node: int, said: ConfigRecord) -> None:
-        site = int(said["site"])  # type: ignore[arg-type]
+        site = records.integer(said, "site")
         if not 0 <= site < self.num_sites:
             log.warning("node %d says it is site %d; this run has sites 0..%d: ignored", node, site,
                         self.num_sites - 1)
             return
-        shapes = SiteShapes(tuple(int(d) for d in said["input_shape"]), int(said["num_tasks"]),  # type: ignore
-                            tuple(str(t) for t in said["task_names"]))  # type: ignore[union-attr]
+        shapes = SiteShapes(tuple(int(d) for d in records.raw(said, "input_shape")), records.integer(said, "num_tasks"),
+                            tuple(str(t) for t in records.raw(said, "task_names")))
         if self.shapes is None:
             self.shapes = shapes
         elif (shapes.input_shape, shapes.num_tasks) != (self.shapes.input_shape, self.shapes.num_tasks):
@@ -133,7 +138,7 @@ class FlowerExecutor(Executor):
             self.site_of.pop(old, None)
             log.warning("site %d is now node %d (was node %d)", site, node, old)
         self.node_of[site], self.site_of[node] = node, site
-        self.synced[site] = int(said["version"])  # type: ignore[arg-type]
+        self.synced[site] = records.integer(said, "version")
         if self.config_json and self.synced[site] == 0:
             self.replaced.add(site)
             log.warning("site %d kept no state of this run: it rejoins as a replaced client (c^k = the global c, "
@@ -173,7 +178,7 @@ class FlowerExecutor(Executor):
         cfg = self.header(site, config=self.config_json, stage=self.stage, reset=self.reset,
                           replaced=site in self.replaced)
         arrays = {"positive_ratio": self.positive_ratio, "reference": self.reference}
-        return RecordDict({records.CONFIG: ConfigRecord(cfg), records.ARRAYS: records.arrays(arrays)})
+        return RecordDict({records.CONFIG: records.config(cfg), records.ARRAYS: records.arrays(arrays)})
 
     def _start_sites(self) -> dict[int, RecordDict]:
         """Give every site the run's setup now (a federation starts with all its sites)."""
@@ -196,7 +201,7 @@ class FlowerExecutor(Executor):
         self.version += 1
 
     # -- the executor interface ------------------------------------------------------------------
-    def start(self, config, source) -> list[ClientInfo]:  # type: ignore[override]
+    def start(self, config: Config, source: DataSource) -> list[ClientInfo]:
         self.config_json = records.to_json(config.to_dict())
         self.run_key = f"{self.run_key}-{hashlib.sha256(self.config_json.encode()).hexdigest()[:12]}"
         self.stage, self.reference, self.positive_ratio = 0, None, None
@@ -269,7 +274,7 @@ class FlowerExecutor(Executor):
         update's control variate is replaced by the value whose weighted mean is that c."""
         if state.c_v is None or state.c_alpha is None:
             return
-        changes = self.ask("query.change", {k: RecordDict({records.CONFIG: ConfigRecord({"round": plan.round})})
+        changes = self.ask("query.change", {k: RecordDict({records.CONFIG: records.config({"round": plan.round})})
                                              for k in updates})
         missing = [k for k in updates if k not in changes]
         if missing:
@@ -280,7 +285,10 @@ class FlowerExecutor(Executor):
         for name, prev in (("c_v", state.c_v), ("c_alpha", state.c_alpha)):
             moved = prev.astype(np.float64).copy()
             for k in sorted(updates):
-                moved += w[k] * records.state_vectors(changes[k].array_records[records.STATE])[name] / total_all
+                change = records.state_vectors(changes[k].array_records[records.STATE])[name]
+                if change is None:
+                    raise RuntimeError(f"round {plan.round}: site {k} sent no change of {name}")
+                moved += w[k] * change / total_all
             for k in updates:
                 setattr(updates[k], name, moved.astype(np.float32))
 

@@ -46,6 +46,7 @@ from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key
 
 from fdam_ray.algorithms.server import PartialSum
+from fdam_ray.flower import records
 from fdam_ray.flower.section import FlowerSection
 from fdam_ray.state import GlobalState, RoundPlan, StepStats, vector_names
 
@@ -65,7 +66,7 @@ def secure_round(msg: Message, context: Context, open_call: Callable[[ConfigReco
     """The site's round inside the SecAgg+ protocol: the update as one scaled difference vector."""
     fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     cfg = fitins.config
-    header = ConfigRecord({k: cfg[k] for k in ("run_key", "version", "counted")})
+    header = records.config({k: cfg[k] for k in ("run_key", "version", "counted")})
     call = open_call(header)
     names = str(cfg["names"]).split(",")
     vectors: dict[str, np.ndarray | None] = dict.fromkeys(vector_names())
@@ -74,7 +75,8 @@ def secure_round(msg: Message, context: Context, open_call: Callable[[ConfigReco
     plan = RoundPlan(round=int(cfg["plan_round"]), stage=int(cfg["plan_stage"]), steps=int(cfg["plan_steps"]),
                      lr=float(cfg["plan_lr"]), iteration=int(cfg["plan_iteration"]), partial=True)
     update = local_round(call, state, plan)
-    weight = 1.0 if call_weight(call) is None else float(call_weight(call))  # type: ignore[arg-type]
+    own = call_weight(call)
+    weight = 1.0 if own is None else own
     scale = weight * float(cfg["scale"])
     parts = []
     for name in _SUMMED:
@@ -114,26 +116,26 @@ class _OneRound(Strategy):
         self.sites_done: list[int] = []
         self.metrics: list[dict] = []
 
-    def initialize_parameters(self, client_manager):  # type: ignore[no-untyped-def]
+    def initialize_parameters(self, client_manager):
         return None
 
-    def configure_fit(self, server_round, parameters, client_manager):  # type: ignore[no-untyped-def]
+    def configure_fit(self, server_round, parameters, client_manager):
         return self.instructions
 
-    def aggregate_fit(self, server_round, results, failures):  # type: ignore[no-untyped-def]
+    def aggregate_fit(self, server_round, results, failures):
         if results:
             self.mean = parameters_to_ndarrays(results[0][1].parameters)[0]
             self.sites_done = [proxy.node_id for proxy, _ in results]
             self.metrics = [dict(res.metrics) for _, res in results]
         return None, {}
 
-    def configure_evaluate(self, server_round, parameters, client_manager):  # type: ignore[no-untyped-def]
+    def configure_evaluate(self, server_round, parameters, client_manager):
         return []
 
-    def aggregate_evaluate(self, server_round, results, failures):  # type: ignore[no-untyped-def]
+    def aggregate_evaluate(self, server_round, results, failures):
         return None, {}
 
-    def evaluate(self, server_round, parameters):  # type: ignore[no-untyped-def]
+    def evaluate(self, server_round, parameters):
         return None
 
 
@@ -158,7 +160,7 @@ def run_secure_round(ex: FlowerExecutor, context: Context, flower: FlowerSection
     if len(sites) < 2:
         raise RuntimeError(f"round {plan.round}: secure aggregation needs at least 2 sites, {len(sites)} are ready")
     names = [n for n, x in state.vectors().items() if x is not None]
-    params = ndarrays_to_parameters([state.vectors()[n] for n in names])
+    params = ndarrays_to_parameters([x for x in state.vectors().values() if x is not None])
     planned = sum(_weight(ex, k) for k in sites)
     run_id = ex.grid.run.run_id
     instructions = []
@@ -170,7 +172,7 @@ def run_secure_round(ex: FlowerExecutor, context: Context, flower: FlowerSection
     strategy = _OneRound(instructions)
     legacy = LegacyContext(Context(run_id=context.run_id, node_id=context.node_id, node_config=context.node_config,
                                    state=RecordDict(), run_config=context.run_config), strategy=strategy)
-    legacy.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({Key.CURRENT_ROUND: plan.round})
+    legacy.state.config_records[MAIN_CONFIGS_RECORD] = records.config({Key.CURRENT_ROUND: plan.round})
     legacy.state.array_records[MAIN_PARAMS_RECORD] = compat.parameters_to_arrayrecord(Parameters([], ""), True)
     workflow = SecAggPlusWorkflow(_share(flower.secagg_num_shares), _share(flower.secagg_reconstruction_threshold),
                                   max_weight=1.0, clipping_range=flower.secagg_clipping_range,
@@ -194,7 +196,9 @@ def _partial_sum(ex: FlowerExecutor, state: GlobalState, plan: RoundPlan, strate
                  planned: float, *, sampled: bool) -> PartialSum:
     """The sites' weighted sums, rebuilt from the unmasked mean of their scaled differences."""
     n = len(done)
-    total = strategy.mean * n  # sum over the sites of s_k * difference (+ the stats)
+    if strategy.mean is None:
+        raise RuntimeError(f"round {plan.round}: secure aggregation returned no sum")
+    total: np.ndarray = strategy.mean * n  # sum over the sites of s_k * difference (+ the stats)
     body, stats = total[:-_STATS], total[-_STATS:]
     if stats[3] > 0.5:
         raise ValueError(f"round {plan.round}: an update held values outside flower.secagg_clipping_range="
@@ -220,7 +224,5 @@ def _partial_sum(ex: FlowerExecutor, state: GlobalState, plan: RoundPlan, strate
     out["counters"] = np.max(np.asarray(counters, dtype=np.int64), axis=0) if counters and counters[0] else \
         state.counters.copy()
     loss = float(stats[0]) / n
-    stat = StepStats(-1, loss, plan.steps, int(round(float(stats[1]) / SAMPLES_SCALE)), 0.0, finite=stats[2] < 0.5)
-    part = PartialSum(**out)  # type: ignore[arg-type]
-    part.weight, part.count, part.bytes_up, part.stats = weight, n, n * int(total.size) * 4, [stat]
-    return part
+    stat = StepStats(-1, loss, plan.steps, round(float(stats[1]) / SAMPLES_SCALE), 0.0, finite=stats[2] < 0.5)
+    return PartialSum.from_vectors(out, weight=weight, count=n, bytes_up=n * int(total.size) * 4, stats=[stat])

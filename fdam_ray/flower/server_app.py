@@ -23,7 +23,7 @@ from fdam_ray.algorithms import AlgorithmSection
 from fdam_ray.client import resolve_device
 from fdam_ray.config import build_config, load_config_file
 from fdam_ray.data import DataSource
-from fdam_ray.data.base import Split, as_labels
+from fdam_ray.data.base import Shard, Split, as_labels
 from fdam_ray.executors.base import ExecutorSection
 from fdam_ray.executors.inline import inline_threads
 from fdam_ray.federation import Federation, RunResult
@@ -49,7 +49,7 @@ class ServerSource(DataSource):
         self.task_names = shapes.task_names
         self.test_data = test_data
 
-    def client_shard(self, client_id: int):  # type: ignore[no-untyped-def]
+    def client_shard(self, client_id: int) -> Shard:
         raise ValueError("the server holds no site's data")
 
     def test_set(self) -> Split | None:
@@ -92,8 +92,9 @@ def flower_section(values: Mapping[str, Any]) -> FlowerSection:
 
 def write_result(result: RunResult, path: str | Path) -> None:
     """The final global state (its vectors) and the history, for whoever started the run."""
-    vectors = {k: v for k, v in result.state.vectors().items() if v is not None}
-    np.savez(path, **vectors, history=np.array(json.dumps(result.history, default=str)))
+    arrays: dict[str, Any] = {k: v for k, v in result.state.vectors().items() if v is not None}
+    arrays["history"] = np.array(json.dumps(result.history, default=str))
+    np.savez(path, **arrays)
 
 
 @app.main()

@@ -27,11 +27,11 @@ import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
-from flwr.app import ConfigRecord, RecordDict
+from flwr.app import RecordDict
 
 from fdam_ray.client import Client, ClientSection, resolve_device
 from fdam_ray.config import build_config
@@ -40,7 +40,7 @@ from fdam_ray.data.base import Shard, Split, as_labels
 from fdam_ray.executors.base import ExecutorSection
 from fdam_ray.executors.inline import inline_threads
 from fdam_ray.factories import resolve
-from fdam_ray.weights import safe_load
+from fdam_ray.flower import records
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class KeptState:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> KeptState:
-        raw = safe_load(io.BytesIO(data))
+        raw = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # tensors and plain values only
         out = cls(**raw)
         for name in ("positive_ratio", "reference"):
             value = getattr(out, name)
@@ -167,7 +167,7 @@ class SiteStore:
 
     def load(self) -> KeptState:
         if STATE_RECORD in self.state.config_records:
-            return KeptState.from_bytes(bytes(self.state.config_records[STATE_RECORD]["blob"]))  # type: ignore[arg-type]
+            return KeptState.from_bytes(bytes(cast(bytes, self.state.config_records[STATE_RECORD]["blob"])))
         if self.path is not None and self.path.exists():
             log.info("site state read from %s (the node's state was empty: a restarted SuperNode)", self.path)
             return KeptState.from_bytes(self.path.read_bytes())
@@ -175,7 +175,7 @@ class SiteStore:
 
     def save(self, kept: KeptState) -> None:
         data = kept.to_bytes()
-        self.state.config_records[STATE_RECORD] = ConfigRecord({"blob": data})
+        self.state.config_records[STATE_RECORD] = records.config({"blob": data})
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".site-", suffix=".tmp")
