@@ -28,8 +28,8 @@ class FlowerSection:
         secagg_clipping_range: SecAgg+ clips each value sent to [-range, range] before quantising.
         secagg_quantization_range: SecAgg+ maps [-range, range] onto this many integer levels.
         secagg_num_shares: SecAgg+ shares of each site's key (a fraction: of the round's sites).
-        secagg_reconstruction_threshold: shares needed to reconstruct a dropped site's mask (a fraction: of the
-            shares).
+        secagg_reconstruction_threshold: shares needed to reconstruct a site's masks (a fraction: of the shares;
+            0.7 of 3 sites is 2: one site may drop out mid-protocol, and no single site can unmask another).
         test_data: an ``.npz`` file (arrays ``x``, ``y``) the server scores the global model on; None: the
             sites' own test splits are the test set.
     """
@@ -40,7 +40,7 @@ class FlowerSection:
     secagg_clipping_range: float = 8.0
     secagg_quantization_range: int = 2**24
     secagg_num_shares: float = 1.0
-    secagg_reconstruction_threshold: float = 1.0
+    secagg_reconstruction_threshold: float = 0.7
     test_data: str | None = None
 
     def __post_init__(self) -> None:
