@@ -32,6 +32,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
+from fdam_ray.algorithms.sampling import client_weights
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.executors.base import Executor
 from fdam_ray.flower import records
@@ -211,8 +212,6 @@ class FlowerExecutor(Executor):
         for k, info in enumerate(infos):
             if info.client_id != k:
                 raise RuntimeError(f"the node of site {k} answered as client {info.client_id}")
-        from fdam_ray.algorithms.sampling import client_weights
-
         self.weights = client_weights(config.client_weighting, [i.num_train for i in infos])
         return infos
 

@@ -29,7 +29,7 @@ from fdam_ray.executors.inline import inline_threads
 from fdam_ray.federation import Federation, RunResult
 from fdam_ray.flower import secagg
 from fdam_ray.flower.executor import FlowerExecutor, SiteShapes
-from fdam_ray.flower.section import FlowerSection, split_config
+from fdam_ray.flower.section import split_config
 from fdam_ray.outputs import Observer, Observers, RunFolder
 from fdam_ray.schedules import ScheduleSection
 
@@ -84,10 +84,6 @@ def run_federation(grid: Grid, context: Context, values: Mapping[str, Any], *, s
         torch.set_num_threads(before)
     result.config = config
     return result
-
-
-def flower_section(values: Mapping[str, Any]) -> FlowerSection:
-    return split_config(values)[1]
 
 
 def write_result(result: RunResult, path: str | Path) -> None:
