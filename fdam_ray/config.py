@@ -243,7 +243,10 @@ def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> C
 def _given(values: Mapping[str, Any] | None, overrides: Mapping[str, Any]) -> dict[str, Any]:
     """The user's keys as flat field names (old names read as their new ones); an unknown key is an error. A run's
     ``config.yaml`` read back keeps the versions it ran under (:data:`VERSIONS_KEY`): a record, not a field."""
-    given = _flatten_sections({k: v for k, v in (values or {}).items() if k != VERSIONS_KEY})
+    # the `flower:` section is read by fdam_ray.flower (a consortium's settings); a simulation of the study ignores it
+    values = {k: v for k, v in (values or {}).items()
+              if k != VERSIONS_KEY and not (k == "flower" and isinstance(v, Mapping))}
+    given = _flatten_sections(values)
     given.update(_flatten_sections(overrides))
     given = _read_renamed(given)
     for key in given:
