@@ -13,8 +13,8 @@ import torch
 
 from fdam_ray.checkpoint import load_checkpoint
 from fdam_ray.config import ConfigError, build_config
-from fdam_ray.data.balanced import BalancedIndexStream, index_stream
-from fdam_ray.data.base import IndexStream, Split, make_sampler
+from fdam_ray.data.balanced import BalancedIndexStream, index_stream, make_sampler
+from fdam_ray.data.base import IndexStream, Split
 from fdam_ray.executors.inline import InlineExecutor
 from fdam_ray.pretrain import pretrain_config
 from fdam_ray.recipe import resume, run

@@ -33,7 +33,7 @@ import logging
 
 import torch
 
-from fdam_ray.data.base import IndexStream
+from fdam_ray.data.base import AnySplit, DatasetSplit, IndexStream, LoaderSampler, TensorSampler
 from fdam_ray.sections import FRACTION, Section, fail, setting, shared
 
 log = logging.getLogger(__name__)
@@ -117,3 +117,16 @@ def index_stream(labels: torch.Tensor, batch_size: int, seed: int, *, positive_s
                     "no positive" if n_pos == 0 else "only positive")
         return IndexStream(len(labels), batch_size, seed)
     return BalancedIndexStream(positive, batch_size, positive_share, seed)
+
+
+def make_sampler(split: AnySplit, batch_size: int, *, seed: int, device: torch.device,
+                 positive_sampling: str = "natural", positive_share: float = 0.5, who: str = "a client"):
+    """The sampler that fits the split: tensors in memory, or a DataLoader over a dataset; its batches drawn
+    naturally or with a set share of positives (:func:`index_stream`)."""
+    stream = None
+    if positive_sampling != "natural":
+        stream = index_stream(split.y, batch_size, seed, positive_sampling=positive_sampling,
+                              positive_share=positive_share, who=who)
+    if isinstance(split, DatasetSplit):
+        return LoaderSampler(split, batch_size, seed=seed, device=device, stream=stream)
+    return TensorSampler(split, batch_size, seed=seed, stream=stream)

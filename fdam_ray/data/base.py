@@ -385,16 +385,3 @@ class LoaderSampler:
             augment.set_state(state["augment"])
 
 
-def make_sampler(split: AnySplit, batch_size: int, *, seed: int, device: torch.device,
-                 positive_sampling: str = "natural", positive_share: float = 0.5, who: str = "a client"):
-    """The sampler that fits the split: tensors in memory, or a DataLoader over a dataset; its batches drawn
-    naturally or with a set share of positives (:mod:`fdam_ray.data.balanced`)."""
-    stream = None
-    if positive_sampling != "natural":
-        from fdam_ray.data.balanced import index_stream
-
-        stream = index_stream(split.y, batch_size, seed, positive_sampling=positive_sampling,
-                              positive_share=positive_share, who=who)
-    if isinstance(split, DatasetSplit):
-        return LoaderSampler(split, batch_size, seed=seed, device=device, stream=stream)
-    return TensorSampler(split, batch_size, seed=seed, stream=stream)

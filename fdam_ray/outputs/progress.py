@@ -2,9 +2,9 @@
 evaluation lines, each fitted to the terminal's width without cutting a number.
 
 A line wider than the terminal is wrapped between its fields (continuation lines indented), never inside a
-number, and the bar's text is shortened as the terminal narrows (the rate, then the time estimates and the
-stage and lr are left out), so that it too fits, down to 60 columns, without the terminal or tqdm cutting a
-number in two. Output that is not a terminal (a file, a pipe) keeps one line per evaluation unless
+number, and the bar's text is shortened as the terminal narrows (the rate, then the time estimates, and the
+stage and lr as room requires, are left out), so that it too fits, down to 60 columns, without the terminal or
+tqdm cutting a number in two. Output that is not a terminal (a file, a pipe) keeps one line per evaluation unless
 ``COLUMNS`` says how wide to be.
 """
 
@@ -159,12 +159,36 @@ class Progress(Observer):
             self.bar.set_postfix(round=plan.round, stage=plan.stage, lr=f"{plan.lr:.3g}", auc=f"{self.auc:.4f}",
                                  **shown, refresh=False)
         else:
-            self.bar.set_postfix_str(f"round={plan.round}, auc={self.auc:.4f}", refresh=False)
+            items = {"round": str(plan.round), "stage": str(plan.stage), "lr": f"{plan.lr:.3g}",
+                     "auc": f"{self.auc:.4f}", **shown}
+            self.bar.set_postfix_str(fitted_postfix(items, self.columns, self.bar.total), refresh=False)
         self.bar.update(plan.steps)
 
     def close(self, error: BaseException | None) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+SHOWN_FIRST = ("round", "auc", "val", "stage", "lr")  # what a narrow bar keeps, in this order
+BAR_MIN = 10  # columns the bar itself keeps
+
+
+def fitted_postfix(items: dict[str, str], columns: int, total: int) -> str:
+    """The bar's ``key=value`` text for a terminal ``columns`` wide (below :data:`WIDE_BAR`): as many of
+    ``items`` as fit beside the percentage, a bar of :data:`BAR_MIN` columns, the count and (from
+    :data:`TIMED_BAR` columns) the time estimates, taken in :data:`SHOWN_FIRST` order and shown in the order
+    given; round and AUC always."""
+    room = columns - len("100%|") - BAR_MIN - len(f"| {total}/{total}") - 2  # ", " before the text
+    if columns >= TIMED_BAR:
+        room -= len(" [00:00:00<00:00:00]")
+    chosen: set[str] = set()
+    for key in SHOWN_FIRST:
+        if key not in items:
+            continue
+        text = ", ".join(f"{k}={v}" for k, v in items.items() if k in chosen | {key})
+        if key in ("round", "auc") or len(text) <= room:
+            chosen.add(key)
+    return ", ".join(f"{k}={v}" for k, v in items.items() if k in chosen)
 
 
 def bar_format(columns: int) -> str | None:
