@@ -113,13 +113,8 @@ class Evaluator:
             raise ValueError("the dataset has neither a test set nor client test splits")
         if self._warn_one_class:
             self._warn_one_class = False
-            sets = [("the test set" if s is not None else "the pooled test set (the clients' test splits)",
-                     labels, "the pooled test AUC")]
-            sets += [(f"client {self._label(p)}'s test split", p.labels, f"client {self._label(p)}'s AUC")
-                     for p in parts]
-            problems = one_class_problems(sets, self.task_names)
-            if problems:
-                log.warning("%s (an AUC needs positives and negatives)", "; ".join(problems))
+            self._warn_if_one_class(("the test set" if s is not None else "the pooled test set (the clients' test "
+                                     "splits)", labels, "the pooled test AUC"), parts, "test split", "AUC")
         return self._aucs("test", scores, labels, parts)
 
     def _score_validation(self, state: GlobalState) -> dict:
@@ -133,13 +128,19 @@ class Evaluator:
         scores, labels = pooled([(p.scores, p.labels) for p in parts])
         if self._warn_one_class_val:
             self._warn_one_class_val = False
-            sets = [("the pooled validation set", labels, "val_auc")]
-            sets += [(f"client {p.client_id}'s validation part", p.labels, f"client {p.client_id}'s val AUC")
-                     for p in parts]
-            problems = one_class_problems(sets, self.task_names)
-            if problems:
-                log.warning("%s (an AUC needs positives and negatives)", "; ".join(problems))
+            self._warn_if_one_class(("the pooled validation set", labels, "val_auc"), parts, "validation part",
+                                    "val AUC")
         return self._aucs("val", scores, labels, parts)
+
+    def _warn_if_one_class(self, pooled_set: tuple[str, np.ndarray, str], parts: Sequence[Scores], part: str,
+                           auc: str) -> None:
+        """One warning naming every set (the pooled one, then each client's ``part``) whose labels hold one class
+        for a task, so that its AUC is NaN."""
+        sets = [pooled_set] + [(f"client {self._label(p)}'s {part}", p.labels, f"client {self._label(p)}'s {auc}")
+                               for p in parts]
+        problems = one_class_problems(sets, self.task_names)
+        if problems:
+            log.warning("%s (an AUC needs positives and negatives)", "; ".join(problems))
 
     def _aucs(self, prefix: str, scores: np.ndarray, labels: np.ndarray, parts: Sequence[Scores]) -> dict:
         """``<prefix>_auc`` (pooled), ``<prefix>_samples``, and where there are several tasks or client parts

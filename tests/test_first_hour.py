@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from raytest import pids_using
 
 import fdam_ray
 from fdam_ray.cli import main
@@ -223,17 +224,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pids_using(folder: str) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if folder in (proc / "cmdline").read_bytes().decode(errors="replace"):
-                    pids.append(int(proc.name))
-            except OSError:
-                continue
-    return pids
-
 
 def stop_head(head: subprocess.Popen, temp: str) -> None:
     """Stop a `ray start --block` head and what it started (by process group and by its temp folder)."""
@@ -243,7 +233,7 @@ def stop_head(head: subprocess.Popen, temp: str) -> None:
             head.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
-    for pid in _pids_using(temp):  # what the head left, and only that
+    for pid in pids_using(temp):  # what the head left, and only that
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

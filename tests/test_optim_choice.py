@@ -10,12 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from interrupted import crash_in_round
 
 from fdam_ray.checkpoint import load_checkpoint
 from fdam_ray.config import ConfigError, build_config
 from fdam_ray.data.balanced import BalancedIndexStream, index_stream, make_sampler
 from fdam_ray.data.base import IndexStream, Split
-from fdam_ray.executors.inline import InlineExecutor
 from fdam_ray.pretrain import pretrain_config
 from fdam_ray.recipe import resume, run
 
@@ -51,21 +51,12 @@ def test_momentum_zero_and_natural_sampling_are_the_plain_run_and_keep_no_client
                                    {"momentum": 0.5, "positive_sampling": "balanced", "algorithm": "coda_plus"}])
 def test_a_resumed_run_with_momentum_or_balanced_batches_equals_the_uninterrupted_one(tmp_path, monkeypatch, extra):
     full = run(cfg(tmp_path / "a", **extra))
-    original = InlineExecutor.run_round
-
-    def crash_in_round_11(self, state, plan, fold):
-        if plan.round == 11:
-            raise KeyboardInterrupt
-        return original(self, state, plan, fold)
-
-    monkeypatch.setattr(InlineExecutor, "run_round", crash_in_round_11)
-    with pytest.raises(KeyboardInterrupt):
+    with crash_in_round(monkeypatch, 11):
         run(cfg(tmp_path / "b", **extra))
     saved = load_checkpoint(tmp_path / "b" / "run" / "checkpoint.pt")
     assert saved.loop.state.round == 8
     if "momentum" in extra:
         assert all(np.abs(s["moments"][0]).sum() > 0 for s in saved.clients)  # the buffers are in it
-    monkeypatch.setattr(InlineExecutor, "run_round", original)
     resumed = resume(tmp_path / "b" / "run")
     assert_same_state(resumed, full)
     assert [h["test_auc"] for h in resumed.history] == [h["test_auc"] for h in full.history]
@@ -142,17 +133,8 @@ def test_adam_pretraining_takes_adams_step_and_resumes_exactly(tmp_path, monkeyp
     assert not np.array_equal(adam.state.v, sgd.state.v)
     # the Adam moments are client state: a pre-training stopped half-way and resumed ends where the full one does
     full = run(cfg(tmp_path / "full", algorithm="fedavg", objective="bce", local_optimizer="adam"))
-    original = InlineExecutor.run_round
-
-    def crash_in_round_7(self, state, plan, fold):
-        if plan.round == 7:
-            raise KeyboardInterrupt
-        return original(self, state, plan, fold)
-
-    monkeypatch.setattr(InlineExecutor, "run_round", crash_in_round_7)
-    with pytest.raises(KeyboardInterrupt):
+    with crash_in_round(monkeypatch, 7):
         run(cfg(tmp_path / "cut", algorithm="fedavg", objective="bce", local_optimizer="adam"))
-    monkeypatch.setattr(InlineExecutor, "run_round", original)
     assert_same_state(resume(tmp_path / "cut" / "run"), full)
 
 

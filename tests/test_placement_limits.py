@@ -14,12 +14,11 @@ import tempfile
 import textwrap
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
-from raytest import ray_session
+from raytest import pids_using, ray_session
 
 from fdam_ray.config import build_config
 from fdam_ray.executors.ray import compat, placement
@@ -152,17 +151,6 @@ VANISHING_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _pids_using(folder: str) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and int(proc.name) != os.getpid():
-            try:
-                if folder in (proc / "cmdline").read_bytes().decode(errors="replace"):
-                    pids.append(int(proc.name))
-            except OSError:
-                continue
-    return pids
-
 
 @pytest.mark.slow  # a cluster of its own, killed: about a minute here
 def test_a_joined_cluster_that_goes_away_mid_placement_is_one_line():
@@ -172,7 +160,7 @@ def test_a_joined_cluster_that_goes_away_mid_placement_is_one_line():
         out = subprocess.run([sys.executable, "-c", VANISHING_SCRIPT], capture_output=True, text=True, timeout=300,
                              env=env)
     finally:
-        for pid in _pids_using(temp):  # what the killed cluster left behind, and only that
+        for pid in pids_using(temp):  # what the killed cluster left behind, and only that
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from interrupted import crash_in_round
 
 import fdam_ray
 from fdam_ray.checkpoint import load_checkpoint
@@ -20,7 +21,6 @@ from fdam_ray.data import DatasetSplit, Shard, Split
 from fdam_ray.data.base import RowsOf, hold_out_validation
 from fdam_ray.data.partition import validation_rows
 from fdam_ray.evaluation import Evaluator
-from fdam_ray.executors.inline import InlineExecutor
 from fdam_ray.outputs import grouped_scalars, scalars
 from fdam_ray.recipe import resume, run
 from fdam_ray.state import GlobalState
@@ -243,20 +243,11 @@ def test_the_console_shows_the_validation_auc_beside_the_test_auc(tmp_path, caps
 def test_resume_keeps_the_best_validation_point_and_its_state(tmp_path, monkeypatch):
     scripted_val_auc(monkeypatch, peak_iteration=18)
     full = run(cfg(tmp_path / "a"))
-    original = InlineExecutor.run_round
-
-    def crash_in_round_11(self, state, plan, fold):
-        if plan.round == 11:
-            raise KeyboardInterrupt
-        return original(self, state, plan, fold)
-
-    monkeypatch.setattr(InlineExecutor, "run_round", crash_in_round_11)
-    with pytest.raises(KeyboardInterrupt):
+    with crash_in_round(monkeypatch, 11):
         run(cfg(tmp_path / "b"))
     saved = load_checkpoint(tmp_path / "b" / "run" / "checkpoint.pt").loop
     assert saved.state.round == 8 and saved.best_val_iteration == 18 and saved.best_val_auc == 0.9
     assert isinstance(saved.best_val_state, GlobalState) and saved.best_val_state.iteration == 18
-    monkeypatch.setattr(InlineExecutor, "run_round", original)
     resumed = resume(tmp_path / "b" / "run")
     np.testing.assert_array_equal(resumed.state.v, full.state.v)
     for key in ("best_val_auc", "best_iteration", "best_test_auc", "final_val_auc"):
