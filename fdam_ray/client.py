@@ -251,7 +251,7 @@ class Client:
                         "samples", self.label, len(self.train), config.batch_size)
         self.sampler = make_sampler(self.train, config.batch_size, seed=config.seed * 1_000_003 + client_id,
                                     device=device, positive_sampling=config.positive_sampling,
-                                    positive_share=config.positive_share, who=f"client {client_id}")
+                                    positive_share=config.positive_share, who=f"client {self.label}")
         self.cv = self.replica.new_control_variate()  # (c_v^k, c_alpha^k) tensors, or None
         self.moments = self.replica.solver.new_moments()  # the local step's momentum / Adam moments, or None
         weights = client_weights(config.client_weighting, [len(self.train)])

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 import torch
 
@@ -67,13 +68,12 @@ class SamplingSection(Section):
                        "alpha is taken over the clients' whole data)")
 
 
-def objective_positive_ratio(config: object) -> float | None:
+def objective_positive_ratio(config: Any) -> float | None:
     """The p a run's objective is given: ``positive_ratio`` when set, else the batches' positive share under
     balanced sampling, else None (the data's global ratio, from the clients' counts)."""
-    fixed = getattr(config, "positive_ratio", None)
-    if fixed is not None or getattr(config, "positive_sampling", "natural") != "balanced":
-        return fixed
-    return float(getattr(config, "positive_share"))  # noqa: B009
+    if config.positive_ratio is not None or config.positive_sampling != "balanced":
+        return config.positive_ratio
+    return float(config.positive_share)
 
 
 class BalancedIndexStream:
@@ -123,10 +123,8 @@ def make_sampler(split: AnySplit, batch_size: int, *, seed: int, device: torch.d
                  positive_sampling: str = "natural", positive_share: float = 0.5, who: str = "a client"):
     """The sampler that fits the split: tensors in memory, or a DataLoader over a dataset; its batches drawn
     naturally or with a set share of positives (:func:`index_stream`)."""
-    stream = None
-    if positive_sampling != "natural":
-        stream = index_stream(split.y, batch_size, seed, positive_sampling=positive_sampling,
-                              positive_share=positive_share, who=who)
+    stream = index_stream(split.y, batch_size, seed, positive_sampling=positive_sampling,
+                          positive_share=positive_share, who=who)
     if isinstance(split, DatasetSplit):
         return LoaderSampler(split, batch_size, seed=seed, device=device, stream=stream)
     return TensorSampler(split, batch_size, seed=seed, stream=stream)
