@@ -48,6 +48,7 @@ from round_overhead import WideSource
 from fdam_ray.algorithms import AlgorithmSection, build_algorithm
 from fdam_ray.client import Replica
 from fdam_ray.config import build_config
+from fdam_ray.executors.ray.compat import loopback_node
 from fdam_ray.executors.ray.executor import RayExecutor
 from fdam_ray.executors.ray.transports import REGISTRY, transport_for
 from fdam_ray.state import RoundPlan
@@ -59,11 +60,14 @@ TARGET_ROUND_RATIO = 0.6  # node's round time at most this times star's at the l
 
 
 def start_cluster(nodes: int, clients_per_node: int, store_bytes: int) -> Cluster:
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
-                                                            "object_store_memory": store_bytes})
-    for i in range(nodes):
-        cluster.add_node(num_cpus=clients_per_node, resources={f"site_{i}": 1}, object_store_memory=store_bytes)
-    ray.init(address=cluster.address, log_to_driver=False)
+    with loopback_node():  # every node, and this driver, on 127.0.0.1
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                                "object_store_memory": store_bytes,
+                                                                "node_ip_address": "127.0.0.1"})
+        for i in range(nodes):
+            cluster.add_node(num_cpus=clients_per_node, resources={f"site_{i}": 1}, object_store_memory=store_bytes,
+                             node_ip_address="127.0.0.1")
+        ray.init(address=cluster.address, log_to_driver=False)
     cluster.wait_for_nodes()
     return cluster
 
