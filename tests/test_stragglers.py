@@ -129,7 +129,7 @@ def test_a_deadline_no_client_misses_changes_nothing_bit_for_bit(ray_session):
 
 def test_a_late_client_sits_the_round_out_as_a_sampled_out_one_and_comes_back(ray_session):
     clients, test = gaussian_clients(num_clients=3)
-    source = raytest.SlowClientSource(ArraysSource(clients, test), slow=1, delay_s=0.1)
+    source = raytest.SlowClientSource(ArraysSource(clients, test), slow=1, delay_s=0.3)
     config = build_config(dict(SMALL, batch_size=8, algorithm="codasca", dataset="arrays", num_clients=3,
                                executor="ray", round_deadline=2.0))
     with RayExecutor() as ex:
@@ -145,10 +145,10 @@ def test_a_late_client_sits_the_round_out_as_a_sampled_out_one_and_comes_back(ra
         ex.run_round(state, RoundPlan(1, 1, 2, 0.1, 0, partial=True), fold)
         took = time.monotonic() - t0
         assert folded == [0, 2] and list(ex.late) == [1]
-        assert took < 2.0 + 1.2  # the deadline, not the slow client's 1.6 s + start-up
+        assert took < 2.0 + 1.5  # the deadline, not the slow client's 4.8 s
         after = ex.client_states()  # queued behind the late call and its roll-back
         np.testing.assert_array_equal(after[1]["c_v"], before[1]["c_v"])  # as a client not sampled
-        assert after[1]["sampler"]["pos"] == before[1]["sampler"]["pos"]
+        assert after[1]["sampler"]["stream"]["pos"] == before[1]["sampler"]["stream"]["pos"]
         assert not np.array_equal(after[0]["c_v"], before[0]["c_v"])  # those that made it moved
         # ready for the next round without a restart: with min_clients=3 the round waits for it
         ex.deadline = Deadline(2.0, None, 3)
@@ -160,7 +160,7 @@ def test_a_late_client_sits_the_round_out_as_a_sampled_out_one_and_comes_back(ra
 
 def test_a_run_with_a_straggler_records_its_sets_warns_and_replays(ray_session, tmp_path, caplog):
     clients, test = gaussian_clients(num_clients=3)
-    source = raytest.SlowClientSource(ArraysSource(clients, test), slow=2, delay_s=0.05)
+    source = raytest.SlowClientSource(ArraysSource(clients, test), slow=2, delay_s=0.1)
     cfg = dict(SMALL, batch_size=8, algorithm="codasca", dataset="arrays", num_clients=3, iterations=8,
                eval_every=4, out_dir=str(tmp_path), run_name="live")
     with caplog.at_level(logging.WARNING, logger="fdam_ray"):
