@@ -24,13 +24,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import raytest  # noqa: E402
-from sample_clients import gaussian_clients  # noqa: E402
+import raytest
+from sample_clients import gaussian_clients
 
-from fdam_ray.config import build_config  # noqa: E402
-from fdam_ray.data.arrays import ArraysSource  # noqa: E402
-from fdam_ray.executors.ray.executor import RayExecutor  # noqa: E402
-from fdam_ray.state import RoundPlan  # noqa: E402
+from fdam_ray.config import build_config
+from fdam_ray.data.arrays import ArraysSource
+from fdam_ray.executors.ray.executor import RayExecutor
+from fdam_ray.state import RoundPlan
 
 RESULTS = Path(__file__).resolve().parent / "results" / "stragglers.md"
 

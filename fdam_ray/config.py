@@ -33,8 +33,8 @@ from fdam_ray.algorithms.presets import PRESETS, Preset
 from fdam_ray.client import ClientSection
 from fdam_ray.coercion import CommandLineText, Field, coerce, from_text
 from fdam_ray.data.balanced import SamplingSection
-from fdam_ray.deadlines import DeadlineSection
 from fdam_ray.data.sections import CHESTXRAY_SOURCES, DATASET_NAMES, ChestXraySection, DataSection, SyntheticSection
+from fdam_ray.deadlines import DeadlineSection
 from fdam_ray.evaluation import ValidationSection
 from fdam_ray.executors.base import ExecutorSection
 from fdam_ray.executors.ray_section import RaySection
