@@ -9,12 +9,13 @@ client sampling left out: its c^k and sampler position stay as they were
 (its actor rolls the round back once the late call ends, and the late result
 is discarded, never folded later), the means of v, alpha and BatchNorm
 statistics renormalise over the clients that made it, and c moves by their
-changes over the total weight of all clients. So that a late client can be
-left out of any round, a run with a deadline (or a replayed one) runs every
-round of an algorithm with control variates under the partial rule (clients
-send the change of c^k): such a run equals one without deadline to float32
-rounding of c, and an algorithm without control variates equals it bit for
-bit.
+changes over the total weight of all clients. A round every client was
+asked to run sends c^k as usual (so a deadline no client misses changes
+nothing, bit for bit); when a client misses it, each actor that made it sends
+the weighted sum of its clients' changes of c^k (it kept their states from
+before the round), folded in the order and arithmetic of a sampled round of
+the clients that made it (:func:`as_sampled_round`): under ``reduce: star``
+with ``fold_order: client`` the run equals its replay bit for bit.
 
 Each round whose participants differ from the plan (the sampled set, or every
 client) is recorded (round -> its clients) in the checkpoint and in the next
@@ -32,6 +33,8 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from fdam_ray.redact import short
 from fdam_ray.sections import AT_LEAST_ONE, Section, fail, setting, shared
@@ -180,3 +183,20 @@ def read_record(where: str) -> dict[int, list[int]]:
 def parse_record(record: Mapping[str, Sequence[int]]) -> dict[int, list[int]]:
     """A record as stored (str(round) -> clients) to round -> sorted clients."""
     return {int(r): sorted(int(k) for k in clients) for r, clients in record.items()}
+
+
+def as_sampled_round(reducer: Any, executor: Any, round_index: int, total_weight: float) -> None:
+    """Make a round every client was asked to run, and that some missed, fold as a sampled round of those that
+    made it (s.3b): the reducer's sums of c^k become the sums of their changes (sent by their actors,
+    :meth:`~fdam_ray.executors.ray.executor.RayExecutor.round_changes`), and c moves by them over
+    ``total_weight`` (that of all clients). Nothing to do without control variates."""
+    sums = reducer.sums
+    if not sums.control_variates:
+        return
+    changes = executor.round_changes(round_index)
+    for i, name in enumerate(("c_v", "c_alpha")):
+        total = getattr(sums, name)
+        total.fill(0)
+        for part in changes:
+            np.add(total, part[i], out=total)
+    reducer.partial_total = total_weight

@@ -40,7 +40,7 @@ from fdam_ray.checkpoint import Checkpoint, ClientState, LoopState
 from fdam_ray.client import Replica, all_finite
 from fdam_ray.data import DataSource
 from fdam_ray.data.balanced import objective_positive_ratio
-from fdam_ray.deadlines import DeadlineSection, MissedRounds, read_record
+from fdam_ray.deadlines import DeadlineSection, MissedRounds, as_sampled_round, read_record
 from fdam_ray.evaluation import Evaluator
 from fdam_ray.executors import Executor
 from fdam_ray.executors.errors import PlacementError
@@ -166,8 +166,7 @@ class Federation:
         sampled = self.algorithm.participants(self.config.seed, plan.round, self.num_clients)
         clients = self.forced.get(plan.round, sampled)  # a replayed record's set
         total = None
-        if clients is not None or self.deadlines.tolerant:  # a sampled round: c stays the mean over all clients
-            # (s.3b); with a deadline any round may end up one
+        if clients is not None:  # a sampled round: c stays the mean over all clients (s.3b)
             plan = dataclasses.replace(plan, partial=True)
             total = float(self.num_clients if self.client_weights is None else self.client_weights.sum())
         reducer = self.algorithm.reducer(loop.state, weights=self.client_weights, partial_total=total)
@@ -180,10 +179,15 @@ class Federation:
                                           f"or infinite update (loss {stats.loss}); lower lr or set grad_clip")
             reducer.fold(update)
 
+        asked = self.executor.active_clients
         if clients is None:
             self.executor.run_round(loop.state, plan, fold)
         else:
             self.executor.run_round(loop.state, plan, fold, clients)
+        if self.deadlines.round_deadline is not None and not plan.partial and reducer.count < asked:
+            # a client missed the deadline of a round every client ran: fold it as a round of those that made it
+            as_sampled_round(reducer, self.executor, plan.round, float(
+                self.num_clients if self.client_weights is None else self.client_weights.sum()))
         if self.deadlines.tolerant:
             self._note_participants(loop, plan.round, sampled, clients, [st.client_id for st in reducer.stats])
         loop.bytes_down += (self.executor.active_clients if clients is None else reducer.count) * loop.state.nbytes

@@ -118,11 +118,11 @@ def ray_session():
 
 def test_a_deadline_no_client_misses_changes_nothing_bit_for_bit(ray_session):
     clients, test = gaussian_clients(num_clients=3)
-    cfg = dict(SMALL, algorithm="coda_plus", iterations=6, executor="ray")
+    cfg = dict(SMALL, algorithm="codasca", iterations=6, executor="ray")
     plain = fdam_ray.train_arrays(cfg, clients, test)
     for reduce in ("star", "node"):
         timed = fdam_ray.train_arrays(dict(cfg, round_deadline=600, reduce=reduce), clients, test)
-        for name in ("v", "alpha", "buffers"):
+        for name in ("v", "alpha", "buffers", "c_v", "c_alpha"):
             np.testing.assert_array_equal(getattr(timed.state, name), getattr(plain.state, name))
         assert timed.history[-1]["participation"] == ""
 
@@ -174,5 +174,5 @@ def test_a_run_with_a_straggler_records_its_sets_warns_and_replays(ray_session, 
     replay = run(build_config(dict(cfg, executor="inline", run_name="replay",
                                    participation_record=str(live.run_dir))),
                  source=ArraysSource(clients, test), save=False)
-    for name in ("v", "alpha", "buffers", "c_v", "c_alpha"):
-        np.testing.assert_allclose(getattr(replay.state, name), getattr(live.state, name), rtol=1e-6, atol=1e-7)
+    for name in ("v", "alpha", "buffers", "c_v", "c_alpha"):  # inline folds in client order, as fold_order=client
+        np.testing.assert_array_equal(getattr(replay.state, name), getattr(live.state, name), err_msg=name)

@@ -200,6 +200,31 @@ class ClientShell:
         self._before = (None, {})
         return sorted(before)
 
+    def round_changes(self, round_index: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The weighted sums over this actor's clients of round ``round_index`` of the change of c^k,
+        sum_k w_k (c^k_new - c^k_old) for (c_v, c_alpha), folded in the order and the arithmetic of the partial
+        sum such a round sends when it is sampled: what the driver folds instead of the sums of c^k when another
+        client missed the deadline of a round that every client was asked to run. None without control
+        variates."""
+        kept_round, before = self._before
+        if kept_round != round_index or not before:
+            return None
+        totals: tuple[np.ndarray, np.ndarray] | None = None
+        for k, old in before.items():
+            client = self.clients[k]
+            new = client.control_variate()
+            if new is None or old["c_v"] is None:
+                return None
+            changes = [np.subtract(n, o, dtype=np.float32) for n, o in zip(new, (old["c_v"], old["c_alpha"]),
+                                                                            strict=True)]
+            if client.weight is not None:
+                changes = [np.multiply(x, np.float32(client.weight)) for x in changes]
+            if totals is None:
+                totals = (np.zeros_like(changes[0]), np.zeros_like(changes[1]))
+            for total, x in zip(totals, changes, strict=True):
+                np.add(total, x, out=total)
+        return totals
+
     def compiled_round(self, message: tuple) -> PartialSum | None:
         """One round under ``transport: compiled`` (on the graph's thread): ``message`` is
         ``(state, plan, calls)`` with ``calls`` mapping an actor index to its ``(client_ids, adopt_global_c)``;

@@ -95,6 +95,7 @@ class RayExecutor(Executor):
         self._put_ref: Any = None
         self.deadline: Deadline | None = None
         self.late: dict[int, Any] = {}  # actor -> the roll-back queued behind its late round call
+        self.fold_order: list[int] = []  # with a deadline: the actors whose sums the last round folded, in order
 
     # -- what tests and diagnostics read -------------------------------------------------------
     @property
@@ -214,11 +215,27 @@ class RayExecutor(Executor):
         # an actor with no client in the round is not called
         targets = [a for a in fleet.actors if any(k in chosen for k in fleet.hosted.get(a, ()))]
         assert self.transport is not None
-        round = Round(state, plan, fold, targets, work, call, self.deadline)
+        self.fold_order = []
+        owner = {k: a for a, ids in fleet.hosted.items() for k in ids}
+
+        def noted(partial: PartialSum) -> None:
+            self.fold_order.extend(owner[s.client_id] for s in partial.stats)
+            fold(partial)
+
+        round = Round(state, plan, noted if self.deadline is not None else fold, targets, work, call, self.deadline)
         self.transport.run_round(round)
         for a in round.late:  # queued behind the late call: the actor's clients as they were before the round
             if a in fleet.actors:
                 self.late[a] = fleet.actors[a].discard_round.remote(plan.round)
+
+    def round_changes(self, round_index: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """After a round with a deadline that some client missed: each actor that made it sends the weighted sum
+        of its clients' changes of c^k (:meth:`ClientShell.round_changes`), in the order their partial sums were
+        folded, so the round folds as a round of the clients that made it would."""
+        fleet = self._fleet
+        actors = list(dict.fromkeys(a for a in self.fold_order if a in fleet.actors))
+        refs = [fleet.actors[a].round_changes.remote(round_index) for a in actors]
+        return [got for got in ray.get(refs, timeout=self.timeout) if got is not None]
 
     def _still_late(self) -> set[int]:
         """The clients of actors whose late call of an earlier round (and its roll-back) has not ended: they sit
