@@ -109,6 +109,21 @@ def test_a_checkpoint_keeps_the_record_and_older_ones_read_without(tmp_path):
         read_record(str(tmp_path / "nowhere"))
 
 
+def test_a_resumed_replay_equals_the_uninterrupted_one(tmp_path):
+    clients, test = uneven_clients()
+    cfg = dict(model="linear", batch_size="full", eval_every=1000, seed=0, executor="inline", algorithm="codasca",
+               local_steps=3, iterations=18, lr=0.3, stage_length=9, checkpoint_every=1)
+    record_dir = _recorded_run(tmp_path, cfg, clients, test, {2: [0, 2], 5: [1]})
+    cfg = dict(cfg, participation_record=str(record_dir), out_dir=str(tmp_path))
+    whole = fdam_ray.train_arrays(cfg, clients, test)
+    config = build_config(dict(cfg, dataset="arrays", num_clients=3, iterations=9, run_name="half"))
+    run(config, source=ArraysSource(clients, test), save=True)
+    resumed = fdam_ray.resume(tmp_path / "half", {"iterations": 18}, source=ArraysSource(clients, test))
+    for name in ("v", "alpha", "c_v", "c_alpha"):
+        np.testing.assert_array_equal(getattr(resumed.state, name), getattr(whole.state, name), err_msg=name)
+    assert load_checkpoint(tmp_path / "half" / "checkpoint.pt").loop.participation == {"2": [0, 2], "5": [1]}
+
+
 # -- on Ray -------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ray_session():
