@@ -158,6 +158,9 @@ class LoopState:
     best_val_auc: float | None = None
     best_val_iteration: int | None = None
     best_val_state: GlobalState | None = None
+    # str(round) -> its clients, for each round whose participants were not the plan's (a missed round deadline,
+    # fdam_ray.deadlines); written only when it holds one, and older checkpoints read it as empty
+    participation: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     @property
     def state(self) -> GlobalState:
@@ -236,7 +239,8 @@ def _loop_payload(loop: LoopState) -> dict:
     out = {_key(name): value for name, value in _fields(loop.server).items()}
     out["state"] = _fields(loop.state)
     out.update((name, value) for name, value in _fields(loop).items()
-               if name != "server" and not (name in _LOOP_ADDED and value is None))  # unset: written as before
+               if name != "server" and not (name in _LOOP_ADDED and value is None)  # unset: written as before
+               and not (name == "participation" and not value))
     out["position"] = _fields(loop.position)
     if loop.best_val_state is not None:
         out["best_val_state"] = _fields(loop.best_val_state)
@@ -273,6 +277,7 @@ def _loop_from(payload: dict, path: str | Path) -> LoopState:
     values["position"] = _build(Position, values["position"], path, "schedule position")
     for name in _LOOP_ADDED:  # absent from files written before they were added
         values.setdefault(name, None)
+    values.setdefault("participation", {})
     if isinstance(values["best_val_state"], dict):
         values["best_val_state"] = _build(GlobalState, values["best_val_state"], path, "best state", defaults=True)
     return _build(LoopState, {"server": _build(ServerState, server, path, "server state"), **values}, path,

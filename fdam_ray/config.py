@@ -34,6 +34,7 @@ from fdam_ray.client import ClientSection
 from fdam_ray.coercion import CommandLineText, Field, coerce, from_text
 from fdam_ray.data.balanced import SamplingSection
 from fdam_ray.data.sections import CHESTXRAY_SOURCES, DATASET_NAMES, ChestXraySection, DataSection, SyntheticSection
+from fdam_ray.deadlines import DeadlineSection
 from fdam_ray.evaluation import ValidationSection
 from fdam_ray.executors.base import ExecutorSection
 from fdam_ray.executors.ray_section import RaySection
@@ -81,14 +82,14 @@ class RunSection(Section):
 SECTION_CLASSES: tuple[type[Section], ...] = (
     AlgorithmSection, ScheduleSection, DataSection, SyntheticSection, ChestXraySection, ModelSection,
     PretrainSection, ClientSection, LocalStepSection, SamplingSection, PrecisionSection, RunSection, ValidationSection,
-    ExecutorSection, RaySection, OutputSection, SiteSection,
+    ExecutorSection, RaySection, DeadlineSection, OutputSection, SiteSection,
 )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config(AlgorithmSection, ScheduleSection, SyntheticSection, ChestXraySection, ModelSection, PretrainSection,
              ClientSection, LocalStepSection, SamplingSection, PrecisionSection, RunSection, ValidationSection,
-             ExecutorSection, RaySection, OutputSection, SiteSection):
+             ExecutorSection, RaySection, DeadlineSection, OutputSection, SiteSection):
     """A validated run configuration (every section's fields); build it with :func:`build_config`."""
 
     name = "config"

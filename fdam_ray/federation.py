@@ -40,6 +40,7 @@ from fdam_ray.checkpoint import Checkpoint, ClientState, LoopState
 from fdam_ray.client import Replica, all_finite
 from fdam_ray.data import DataSource
 from fdam_ray.data.balanced import objective_positive_ratio
+from fdam_ray.deadlines import DeadlineSection, MissedRounds, as_sampled_round, read_record
 from fdam_ray.evaluation import Evaluator
 from fdam_ray.executors import Executor
 from fdam_ray.executors.errors import PlacementError
@@ -116,6 +117,10 @@ class Federation:
         self.observer = observer
         self.replica = Replica(config, source, device=driver_device)
         self.validation = config.val_fraction > 0  # select on the clients' validation parts, not the test set
+        self.deadlines = DeadlineSection.of(config)
+        self.forced = {} if config.participation_record is None else read_record(config.participation_record)
+        self.missed = MissedRounds()
+        self._unrecorded: dict[str, list[int]] = {}  # rounds recorded since the last metrics record
 
     def _label(self, client_id: int) -> str:
         """How a client is shown: its name (``client_names``), else its index."""
@@ -158,7 +163,8 @@ class Federation:
 
     def _round(self, loop: LoopState, plan: RoundPlan) -> None:
         t0 = time.perf_counter()
-        clients = self.algorithm.participants(self.config.seed, plan.round, self.num_clients)
+        sampled = self.algorithm.participants(self.config.seed, plan.round, self.num_clients)
+        clients = self.forced.get(plan.round, sampled)  # a replayed record's set
         total = None
         if clients is not None:  # a sampled round: c stays the mean over all clients (s.3b)
             plan = dataclasses.replace(plan, partial=True)
@@ -173,10 +179,17 @@ class Federation:
                                           f"or infinite update (loss {stats.loss}); lower lr or set grad_clip")
             reducer.fold(update)
 
+        asked = self.executor.active_clients
         if clients is None:
             self.executor.run_round(loop.state, plan, fold)
         else:
             self.executor.run_round(loop.state, plan, fold, clients)
+        if self.deadlines.round_deadline is not None and not plan.partial and reducer.count < asked:
+            # a client missed the deadline of a round every client ran: fold it as a round of those that made it
+            as_sampled_round(reducer, self.executor, plan.round, float(
+                self.num_clients if self.client_weights is None else self.client_weights.sum()))
+        if self.deadlines.tolerant:
+            self._note_participants(loop, plan.round, sampled, clients, [st.client_id for st in reducer.stats])
         loop.bytes_down += (self.executor.active_clients if clients is None else reducer.count) * loop.state.nbytes
         loop.bytes_up += reducer.bytes_up
         state = reducer.finish(steps=plan.steps)
@@ -189,6 +202,17 @@ class Federation:
         loop.loss_rounds += 1
         self.algorithm.after_round(loop.server, state)
 
+    def _note_participants(self, loop: LoopState, round_index: int, sampled: list[int] | None,
+                           asked: list[int] | None, took_part: list[int]) -> None:
+        """Record a round whose participants were not the ``sampled`` plan's (in the checkpoint and the next
+        metrics record), and name a client that keeps missing the deadline among those ``asked``."""
+        every = list(range(self.num_clients))
+        made = sorted(set(took_part))
+        if made != sorted(every if sampled is None else sampled):
+            loop.participation[str(round_index)] = made
+            self._unrecorded[str(round_index)] = made
+        self.missed.round(round_index, every if asked is None else asked, made, self._label)
+
     # -- evaluation and checkpoints ------------------------------------------------------
     def _record(self, loop: LoopState, evaluator: Evaluator, plan_round: int, stage: int, lr: float,
                 started: float) -> dict:
@@ -200,6 +224,9 @@ class Federation:
             "wall_s": round(loop.wall_offset + time.perf_counter() - started, 3),
             "samples_per_s": round(loop.samples / loop.train_s, 1) if loop.train_s else None,
         }
+        if self.deadlines.tolerant:  # rounds since the last record that ran other clients than planned
+            rec["participation"] = " ".join(f"r{r}={','.join(map(str, ks))}" for r, ks in self._unrecorded.items())
+            self._unrecorded = {}
         loop.loss_sum, loop.loss_rounds = 0.0, 0
         _warn_if_test_set_changed(loop.history, rec)
         loop.history.append(rec)
@@ -234,7 +261,8 @@ class Federation:
             self.executor.begin_stage(loop.server.reference, True)
             loop.bytes_down += self.executor.active_clients * loop.server.reference.nbytes
         else:
-            loop = dataclasses.replace(resume.loop)  # its counters change; the checkpoint keeps its own
+            loop = dataclasses.replace(resume.loop, participation=dict(resume.loop.participation))  # its counters
+            # change; the checkpoint keeps its own
             self.executor.begin_stage(loop.server.reference, False)
             # the executors take None for a client that starts afresh (annotated list[dict])
             self.executor.restore_client_states(rebuilt_states(resume.clients, loop.state))

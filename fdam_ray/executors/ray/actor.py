@@ -91,6 +91,7 @@ class ClientShell:
         self.clients: dict[int, Client] = {}
         self.test: AnySplit | None = None
         self._partial: PartialSum | None = None
+        self._before: tuple[int | None, dict[int, dict]] = (None, {})  # a deadline round's states before it
         # how the last compiled round went, (round, "running" | "done" | "failed" | "withdrawn", value); set on
         # the graph's thread, read on the main thread
         self._status: tuple[int, str, object] | None = None
@@ -166,12 +167,16 @@ class ClientShell:
         self._call("begin_stage", lambda: begin_stage_hosted(clients, reference, reset_control_variate))
 
     def local_round(self, state: GlobalState, plan: RoundPlan, client_ids: Sequence[int],
-                    adopt_global_c: Sequence[int] = ()) -> PartialSum:
+                    adopt_global_c: Sequence[int] = (), undoable: bool = False) -> PartialSum:
         """Run the round of ``client_ids`` one after another; return their updates folded into one partial sum.
 
-        A replacement client first sets its c^k to the global c (``adopt_global_c``).
+        A replacement client first sets its c^k to the global c (``adopt_global_c``). ``undoable`` (a round with
+        a deadline): each client's own state is kept as it was before the round, so :meth:`discard_round` can
+        put it back when the round was folded without this actor.
         """
         self.round = plan.round
+        self._before = (plan.round, {k: self.clients[k].get_state() for k in client_ids if k in self.clients}
+                        if undoable else {})
         if self._partial is None:
             self._partial = PartialSum.zeros(state, control_variates=state.c_v is not None)
         partial = self._partial.reset()  # reused: Ray serialises the returned sum before this actor runs again
@@ -183,6 +188,42 @@ class ClientShell:
 
         self._each("local_round", client_ids, run)
         return partial
+
+    def discard_round(self, round_index: int) -> list[int]:
+        """Round ``round_index`` was folded without this actor (it missed the deadline): its clients' own states
+        (c^k, sampler position, moments, loss scale) go back to what they were before it, as those of clients
+        that did not take part. Returns the clients put back."""
+        kept_round, before = self._before
+        if kept_round != round_index:
+            return []
+        self._each("discard_round", list(before), lambda c: c.set_state(before[c.client_id]))
+        self._before = (None, {})
+        return sorted(before)
+
+    def round_changes(self, round_index: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The weighted sums over this actor's clients of round ``round_index`` of the change of c^k,
+        sum_k w_k (c^k_new - c^k_old) for (c_v, c_alpha), folded in the order and the arithmetic of the partial
+        sum such a round sends when it is sampled: what the driver folds instead of the sums of c^k when another
+        client missed the deadline of a round that every client was asked to run. None without control
+        variates."""
+        kept_round, before = self._before
+        if kept_round != round_index or not before:
+            return None
+        totals: tuple[np.ndarray, np.ndarray] | None = None
+        for k, old in before.items():
+            client = self.clients[k]
+            new = client.control_variate()
+            if new is None or old["c_v"] is None:
+                return None
+            changes = [np.subtract(n, o, dtype=np.float32) for n, o in zip(new, (old["c_v"], old["c_alpha"]),
+                                                                            strict=True)]
+            if client.weight is not None:
+                changes = [np.multiply(x, np.float32(client.weight)) for x in changes]
+            if totals is None:
+                totals = (np.zeros_like(changes[0]), np.zeros_like(changes[1]))
+            for total, x in zip(totals, changes, strict=True):
+                np.add(total, x, out=total)
+        return totals
 
     def compiled_round(self, message: tuple) -> PartialSum | None:
         """One round under ``transport: compiled`` (on the graph's thread): ``message`` is

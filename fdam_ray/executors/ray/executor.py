@@ -39,6 +39,7 @@ import ray
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.client import ClientSection
 from fdam_ray.data import DataSource
+from fdam_ray.deadlines import Deadline, DeadlineSection
 from fdam_ray.executors.base import Executor, actor_groups
 from fdam_ray.executors.ray.fleet import Fleet
 from fdam_ray.executors.ray.placement import Placement
@@ -92,6 +93,9 @@ class RayExecutor(Executor):
         self.took: dict[str, float] = {}
         self._put_state: GlobalState | None = None
         self._put_ref: Any = None
+        self.deadline: Deadline | None = None
+        self.late: dict[int, Any] = {}  # actor -> the roll-back queued behind its late round call
+        self.fold_order: list[int] = []  # with a deadline: the actors whose sums the last round folded, in order
 
     # -- what tests and diagnostics read -------------------------------------------------------
     @property
@@ -136,6 +140,7 @@ class RayExecutor(Executor):
     # -- set-up ---------------------------------------------------------------------------
     def start(self, config: Any, source: DataSource) -> list[ClientInfo]:
         client_section = ClientSection.of(config)
+        self.deadline = Deadline.of(DeadlineSection.of(config))
         self.config = config = RayExecutorSection.of(config)
         self.timeout = config.ray_timeout_s
         transport = REGISTRY[transport_for(config.transport, config.reduce)]
@@ -193,6 +198,7 @@ class RayExecutor(Executor):
         # the compiled graph carries the round), always fresh, since the driver changes a state in place only
         # between scoring and the next round
         chosen = set(fleet.live) if clients is None else set(clients) & set(fleet.live)
+        chosen -= self._still_late()
 
         def work(a: int) -> tuple[list[int], list[int]]:
             """Actor ``a``'s clients in this round, and those of them that first adopt the global c."""
@@ -202,12 +208,45 @@ class RayExecutor(Executor):
         def call(a: int, actor: Any) -> Any:
             if not put:
                 put.append(ray.put(state))
-            return actor.local_round.remote(put[0], plan, *work(a))  # at call time: a replacement adopts c
+            if self.deadline is None:
+                return actor.local_round.remote(put[0], plan, *work(a))  # at call time: a replacement adopts c
+            return actor.local_round.remote(put[0], plan, *work(a), undoable=True)
 
         # an actor with no client in the round is not called
         targets = [a for a in fleet.actors if any(k in chosen for k in fleet.hosted.get(a, ()))]
         assert self.transport is not None
-        self.transport.run_round(Round(state, plan, fold, targets, work, call))
+        self.fold_order = []
+        owner = {k: a for a, ids in fleet.hosted.items() for k in ids}
+
+        def noted(partial: PartialSum) -> None:
+            self.fold_order.extend(owner[s.client_id] for s in partial.stats)
+            fold(partial)
+
+        round = Round(state, plan, noted if self.deadline is not None else fold, targets, work, call, self.deadline)
+        self.transport.run_round(round)
+        for a in round.late:  # queued behind the late call: the actor's clients as they were before the round
+            if a in fleet.actors:
+                self.late[a] = fleet.actors[a].discard_round.remote(plan.round)
+
+    def round_changes(self, round_index: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """After a round with a deadline that some client missed: each actor that made it sends the weighted sum
+        of its clients' changes of c^k (:meth:`ClientShell.round_changes`), in the order their partial sums were
+        folded, so the round folds as a round of the clients that made it would."""
+        fleet = self._fleet
+        actors = list(dict.fromkeys(a for a in self.fold_order if a in fleet.actors))
+        refs = [fleet.actors[a].round_changes.remote(round_index) for a in actors]
+        return [got for got in ray.get(refs, timeout=self.timeout) if got is not None]
+
+    def _still_late(self) -> set[int]:
+        """The clients of actors whose late call of an earlier round (and its roll-back) has not ended: they sit
+        this round out too (the actor is not asked twice at once)."""
+        if not self.late:
+            return set()
+        ready, _ = ray.wait(list(self.late.values()), num_returns=len(self.late), timeout=0)
+        for a, ref in list(self.late.items()):
+            if ref in ready or a not in self._fleet.actors:
+                del self.late[a]
+        return {k for a in self.late for k in self._fleet.hosted.get(a, ())}
 
     @_between_rounds("evaluate")
     def evaluate(self, state: GlobalState, split: str = "test") -> list[Scores]:
@@ -282,7 +321,7 @@ class RayExecutor(Executor):
     def shutdown(self) -> None:
         fleet = self.fleet
         if fleet is not None:
-            abandoned = list(fleet.in_flight)
+            abandoned = [*fleet.in_flight, *self.late.values()]
             if self.transport is not None:
                 self.transport.close(fleet.end)
             else:

@@ -8,12 +8,18 @@ node known to be lost, is folded directly). A reducer that fails (its node
 lost, or killed) is never reused: its actors' sums are fetched by the driver.
 Failed actors are replaced and their calls re-run after the round
 (:meth:`~fdam_ray.executors.ray.transports.base.Transport.recover`).
+
+With a round deadline (:mod:`fdam_ray.deadlines`) the driver first waits for
+the actors' calls until the deadline, then has the nodes merge those that
+ended in time (a merge then starts once the deadline is known, not while the
+node's last client still steps).
 """
 
 from __future__ import annotations
 
 import logging
 import pickle
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -116,7 +122,11 @@ class NodeTransport(Transport):
 
     def run_round(self, round: Round) -> None:
         fleet = self.fleet
+        started = time.monotonic()
         refs = {a: round.call(a, fleet.actors[a]) for a in sorted(round.targets)}
+        if round.deadline is not None:  # the nodes merge what made the deadline, once it is known
+            fleet.in_flight = dict.fromkeys(refs.values(), (0, 0.0))
+            refs = {a: refs[a] for a in sorted(self.gather(round, refs, started))}
         waiting = self._merges(refs)  # a merge (node, its actors) or an actor's sum (None, [a])
         fleet.in_flight = dict.fromkeys([*refs.values(), *waiting], (0, 0.0))
         failed: dict[int, BaseException] = {}
