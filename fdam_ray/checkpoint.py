@@ -158,6 +158,7 @@ class LoopState:
     best_val_auc: float | None = None
     best_val_iteration: int | None = None
     best_val_state: GlobalState | None = None
+    transfer: dict | None = None  # transfer_precision bf16/fp16: the broadcast's master and residual (transfer.py)
 
     @property
     def state(self) -> GlobalState:
@@ -212,7 +213,7 @@ _PAYLOAD: dict[str, type] = {"config": dict, "loop": dict, "clients": list, "pos
                              "torch_rng": torch.Tensor}
 _LOOP: dict[str, type] = {"state": dict, "history": list, "position": dict}  # (and, by their fields, the rest)
 # Loop fields added to schema 1 after files of it were written: such a file reads them as None.
-_LOOP_ADDED = ("best_val_auc", "best_val_iteration", "best_val_state")
+_LOOP_ADDED = ("best_val_auc", "best_val_iteration", "best_val_state", "transfer")
 
 
 def _check_kinds(payload: Any, kinds: dict[str, type], path: str | Path, where: str) -> None:
