@@ -185,6 +185,10 @@ class ClientShell:
             return compress(partial, master, message.precision, sampled=plan.partial, residual=residual)
         return self._local_round(state, plan, client_ids, adopt_global_c)
 
+    def transfer_master(self) -> tuple[int, GlobalState | None]:
+        """The version and float32 master of the broadcast this actor holds (for tests and diagnostics)."""
+        return self._receiver.version, self._receiver.master
+
     def _local_round(self, state: GlobalState, plan: RoundPlan, client_ids: Sequence[int],
                      adopt_global_c: Sequence[int]) -> PartialSum:
         if self._partial is None:
