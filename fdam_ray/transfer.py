@@ -199,8 +199,8 @@ class Broadcast:
     @property
     def nbytes(self) -> int:
         """Bytes of the change (a receiver without the prior master fetches ``full`` instead)."""
-        return int(sum(b.nbytes for b in self.bits.values() if b is not None)
-                   + sum(c.nbytes for c in self.counters.values()))
+        changes = [b for b in (self.bits or {}).values() if b is not None] + list(self.counters.values())
+        return sum(int(x.nbytes) for x in changes)
 
 
 def _apply(master: GlobalState, bits: dict[str, np.ndarray | None], counters: dict[str, np.ndarray],
@@ -236,14 +236,14 @@ class Downlink:
         self.master: GlobalState | None = None
         self.version = 0
 
-    def send(self, state: GlobalState) -> Broadcast:
-        """The broadcast of ``state``; afterwards :attr:`master` is what the round runs from."""
+    def send(self, state: GlobalState) -> tuple[Broadcast, GlobalState]:
+        """The broadcast of ``state`` and the master after it (what the round runs from)."""
         prior = self.version
         self.version += 1
         if self.master is None:
             self.master = _copy(state)
             return Broadcast(self.precision, self.version, prior, None, {}, state.round, state.iteration, None,
-                             self.error_feedback)
+                             self.error_feedback), self.master
         master = self.master
         bits: dict[str, np.ndarray | None] = {n: None if getattr(state, n) is None else
                 _rounded(getattr(state, n) - getattr(master, n), self.precision, None, n)
@@ -251,7 +251,7 @@ class Downlink:
         counters = {n: np.array(getattr(state, n)) for n in _counter_names()}
         _apply(master, bits, counters, self.precision, state.round, state.iteration)
         return Broadcast(self.precision, self.version, prior, bits, counters, state.round, state.iteration, None,
-                         self.error_feedback)
+                         self.error_feedback), master
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of the broadcast (master and version)."""

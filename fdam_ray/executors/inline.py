@@ -115,8 +115,7 @@ class InlineExecutor(Executor):
         run from the broadcast master (held here once, as every host would hold it), each group's partial sum
         goes through the rounding of its differences."""
         downlink = cast(Downlink, self.downlink)
-        message = downlink.send(state)
-        master = cast(GlobalState, downlink.master)
+        message, master = downlink.send(state)
         self.broadcast_nbytes = sent_nbytes(message, master)
         for g, group in enumerate(self.groups):
             hosted = [self.clients[k] for k in group if chosen is None or k in chosen]

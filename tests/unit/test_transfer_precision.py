@@ -151,8 +151,8 @@ def test_every_receiver_holds_the_drivers_master_to_the_bit():
     downlink, early, late = Downlink("fp16", error_feedback=False), Receiver(), Receiver()
     for r in range(6):
         state.v = state.v + (rng.standard_normal(500) * 0.01).astype(np.float32)
-        message = downlink.send(state)
-        message.full = copy.deepcopy(downlink.master)
+        message, master = downlink.send(state)
+        message.full = copy.deepcopy(master)
         early.receive(message)
         if r >= 3:  # a replacement that joins late gets the full master once, then the changes
             late.receive(message)

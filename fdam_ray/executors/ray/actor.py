@@ -221,7 +221,8 @@ class ClientShell:
             self._status = (plan.round, "done", None)
             return None
         try:
-            partial = self.local_round(state, plan, ids, adopt)
+            # a compiled round carries a float32 state (transfer_precision bf16/fp16 refuses transport=compiled)
+            partial = cast(PartialSum, self.local_round(state, plan, ids, adopt))
         except BaseException as exc:
             self._status = (plan.round, "failed", exc)
             raise

@@ -205,8 +205,7 @@ class RayExecutor(Executor):
 
         message: Any = state
         if self.downlink is not None:  # rounded differences go down; what comes up is expanded before the fold
-            message = self.downlink.send(state)
-            master = self.downlink.master
+            message, master = self.downlink.send(state)
             message.full = ray.put(master)  # fetched only by an actor without the previous master
             self.broadcast_nbytes = sent_nbytes(message, master)
             fold = decoding(fold, master, plan.partial)
