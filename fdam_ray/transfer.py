@@ -16,13 +16,13 @@ float32 master states and send each other only rounded differences:
   decode(q) before folding. A per-node reducer adds decoded differences and
   rounds its sum once more for its trip to the driver.
 - error feedback (``error_feedback: true``): e, the rounding's residual
-  d - decode(round(d)), is added to a host's next difference, so the sum of
-  what was decoded plus the last residual is the sum of the true differences.
-  It is host state (checkpointed with the host's first client). The broadcast
-  needs none: its change is taken against the master the clients hold, so
-  what one rounding left out (G - M) is part of the next change; the master
-  (the driver's copy, checkpointed with the loop state) stays within one
-  rounding of G whatever the number of rounds.
+  d - decode(round(d)), is added to the next difference, so the sum of what
+  was decoded plus the last residual is the sum of the true differences. The
+  upload residual is host state (checkpointed with the host's first client);
+  the broadcast's is the driver's (checkpointed with the loop state). The
+  broadcast needs it too: the server builds the next G from the master the
+  round ran from, so what a rounding of G - M left out is not in the next
+  G - M.
 
 Rounding is round to nearest, ties to even (torch's and numpy's float32 ->
 bf16/fp16 conversion); integer buffers (num_batches_tracked) travel as they are.
@@ -55,8 +55,8 @@ class TransferSection(Section):
         "fp32", "What crosses between driver and clients: fp32 states, or their differences rounded to bf16/fp16 "
         "(2 bytes a value; driver and clients keep float32 master states).", choices=PRECISIONS)
     error_feedback: bool = setting(
-        False, "transfer_precision bf16/fp16: add each rounding's residual to the next difference (per host and "
-        "on the driver; checkpointed).")
+        False, "transfer_precision bf16/fp16: add each client host's rounding residual to its next upload "
+        "and the driver's to its next broadcast (both checkpointed).")
     executor: str = shared()
     transport: str = shared()
 
@@ -224,17 +224,15 @@ def _copy(state: GlobalState) -> GlobalState:
 
 
 class Downlink:
-    """The driver's side of the broadcast: the master M the clients hold and its version.
-
-    ``error_feedback`` is passed on to the hosts (their uploads keep residuals); the broadcast's own residual
-    is G - M, carried by the master itself.
-    """
+    """The driver's side of the broadcast: the master M the clients hold, its version and (error feedback) the
+    residual; ``error_feedback`` is passed on to the hosts for their uploads."""
 
     def __init__(self, precision: str, error_feedback: bool) -> None:
         self.precision = precision
         self.error_feedback = error_feedback
         self.master: GlobalState | None = None
         self.version = 0
+        self.residual: dict | None = {} if error_feedback else None
 
     def send(self, state: GlobalState) -> tuple[Broadcast, GlobalState]:
         """The broadcast of ``state`` and the master after it (what the round runs from)."""
@@ -246,7 +244,7 @@ class Downlink:
                              self.error_feedback), self.master
         master = self.master
         bits: dict[str, np.ndarray | None] = {n: None if getattr(state, n) is None else
-                _rounded(getattr(state, n) - getattr(master, n), self.precision, None, n)
+                _rounded(getattr(state, n) - getattr(master, n), self.precision, self.residual, n)
                 for n in _float_names()}
         counters = {n: np.array(getattr(state, n)) for n in _counter_names()}
         _apply(master, bits, counters, self.precision, state.round, state.iteration)
@@ -254,10 +252,11 @@ class Downlink:
                          self.error_feedback), master
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps of the broadcast (master and version)."""
+        """What a checkpoint keeps of the broadcast (master, version, residual)."""
         master = None if self.master is None else {n: copy.copy(getattr(self.master, n)) for n in _float_names()
                                                    + _counter_names() + ["round", "iteration"]}
-        return {"master": master, "version": self.version}
+        residual = None if self.residual is None else {k: v.copy() for k, v in self.residual.items()}
+        return {"master": master, "version": self.version, "residual": residual}
 
     def load_state_dict(self, state: dict | None) -> None:
         if not state:
@@ -265,6 +264,8 @@ class Downlink:
         master = state.get("master")
         self.master = None if master is None else _copy(GlobalState(**master))
         self.version = int(state.get("version", 0))
+        if self.error_feedback:
+            self.residual = {k: np.array(v) for k, v in (state.get("residual") or {}).items()}
 
 
 class Receiver:
