@@ -161,6 +161,7 @@ class LoopState:
     # str(round) -> its clients, for each round whose participants were not the plan's (a missed round deadline,
     # fdam_ray.deadlines); written only when it holds one, and older checkpoints read it as empty
     participation: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    transfer: dict | None = None  # transfer_precision bf16/fp16: the broadcast's master and residual (transfer.py)
 
     @property
     def state(self) -> GlobalState:
@@ -215,7 +216,7 @@ _PAYLOAD: dict[str, type] = {"config": dict, "loop": dict, "clients": list, "pos
                              "torch_rng": torch.Tensor}
 _LOOP: dict[str, type] = {"state": dict, "history": list, "position": dict}  # (and, by their fields, the rest)
 # Loop fields added to schema 1 after files of it were written: such a file reads them as None.
-_LOOP_ADDED = ("best_val_auc", "best_val_iteration", "best_val_state")
+_LOOP_ADDED = ("best_val_auc", "best_val_iteration", "best_val_state", "transfer")
 
 
 def _check_kinds(payload: Any, kinds: dict[str, type], path: str | Path, where: str) -> None:

@@ -58,6 +58,7 @@ from fdam_ray.sections import (
     shared_names,
 )
 from fdam_ray.sites import SiteSection
+from fdam_ray.transfer import TransferSection
 from fdam_ray.versions import VERSIONS_KEY
 from fdam_ray.yamlio import kind_of, load_yaml, read_yaml_file
 
@@ -82,14 +83,14 @@ class RunSection(Section):
 SECTION_CLASSES: tuple[type[Section], ...] = (
     AlgorithmSection, ScheduleSection, DataSection, SyntheticSection, ChestXraySection, ModelSection,
     PretrainSection, ClientSection, LocalStepSection, SamplingSection, PrecisionSection, RunSection, ValidationSection,
-    ExecutorSection, RaySection, DeadlineSection, OutputSection, SiteSection,
+    ExecutorSection, RaySection, DeadlineSection, TransferSection, OutputSection, SiteSection,
 )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config(AlgorithmSection, ScheduleSection, SyntheticSection, ChestXraySection, ModelSection, PretrainSection,
              ClientSection, LocalStepSection, SamplingSection, PrecisionSection, RunSection, ValidationSection,
-             ExecutorSection, RaySection, DeadlineSection, OutputSection, SiteSection):
+             ExecutorSection, RaySection, DeadlineSection, TransferSection, OutputSection, SiteSection):
     """A validated run configuration (every section's fields); build it with :func:`build_config`."""
 
     name = "config"

@@ -190,7 +190,9 @@ class Federation:
                 self.num_clients if self.client_weights is None else self.client_weights.sum()))
         if self.deadlines.tolerant:
             self._note_participants(loop, plan.round, sampled, clients, [st.client_id for st in reducer.stats])
-        loop.bytes_down += (self.executor.active_clients if clients is None else reducer.count) * loop.state.nbytes
+        sent = getattr(self.executor, "broadcast_nbytes", None)  # rounded transfers move fewer bytes
+        loop.bytes_down += ((self.executor.active_clients if clients is None else reducer.count)
+                            * (loop.state.nbytes if sent is None else sent))
         loop.bytes_up += reducer.bytes_up
         state = reducer.finish(steps=plan.steps)
         if not all_finite([torch.from_numpy(x) for x in (state.v, state.alpha, state.buffers)]):
@@ -244,7 +246,8 @@ class Federation:
         arrays, so it is written before the next round changes them."""
 
         def checkpoint() -> Checkpoint:
-            now = dataclasses.replace(loop, wall_offset=loop.wall_offset + time.perf_counter() - started)
+            now = dataclasses.replace(loop, wall_offset=loop.wall_offset + time.perf_counter() - started,
+                                      transfer=getattr(self.executor, "transfer_state", lambda: None)())
             clients = self.executor.client_states()  # None for a dropped client
             return Checkpoint(loop=now, clients=clients, positive_ratio=self.positive_ratio,
                               torch_rng=torch.get_rng_state())
@@ -266,6 +269,7 @@ class Federation:
             self.executor.begin_stage(loop.server.reference, False)
             # the executors take None for a client that starts afresh (annotated list[dict])
             self.executor.restore_client_states(rebuilt_states(resume.clients, loop.state))
+            getattr(self.executor, "restore_transfer_state", lambda _: None)(loop.transfer)
             torch.set_rng_state(resume.torch_rng)
         snapshot = self._snapshot(loop, started)
         observer = self.observer

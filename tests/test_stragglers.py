@@ -21,6 +21,7 @@ from fdam_ray.deadlines import Deadline, MissedRounds, read_record
 from fdam_ray.executors.ray.executor import RayExecutor
 from fdam_ray.recipe import run
 from fdam_ray.state import RoundPlan
+from fdam_ray.transfer import RESIDUAL_KEY
 
 SMALL = dict(model="mlp", model_width=8, batch_size="full", eval_every=1000, seed=2, lr=0.2, local_steps=2,
              cpus_per_actor=0.5, threads_per_actor=1, fold_order="client")
@@ -131,23 +132,25 @@ def ray_session():
         yield
 
 
-def test_a_deadline_no_client_misses_changes_nothing_bit_for_bit(ray_session):
+@pytest.mark.parametrize("transfer", [{}, dict(transfer_precision="bf16", error_feedback=True)])
+def test_a_deadline_no_client_misses_changes_nothing_bit_for_bit(ray_session, transfer):
     clients, test = gaussian_clients(num_clients=3)
-    cfg = dict(SMALL, algorithm="codasca", iterations=6, executor="ray")
-    plain = fdam_ray.train_arrays(cfg, clients, test)
-    for reduce in ("star", "node"):
+    cfg = dict(SMALL, algorithm="codasca", iterations=6, executor="ray", **transfer)
+    for reduce in ("star", "node"):  # (rounded sums merged on a node round differently from star's: each its own)
+        plain = fdam_ray.train_arrays(dict(cfg, reduce=reduce), clients, test)
         timed = fdam_ray.train_arrays(dict(cfg, round_deadline=600, reduce=reduce), clients, test)
         for name in ("v", "alpha", "buffers", "c_v", "c_alpha"):
             np.testing.assert_array_equal(getattr(timed.state, name), getattr(plain.state, name))
         assert timed.history[-1]["participation"] == ""
 
 
-@pytest.mark.parametrize("reduce", ["star", "node"])
-def test_a_late_client_sits_the_round_out_as_a_sampled_out_one_and_comes_back(ray_session, reduce):
+@pytest.mark.parametrize("reduce, transfer", [("star", {}), ("node", {}),
+                                               ("star", dict(transfer_precision="bf16", error_feedback=True))])
+def test_a_late_client_sits_the_round_out_as_a_sampled_out_one_and_comes_back(ray_session, reduce, transfer):
     clients, test = gaussian_clients(num_clients=3)
     source = raytest.SlowClientSource(ArraysSource(clients, test), slow=1, delay_s=0.3)
     config = build_config(dict(SMALL, batch_size=8, algorithm="codasca", dataset="arrays", num_clients=3,
-                               executor="ray", round_deadline=2.0, reduce=reduce))
+                               executor="ray", round_deadline=2.0, reduce=reduce, **transfer))
     with RayExecutor() as ex:
         ex.start(config, source)
         state = raytest.first_state(ex, config, source)
@@ -167,6 +170,9 @@ def test_a_late_client_sits_the_round_out_as_a_sampled_out_one_and_comes_back(ra
         np.testing.assert_array_equal(after[1]["c_v"], before[1]["c_v"])  # as a client not sampled
         assert after[1]["sampler"]["stream"]["pos"] == before[1]["sampler"]["stream"]["pos"]
         assert not np.array_equal(after[0]["c_v"], before[0]["c_v"])  # those that made it moved
+        if transfer:  # error feedback: the discarded upload's rounding residual is not kept, the others' are
+            assert RESIDUAL_KEY not in before[1] and RESIDUAL_KEY not in after[1]
+            assert set(after[0][RESIDUAL_KEY]) >= {"v", "alpha"}
         # ready for the next round without a restart: with min_clients=3 the round waits for it
         ex.deadline = Deadline(2.0, None, 3)
         folded.clear()

@@ -38,6 +38,7 @@ from fdam_ray.executors.errors import client_error
 from fdam_ray.executors.ray.session import assigned_cpus
 from fdam_ray.executors.ray.transports.compiled import patient_reads
 from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores
+from fdam_ray.transfer import Broadcast, CompressedSum, Receiver, attach_residual, compress, residual_of
 
 T = TypeVar("T")
 
@@ -97,6 +98,9 @@ class ClientShell:
         self._status: tuple[int, str, object] | None = None
         self._status_lock = threading.Lock()
         self._sources: dict = {}  # object ref -> data source spec read here
+        self._receiver = Receiver()  # transfer_precision bf16/fp16: the float32 master this actor's rounds run from
+        self._residual: dict = {}  # error feedback: the rounding residual of this actor's uploads
+        self._residual_before: dict | None = None  # a deadline round's residual before it
         torch.set_num_threads(threads)
         set_host_cpus(assigned_cpus())  # data_workers=auto follows the CPUs Ray gave this actor
         patient_reads(channel_wait == "sleep")  # only the compiled graph's thread reads channels here
@@ -166,17 +170,34 @@ class ClientShell:
         clients = list(self.clients.values())
         self._call("begin_stage", lambda: begin_stage_hosted(clients, reference, reset_control_variate))
 
-    def local_round(self, state: GlobalState, plan: RoundPlan, client_ids: Sequence[int],
-                    adopt_global_c: Sequence[int] = (), undoable: bool = False) -> PartialSum:
+    def local_round(self, state: GlobalState | Broadcast, plan: RoundPlan, client_ids: Sequence[int],
+                    adopt_global_c: Sequence[int] = (), undoable: bool = False) -> PartialSum | CompressedSum:
         """Run the round of ``client_ids`` one after another; return their updates folded into one partial sum.
 
         A replacement client first sets its c^k to the global c (``adopt_global_c``). ``undoable`` (a round with
         a deadline): each client's own state is kept as it was before the round, so :meth:`discard_round` can
-        put it back when the round was folded without this actor.
+        put it back when the round was folded without this actor. A :class:`Broadcast` (``transfer_precision``
+        bf16/fp16) updates this actor's master, the round runs from it, and the sum goes back as rounded
+        differences (:mod:`fdam_ray.transfer`).
         """
         self.round = plan.round
         self._before = (plan.round, {k: self.clients[k].get_state() for k in client_ids if k in self.clients}
                         if undoable else {})
+        self._residual_before = {k: v.copy() for k, v in self._residual.items()} if undoable else None
+        if isinstance(state, Broadcast):
+            message = state
+            master = self._call("local_round", lambda: self._receiver.receive(message, ray.get))
+            partial = self._local_round(master, plan, client_ids, adopt_global_c)
+            residual = self._residual if message.error_feedback else None
+            return compress(partial, master, message.precision, sampled=plan.partial, residual=residual)
+        return self._local_round(state, plan, client_ids, adopt_global_c)
+
+    def transfer_master(self) -> tuple[int, GlobalState | None]:
+        """The version and float32 master of the broadcast this actor holds (for tests and diagnostics)."""
+        return self._receiver.version, self._receiver.master
+
+    def _local_round(self, state: GlobalState, plan: RoundPlan, client_ids: Sequence[int],
+                     adopt_global_c: Sequence[int]) -> PartialSum:
         if self._partial is None:
             self._partial = PartialSum.zeros(state, control_variates=state.c_v is not None)
         partial = self._partial.reset()  # reused: Ray serialises the returned sum before this actor runs again
@@ -197,7 +218,9 @@ class ClientShell:
         if kept_round != round_index:
             return []
         self._each("discard_round", list(before), lambda c: c.set_state(before[c.client_id]))
-        self._before = (None, {})
+        if self._residual_before is not None:  # error feedback: the discarded upload's rounding never counted
+            self._residual = self._residual_before
+        self._before, self._residual_before = (None, {}), None
         return sorted(before)
 
     def round_changes(self, round_index: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -243,7 +266,8 @@ class ClientShell:
             self._status = (plan.round, "done", None)
             return None
         try:
-            partial = self.local_round(state, plan, ids, adopt)
+            # a compiled round carries a float32 state (transfer_precision bf16/fp16 refuses transport=compiled)
+            partial = cast(PartialSum, self.local_round(state, plan, ids, adopt))
         except BaseException as exc:
             self._status = (plan.round, "failed", exc)
             raise
@@ -281,8 +305,11 @@ class ClientShell:
         return self._each("score_moments", client_ids, lambda c: c.score_moments(state))
 
     def get_state(self, client_ids: Sequence[int]) -> list[dict]:
-        return self._each("client_states", client_ids, lambda c: c.get_state())
+        states = self._each("client_states", client_ids, lambda c: c.get_state())
+        attach_residual(states, self._residual or None)
+        return states
 
     def set_state(self, states: Sequence[dict]) -> None:
+        self._residual = residual_of(list(states))
         by_id = {s["client_id"]: s for s in states}
         self._each("restore_client_states", list(by_id), lambda c: c.set_state(by_id[c.client_id]))

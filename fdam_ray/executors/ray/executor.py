@@ -49,6 +49,7 @@ from fdam_ray.executors.ray.transports.compiled import CompiledRounds
 from fdam_ray.executors.ray_section import RayExecutorSection
 from fdam_ray.sites import client_label
 from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores
+from fdam_ray.transfer import Downlink, decoding, downlink_of, sent_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,8 @@ class RayExecutor(Executor):
         self.placement: Placement | None = None
         self.fleet: Fleet | None = None
         self.transport: Transport | None = None
+        self.downlink: Downlink | None = None
+        self.broadcast_nbytes: int | None = None  # bytes one client received in the last round (None: the state's)
         self.num_clients = 0
         self.took: dict[str, float] = {}
         self._put_state: GlobalState | None = None
@@ -141,6 +144,7 @@ class RayExecutor(Executor):
     def start(self, config: Any, source: DataSource) -> list[ClientInfo]:
         client_section = ClientSection.of(config)
         self.deadline = Deadline.of(DeadlineSection.of(config))
+        self.downlink = downlink_of(config)  # transfer_precision bf16/fp16 (fdam_ray/transfer.py)
         self.config = config = RayExecutorSection.of(config)
         self.timeout = config.ray_timeout_s
         transport = REGISTRY[transport_for(config.transport, config.reduce)]
@@ -205,9 +209,16 @@ class RayExecutor(Executor):
             ids = [k for k in fleet.hosted.get(a, ()) if k in chosen]
             return ids, [k for k in ids if k in fleet.adopt_global_c]
 
+        message: Any = state
+        if self.downlink is not None:  # rounded differences go down; what comes up is expanded before the fold
+            message, master = self.downlink.send(state)
+            message.full = ray.put(master)  # fetched only by an actor without the previous master
+            self.broadcast_nbytes = sent_nbytes(message, master)
+            fold = decoding(fold, master, plan.partial)
+
         def call(a: int, actor: Any) -> Any:
             if not put:
-                put.append(ray.put(state))
+                put.append(ray.put(message))
             if self.deadline is None:
                 return actor.local_round.remote(put[0], plan, *work(a))  # at call time: a replacement adopts c
             return actor.local_round.remote(put[0], plan, *work(a), undoable=True)
@@ -303,6 +314,14 @@ class RayExecutor(Executor):
             fleet.drop(gone)
         self._all("restore_client_states",
                   lambda a, actor: actor.set_state.remote([states[k] for k in fleet.hosted[a]]))
+
+    def transfer_state(self) -> dict | None:
+        """The broadcast's driver state for a checkpoint (None with fp32 transfers)."""
+        return None if self.downlink is None else self.downlink.state_dict()
+
+    def restore_transfer_state(self, state: dict | None) -> None:
+        if self.downlink is not None:
+            self.downlink.load_state_dict(state)
 
     @property
     def active_clients(self) -> int:

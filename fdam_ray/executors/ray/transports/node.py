@@ -30,6 +30,7 @@ from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.executors.errors import ClientError
 from fdam_ray.executors.ray.transports.base import Round, Transport
 from fdam_ray.executors.ray_section import RayExecutorSection
+from fdam_ray.transfer import CompressedSum, compress_differences, differences
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +50,19 @@ class NodeReducer:
         self._kept: PartialSum | None = None
 
     def merge(self, refs: list, actors: list[int], ordered: bool = False
-              ) -> tuple[PartialSum | None, list[tuple[int, BaseException]]]:
+              ) -> tuple[PartialSum | CompressedSum | None, list[tuple[int, BaseException]]]:
         held: PartialSum | None = None  # the first part to arrive, a read-only view until a second one comes
         total: PartialSum | None = None
         failed: list[tuple[int, BaseException]] = []
+        rounded: str | None = None  # transfer_precision of sums sent as rounded differences
         for a, ref in _arrivals(dict(zip(refs, actors, strict=True)), ordered):
             try:
                 part = ray.get(ref)
             except Exception as exc:  # the driver applies the failure policy
                 failed.append((a, _portable(exc)))
                 continue
+            if isinstance(part, CompressedSum):  # differences add up like the sums they stand for
+                rounded, part = part.precision, differences(part)
             if total is None and held is None:
                 held = part
             elif total is None and held is not None:
@@ -66,7 +70,10 @@ class NodeReducer:
             elif total is not None:
                 total.merge(part)
             del part
-        return (held if total is None else total), failed
+        merged = held if total is None else total
+        if rounded is not None and merged is not None:  # rounded once more for the trip to the driver
+            return compress_differences(merged, rounded), failed
+        return merged, failed
 
     def _sum_of(self, first: PartialSum, second: PartialSum) -> PartialSum:
         """``first + second`` written into the sums kept on this reducer (made again only when shapes change)."""
