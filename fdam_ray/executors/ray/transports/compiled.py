@@ -202,7 +202,7 @@ class CompiledRounds:
         self._last_key = key
         if self.builds > 1:
             log.debug("the round's compiled graph was built again over actors %s",
-                      ", ".join(str(a) for a, _ in key))
+                      ", ".join(str(a) for a, _ in key[0]))
 
     def run(self, message: tuple, timeout_s: float) -> list[Any]:
         """Execute one round; the outputs in actor order (partial sums, or None for actors without clients;
