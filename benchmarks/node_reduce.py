@@ -177,6 +177,7 @@ def blocks(executor, algorithm, state, count: int, repeats: int) -> tuple[object
             use_transport(executor, transport, reduce, transports)
             state, ms, ingress, objects = rounds(executor, algorithm, state, count)
             got[transport, reduce].append((ms, ingress, objects))
+            print(f"  block transport={transport} reduce={reduce}: {ms:.0f} ms a round", file=sys.stderr, flush=True)
     return state, got
 
 
