@@ -440,7 +440,7 @@ def test_node_reduce_script(tmp_path):
 def test_node_reduce_refuses_a_netlab_folder_without_netcluster_in_one_line(tmp_path):
     import node_reduce
 
-    with pytest.raises(SystemExit, match="--netlab: .* has no netcluster.py"):
+    with pytest.raises(SystemExit, match=r"--netlab: .* has no netcluster\.py"):
         node_reduce.main(["--netlab", str(tmp_path)])
 
 
