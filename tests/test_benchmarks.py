@@ -431,9 +431,17 @@ def test_node_reduce_script(tmp_path):
                                    "--state-floats", "20000", "--rounds", "2", "--repeats", "1", "--out", str(out))
     assert values["nodes"] == 2 and values["clients"] == 4
     assert values["ingress_ratio_node_star"] == pytest.approx(0.5)  # one sum per node instead of one per client
-    assert values["round_ratio_node_star"] > 0
+    assert values["round_ratio_node_star"] > 0 and values["round_ratio_node_star_compiled"] > 0
     text = out.read_text()
     assert "| 2 | 4 | 2, 2 |" in text and "Command: `python benchmarks/node_reduce.py --nodes 2" in text
+    assert "compiled node ms" in text
+
+
+def test_node_reduce_refuses_a_netlab_folder_without_netcluster_in_one_line(tmp_path):
+    import node_reduce
+
+    with pytest.raises(SystemExit, match=r"--netlab: .* has no netcluster\.py"):
+        node_reduce.main(["--netlab", str(tmp_path)])
 
 
 def test_input_pipeline_writes_files_of_the_real_sizes(tmp_path):

@@ -67,12 +67,51 @@ def test_the_graph_ends_with_the_run():
     assert executor.graph.builds == 1 and executor.graph.graph is None and executor.actors == {}
 
 
-def test_compiled_with_per_node_reduction_is_refused_in_one_line():
+class FoldCounting(RayExecutor):
+    """Counts the partial sums the driver folds in each round."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.folds: list[int] = []
+
+    def run_round(self, state, plan, fold, clients=None):
+        count = [0]
+
+        def counted(partial):
+            count[0] += 1
+            fold(partial)
+
+        super().run_round(state, plan, counted, clients)
+        self.folds.append(count[0])
+
+
+def test_compiled_with_per_node_reduction_merges_on_the_node_and_equals_classic_node_reduction_bit_for_bit():
+    # one node: the three actors' sums are merged by its reducer inside the graph; a round that samples only
+    # one of them passes that actor's sum on as it is, as the classic node transport does
     clients, test = sized_clients()
-    with pytest.raises(ValueError, match="reduce=node needs transport=classic"):
-        train(dict(BASE, transport="compiled", reduce="node", iterations=3, **RAY), clients, test)
+    cfg = dict(BASE, clients_per_round=3, clients_per_actor=2, reduce="node", fold_order="client", **RAY)
+    classic = train(cfg, clients, test)
+    executor = FoldCounting()
+    compiled = train(dict(cfg, transport="compiled"), clients, test, executor=executor)
+    assert_same_state(compiled, classic, exact=True)
+    assert compiled.summary["bytes_up"] == classic.summary["bytes_up"]
+    assert executor.folds == [1] * 6 and executor.graph.builds == 1
+    assert executor.transport.name == "compiled_node" and executor.transport.reducers == {}  # ended with the run
     with pytest.raises(ConfigError, match="transport"):
         build_config(dict(transport="nccl"))
+
+
+def test_node_merges_are_folded_in_the_order_of_their_first_actor_in_the_round():
+    from fdam_ray.executors.ray.transports.compiled import CompiledTransport, _sources
+
+    a_, b_ = object(), object()
+    sources = _sources(dict.fromkeys(range(5)), [(a_, [0, 3]), (b_, [1, 2])])
+    assert sources == [(a_, [0, 3]), (b_, [1, 2]), (None, [4])]
+    transport = CompiledTransport.__new__(CompiledTransport)
+    transport.graph = type("G", (), {"groups": [g for _, g in sources]})()
+    # actor 0 not in the round: node [1, 2]'s sum comes before node [0, 3]'s (classic: by first target)
+    assert transport._in_fold_order(["n03", "n12", "a4"], [1, 2, 3, 4]) == ["n12", "n03", "a4"]
+    assert transport._in_fold_order(["n03", None, "a4"], [0, 4]) == ["n03", "a4"]
 
 
 @pytest.mark.slow

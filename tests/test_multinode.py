@@ -156,6 +156,26 @@ def test_node_reduction_folds_one_sum_per_node_and_ends_where_star_and_inline_en
     assert np.abs(inline.state.c_v).max() > 1e-3
 
 
+@pytest.mark.slow
+def test_compiled_node_reduction_folds_one_sum_per_node_and_equals_classic_node_reduction_bit_for_bit(cluster):
+    clients, test = gaussian_clients(num_clients=6)
+    values = dict(algorithm="codasca", iterations=8, eval_every=8, positive_ratio=0.3, placement_strategy="PACK",
+                  reduce="node", fold_order="client")
+    got = {}
+    for transport in ("classic", "compiled"):
+        executor = CountingFolds()
+        got[transport] = run(arrays_config(clients, transport=transport, **values),
+                             source=ArraysSource(clients, test), executor=executor, save=False)
+        nodes = {w["node_id"] for w in executor.where_of.values()}
+        assert len(nodes) >= 2  # 6 x 0.5 CPU do not fit one node
+        assert executor.folds == [len(nodes)] * 4
+    assert executor.transport.name == "compiled_node" and executor.graph.builds == 1
+    for name in ("v", "alpha", "buffers", "c_v", "c_alpha"):
+        np.testing.assert_array_equal(getattr(got["compiled"].state, name), getattr(got["classic"].state, name),
+                                      err_msg=name)
+    assert got["compiled"].summary["bytes_up"] == got["classic"].summary["bytes_up"]
+
+
 # -- node loss (these remove worker nodes: they run last) ---------------------------------------
 class SlowEveryClient(SlowClientSource):
     """Every client reads its training samples through a SleepyDataset (a round takes a while)."""
@@ -222,9 +242,11 @@ def add_site_node(cluster, site: int):
     return cluster.sites[site]
 
 
+@pytest.mark.parametrize("transport", ["classic", "compiled"])
 @pytest.mark.slow
 def test_a_lost_node_s_reducer_and_clients_are_replaced_and_the_run_ends_near_the_undisturbed_one(cluster,
-                                                                                                tmp_path):
+                                                                                                tmp_path,
+                                                                                                transport):
     clients, test = gaussian_clients(num_clients=6, n=60)
     values = dict(algorithm="codasca", iterations=24, eval_every=12, positive_ratio=0.3, on_client_failure="retry",
                   placement_strategy="PACK", local_steps=4, batch_size=20, reduce="node")
@@ -232,7 +254,8 @@ def test_a_lost_node_s_reducer_and_clients_are_replaced_and_the_run_ends_near_th
                       source=SlowEveryClient(ArraysSource(clients, test), slow=0, delay_s=0.0))
     executor = RemoveBusiestNodeDuringRound(cluster, at_round=3)
     try:
-        disturbed = federate(arrays_config(clients, **values), executor=executor, run_dir=tmp_path / "run",
+        disturbed = federate(arrays_config(clients, **values, transport=transport), executor=executor,
+                             run_dir=tmp_path / "run",
                              source=SlowEveryClient(ArraysSource(clients, test), slow=0, delay_s=0.004))
     finally:
         if executor.site is not None:

@@ -4,6 +4,7 @@
     star.py      classic calls, every actor's partial sum folded at the driver     transport=classic reduce=star
     node.py      classic calls, the actors of a node folded there first            transport=classic reduce=node
     compiled.py  the round as one Ray Compiled Graph                               transport=compiled reduce=star
+                 ... with the actors of a node merged there inside the graph       transport=compiled reduce=node
 
 Adding a transport is one module with a :class:`Transport` subclass (its
 ``name`` and the config's ``(transport, reduce)`` pair it ``serves``) and one
@@ -13,19 +14,17 @@ entry in :data:`REGISTRY`.
 from __future__ import annotations
 
 from fdam_ray.executors.ray.transports.base import Round, Transport
-from fdam_ray.executors.ray.transports.compiled import CompiledTransport
+from fdam_ray.executors.ray.transports.compiled import CompiledNodeTransport, CompiledTransport
 from fdam_ray.executors.ray.transports.node import NodeTransport
 from fdam_ray.executors.ray.transports.star import StarTransport
 
 __all__ = ["REFUSED", "REGISTRY", "Round", "Transport", "transport_for"]
 
-REGISTRY: dict[str, type[Transport]] = {cls.name: cls for cls in (StarTransport, NodeTransport, CompiledTransport)}
+REGISTRY: dict[str, type[Transport]] = {cls.name: cls for cls in (StarTransport, NodeTransport, CompiledTransport,
+                                                                   CompiledNodeTransport)}
 
-# (transport, reduce) pairs of the config that no transport runs, and why
-REFUSED: dict[tuple[str, str], str] = {
-    ("compiled", "node"): "transport=compiled folds every actor's partial sum at the driver; reduce=node needs "
-                          "transport=classic",
-}
+# (transport, reduce) pairs of the config that no transport runs, and why (none at present)
+REFUSED: dict[tuple[str, str], str] = {}
 
 
 def transport_for(transport: str, reduce: str) -> str:

@@ -63,17 +63,38 @@ class NodeReducer:
                 continue
             if isinstance(part, CompressedSum):  # differences add up like the sums they stand for
                 rounded, part = part.precision, differences(part)
-            if total is None and held is None:
-                held = part
-            elif total is None and held is not None:
-                total, held = self._sum_of(held, part), None
-            elif total is not None:
-                total.merge(part)
+            held, total = self._fold_in(held, total, part)
             del part
         merged = held if total is None else total
         if rounded is not None and merged is not None:  # rounded once more for the trip to the driver
             return compress_differences(merged, rounded), failed
         return merged, failed
+
+    def merge_parts(self, *parts: PartialSum | None) -> PartialSum | None:
+        """Under ``transport: compiled``: the outputs of the node's actors in the round's graph, in actor order
+        (None from an actor without clients this round), folded as :meth:`merge` folds them in actor order; one
+        part alone is passed on as it came. Runs on the reducer's own thread, never behind a client's step."""
+        held: PartialSum | None = None
+        total: PartialSum | None = None
+        for part in parts:
+            if part is not None:
+                held, total = self._fold_in(held, total, part)
+        return held if total is None else total
+
+    def ready(self) -> bool:
+        """Answers while the reducer lives (the driver asks after a compiled round broke)."""
+        return True
+
+    def _fold_in(self, held: PartialSum | None, total: PartialSum | None, part: PartialSum
+                 ) -> tuple[PartialSum | None, PartialSum | None]:
+        """``(held, total)`` after adding ``part``: the first part is held as it is, the second makes the sum."""
+        if total is None and held is None:
+            return part, None
+        if total is None and held is not None:
+            return None, self._sum_of(held, part)
+        assert total is not None
+        total.merge(part)
+        return held, total
 
     def _sum_of(self, first: PartialSum, second: PartialSum) -> PartialSum:
         """``first + second`` written into the sums kept on this reducer (made again only when shapes change)."""
@@ -111,6 +132,22 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 _RemoteReducer = ray.remote(NodeReducer)
+
+
+def start_reducer(node: str) -> Any:
+    """A :class:`NodeReducer` actor pinned to ``node``, with no CPU reserved (its merges take no client's
+    slot and never wait behind a client's step)."""
+    return _RemoteReducer.options(num_cpus=0,
+                                  scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+
+
+def end_reducer(node: str, reducer: Any) -> None:
+    """Kill ``reducer`` (the reducer of ``node``; None: nothing to end)."""
+    if reducer is not None:
+        try:
+            ray.kill(reducer, no_restart=True)
+        except Exception as exc:  # already gone with its node
+            log.debug("kill of the reducer of node %s: %s", node, exc)
 
 _FAILURES = (ray.exceptions.RayError, ClientError)
 
@@ -193,17 +230,11 @@ class NodeTransport(Transport):
 
     def _reducer(self, node: str) -> Any:
         if node not in self.reducers:
-            self.reducers[node] = _RemoteReducer.options(
-                num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+            self.reducers[node] = start_reducer(node)
         return self.reducers[node]
 
     def drop_reducer(self, node: str) -> None:
-        reducer = self.reducers.pop(node, None)
-        if reducer is not None:
-            try:
-                ray.kill(reducer, no_restart=True)
-            except Exception as exc:  # already gone with its node
-                log.debug("kill of the reducer of node %s: %s", node, exc)
+        end_reducer(node, self.reducers.pop(node, None))
 
     def close(self, end_actors: Callable[[], None]) -> None:
         end_actors()
