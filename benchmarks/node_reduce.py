@@ -59,10 +59,12 @@ from round_overhead import WideSource
 from fdam_ray.algorithms import AlgorithmSection, build_algorithm
 from fdam_ray.client import Replica
 from fdam_ray.config import build_config
+from fdam_ray.deadlines import Deadline
 from fdam_ray.executors.ray.compat import loopback_node
 from fdam_ray.executors.ray.executor import RayExecutor
 from fdam_ray.executors.ray.transports import REGISTRY, transport_for
 from fdam_ray.state import RoundPlan
+from fdam_ray.transfer import Downlink
 
 DENSENET121_FLOATS = 6_960_000  # trainable parameters of DenseNet121 with one output, plus a, b
 RESNET20_FLOATS = 270_000
@@ -71,8 +73,11 @@ TARGET_ROUND_RATIO = 0.6  # node's round time at most this times star's at the l
 
 
 LOOPBACK = "127.0.0.1"
-# (transport, reduce) of the blocks, in the order they alternate
-BLOCKS = (("classic", "star"), ("classic", "node"), ("compiled", "star"), ("compiled", "node"))
+# (transport, reduce, transfer_precision, round_deadline) of the blocks, in the order they alternate
+BLOCKS = (("classic", "star", "fp32", None), ("classic", "node", "fp32", None), ("compiled", "star", "fp32", None),
+          ("compiled", "node", "fp32", None))
+# --netlab at the shaped rate: also bf16 transfers (classic: compiled carries float32 states only)
+SHAPED_BLOCKS = (*BLOCKS, ("classic", "star", "bf16", None), ("classic", "node", "bf16", None))
 
 
 @contextlib.contextmanager
@@ -130,10 +135,12 @@ def start_executor(nodes: int, clients_per_node: int, state_floats: int):
     return executor, build_algorithm(AlgorithmSection.of(config)), state
 
 
-def use_transport(executor: RayExecutor, transport: str, reduce: str, kept: dict) -> None:
-    """Switch the started executor to the transport that runs ``transport`` with ``reduce`` (kept in ``kept`` by
-    name, so the node transports keep their reducer actors from block to block; a compiled graph left behind is
-    ended, its actors then free for the next graph); the executor closes the last one at shutdown."""
+def use_transport(executor: RayExecutor, block: tuple, kept: dict) -> None:
+    """Switch the started executor to ``block``: (transport, reduce, transfer_precision, round_deadline). The
+    transport is kept in ``kept`` by name, so the node transports keep their reducer actors from block to block
+    (a compiled graph left behind is ended, its actors then free for the next graph; the executor closes the last
+    one at shutdown); so is each precision's downlink, whose master the actors keep from block to block."""
+    transport, reduce, precision, deadline = block
     graph = getattr(executor.transport, "graph", None)
     if graph is not None:
         graph.teardown()
@@ -142,6 +149,11 @@ def use_transport(executor: RayExecutor, transport: str, reduce: str, kept: dict
     if name not in kept:
         kept[name] = REGISTRY[name](executor.fleet, executor.config)
     executor.transport = kept[name]
+    if precision != "fp32" and precision not in kept:
+        kept[precision] = Downlink(precision, error_feedback=False)
+    executor.downlink = kept.get(precision) if precision != "fp32" else None
+    executor.deadline = (None if deadline is None
+                         else Deadline.of(build_config(dict(executor="ray", round_deadline=deadline))))
 
 
 def rounds(executor, algorithm, state, count: int, warmup: int = 1):
@@ -153,9 +165,10 @@ def rounds(executor, algorithm, state, count: int, warmup: int = 1):
         reducer = algorithm.reducer(state)
         received = []
 
-        def fold(part, reducer=reducer, received=received):
-            received.append(sum(a.nbytes for a in (part.v, part.alpha, part.buffers, part.counters, part.c_v,
-                                                   part.c_alpha) if a is not None))
+        def fold(part, reducer=reducer, received=received):  # (a rounded sum is counted as it travelled)
+            received.append(part.bytes_up if executor.downlink is not None else sum(
+                a.nbytes for a in (part.v, part.alpha, part.buffers, part.counters, part.c_v, part.c_alpha)
+                if a is not None))
             reducer.fold(part)
 
         t0 = time.perf_counter()
@@ -167,18 +180,26 @@ def rounds(executor, algorithm, state, count: int, warmup: int = 1):
     return state, 1e3 * statistics.median(walls), statistics.median(ingress), len(received)
 
 
-def blocks(executor, algorithm, state, count: int, repeats: int) -> tuple[object, dict]:
-    """``repeats`` alternating blocks of ``count`` rounds for each of :data:`BLOCKS`; (state, (transport,
-    reduce) -> [(median ms, ingress, objects) per block])."""
-    got: dict = {combo: [] for combo in BLOCKS}
-    transports: dict = {}
+def blocks(executor, algorithm, state, count: int, repeats: int, combos=BLOCKS, kept: dict | None = None
+           ) -> tuple[object, dict]:
+    """``repeats`` alternating blocks of ``count`` rounds for each of ``combos`` (see :func:`use_transport`);
+    (state, combo -> [(median ms, ingress, objects) per block])."""
+    got: dict = {combo: [] for combo in combos}
+    transports: dict = {} if kept is None else kept
     for _ in range(repeats):
-        for transport, reduce in BLOCKS:
-            use_transport(executor, transport, reduce, transports)
+        for combo in combos:
+            use_transport(executor, combo, transports)
             state, ms, ingress, objects = rounds(executor, algorithm, state, count)
-            got[transport, reduce].append((ms, ingress, objects))
-            print(f"  block transport={transport} reduce={reduce}: {ms:.0f} ms a round", file=sys.stderr, flush=True)
+            got[combo].append((ms, ingress, objects))
+            print(f"  block {label(combo)}: {ms:.0f} ms a round, {objects} sums folded", file=sys.stderr,
+                  flush=True)
     return state, got
+
+
+def label(combo: tuple) -> str:
+    transport, reduce, precision, deadline = combo
+    return (f"transport={transport} reduce={reduce}" + ("" if precision == "fp32" else f" {precision}")
+            + ("" if deadline is None else f" round_deadline={deadline}"))
 
 
 def summary(got: dict) -> dict:
@@ -186,9 +207,15 @@ def summary(got: dict) -> dict:
     out: dict = {}
     for combo, measured in got.items():
         times = [b[0] for b in measured]
-        out[combo] = {"ms": statistics.median(times), "lo": min(times), "hi": max(times),
-                      "ingress": measured[-1][1], "objects": measured[-1][2]}
+        row = {"ms": statistics.median(times), "lo": min(times), "hi": max(times),
+               "ingress": measured[-1][1], "objects": measured[-1][2]}
+        out[combo] = row
+        if combo[2:] == ("fp32", None):
+            out[combo[:2]] = row
     out["star"], out["node"] = out["classic", "star"], out["classic", "node"]
+    if ("classic", "star", "bf16", None) in out:
+        out["bf16_ratio"] = out["classic", "star", "bf16", None]["ms"] / out["star"]["ms"]
+        out["bf16_ratio_node"] = out["classic", "node", "bf16", None]["ms"] / out["node"]["ms"]
     out["ingress_ratio"] = out["node"]["ingress"] / out["star"]["ingress"]
     out["round_ratio"] = out["node"]["ms"] / out["star"]["ms"]
     out["round_ratio_compiled"] = out["compiled", "node"]["ms"] / out["compiled", "star"]["ms"]
@@ -213,25 +240,42 @@ def measure(nodes: int, clients_per_node: int, state_floats: int, count: int, re
     return {"nodes": nodes, "clients": nodes * clients_per_node, "actors_per_node": placed, **summary(got)}
 
 
-def measure_netlab(netcluster, rate: str, nodes: int, clients_per_node: int, state_floats: int, count: int,
-                   repeats: int) -> dict[str, dict]:
-    """On netlab's cluster: "unshaped", then ``rate`` (every node's ingress limited), on the same executor."""
-    out = {}
-    with netcluster.net_cluster(workers=nodes, cpus_per_worker=clients_per_node, rate=None,
-                                object_store_bytes=store_bytes_for(clients_per_node, state_floats)) as nc:
-        executor, algorithm, state = start_executor(nodes, clients_per_node, state_floats)
+def measure_netlab(netcluster, args: argparse.Namespace) -> dict[str, dict]:
+    """On netlab's cluster, one executor throughout: "unshaped" (:data:`BLOCKS`), then every node's ingress at
+    ``--rate`` (:data:`SHAPED_BLOCKS`), then the last worker node at ``--slow-rate`` among the others at
+    ``--rate``: ``reduce: node`` without and with ``round_deadline`` ``--deadline`` ("straggler")."""
+    nodes, per_node = args.nodes[-1], args.clients_per_node
+    out: dict = {}
+    kept: dict = {}
+    with netcluster.net_cluster(workers=nodes, cpus_per_worker=per_node, rate=None,
+                                object_store_bytes=store_bytes_for(per_node, args.state_floats)) as nc:
+        executor, algorithm, state = start_executor(nodes, per_node, args.state_floats)
         try:
-            state, got = blocks(executor, algorithm, state, count, repeats)
+            state, got = blocks(executor, algorithm, state, args.rounds, args.repeats, BLOCKS, kept)
             out["unshaped"] = summary(got)
-            with netcluster.Shaping(nc.ips, rate):
-                state, got = blocks(executor, algorithm, state, count, repeats)
-            out[rate] = summary(got)
+            with netcluster.Shaping(nc.ips, args.rate):
+                state, got = blocks(executor, algorithm, state, args.rounds, args.repeats, SHAPED_BLOCKS, kept)
+            out[args.rate] = summary(got)
+            slow = nc.ips[-1]
+            with netcluster.Shaping(nc.ips, args.rate, node_rates={slow: args.slow_rate}):
+                state, got = blocks(executor, algorithm, state, args.rounds, args.repeats, straggler_blocks(args),
+                                    kept)
+            reference = out[args.rate]["node"]["ms"]
+            times = {combo[3]: statistics.median(b[0] for b in measured) for combo, measured in got.items()}
+            out["straggler"] = {"slow_node": slow, "reference_ms": reference, "none_ms": times[None],
+                                "deadline_ms": times[args.deadline], "ratio_none": times[None] / reference,
+                                "ratio_deadline": times[args.deadline] / reference,
+                                "objects": {combo[3]: measured[-1][2] for combo, measured in got.items()}}
             placed = actors_per_node(executor)
         finally:
             executor.shutdown()
-    for r in out.values():
-        r.update(nodes=nodes, clients=nodes * clients_per_node, actors_per_node=placed)
+    for key in ("unshaped", args.rate):
+        out[key].update(nodes=nodes, clients=nodes * per_node, actors_per_node=placed)
     return out
+
+
+def straggler_blocks(args: argparse.Namespace) -> tuple:
+    return (("classic", "node", "fp32", None), ("classic", "node", "fp32", args.deadline))
 
 
 def _ms(r: dict) -> str:
@@ -239,25 +283,49 @@ def _ms(r: dict) -> str:
 
 
 def netlab_body(args: argparse.Namespace, results: dict[str, dict]) -> str:
-    """The results file's block for a --netlab run: unshaped and shaped, side by side."""
+    """The results file's block for a --netlab run: unshaped and shaped side by side, bf16, one slow node."""
+    links = {k: results[k] for k in ("unshaped", args.rate)}
     rows = [[link, _ms(r["classic", "star"]), _ms(r["classic", "node"]), f"{r['round_ratio']:.2f}",
              _ms(r["compiled", "star"]), _ms(r["compiled", "node"]), f"{r['round_ratio_compiled']:.2f}",
              f"{r['star']['ingress'] / 1e6:.0f} ({r['star']['objects']}) / "
              f"{r['node']['ingress'] / 1e6:.0f} ({r['node']['objects']})"]
-            for link, r in results.items()]
+            for link, r in links.items()]
     last = results[args.rate]
+    bf16 = [[reduce, _ms(last["classic", reduce]), _ms(last["classic", reduce, "bf16", None]),
+             f"{last['bf16_ratio' if reduce == 'star' else 'bf16_ratio_node']:.2f}",
+             f"{last['classic', reduce]['ingress'] / 1e6:.0f} / "
+             f"{last['classic', reduce, 'bf16', None]['ingress'] / 1e6:.0f}"] for reduce in ("star", "node")]
+    st = results["straggler"]
+    slow = [[f"all nodes at {args.rate}, no deadline", f"{st['reference_ms']:.0f}", "1.00",
+             str(last["node"]["objects"])],
+            [f"{st['slow_node']} at {args.slow_rate}, no deadline", f"{st['none_ms']:.0f}",
+             f"{st['ratio_none']:.2f}", str(st["objects"][None])],
+            [f"{st['slow_node']} at {args.slow_rate}, round_deadline={args.deadline}", f"{st['deadline_ms']:.0f}",
+             f"{st['ratio_deadline']:.2f}", str(st["objects"][args.deadline])]]
     return f"""
 netlab cluster ({args.netlab}): a head without CPUs and {last['nodes']} worker nodes, each at its own \
 loopback address, x {args.clients_per_node} client actors pinned per node (actors per node \
 {", ".join(map(str, last["actors_per_node"]))}), one actor per client, state of N = {args.state_floats:,} floats \
 ({args.state_floats * 4 / 2**20:.1f} MiB), one trivial local step on one sample per round (CODA+, a linear scorer). \
-Measured unshaped, then with every node's ingress limited to {args.rate} (tc), on the same cluster and \
-executor; at each, {args.repeats} alternating blocks of {args.rounds} timed rounds (after one warm-up round) for \
-star and node under the classic and the compiled transport; round time = median over the blocks of each block's \
-median (lo..hi over the blocks). Machine: {os.cpu_count()} CPU cores shared by every node.
+One cluster and one started executor throughout: unshaped, then every node's ingress limited to {args.rate} \
+(tc), then one node at {args.slow_rate}; in each, {args.repeats} alternating blocks of {args.rounds} timed rounds \
+(after one warm-up round) per setting; round time = median over the blocks of each block's median (lo..hi over \
+the blocks). Machine: {os.cpu_count()} CPU cores shared by every node.
+
+**Star against node**, under the classic and the compiled transport:
 
 {C.table(["per-node link", "classic star ms", "classic node ms", "node / star", "compiled star ms",
           "compiled node ms", "node / star (compiled)", "driver ingress MB (objects), star / node"], rows)}
+
+**`transfer_precision: bf16`** against fp32 at {args.rate}, classic transport (rounded differences both ways; \
+the compiled transport carries float32 states only):
+
+{C.table(["reduce", "fp32 ms", "bf16 ms", "bf16 / fp32", "driver ingress MB, fp32 / bf16"], bf16)}
+
+**One slow site**: {st['slow_node']}'s ingress at {args.slow_rate}, the other nodes' at {args.rate}, `reduce: \
+node`, classic; ratios against the round with every node at {args.rate} (measured above):
+
+{C.table(["setting", "round ms", "/ without the slow node", "sums folded in the last round"], slow)}
 """
 
 
@@ -355,6 +423,8 @@ def main(argv: list[str] | None = None) -> str:
                         help="run on netlab's shaped cluster (DIR/netcluster.py; needs root and tc) at the largest "
                              "--nodes, unshaped and at --rate")
     parser.add_argument("--rate", default="1gbit", help="--netlab: each node's ingress rate (tc's syntax)")
+    parser.add_argument("--slow-rate", default="100mbit", help="--netlab: the slow node's ingress rate")
+    parser.add_argument("--deadline", default="2x", help="--netlab: round_deadline with the slow node")
     args = parser.parse_args(argv)
     netcluster = load_netlab(args.netlab) if args.netlab else None
     if netcluster is not None:
@@ -365,14 +435,15 @@ def main(argv: list[str] | None = None) -> str:
     # the nodes started here must use the token mode this process's Ray read when it was imported
     os.environ["RAY_AUTH_MODE"] = "token" if is_token_auth_enabled() else "disabled"
     if netcluster is not None:
-        by_link = measure_netlab(netcluster, args.rate, args.nodes[-1], args.clients_per_node, args.state_floats,
-                                 args.rounds, args.repeats)
-        for link, r in by_link.items():
-            print(f"{link}: {progress(r)}", flush=True)
+        by_link = measure_netlab(netcluster, args)
+        for link in ("unshaped", args.rate):
+            print(f"{link}: {progress(by_link[link])}", flush=True)
         body = netlab_body(args, by_link)
-        shaped = by_link[args.rate]
+        shaped, st = by_link[args.rate], by_link["straggler"]
         values = dict(rate=args.rate, round_ratio_node_star=shaped["round_ratio"],
-                      round_ratio_node_star_compiled=shaped["round_ratio_compiled"])
+                      round_ratio_node_star_compiled=shaped["round_ratio_compiled"],
+                      round_ratio_bf16_fp32=shaped["bf16_ratio"], straggler_ratio_deadline=st["ratio_deadline"],
+                      straggler_ratio_none=st["ratio_none"])
     else:
         results = []
         for nodes in args.nodes:

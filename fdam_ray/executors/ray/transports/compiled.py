@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -68,6 +69,7 @@ logging.getLogger("ray.dag.compiled_dag_node").setLevel(logging.CRITICAL)
 
 NAP_FRACTION = 0.5  # of the shortest of the last 8 rounds, slept before reading a round's outputs
 REST_RATIO = 4.0  # channel_wait=spin: end the graph before work between rounds that last took this x a build
+STUCK_AFTER_S = 10.0  # reduce=node: a teardown still waiting after this ends the node reducers
 READY_TIMEOUT_S = 60.0  # reduce=node: longest wait for the reducers to answer after a broken round
 _CHANNEL_SLACK = 1 << 20  # bytes beyond the state: plan, client lists, pickling headers, step statistics
 
@@ -174,6 +176,7 @@ class CompiledRounds:
         self.busy = False  # an execution was sent and its outputs not all read
         self.build_s = 0.0  # how long the last build took
         self.groups: list[list[int]] = []  # the actors behind each output of the graph, in output order
+        self.on_stuck: Callable[[], None] | None = None  # ends what a teardown waits on forever (see teardown)
 
     def _key(self, actors: dict[int, Any], merges: Sequence[tuple[Any, list[int]]]) -> tuple:
         return (tuple((a, compat.actor_id(actors[a])) for a in sorted(actors)),
@@ -239,14 +242,38 @@ class CompiledRounds:
 
     def teardown(self) -> None:
         """End the graph (the actors stay alive and take classic calls and a new graph). Ray waits for the
-        actors' loops to end; a stop signal ends that wait (:func:`fdam_ray.interrupts.interruptible`)."""
+        actors' loops to end; a stop signal ends that wait (:func:`fdam_ray.interrupts.interruptible`).
+
+        With ``on_stuck`` set (``reduce: node``: it ends the node reducers, which the next graph starts again),
+        a loop still running ``STUCK_AFTER_S`` after the teardown began is ended by it: a reducer's read of an
+        actor's channel was seen to miss the close (large states, Ray 2.60) and Ray would wait for it forever.
+        """
         graph, self.graph, self.key, self.busy = self.graph, None, (), False
-        if graph is not None:
+        if graph is None:
+            return
+        ended: list[BaseException | None] = []
+
+        def end() -> None:
             try:
-                with interruptible():
-                    graph.teardown()
-            except Exception as exc:  # a graph broken by a dead actor may fail to end cleanly; it is gone either way
-                log.debug("teardown of the compiled graph: %s", exc)
+                graph.teardown()
+                ended.append(None)
+            except Exception as exc:  # a graph broken by a dead actor may fail to end cleanly; it is gone anyway
+                ended.append(exc)
+
+        with interruptible():
+            if self.on_stuck is None:
+                end()
+            else:
+                waiter = threading.Thread(target=end, name="fdam-graph-teardown", daemon=True)
+                waiter.start()
+                waiter.join(STUCK_AFTER_S)
+                if waiter.is_alive():
+                    log.debug("the compiled graph's loops did not end within %.0f s; ending its reducers",
+                              STUCK_AFTER_S)
+                    self.on_stuck()
+                    waiter.join()
+        if ended and ended[0] is not None:
+            log.debug("teardown of the compiled graph: %s", ended[0])
 
 
 
@@ -361,6 +388,12 @@ class CompiledNodeTransport(CompiledTransport):
         super().__init__(fleet, config)
         self.reducers: dict[str, Any] = {}
         fleet.on_node_lost.append(self.drop_reducer)
+        self.graph.on_stuck = self.drop_reducers
+
+    def drop_reducers(self) -> None:
+        """End every node reducer (the next graph starts them again)."""
+        for node in list(self.reducers):
+            self.drop_reducer(node)
 
     def merges(self) -> list[tuple[Any, list[int]]]:
         lost = {e["node_id"] for e in self.fleet.lost_nodes}
@@ -394,5 +427,4 @@ class CompiledNodeTransport(CompiledTransport):
 
     def close(self, end_actors) -> None:
         super().close(end_actors)
-        for node in list(self.reducers):
-            self.drop_reducer(node)
+        self.drop_reducers()
