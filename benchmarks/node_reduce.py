@@ -26,15 +26,21 @@ With ``--netlab DIR`` (the netlab folder: ``DIR/netcluster.py``, which needs roo
 and ``tc``) the cluster is netlab's instead: every node at its own loopback
 address, W worker nodes (the largest ``--nodes``), measured unshaped and then
 with each node's ingress limited to ``--rate``, on the same cluster; the
-results file gives the two side by side.
+results file gives the two side by side. At the rate it also measures
+``transfer_precision: bf16`` against fp32 (classic transport), and then one
+node at ``--slow-rate`` among the others at ``--rate`` (``reduce: node``), with
+no deadline and with ``round_deadline`` ``--deadline``.
 
     python benchmarks/node_reduce.py [--nodes 2 4] [--clients-per-node 4] [--state-floats 7000000]
                                      [--rounds 6] [--repeats 3] [--out benchmarks/results/node_reduce.md]
-                                     [--netlab ../shared/netlab --rate 1gbit]
+                                     [--netlab ../shared/netlab --rate 1gbit [--slow-rate 100mbit]
+                                      [--deadline 2x]]
 
 Last line: ``RESULT nodes=... clients=... ingress_ratio_node_star=... round_ratio_node_star=...
 round_ratio_node_star_compiled=...`` (at the largest --nodes); with --netlab ``RESULT rate=...
-round_ratio_node_star=... round_ratio_node_star_compiled=...`` (at that rate).
+round_ratio_node_star=... round_ratio_node_star_compiled=... round_ratio_bf16_fp32=...
+straggler_ratio_deadline=... straggler_ratio_none=...`` (at that rate; the bf16 ratio under ``reduce: star``,
+the straggler ratios against the ``reduce: node`` round with every node at the rate).
 """
 
 from __future__ import annotations
@@ -141,11 +147,13 @@ def use_transport(executor: RayExecutor, block: tuple, kept: dict) -> None:
     (a compiled graph left behind is ended, its actors then free for the next graph; the executor closes the last
     one at shutdown); so is each precision's downlink, whose master the actors keep from block to block."""
     transport, reduce, precision, deadline = block
-    graph = getattr(executor.transport, "graph", None)
-    if graph is not None:
-        graph.teardown()
-    executor.config = dataclasses.replace(executor.config, transport=transport, reduce=reduce)
     name = transport_for(transport, reduce)
+    if transport == "compiled":  # an actor is in one graph at a time; classic calls run beside a graph
+        for other, kept_transport in kept.items():
+            graph = getattr(kept_transport, "graph", None)
+            if other != name and graph is not None:
+                graph.teardown()
+    executor.config = dataclasses.replace(executor.config, transport=transport, reduce=reduce)
     if name not in kept:
         kept[name] = REGISTRY[name](executor.fleet, executor.config)
     executor.transport = kept[name]
@@ -183,17 +191,40 @@ def rounds(executor, algorithm, state, count: int, warmup: int = 1):
 def blocks(executor, algorithm, state, count: int, repeats: int, combos=BLOCKS, kept: dict | None = None
            ) -> tuple[object, dict]:
     """``repeats`` alternating blocks of ``count`` rounds for each of ``combos`` (see :func:`use_transport`);
-    (state, combo -> [(median ms, ingress, objects) per block])."""
+    (state, combo -> [(median ms, ingress, objects) per block]).
+
+    The compiled ``reduce: node`` blocks come last, one after another: a compiled graph stays up while classic
+    blocks run, and only the node graph costs much to end (see CompiledRounds.teardown), so each graph is built
+    once per call, as in a run."""
     got: dict = {combo: [] for combo in combos}
     transports: dict = {} if kept is None else kept
-    for _ in range(repeats):
-        for combo in combos:
-            use_transport(executor, combo, transports)
-            state, ms, ingress, objects = rounds(executor, algorithm, state, count)
-            got[combo].append((ms, ingress, objects))
-            print(f"  block {label(combo)}: {ms:.0f} ms a round, {objects} sums folded", file=sys.stderr,
-                  flush=True)
+    last = [c for c in combos if c[:2] == ("compiled", "node")]
+    order = [c for _ in range(repeats) for c in combos if c not in last] + [c for c in last for _ in range(repeats)]
+    for combo in order:
+        use_transport(executor, combo, transports)
+        state, ms, ingress, objects = rounds(executor, algorithm, state, count)
+        got[combo].append((ms, ingress, objects))
+        print(f"  block {label(combo)}: {ms:.0f} ms a round, {objects} sums folded "
+              f"({free_gib():.1f} GiB of memory free)", file=sys.stderr, flush=True)
     return state, got
+
+
+def free_gib() -> float:
+    """This machine's available memory (Linux's MemAvailable; nan elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) / 2**20
+    except (OSError, StopIteration, ValueError):
+        return float("nan")
+
+
+def total_gib() -> float:
+    """This machine's memory (Linux's MemTotal; nan elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("MemTotal:")) / 2**20
+    except (OSError, StopIteration, ValueError):
+        return float("nan")
 
 
 def label(combo: tuple) -> str:
@@ -232,46 +263,65 @@ def actors_per_node(executor: RayExecutor) -> list[int]:
 def measure(nodes: int, clients_per_node: int, state_floats: int, count: int, repeats: int) -> dict:
     with loopback_cluster(nodes, clients_per_node, store_bytes_for(clients_per_node, state_floats)):
         executor, algorithm, state = start_executor(nodes, clients_per_node, state_floats)
+        kept: dict = {}
         try:
-            state, got = blocks(executor, algorithm, state, count, repeats)
+            state, got = blocks(executor, algorithm, state, count, repeats, BLOCKS, kept)
             placed = actors_per_node(executor)
         finally:
+            end_graphs(executor, kept)
             executor.shutdown()
     return {"nodes": nodes, "clients": nodes * clients_per_node, "actors_per_node": placed, **summary(got)}
 
 
 def measure_netlab(netcluster, args: argparse.Namespace) -> dict[str, dict]:
-    """On netlab's cluster, one executor throughout: "unshaped" (:data:`BLOCKS`), then every node's ingress at
-    ``--rate`` (:data:`SHAPED_BLOCKS`), then the last worker node at ``--slow-rate`` among the others at
-    ``--rate``: ``reduce: node`` without and with ``round_deadline`` ``--deadline`` ("straggler")."""
+    """On netlab's cluster, two executors one after the other (so that the memory of the compiled graphs and
+    that of the classic node reducers are never held at once: 4 x 4 clients of 7M floats fill this machine).
+    Each measures unshaped, then with every node's ingress at ``--rate``; the classic one also bf16 transfers
+    at ``--rate`` and, last, the last worker node at ``--slow-rate`` among the others at ``--rate``: ``reduce:
+    node`` without and with ``round_deadline`` ``--deadline`` ("straggler")."""
     nodes, per_node = args.nodes[-1], args.clients_per_node
-    out: dict = {}
-    kept: dict = {}
+    unshaped: dict = {}
+    shaped: dict = {}
     with netcluster.net_cluster(workers=nodes, cpus_per_worker=per_node, rate=None,
                                 object_store_bytes=store_bytes_for(per_node, args.state_floats)) as nc:
-        executor, algorithm, state = start_executor(nodes, per_node, args.state_floats)
-        try:
-            state, got = blocks(executor, algorithm, state, args.rounds, args.repeats, BLOCKS, kept)
-            out["unshaped"] = summary(got)
-            with netcluster.Shaping(nc.ips, args.rate):
-                state, got = blocks(executor, algorithm, state, args.rounds, args.repeats, SHAPED_BLOCKS, kept)
-            out[args.rate] = summary(got)
-            slow = nc.ips[-1]
-            with netcluster.Shaping(nc.ips, args.rate, node_rates={slow: args.slow_rate}):
-                state, got = blocks(executor, algorithm, state, args.rounds, args.repeats, straggler_blocks(args),
-                                    kept)
-            reference = out[args.rate]["node"]["ms"]
-            times = {combo[3]: statistics.median(b[0] for b in measured) for combo, measured in got.items()}
-            out["straggler"] = {"slow_node": slow, "reference_ms": reference, "none_ms": times[None],
-                                "deadline_ms": times[args.deadline], "ratio_none": times[None] / reference,
-                                "ratio_deadline": times[args.deadline] / reference,
-                                "objects": {combo[3]: measured[-1][2] for combo, measured in got.items()}}
-            placed = actors_per_node(executor)
-        finally:
-            executor.shutdown()
+        for transport in ("classic", "compiled"):
+            combos = tuple(c for c in BLOCKS if c[0] == transport)
+            executor, algorithm, state = start_executor(nodes, per_node, args.state_floats)
+            kept: dict = {}
+            try:
+                state, got = blocks(executor, algorithm, state, args.rounds, args.repeats, combos, kept)
+                unshaped.update(got)
+                with netcluster.Shaping(nc.ips, args.rate):
+                    more = tuple(c for c in SHAPED_BLOCKS if c[0] == transport and c not in combos)
+                    state, got = blocks(executor, algorithm, state, args.rounds, args.repeats, combos + more, kept)
+                    shaped.update(got)
+                if transport == "classic":
+                    slow = nc.ips[-1]
+                    with netcluster.Shaping(nc.ips, args.rate, node_rates={slow: args.slow_rate}):
+                        state, straggled = blocks(executor, algorithm, state, args.rounds, args.repeats,
+                                                  straggler_blocks(args), kept)
+                    placed = actors_per_node(executor)
+            finally:
+                end_graphs(executor, kept)
+                executor.shutdown()
+    out = {"unshaped": summary(unshaped), args.rate: summary(shaped)}
+    reference = out[args.rate]["node"]["ms"]
+    times = {combo[3]: statistics.median(b[0] for b in measured) for combo, measured in straggled.items()}
+    out["straggler"] = {"slow_node": slow, "reference_ms": reference, "none_ms": times[None],
+                        "deadline_ms": times[args.deadline], "ratio_none": times[None] / reference,
+                        "ratio_deadline": times[args.deadline] / reference,
+                        "objects": {combo[3]: measured[-1][2] for combo, measured in straggled.items()}}
     for key in ("unshaped", args.rate):
         out[key].update(nodes=nodes, clients=nodes * per_node, actors_per_node=placed)
     return out
+
+
+def end_graphs(executor: RayExecutor, kept: dict) -> None:
+    """End the compiled graphs of the kept transports other than the executor's own (it ends that one)."""
+    for transport in kept.values():
+        graph = getattr(transport, "graph", None)
+        if transport is not executor.transport and graph is not None:
+            graph.teardown()
 
 
 def straggler_blocks(args: argparse.Namespace) -> tuple:
@@ -307,10 +357,13 @@ netlab cluster ({args.netlab}): a head without CPUs and {last['nodes']} worker n
 loopback address, x {args.clients_per_node} client actors pinned per node (actors per node \
 {", ".join(map(str, last["actors_per_node"]))}), one actor per client, state of N = {args.state_floats:,} floats \
 ({args.state_floats * 4 / 2**20:.1f} MiB), one trivial local step on one sample per round (CODA+, a linear scorer). \
-One cluster and one started executor throughout: unshaped, then every node's ingress limited to {args.rate} \
-(tc), then one node at {args.slow_rate}; in each, {args.repeats} alternating blocks of {args.rounds} timed rounds \
-(after one warm-up round) per setting; round time = median over the blocks of each block's median (lo..hi over \
-the blocks). Machine: {os.cpu_count()} CPU cores shared by every node.
+One cluster; on it an executor for the classic transport, then one for the compiled transport (their memory \
+together does not fit this machine at this size). Each measures unshaped, then with every node's ingress \
+limited to {args.rate} (tc); the classic one then with one node at {args.slow_rate}. In each, {args.repeats} \
+alternating blocks of {args.rounds} timed rounds (after one warm-up round) per setting (the compiled \
+`reduce: node` blocks last, one after another, so each graph is built once); round time = median over the \
+blocks of each block's median (lo..hi over the blocks). Machine: {os.cpu_count()} CPU cores and \
+{total_gib():.0f} GiB of memory shared by every node.
 
 **Star against node**, under the classic and the compiled transport:
 
@@ -320,7 +373,7 @@ the blocks). Machine: {os.cpu_count()} CPU cores shared by every node.
 **`transfer_precision: bf16`** against fp32 at {args.rate}, classic transport (rounded differences both ways; \
 the compiled transport carries float32 states only):
 
-{C.table(["reduce", "fp32 ms", "bf16 ms", "bf16 / fp32", "driver ingress MB, fp32 / bf16"], bf16)}
+{C.table(["reduce", "fp32 ms", "bf16 ms", "bf16 / fp32", "MB the clients sent, fp32 / bf16"], bf16)}
 
 **One slow site**: {st['slow_node']}'s ingress at {args.slow_rate}, the other nodes' at {args.rate}, `reduce: \
 node`, classic; ratios against the round with every node at {args.rate} (measured above):
@@ -418,7 +471,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--state-floats", type=int, default=7_000_000)
     parser.add_argument("--rounds", type=int, default=6, help="timed rounds per block (after 1 warm-up round)")
     parser.add_argument("--repeats", type=int, default=3, help="alternating blocks of each transport and reduce")
-    parser.add_argument("--out", default=None, help="results file (default benchmarks/results/node_reduce.md)")
+    parser.add_argument("--out", default=None, help="results file (default benchmarks/results/node_reduce.md; "
+                                                    "with --netlab node_reduce_netlab.md)")
     parser.add_argument("--netlab", default=None, metavar="DIR",
                         help="run on netlab's shaped cluster (DIR/netcluster.py; needs root and tc) at the largest "
                              "--nodes, unshaped and at --rate")
@@ -454,7 +508,7 @@ def main(argv: list[str] | None = None) -> str:
         values = dict(nodes=last["nodes"], clients=last["clients"], ingress_ratio_node_star=last["ingress_ratio"],
                       round_ratio_node_star=last["round_ratio"],
                       round_ratio_node_star_compiled=last["round_ratio_compiled"])
-    out = Path(args.out) if args.out else C.RESULTS_DIR / "node_reduce.md"
+    out = Path(args.out) if args.out else C.RESULTS_DIR / ("node_reduce_netlab.md" if netcluster else "node_reduce.md")
     C.write_results(out, "Per-node reduction against the star", C.command_line("node_reduce.py", argv), body)
     line = C.result_line(**values)
     print(line)

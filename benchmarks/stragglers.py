@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+import _common as C
 import raytest
 from sample_clients import gaussian_clients
 
@@ -67,7 +68,7 @@ def round_times(clients, test, slow: int | None, deadline, args) -> list[float]:
     return times
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4, help="local steps per round")
@@ -75,24 +76,30 @@ def main() -> None:
     parser.add_argument("--slow", type=float, default=6.0, help="how many times slower the slow client is")
     parser.add_argument("--deadline", default="1.2x", help="round_deadline of the third setting")
     parser.add_argument("--rounds", type=int, default=4)
-    args = parser.parse_args()
+    parser.add_argument("--out", default=None, help="results file (default benchmarks/results/stragglers.md)")
+    args = parser.parse_args(argv)
     clients, test = gaussian_clients(num_clients=args.clients)
     rows = []
     with raytest.ray_session(num_cpus=max(4, args.clients)):
         for name, slow, deadline in (("no slow client, no deadline", None, None),
                                      ("slow client, no deadline", 0, None),
                                      (f"slow client, round_deadline={args.deadline}", 0, args.deadline)):
-            rows.append((name, statistics.median(round_times(clients, test, slow, deadline, args))))
+            times = round_times(clients, test, slow, deadline, args)
+            rows.append((name, statistics.median(times)))
+            print(f"  {name}: {rows[-1][1]:.3f} s a round", file=sys.stderr, flush=True)
     ref = rows[0][1]
-    lines = ["| setting | median round (s) | / no slow client |", "|---|---|---|"]
-    lines += [f"| {name} | {t:.3f} | {t / ref:.2f} |" for name, t in rows]
-    command = "python benchmarks/stragglers.py " + " ".join(sys.argv[1:])
-    text = (f"# One slow client among fast ones\n\n{args.clients} clients, {args.steps} local steps of about "
-            f"{args.step_s} s (the slow client {args.slow:g}x), median of {args.rounds} rounds, classic "
-            f"transport, reduce star.\n\n" + "\n".join(lines) + f"\n\nCommand: `{command.strip()}`\n")
-    RESULTS.write_text(text)
-    print("\n".join(lines))
-    print(f"RESULT straggler_ratio_deadline={rows[2][1] / ref:.3f} straggler_ratio_none={rows[1][1] / ref:.3f}")
+    table = C.table(["setting", "median round (s)", "/ no slow client"],
+                    [[name, f"{t:.3f}", f"{t / ref:.2f}"] for name, t in rows])
+    body = (f"\n{args.clients} clients, {args.steps} local steps of about {args.step_s} s (the slow client "
+            f"{args.slow:g}x), median of {args.rounds} rounds, classic transport, reduce star.\n\n{table}\n\n"
+            "A network's slow site, measured on a shaped multi-node cluster: `benchmarks/node_reduce.py --netlab` "
+            "(benchmarks/results/node_reduce.md).\n")
+    C.write_results(Path(args.out) if args.out else RESULTS, "One slow client among fast ones",
+                    C.command_line("stragglers.py", argv), body)
+    print(table)
+    line = C.result_line(straggler_ratio_deadline=rows[2][1] / ref, straggler_ratio_none=rows[1][1] / ref)
+    print(line)
+    return line
 
 
 if __name__ == "__main__":

@@ -503,3 +503,16 @@ def test_gpu_throughput_script_on_the_cpu(tmp_path):
     for row in ("| densenet121 | 32x32 | 2 | bf16 | no |", "| resnet20 | 8x8 | 8 | fp32 | no |"):
         assert row in text
     assert "Command: `python benchmarks/gpu_throughput.py --quick --device cpu" in text
+
+
+@pytest.mark.slow  # three Ray executors of its own: about a minute
+def test_stragglers_script(tmp_path):
+    out = tmp_path / "st.md"
+    _, values = run_script_process("benchmarks/stragglers.py", "--clients", "2", "--steps", "2", "--step-s", "0.05",
+                                   "--slow", "8", "--rounds", "2", "--out", str(out))
+    assert set(values) == {"straggler_ratio_deadline", "straggler_ratio_none"}
+    assert values["straggler_ratio_none"] > 2  # the round waits for the client 8x slower
+    assert values["straggler_ratio_deadline"] < values["straggler_ratio_none"]
+    text = out.read_text()
+    assert text.startswith(C.BEGIN) and "Command: `python benchmarks/stragglers.py --clients 2" in text
+    assert "| slow client, round_deadline=1.2x |" in text

@@ -35,6 +35,16 @@ def torch_round(x: np.ndarray, precision: str) -> np.ndarray:
     return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(TORCH[precision]).float().numpy()
 
 
+def numpy_round(x: np.ndarray, precision: str) -> np.ndarray:
+    """Round to nearest, ties to even, written out on the bit patterns (bf16), or numpy's own cast (fp16)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if precision == "fp16":
+        return x.astype(np.float16).astype(np.float32)
+    u = x.view(np.uint32)
+    kept = (u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
+    return (kept << np.uint32(16)).view(np.float32)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_encoding_rounds_as_torch_does_ties_to_even(precision):
     rng = np.random.default_rng(0)
@@ -42,7 +52,11 @@ def test_encoding_rounds_as_torch_does_ties_to_even(precision):
                         np.float32([0.0, -0.0, 1.0, 1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-11, 1 + 3 * 2**-11])])
     bits = encode(x, precision)
     assert bits.dtype == np.uint16 and bits.nbytes == x.size * 2
+    np.testing.assert_array_equal(decode(bits, precision), numpy_round(x, precision))
     np.testing.assert_array_equal(decode(bits, precision), torch_round(x, precision))
+    half = {"bf16": 2**-8, "fp16": 2**-11}[precision]  # ties: to the even neighbour
+    ties = decode(encode(np.float32([1 + half, 1 + 3 * half, -(1 + half)]), precision), precision)
+    np.testing.assert_array_equal(ties, np.float32([1.0, 1 + 4 * half, -1.0]))
 
 
 class RoundingOracle(InlineExecutor):
