@@ -205,24 +205,15 @@ def blocks(executor, algorithm, state, count: int, repeats: int, combos=BLOCKS, 
         state, ms, ingress, objects = rounds(executor, algorithm, state, count)
         got[combo].append((ms, ingress, objects))
         print(f"  block {label(combo)}: {ms:.0f} ms a round, {objects} sums folded "
-              f"({free_gib():.1f} GiB of memory free)", file=sys.stderr, flush=True)
+              f"({meminfo_gib():.1f} GiB of memory free)", file=sys.stderr, flush=True)
     return state, got
 
 
-def free_gib() -> float:
-    """This machine's available memory (Linux's MemAvailable; nan elsewhere)."""
+def meminfo_gib(key: str = "MemAvailable") -> float:
+    """A line of Linux's /proc/meminfo in GiB (MemAvailable: the memory free for use; nan elsewhere)."""
     try:
         with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) / 2**20
-    except (OSError, StopIteration, ValueError):
-        return float("nan")
-
-
-def total_gib() -> float:
-    """This machine's memory (Linux's MemTotal; nan elsewhere)."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("MemTotal:")) / 2**20
+            return next(int(line.split()[1]) for line in f if line.startswith(f"{key}:")) / 2**20
     except (OSError, StopIteration, ValueError):
         return float("nan")
 
@@ -363,7 +354,7 @@ limited to {args.rate} (tc); the classic one then with one node at {args.slow_ra
 alternating blocks of {args.rounds} timed rounds (after one warm-up round) per setting (the compiled \
 `reduce: node` blocks last, one after another, so each graph is built once); round time = median over the \
 blocks of each block's median (lo..hi over the blocks). Machine: {os.cpu_count()} CPU cores and \
-{total_gib():.0f} GiB of memory shared by every node.
+{meminfo_gib('MemTotal'):.0f} GiB of memory shared by every node.
 
 **Star against node**, under the classic and the compiled transport:
 

@@ -17,6 +17,7 @@ import torch
 
 from fdam_ray.data import DatasetSplit, DataSource, Shard
 from fdam_ray.executors.ray.compat import start_loopback_ray
+from fdam_ray.executors.ray.executor import RayExecutor
 
 NUM_CPUS = 4  # logical CPUs; clients run one torch thread each, so 4 of them share the 2 cores
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -129,3 +130,21 @@ def pids_using(folder: str) -> list[int]:
             except OSError:
                 continue
     return pids
+
+
+class FoldCounting(RayExecutor):
+    """Counts the partial sums the driver folds in each round."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.folds: list[int] = []
+
+    def run_round(self, state, plan, fold, clients=None):
+        count = [0]
+
+        def counted(partial):
+            count[0] += 1
+            fold(partial)
+
+        super().run_round(state, plan, counted, clients)
+        self.folds.append(count[0])

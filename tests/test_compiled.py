@@ -67,31 +67,13 @@ def test_the_graph_ends_with_the_run():
     assert executor.graph.builds == 1 and executor.graph.graph is None and executor.actors == {}
 
 
-class FoldCounting(RayExecutor):
-    """Counts the partial sums the driver folds in each round."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.folds: list[int] = []
-
-    def run_round(self, state, plan, fold, clients=None):
-        count = [0]
-
-        def counted(partial):
-            count[0] += 1
-            fold(partial)
-
-        super().run_round(state, plan, counted, clients)
-        self.folds.append(count[0])
-
-
 def test_compiled_with_per_node_reduction_merges_on_the_node_and_equals_classic_node_reduction_bit_for_bit():
     # one node: the three actors' sums are merged by its reducer inside the graph; a round that samples only
     # one of them passes that actor's sum on as it is, as the classic node transport does
     clients, test = sized_clients()
     cfg = dict(BASE, clients_per_round=3, clients_per_actor=2, reduce="node", fold_order="client", **RAY)
     classic = train(cfg, clients, test)
-    executor = FoldCounting()
+    executor = raytest.FoldCounting()
     compiled = train(dict(cfg, transport="compiled"), clients, test, executor=executor)
     assert_same_state(compiled, classic, exact=True)
     assert compiled.summary["bytes_up"] == classic.summary["bytes_up"]

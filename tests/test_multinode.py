@@ -17,7 +17,7 @@ import ray
 import torch
 from image_fixtures import write_image_folder
 from multinode import OBJECT_STORE_BYTES, add_loopback_node, multi_node_cluster, node_ids_by_site
-from raytest import SlowClientSource
+from raytest import FoldCounting, SlowClientSource
 from sample_clients import gaussian_clients
 
 from fdam_ray.checkpoint import load_checkpoint
@@ -118,31 +118,13 @@ def test_a_resource_no_node_offers_is_named_with_the_client_at_once(cluster):
 
 
 # -- per-node reduction ------------------------------------------------------------------------
-class CountingFolds(RayExecutor):
-    """Counts the partial sums the driver folds in each round."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.folds: list[int] = []
-
-    def run_round(self, state, plan, fold, clients=None):
-        count = [0]
-
-        def counted(partial):
-            count[0] += 1
-            fold(partial)
-
-        super().run_round(state, plan, counted, clients)
-        self.folds.append(count[0])
-
-
 @pytest.mark.slow
 def test_node_reduction_folds_one_sum_per_node_and_ends_where_star_and_inline_end(cluster):
     clients, test = gaussian_clients(num_clients=6)
     values = dict(algorithm="codasca", iterations=8, eval_every=8, positive_ratio=0.3, placement_strategy="PACK")
     got = {}
     for reduce in ("star", "node"):
-        executor = CountingFolds()
+        executor = FoldCounting()
         got[reduce] = run(arrays_config(clients, reduce=reduce, **values), source=ArraysSource(clients, test),
                           executor=executor, save=False)
         nodes = {w["node_id"] for w in executor.where_of.values()}
@@ -163,7 +145,7 @@ def test_compiled_node_reduction_folds_one_sum_per_node_and_equals_classic_node_
                   reduce="node", fold_order="client")
     got = {}
     for transport in ("classic", "compiled"):
-        executor = CountingFolds()
+        executor = FoldCounting()
         got[transport] = run(arrays_config(clients, transport=transport, **values),
                              source=ArraysSource(clients, test), executor=executor, save=False)
         nodes = {w["node_id"] for w in executor.where_of.values()}
