@@ -227,13 +227,15 @@ class RayExecutor(Executor):
         targets = [a for a in fleet.actors if any(k in chosen for k in fleet.hosted.get(a, ()))]
         assert self.transport is not None
         self.fold_order = []
-        owner = {k: a for a, ids in fleet.hosted.items() for k in ids}
+        if self.deadline is not None:  # which actors' sums were folded, for round_changes
+            owner = {k: a for a, ids in fleet.hosted.items() for k in ids}
+            unnoted = fold
 
-        def noted(partial: PartialSum) -> None:
-            self.fold_order.extend(owner[s.client_id] for s in partial.stats)
-            fold(partial)
+            def fold(partial: PartialSum) -> None:
+                self.fold_order.extend(owner[s.client_id] for s in partial.stats)
+                unnoted(partial)
 
-        round = Round(state, plan, noted if self.deadline is not None else fold, targets, work, call, self.deadline)
+        round = Round(state, plan, fold, targets, work, call, self.deadline)
         self.transport.run_round(round)
         for a in round.late:  # queued behind the late call: the actor's clients as they were before the round
             if a in fleet.actors:
