@@ -516,3 +516,40 @@ def test_stragglers_script(tmp_path):
     text = out.read_text()
     assert text.startswith(C.BEGIN) and "Command: `python benchmarks/stragglers.py --clients 2" in text
     assert "| slow client, round_deadline=1.2x |" in text
+
+
+def test_transfer_precision_script(tmp_path):
+    import transfer_precision
+
+    out = tmp_path / "tp.md"
+    line = transfer_precision.main(["--dataset", "digits", "--clients", "2", "--iterations", "64",
+                                    "--algorithms", "codasca", "--seeds", "0", "1", "--out", str(out)])
+    values = parse_result(line)
+    assert set(values) == {"max_abs_d_bf16", "max_abs_d_bf16_ef", "max_abs_d_fp16", "max_abs_d_exact", "mean_d_bf16",
+                           "mean_d_bf16_ef", "rms_d_bf16", "rms_d_bf16_ef", "rms_d_fp16", "rms_d_exact",
+                           "bytes_ratio", "seeds"}
+    assert values["seeds"] == 2
+    assert 0.5 < values["bytes_ratio"] < 0.75  # 2 bytes a value, first broadcasts in float32
+    for variant in ("bf16", "bf16_ef", "fp16", "exact"):
+        assert values[f"max_abs_d_{variant}"] >= values[f"rms_d_{variant}"] >= 0
+    text = out.read_text()
+    assert "Command: `python benchmarks/transfer_precision.py --dataset digits" in text
+    assert "| exact (bf16's path, float32 values: nothing rounded) |" in text
+    assert "seeds with abs d > 0.003" in text
+
+
+def test_transfer_precision_exact_variant_sends_float32_through_the_rounded_path():
+    """The noise-floor reference: bf16's transfer path (4 bytes a value travel, so nothing was rounded), and the
+    module's rounding is back in place after the run."""
+    import transfer_precision as TP
+
+    from fdam_ray import transfer
+
+    args = TP.parse_args(["--dataset", "digits", "--clients", "2", "--iterations", "32", "--algorithms", "codasca"])
+    spec = {**args.base, "objective": "auc_margin", "iterations": 32, "eval_every": 32, "stage_length": 32,
+            "algorithm": "codasca", "local_steps": 16, "lr": 1.0, "prox_weight": 0.002, "global_lr": 1.0, "seed": 0}
+    encode = transfer.encode
+    bf16 = TP.run_variant({**spec, **TP.VARIANTS["bf16"], "_variant": "bf16"})
+    exact = TP.run_variant({**spec, **TP.VARIANTS["exact"], "_variant": "exact"})
+    assert transfer.encode is encode
+    assert exact["last"]["bytes_up"] == 2 * bf16["last"]["bytes_up"]

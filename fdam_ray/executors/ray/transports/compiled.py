@@ -18,7 +18,7 @@ graph waits for its next input, each actor's graph thread keeps a core busy,
 and so does the driver while it waits for the outputs, so actors that share
 cores slow down the ones still computing, and an idle graph (during scoring
 or a checkpoint) burns a core per actor. With ``channel_wait: sleep`` (the
-default) a read of the graph's channels, by an actor or by the driver, polls
+default) a read of the graph's channels, by an actor, a node reducer or the driver, polls
 as Ray does for its first ``SPIN_S`` only (the gaps inside a loop of rounds
 are shorter) and then sleeps between checks, with pauses that grow with the
 time already waited (:func:`patient_read`): at most ``PAUSE_CAP_S`` while the
@@ -90,7 +90,9 @@ def patient_read(ray_read: Callable[[Any, float | None], Any], channel: Any, tim
     of rounds are shorter); after that it checks with a zero timeout and sleeps between checks, with pauses
     that start at ``FIRST_PAUSE_S`` and double up to the larger of ``PAUSE_CAP_S`` and ``PAUSE_OF_WAIT``
     times the time this channel has been waited on. A wait that the caller splits into several reads (Ray's
-    read loop asks again every ``read_iteration_timeout``) counts as one. Raises Ray's timeout error at the
+    read loop asks again every ``read_iteration_timeout``, 0.1 s) counts as one: it goes on with the wait's
+    start and its last pause (an idle graph's actor checks about 33 times a second, where starting each read's
+    pauses afresh made it 140). Raises Ray's timeout error at the
     deadline, and whatever ``ray_read`` raises.
     """
     from ray.exceptions import RayChannelTimeoutError
@@ -99,7 +101,7 @@ def patient_read(ray_read: Callable[[Any, float | None], Any], channel: Any, tim
     deadline = None if timeout is None or timeout < 0 else now + timeout
     since = getattr(channel, "_fdam_waiting_since", None) or now
     channel._fdam_waiting_since = since
-    pause = FIRST_PAUSE_S
+    pause = getattr(channel, "_fdam_pause", None) or FIRST_PAUSE_S  # a wait split into reads backs off as one
     while True:
         poll = max(0.0, SPIN_S - (now - since))  # Ray's polling while the wait is young
         if deadline is not None:
@@ -109,15 +111,16 @@ def patient_read(ray_read: Callable[[Any, float | None], Any], channel: Any, tim
         except RayChannelTimeoutError:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
-                raise  # the caller's next read goes on with the same wait: `since` is kept
+                channel._fdam_pause = pause
+                raise  # the caller's next read goes on with the same wait: `since` and the pause are kept
             if now - since >= SPIN_S:
                 time.sleep(pause if deadline is None else min(pause, deadline - now))
                 pause = min(2 * pause, max(PAUSE_CAP_S, PAUSE_OF_WAIT * (now - since)))
             continue
         except BaseException:
-            channel._fdam_waiting_since = None
+            channel._fdam_waiting_since = channel._fdam_pause = None
             raise
-        channel._fdam_waiting_since = None
+        channel._fdam_waiting_since = channel._fdam_pause = None
         return value
 
 
@@ -406,7 +409,7 @@ class CompiledNodeTransport(CompiledTransport):
         for node, group in by_node.items():
             if len(group) > 1:
                 if node not in self.reducers:
-                    self.reducers[node] = start_reducer(node)
+                    self.reducers[node] = start_reducer(node, patient=self.graph.channel_wait == "sleep")
                 out.append((self.reducers[node], group))
         return out
 

@@ -46,8 +46,12 @@ class NodeReducer:
     and the driver replaces it and folds its re-run directly.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, patient: bool = False) -> None:
         self._kept: PartialSum | None = None
+        if patient:  # transport=compiled, channel_wait=sleep: its graph thread waits on channels without polling
+            from fdam_ray.executors.ray.transports.compiled import patient_reads
+
+            patient_reads(True)
 
     def merge(self, refs: list, actors: list[int], ordered: bool = False
               ) -> tuple[PartialSum | CompressedSum | None, list[tuple[int, BaseException]]]:
@@ -134,11 +138,12 @@ def _portable(exc: BaseException) -> BaseException:
 _RemoteReducer = ray.remote(NodeReducer)
 
 
-def start_reducer(node: str) -> Any:
+def start_reducer(node: str, patient: bool = False) -> Any:
     """A :class:`NodeReducer` actor pinned to ``node``, with no CPU reserved (its merges take no client's
-    slot and never wait behind a client's step)."""
-    return _RemoteReducer.options(num_cpus=0,
-                                  scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+    slot and never wait behind a client's step); ``patient``: its reads of a compiled graph's channels sleep
+    between checks (``channel_wait: sleep``) instead of polling as Ray's do."""
+    return _RemoteReducer.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+        node, soft=False)).remote(patient)
 
 
 def end_reducer(node: str, reducer: Any) -> None:
