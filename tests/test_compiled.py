@@ -214,12 +214,12 @@ def test_a_patient_read_returns_soon_after_the_data_with_few_checks():
     assert late <= PAUSE_OF_WAIT * wait + 0.04, late  # the longest pause, plus slack for a busy machine
     assert channel.checks < 400, channel.checks  # a polling read checks hundreds of thousands of times
     whole = channel.checks
-    # a wait split into reads of 0.1 s (as Ray's read loop does) backs off as one wait
+    # a wait split into short reads (Ray's read loop asks every 0.1 s) backs off as one wait
     channel = _Channel(wait, value="data")
     timeouts, since = 0, set()
     while True:
         try:
-            got = patient_read(_Channel.read, channel, 0.1)
+            got = patient_read(_Channel.read, channel, 0.05)
             break
         except RayChannelTimeoutError:
             timeouts += 1
@@ -227,9 +227,9 @@ def test_a_patient_read_returns_soon_after_the_data_with_few_checks():
     assert got == "data" and timeouts >= 4
     assert len(since) == 1 and None not in since  # every read went on with the wait the first one began
     assert time.monotonic() - channel.ready_at <= PAUSE_OF_WAIT * wait + 0.04
-    # and with its pause: about as few checks as the whole wait in one read (pauses begun afresh in each
-    # 0.1 s read made it about 10 checks a read more)
-    assert channel.checks <= whole + 2 * (timeouts + 1), (channel.checks, whole, timeouts)
+    # and with its pause: a few checks a read more than the whole wait in one read (pauses begun afresh in
+    # each read made it about 10 more a read)
+    assert channel.checks <= whole + 5 * (timeouts + 1), (channel.checks, whole, timeouts)
     assert channel._fdam_waiting_since is None and channel._fdam_pause is None  # the next wait starts afresh
     # a timeout is kept to (within a pause), and errors pass through
     started = time.monotonic()

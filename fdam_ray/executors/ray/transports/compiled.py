@@ -47,6 +47,7 @@ is rebuilt next round.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
@@ -409,7 +410,8 @@ class CompiledNodeTransport(CompiledTransport):
         for node, group in by_node.items():
             if len(group) > 1:
                 if node not in self.reducers:
-                    self.reducers[node] = start_reducer(node, patient=self.graph.channel_wait == "sleep")
+                    patient = self.graph.channel_wait == "sleep"
+                    self.reducers[node] = start_reducer(node, functools.partial(patient_reads, patient))
                 out.append((self.reducers[node], group))
         return out
 

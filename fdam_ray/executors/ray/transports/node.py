@@ -46,12 +46,10 @@ class NodeReducer:
     and the driver replaces it and folds its re-run directly.
     """
 
-    def __init__(self, patient: bool = False) -> None:
+    def __init__(self, on_start: Callable[[], Any] | None = None) -> None:
         self._kept: PartialSum | None = None
-        if patient:  # transport=compiled, channel_wait=sleep: its graph thread waits on channels without polling
-            from fdam_ray.executors.ray.transports.compiled import patient_reads
-
-            patient_reads(True)
+        if on_start is not None:  # transport=compiled: how its graph thread waits on channels (channel_wait)
+            on_start()
 
     def merge(self, refs: list, actors: list[int], ordered: bool = False
               ) -> tuple[PartialSum | CompressedSum | None, list[tuple[int, BaseException]]]:
@@ -138,12 +136,12 @@ def _portable(exc: BaseException) -> BaseException:
 _RemoteReducer = ray.remote(NodeReducer)
 
 
-def start_reducer(node: str, patient: bool = False) -> Any:
+def start_reducer(node: str, on_start: Callable[[], Any] | None = None) -> Any:
     """A :class:`NodeReducer` actor pinned to ``node``, with no CPU reserved (its merges take no client's
-    slot and never wait behind a client's step); ``patient``: its reads of a compiled graph's channels sleep
-    between checks (``channel_wait: sleep``) instead of polling as Ray's do."""
+    slot and never wait behind a client's step); ``on_start`` (picklable) runs in the reducer's process as it
+    starts (the compiled transport makes its channel reads sleep there, as the actors' do)."""
     return _RemoteReducer.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
-        node, soft=False)).remote(patient)
+        node, soft=False)).remote(on_start)
 
 
 def end_reducer(node: str, reducer: Any) -> None:
