@@ -99,16 +99,17 @@ def run_variant(spec: dict, make_source: Any = None) -> dict:
         transfer.encode, transfer.decode = saved
 
 
+def spec_for(args, alg: str, i: int, seed: int, variant: str) -> dict:
+    """The run of ``variant`` (a key of VARIANTS) for algorithm ``alg`` at window ``i`` and ``seed``."""
+    lr, pw, glr = HYPER[(alg, i)]
+    return {**args.base, "objective": "auc_margin", "iterations": args.iterations, "eval_every": args.iterations,
+            "stage_length": args.iterations, "algorithm": alg, "local_steps": i, "lr": lr, "prox_weight": pw,
+            "global_lr": glr, "seed": seed, **VARIANTS[variant], "_variant": variant}
+
+
 def measure(args) -> dict:
-    base = {**args.base, "objective": "auc_margin", "iterations": args.iterations, "eval_every": args.iterations,
-            "stage_length": args.iterations}
-    specs = []
-    for alg in args.algorithms:
-        for i in args.windows:
-            lr, pw, glr = HYPER[(alg, i)]
-            specs += [{**base, "algorithm": alg, "local_steps": i, "lr": lr, "prox_weight": pw, "global_lr": glr,
-                       "seed": seed, **fields, "_variant": name}
-                      for name, fields in VARIANTS.items() for seed in args.seeds]
+    specs = [spec_for(args, alg, i, seed, variant) for alg in args.algorithms for i in args.windows
+             for variant in VARIANTS for seed in args.seeds]
     results = C.run_grid(specs, workers=args.workers, label="main ", runner=run_variant)
     return {"results": results, "wall_s": sum(r["wall_s"] for r in results)}
 

@@ -546,10 +546,8 @@ def test_transfer_precision_exact_variant_sends_float32_through_the_rounded_path
     from fdam_ray import transfer
 
     args = TP.parse_args(["--dataset", "digits", "--clients", "2", "--iterations", "32", "--algorithms", "codasca"])
-    spec = {**args.base, "objective": "auc_margin", "iterations": 32, "eval_every": 32, "stage_length": 32,
-            "algorithm": "codasca", "local_steps": 16, "lr": 1.0, "prox_weight": 0.002, "global_lr": 1.0, "seed": 0}
     encode = transfer.encode
-    bf16 = TP.run_variant({**spec, **TP.VARIANTS["bf16"], "_variant": "bf16"})
-    exact = TP.run_variant({**spec, **TP.VARIANTS["exact"], "_variant": "exact"})
+    bf16 = TP.run_variant(TP.spec_for(args, "codasca", 16, 0, "bf16"))
+    exact = TP.run_variant(TP.spec_for(args, "codasca", 16, 0, "exact"))
     assert transfer.encode is encode
     assert exact["last"]["bytes_up"] == 2 * bf16["last"]["bytes_up"]
