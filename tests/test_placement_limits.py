@@ -124,6 +124,48 @@ def test_a_lost_actor_waiting_to_be_placed_again_stops_when_asked(monkeypatch):
     assert time.monotonic() - t0 < 5
 
 
+def test_a_gcs_query_that_hangs_ends_when_the_check_beside_it_raises():
+    hung = threading.Event()
+    calls = []
+
+    def check():
+        calls.append(time.monotonic())
+        if len(calls) >= 3:
+            raise placement.PlacementError("gone")
+
+    t0 = time.monotonic()
+    with pytest.raises(placement.PlacementError, match=r"^gone$"):
+        placement.ask_gcs(lambda: hung.wait(60), check, poll_s=0.05)
+    assert time.monotonic() - t0 < 2 and len(calls) == 3
+    hung.set()
+    assert placement.ask_gcs(lambda: 7, check) == 7  # an answer comes back, no check needed
+    with pytest.raises(KeyError, match="missing"):  # the query's own error, raised in the caller
+        placement.ask_gcs(lambda: {}["missing"], lambda: None)
+
+
+def test_a_gcs_that_dies_during_a_placement_query_ends_the_wait_in_one_line(monkeypatch):
+    """The GCS killed between the wait's check and its query: the query hangs (Ray reconnects for a minute, then
+    ends the process); the wait must still end at once with the cluster named as gone."""
+    blocker = placement_group([{"CPU": 4}])  # the group waits: the cluster is busy
+    ray.get(blocker.ready(), timeout=60)
+    group = placement_group([{"CPU": 1}])
+    answers = iter([True])  # the GCS answers the first check, then never again
+    release = threading.Event()
+    monkeypatch.setattr("ray.util.placement_group_table", lambda g: release.wait(60) and {})
+    monkeypatch.setattr(placement, "gcs_answers", lambda: next(answers, False))
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(placement.PlacementError, match=r"^the Ray cluster at [0-9.]+:[0-9]+ went away while "
+                                                           r"placing one bundle \(its GCS no longer answers\); "
+                                                           r"nothing was trained$"):
+            wait_for_group(group, what="one bundle", timeout_s=600.0, grows=False)
+    finally:
+        release.set()
+        remove_placement_group(group)
+        remove_placement_group(blocker)
+    assert time.monotonic() - t0 < 5
+
+
 # -- a joined cluster that goes away while the actors wait to be placed ------------------------------------
 VANISHING_SCRIPT = textwrap.dedent("""
     import threading, time
@@ -147,7 +189,7 @@ VANISHING_SCRIPT = textwrap.dedent("""
         Placement(config, 120.0).place(1, local=False)
         print("PLACED")
     except PlacementError as exc:
-        print("ERROR", round(time.monotonic() - t0), str(exc).count(chr(10)), exc)
+        print("ERROR", round(time.monotonic() - t0), str(exc).count(chr(10)), exc, flush=True)  # before exit
 """)
 
 
