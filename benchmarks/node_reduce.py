@@ -32,7 +32,8 @@ node at ``--slow-rate`` among the others at ``--rate`` (``reduce: node``), with
 no deadline and with ``round_deadline`` ``--deadline``.
 
     python benchmarks/node_reduce.py [--nodes 2 4] [--clients-per-node 4] [--state-floats 7000000]
-                                     [--rounds 6] [--repeats 3] [--out benchmarks/results/node_reduce.md]
+                                     [--rounds 6] [--repeats 3] [--warmup N]
+                                     [--out benchmarks/results/node_reduce.md]
                                      [--netlab ../shared/netlab --rate 1gbit [--slow-rate 100mbit]
                                       [--deadline 2x]]
 
@@ -188,8 +189,8 @@ def rounds(executor, algorithm, state, count: int, warmup: int = 1):
     return state, 1e3 * statistics.median(walls), statistics.median(ingress), len(received)
 
 
-def blocks(executor, algorithm, state, count: int, repeats: int, combos=BLOCKS, kept: dict | None = None
-           ) -> tuple[object, dict]:
+def blocks(executor, algorithm, state, count: int, repeats: int, combos=BLOCKS, kept: dict | None = None,
+           warmup: int = 1) -> tuple[object, dict]:
     """``repeats`` alternating blocks of ``count`` rounds for each of ``combos`` (see :func:`use_transport`);
     (state, combo -> [(median ms, ingress, objects) per block]).
 
@@ -202,7 +203,7 @@ def blocks(executor, algorithm, state, count: int, repeats: int, combos=BLOCKS, 
     order = [c for _ in range(repeats) for c in combos if c not in last] + [c for c in last for _ in range(repeats)]
     for combo in order:
         use_transport(executor, combo, transports)
-        state, ms, ingress, objects = rounds(executor, algorithm, state, count)
+        state, ms, ingress, objects = rounds(executor, algorithm, state, count, warmup)
         got[combo].append((ms, ingress, objects))
         print(f"  block {label(combo)}: {ms:.0f} ms a round, {objects} sums folded "
               f"({meminfo_gib():.1f} GiB of memory free)", file=sys.stderr, flush=True)
@@ -251,12 +252,13 @@ def actors_per_node(executor: RayExecutor) -> list[int]:
     return sorted(by_node.values())
 
 
-def measure(nodes: int, clients_per_node: int, state_floats: int, count: int, repeats: int) -> dict:
+def measure(nodes: int, clients_per_node: int, state_floats: int, count: int, repeats: int, warmup: int = 1
+            ) -> dict:
     with loopback_cluster(nodes, clients_per_node, store_bytes_for(clients_per_node, state_floats)):
         executor, algorithm, state = start_executor(nodes, clients_per_node, state_floats)
         kept: dict = {}
         try:
-            state, got = blocks(executor, algorithm, state, count, repeats, BLOCKS, kept)
+            state, got = blocks(executor, algorithm, state, count, repeats, BLOCKS, kept, warmup)
             placed = actors_per_node(executor)
         finally:
             end_graphs(executor, kept)
@@ -280,17 +282,19 @@ def measure_netlab(netcluster, args: argparse.Namespace) -> dict[str, dict]:
             executor, algorithm, state = start_executor(nodes, per_node, args.state_floats)
             kept: dict = {}
             try:
-                state, got = blocks(executor, algorithm, state, args.rounds, args.repeats, combos, kept)
+                state, got = blocks(executor, algorithm, state, args.rounds, args.repeats, combos, kept,
+                                    args.warmup)
                 unshaped.update(got)
                 with netcluster.Shaping(nc.ips, args.rate):
                     more = tuple(c for c in SHAPED_BLOCKS if c[0] == transport and c not in combos)
-                    state, got = blocks(executor, algorithm, state, args.rounds, args.repeats, combos + more, kept)
+                    state, got = blocks(executor, algorithm, state, args.rounds, args.repeats, combos + more, kept,
+                                        args.warmup)
                     shaped.update(got)
                 if transport == "classic":
                     slow = nc.ips[-1]
                     with netcluster.Shaping(nc.ips, args.rate, node_rates={slow: args.slow_rate}):
                         state, straggled = blocks(executor, algorithm, state, args.rounds, args.repeats,
-                                                  straggler_blocks(args), kept)
+                                                  straggler_blocks(args), kept, args.warmup)
                     placed = actors_per_node(executor)
             finally:
                 end_graphs(executor, kept)
@@ -323,6 +327,10 @@ def _ms(r: dict) -> str:
     return f"{r['ms']:.0f} ({r['lo']:.0f}..{r['hi']:.0f})"
 
 
+def _warmups(args: argparse.Namespace) -> str:
+    return "one warm-up round" if args.warmup == 1 else f"{args.warmup} warm-up rounds"
+
+
 def netlab_body(args: argparse.Namespace, results: dict[str, dict]) -> str:
     """The results file's block for a --netlab run: unshaped and shaped side by side, bf16, one slow node."""
     links = {k: results[k] for k in ("unshaped", args.rate)}
@@ -351,7 +359,7 @@ loopback address, x {args.clients_per_node} client actors pinned per node (actor
 One cluster; on it an executor for the classic transport, then one for the compiled transport (their memory \
 together does not fit this machine at this size). Each measures unshaped, then with every node's ingress \
 limited to {args.rate} (tc); the classic one then with one node at {args.slow_rate}. In each, {args.repeats} \
-alternating blocks of {args.rounds} timed rounds (after one warm-up round) per setting (the compiled \
+alternating blocks of {args.rounds} timed rounds (after {_warmups(args)}) per setting (the compiled \
 `reduce: node` blocks last, one after another, so each graph is built once); round time = median over the \
 blocks of each block's median (lo..hi over the blocks). Machine: {os.cpu_count()} CPU cores and \
 {meminfo_gib('MemTotal'):.0f} GiB of memory shared by every node.
@@ -389,7 +397,7 @@ def local_body(args: argparse.Namespace, results: list[dict]) -> str:
 W worker nodes x {args.clients_per_node} client actors pinned per node (`client_resources`), one actor per \
 client, state of N = {args.state_floats:,} floats ({n_bytes / 2**20:.1f} MiB), one trivial local step on one \
 sample per round (CODA+, a linear scorer). {args.repeats} alternating blocks of {args.rounds} timed rounds \
-(after one warm-up round) with `reduce: star` and `reduce: node`, each under `transport: classic` and \
+(after {_warmups(args)}) with `reduce: star` and `reduce: node`, each under `transport: classic` and \
 `transport: compiled`, on the same started executor; round time = median over the blocks of each block's median \
 (lo..hi over the blocks). Ingress = bytes of the objects the driver fetched and folded in one round (objects in \
 brackets; the same under both transports). Machine: {os.cpu_count()} CPU cores shared by every node of the cluster.
@@ -460,8 +468,11 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--nodes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--clients-per-node", type=int, default=4)
     parser.add_argument("--state-floats", type=int, default=7_000_000)
-    parser.add_argument("--rounds", type=int, default=6, help="timed rounds per block (after 1 warm-up round)")
+    parser.add_argument("--rounds", type=int, default=6, help="timed rounds per block (after --warmup rounds)")
     parser.add_argument("--repeats", type=int, default=3, help="alternating blocks of each transport and reduce")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed rounds before each block (default 1; with --netlab 4: a compiled graph's "
+                             "first rounds over shaped links take 2-3x its later ones)")
     parser.add_argument("--out", default=None, help="results file (default benchmarks/results/node_reduce.md; "
                                                     "with --netlab node_reduce_netlab.md)")
     parser.add_argument("--netlab", default=None, metavar="DIR",
@@ -471,6 +482,10 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--slow-rate", default="100mbit", help="--netlab: the slow node's ingress rate")
     parser.add_argument("--deadline", default="2x", help="--netlab: round_deadline with the slow node")
     args = parser.parse_args(argv)
+    if args.warmup is None:
+        args.warmup = 4 if args.netlab else 1
+    if args.warmup < 1:
+        parser.error(f"--warmup: {args.warmup}; at least 1 (the first round of a block builds its compiled graph)")
     netcluster = load_netlab(args.netlab) if args.netlab else None
     if netcluster is not None:
         netcluster.ensure_driver_shim()  # re-executes this program as a process of the head node
@@ -492,7 +507,8 @@ def main(argv: list[str] | None = None) -> str:
     else:
         results = []
         for nodes in args.nodes:
-            results.append(measure(nodes, args.clients_per_node, args.state_floats, args.rounds, args.repeats))
+            results.append(measure(nodes, args.clients_per_node, args.state_floats, args.rounds, args.repeats,
+                                   args.warmup))
             print(progress(results[-1]), flush=True)
         body = local_body(args, results)
         last = results[-1]

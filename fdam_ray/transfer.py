@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -81,13 +82,21 @@ def encode(x: np.ndarray, precision: str) -> np.ndarray:
     if precision not in _TORCH_TYPES:
         raise ValueError(f"transfer_precision {precision!r} has no 16-bit encoding")
     x = np.ascontiguousarray(x, dtype=np.float32)
-    return torch.from_numpy(x).to(_TORCH_TYPES[precision]).view(torch.int16).numpy().view(np.uint16)
+    return _read_only_tensor(x).to(_TORCH_TYPES[precision]).view(torch.int16).numpy().view(np.uint16)
 
 
 def decode(bits: np.ndarray, precision: str) -> np.ndarray:
     """The float32 values of 16-bit patterns made by :func:`encode`."""
-    raw = torch.from_numpy(np.ascontiguousarray(bits).view(np.int16))
+    raw = _read_only_tensor(np.ascontiguousarray(bits).view(np.int16))
     return raw.view(_TORCH_TYPES[precision]).float().numpy()
+
+
+def _read_only_tensor(a: np.ndarray) -> torch.Tensor:
+    """``a`` as a tensor that is only read (no copy). Arrays fetched from Ray's object store are read-only, on
+    which torch warns once a process about writing; nothing writes here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(a)
 
 
 def _rounded(d: np.ndarray, precision: str, residual: dict | None, name: str) -> np.ndarray:

@@ -428,13 +428,15 @@ def test_node_reduce_script(tmp_path):
     out = tmp_path / "nr.md"
     out.write_text(f"{C.BEGIN}\nold\n{C.END}\n")
     _, values = run_script_process("benchmarks/node_reduce.py", "--nodes", "2", "--clients-per-node", "2",
-                                   "--state-floats", "20000", "--rounds", "2", "--repeats", "1", "--out", str(out))
+                                   "--state-floats", "20000", "--rounds", "2", "--repeats", "1", "--warmup", "2",
+                                   "--out", str(out))
     assert values["nodes"] == 2 and values["clients"] == 4
     assert values["ingress_ratio_node_star"] == pytest.approx(0.5)  # one sum per node instead of one per client
     assert values["round_ratio_node_star"] > 0 and values["round_ratio_node_star_compiled"] > 0
     text = out.read_text()
     assert "| 2 | 4 | 2, 2 |" in text and "Command: `python benchmarks/node_reduce.py --nodes 2" in text
     assert "compiled node ms" in text
+    assert "2 timed rounds (after 2 warm-up rounds)" in text
 
 
 def test_node_reduce_refuses_a_netlab_folder_without_netcluster_in_one_line(tmp_path):
@@ -442,6 +444,14 @@ def test_node_reduce_refuses_a_netlab_folder_without_netcluster_in_one_line(tmp_
 
     with pytest.raises(SystemExit, match=r"--netlab: .* has no netcluster\.py"):
         node_reduce.main(["--netlab", str(tmp_path)])
+
+
+def test_node_reduce_refuses_no_warm_up_round_in_one_line(capsys):
+    import node_reduce
+
+    with pytest.raises(SystemExit):
+        node_reduce.main(["--warmup", "0"])
+    assert "--warmup: 0; at least 1 (the first round of a block builds its compiled graph)" in capsys.readouterr().err
 
 
 def test_input_pipeline_writes_files_of_the_real_sizes(tmp_path):

@@ -202,3 +202,17 @@ def test_bad_values_are_one_line_errors(values, field):
     with pytest.raises(ConfigError) as err:
         build_config(values)
     assert field in str(err.value) and "\n" not in str(err.value)
+
+
+def test_decoding_read_only_bits_warns_nothing():
+    """Bits fetched from Ray's object store are read-only; torch warns (once a process) on such arrays."""
+    import subprocess
+    import sys
+
+    script = ("import numpy as np; from fdam_ray.transfer import encode, decode\n"
+              "for p in ('bf16', 'fp16'):\n"
+              "    x = np.linspace(-2, 2, 11, dtype=np.float32); x.flags.writeable = False\n"
+              "    bits = encode(x, p); bits.flags.writeable = False\n"
+              "    assert np.allclose(decode(bits, p), np.linspace(-2, 2, 11), atol=0.02)\n")
+    out = subprocess.run([sys.executable, "-W", "error", "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "Warning" not in out.stderr, out.stderr[-2000:]
