@@ -505,6 +505,7 @@ def test_gpu_throughput_script_on_the_cpu_with_every_section(tmp_path):
     assert "| 4 | 0.5 |" in text  # four clients with a quarter of the 2 CPUs each
 
 
+@pytest.mark.slow  # a local Ray: about 15 s in CI
 def test_gpu_throughput_script_on_the_cpu(tmp_path):
     values, text = gpu_throughput_quick(tmp_path, "--skip", "shared")
     assert math.isnan(values["shared_gpu_ratio"])

@@ -132,7 +132,8 @@ def ray_session():
         yield
 
 
-@pytest.mark.parametrize("transfer", [{}, dict(transfer_precision="bf16", error_feedback=True)])
+@pytest.mark.parametrize("transfer", [{}, pytest.param(dict(transfer_precision="bf16", error_feedback=True),
+                                                      marks=pytest.mark.slow)])  # each about 35 s in CI
 def test_a_deadline_no_client_misses_changes_nothing_bit_for_bit(ray_session, transfer):
     clients, test = gaussian_clients(num_clients=3)
     cfg = dict(SMALL, algorithm="codasca", iterations=6, executor="ray", **transfer)
@@ -145,7 +146,9 @@ def test_a_deadline_no_client_misses_changes_nothing_bit_for_bit(ray_session, tr
 
 
 @pytest.mark.parametrize("reduce, transfer", [("star", {}), ("node", {}),
-                                               ("star", dict(transfer_precision="bf16", error_feedback=True))])
+                                               pytest.param("star", dict(transfer_precision="bf16",
+                                                                         error_feedback=True),
+                                                            marks=pytest.mark.slow)])
 def test_a_late_client_sits_the_round_out_as_a_sampled_out_one_and_comes_back(ray_session, reduce, transfer):
     clients, test = gaussian_clients(num_clients=3)
     source = raytest.SlowClientSource(ArraysSource(clients, test), slow=1, delay_s=0.3)

@@ -62,6 +62,7 @@ def test_the_driver_and_every_actor_hold_the_same_master(reduce):
         executor.shutdown()
 
 
+@pytest.mark.slow  # about 30 s in CI; the default run keeps test_the_driver_and_every_actor_hold_the_same_master
 def test_a_ray_run_equals_the_inline_rounding_and_moves_half_the_bytes():
     clients, test = gaussian_clients(num_clients=K, n=40)
     values = dict(model="mlp", model_width=8, batch_size=8, algorithm="codasca", seed=1, cpus_per_client=0.5,
