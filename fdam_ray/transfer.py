@@ -75,6 +75,11 @@ class TransferSection(Section):
 
 _TORCH_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
+# Arrays fetched from Ray's object store are read-only; encode and decode only read them, so torch's warning about
+# writing to such arrays (once a process) says nothing here. Scoped to this module's calls, set once.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning,
+                        module=r"fdam_ray\.transfer")
+
 
 def encode(x: np.ndarray, precision: str) -> np.ndarray:
     """``x`` (float32) rounded to ``precision`` (round to nearest, ties to even), as its 16-bit patterns (torch's
@@ -82,21 +87,13 @@ def encode(x: np.ndarray, precision: str) -> np.ndarray:
     if precision not in _TORCH_TYPES:
         raise ValueError(f"transfer_precision {precision!r} has no 16-bit encoding")
     x = np.ascontiguousarray(x, dtype=np.float32)
-    return _read_only_tensor(x).to(_TORCH_TYPES[precision]).view(torch.int16).numpy().view(np.uint16)
+    return torch.from_numpy(x).to(_TORCH_TYPES[precision]).view(torch.int16).numpy().view(np.uint16)
 
 
 def decode(bits: np.ndarray, precision: str) -> np.ndarray:
     """The float32 values of 16-bit patterns made by :func:`encode`."""
-    raw = _read_only_tensor(np.ascontiguousarray(bits).view(np.int16))
+    raw = torch.from_numpy(np.ascontiguousarray(bits).view(np.int16))
     return raw.view(_TORCH_TYPES[precision]).float().numpy()
-
-
-def _read_only_tensor(a: np.ndarray) -> torch.Tensor:
-    """``a`` as a tensor that is only read (no copy). Arrays fetched from Ray's object store are read-only, on
-    which torch warns once a process about writing; nothing writes here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(a)
 
 
 def _rounded(d: np.ndarray, precision: str, residual: dict | None, name: str) -> np.ndarray:
