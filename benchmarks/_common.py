@@ -127,12 +127,14 @@ def _worker_init() -> None:
 
 
 def run_grid(specs: Sequence[Mapping[str, Any]], *, workers: int = 1, make_source: Callable | None = None,
-             label: str = "") -> list[dict]:
+             label: str = "", runner: Callable[..., dict] | None = None) -> list[dict]:
     """Run every spec (in order of the returned list); ``workers`` > 1 uses a process pool.
 
     Runs are independent and each is seeded by its spec, so the results do not
-    depend on ``workers``. ``make_source`` must be picklable when ``workers`` > 1.
+    depend on ``workers``. ``make_source`` must be picklable when ``workers`` > 1. ``runner(spec,
+    make_source)`` (a module-level function, default :func:`run_one`) runs one spec.
     """
+    runner = runner or run_one
     started = time.perf_counter()
     results: list[dict | None] = [None] * len(specs)
 
@@ -144,11 +146,11 @@ def run_grid(specs: Sequence[Mapping[str, Any]], *, workers: int = 1, make_sourc
 
     if workers <= 1:
         for i, spec in enumerate(specs):
-            done(i, run_one(spec, make_source))
+            done(i, runner(spec, make_source))
     else:
         ctx = multiprocessing.get_context("spawn")
         with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init) as pool:
-            futures = {pool.submit(run_one, spec, make_source): i for i, spec in enumerate(specs)}
+            futures = {pool.submit(runner, spec, make_source): i for i, spec in enumerate(specs)}
             for fut in cf.as_completed(futures):
                 done(futures[fut], fut.result())
     return results  # type: ignore[return-value]

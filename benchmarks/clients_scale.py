@@ -116,12 +116,14 @@ def run_layout(args, k: int, per_actor: int) -> dict:
 def measure(args) -> dict:
     import ray
 
+    from fdam_ray.executors.ray.compat import start_loopback_ray
+
     started = not ray.is_initialized()
     saved_env = dict(os.environ)  # ray.init sets RAY_ADDRESS and the like for this process: undone at the end
     if started:  # logical CPUs: enough for the largest layout's quarter-CPU actors; the OS shares the cores
         most = max([math.ceil(max(args.clients) / args.pool)] + [k for k in args.clients if k <= args.max_actors])
-        ray.init(num_cpus=max(4, math.ceil(0.25 * max(args.pool, most)) + 1), include_dashboard=False,
-                 log_to_driver=False)
+        start_loopback_ray(num_cpus=max(4, math.ceil(0.25 * max(args.pool, most)) + 1), include_dashboard=False,
+                           log_to_driver=False)  # listens on 127.0.0.1
     rows = []
     try:
         for k in args.clients:

@@ -38,6 +38,7 @@ from _common import result_line, table, write_results
 from fdam_ray import resume, run, train_arrays
 from fdam_ray.config import build_config
 from fdam_ray.executors import make_executor
+from fdam_ray.executors.ray.compat import start_loopback_ray
 
 
 def base(iterations: int, **kw):
@@ -136,8 +137,8 @@ def checks(argv: list[str] | None) -> str:
     # 3. Ray actors sharing the GPU
     import ray
 
-    ray.init(num_cpus=8, num_gpus=1 if gpu == "cuda" else 0, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+    start_loopback_ray(num_cpus=8, num_gpus=1 if gpu == "cuda" else 0, include_dashboard=False,
+                       log_to_driver=False, configure_logging=False)  # listens on 127.0.0.1
     share = 0.25 if gpu == "cuda" else 0.0
     executor = make_executor("ray")
     seen: list[dict] = []

@@ -46,6 +46,7 @@ import fdam_ray
 from fdam_ray.client import Client, resolve_device
 from fdam_ray.config import build_config
 from fdam_ray.data.arrays import ArraysSource
+from fdam_ray.executors.ray.compat import start_loopback_ray
 from fdam_ray.state import RoundPlan
 
 LR = 0.05
@@ -156,8 +157,8 @@ def shared_gpu(spec: dict, device: torch.device) -> dict:
 
     started = not ray.is_initialized()
     if started:  # one local Ray for both runs (a run reuses the Ray of its process)
-        ray.init(address="local", include_dashboard=False, log_to_driver=False,  # private, never a shared cluster
-                 **({} if device.type == "cuda" else {"num_cpus": 4}))
+        start_loopback_ray(include_dashboard=False, log_to_driver=False,  # private, on 127.0.0.1
+                           **({} if device.type == "cuda" else {"num_cpus": 4}))
     try:
         rows = {k: shared_run(k, spec, shape, common, device, cpus) for k in (1, 4)}
     finally:

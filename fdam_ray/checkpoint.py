@@ -32,7 +32,9 @@ import errno
 import os
 import re
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -42,6 +44,7 @@ import torch
 from fdam_ray.algorithms import ServerState
 from fdam_ray.schedules import Position
 from fdam_ray.state import GlobalState
+from fdam_ray.weights import safe_load, torch_load_failure
 
 SCHEMA = 1  # the schema this fdam-ray writes
 _PREFIX = "fdam-ray-checkpoint/"
@@ -88,13 +91,32 @@ def _umask() -> int:
     return 0o022
 
 
+_SCRATCH: ContextVar[Path | None] = ContextVar("fdam_scratch", default=None)
+
+
+@contextmanager
+def scratch_folder(folder: Path) -> Iterator[Path]:
+    """While inside, :func:`write_atomically` writes its temporary files into ``folder`` (made if missing; it must
+    be on the same filesystem as the files written) instead of beside the file. Used where another process copies
+    the run folder while the run writes it (Ray Tune's sync of a trial's folder), so that a temporary file never
+    appears there to vanish between that copy's listing and its read."""
+    folder.mkdir(parents=True, exist_ok=True)
+    token = _SCRATCH.set(folder)
+    try:
+        yield folder
+    finally:
+        _SCRATCH.reset(token)
+
+
 def write_atomically(path: str | Path, write: Callable[[Any], None], what: str, *, private: bool = False) -> None:
-    """Write a file through ``write(binary file)`` to a temporary file in its folder, flush it to disk, then
-    rename it over ``path``: a crash or a full disk mid-write leaves the previous file intact. A full disk is
-    one :class:`DiskFullError` line naming the folder (the temporary file is removed). ``private``: readable by
-    the owner only (a checkpoint); else as the umask says, like any file the run writes."""
+    """Write a file through ``write(binary file)`` to a temporary file in its folder (or the
+    :func:`scratch_folder` in effect), flush it to disk, then rename it over ``path``: a crash or a full disk
+    mid-write leaves the previous file intact. A full disk is one :class:`DiskFullError` line naming the folder
+    (the temporary file is removed). ``private``: readable by the owner only (a checkpoint); else as the umask
+    says, like any file the run writes."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    folder = _SCRATCH.get() or path.parent
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     try:
         if not private:
             os.fchmod(fd, 0o666 & ~_umask())
@@ -131,6 +153,15 @@ class LoopState:
     next_eval: int = 0
     history: list[dict] = dataclasses.field(default_factory=list)
     position: Position = dataclasses.field(default_factory=Position)  # in the schedule, after the last round
+    # with val_fraction > 0: the best validation AUC so far, its iteration and a copy of the global state there
+    # (best_model.pt); older checkpoints read without them
+    best_val_auc: float | None = None
+    best_val_iteration: int | None = None
+    best_val_state: GlobalState | None = None
+    # str(round) -> its clients, for each round whose participants were not the plan's (a missed round deadline,
+    # fdam_ray.deadlines); written only when it holds one, and older checkpoints read it as empty
+    participation: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    transfer: dict | None = None  # transfer_precision bf16/fp16: the broadcast's master and residual (transfer.py)
 
     @property
     def state(self) -> GlobalState:
@@ -184,6 +215,8 @@ class Checkpoint:
 _PAYLOAD: dict[str, type] = {"config": dict, "loop": dict, "clients": list, "positive_ratio": object,
                              "torch_rng": torch.Tensor}
 _LOOP: dict[str, type] = {"state": dict, "history": list, "position": dict}  # (and, by their fields, the rest)
+# Loop fields added to schema 1 after files of it were written: such a file reads them as None.
+_LOOP_ADDED = ("best_val_auc", "best_val_iteration", "best_val_state", "transfer")
 
 
 def _check_kinds(payload: Any, kinds: dict[str, type], path: str | Path, where: str) -> None:
@@ -206,8 +239,12 @@ def _loop_payload(loop: LoopState) -> dict:
     each part by its dataclass fields."""
     out = {_key(name): value for name, value in _fields(loop.server).items()}
     out["state"] = _fields(loop.state)
-    out.update((name, value) for name, value in _fields(loop).items() if name != "server")
+    out.update((name, value) for name, value in _fields(loop).items()
+               if name != "server" and not (name in _LOOP_ADDED and value is None)  # unset: written as before
+               and not (name == "participation" and not value))
     out["position"] = _fields(loop.position)
+    if loop.best_val_state is not None:
+        out["best_val_state"] = _fields(loop.best_val_state)
     return out
 
 
@@ -239,6 +276,11 @@ def _loop_from(payload: dict, path: str | Path) -> LoopState:
     server = {f.name: values.pop(_key(f.name)) for f in dataclasses.fields(ServerState) if _key(f.name) in values}
     server["global_state"] = _build(GlobalState, server["global_state"], path, "global state", defaults=True)
     values["position"] = _build(Position, values["position"], path, "schedule position")
+    for name in _LOOP_ADDED:  # absent from files written before they were added
+        values.setdefault(name, None)
+    values.setdefault("participation", {})
+    if isinstance(values["best_val_state"], dict):
+        values["best_val_state"] = _build(GlobalState, values["best_val_state"], path, "best state", defaults=True)
     return _build(LoopState, {"server": _build(ServerState, server, path, "server state"), **values}, path,
                   "run state")
 
@@ -301,12 +343,14 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"no checkpoint at '{path}'")
+    if not path.is_file():  # a device or a FIFO would be read without end
+        raise CheckpointError(f"checkpoint '{path}' is not a regular file")
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        data = safe_load(path)
     except Exception as exc:  # a truncated zip, a pickle of foreign objects, ...
         raise CheckpointError(
             f"checkpoint '{path}' cannot be read (damaged, truncated or not an fdam-ray checkpoint): "
-            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            f"{torch_load_failure(exc)}"
         ) from None
     version = schema_of(data, path)
     try:

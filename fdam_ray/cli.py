@@ -30,18 +30,23 @@ def _version() -> str:
 
 
 def _print_record(rec: dict) -> None:
-    loss = rec.get("train_loss")
-    loss_s = f"{loss:9.4f}" if loss is not None else "        -"
-    line = (f"iter {rec['iteration']:>7}  round {rec['round']:>5}  stage {rec['stage']:>2}  lr {rec['lr']:<8.4g}"
-            f" loss {loss_s}  test AUC {rec['test_auc']:.4f}  [{rec['wall_s']:.1f} s]")
-    from tqdm.auto import tqdm
+    from fdam_ray.outputs.progress import write_evaluation
 
-    tqdm.write(line)  # keeps a progress bar, if one is shown, intact
+    write_evaluation(rec)  # fitted to the terminal; keeps a progress bar, if one is shown, intact
+
+
+def _print(text: str) -> None:
+    """Print ``text`` to stdout, wrapped between its clauses to the terminal's width (never inside a number)."""
+    from fdam_ray.outputs.progress import fit_text, line_width
+
+    print("\n".join(fit_text(text, line_width(sys.stdout))), flush=True)
 
 
 def _summary(summary: dict) -> str:
     mb = (summary["bytes_up"] + summary["bytes_down"]) / 1e6
-    return (f"final test AUC {summary['final_test_auc']:.4f} (best {summary['best_test_auc']:.4f} at iteration "
+    best = (f"best {summary['best_test_auc']:.4f}" if "best_val_auc" not in summary else
+            f"selected by val AUC {summary['best_val_auc']:.4f}: test {summary['best_test_auc']:.4f}")
+    return (f"final test AUC {summary['final_test_auc']:.4f} ({best} at iteration "
             f"{summary['best_iteration']}); {summary['rounds']} rounds, {summary['iterations']} iterations, "
             f"{mb:.1f} MB moved, {summary['wall_s']:.1f} s, {summary['samples_per_s']} samples/s")
 
@@ -54,8 +59,8 @@ def _train_or_resume(resume_dir: str | None, values: dict, **how: Any) -> RunRes
         print(f"fdam train: resuming {resume_dir}", flush=True)
         return resume(resume_dir, values, **how)
     config = build_config(values)
-    print(f"fdam train: {config.algorithm} on {config.dataset}, K={config.num_clients}, I={config.local_steps}, "
-          f"{config.iterations} iterations, model {config.model}, executor {config.executor}", flush=True)
+    _print(f"fdam train: {config.algorithm} on {config.dataset}, K={config.num_clients}, I={config.local_steps}, "
+           f"{config.iterations} iterations, model {config.model}, executor {config.executor}")
     return run(config, **how)
 
 
@@ -98,7 +103,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 1
     finally:
         clear_stop_request()
-    print(_summary(result.summary))
+    _print(_summary(result.summary))
     if result.run_dir is not None:  # a run of fdam train always writes its folder
         print(f"run folder: {where(result.run_dir)}")
     return 0
@@ -117,7 +122,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         space = space_of_sweep(args.resume)
     else:
         if not args.space:
-            raise ConfigError("fdam tune needs a search-space file (see tune/*.yaml) or --resume DIR")
+            from fdam_ray.tuning.space import no_space_hint
+
+            raise ConfigError(no_space_hint())
         space = load_space(args.space, parse_overrides(args.overrides))
     outcome = run_sweep(space, resume_dir=args.resume, address=args.address, trust_storage=args.trust_storage)
     out = outcome.path
@@ -175,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", metavar="key=value", help="config fields (see `fdam fields`)")
     train.set_defaults(func=cmd_train)
     tune = sub.add_parser("tune", help="sweep hyper-parameters with Ray Tune; every trial is a whole federation")
-    tune.add_argument("space", nargs="?", help="search-space YAML file (base / search / tune sections)")
+    tune.add_argument("space", nargs="?", help="search-space YAML file (base / search / tune sections), or the "
+                      "name of an example space shipped with fdam-ray (small, paper_grid)")
     tune.add_argument("overrides", nargs="*", metavar="key=value",
                       help="base config fields, or tune.OPTION=value for the tune section")
     tune.add_argument("--resume", metavar="DIR", help="continue the sweep stored in DIR (a folder or a storage URI)")

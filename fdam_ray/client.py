@@ -25,11 +25,13 @@ from fdam_ray.algorithms.drift import ClientVariate
 from fdam_ray.algorithms.sampling import client_weights
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.data import AnySplit, DataSource, Split, iter_batches, make_sampler
+from fdam_ray.data.base import hold_out_validation
 from fdam_ray.factories import describe_error
 from fdam_ray.flat import FlatModel
 from fdam_ray.models import build_model, model_name
 from fdam_ray.precision import Precision, PrecisionSection
 from fdam_ray.sections import AT_LEAST_ONE, Section, setting, shared
+from fdam_ray.sites import client_label
 from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, Moments, RoundPlan, Scores, StepStats
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,12 @@ class ClientSection(Section):
     deterministic: bool = shared()
     precision: str = shared()
     channels_last: bool | str = shared()
+    client_names: tuple[str, ...] | None = shared()
+    val_fraction: float = shared()
+    momentum: float = shared()
+    local_optimizer: str = shared()
+    positive_sampling: str = shared()
+    positive_share: float = shared()
 
 
 def use_deterministic_kernels() -> None:
@@ -81,7 +89,7 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
-def check_features(split: AnySplit | None, client_id: int, what: str) -> None:
+def check_features(split: AnySplit | None, client: int | str, what: str) -> None:
     """Refuse features holding NaN or infinity before training (they would only show later as a divergence).
 
     Tensors held in memory are checked whole; images read from disk are decoded into finite pixels.
@@ -89,7 +97,7 @@ def check_features(split: AnySplit | None, client_id: int, what: str) -> None:
     if not isinstance(split, Split) or len(split) == 0 or all_finite([split.x]):
         return
     sample, column = (int(i) for i in (~torch.isfinite(split.x.reshape(len(split), -1))).nonzero()[0])
-    raise ValueError(f"client {client_id}: its {what} features hold NaN or infinite values (first at sample "
+    raise ValueError(f"client {client}: its {what} features hold NaN or infinite values (first at sample "
                      f"{sample}, feature column {column}); clean or impute them before training")
 
 
@@ -151,9 +159,10 @@ class Replica:
             model.train()
         return torch.cat(out).cpu().numpy()
 
-    def scores_of(self, state: GlobalState, split: AnySplit, client_id: int = -1) -> Scores:
+    def scores_of(self, state: GlobalState, split: AnySplit, client_id: int = -1, part: str = "test split") -> Scores:
         self.flat.load(state)
-        what = "the test set" if client_id < 0 else f"client {client_id}'s test split"
+        who = client_label(client_id, self.config.client_names)
+        what = "the test set" if client_id < 0 else f"client {who}'s {part}"
         return Scores(client_id, self.score(split, what), split.y.cpu().numpy())
 
 
@@ -172,6 +181,7 @@ class TrainingReplica(Replica):
     def __init__(self, config: ClientSection, source: DataSource, *, device: torch.device) -> None:
         super().__init__(config, source, device=device)
         self.solver = self.algorithm.solver(self.flat, self.objective)
+        self.solver.set_local_step(config.local_optimizer, config.momentum)
         self.precision = self.flat.precision
         self.precision.note_training()
         self.bound: Client | None = None
@@ -184,6 +194,7 @@ class TrainingReplica(Replica):
         """Make the solver step with ``client``'s control variate (its own buffers: no copy)."""
         if self.bound is not client:
             self.solver.bind(client.cv)
+            self.solver.bind_moments(client.moments)
         self.bound = client
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, lr: float) -> torch.Tensor:
@@ -227,19 +238,29 @@ class Client:
         self.config = config
         self.device = device
         self.client_id = client_id
-        shard = source.client_shard(client_id)
+        shard = hold_out_validation(source.client_shard(client_id), config.val_fraction, seed=config.seed,
+                                    client_id=client_id, task_names=tuple(source.task_names))
         self.train = shard.train.to(device)
         self.test = None if shard.test is None else shard.test.to(device)
-        check_features(self.train, client_id, "training")
-        check_features(self.test, client_id, "test")
+        self.val = None if shard.val is None else shard.val.to(device)  # with val_fraction > 0
+        check_features(self.train, self.label, "training")
+        check_features(self.test, self.label, "test")
+        check_features(self.val, self.label, "validation")
         if config.batch_size > len(self.train):
-            log.warning("client %d has %d training samples, fewer than batch_size=%d: each of its batches repeats "
-                        "samples", client_id, len(self.train), config.batch_size)
+            log.warning("client %s has %d training samples, fewer than batch_size=%d: each of its batches repeats "
+                        "samples", self.label, len(self.train), config.batch_size)
         self.sampler = make_sampler(self.train, config.batch_size, seed=config.seed * 1_000_003 + client_id,
-                                    device=device)
+                                    device=device, positive_sampling=config.positive_sampling,
+                                    positive_share=config.positive_share, who=f"client {self.label}")
         self.cv = self.replica.new_control_variate()  # (c_v^k, c_alpha^k) tensors, or None
+        self.moments = self.replica.solver.new_moments()  # the local step's momentum / Adam moments, or None
         weights = client_weights(config.client_weighting, [len(self.train)])
         self.weight: float | None = None if weights is None else float(weights[0])  # w_k of the server's means
+
+    @property
+    def label(self) -> str:
+        """How this client is shown in messages: its name (``client_names``), else its index."""
+        return client_label(self.client_id, self.config.client_names)
 
     @property
     def flat(self) -> FlatModel:
@@ -289,7 +310,7 @@ class Client:
                 loss_sum += replica.train_step(x, y, plan.lr)
                 samples += x.shape[0]
         except RuntimeError as exc:
-            refused = features_refused(exc, x, self.config.model, f"client {self.client_id}")
+            refused = features_refused(exc, x, self.config.model, f"client {self.label}")
             if refused is None:
                 raise
             raise refused from None
@@ -305,17 +326,22 @@ class Client:
         parts = [flat.v, flat.alpha, flat.buffers]
         if self.cv is not None:
             parts += list(self.cv)
+        if self.moments is not None:
+            parts += list(self.moments)
         return all_finite(parts)
 
-    def evaluate(self, state: GlobalState) -> Scores | None:
-        """Scores of the global model on this client's own test split (None if it has none)."""
-        return None if self.test is None else self.replica.scores_of(state, self.test, self.client_id)
+    def evaluate(self, state: GlobalState, split: str = "test") -> Scores | None:
+        """Scores of the global model on this client's own test split, or with ``split="val"`` its validation
+        part (None if it has none)."""
+        part = self.val if split == "val" else self.test
+        what = "validation part" if split == "val" else "test split"
+        return None if part is None else self.replica.scores_of(state, part, self.client_id, what)
 
     @torch.no_grad()
     def score_moments(self, state: GlobalState) -> Moments:
         """Per-task sums of h over the training positives and negatives (for CODA's closed-form alpha)."""
         self.flat.load(state)
-        h = self.replica.score(self.train, f"client {self.client_id}")
+        h = self.replica.score(self.train, f"client {self.label}")
         y = self.train.y.cpu().numpy()
         pos, neg = y == 1, y == 0
         return Moments((h * pos).sum(0), pos.sum(0), (h * neg).sum(0), neg.sum(0), self.client_id)
@@ -333,11 +359,15 @@ class Client:
         return self.cv[0].detach().cpu().numpy().copy(), self.cv[1].detach().cpu().numpy().copy()
 
     def get_state(self) -> dict:
-        """What a checkpoint needs to continue this client exactly: c^k and the sampler's position."""
+        """What a checkpoint needs to continue this client exactly: c^k, the sampler's position and the local
+        step's moments."""
         cv = self.control_variate()
-        return {"client_id": self.client_id, "c_v": None if cv is None else cv[0],
-                "c_alpha": None if cv is None else cv[1], "sampler": self.sampler.get_state(),
-                "scaler": self.flat.precision.state_dict()}
+        state = {"client_id": self.client_id, "c_v": None if cv is None else cv[0],
+                 "c_alpha": None if cv is None else cv[1], "sampler": self.sampler.get_state(),
+                 "scaler": self.flat.precision.state_dict()}
+        if self.moments is not None:  # absent for plain SGD: a checkpoint as before
+            state["moments"] = [t.detach().cpu().numpy().copy() for t in self.moments]
+        return state
 
     def set_state(self, state: dict) -> None:
         if state["client_id"] != self.client_id:
@@ -347,6 +377,11 @@ class Client:
         if state["sampler"] is not None:  # None: a client rebuilt on resume keeps its fresh sampler
             self.sampler.set_state(state["sampler"])
         self.flat.precision.load_state_dict(state.get("scaler"))
+        moments = state.get("moments")
+        if moments is not None and self.moments is not None:  # None: a rebuilt client starts from zero moments
+            with torch.no_grad():
+                for t, x in zip(self.moments, moments, strict=True):
+                    t.copy_(torch.from_numpy(np.asarray(x, dtype=np.float32)))
 
 
 def host_clients(config: ClientSection, source: DataSource, client_ids: Sequence[int], *,

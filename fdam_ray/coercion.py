@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from fdam_ray.deadlines import deadline_value
 from fdam_ray.executors.ray_section import resource_list
 from fdam_ray.factories import PYTHON_PREFIX, import_path_of, is_import_path, resolve
 from fdam_ray.redact import short
@@ -136,6 +137,10 @@ def _resource_list(field: Field, value: Any) -> Any:
     return resource_list(field.name, value)
 
 
+def _deadline(field: Field, value: Any) -> Any:
+    return deadline_value(field.name, value)
+
+
 def _factory(field: Field, value: Any) -> Any:
     """A built-in name, an import path ``module:attr`` that resolves here to a callable, or (``model`` in Python)
     the factory itself, kept as its import path when it has one."""
@@ -188,7 +193,7 @@ def _or_auto(plain: Callable[[Field, Any], Any]) -> Callable[[Field, Any], Any]:
 COERCERS: dict[str, Callable[[Field, Any], Any]] = {
     "bool": _bool, "int": _int, "float": _float, "str": _str, "batch": _batch, "int_list": _int_list,
     "str_list": _str_list, "resource_list": _resource_list, "factory": _factory,
-    "int_auto": _or_auto(_int), "bool_auto": _or_auto(_bool),
+    "deadline": _deadline, "int_auto": _or_auto(_int), "bool_auto": _or_auto(_bool),
 }
 
 

@@ -28,10 +28,14 @@ from typing import Any
 import yaml
 
 from fdam_ray.algorithms import AlgorithmSection
+from fdam_ray.algorithms.local import LocalStepSection
 from fdam_ray.algorithms.presets import PRESETS, Preset
 from fdam_ray.client import ClientSection
 from fdam_ray.coercion import CommandLineText, Field, coerce, from_text
+from fdam_ray.data.balanced import SamplingSection
 from fdam_ray.data.sections import CHESTXRAY_SOURCES, DATASET_NAMES, ChestXraySection, DataSection, SyntheticSection
+from fdam_ray.deadlines import DeadlineSection
+from fdam_ray.evaluation import ValidationSection
 from fdam_ray.executors.base import ExecutorSection
 from fdam_ray.executors.ray_section import RaySection
 from fdam_ray.factories import python_name
@@ -53,6 +57,9 @@ from fdam_ray.sections import (
     setting,
     shared_names,
 )
+from fdam_ray.sites import SiteSection
+from fdam_ray.transfer import TransferSection
+from fdam_ray.versions import VERSIONS_KEY
 from fdam_ray.yamlio import kind_of, load_yaml, read_yaml_file
 
 __all__ = ["CHESTXRAY_SOURCES", "DATASET_NAMES", "FIELDS", "FIELD_BY_NAME", "MODEL_NAMES", "RENAMED_PER_ACTOR",
@@ -75,13 +82,15 @@ class RunSection(Section):
 # Every section, in the order of `fdam fields` (a section's own fields in the order it declares them).
 SECTION_CLASSES: tuple[type[Section], ...] = (
     AlgorithmSection, ScheduleSection, DataSection, SyntheticSection, ChestXraySection, ModelSection,
-    PretrainSection, ClientSection, PrecisionSection, RunSection, ExecutorSection, RaySection, OutputSection,
+    PretrainSection, ClientSection, LocalStepSection, SamplingSection, PrecisionSection, RunSection, ValidationSection,
+    ExecutorSection, RaySection, DeadlineSection, TransferSection, OutputSection, SiteSection,
 )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config(AlgorithmSection, ScheduleSection, SyntheticSection, ChestXraySection, ModelSection, PretrainSection,
-             ClientSection, PrecisionSection, RunSection, ExecutorSection, RaySection, OutputSection):
+             ClientSection, LocalStepSection, SamplingSection, PrecisionSection, RunSection, ValidationSection,
+             ExecutorSection, RaySection, DeadlineSection, TransferSection, OutputSection, SiteSection):
     """A validated run configuration (every section's fields); build it with :func:`build_config`."""
 
     name = "config"
@@ -234,8 +243,12 @@ def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> C
 
 
 def _given(values: Mapping[str, Any] | None, overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """The user's keys as flat field names (old names read as their new ones); an unknown key is an error."""
-    given = _flatten_sections(values or {})
+    """The user's keys as flat field names (old names read as their new ones); an unknown key is an error. A run's
+    ``config.yaml`` read back keeps the versions it ran under (:data:`VERSIONS_KEY`): a record, not a field."""
+    # the `flower:` section is read by fdam_ray.flower (a consortium's settings); a simulation of the study ignores it
+    values = {k: v for k, v in (values or {}).items()
+              if k != VERSIONS_KEY and not (k == "flower" and isinstance(v, Mapping))}
+    given = _flatten_sections(values)
     given.update(_flatten_sections(overrides))
     given = _read_renamed(given)
     for key in given:

@@ -1,4 +1,5 @@
-"""Evaluation of the global model: pooled test AUC, per-task AUC, per-client AUC (docs/algorithms.md s.6).
+"""Evaluation of the global model: pooled test AUC, per-task AUC, per-client AUC (docs/algorithms.md s.6);
+with ``val_fraction`` > 0 the same on the clients' validation parts, which model selection then uses.
 
 The test AUC is computed once over pooled scores: the global test set scored on
 the driver (or in slices on the clients, when the executor offers it), or,
@@ -11,10 +12,19 @@ line: a network whose outputs are NaN (its weights are finite, the federation
 checks them every round) is refused, naming the model; a test set holding one
 class only for a task gets a warning on the first evaluation, since its AUC is
 NaN.
+
+Validation (:class:`ValidationSection`): each client holds out a seeded,
+label-stratified share of its training shard (or uses its dataset's own
+validation split). Every evaluation then scores the validation parts as well
+(``val_auc`` pooled over them, ``val_client_auc`` per client, ``val_task_auc``
+per task) and the test set as before; the run's selection (``best_*`` of the
+summary, ``best_model.pt``, Tune's default metric) uses ``val_auc`` and never
+the test set.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -25,27 +35,55 @@ from fdam_ray.data import AnySplit, DataSource
 from fdam_ray.executors import Executor
 from fdam_ray.metrics import mean_auc, pooled, task_aucs
 from fdam_ray.models import model_name
+from fdam_ray.sections import Section, fail, setting, shared
+from fdam_ray.sites import client_label
 from fdam_ray.state import GlobalState, Scores
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ValidationSection(Section):
+    """The validation split and what selects on it."""
+
+    name = "validation"
+
+    val_fraction: float = setting(0.0, "Share of each client's training shard held out as its validation part "
+                                  "(seeded, stratified by label; a dataset's own validation split where it has "
+                                  "one); best_*, best_model.pt and Tune's default metric then select on val_auc and "
+                                  "the test set is only reported; 0 = no validation, selection on test_auc.",
+                                  check=(lambda v: 0 <= v < 1, "in [0, 1)"))
+    augment: bool = shared()
+    chestxray_val_split: str = shared()
+
+    def check(self) -> None:
+        if self.val_fraction > 0 and self.augment:
+            raise fail("val_fraction", self.val_fraction, "0 with augment=true: the validation part is cut from "
+                       "training data, whose images are augmented; set augment=false or val_fraction=0")
+        if self.val_fraction == 0 and self.chestxray_val_split == "official":
+            raise fail("chestxray_val_split", self.chestxray_val_split, "holdout unless val_fraction > 0: the "
+                       "official validation split is kept out of training only to validate on")
 
 
 class Evaluator:
     """Scores the global model; the driver loads the global test set only if the clients do not score it.
 
     ``warn_one_class``: warn on the first evaluation about test sets of one class (off where the caller has
-    already, as :func:`fdam_ray.train_arrays` does before the run).
+    already, as :func:`fdam_ray.train_arrays` does before the run). ``validation``: score the clients'
+    validation parts too (``val_fraction`` > 0).
     """
 
     def __init__(self, replica: Replica, source: DataSource, executor: Executor, *,
-                 warn_one_class: bool = True) -> None:
+                 warn_one_class: bool = True, validation: bool = False) -> None:
         self.replica = replica
         self.source = source
         self.task_names = source.task_names
         self.executor = executor
+        self.validation = validation
         self._test_loaded = False
         self._test: AnySplit | None = None
         self._warn_one_class = warn_one_class and not getattr(source, "one_class_warned", False)
+        self._warn_one_class_val = validation
 
     def _driver_test_set(self) -> AnySplit | None:
         if not self._test_loaded:
@@ -53,6 +91,12 @@ class Evaluator:
         return self._test
 
     def __call__(self, state: GlobalState) -> dict:
+        out = self._score_test(state)
+        if self.validation:
+            out.update(self._score_validation(state))
+        return out
+
+    def _score_test(self, state: GlobalState) -> dict:
         parts = self.executor.evaluate(state)
         s = self.executor.score_test_set(state)
         if s is None:
@@ -69,26 +113,58 @@ class Evaluator:
             raise ValueError("the dataset has neither a test set nor client test splits")
         if self._warn_one_class:
             self._warn_one_class = False
-            sets = [("the test set" if s is not None else "the pooled test set (the clients' test splits)",
-                     labels, "the pooled test AUC")]
-            sets += [(f"client {p.client_id}'s test split", p.labels, f"client {p.client_id}'s AUC") for p in parts]
-            problems = one_class_problems(sets, self.task_names)
-            if problems:
-                log.warning("%s (an AUC needs positives and negatives)", "; ".join(problems))
+            self._warn_if_one_class(("the test set" if s is not None else "the pooled test set (the clients' test "
+                                     "splits)", labels, "the pooled test AUC"), parts, "test split", "AUC")
+        return self._aucs("test", scores, labels, parts)
+
+    def _score_validation(self, state: GlobalState) -> dict:
+        """``val_auc`` (pooled over the clients' validation parts), ``val_samples``, ``val_task_auc`` and
+        ``val_client_auc``."""
+        parts = self.executor.evaluate(state, split="val")
+        for p in parts:
+            self._check_outputs(p, "validation part")
+        if not parts:
+            raise ValueError("val_fraction > 0 but no client has a validation part")
+        scores, labels = pooled([(p.scores, p.labels) for p in parts])
+        if self._warn_one_class_val:
+            self._warn_one_class_val = False
+            self._warn_if_one_class(("the pooled validation set", labels, "val_auc"), parts, "validation part",
+                                    "val AUC")
+        return self._aucs("val", scores, labels, parts)
+
+    def _warn_if_one_class(self, pooled_set: tuple[str, np.ndarray, str], parts: Sequence[Scores], part: str,
+                           auc: str) -> None:
+        """One warning naming every set (the pooled one, then each client's ``part``) whose labels hold one class
+        for a task, so that its AUC is NaN."""
+        sets = [pooled_set] + [(f"client {self._label(p)}'s {part}", p.labels, f"client {self._label(p)}'s {auc}")
+                               for p in parts]
+        problems = one_class_problems(sets, self.task_names)
+        if problems:
+            log.warning("%s (an AUC needs positives and negatives)", "; ".join(problems))
+
+    def _aucs(self, prefix: str, scores: np.ndarray, labels: np.ndarray, parts: Sequence[Scores]) -> dict:
+        """``<prefix>_auc`` (pooled), ``<prefix>_samples``, and where there are several tasks or client parts
+        ``<prefix>_task_auc`` and the per-client AUCs (``client_auc`` for the test splits)."""
         aucs = task_aucs(scores, labels)
-        out: dict = {"test_auc": mean_auc(aucs), "test_samples": len(labels)}
+        out: dict = {f"{prefix}_auc": mean_auc(aucs), f"{prefix}_samples": len(labels)}
         if len(aucs) > 1:
-            out["task_auc"] = {name: _num(a) for name, a in zip(self.task_names, aucs, strict=True)}
+            task_key = "task_auc" if prefix == "test" else f"{prefix}_task_auc"
+            out[task_key] = {name: _num(a) for name, a in zip(self.task_names, aucs, strict=True)}
         if parts:
-            out["client_auc"] = {str(p.client_id): _num(mean_auc(task_aucs(p.scores, p.labels))) for p in parts}
+            client_key = "client_auc" if prefix == "test" else f"{prefix}_client_auc"
+            out[client_key] = {self._label(p): _num(mean_auc(task_aucs(p.scores, p.labels))) for p in parts}
         return out
 
-    def _check_outputs(self, scores: Scores) -> None:
+    def _label(self, scores: Scores) -> str:
+        """The client that scored ``scores``, as shown (its name, else its index): the key of its AUC."""
+        return client_label(scores.client_id, getattr(self.replica.config, "client_names", None))
+
+    def _check_outputs(self, scores: Scores, part: str = "test split") -> None:
         """Refuse NaN outputs of the network (an AUC cannot rank them), naming the model and the samples."""
         bad = np.isnan(scores.scores).any(axis=tuple(range(1, scores.scores.ndim)))
         if not bad.any():
             return
-        where = "the test set" if scores.client_id < 0 else f"client {scores.client_id}'s test split"
+        where = "the test set" if scores.client_id < 0 else f"client {self._label(scores)}'s {part}"
         raise ValueError(f"model {model_name(self.replica.config.model)!r}: its outputs were NaN for "
                          f"{int(bad.sum())} of {len(bad)} samples of {where} (first: sample "
                          f"{int(np.argmax(bad))}) while its weights are finite: its forward makes NaN (log or sqrt "

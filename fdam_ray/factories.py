@@ -5,7 +5,9 @@ is imported and ``attr`` (dots allowed, ``Outer.build``) read from it. The path 
 resolved where the config is built (so a bad path fails before any client
 starts) and again in every process that runs a client, which must therefore be
 able to import the module too (installed, on ``PYTHONPATH``, or shipped with
-Ray's ``runtime_env={"working_dir": ...}``).
+Ray's ``runtime_env={"working_dir": ...}``). A module of the current folder is
+found without ``PYTHONPATH=.`` (:func:`import_module`) and shipped to a cluster
+joined by address.
 
 In Python a factory may also be given as the callable itself;
 :func:`import_path_of` finds the path of one that can be imported by name, and
@@ -18,6 +20,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import sys
 import sysconfig
 import traceback
 from collections.abc import Callable
@@ -45,7 +48,7 @@ def resolve(path: str, *, field: str, here: str = "") -> Callable:
     module_name, _, attr = path.partition(":")
     where = f" {here}" if here else ""
     try:
-        obj: Any = importlib.import_module(module_name)
+        obj: Any = import_module(module_name)
     except (Exception, SystemExit) as exc:  # ImportError, an error raised while the module runs, or sys.exit
         if isinstance(exc, SystemExit):
             raise ValueError(f"{field}: importing module '{module_name}' of '{path}'{where} called "
@@ -60,6 +63,60 @@ def resolve(path: str, *, field: str, here: str = "") -> Callable:
     if not callable(obj):
         raise ValueError(f"{field}: '{path}' is a {type(obj).__name__}, not a callable factory")
     return obj
+
+
+def import_module(name: str) -> Any:
+    """``importlib.import_module(name)``, finding a module of the current folder too.
+
+    ``python -m`` and ``python script.py`` put a folder on ``sys.path``, but the ``fdam`` console script puts
+    its own ``bin`` folder there, so ``model=mymod:make`` would fail in the very folder ``mymod.py`` is in
+    until ``PYTHONPATH=.``. When the module is not found and the current folder holds it (``name.py`` or a
+    package folder), that folder is added at the end of ``sys.path`` (installed packages keep precedence) and
+    the import tried again. Ray workers of this machine find it too: Ray puts the driver's current folder on
+    their ``sys.path``; a cluster joined by address is sent such modules (:func:`current_folder_modules`).
+    """
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        top = name.partition(".")[0]
+        here = os.getcwd()
+        if exc.name != top or not _holds_module(here, top) or _on_path(here):
+            raise
+    sys.path.append(here)
+    _ADDED_FOLDERS.add(here)
+    importlib.invalidate_caches()
+    return importlib.import_module(name)
+
+
+# Folders import_module put on sys.path (the current folder of a command that named one of its modules).
+_ADDED_FOLDERS: set[str] = set()
+
+
+def current_folder_modules() -> list[str]:
+    """The files (``name.py``) and package folders of the modules imported from a folder :func:`import_module`
+    added to ``sys.path``: what a cluster on other machines needs shipped (Ray's ``py_modules``), since their
+    workers have no such folder."""
+    found = set()
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if "." in name or not isinstance(path, str) or not os.path.isabs(path) or not os.path.isfile(path):
+            continue  # a submodule (its top module is shipped), a built-in, or a module naming no file of its own
+        folder, base = os.path.split(path)
+        if folder in _ADDED_FOLDERS and base.endswith(".py") and base != "__init__.py":
+            found.add(os.path.join(folder, base))
+        elif base == "__init__.py" and os.path.dirname(folder) in _ADDED_FOLDERS:
+            found.add(folder)
+    return sorted(found)
+
+
+def _holds_module(folder: str, name: str) -> bool:
+    return os.path.isfile(os.path.join(folder, f"{name}.py")) or os.path.isdir(os.path.join(folder, name))
+
+
+def _on_path(folder: str) -> bool:
+    """Whether ``folder`` is on ``sys.path`` already ('' is the current folder)."""
+    real = os.path.realpath(folder)
+    return any(os.path.realpath(p or os.curdir) == real for p in sys.path)
 
 
 def import_path_of(fn: Callable) -> str | None:

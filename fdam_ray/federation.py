@@ -39,13 +39,17 @@ from fdam_ray.algorithms.stages import moments_nbytes
 from fdam_ray.checkpoint import Checkpoint, ClientState, LoopState
 from fdam_ray.client import Replica, all_finite
 from fdam_ray.data import DataSource
+from fdam_ray.data.balanced import objective_positive_ratio
+from fdam_ray.deadlines import DeadlineSection, MissedRounds, as_sampled_round, read_record
 from fdam_ray.evaluation import Evaluator
 from fdam_ray.executors import Executor
 from fdam_ray.executors.errors import PlacementError
+from fdam_ray.models import network_record
 from fdam_ray.objectives import global_positive_ratio
 from fdam_ray.outputs import Observer, RunStart, Snapshot
 from fdam_ray.schedules import Position, Schedule, ScheduleSection
-from fdam_ray.state import ClientUpdate, GlobalState, RoundPlan
+from fdam_ray.sites import client_label
+from fdam_ray.state import ClientUpdate, GlobalState, RoundPlan, Rule, vector_names
 
 if TYPE_CHECKING:
     from fdam_ray.config import Config
@@ -107,11 +111,20 @@ class Federation:
         self.executor = executor
         self.config = config
         self.algorithm = build_algorithm(algorithm)
-        self.positive_ratio_override = algorithm.positive_ratio
+        self.positive_ratio_override = objective_positive_ratio(config)  # positive_ratio, or a balanced share
         self.schedule = schedule
         self.eval_every = eval_every
         self.observer = observer
         self.replica = Replica(config, source, device=driver_device)
+        self.validation = config.val_fraction > 0  # select on the clients' validation parts, not the test set
+        self.deadlines = DeadlineSection.of(config)
+        self.forced = {} if config.participation_record is None else read_record(config.participation_record)
+        self.missed = MissedRounds()
+        self._unrecorded: dict[str, list[int]] = {}  # rounds recorded since the last metrics record
+
+    def _label(self, client_id: int) -> str:
+        """How a client is shown: its name (``client_names``), else its index."""
+        return client_label(client_id, self.config.client_names)
 
     # -- start -----------------------------------------------------------------------
     def _start(self) -> GlobalState:
@@ -120,10 +133,11 @@ class Federation:
         size = self.replica.flat.state_size
         for info in infos:
             if info.state_size != size:
-                raise RuntimeError(f"client {info.client_id} has {info.state_size} model values, the driver {size}")
+                raise RuntimeError(f"client {self._label(info.client_id)} has {info.state_size} model values, the "
+                                   f"driver {size}")
             if self.replica.objective.has_auxiliary and not np.all(info.positives):
-                log.warning("client %d has no positive training label for some task; it still takes part "
-                            "(its local objective uses the global p)", info.client_id)
+                log.warning("client %s has no positive training label for some task; it still takes part "
+                            "(its local objective uses the global p)", self._label(info.client_id))
         p = (global_positive_ratio([i.positives for i in infos], [i.labelled for i in infos])
              if self.positive_ratio_override is None
              else np.full(self.source.num_tasks, self.positive_ratio_override))
@@ -149,7 +163,8 @@ class Federation:
 
     def _round(self, loop: LoopState, plan: RoundPlan) -> None:
         t0 = time.perf_counter()
-        clients = self.algorithm.participants(self.config.seed, plan.round, self.num_clients)
+        sampled = self.algorithm.participants(self.config.seed, plan.round, self.num_clients)
+        clients = self.forced.get(plan.round, sampled)  # a replayed record's set
         total = None
         if clients is not None:  # a sampled round: c stays the mean over all clients (s.3b)
             plan = dataclasses.replace(plan, partial=True)
@@ -160,15 +175,24 @@ class Federation:
             # each client checks its own update (in parallel, where its buffers live); the driver trusts it
             for stats in update.stats if isinstance(update, PartialSum) else [update.stats]:
                 if not (stats.finite and math.isfinite(stats.loss)):
-                    raise DivergenceError(f"round {plan.round}: client {stats.client_id} sent a NaN or infinite "
-                                          f"update (loss {stats.loss}); lower lr or set grad_clip")
+                    raise DivergenceError(f"round {plan.round}: client {self._label(stats.client_id)} sent a NaN "
+                                          f"or infinite update (loss {stats.loss}); lower lr or set grad_clip")
             reducer.fold(update)
 
+        asked = self.executor.active_clients
         if clients is None:
             self.executor.run_round(loop.state, plan, fold)
         else:
             self.executor.run_round(loop.state, plan, fold, clients)
-        loop.bytes_down += (self.executor.active_clients if clients is None else reducer.count) * loop.state.nbytes
+        if self.deadlines.round_deadline is not None and not plan.partial and reducer.count < asked:
+            # a client missed the deadline of a round every client ran: fold it as a round of those that made it
+            as_sampled_round(reducer, self.executor, plan.round, float(
+                self.num_clients if self.client_weights is None else self.client_weights.sum()))
+        if self.deadlines.tolerant:
+            self._note_participants(loop, plan.round, sampled, clients, [st.client_id for st in reducer.stats])
+        sent = getattr(self.executor, "broadcast_nbytes", None)  # rounded transfers move fewer bytes
+        loop.bytes_down += ((self.executor.active_clients if clients is None else reducer.count)
+                            * (loop.state.nbytes if sent is None else sent))
         loop.bytes_up += reducer.bytes_up
         state = reducer.finish(steps=plan.steps)
         if not all_finite([torch.from_numpy(x) for x in (state.v, state.alpha, state.buffers)]):
@@ -179,6 +203,17 @@ class Federation:
         loop.loss_sum += float(np.mean([s.loss for s in reducer.stats]))
         loop.loss_rounds += 1
         self.algorithm.after_round(loop.server, state)
+
+    def _note_participants(self, loop: LoopState, round_index: int, sampled: list[int] | None,
+                           asked: list[int] | None, took_part: list[int]) -> None:
+        """Record a round whose participants were not the ``sampled`` plan's (in the checkpoint and the next
+        metrics record), and name a client that keeps missing the deadline among those ``asked``."""
+        every = list(range(self.num_clients))
+        made = sorted(set(took_part))
+        if made != sorted(every if sampled is None else sampled):
+            loop.participation[str(round_index)] = made
+            self._unrecorded[str(round_index)] = made
+        self.missed.round(round_index, every if asked is None else asked, made, self._label)
 
     # -- evaluation and checkpoints ------------------------------------------------------
     def _record(self, loop: LoopState, evaluator: Evaluator, plan_round: int, stage: int, lr: float,
@@ -191,11 +226,19 @@ class Federation:
             "wall_s": round(loop.wall_offset + time.perf_counter() - started, 3),
             "samples_per_s": round(loop.samples / loop.train_s, 1) if loop.train_s else None,
         }
+        if self.deadlines.tolerant:  # rounds since the last record that ran other clients than planned
+            rec["participation"] = " ".join(f"r{r}={','.join(map(str, ks))}" for r, ks in self._unrecorded.items())
+            self._unrecorded = {}
         loop.loss_sum, loop.loss_rounds = 0.0, 0
         _warn_if_test_set_changed(loop.history, rec)
         loop.history.append(rec)
-        log.info("iteration %d round %d stage %d: test AUC %.4f", rec["iteration"], plan_round, stage,
-                 rec["test_auc"])
+        if self.validation:
+            _keep_best(loop, rec)
+            log.info("iteration %d round %d stage %d: val AUC %.4f, test AUC %.4f", rec["iteration"], plan_round,
+                     stage, rec["val_auc"], rec["test_auc"])
+        else:
+            log.info("iteration %d round %d stage %d: test AUC %.4f", rec["iteration"], plan_round, stage,
+                     rec["test_auc"])
         return rec
 
     def _snapshot(self, loop: LoopState, started: float) -> Snapshot:
@@ -203,7 +246,8 @@ class Federation:
         arrays, so it is written before the next round changes them."""
 
         def checkpoint() -> Checkpoint:
-            now = dataclasses.replace(loop, wall_offset=loop.wall_offset + time.perf_counter() - started)
+            now = dataclasses.replace(loop, wall_offset=loop.wall_offset + time.perf_counter() - started,
+                                      transfer=getattr(self.executor, "transfer_state", lambda: None)())
             clients = self.executor.client_states()  # None for a dropped client
             return Checkpoint(loop=now, clients=clients, positive_ratio=self.positive_ratio,
                               torch_rng=torch.get_rng_state())
@@ -220,10 +264,12 @@ class Federation:
             self.executor.begin_stage(loop.server.reference, True)
             loop.bytes_down += self.executor.active_clients * loop.server.reference.nbytes
         else:
-            loop = dataclasses.replace(resume.loop)  # its counters change; the checkpoint keeps its own
+            loop = dataclasses.replace(resume.loop, participation=dict(resume.loop.participation))  # its counters
+            # change; the checkpoint keeps its own
             self.executor.begin_stage(loop.server.reference, False)
             # the executors take None for a client that starts afresh (annotated list[dict])
             self.executor.restore_client_states(rebuilt_states(resume.clients, loop.state))
+            getattr(self.executor, "restore_transfer_state", lambda _: None)(loop.transfer)
             torch.set_rng_state(resume.torch_rng)
         snapshot = self._snapshot(loop, started)
         observer = self.observer
@@ -232,11 +278,12 @@ class Federation:
             observer.start(RunStart(resumed=resume is not None, history=loop.history, round=loop.state.round,
                                     iteration=loop.state.iteration, iterations=self.schedule.iterations))
             for k in [] if resume is None else resume.unplaced_clients():
-                observer.event("client %d could not be placed when the checkpoint was written; it starts again "
-                               "from its shard with the global control variate", k, level=logging.WARNING)
+                observer.event("client %s could not be placed when the checkpoint was written; it starts again "
+                               "from its shard with the global control variate", self._label(k),
+                               level=logging.WARNING)
             for line in getattr(self.executor, "placement_lines", list)():  # where each client runs (Ray)
                 observer.event("%s", line)
-            evaluator = Evaluator(self.replica, self.source, self.executor)
+            evaluator = Evaluator(self.replica, self.source, self.executor, validation=self.validation)
             if resume is None:
                 observer.record(self._record(loop, evaluator, 0, 1, self.schedule.lr, started), snapshot)
             schedule = Schedule(self.schedule, loop.position)
@@ -285,18 +332,17 @@ class Federation:
 
     def _finish(self, loop: LoopState, started: float, snapshot: Snapshot) -> RunResult:
         state, history = loop.state, loop.history
-        flat = self.replica.flat
-        flat.load(state)
-        n_w, m = flat.num_weights, flat.aux_size
-        a, b = state.v[n_w : n_w + m].copy(), state.v[n_w + m : n_w + 2 * m].copy()
-        model_state = flat.model_state_dict()
-        aucs = [h["test_auc"] for h in history]
-        best = int(np.nanargmax(aucs)) if np.any(np.isfinite(aucs)) else len(history) - 1
+        best = _selected(loop) if self.validation else _best_test(history)
+        if self.validation and loop.best_val_state is not None:
+            self.observer.best_model(self._model_payload(loop.best_val_state), history[best])
+        payload = self._model_payload(state)  # the final state, loaded last: the replica holds it
+        model_state, a, b = payload["model"], payload["a"].numpy(), payload["b"].numpy()
         summary = {
             "algorithm": self.algorithm.preset.name,
             "final_test_auc": history[-1]["test_auc"],
             "best_test_auc": history[best]["test_auc"],
             "best_iteration": history[best]["iteration"],
+            **(_validation_summary(history, best) if self.validation else {}),
             "iterations": state.iteration,
             "rounds": state.round,
             "bytes_up": loop.bytes_up,
@@ -304,15 +350,57 @@ class Federation:
             "wall_s": round(loop.wall_offset + time.perf_counter() - started, 3),
             "samples_per_s": round(loop.samples / loop.train_s, 1) if loop.train_s else None,
             "positive_ratio": [round(float(x), 6) for x in self.positive_ratio],
+            **({"client_names": list(self.config.client_names)} if self.config.client_names else {}),
             "run_dir": None,  # an observer that saves the run sets it
         }
         cv = _control_variates(state)
-        self.observer.finish(summary, {"model": model_state, "a": torch.from_numpy(a), "b": torch.from_numpy(b),
-                                       "alpha": torch.from_numpy(state.alpha.copy()),
-                                       "task_names": list(self.source.task_names)}, snapshot)
+        self.observer.finish(summary, payload, snapshot)
         run_dir = summary["run_dir"]
         return RunResult(None, model_state, a, b, state.alpha.copy(), cv, history, summary, state,
                          None if run_dir is None else Path(run_dir))
+
+    def _model_payload(self, state: GlobalState) -> dict:
+        """``model.pt``'s payload of ``state`` (loaded into the driver's replica): the network's state_dict,
+        a, b, alpha, the task names and which network it is (:func:`~fdam_ray.models.network_record`)."""
+        flat = self.replica.flat
+        flat.load(state)
+        n_w, m = flat.num_weights, flat.aux_size
+        a, b = state.v[n_w : n_w + m].copy(), state.v[n_w + m : n_w + 2 * m].copy()
+        return {"model": flat.model_state_dict(), "a": torch.from_numpy(a), "b": torch.from_numpy(b),
+                "alpha": torch.from_numpy(state.alpha.copy()), "task_names": list(self.source.task_names),
+                "network": network_record(self.config, self.source.input_shape, self.source.num_tasks)}
+
+
+def _keep_best(loop: LoopState, rec: dict) -> None:
+    """Keep the evaluation with the highest validation AUC so far (the first of equal ones): its AUC, its
+    iteration and a copy of the model's state there (the loop's arrays change in later rounds; the control
+    variates are not the model's and are left out)."""
+    val = rec.get("val_auc")
+    if val is None or not math.isfinite(val) or (loop.best_val_auc is not None and val <= loop.best_val_auc):
+        return
+    state, control = loop.state, vector_names(Rule.CONTROL)
+    loop.best_val_auc, loop.best_val_iteration = float(val), rec["iteration"]
+    loop.best_val_state = GlobalState.from_vectors(
+        {k: None if x is None or k in control else x.copy() for k, x in state.vectors().items()},
+        round=state.round, iteration=state.iteration)
+
+
+def _best_test(history: list[dict]) -> int:
+    """Without validation: the evaluation of the highest test AUC (the last one when none is defined)."""
+    aucs = [h["test_auc"] for h in history]
+    return int(np.nanargmax(aucs)) if np.any(np.isfinite(aucs)) else len(history) - 1
+
+
+def _selected(loop: LoopState) -> int:
+    """With validation: the evaluation of the best validation AUC (the last one when none is defined)."""
+    at = [i for i, h in enumerate(loop.history) if h["iteration"] == loop.best_val_iteration]
+    return at[-1] if at else len(loop.history) - 1
+
+
+def _validation_summary(history: list[dict], best: int) -> dict:
+    """The summary's validation fields: best_test_auc and best_iteration are then those of this evaluation."""
+    return {"best_val_auc": history[best]["val_auc"], "final_val_auc": history[-1]["val_auc"],
+            "selected_by": "val_auc"}
 
 
 def _warn_if_test_set_changed(history: list[dict], rec: dict) -> None:

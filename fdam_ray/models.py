@@ -158,6 +158,14 @@ def model_name(model: str | Callable) -> str:
     return import_path_of(model) or python_name(model)
 
 
+def network_record(config: Any, input_shape: tuple[int, ...], num_tasks: int) -> dict[str, Any]:
+    """Which network a saved model holds (the ``network`` entry of a run's ``model.pt``): the config's model
+    fields and the input shape and task count it was built for, all :func:`fdam_ray.load_model` needs to build
+    it again."""
+    return {"model": model_name(config.model), "model_width": int(config.model_width), "seed": int(config.seed),
+            "input_shape": [int(d) for d in input_shape], "num_tasks": int(num_tasks)}
+
+
 def _factory(model: str | Callable) -> Callable:
     if callable(model):
         return model

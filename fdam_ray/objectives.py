@@ -79,31 +79,61 @@ class Objective:
     ) -> torch.Tensor:
         logits = logits.reshape(logits.shape[0], -1)
         labels = labels.reshape(logits.shape)
-        valid = ~torch.isnan(labels)
-        pos = (labels == 1).to(logits.dtype)
-        neg = (labels == 0).to(logits.dtype)
-        count = valid.sum(0).to(logits.dtype)
         if self.name == "bce":
-            target = torch.nan_to_num(labels, nan=0.0)
-            per = F_nn.binary_cross_entropy_with_logits(logits, target, reduction="none") * valid
-        else:
-            if self.p is None:
-                raise RuntimeError("set_positive_ratio() must be called before the AUC objective is used")
-            p = self.p
-            h = torch.sigmoid(logits)
-            q = p * (1 - p)
-            per = (1 - p) * (h - a) ** 2 * pos + p * (h - b) ** 2 * neg
-            cross = p * h * neg - (1 - p) * h * pos
-            if self.name == "auc_square":
-                per = per + 2 * (1 + alpha) * cross
-            else:
-                per = per + 2 * alpha * (q * self.margin * valid + cross)
-            per = per - q * alpha**2 * valid
-        has = count > 0
-        if not bool(has.any()):  # no labelled sample in this batch: nothing to learn from it
-            return (per * 0).sum()
-        task_means = per.sum(0)[has] / count[has]
-        return task_means.mean()
+            return bce_objective(logits, labels)
+        if self.p is None:
+            raise RuntimeError("set_positive_ratio() must be called before the AUC objective is used")
+        return auc_objective(self.name, torch.sigmoid(logits), labels, self.p, a, b, alpha, margin=self.margin)
+
+
+def bce_objective(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Binary cross-entropy on (B, T) logits, NaN labels left out, as the mean over tasks of the task means."""
+    valid = ~torch.isnan(labels)
+    target = torch.nan_to_num(labels, nan=0.0)
+    per = F_nn.binary_cross_entropy_with_logits(logits, target, reduction="none") * valid
+    return task_mean(per, valid.sum(0).to(logits.dtype))
+
+
+def auc_objective(
+    name: str,
+    h: torch.Tensor,
+    labels: torch.Tensor,
+    p: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    alpha: torch.Tensor,
+    *,
+    margin: float = 1.0,
+) -> torch.Tensor:
+    """The minibatch AUC objective of the module docstring on (B, T) scores h in [0, 1] and labels (0, 1, NaN).
+
+    The one implementation of F: the federation's :class:`Objective` and the public losses
+    (:mod:`fdam_ray.losses`) both call it.
+    """
+    valid = ~torch.isnan(labels)
+    pos = (labels == 1).to(h.dtype)
+    neg = (labels == 0).to(h.dtype)
+    count = valid.sum(0).to(h.dtype)
+    q = p * (1 - p)
+    per = (1 - p) * (h - a) ** 2 * pos + p * (h - b) ** 2 * neg
+    cross = p * h * neg - (1 - p) * h * pos
+    if name == "auc_square":
+        per = per + 2 * (1 + alpha) * cross
+    elif name == "auc_margin":
+        per = per + 2 * alpha * (q * margin * valid + cross)
+    else:
+        raise ValueError(f"AUC objective {name!r} is not one of auc_square, auc_margin")
+    per = per - q * alpha**2 * valid
+    return task_mean(per, count)
+
+
+def task_mean(per: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Mean over the tasks with a labelled sample of each task's mean of ``per`` (B, T) over its ``count``."""
+    has = count > 0
+    if not bool(has.any()):  # no labelled sample in this batch: nothing to learn from it
+        return (per * 0).sum()
+    task_means = per.sum(0)[has] / count[has]
+    return task_means.mean()
 
 
 def closed_form_alpha(

@@ -3,11 +3,15 @@
     auc_vs_iterations.png   test AUC against iterations, one curve per run (the paper's top-row figure); the
                             y-axis is zoomed to where the runs differ, past the first 10% of each run
     auc_vs_local_steps.png  final test AUC against I, CODA+ and CODASCA side by side (its bottom row);
-                            runs that share algorithm and I (seeds) give a mean with a min-max band
+                            runs that differ only in their seed give a mean with a min-max band, runs that
+                            differ in another field (lr, ...) a curve each
     auc_vs_bytes.png        test AUC against megabytes communicated
     task_auc.png            final per-task AUC bars (multi-label runs only)
 
-and of a sweep (``fdam tune``): ``top_trials.png``, its best trials' curves.
+A run's legend is its algorithm and I followed by the config fields in which the plotted runs differ
+(``codasca I=4 lr=0.1``), so runs of a sweep are told apart by what the sweep varied. A sweep folder (of
+``fdam tune`` or a Tuner of your own over :func:`fdam_ray.tuning.trainable`) stands for its trials' run folders
+(``<trial>/run``). And of a sweep (``fdam tune``): ``top_trials.png``, its best trials' curves.
 """
 
 from __future__ import annotations
@@ -47,6 +51,11 @@ class Run:
     @property
     def label(self) -> str:
         return f"{self.algorithm} I={self.local_steps}"
+
+    @property
+    def name(self) -> str:
+        """The run's folder name; a sweep trial's run folder (``run``) by its trial's."""
+        return self.path.parent.name if self.path.name == "run" else self.path.name
 
     def series(self, key: str) -> np.ndarray:
         return np.array([np.nan if h.get(key) is None else h[key] for h in self.history], dtype=float)
@@ -106,25 +115,103 @@ def auc_limits(curves: list[tuple[np.ndarray, np.ndarray]], *, skip: float = 0.1
     return max(0.0, lo - pad), min(1.0, hi + pad)
 
 
+# Fields that say where and how a run was kept, not what was trained: never what tells plotted runs apart.
+NOT_COMPARED = frozenset({"out_dir", "run_name", "checkpoint_every", "tensorboard", "trackers", "tracker_project",
+                          "address", "ray_timeout_s", "placement_timeout_s", "data_workers", "eval_batch_size"})
+MAX_LEGEND_FIELDS = 4
+
+
+def differing_fields(runs: list[Run]) -> list[str]:
+    """The config fields whose value is not the same in every run (algorithm and I, always shown, left out),
+    in config order: what a legend needs to tell the runs apart."""
+    if len(runs) < 2:
+        return []
+    names: list[str] = []
+    for run in runs:
+        names += [k for k in run.config if k not in names]
+    return [k for k in names if k not in NOT_COMPARED and k not in ("algorithm", "local_steps")
+            and "version" not in k  # the software a run was made with: not a setting of the run
+            and not any(isinstance(run.config.get(k), dict) for run in runs)
+            and len({_shown(run.config.get(k)) for run in runs}) > 1]
+
+
+def _shown(value) -> str:
+    """A config value as a legend shows it: numbers short (0.1, 1e-05), anything long clipped."""
+    if isinstance(value, float):
+        text = f"{value:g}"
+    elif isinstance(value, (list, tuple)):
+        text = ",".join(_shown(v) for v in value)
+    else:
+        text = str(value)
+    return text if len(text) <= 24 else text[:21] + "..."
+
+
+def _fields_text(run: Run, fields: list[str]) -> str:
+    shown = [f"{k}={_shown(run.config.get(k))}" for k in fields[:MAX_LEGEND_FIELDS]]
+    return " ".join(shown + (["..."] if len(fields) > MAX_LEGEND_FIELDS else []))
+
+
 def _labels(runs: list[Run]) -> list[str]:
-    labels = [r.label for r in runs]
+    """Each run's legend: algorithm and I, the fields in which the runs differ, and the folder's name where
+    that still leaves two alike."""
+    fields = differing_fields(runs)
+    labels = [" ".join(filter(None, (r.label, _fields_text(r, fields)))) for r in runs]
     counts: dict[str, int] = defaultdict(int)
     for lab in labels:
         counts[lab] += 1
-    return [f"{r.label} ({r.path.name})" if counts[r.label] > 1 else r.label for r in runs]
+    return [f"{lab} ({r.name})" if counts[lab] > 1 else lab for r, lab in zip(runs, labels, strict=True)]
+
+
+def is_sweep_folder(path: Path) -> bool:
+    """Whether ``path`` is a sweep's folder: no run of its own, trial folders holding run folders."""
+    return not (path / "metrics.jsonl").is_file() and any(path.glob("*/run/metrics.jsonl"))
+
+
+def _expand(run_dirs: list[str | Path]) -> tuple[list[Path], set[Path]]:
+    """The run folders to plot: each given run folder, and for a sweep folder its trials' run folders (those of
+    trials that never reported are left out later, with a warning); (folders, those that came from sweeps)."""
+    folders: list[Path] = []
+    from_sweeps: set[Path] = set()
+    for p in map(Path, run_dirs):
+        if p.is_dir() and is_sweep_folder(p):
+            trials = sorted(m.parent for m in p.glob("*/run/metrics.jsonl"))
+            folders += trials
+            from_sweeps.update(trials)
+        elif p.is_dir() and not (p / "metrics.jsonl").exists():
+            raise ValueError(f"'{p}' is not a run folder (it has no metrics.jsonl) nor a sweep folder (no "
+                             "<trial>/run/metrics.jsonl in it)")
+        else:
+            folders.append(p)
+    return folders, from_sweeps
+
+
+def _read_runs(run_dirs: list[str | Path]) -> tuple[list[Run], list[Run]]:
+    """(runs with a finite test AUC, those without); a sweep's trial that has no records yet is left out with a
+    warning, a run folder given by name without them is an error."""
+    folders, from_sweeps = _expand(run_dirs)
+    runs: list[Run] = []
+    skipped: list[Run] = []
+    for folder in folders:
+        try:
+            run = Run(folder)
+        except ValueError as exc:
+            if folder not in from_sweeps:
+                raise
+            log.warning("not plotted: %s", exc)
+            continue
+        (runs if np.isfinite(run.series("test_auc")).any() else skipped).append(run)
+    return runs, skipped
 
 
 def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     """Draw every figure that the given runs support into ``out_dir``; return the files written.
 
-    A run without a single finite test AUC (NaN throughout: a test set of one class, a diverged run) has no
-    curve to draw: it is named in one warning and left out, and the other runs are drawn; if no run is left,
-    that is a ``ValueError`` naming them."""
-    runs: list[Run] = []
-    skipped: list[Run] = []
-    for p in run_dirs:
-        run = Run(Path(p))
-        (runs if np.isfinite(run.series("test_auc")).any() else skipped).append(run)
+    A sweep folder stands for its trials' run folders. A run without a single finite test AUC (NaN throughout:
+    a test set of one class, a diverged run) has no curve to draw: it is named in one warning and left out, and
+    the other runs are drawn; if no run is left, that is a ``ValueError`` naming them."""
+    runs, skipped = _read_runs(run_dirs)
+    if not runs and not skipped:
+        raise ValueError("nothing to plot: no trial of the sweep has an evaluation record yet")
     if skipped:
         names = ", ".join(f"'{r.path}'" for r in skipped)
         if not runs:
@@ -173,29 +260,40 @@ def _auc_vs_bytes(plt, labelled: list[tuple[Run, str]], zoom: Zoom, path: Path) 
     return _save(fig, path, plt)
 
 
+def local_steps_groups(runs: list[Run]) -> dict[str, dict[str, dict[int, list[float]]]]:
+    """Final test AUCs of the CODA+ and CODASCA runs: algorithm -> curve -> I -> values. Runs that differ only
+    in their seed share a curve (their values at one I make its band); runs that differ in any other field
+    (lr, prox_weight, ...) are curves of their own, named by those fields ("" when there is one curve)."""
+    coda = [r for r in runs if r.algorithm in ("coda_plus", "codasca") and r.local_steps]
+    fields = [k for k in differing_fields(coda) if k != "seed"]
+    groups: dict[str, dict[str, dict[int, list[float]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    for run in coda:
+        final, steps = run.series("test_auc")[-1], run.local_steps
+        if math.isfinite(final) and steps is not None:
+            groups[run.algorithm][_fields_text(run, fields)][int(steps)].append(float(final))
+    return groups
+
+
 def _auc_vs_local_steps(plt, runs: list[Run], path: Path) -> Path | None:
-    """Final test AUC against I, CODA+ and CODASCA side by side (the paper's bottom row); runs that share
-    algorithm and I give a mean with a min-max band. None without a CODA+ or CODASCA run."""
-    by_alg: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for run in runs:
-        final = run.series("test_auc")[-1]
-        if run.algorithm in ("coda_plus", "codasca") and run.local_steps and math.isfinite(final):
-            by_alg[run.algorithm][int(run.local_steps)].append(final)
+    """Final test AUC against I, CODA+ and CODASCA side by side (the paper's bottom row): per curve
+    (:func:`local_steps_groups`) the mean with a min-max band over seeds. None without a CODA+ or CODASCA run."""
+    by_alg = local_steps_groups(runs)
     if not by_alg:
         return None
     names = [a for a in ("coda_plus", "codasca") if a in by_alg]
     fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), sharey=True, squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):
-        steps = sorted(by_alg[name])
-        vals = [np.array(by_alg[name][i]) for i in steps]
-        mean = [v.mean() for v in vals]
-        ax.plot(steps, mean, marker="o", label="mean")
-        ax.fill_between(steps, [v.min() for v in vals], [v.max() for v in vals], alpha=0.2, label="min-max")
+        for curve, by_steps in sorted(by_alg[name].items()):
+            steps = sorted(by_steps)
+            vals = [np.array(by_steps[i]) for i in steps]
+            line, = ax.plot(steps, [v.mean() for v in vals], marker="o", label=curve or "mean")
+            ax.fill_between(steps, [v.min() for v in vals], [v.max() for v in vals], alpha=0.2,
+                            color=line.get_color(), label=None if curve else "min-max")
         ax.set_xscale("log", base=2)
         ax.set(xlabel="local steps I", title={"coda_plus": "CODA+", "codasca": "CODASCA"}[name])
         ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     axes[0][0].set_ylabel("final test AUC")
-    axes[0][0].legend(fontsize=8)
     return _save(fig, path, plt)
 
 

@@ -7,8 +7,10 @@ discards the classifier head, re-initialises it, and runs the configured AUC
 algorithm from the pre-trained body. Stage 1 is an ordinary federation with the
 pre-training settings, assembled by :mod:`fdam_ray.recipe` like any other run,
 so no training loop is duplicated; this module only says what stage 1 is. The
-paper pre-trains with Adam (lr 1e-5, 2 epochs); here stage 1 takes the same
-local SGD steps as every other run.
+paper pre-trains with Adam (lr 1e-5, 2 epochs); here stage 1 takes the local
+SGD steps of every other run (with the run's ``momentum``), or, with
+``pretrain_optimizer: adam``, Adam's steps on each client (its moments are the
+client's own, kept across rounds and checkpointed like a momentum buffer).
 
 Each stage writes its own run folder (``<run_name>-pretrain``, then
 ``<run_name>``). Stage 1's folder also holds ``recipe.yaml``: the whole
@@ -51,6 +53,8 @@ class PretrainSection(Section):
     pretrain_lr: float | None = setting(None, "Step size of pre-training; null = lr.", check=POSITIVE)
     pretrain_batch_size: int | None = setting(None, "Minibatch of pre-training; null = batch_size.", kind="batch",
                                               allowed=">= 0 or 'full'")
+    pretrain_optimizer: str = setting("sgd", "Local step of pre-training: sgd (with the run's momentum) or adam "
+                                      "(the paper's choice, e.g. with pretrain_lr 1e-5).", choices=("sgd", "adam"))
     pretrain_federated: bool = setting(True, "Pre-train on all clients (fedavg); false = on client 0's data alone "
                                        "(e.g. the first source).")
 
@@ -92,6 +96,8 @@ def pretrain_config(config):
         schedule="stagewise",
         stage_length=config.pretrain_iterations,
         pretrain_iterations=0,
+        local_optimizer=config.pretrain_optimizer,
+        momentum=config.momentum if config.pretrain_optimizer == "sgd" else 0.0,
         run_name=None if config.run_name is None else f"{config.run_name}-pretrain",
     )
 

@@ -41,6 +41,7 @@ from fdam_ray.client import resolve_device
 from fdam_ray.config import RENAMED_PER_ACTOR, RESUME_MAY_CHANGE, Config, ConfigError, build_config
 from fdam_ray.data import DataSource, make_source
 from fdam_ray.data.datasets import DatasetsSource, check_shippable, describe_client
+from fdam_ray.data.rooted import check_data_here
 from fdam_ray.executors import Executor, make_executor
 from fdam_ray.executors.errors import PlacementError
 from fdam_ray.executors.inline import InlineExecutor, ignored_fields
@@ -62,7 +63,7 @@ from fdam_ray.runlock import check_not_in_use
 from fdam_ray.schedules import ScheduleSection
 from fdam_ray.trackers import check_usable as trackers_usable
 from fdam_ray.trackers import make_trackers
-from fdam_ray.weights import load_weights, read_weights
+from fdam_ray.weights import load_weights, read_weights, safe_load
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ def federate(
     source = source if source is not None else make_source(config)
     if source.num_clients != config.num_clients:
         raise ValueError(f"the data has {source.num_clients} clients but num_clients={config.num_clients}")
+    check_data_here(source, config)  # every missing folder or file at once, before Ray or any client starts
     describe_data(source, config, executor)
     if not config.pretrain_iterations or resume is not None:  # a two-stage run's warning comes with stage 1
         warn_ignored(config)
@@ -397,7 +399,7 @@ def stored_result(run_dir: Path, checkpoint: Checkpoint, config: Config) -> RunR
     """The result of the finished run in ``run_dir``, read from its files (None when they are not all there)."""
     try:
         summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
-        model = torch.load(run_dir / "model.pt", map_location="cpu", weights_only=True)
+        model = safe_load(run_dir / "model.pt")
         model_state, a, b = model["model"], model["a"].numpy(), model["b"].numpy()
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError):
         return None  # not finished writing: the resume writes them

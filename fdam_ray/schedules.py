@@ -98,6 +98,11 @@ def last_stage(config: ScheduleSection) -> tuple[int, float]:
         stage += 1
 
 
+def stagewise_lr(lr: float, lr_decay: float, stage: int) -> float:
+    """lr_s of stage s of the stagewise schedule: lr_0 / decay^(s-1) (also :class:`fdam_ray.optim.PrimalDualSGD`'s)."""
+    return lr / lr_decay ** (stage - 1)
+
+
 def geometric_stage(local_steps: int, lr: float, growth: float, stage: int) -> tuple[int, float]:
     """(I_s, lr_s) of stage s of the geometric schedule: I_0 rho^(s-1) local steps, lr_0 / rho^(s-1)."""
     factor = growth ** (stage - 1)
@@ -140,7 +145,7 @@ class Schedule:
             if starts_stage:
                 p.stage, p.stage_rounds = p.stage + 1, 0
             if self.kind == "stagewise":
-                steps, lr = self.local_steps, self.lr / self.lr_decay ** (p.stage - 1)
+                steps, lr = self.local_steps, stagewise_lr(self.lr, self.lr_decay, p.stage)
             else:
                 steps, lr = geometric_stage(self.local_steps, self.lr, self.growth, p.stage)
             steps = min(steps, self.iterations - p.done)

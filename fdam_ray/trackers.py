@@ -2,12 +2,20 @@
 
 A tracker is an :class:`~fdam_ray.outputs.Observer`. When a run starts it opens
 a tracker run named like the run folder and logs the resolved config as
-parameters; at every evaluation it logs the record's numbers as metrics at step
-= iteration, under the grouped names of :func:`fdam_ray.outputs.grouped_name`
-(``auc/test`` pooled, ``auc/task/<task>``, ``auc/client/<id>``,
-``auc/worst_client``, ``comm/bytes_up``, ``comm/bytes_down``, ``train/loss``,
-``train/lr``, ...); at the end it logs the summary and the final model
-(``model.pt``, as the run folder holds it) as an artifact.
+parameters (every field, :func:`tracker_params`); at every evaluation it logs
+the record's numbers as metrics at step = iteration, under their ``metrics.csv``
+names (:func:`tracker_metrics`: ``test_auc``, ``task_auc.<task>``,
+``client_auc.<id>``, ``worst_client_auc``, ``bytes_up``, ``train_loss``, ``lr``,
+...); at the end it logs the summary and the final model (``model.pt``, as the
+run folder holds it) as an artifact.
+
+One naming scheme for every tracker run, of ``fdam train`` and of ``fdam tune``
+alike: the names of ``metrics.csv``, which are also what a sweep's trials report
+to Ray Tune (and so what Tune's own logger callbacks log), the names ``tune.metric``
+takes, the columns of ``sweep_results.csv`` and the keys of ``summary.json``. A
+run and a sweep trial are then compared in a tracker under the same name, and a
+name read in a tracker is the one to give ``tune.metric``. (TensorBoard keeps its
+grouped tags, ``auc/test``, which its dashboard folds into sections.)
 
 Where they log is each tool's own setting: MLflow's tracking URI
 (``MLFLOW_TRACKING_URI``, by default ``sqlite:///mlflow.db`` in the working
@@ -16,9 +24,12 @@ and syncs later) and entity. The MLflow experiment and the W&B project are
 ``tracker_project``.
 
 A run resumed from its folder continues the same tracker run: the tracker
-run's id is kept in ``<run>/trackers.json``. A tracker that fails while a run
-goes on (a tracking server that stops answering) logs one warning and stops
-logging; the run itself goes on.
+run's id is kept in ``<run>/trackers.json``. A tracker that cannot start its run
+(MLflow refusing its store, a server that does not answer) stops the run before
+its first round, in one line (:class:`TrackerError`; ``fdam train`` exits 2), and
+a new run's folder is removed: a run that trains must be tracked. A tracker that
+fails while a run goes on (a tracking server that stops answering) logs one
+warning and stops logging; the run itself goes on.
 
 A password in the tracking URI (``http://user:pw@host``) or any other credential
 is never printed or logged: warnings show the URI as ``http://user:***@host``
@@ -26,11 +37,13 @@ is never printed or logged: warnings show the URI as ``http://user:***@host``
 redacted the same way.
 
 Ray Tune sweeps do not use these observers: each trial reports to Tune, and
-:func:`fdam_ray.tuning.callbacks.tune_callbacks` gives Ray's own MLflow and W&B logger callbacks.
+:func:`fdam_ray.tuning.tracker_callbacks` gives Ray's own MLflow and W&B logger callbacks, logging the same
+parameters and metric names.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -45,13 +58,37 @@ import torch
 
 from fdam_ray.config import Config, ConfigError
 from fdam_ray.interrupts import interruptible
-from fdam_ray.outputs import Observer, RunStart, RunStopped, Snapshot, grouped_scalars
+from fdam_ray.outputs import Observer, RunStart, RunStopped, Snapshot, scalars
 from fdam_ray.redact import redact
+from fdam_ray.versions import VERSIONS_KEY, run_versions
 
 log = logging.getLogger(__name__)
 
 TRACKERS = ("mlflow", "wandb")
 IDS_FILE = "trackers.json"  # tracker run ids of a run folder, for --resume
+
+
+class TrackerError(ConfigError):
+    """A tracker named in ``trackers`` cannot start its run (its store, server or login refuses it): the run stops
+    before it trains, since what it would train is not recorded where asked."""
+
+
+def tracker_params(config_dict: dict[str, Any]) -> dict[str, Any]:
+    """Every config field as a tracker records it (credentials of any URI in a text replaced by ``***``); the
+    same for a run of ``fdam train`` and for a sweep trial (its base config with its searched values)."""
+    return {k: _param(v) for k, v in config_dict.items()}
+
+
+def tracker_metrics(record: dict) -> dict[str, float]:
+    """An evaluation record's numbers as trackers log them: their ``metrics.csv`` names (``test_auc``,
+    ``client_auc.<id>``, ``worst_client_auc``, ...), the step (``iteration``) left out."""
+    return {k: v for k, v in scalars(record).items() if k != "iteration"}
+
+
+def run_tags(config: Config) -> dict[str, str]:
+    """The tags of a tracker run (MLflow), for runs of ``fdam train`` and sweep trials alike."""
+    return {"fdam.algorithm": str(config.algorithm), "fdam.dataset": str(config.dataset),
+            **{f"fdam.version.{k}": str(v) for k, v in run_versions().items()}}
 
 
 def check_installed(names: Sequence[str]) -> None:
@@ -77,6 +114,31 @@ def check_usable(names: Sequence[str]) -> None:
                               ) from None
     if "wandb" in names:
         check_wandb_login()
+    if "mlflow" in names:
+        check_mlflow_store()
+
+
+def check_mlflow_store() -> None:
+    """Refuse, before anything trains, an MLflow tracking store that MLflow refuses (MLflow 3 refuses a file
+    store such as ``./mlruns`` unless ``MLFLOW_ALLOW_FILE_STORE=true``; a bad URI scheme; a server that
+    answers with an error): one line with MLflow's own first line."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    with interruptible():  # a tracking server that does not answer: a stop signal ends the wait
+        try:
+            MlflowClient().search_experiments(max_results=1)
+        except Exception as exc:
+            raise TrackerError(f"trackers: mlflow cannot use its tracking store "
+                               f"'{redact(mlflow.get_tracking_uri())}' ({_first_line(exc)}); set "
+                               "MLFLOW_TRACKING_URI to a store MLflow takes (sqlite:///mlflow.db, http://host:5000), "
+                               "or leave mlflow out of trackers") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: first line`` of an exception, credentials redacted and at most 200 characters."""
+    line = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {redact(line)[:200]}".rstrip(": ")
 
 
 WANDB_KEYLESS_MODES = ("offline", "dryrun", "disabled")
@@ -158,6 +220,7 @@ class Tracker(Observer):
 
     # -- the observer -------------------------------------------------------------------
     def _guard(self, what: str, fn: Callable[[], None]) -> None:
+        """``fn()``; a failure makes this tracker log nothing more (one warning), the run goes on."""
         if not self.active:
             return
         try:
@@ -173,19 +236,21 @@ class Tracker(Observer):
         resume_id = ids.get(self.name) if run.resumed else None
         self.active = True
 
-        def open_run() -> None:
-            params = {k: _param(v) for k, v in self.config.to_dict().items()}
-            run_id = self.open(_run_name(self.config, run_dir), params, resume_id)
-            if run_dir is not None:
-                _write_ids(run_dir, {**ids, self.name: run_id})
-            if resume_id is not None:
-                self.log_metrics({"train/resumed_at_iteration": run.iteration}, run.iteration)
-
         with interruptible():  # a tracking server that does not answer: a stop signal ends the wait
-            self._guard("starting its run", open_run)
+            try:
+                run_id = self.open(_run_name(self.config, run_dir), tracker_params(self.config.to_dict()), resume_id)
+            except Exception as exc:  # not tracked as asked: the run stops before its first round
+                self.active = False
+                raise TrackerError(f"trackers: {self.name} could not start its run ({_first_line(exc)}); fix "
+                                   f"{self.name}'s setting or leave {self.name} out of trackers") from None
+        if run_dir is not None:
+            _write_ids(run_dir, {**ids, self.name: run_id})
+        if resume_id is not None:
+            self._guard("logging the resume", lambda: self.log_metrics({"resumed_at_iteration": run.iteration},
+                                                                       run.iteration))
 
     def record(self, record: dict, snapshot: Snapshot) -> None:
-        self._guard("logging an evaluation", lambda: self.log_metrics(grouped_scalars(record), record["iteration"]))
+        self._guard("logging an evaluation", lambda: self.log_metrics(tracker_metrics(record), record["iteration"]))
 
     def finish(self, summary: dict, model: dict, snapshot: Snapshot) -> None:
         def log_model() -> None:
@@ -222,8 +287,18 @@ def _write_ids(run_dir: Path, ids: dict[str, str]) -> None:
 
 
 # The summary's numbers logged at the end (the rest is in the metrics already).
-SUMMARY_KEYS = ("final_test_auc", "best_test_auc", "best_iteration", "rounds", "iterations", "bytes_up",
-                "bytes_down", "wall_s", "samples_per_s")
+SUMMARY_KEYS = ("final_test_auc", "best_test_auc", "best_iteration", "best_val_auc", "final_val_auc", "rounds",
+                "iterations", "bytes_up", "bytes_down", "wall_s", "samples_per_s")
+
+
+def log_mlflow_params(client: Any, run_id: str, params: dict[str, Any]) -> None:
+    """Log ``params`` (:func:`tracker_params`) to an MLflow run in batches: a list as JSON, any other value as
+    text."""
+    from mlflow.entities import Param
+
+    items = [Param(k, json.dumps(v) if isinstance(v, list) else str(v)) for k, v in params.items()]
+    for i in range(0, len(items), 100):  # MLflow takes at most 100 parameters per call
+        client.log_batch(run_id, params=items[i : i + 100])
 
 
 class MLflowTracker(Tracker):
@@ -232,7 +307,6 @@ class MLflowTracker(Tracker):
     name = "mlflow"
 
     def open(self, run_name: str, params: dict[str, Any], resume_id: str | None) -> str:
-        from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient()
@@ -243,12 +317,14 @@ class MLflowTracker(Tracker):
         experiment = self.client.get_experiment_by_name(self.config.tracker_project)
         experiment_id = (experiment.experiment_id if experiment is not None
                          else self.client.create_experiment(self.config.tracker_project))
-        tags = {"fdam.algorithm": self.config.algorithm, "fdam.dataset": self.config.dataset}
-        run = self.client.create_run(experiment_id, run_name=run_name, tags=tags)
+        run = self.client.create_run(experiment_id, run_name=run_name, tags=run_tags(self.config))
         self.run_id = run.info.run_id
-        items = [Param(k, json.dumps(v) if isinstance(v, list) else str(v)) for k, v in params.items()]
-        for i in range(0, len(items), 100):  # MLflow takes at most 100 parameters per call
-            self.client.log_batch(self.run_id, params=items[i : i + 100])
+        try:
+            log_mlflow_params(self.client, self.run_id, params)
+        except Exception:  # the run stops: its tracker run is not left RUNNING (where the store still answers)
+            with contextlib.suppress(Exception):
+                self.client.set_terminated(self.run_id, "FAILED")
+            raise
         return self.run_id
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -264,7 +340,7 @@ class MLflowTracker(Tracker):
     def log_end(self, summary: dict, model_file: Path) -> None:
         self.client.log_artifact(self.run_id, str(model_file))
         step = int(summary.get("iterations") or 0)
-        self.log_metrics({f"summary/{k}": summary[k] for k in SUMMARY_KEYS
+        self.log_metrics({f"summary.{k}": summary[k] for k in SUMMARY_KEYS
                           if isinstance(summary.get(k), (int, float))}, step)
 
     def end(self, status: str) -> None:
@@ -280,7 +356,8 @@ class WandbTracker(Tracker):
         import wandb
 
         kwargs: dict[str, Any] = {"id": resume_id, "resume": "allow"} if resume_id is not None else {}
-        self.run = wandb.init(project=self.config.tracker_project, name=run_name, config=params,
+        self.run = wandb.init(project=self.config.tracker_project, name=run_name,
+                              config={**params, VERSIONS_KEY: run_versions()},
                               reinit="create_new", **kwargs)
         return self.run.id
 

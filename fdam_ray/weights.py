@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,6 +45,23 @@ def _unwrap(obj: object, path: str) -> dict[str, torch.Tensor]:
     return {(m.group(1) + m.group(2) if (m := _DENSENET_OLD_KEY.match(k)) else k): v for k, v in state.items()}
 
 
+def safe_load(path: str | Path) -> Any:
+    """``torch.load(weights_only=True)`` on CPU, without torch's warnings about the pickle protocol of a file it
+    then refuses or reads (the refusal says what matters, in one line)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def torch_load_failure(exc: Exception) -> str:
+    """Why ``torch.load(weights_only=True)`` refused a file, in one line; torch's advice to load the file's
+    foreign objects unchecked (which could run code from the file) is not repeated."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    if "Weights only load failed" in first:
+        return "it holds objects other than tensors and plain values, refused (unpickling them could run code)"
+    return f"{type(exc).__name__}: {first[:200]}"
+
+
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """The state_dict in a local file, on CPU.
 
@@ -54,10 +73,10 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"model_weights: '{path}' is not a file (weights are read from a local file, "
                          "never downloaded)")
     try:
-        obj = torch.load(file, map_location="cpu", weights_only=True)
+        obj = safe_load(file)
     except Exception as exc:  # torch raises several kinds; all mean "not a weights file"
         raise ValueError(f"model_weights: '{path}' cannot be read with torch.load(weights_only=True): "
-                         f"{str(exc).splitlines()[0]}") from None
+                         f"{torch_load_failure(exc)}") from None
     return _unwrap(obj, str(path))
 
 
@@ -99,14 +118,7 @@ def load_weights(model: nn.Module, state: Mapping[str, torch.Tensor], *, source:
     if fresh_head:
         fresh_head = sorted(head)  # weight and bias together
         unexpected = [k for k in unexpected if not _same_module(k, head)]
-    problems = []
-    if bad := [k for k in mismatched if k not in head]:
-        problems.append("shapes differ: " + _names([f"{k} (file {_shape(state[k])}, model {_shape(own[k])})"
-                                                    for k in bad]))
-    if bad := [k for k in missing if k not in head]:
-        problems.append(f"the file lacks {len(bad)} key(s): {_names(bad)}")
-    if unexpected:
-        problems.append(f"the model has no key(s) {_names(unexpected)}")
+    problems = _misfits(own, state, head, missing=missing, mismatched=mismatched, unexpected=unexpected)
     if problems:
         raise ValueError(f"{source} do not fit model {type(model).__name__}: " + "; ".join(problems))
     with torch.no_grad():
@@ -117,6 +129,20 @@ def load_weights(model: nn.Module, state: Mapping[str, torch.Tensor], *, source:
         why = "its size differs from the file's" if head & set(mismatched) else "the weights have none"
         log.warning("%s: classifier head %s re-initialised (%s)", source, ", ".join(fresh_head), why)
     return fresh_head
+
+
+def _misfits(own: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], head: set[str], *,
+             missing: list[str], mismatched: list[str], unexpected: list[str]) -> list[str]:
+    """What keeps ``state`` from fitting the model (the classifier head excepted), a phrase per kind."""
+    problems = []
+    if bad := [k for k in mismatched if k not in head]:
+        problems.append("shapes differ: " + _names([f"{k} (file {_shape(state[k])}, model {_shape(own[k])})"
+                                                    for k in bad]))
+    if bad := [k for k in missing if k not in head]:
+        problems.append(f"the file lacks {len(bad)} key(s): {_names(bad)}")
+    if unexpected:
+        problems.append(f"the model has no key(s) {_names(unexpected)}")
+    return problems
 
 
 def _same_module(key: str, head: set[str]) -> bool:

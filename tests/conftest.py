@@ -22,3 +22,13 @@ from sample_clients import gaussian_clients  # noqa: E402 (after the path insert
 @pytest.fixture
 def clients_and_test():
     return gaussian_clients()
+
+
+@pytest.fixture(autouse=True)
+def fresh_wandb_settings():
+    """W&B keeps the settings of its first run in the process (``WANDB_DIR`` included) until torn down: each test
+    that runs W&B gets the environment it sets."""
+    yield
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and hasattr(wandb, "teardown"):
+        wandb.teardown()

@@ -17,6 +17,8 @@ import ray
 from ray.cluster_utils import Cluster
 from raytest import TESTS_DIR
 
+from fdam_ray.executors.ray.compat import loopback_node
+
 OBJECT_STORE_BYTES = 150 * 1024 * 1024
 
 
@@ -31,6 +33,9 @@ def process_auth_mode() -> str:
     return "token" if token_auth_enabled() else "disabled"
 
 
+LOOPBACK = "127.0.0.1"
+
+
 @contextlib.contextmanager
 def multi_node_cluster(workers: int = 3, cpus_per_worker: float = 2, head_cpus: float = 1) -> Iterator[Cluster]:
     """A head (``head_cpus``, resource ``head``) plus ``workers`` nodes (``cpus_per_worker``, resource
@@ -38,14 +43,16 @@ def multi_node_cluster(workers: int = 3, cpus_per_worker: float = 2, head_cpus: 
     saved = dict(os.environ)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, saved.get("PYTHONPATH")) if p)
     os.environ["RAY_AUTH_MODE"] = process_auth_mode()
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": head_cpus, "resources": {"head": 1}, "object_store_memory": OBJECT_STORE_BYTES,
-        "include_dashboard": False})
+    with loopback_node():  # every node listens on 127.0.0.1 only
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": head_cpus, "resources": {"head": 1}, "object_store_memory": OBJECT_STORE_BYTES,
+            "include_dashboard": False, "node_ip_address": LOOPBACK})
     try:
-        cluster.sites = {i: cluster.add_node(num_cpus=cpus_per_worker, resources={f"site_{i}": 1},
-                                             object_store_memory=OBJECT_STORE_BYTES)
+        cluster.sites = {i: add_loopback_node(cluster, num_cpus=cpus_per_worker, resources={f"site_{i}": 1},
+                                              object_store_memory=OBJECT_STORE_BYTES)
                          for i in range(workers)}  # site -> its node, for remove_node
-        ray.init(address=cluster.address, log_to_driver=False)
+        with loopback_node():  # else Ray turns the head's 127.0.0.1 into the machine's address
+            ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes()
         yield cluster
     finally:
@@ -53,6 +60,12 @@ def multi_node_cluster(workers: int = 3, cpus_per_worker: float = 2, head_cpus: 
         cluster.shutdown()
         os.environ.clear()
         os.environ.update(saved)
+
+
+def add_loopback_node(cluster: Cluster, **node_args):
+    """``cluster.add_node(**node_args)`` for a node listening on 127.0.0.1 only."""
+    with loopback_node():
+        return cluster.add_node(node_ip_address=LOOPBACK, **node_args)
 
 
 def node_ids_by_site() -> dict[str, str]:

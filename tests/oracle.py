@@ -81,6 +81,7 @@ def run_oracle(
     client_weighting="uniform",
     seed=0,
     proximal="stage",
+    participants=None,
 ):
     """Returns (v, alpha, c_v, c_alpha) after ``iterations`` local steps (stagewise schedule).
 
@@ -91,7 +92,8 @@ def run_oracle(
     replacement from ``numpy.random.default_rng([seed, r])``; means take weights n_k (``samples``) or 1,
     renormalised over the round's clients; with a sample, c <- c + sum w_k (c^k_new - c^k_old) / sum_all w.
     ``proximal="round"`` (FedProx, FedProx-AUC) centres the proximal term on the round's starting point
-    instead of the stage's reference point. ``v0`` holds (w, w0) only for ``bce``.
+    instead of the stage's reference point. ``v0`` holds (w, w0) only for ``bce``. ``participants`` (round ->
+    clients) forces those rounds' sets under the partial rule (a replayed record).
     """
     K = len(clients)
     p = pooled_positive_ratio(clients)
@@ -111,6 +113,8 @@ def run_oracle(
         full = clients_per_round is None or clients_per_round >= K
         chosen = range(K) if full else sorted(np.random.default_rng([seed, r]).choice(K, clients_per_round,
                                                                                      replace=False))
+        if participants is not None and r in participants:  # a forced set (a replayed record): the partial rule
+            chosen, full = participants[r], False
         c_change_v, c_change_a = np.zeros_like(v), 0.0
         vs, als, ws = [], [], []
         for k in chosen:

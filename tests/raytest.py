@@ -9,12 +9,15 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import ray
 import torch
 
 from fdam_ray.data import DatasetSplit, DataSource, Shard
+from fdam_ray.executors.ray.compat import start_loopback_ray
+from fdam_ray.executors.ray.executor import RayExecutor
 
 NUM_CPUS = 4  # logical CPUs; clients run one torch thread each, so 4 of them share the 2 cores
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -40,7 +43,7 @@ def ray_session(num_cpus: int = NUM_CPUS):
         return
     saved = dict(os.environ)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, saved.get("PYTHONPATH")) if p)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    start_loopback_ray(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)  # listens on 127.0.0.1
     try:
         yield
     finally:
@@ -114,3 +117,34 @@ class DamagedSource(DataSource):
 
     def test_set(self):
         return self.inner.test_set()
+
+
+def pids_using(folder: str) -> list[int]:
+    """The processes (but this one) whose command line names ``folder``: what a Ray node started there left."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                if folder in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(proc.name))
+            except OSError:
+                continue
+    return pids
+
+
+class FoldCounting(RayExecutor):
+    """Counts the partial sums the driver folds in each round."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.folds: list[int] = []
+
+    def run_round(self, state, plan, fold, clients=None):
+        count = [0]
+
+        def counted(partial):
+            count[0] += 1
+            fold(partial)
+
+        super().run_round(state, plan, counted, clients)
+        self.folds.append(count[0])

@@ -430,12 +430,30 @@ def test_node_reduce_script(tmp_path):
     out = tmp_path / "nr.md"
     out.write_text(f"{C.BEGIN}\nold\n{C.END}\n")
     _, values = run_script_process("benchmarks/node_reduce.py", "--nodes", "2", "--clients-per-node", "2",
-                                   "--state-floats", "20000", "--rounds", "2", "--repeats", "1", "--out", str(out))
+                                   "--state-floats", "20000", "--rounds", "2", "--repeats", "1", "--warmup", "2",
+                                   "--out", str(out))
     assert values["nodes"] == 2 and values["clients"] == 4
     assert values["ingress_ratio_node_star"] == pytest.approx(0.5)  # one sum per node instead of one per client
-    assert values["round_ratio_node_star"] > 0
+    assert values["round_ratio_node_star"] > 0 and values["round_ratio_node_star_compiled"] > 0
     text = out.read_text()
     assert "| 2 | 4 | 2, 2 |" in text and "Command: `python benchmarks/node_reduce.py --nodes 2" in text
+    assert "compiled node ms" in text
+    assert "2 timed rounds (after 2 warm-up rounds)" in text
+
+
+def test_node_reduce_refuses_a_netlab_folder_without_netcluster_in_one_line(tmp_path):
+    import node_reduce
+
+    with pytest.raises(SystemExit, match=r"--netlab: .* has no netcluster\.py"):
+        node_reduce.main(["--netlab", str(tmp_path)])
+
+
+def test_node_reduce_refuses_no_warm_up_round_in_one_line(capsys):
+    import node_reduce
+
+    with pytest.raises(SystemExit):
+        node_reduce.main(["--warmup", "0"])
+    assert "--warmup: 0; at least 1 (the first round of a block builds its compiled graph)" in capsys.readouterr().err
 
 
 def test_input_pipeline_writes_files_of_the_real_sizes(tmp_path):
@@ -489,6 +507,7 @@ def test_gpu_throughput_script_on_the_cpu_with_every_section(tmp_path):
     assert "| 4 | 0.5 |" in text  # four clients with a quarter of the 2 CPUs each
 
 
+@pytest.mark.slow  # a local Ray: about 15 s in CI
 def test_gpu_throughput_script_on_the_cpu(tmp_path):
     values, text = gpu_throughput_quick(tmp_path, "--skip", "shared")
     assert math.isnan(values["shared_gpu_ratio"])
@@ -513,3 +532,49 @@ def test_gpu_suite_script_on_the_cpu(tmp_path):
     assert "Device: CPU" in suite and "| collective round overhead | gloo |" in suite
     assert "Command: `python benchmarks/gpu_suite.py --quick --device cpu" in suite
     assert "| densenet121 | 32x32 | 2 | bf16 |" in (tmp_path / "gpu_throughput.md").read_text()
+@pytest.mark.slow  # three Ray executors of its own: about a minute
+def test_stragglers_script(tmp_path):
+    out = tmp_path / "st.md"
+    _, values = run_script_process("benchmarks/stragglers.py", "--clients", "2", "--steps", "2", "--step-s", "0.05",
+                                   "--slow", "8", "--rounds", "2", "--out", str(out))
+    assert set(values) == {"straggler_ratio_deadline", "straggler_ratio_none"}
+    assert values["straggler_ratio_none"] > 2  # the round waits for the client 8x slower
+    assert values["straggler_ratio_deadline"] < values["straggler_ratio_none"]
+    text = out.read_text()
+    assert text.startswith(C.BEGIN) and "Command: `python benchmarks/stragglers.py --clients 2" in text
+    assert "| slow client, round_deadline=1.2x |" in text
+
+
+def test_transfer_precision_script(tmp_path):
+    import transfer_precision
+
+    out = tmp_path / "tp.md"
+    line = transfer_precision.main(["--dataset", "digits", "--clients", "2", "--iterations", "64",
+                                    "--algorithms", "codasca", "--seeds", "0", "1", "--out", str(out)])
+    values = parse_result(line)
+    assert set(values) == {"max_abs_d_bf16", "max_abs_d_bf16_ef", "max_abs_d_fp16", "max_abs_d_exact", "mean_d_bf16",
+                           "mean_d_bf16_ef", "rms_d_bf16", "rms_d_bf16_ef", "rms_d_fp16", "rms_d_exact",
+                           "bytes_ratio", "seeds"}
+    assert values["seeds"] == 2
+    assert 0.5 < values["bytes_ratio"] < 0.75  # 2 bytes a value, first broadcasts in float32
+    for variant in ("bf16", "bf16_ef", "fp16", "exact"):
+        assert values[f"max_abs_d_{variant}"] >= values[f"rms_d_{variant}"] >= 0
+    text = out.read_text()
+    assert "Command: `python benchmarks/transfer_precision.py --dataset digits" in text
+    assert "| exact (bf16's path, float32 values: nothing rounded) |" in text
+    assert "seeds with abs d > 0.003" in text
+
+
+def test_transfer_precision_exact_variant_sends_float32_through_the_rounded_path():
+    """The noise-floor reference: bf16's transfer path (4 bytes a value travel, so nothing was rounded), and the
+    module's rounding is back in place after the run."""
+    import transfer_precision as TP
+
+    from fdam_ray import transfer
+
+    args = TP.parse_args(["--dataset", "digits", "--clients", "2", "--iterations", "32", "--algorithms", "codasca"])
+    encode = transfer.encode
+    bf16 = TP.run_variant(TP.spec_for(args, "codasca", 16, 0, "bf16"))
+    exact = TP.run_variant(TP.spec_for(args, "codasca", 16, 0, "exact"))
+    assert transfer.encode is encode
+    assert exact["last"]["bytes_up"] == 2 * bf16["last"]["bytes_up"]

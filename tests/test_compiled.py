@@ -67,12 +67,33 @@ def test_the_graph_ends_with_the_run():
     assert executor.graph.builds == 1 and executor.graph.graph is None and executor.actors == {}
 
 
-def test_compiled_with_per_node_reduction_is_refused_in_one_line():
+def test_compiled_with_per_node_reduction_merges_on_the_node_and_equals_classic_node_reduction_bit_for_bit():
+    # one node: the three actors' sums are merged by its reducer inside the graph; a round that samples only
+    # one of them passes that actor's sum on as it is, as the classic node transport does
     clients, test = sized_clients()
-    with pytest.raises(ValueError, match="reduce=node needs transport=classic"):
-        train(dict(BASE, transport="compiled", reduce="node", iterations=3, **RAY), clients, test)
+    cfg = dict(BASE, clients_per_round=3, clients_per_actor=2, reduce="node", fold_order="client", **RAY)
+    classic = train(cfg, clients, test)
+    executor = raytest.FoldCounting()
+    compiled = train(dict(cfg, transport="compiled"), clients, test, executor=executor)
+    assert_same_state(compiled, classic, exact=True)
+    assert compiled.summary["bytes_up"] == classic.summary["bytes_up"]
+    assert executor.folds == [1] * 6 and executor.graph.builds == 1
+    assert executor.transport.name == "compiled_node" and executor.transport.reducers == {}  # ended with the run
     with pytest.raises(ConfigError, match="transport"):
         build_config(dict(transport="nccl"))
+
+
+def test_node_merges_are_folded_in_the_order_of_their_first_actor_in_the_round():
+    from fdam_ray.executors.ray.transports.compiled import CompiledTransport, _sources
+
+    a_, b_ = object(), object()
+    sources = _sources(dict.fromkeys(range(5)), [(a_, [0, 3]), (b_, [1, 2])])
+    assert sources == [(a_, [0, 3]), (b_, [1, 2]), (None, [4])]
+    transport = CompiledTransport.__new__(CompiledTransport)
+    transport.graph = type("G", (), {"groups": [g for _, g in sources]})()
+    # actor 0 not in the round: node [1, 2]'s sum comes before node [0, 3]'s (classic: by first target)
+    assert transport._in_fold_order(["n03", "n12", "a4"], [1, 2, 3, 4]) == ["n12", "n03", "a4"]
+    assert transport._in_fold_order(["n03", None, "a4"], [0, 4]) == ["n03", "a4"]
 
 
 @pytest.mark.slow
@@ -116,29 +137,50 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+def _idle_cores(wait: str, pids, **fields) -> float:
+    """The most CPU (cores) any of ``pids(executor)`` took over 2 s while a compiled graph (``channel_wait`` =
+    ``wait``, config ``fields``) waits between its first and second round."""
+    clients, test = sized_clients()
+    source = ArraysSource(clients, test)
+    config = build_config(dict(BASE, dataset="arrays", num_clients=len(clients), transport="compiled",
+                               channel_wait=wait, **fields, **RAY))
+    with RayExecutor() as ex:
+        ex.start(config, source)
+        state = first_state(ex, config, source)
+        ex.run_round(state, RoundPlan(1, 1, 2, 0.1, 0), lambda partial: None)
+        watched = pids(ex)
+        time.sleep(1.0)  # a process started with this round (a node reducer) also loads what it merged
+        before, started = [_cpu_seconds(p) for p in watched], time.monotonic()
+        time.sleep(2.0)
+        took = time.monotonic() - started
+        idle = max(_cpu_seconds(p) - b for p, b in zip(watched, before, strict=True)) / took
+        ex.run_round(state, RoundPlan(2, 1, 2, 0.1, 2), lambda partial: None)  # the graph still answers
+        assert ex.graph.builds == 1
+    return idle
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process CPU time from /proc")
 @pytest.mark.slow
 def test_waiting_actors_sleep_instead_of_keeping_a_core_busy():
     # between rounds a compiled graph's actors wait for the next input: polling (spin) keeps a core busy each,
     # sleeping waits cost almost nothing
-    clients, test = sized_clients()
-    source = ArraysSource(clients, test)
-    idle = {}
-    for wait in ("spin", "sleep"):
-        config = build_config(dict(BASE, dataset="arrays", num_clients=len(clients), transport="compiled",
-                                   channel_wait=wait, **RAY))
-        with RayExecutor() as ex:
-            ex.start(config, source)
-            state = first_state(ex, config, source)
-            ex.run_round(state, RoundPlan(1, 1, 2, 0.1, 0), lambda partial: None)
-            pids = [ex.where_of[a]["pid"] for a in sorted(ex.actors)]
-            before, started = [_cpu_seconds(p) for p in pids], time.monotonic()
-            time.sleep(2.0)
-            took = time.monotonic() - started
-            idle[wait] = max(_cpu_seconds(p) - b for p, b in zip(pids, before, strict=True)) / took
-            ex.run_round(state, RoundPlan(2, 1, 2, 0.1, 2), lambda partial: None)  # the graph still answers
-            assert ex.graph.builds == 1
+    idle = {wait: _idle_cores(wait, lambda ex: [ex.where_of[a]["pid"] for a in sorted(ex.actors)])
+            for wait in ("spin", "sleep")}
     assert idle["sleep"] < 0.1, idle  # cores per waiting actor
+    assert idle["spin"] > 3 * idle["sleep"], idle
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process CPU time from /proc")
+@pytest.mark.slow
+def test_a_waiting_node_reducer_sleeps_too():
+    # reduce=node: the node's reducer waits on its actors' channels between rounds, as the actors wait on the
+    # input; with channel_wait=sleep it checks now and then, with spin it reads as Ray does (Ray's read loop)
+    def reducer_pid(ex) -> list[int]:
+        (reducer,) = ex.transport.reducers.values()
+        return [ray.get(reducer.__ray_call__.remote(lambda self: os.getpid()))]
+
+    idle = {wait: _idle_cores(wait, reducer_pid, reduce="node") for wait in ("spin", "sleep")}
+    assert idle["sleep"] < 0.05, idle  # cores
     assert idle["spin"] > 3 * idle["sleep"], idle
 
 
@@ -171,12 +213,13 @@ def test_a_patient_read_returns_soon_after_the_data_with_few_checks():
     late = time.monotonic() - channel.ready_at
     assert late <= PAUSE_OF_WAIT * wait + 0.04, late  # the longest pause, plus slack for a busy machine
     assert channel.checks < 400, channel.checks  # a polling read checks hundreds of thousands of times
-    # a wait split into reads of 0.1 s (as Ray's read loop does) backs off as one wait
+    whole = channel.checks
+    # a wait split into short reads (Ray's read loop asks every 0.1 s) backs off as one wait
     channel = _Channel(wait, value="data")
     timeouts, since = 0, set()
     while True:
         try:
-            got = patient_read(_Channel.read, channel, 0.1)
+            got = patient_read(_Channel.read, channel, 0.05)
             break
         except RayChannelTimeoutError:
             timeouts += 1
@@ -184,8 +227,10 @@ def test_a_patient_read_returns_soon_after_the_data_with_few_checks():
     assert got == "data" and timeouts >= 4
     assert len(since) == 1 and None not in since  # every read went on with the wait the first one began
     assert time.monotonic() - channel.ready_at <= PAUSE_OF_WAIT * wait + 0.04
-    assert channel.checks < 400, channel.checks
-    assert channel._fdam_waiting_since is None  # the next wait starts afresh
+    # and with its pause: a few checks a read more than the whole wait in one read (pauses begun afresh in
+    # each read made it about 10 more a read)
+    assert channel.checks <= whole + 5 * (timeouts + 1), (channel.checks, whole, timeouts)
+    assert channel._fdam_waiting_since is None and channel._fdam_pause is None  # the next wait starts afresh
     # a timeout is kept to (within a pause), and errors pass through
     started = time.monotonic()
     with pytest.raises(RayChannelTimeoutError):

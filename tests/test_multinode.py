@@ -16,8 +16,8 @@ import pytest
 import ray
 import torch
 from image_fixtures import write_image_folder
-from multinode import OBJECT_STORE_BYTES, multi_node_cluster, node_ids_by_site
-from raytest import SlowClientSource
+from multinode import OBJECT_STORE_BYTES, add_loopback_node, multi_node_cluster, node_ids_by_site
+from raytest import FoldCounting, SlowClientSource
 from sample_clients import gaussian_clients
 
 from fdam_ray.checkpoint import load_checkpoint
@@ -118,31 +118,13 @@ def test_a_resource_no_node_offers_is_named_with_the_client_at_once(cluster):
 
 
 # -- per-node reduction ------------------------------------------------------------------------
-class CountingFolds(RayExecutor):
-    """Counts the partial sums the driver folds in each round."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.folds: list[int] = []
-
-    def run_round(self, state, plan, fold, clients=None):
-        count = [0]
-
-        def counted(partial):
-            count[0] += 1
-            fold(partial)
-
-        super().run_round(state, plan, counted, clients)
-        self.folds.append(count[0])
-
-
 @pytest.mark.slow
 def test_node_reduction_folds_one_sum_per_node_and_ends_where_star_and_inline_end(cluster):
     clients, test = gaussian_clients(num_clients=6)
     values = dict(algorithm="codasca", iterations=8, eval_every=8, positive_ratio=0.3, placement_strategy="PACK")
     got = {}
     for reduce in ("star", "node"):
-        executor = CountingFolds()
+        executor = FoldCounting()
         got[reduce] = run(arrays_config(clients, reduce=reduce, **values), source=ArraysSource(clients, test),
                           executor=executor, save=False)
         nodes = {w["node_id"] for w in executor.where_of.values()}
@@ -154,6 +136,26 @@ def test_node_reduction_folds_one_sum_per_node_and_ends_where_star_and_inline_en
         np.testing.assert_allclose(getattr(got["node"].state, name), getattr(got["star"].state, name), atol=1e-6)
         np.testing.assert_allclose(getattr(got["node"].state, name), want, atol=1e-6, err_msg=name)
     assert np.abs(inline.state.c_v).max() > 1e-3
+
+
+@pytest.mark.slow
+def test_compiled_node_reduction_folds_one_sum_per_node_and_equals_classic_node_reduction_bit_for_bit(cluster):
+    clients, test = gaussian_clients(num_clients=6)
+    values = dict(algorithm="codasca", iterations=8, eval_every=8, positive_ratio=0.3, placement_strategy="PACK",
+                  reduce="node", fold_order="client")
+    got = {}
+    for transport in ("classic", "compiled"):
+        executor = FoldCounting()
+        got[transport] = run(arrays_config(clients, transport=transport, **values),
+                             source=ArraysSource(clients, test), executor=executor, save=False)
+        nodes = {w["node_id"] for w in executor.where_of.values()}
+        assert len(nodes) >= 2  # 6 x 0.5 CPU do not fit one node
+        assert executor.folds == [len(nodes)] * 4
+    assert executor.transport.name == "compiled_node" and executor.graph.builds == 1
+    for name in ("v", "alpha", "buffers", "c_v", "c_alpha"):
+        np.testing.assert_array_equal(getattr(got["compiled"].state, name), getattr(got["classic"].state, name),
+                                      err_msg=name)
+    assert got["compiled"].summary["bytes_up"] == got["classic"].summary["bytes_up"]
 
 
 # -- node loss (these remove worker nodes: they run last) ---------------------------------------
@@ -216,15 +218,17 @@ class RemoveBusiestNodeDuringRound(RemoveNodeDuringRound):
 
 def add_site_node(cluster, site: int):
     """A fresh worker node offering ``site_<site>`` (where a removed one was), for the tests that follow."""
-    cluster.sites[site] = cluster.add_node(num_cpus=2, resources={f"site_{site}": 1},
-                                           object_store_memory=OBJECT_STORE_BYTES)
+    cluster.sites[site] = add_loopback_node(cluster, num_cpus=2, resources={f"site_{site}": 1},
+                                            object_store_memory=OBJECT_STORE_BYTES)
     cluster.wait_for_nodes()
     return cluster.sites[site]
 
 
+@pytest.mark.parametrize("transport", ["classic", "compiled"])
 @pytest.mark.slow
 def test_a_lost_node_s_reducer_and_clients_are_replaced_and_the_run_ends_near_the_undisturbed_one(cluster,
-                                                                                                tmp_path):
+                                                                                                tmp_path,
+                                                                                                transport):
     clients, test = gaussian_clients(num_clients=6, n=60)
     values = dict(algorithm="codasca", iterations=24, eval_every=12, positive_ratio=0.3, on_client_failure="retry",
                   placement_strategy="PACK", local_steps=4, batch_size=20, reduce="node")
@@ -232,7 +236,8 @@ def test_a_lost_node_s_reducer_and_clients_are_replaced_and_the_run_ends_near_th
                       source=SlowEveryClient(ArraysSource(clients, test), slow=0, delay_s=0.0))
     executor = RemoveBusiestNodeDuringRound(cluster, at_round=3)
     try:
-        disturbed = federate(arrays_config(clients, **values), executor=executor, run_dir=tmp_path / "run",
+        disturbed = federate(arrays_config(clients, **values, transport=transport), executor=executor,
+                             run_dir=tmp_path / "run",
                              source=SlowEveryClient(ArraysSource(clients, test), slow=0, delay_s=0.004))
     finally:
         if executor.site is not None:

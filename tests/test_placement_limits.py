@@ -14,12 +14,11 @@ import tempfile
 import textwrap
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
-from raytest import ray_session
+from raytest import pids_using, ray_session
 
 from fdam_ray.config import build_config
 from fdam_ray.executors.ray import compat, placement
@@ -125,6 +124,48 @@ def test_a_lost_actor_waiting_to_be_placed_again_stops_when_asked(monkeypatch):
     assert time.monotonic() - t0 < 5
 
 
+def test_a_gcs_query_that_hangs_ends_when_the_check_beside_it_raises():
+    hung = threading.Event()
+    calls = []
+
+    def check():
+        calls.append(time.monotonic())
+        if len(calls) >= 3:
+            raise placement.PlacementError("gone")
+
+    t0 = time.monotonic()
+    with pytest.raises(placement.PlacementError, match=r"^gone$"):
+        placement.ask_gcs(lambda: hung.wait(60), check, poll_s=0.05)
+    assert time.monotonic() - t0 < 2 and len(calls) == 3
+    hung.set()
+    assert placement.ask_gcs(lambda: 7, check) == 7  # an answer comes back, no check needed
+    with pytest.raises(KeyError, match="missing"):  # the query's own error, raised in the caller
+        placement.ask_gcs(lambda: {}["missing"], lambda: None)
+
+
+def test_a_gcs_that_dies_during_a_placement_query_ends_the_wait_in_one_line(monkeypatch):
+    """The GCS killed between the wait's check and its query: the query hangs (Ray reconnects for a minute, then
+    ends the process); the wait must still end at once with the cluster named as gone."""
+    blocker = placement_group([{"CPU": 4}])  # the group waits: the cluster is busy
+    ray.get(blocker.ready(), timeout=60)
+    group = placement_group([{"CPU": 1}])
+    answers = iter([True])  # the GCS answers the first check, then never again
+    release = threading.Event()
+    monkeypatch.setattr("ray.util.placement_group_table", lambda g: release.wait(60) and {})
+    monkeypatch.setattr(placement, "gcs_answers", lambda: next(answers, False))
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(placement.PlacementError, match=r"^the Ray cluster at [0-9.]+:[0-9]+ went away while "
+                                                           r"placing one bundle \(its GCS no longer answers\); "
+                                                           r"nothing was trained$"):
+            wait_for_group(group, what="one bundle", timeout_s=600.0, grows=False)
+    finally:
+        release.set()
+        remove_placement_group(group)
+        remove_placement_group(blocker)
+    assert time.monotonic() - t0 < 5
+
+
 # -- a joined cluster that goes away while the actors wait to be placed ------------------------------------
 VANISHING_SCRIPT = textwrap.dedent("""
     import threading, time
@@ -134,8 +175,11 @@ VANISHING_SCRIPT = textwrap.dedent("""
     from fdam_ray.executors.ray.placement import Placement
     from fdam_ray.executors.errors import PlacementError
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    ray.init(address=cluster.address)
+    from fdam_ray.executors.ray.compat import loopback_node
+    with loopback_node():
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                                "node_ip_address": "127.0.0.1"})
+        ray.init(address=cluster.address)
     blocker = ray.util.placement_group([{"CPU": 1}])  # the actor fits the cluster, but not now: a wait
     ray.get(blocker.ready(), timeout=60)
     config = build_config(dict(dataset="arrays", model="mlp", num_clients=1, cpus_per_client=1.0))
@@ -145,20 +189,9 @@ VANISHING_SCRIPT = textwrap.dedent("""
         Placement(config, 120.0).place(1, local=False)
         print("PLACED")
     except PlacementError as exc:
-        print("ERROR", round(time.monotonic() - t0), str(exc).count(chr(10)), exc)
+        print("ERROR", round(time.monotonic() - t0), str(exc).count(chr(10)), exc, flush=True)  # before exit
 """)
 
-
-def _pids_using(folder: str) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and int(proc.name) != os.getpid():
-            try:
-                if folder in (proc / "cmdline").read_bytes().decode(errors="replace"):
-                    pids.append(int(proc.name))
-            except OSError:
-                continue
-    return pids
 
 
 @pytest.mark.slow  # a cluster of its own, killed: about a minute here
@@ -169,7 +202,7 @@ def test_a_joined_cluster_that_goes_away_mid_placement_is_one_line():
         out = subprocess.run([sys.executable, "-c", VANISHING_SCRIPT], capture_output=True, text=True, timeout=300,
                              env=env)
     finally:
-        for pid in _pids_using(temp):  # what the killed cluster left behind, and only that
+        for pid in pids_using(temp):  # what the killed cluster left behind, and only that
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -218,8 +251,9 @@ WAITING_TRAIN = textwrap.dedent("""
     import ray
     from ray.util.placement_group import placement_group
     from fdam_ray.cli import main
+    from fdam_ray.executors.ray.compat import start_loopback_ray
 
-    ray.init(num_cpus=1, include_dashboard=False)  # joined as a cluster fdam did not start
+    start_loopback_ray(num_cpus=1, include_dashboard=False)  # joined as a cluster fdam did not start (127.0.0.1)
     busy = placement_group([{"CPU": 1}])  # the actor fits the cluster, but not while this holds its CPU
     ray.get(busy.ready(), timeout=120)
     sys.exit(main(["train", "--no-progress", "executor=ray", "dataset=synthetic", "model=mlp", "num_clients=1",
@@ -238,6 +272,7 @@ def _wait_for_line(lines: list[str], start: str | None, contains: str, timeout_s
     pytest.fail(f"no such line within {timeout_s:g} s: {''.join(lines)[-3000:]}")
 
 
+@pytest.mark.slow  # a Ray of its own and an fdam train process: about 20 s in CI
 def test_sigterm_to_fdam_train_waiting_for_its_placement_ends_it_within_seconds(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     proc = subprocess.Popen([sys.executable, "-c", WAITING_TRAIN, str(tmp_path / "runs")], env=env,

@@ -413,6 +413,7 @@ class StopInRound(RayExecutor):
         super().run_round(state, plan, fold)
 
 
+@pytest.mark.slow  # two Ray runs and a resume: about 15 s in CI
 def test_a_ray_run_stopped_and_resumed_ends_within_1e6_of_an_uninterrupted_run(tmp_path):
     clients, test = gaussian_clients(num_clients=3, n=50)
     cfg = dict(ARRAYS, algorithm="codasca", batch_size=8, local_steps=3, iterations=30, stage_length=12,

@@ -12,6 +12,7 @@ import pytest
 from fdam_ray.cli import build_parser, main
 from fdam_ray.config import build_config, load_config_file, parse_overrides
 from fdam_ray.tuning import load_space
+from fdam_ray.tuning.space import example_names
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL_DATA = ("digits", "synthetic")
@@ -52,7 +53,7 @@ def test_the_readme_shows_the_commands_this_test_reads():
     assert "fdam train" in COMMANDS and "fdam fields ray" in COMMANDS
     assert "fdam train --address 10.0.0.5:6379 dataset=synthetic model=mlp num_clients=16" in COMMANDS
     assert any(c.startswith("fdam train dataset=cifar100 data_root=/data/cifar100") for c in COMMANDS)
-    assert any(c.startswith("fdam tune tune/small.yaml") for c in COMMANDS)
+    assert any(c.startswith("fdam tune small") for c in COMMANDS)
 
 
 def placeholder(path: str) -> bool:
@@ -74,7 +75,9 @@ def test_readme_command(command, tmp_path, capsys, monkeypatch):
         assert main(["fields", *args.terms]) == 0
         assert capsys.readouterr().out.strip()
     elif args.command == "tune":
-        if args.space and not placeholder(args.space):
+        if args.space in example_names():  # an example space shipped inside the package, by its name
+            load_space(args.space, parse_overrides(overrides))
+        elif args.space and not placeholder(args.space):
             load_space(str(ROOT / args.space), parse_overrides(overrides))  # the space and options are valid
         else:
             assert args.space in (None, "SPACE.yaml", "space.yaml") or args.resume, command

@@ -58,7 +58,8 @@ def test_run_folder_holds_every_output(tmp_path):
     assert {"best_test_auc", "rounds", "bytes_up", "bytes_down", "wall_s", "samples_per_s"} <= set(summary)
 
 
-def test_missing_tensorboard_is_a_notice_not_a_crash(tmp_path, monkeypatch, caplog):
+def test_a_tensorboard_that_fails_to_import_is_silent_with_auto_and_one_line_with_true(tmp_path, monkeypatch,
+                                                                                       caplog):
     import builtins
 
     real_import = builtins.__import__
@@ -69,9 +70,10 @@ def test_missing_tensorboard_is_a_notice_not_a_crash(tmp_path, monkeypatch, capl
         return real_import(name, *a, **k)
 
     monkeypatch.setattr(builtins, "__import__", no_tb)
-    monkeypatch.setattr(fdam_ray.outputs.writer, "_notice_given", False)
-    r = run(cfg(tmp_path, tensorboard=True, iterations=6))
-    assert "tensorboard" in caplog.text and not (r.run_dir / "events").exists()
+    r = run(cfg(tmp_path, tensorboard="auto", iterations=6))
+    assert "tensorboard" not in caplog.text.lower() and not (r.run_dir / "events").exists()
+    with pytest.raises(ValueError, match="'tensorboard': true, but TensorBoard cannot be imported"):
+        run(cfg(tmp_path / "true", tensorboard=True, iterations=6))
 
 
 def test_interrupted_and_resumed_run_is_bit_identical(tmp_path, monkeypatch):

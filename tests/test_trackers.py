@@ -15,9 +15,10 @@ import torch
 from sample_clients import gaussian_clients
 
 import fdam_ray
+import fdam_ray.federation
 from fdam_ray.cli import main
 from fdam_ray.config import ConfigError, build_config, parse_overrides
-from fdam_ray.outputs import grouped_scalars
+from fdam_ray.outputs import scalars
 from fdam_ray.recipe import resume, run
 
 pytest.importorskip("mlflow")  # the dev extra installs both; a plain install has neither
@@ -85,28 +86,30 @@ def test_mlflow_gets_the_config_every_evaluation_and_the_model_and_a_resume_cont
     assert params["lr"] == "0.1" and params["algorithm"] == "codasca" and params["trackers"] == '["mlflow"]'
     assert len(params) == len(r.config.to_dict())
     run_id = logged.info.run_id
-    for name in ("auc/test", "auc/client/0", "auc/client/1", "auc/worst_client", "comm/bytes_up",
-                 "comm/bytes_down", "train/loss", "train/lr"):
+    # the metrics.csv names, as a sweep trial's reports have them (one scheme for runs and sweeps)
+    assert not [k for k in logged.data.metrics if "/" in k]
+    for name in ("test_auc", "client_auc.0", "client_auc.1", "worst_client_auc", "bytes_up", "bytes_down",
+                 "train_loss", "lr"):
         logged_steps = sorted((m.step, m.value) for m in client.get_metric_history(run_id, name))
-        want = [(h["iteration"], grouped_scalars(h)[name]) for h in r.history if name in grouped_scalars(h)]
+        want = [(h["iteration"], scalars(h)[name]) for h in r.history if name in scalars(h)]
         assert [s for s, _ in logged_steps] == [s for s, _ in want], name
-        assert len(want) == len(r.history) - (name == "train/loss"), name  # no training loss before round 1
+        assert len(want) == len(r.history) - (name == "train_loss"), name  # no training loss before round 1
         assert [v for _, v in logged_steps] == pytest.approx([v for _, v in want]), name
     worst = [min(h["client_auc"].values()) for h in r.history]
-    assert [m.value for m in sorted(client.get_metric_history(run_id, "auc/worst_client"), key=lambda m: m.step)] \
+    assert [m.value for m in sorted(client.get_metric_history(run_id, "worst_client_auc"), key=lambda m: m.step)] \
         == pytest.approx(worst)
     assert [a.path for a in client.list_artifacts(run_id)] == ["model.pt"]
     model = torch.load(client.download_artifacts(run_id, "model.pt", str(tmp_path)), weights_only=True)
     for key, value in r.model_state.items():
         assert torch.equal(model["model"][key], value)
-    assert client.get_metric_history(run_id, "summary/final_test_auc")[0].value == pytest.approx(
+    assert client.get_metric_history(run_id, "summary.final_test_auc")[0].value == pytest.approx(
         r.summary["final_test_auc"])
     assert json.loads((r.run_dir / "trackers.json").read_text()) == {"mlflow": run_id}
 
     longer = resume(r.run_dir, {"iterations": 30})
     again = only_run(client, "resumed")  # the same MLflow run, continued
     assert again.info.run_id == run_id and again.info.status == "FINISHED"
-    steps = sorted(m.step for m in client.get_metric_history(run_id, "auc/test"))
+    steps = sorted(m.step for m in client.get_metric_history(run_id, "test_auc"))
     assert steps == [h["iteration"] for h in longer.history] and steps[-1] == 30
 
 
@@ -190,8 +193,9 @@ def test_wandb_offline_gets_the_config_every_evaluation_and_the_model_without_a_
     assert sorted(logged["history"]) == [h["iteration"] for h in r.history]
     for h in r.history:
         row = logged["history"][h["iteration"]]
-        assert row["auc/test"] == pytest.approx(h["test_auc"])
-        assert row["comm/bytes_up"] == h["bytes_up"] and row["comm/bytes_down"] == h["bytes_down"]
+        assert row["test_auc"] == pytest.approx(h["test_auc"])
+        assert row["bytes_up"] == h["bytes_up"] and row["bytes_down"] == h["bytes_down"]
+    assert set(logged["config"]) - {"_wandb"} == set(r.config.to_dict()) | {"versions"}  # every field
     assert ("model", ["model.pt"]) in logged["artifacts"]
     assert logged["summary"]["final_test_auc"] == pytest.approx(r.summary["final_test_auc"])
     assert logged["exit"] == 0
@@ -226,3 +230,47 @@ def test_a_tracker_that_fails_mid_run_warns_once_and_the_run_goes_on(tmp_path, m
     warnings = [m for m in caplog.messages if "mlflow tracker" in m]
     assert warnings == ["mlflow tracker: logging an evaluation failed (ConnectionError: tracking server went away); "
                         "it logs nothing more for this run"]
+
+
+def test_a_tracking_store_mlflow_refuses_stops_the_run_before_training_in_one_line(tmp_path, monkeypatch, capsys):
+    # MLflow 3 refuses a file store (./mlruns) unless MLFLOW_ALLOW_FILE_STORE=true: the run would train untracked
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tmp_path / 'mlruns'}")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    from fdam_ray.trackers import check_mlflow_store
+
+    try:
+        check_mlflow_store()
+    except ConfigError:
+        pass
+    else:
+        pytest.skip("this MLflow takes a file store")
+    out = tmp_path / "runs"
+    rc = main(["train", f"out_dir={out}", "run_name=r", "dataset=synthetic", "model=mlp", "executor=inline",
+               "trackers=mlflow", "tensorboard=false"])
+    captured = capsys.readouterr()
+    assert rc == 2 and "test AUC" not in captured.out and not out.exists()
+    assert captured.err.startswith(f"fdam: error: trackers: mlflow cannot use its tracking store 'file://{tmp_path}")
+    assert captured.err.count("\n") == 1 and "MLFLOW_TRACKING_URI" in captured.err
+
+
+def test_a_tracker_that_cannot_open_its_run_stops_before_the_first_round_and_leaves_no_folder(
+        tmp_path, mlflow_store, monkeypatch, capsys):
+    from fdam_ray.trackers import MLflowTracker, TrackerError
+
+    def refused(self, run_name, params, resume_id):
+        raise ConnectionError("connection refused by http://user:pw@tracker.example/ \nmore")
+
+    monkeypatch.setattr(MLflowTracker, "open", refused)
+    rounds = []
+    monkeypatch.setattr(fdam_ray.federation.Federation, "_round", lambda self, *a: rounds.append(1))
+    out = tmp_path / "runs"
+    rc = main(["train", f"out_dir={out}", "run_name=r", "dataset=synthetic", "model=mlp", "executor=inline",
+               "trackers=mlflow", "tensorboard=false", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and rounds == []
+    assert err == ("fdam: error: trackers: mlflow could not start its run (ConnectionError: connection refused by "
+                   "http://user:***@tracker.example/); fix mlflow's setting or leave mlflow out of trackers\n")
+    assert not (out / "r").exists()  # the folder the run made is gone: run_name=r runs again at once
+    with pytest.raises(TrackerError, match="mlflow could not start its run"):  # from Python: raised
+        run(cfg(out, trackers=["mlflow"]))
+    assert rounds == [] and not (out / "run").exists()

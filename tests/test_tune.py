@@ -11,6 +11,7 @@ import yaml
 
 from fdam_ray.cli import main
 from fdam_ray.config import ConfigError, build_config, parse_overrides
+from fdam_ray.executors.ray.compat import start_loopback_ray
 from fdam_ray.tuning import load_space, run_sweep
 
 BASE = dict(algorithm="codasca", dataset="synthetic", heterogeneity=1.0, num_clients=2, samples_per_client=200,
@@ -20,7 +21,7 @@ BASE = dict(algorithm="codasca", dataset="synthetic", heterogeneity=1.0, num_cli
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    start_loopback_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield
     ray.shutdown()
 
@@ -201,9 +202,10 @@ def test_trials_report_per_task_per_client_and_worst_aucs_and_the_metric_may_nam
                         "bytes_down": 20, "wall_s": 1.5, "client_auc.0": 0.9, "client_auc.1": 0.7, "lr": 0.1,
                         "task_auc.Cardiomegaly": 0.85, "task_auc.Edema": 0.75, "test_samples": 90,
                         "worst_client_auc": 0.7, "worst_task_auc": 0.75}
-    for metric in ("worst_client_auc", "task_auc.Edema", "client_auc.1", "worst_task_auc", "train_loss"):
+    for metric in ("worst_client_auc", "task_auc.Edema", "client_auc.1", "client_auc.site-A", "worst_task_auc",
+                   "train_loss"):
         assert TuneOptions(metric=metric).metric == metric
-    for metric in ("client_auc.first", "auc", "task_auc."):
+    for metric in ("client_auc.", "auc", "task_auc."):
         with pytest.raises(ConfigError, match=f"tune option 'metric': '{metric}' is not reported"):
             TuneOptions(metric=metric)
     report = TuneReport(build_config(dataset="synthetic"), metric="task_auc.Edema")

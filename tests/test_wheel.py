@@ -39,7 +39,8 @@ def test_the_wheel_installs_into_a_fresh_environment_and_runs(tmp_path):
     with tarfile.open(sdist) as tar:
         in_sdist = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     assert {"README.md", "CHANGELOG.md", "setup.cfg", "pyproject.toml", "fdam_ray/cli.py", "fdam_ray/trackers.py",
-            "tune/small.yaml", "tune/paper_grid.yaml", "examples/hospitals.py", "examples/README.md",
+            "fdam_ray/tuning/spaces/small.yaml", "fdam_ray/tuning/spaces/paper_grid.yaml", "examples/hospitals.py",
+            "examples/README.md",
             "docs/algorithms.md", "tests/conftest.py"} <= in_sdist
     assert not [n for n in in_sdist if n.startswith((".venv", "runs/", ".git/")) or "__pycache__" in n]
 
@@ -48,7 +49,8 @@ def test_the_wheel_installs_into_a_fresh_environment_and_runs(tmp_path):
         metadata = whl.read(f"fdam_ray-{version}.dist-info/METADATA").decode()
         entry_points = whl.read(f"fdam_ray-{version}.dist-info/entry_points.txt").decode()
     assert {"fdam_ray/__init__.py", "fdam_ray/trackers.py", "fdam_ray/tuning/sweep.py",
-            "fdam_ray/executors/ray/actor.py", "fdam_ray/data/chestxray.py"} <= in_wheel
+            "fdam_ray/executors/ray/actor.py", "fdam_ray/data/chestxray.py",
+            "fdam_ray/tuning/spaces/small.yaml", "fdam_ray/tuning/spaces/paper_grid.yaml"} <= in_wheel
     assert not [n for n in in_wheel if n.startswith(("tests/", "examples/", "benchmarks/"))]
     assert "fdam = fdam_ray.cli:main" in entry_points
     assert "Provides-Extra: mlflow" in metadata and "Provides-Extra: wandb" in metadata
@@ -78,3 +80,9 @@ def test_the_wheel_installs_into_a_fresh_environment_and_runs(tmp_path):
                "local_steps=5", "iterations=20", "eval_every=10", "executor=inline", "tensorboard=false",
                f"out_dir={tmp_path / 'runs'}", "run_name=wheel", "--quiet"], tmp_path, env)
     assert "final test AUC" in out and (tmp_path / "runs" / "wheel" / "model.pt").is_file()
+
+    # the hint of `fdam tune` without a space points into the installed package, where the example spaces are
+    hint = subprocess.run([str(fdam), "tune"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert hint.returncode == 2, hint.stderr
+    folder = Path(hint.stderr.split("copy one from ", 1)[1].split(" to start", 1)[0])
+    assert folder.is_relative_to(purelib) and (folder / "small.yaml").is_file(), hint.stderr

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import TYPE_CHECKING
 
+from fdam_ray.data.balanced import make_sampler
 from fdam_ray.data.base import (
     AnySplit,
     DatasetSplit,
@@ -16,7 +15,6 @@ from fdam_ray.data.base import (
     TensorSampler,
     as_labels,
     iter_batches,
-    make_sampler,
 )
 from fdam_ray.data.sections import ChestXraySection, DataSection, SyntheticSection, data_section, roots_refusal
 from fdam_ray.factories import is_import_path
@@ -46,7 +44,7 @@ def make_source(config: Config | DataSection) -> DataSource:
     section = data_section(config)
     roots = getattr(config, "client_data_roots", None)
     if roots:
-        from fdam_ray.data.rooted import PerClientRoots, check_roots
+        from fdam_ray.data.rooted import PerClientRoots, check_roots, clients_run_here
 
         refused = roots_refusal(section.dataset)
         if refused:
@@ -60,21 +58,6 @@ def make_source(config: Config | DataSection) -> DataSource:
     return _source_of(section)
 
 
-def clients_run_here(config: object) -> bool:
-    """Whether the clients run on this machine (so their folders are this machine's): the inline executor, or
-    Ray without a cluster address (no ``address``, no ``RAY_ADDRESS``) and, when this process already runs
-    Ray (a test session, a Tune trial), one of a single node. A section without an executor field counts as
-    inline."""
-    executor = getattr(config, "executor", "inline")
-    if executor == "inline":
-        return True
-    address = getattr(config, "address", None)
-    if executor != "ray" or address not in (None, "", "local") or os.environ.get("RAY_ADDRESS"):
-        return False
-    ray = sys.modules.get("ray")  # never imported here: only a Ray this process already runs is asked
-    if ray is not None and ray.is_initialized():
-        return len([node for node in ray.nodes() if node.get("Alive")]) == 1
-    return True
 
 
 def source_class(dataset: str) -> type[DataSource]:

@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
+from fdam_ray.data.partition import validation_rows
 from fdam_ray.interrupts import ignore_stop_signals
 
 if TYPE_CHECKING:
+    from fdam_ray.data.balanced import BalancedIndexStream
     from fdam_ray.data.sections import DataSection
 
 
@@ -159,10 +161,62 @@ def iter_batches(split: AnySplit, batch_size: int, device: torch.device):
 
 @dataclasses.dataclass
 class Shard:
-    """One client's data: its training samples and, where it has one, its own test split."""
+    """One client's data: its training samples and, where it has one, its own test split; ``val``: a validation
+    split of the dataset's own, if it has one (else :func:`hold_out_validation` makes one when asked)."""
 
     train: AnySplit
     test: AnySplit | None = None
+    val: AnySplit | None = None
+    groups: np.ndarray | None = None  # per training row, its group (a patient): held out whole, never split
+
+
+class RowsOf(torch.utils.data.Dataset):
+    """Some rows of a map-style Dataset, in the order given (a client's training or validation part). The
+    wrapped Dataset's augmentation generator, if any, stays reachable as ``generator`` (samplers save it)."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset, rows: np.ndarray) -> None:
+        self.dataset, self.rows = dataset, np.asarray(rows, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[int(self.rows[index])]
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return getattr(self.dataset, "generator", None)
+
+
+def rows_of(split: AnySplit, rows: np.ndarray) -> AnySplit:
+    """The split made of ``rows`` of ``split`` (tensors indexed in memory; a Dataset read through its rows)."""
+    if isinstance(split, Split):
+        index = torch.from_numpy(np.asarray(rows, dtype=np.int64))
+        return Split(split.x[index], split.y[index])
+    return DatasetSplit(RowsOf(split.dataset, rows), split.labels[rows], num_workers=split.num_workers)
+
+
+VALIDATION_STREAM = 0x5A11D  # keeps the validation draw apart from every other seeded draw of a client
+
+
+def hold_out_validation(shard: Shard, fraction: float, *, seed: int, client_id: int,
+                        task_names: tuple[str, ...] | None = None) -> Shard:
+    """``shard`` with ``fraction`` of its training samples held out as its validation part (``val``): the same
+    rows for the same ``seed`` and client, stratified by label, whole ``groups`` (patients) where the shard has
+    them (:func:`fdam_ray.data.partition.validation_rows`).
+    ``fraction`` 0 returns the shard without a validation part (a run without validation is unchanged); a
+    source that has a validation split of its own sets ``val`` in :meth:`DataSource.client_shard`, and that
+    split is then used instead of a held-out part."""
+    if fraction == 0:
+        return shard if shard.val is None else dataclasses.replace(shard, val=None)
+    if shard.val is not None:
+        return shard
+    labels = shard.train.y.cpu().numpy()
+    rng = np.random.default_rng([seed, client_id, VALIDATION_STREAM])
+    held = validation_rows(labels, fraction, rng, client_id=client_id, task_names=task_names, groups=shard.groups)
+    kept = np.setdiff1d(np.arange(len(labels)), held)
+    return dataclasses.replace(shard, train=rows_of(shard.train, kept), val=rows_of(shard.train, held),
+                               groups=None if shard.groups is None else shard.groups[kept])
 
 
 class DataSource(abc.ABC):
@@ -250,9 +304,10 @@ class IndexStream:
 class TensorSampler:
     """Minibatches from a tensor-backed split; ``batch_size`` 0 returns the whole split every time."""
 
-    def __init__(self, split: Split, batch_size: int, *, seed: int) -> None:
+    def __init__(self, split: Split, batch_size: int, *, seed: int,
+                 stream: IndexStream | BalancedIndexStream | None = None) -> None:
         self.split = split
-        self.stream = IndexStream(len(split), batch_size, seed)
+        self.stream = IndexStream(len(split), batch_size, seed) if stream is None else stream
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.stream.batch_size == 0:
@@ -272,7 +327,7 @@ class _Batches(torch.utils.data.Sampler):
     batch it hands to the DataLoader, so the state of the first batch not yet consumed is known even while
     the DataLoader's workers read ahead."""
 
-    def __init__(self, stream: IndexStream) -> None:
+    def __init__(self, stream: IndexStream | BalancedIndexStream) -> None:
         self.stream = stream
         self.ahead: collections.deque[dict] = collections.deque()
 
@@ -285,11 +340,12 @@ class _Batches(torch.utils.data.Sampler):
 class LoaderSampler:
     """Minibatches of a :class:`DatasetSplit` read by a DataLoader from an :class:`IndexStream`."""
 
-    def __init__(self, split: DatasetSplit, batch_size: int, *, seed: int, device: torch.device) -> None:
+    def __init__(self, split: DatasetSplit, batch_size: int, *, seed: int, device: torch.device,
+                 stream: IndexStream | BalancedIndexStream | None = None) -> None:
         if batch_size == 0:
             raise ValueError("batch_size=0 (full batch) needs in-memory data; this dataset is read from disk")
         self.split, self.device = split, device
-        self.stream = IndexStream(len(split), batch_size, seed)
+        self.stream = IndexStream(len(split), batch_size, seed) if stream is None else stream
         self._batches: _Batches | None = None
         self._iter: Iterator[Any] | None = None
 
@@ -329,8 +385,3 @@ class LoaderSampler:
             augment.set_state(state["augment"])
 
 
-def make_sampler(split: AnySplit, batch_size: int, *, seed: int, device: torch.device):
-    """The sampler that fits the split: tensors in memory, or a DataLoader over a dataset."""
-    if isinstance(split, DatasetSplit):
-        return LoaderSampler(split, batch_size, seed=seed, device=device)
-    return TensorSampler(split, batch_size, seed=seed)

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from fdam_ray.data.base import DatasetSplit, DataSource, Shard
-from fdam_ray.data.chestxray_readers import READERS, TASKS, SourceTable
+from fdam_ray.data.chestxray_readers import READERS, TASKS, SourceTable, files_problem
 from fdam_ray.data.images import IMAGENET_MEAN, IMAGENET_STD, LazyImages, read_gray, split_seed
 from fdam_ray.data.sections import ChestXraySection
 
@@ -179,19 +179,22 @@ class ChestXraySource(DataSource):
         sources = tuple(section.chestxray_sources)
         if not sources:
             raise ValueError(f"chestxray_sources is empty; list some of {', '.join(SOURCES)}")
-        self.roots: dict[str, Path] = {}
-        for name in sources:
-            root = getattr(section, f"chestxray_{name}_root")
-            if not root:
-                raise ValueError(f"chestxray_sources lists '{name}' but chestxray_{name}_root is not set; set it to "
-                                 f"the folder of the {name} files or drop '{name}' from chestxray_sources")
-            self.roots[name] = Path(root).expanduser()
+        unset = [name for name in sources if not getattr(section, f"chestxray_{name}_root")]
+        if unset:
+            fields = ", ".join(f"chestxray_{name}_root" for name in unset)
+            raise ValueError(f"chestxray_sources lists {', '.join(repr(n) for n in unset)} but {fields} "
+                             f"{'is' if len(unset) == 1 else 'are'} not set; set {'it' if len(unset) == 1 else 'each'} "
+                             f"to the folder of that source's files or drop {'it' if len(unset) == 1 else 'them'} "
+                             "from chestxray_sources")
+        self.roots: dict[str, Path] = {name: Path(getattr(section, f"chestxray_{name}_root")).expanduser()
+                                       for name in sources}
         self.places = client_places(section)
         self.num_clients = len(self.places)
         self.uncertain = task_policies(section.chestxray_uncertain)
         self.blank = section.chestxray_blank
         self.frontal_only = section.chestxray_frontal_only
         self.official_test = section.chestxray_test_split == "official"
+        self.official_val = section.chestxray_val_split == "official"
         self.test_fraction = section.chestxray_test_fraction
         self.image_size = section.image_size or DEFAULT_IMAGE_SIZE
         self.augment = section.augment
@@ -199,6 +202,12 @@ class ChestXraySource(DataSource):
         self.seed = section.seed
         self.input_shape = (3, self.image_size, self.image_size)
         self._cache: dict[str, tuple[SourceTable, np.ndarray]] = {}
+
+    def local_problems(self) -> list[str]:
+        """Every source whose folder or label files are not where the config says, each named with what it
+        lacks (read nothing; see :func:`~fdam_ray.data.rooted.check_data_here`)."""
+        return [f"chestxray_{name}_root: {problem}" for name, root in self.roots.items()
+                if (problem := files_problem(name, root, official_test=self.official_test)) is not None]
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -214,7 +223,8 @@ class ChestXraySource(DataSource):
             if self.frontal_only:
                 keep &= raw.frontal
             table = SourceTable(raw.paths[keep], raw.patients[keep], raw.frontal[keep], raw.codes[keep], raw.present,
-                                None if raw.official_test is None else raw.official_test[keep])
+                                None if raw.official_test is None else raw.official_test[keep],
+                                None if raw.official_val is None else raw.official_val[keep])
             log.info("%s: %d of %d images kept (frontal only: %s)", name, int(keep.sum()), len(raw), self.frontal_only)
             self._cache = {name: (table, labels[keep])}  # one organisation at a time in memory
         return self._cache[name]
@@ -249,6 +259,15 @@ class ChestXraySource(DataSource):
         test = np.flatnonzero(is_test & np.isin(patients, test_group))
         return train, test
 
+    def official_val_rows(self, client_id: int, train: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """With ``chestxray_val_split=official``, a client of a source with a validation split of its own
+        (MIMIC-CXR's ``validate``): its training rows without that split's, and that split's (None: no such
+        split, so the client holds out ``val_fraction`` of its training rows instead)."""
+        official = self.table(self.places[client_id].source)[0].official_val
+        if not self.official_val or official is None:
+            return train, None
+        return train[~official[train]], train[official[train]]
+
     def _split(self, table: SourceTable, labels: np.ndarray, rows: np.ndarray, augment_seed: int | None
                ) -> DatasetSplit:
         dataset = ChestXrayImages(table.paths[rows], labels[rows], image_size=self.image_size,
@@ -257,11 +276,14 @@ class ChestXraySource(DataSource):
 
     def client_shard(self, client_id: int) -> Shard:
         train, test = self.client_rows(client_id)
+        train, val = self.official_val_rows(client_id, train)
         table, labels = self.table(self.places[client_id].source)
         if len(train) == 0:
             raise ValueError(f"chest X-ray client {client_id} ({self.places[client_id].source}) has no training images")
         return Shard(self._split(table, labels, train, split_seed(self.seed, client_id) if self.augment else None),
-                     self._split(table, labels, test, None) if len(test) else None)
+                     self._split(table, labels, test, None) if len(test) else None,
+                     self._split(table, labels, val, None) if val is not None and len(val) else None,
+                     groups=table.patients[train])  # a held-out validation part takes whole patients
 
     def test_set(self) -> None:
         return None

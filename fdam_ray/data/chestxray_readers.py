@@ -66,6 +66,7 @@ class SourceTable:
     codes: np.ndarray  # (n, 5) float32: 1, 0, -1 (uncertain), NaN (blank)
     present: tuple[bool, ...]  # per task: does the source label it at all
     official_test: np.ndarray | None = None  # (n,) bool: the publisher's own test split, if read
+    official_val: np.ndarray | None = None  # (n,) bool: the publisher's own validation split, where it has one
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -247,7 +248,8 @@ def read_mimic(root: Path, *, official_test: bool = False) -> SourceTable:
     study_id, subject_id, split) and ``root/files/pXX/pSUBJECT/sSTUDY/DICOM.jpg``
     (uncompressed ``.csv`` copies are read too). Each image takes its study's
     labels; images of studies without a label row are skipped. Frontal:
-    ViewPosition PA or AP. With ``official_test`` the ``test`` split is the test split.
+    ViewPosition PA or AP. With ``official_test`` the ``test`` split is the test split; the ``validate`` split
+    is marked as the official validation split (used with ``chestxray_val_split=official``).
     """
     def file(stem: str) -> Path:
         return _one_of(root, (f"mimic-cxr-2.0.0-{stem}.csv.gz", f"mimic-cxr-2.0.0-{stem}.csv"),
@@ -270,7 +272,8 @@ def read_mimic(root: Path, *, official_test: bool = False) -> SourceTable:
     return SourceTable(paths, images["subject_id"].to_numpy(dtype=object),
                        images["ViewPosition"].str.strip().isin(("PA", "AP")).to_numpy(),
                        study_codes[images["_row"].to_numpy()], (True,) * 5,
-                       (images["split"] == "test").to_numpy() if official_test else None)
+                       (images["split"] == "test").to_numpy() if official_test else None,
+                       (images["split"] == "validate").to_numpy())
 
 
 def _vindr_images(root: Path, ids: np.ndarray) -> np.ndarray:
@@ -365,6 +368,40 @@ def read_vindr(root: Path, *, official_test: bool = False) -> SourceTable:
         log.warning("VinDr-CXR: the official test labels are not read; its test split is held out by patient")
     return SourceTable(_vindr_images(root, unique), unique.astype(object), np.ones(len(unique), dtype=bool),
                        union, present)
+
+
+def _label_files(name: str, root: Path, official_test: bool) -> list[tuple[str, bool]]:
+    """(the label files source ``name``'s reader opens first in ``root``, as its messages name them; whether
+    they are there)."""
+    def csv(stem: str) -> tuple[str, bool]:
+        found = any((root / f"mimic-cxr-2.0.0-{stem}.csv{gz}").is_file() for gz in (".gz", ""))
+        return f"mimic-cxr-2.0.0-{stem}.csv.gz", found
+
+    if name == "chexpert":
+        return [(f, (root / f).is_file()) for f in ("train.csv", *(("valid.csv",) if official_test else ()))]
+    if name == "nih":
+        return [("Data_Entry_2017*.csv", any(p.is_file() for p in root.glob("Data_Entry_2017*.csv")))]
+    if name == "padchest":
+        return [("PADCHEST_chest_x_ray_images_labels_*.csv",
+                 any(root.glob("PADCHEST_chest_x_ray_images_labels_*.csv*")))]
+    if name == "mimic":
+        return [csv("chexpert"), csv("metadata"), csv("split")]
+    return [("image_labels_train.csv (or annotations/image_labels_train.csv, or Kaggle's train.csv)",
+             any((root / f).is_file() for f in ("image_labels_train.csv", "annotations/image_labels_train.csv",
+                                                "train.csv")))]
+
+
+def files_problem(name: str, root: Path, *, official_test: bool = False) -> str | None:
+    """What source ``name``'s reader would not find in ``root`` before reading a line: the folder itself, or
+    every label file it lacks (None: they are there; the images are checked as the labels are read). The
+    driver asks this of every source at once where the clients' data is local, so that a wrong folder is one
+    error in seconds, before any client starts."""
+    if not root.exists():
+        return f"'{root}' does not exist"
+    if not root.is_dir():
+        return f"'{root}' is not a folder"
+    missing = [what for what, found in _label_files(name, root, official_test) if not found]
+    return f"'{root}' lacks {', '.join(missing)}" if missing else None
 
 
 READERS = {"chexpert": read_chexpert, "nih": read_nih, "padchest": read_padchest, "mimic": read_mimic,

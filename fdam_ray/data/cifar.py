@@ -63,6 +63,14 @@ class CifarSource(ClassPoolSource):
 
         return getattr(torchvision.datasets, self.torchvision_class)
 
+    def local_problems(self) -> list[str]:
+        """The files of data_root this source lacks (none with download=true), for the driver's check."""
+        cls = self._dataset_class()
+        names = [n for n, _ in cls.train_list + cls.test_list] + [cls.meta["filename"]]
+        if self.download or all(os.path.isfile(os.path.join(self.root, cls.base_folder, n)) for n in names):
+            return []
+        return [self._problem().removeprefix(f"dataset={self.name}: ")]
+
     def _problem(self) -> str:
         cls = self._dataset_class()
         folder = os.path.join(self.root, cls.base_folder)

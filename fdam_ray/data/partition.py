@@ -127,3 +127,64 @@ def dirichlet_partition(
         f"partition=dirichlet: no draw in {max_tries} gave every one of {num_clients} clients a positive and a "
         f"negative (dirichlet_concentration={concentration}, imratio={imratio}); raise either or use fewer clients"
     )
+
+
+def validation_rows(labels: np.ndarray, fraction: float, rng: np.random.Generator, *, client_id: int,
+                    task_names: tuple[str, ...] | None = None, groups: np.ndarray | None = None) -> np.ndarray:
+    """The rows of a client's training shard held out as its validation part (sorted), about ``fraction`` of them.
+
+    ``groups`` (one id per row, e.g. the patient): whole groups are held out, so no group is on both sides;
+    without it each row is a group of its own. Stratified: each group's stratum is its rarest positive task on
+    this client (or "no positive"), and every stratum gives its share of rows (largest remainder), groups drawn
+    in a seeded order; a task with positives in two or more groups keeps one of them in the validation part. The
+    training part must keep a sample, and a positive of every task the client has positives of: otherwise one
+    line naming the client (and the task) says to lower ``val_fraction``.
+    """
+    y = np.asarray(labels, dtype=np.float64).reshape(len(labels), -1)
+    n = len(y)
+    n_val = max(1, round(fraction * n))
+    if n_val >= n:
+        raise ValueError(f"client {client_id}: val_fraction={fraction} holds out {n_val} of its {n} training "
+                         "samples, leaving none to train on; lower val_fraction")
+    group_of = np.arange(n) if groups is None else np.unique(np.asarray(groups), return_inverse=True)[1].ravel()
+    sizes = np.bincount(group_of)
+    positive = y == 1
+    counts = positive.sum(0)
+    positives_of_group = np.zeros((len(sizes), y.shape[1]), dtype=np.int64)
+    np.add.at(positives_of_group, group_of, positive)
+    has = positives_of_group > 0
+    stratum = np.where(has.any(1), np.where(has, counts[None, :], np.iinfo(np.int64).max).argmin(1), -1)
+    held = np.zeros(len(sizes), dtype=bool)
+    strata = np.unique(stratum)
+    for s, quota in zip(strata, _largest_remainder([sizes[stratum == s].sum() for s in strata], n_val),
+                        strict=True):
+        taken = 0
+        for g in rng.permutation(np.flatnonzero(stratum == s)):
+            if taken >= quota or taken + sizes[g] - quota > quota - taken:  # overshoots more than it fills
+                break
+            held[g], taken = True, taken + sizes[g]
+    if not held.any():  # groups larger than every quota: one of them
+        held[rng.integers(len(sizes))] = True
+    names = task_names if task_names is not None and len(task_names) == y.shape[1] else None
+    for t in range(y.shape[1]):
+        owners = np.flatnonzero(has[:, t])
+        if len(owners) >= 2 and not held[owners].any():
+            held[rng.choice(owners)] = True
+        if len(owners) and held[owners].all():
+            task = "" if y.shape[1] == 1 else f" of task '{names[t] if names else t}'"
+            raise ValueError(f"client {client_id}: val_fraction={fraction} holds out all its {int(counts[t])} "
+                             f"positive(s){task}, leaving its training part none; lower val_fraction")
+    rows = held[group_of]
+    if rows.all():
+        raise ValueError(f"client {client_id}: val_fraction={fraction} holds out all its {n} training samples "
+                         f"({len(sizes)} groups), leaving none to train on; lower val_fraction")
+    return np.flatnonzero(rows)
+
+
+def _largest_remainder(sizes: list[int], total: int) -> list[int]:
+    """``total`` split over parts in proportion to ``sizes`` (integers, largest remainders rounded up)."""
+    exact = np.asarray(sizes, dtype=np.float64) * total / max(1, sum(sizes))
+    share = np.floor(exact).astype(int)
+    for i in np.argsort(-(exact - share), kind="stable")[: total - share.sum()]:
+        share[i] += 1
+    return share.tolist()

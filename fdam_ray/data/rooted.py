@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Callable, Sequence
 
 from fdam_ray.data.base import AnySplit, DataSource, Shard
@@ -91,3 +92,37 @@ def check_roots(cls: type[DataSource], section: DataSection, roots: Sequence[str
         shown = problems[:8] + ([f"... ({len(problems)} bad folders in all)"] if len(problems) > 8 else [])
         raise ValueError(f"client_data_roots: {'; '.join(shown)} (checked on this machine, where the clients "
                          "run; for a cluster whose nodes hold the folders, give its address)")
+
+
+def check_data_here(source: DataSource, config: object) -> None:
+    """Where the clients run on this machine (:func:`clients_run_here`), check the folders and
+    files a source reads before any client (or Ray) starts, and name every one that is missing in one error:
+    a wrong ``data_root`` is then found in seconds, not after the actors started and the first client failed
+    (and every missing source at once, not one per try). A source says what it lacks through a
+    ``local_problems()`` method (nothing read; sources without one are not checked here)."""
+
+    problems_of = getattr(source, "local_problems", None)
+    if problems_of is None or not clients_run_here(config):
+        return
+    problems = problems_of()
+    if problems:
+        shown = problems[:8] + ([f"... ({len(problems)} in all)"] if len(problems) > 8 else [])
+        raise ValueError(f"dataset={getattr(config, 'dataset', '?')}: {'; '.join(shown)} (checked on this machine, "
+                         "where the clients run, before starting them)")
+
+
+def clients_run_here(config: object) -> bool:
+    """Whether the clients run on this machine (so their folders are this machine's): the inline executor, or
+    Ray without a cluster address (no ``address``, no ``RAY_ADDRESS``) and, when this process already runs
+    Ray (a test session, a Tune trial), one of a single node. A section without an executor field counts as
+    inline."""
+    executor = getattr(config, "executor", "inline")
+    if executor == "inline":
+        return True
+    address = getattr(config, "address", None)
+    if executor != "ray" or address not in (None, "", "local") or os.environ.get("RAY_ADDRESS"):
+        return False
+    ray = sys.modules.get("ray")  # never imported here: only a Ray this process already runs is asked
+    if ray is not None and ray.is_initialized():
+        return len([node for node in ray.nodes() if node.get("Alive")]) == 1
+    return True

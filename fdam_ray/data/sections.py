@@ -154,6 +154,10 @@ class ChestXraySection(DataSection):
     chestxray_test_split: str = setting("holdout", "chestxray: holdout (by patient) or official (CheXpert "
                                         "valid.csv, MIMIC's test split, NIH test_list.txt; others fall back to "
                                         "holdout).", choices=("holdout", "official"))
+    chestxray_val_split: str = setting("holdout", "chestxray, with val_fraction > 0: holdout (val_fraction of "
+                                       "each client's training images) or official (MIMIC-CXR's validate split "
+                                       "for MIMIC clients; others fall back to holdout).",
+                                       choices=("holdout", "official"))
     chestxray_uncertain: tuple[str, ...] = setting(("zeros", "ones", "zeros", "ones", "zeros"), "chestxray: "
                                                    "uncertain (-1) labels per task (Cardiomegaly, Edema, "
                                                    "Consolidation, Atelectasis, Pleural Effusion), or one for all: "

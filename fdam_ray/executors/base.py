@@ -97,8 +97,9 @@ class Executor(abc.ABC):
         writes again (the compiled transport's output channels), so a fold that keeps one keeps a copy."""
 
     @abc.abstractmethod
-    def evaluate(self, state: GlobalState) -> list[Scores]:
-        """Scores of ``state`` on the clients' own test splits (clients without one are left out)."""
+    def evaluate(self, state: GlobalState, split: str = "test") -> list[Scores]:
+        """Scores of ``state`` on the clients' own test splits, or with ``split="val"`` their validation parts
+        (clients without one are left out)."""
 
     @abc.abstractmethod
     def score_moments(self, state: GlobalState) -> list[Moments]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fdam_ray.sites import client_label, client_labels
+
 
 class ClientError(RuntimeError):
     """A client (or the actor hosting it and others) failed: which, in which round, doing what, and the
@@ -19,7 +21,10 @@ class ClientError(RuntimeError):
         actor: the index of the actor hosting the client (None when not known).
         clients: every client that actor hosts (a failure of the actor is a failure of all of them).
         of_actor: the actor failed as a whole (its process died, or it did not answer), not one client's code.
+        names: the clients' names (``client_names``) the message shows them by; None: their indices.
     """
+
+    names: tuple[str, ...] | None = None
 
     def __init__(self, client_id: int, round: int, action: str, error: str, traceback: str = "",
                  actor: int | None = None, clients: tuple[int, ...] = (), of_actor: bool = False) -> None:
@@ -37,9 +42,10 @@ class ClientError(RuntimeError):
 
     def __str__(self) -> str:
         if len(self.clients) > 1 and self.of_actor:
-            hosted = ", ".join(str(k) for k in self.clients)
+            hosted = client_labels(self.clients, self.names)
             return f"actor {self.actor} (clients {hosted}) failed in round {self.round} ({self.action}): {self.error}"
-        return f"client {self.client_id} failed in round {self.round} ({self.action}): {self.error}"
+        who = client_label(self.client_id, self.names)
+        return f"client {who} failed in round {self.round} ({self.action}): {self.error}"
 
     def __reduce__(self):
         return type(self), (self.client_id, self.round, self.action, self.error, self.traceback, self.actor,

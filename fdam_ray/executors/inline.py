@@ -38,6 +38,7 @@ from fdam_ray.executors.base import Executor, ExecutorSection, actor_groups
 from fdam_ray.executors.ray_section import RaySection
 from fdam_ray.sections import owned_fields
 from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores
+from fdam_ray.transfer import Downlink, attach_residual, compress, expand, residual_of, sent_nbytes
 
 # ExecutorSection's fields that only the Ray executor reads (inline has no actors to replace or to score on).
 _RAY_ONLY_EXECUTOR_FIELDS = ("on_client_failure", "max_client_retries")
@@ -70,6 +71,9 @@ class InlineExecutor(Executor):
         self.clients: list[Client] = []
         self.groups: list[list[int]] = []
         self._threads_before: int | None = None
+        self.downlink: Downlink | None = None  # transfer_precision bf16/fp16: the rounding a Ray run's transfers take
+        self.residuals: dict[int, dict] | None = None  # error feedback: per group, its upload residual
+        self.broadcast_nbytes: int | None = None  # bytes one client received in the last round (None: the state's)
 
     def start(self, config: ExecutorSection, source: DataSource) -> list[ClientInfo]:
         threads = inline_threads(config)
@@ -80,6 +84,11 @@ class InlineExecutor(Executor):
         device = resolve_device(config.device)
         self.clients = host_clients(ClientSection.of(config), source, range(source.num_clients), device=device)
         self.groups = actor_groups(source.num_clients, config.clients_per_actor)
+        precision = getattr(config, "transfer_precision", "fp32")
+        if precision != "fp32":
+            feedback = bool(getattr(config, "error_feedback", False))
+            self.downlink = Downlink(precision, feedback)
+            self.residuals = {} if feedback else None
         return [c.info() for c in self.clients]
 
     def configure(self, positive_ratio: np.ndarray) -> None:
@@ -92,19 +101,50 @@ class InlineExecutor(Executor):
     def run_round(self, state: GlobalState, plan: RoundPlan, fold: Callable[[PartialSum], None],
                   clients: Sequence[int] | None = None) -> None:
         chosen = None if clients is None else set(clients)
+        if self.downlink is not None:
+            self._run_rounded(state, plan, fold, chosen)
+            return
         for group in self.groups:
             hosted = [self.clients[k] for k in group if chosen is None or k in chosen]
             if hosted:  # a partial sum per group, as the actor hosting the group returns it
                 fold(run_hosted(hosted, state, plan))
 
-    def evaluate(self, state: GlobalState) -> list[Scores]:
-        return [s for s in (c.evaluate(state) for c in self.clients) if s is not None]
+    def _run_rounded(self, state: GlobalState, plan: RoundPlan, fold: Callable[[PartialSum], None],
+                     chosen: set[int] | None) -> None:
+        """The round with what a Ray run moves rounded as it rounds it (:mod:`fdam_ray.transfer`): the clients
+        run from the broadcast master (held here once, as every host would hold it), each group's partial sum
+        goes through the rounding of its differences."""
+        downlink = cast(Downlink, self.downlink)
+        message, master = downlink.send(state)
+        self.broadcast_nbytes = sent_nbytes(message, master)
+        for g, group in enumerate(self.groups):
+            hosted = [self.clients[k] for k in group if chosen is None or k in chosen]
+            if hosted:
+                residual = None if self.residuals is None else self.residuals.setdefault(g, {})
+                sent = compress(run_hosted(hosted, master, plan), master, downlink.precision, sampled=plan.partial,
+                                residual=residual)
+                fold(expand(sent, master, sampled=plan.partial))
+
+    def evaluate(self, state: GlobalState, split: str = "test") -> list[Scores]:
+        return [s for s in (c.evaluate(state, split) for c in self.clients) if s is not None]
 
     def score_moments(self, state: GlobalState) -> list[Moments]:
         return [c.score_moments(state) for c in self.clients]
 
     def client_states(self) -> list[dict | None]:
-        return [c.get_state() for c in self.clients]
+        states: list[dict | None] = [c.get_state() for c in self.clients]
+        if self.residuals is not None:
+            for g, group in enumerate(self.groups):
+                attach_residual([states[k] for k in group], self.residuals.get(g))
+        return states
+
+    def transfer_state(self) -> dict | None:
+        """The broadcast's driver state for a checkpoint (None with fp32 transfers)."""
+        return None if self.downlink is None else self.downlink.state_dict()
+
+    def restore_transfer_state(self, state: dict | None) -> None:
+        if self.downlink is not None:
+            self.downlink.load_state_dict(state)
 
     def restore_client_states(self, states: list[dict | None]) -> None:
         dropped = [k for k, s in enumerate(states) if s is None]
@@ -113,6 +153,8 @@ class InlineExecutor(Executor):
                              "runs every client: resume it with executor=ray")
         for c, s in zip(self.clients, states, strict=True):
             c.set_state(cast(dict, s))  # None refused above
+        if self.residuals is not None:
+            self.residuals = {g: residual_of([states[k] for k in group]) for g, group in enumerate(self.groups)}
 
     @property
     def active_clients(self) -> int:

@@ -6,10 +6,13 @@
     train.log        one line per evaluation, plus events (stage switches, why a run stopped) and the package's
                      warnings while the run writes (client actors replaced or dropped); credentials in any URI a
                      line names are replaced by *** (fdam_ray.redact)
-    events/          TensorBoard event files (when the tensorboard package is installed)
+    events/          TensorBoard event files (tensorboard: auto, the default, writes them where the tensorboard
+                     package is installed)
     checkpoint.pt    the latest checkpoint (atomic, versioned; see fdam_ray.checkpoint)
     model.pt         the final model: {"model": state_dict, "a", "b", "alpha", "task_names"}
-    summary.json     best and final test AUC, rounds, bytes moved, wall time, samples/s
+    best_model.pt    with val_fraction > 0: the model at the best validation AUC (model.pt's format)
+    summary.json     best and final test AUC (with val_fraction > 0: best_* selected by val_auc), rounds, bytes
+                     moved, wall time, samples/s
     .lock            who writes the folder now (pid, host, start); see :mod:`fdam_ray.runlock`
     recipe.yaml      stage 1 of a two-stage run: the whole run's config and stage 2's folder (:mod:`fdam_ray.pretrain`)
 

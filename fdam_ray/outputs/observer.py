@@ -54,6 +54,10 @@ class Observer:
         folder to resume; the others return None."""
         return None
 
+    def best_model(self, model: dict, record: dict) -> None:
+        """With a validation split, just before ``finish``: the model of the evaluation ``record`` with the best
+        validation AUC (``model.pt``'s payload); an observer that saves the run writes ``best_model.pt``."""
+
     def finish(self, summary: dict, model: dict, snapshot: Snapshot) -> None:
         """The last round is done: the run's summary and final model. An observer that saves the run
         sets ``summary["run_dir"]``."""
@@ -87,6 +91,10 @@ class Observers(Observer):
     def interrupted(self, round_: int, snapshot: Snapshot) -> Path | None:
         saved = [o.interrupted(round_, snapshot) for o in self.observers]
         return next((d for d in saved if d is not None), None)
+
+    def best_model(self, model: dict, record: dict) -> None:
+        for o in self.observers:
+            o.best_model(model, record)
 
     def finish(self, summary: dict, model: dict, snapshot: Snapshot) -> None:
         for o in self.observers:

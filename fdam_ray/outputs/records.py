@@ -20,12 +20,14 @@ def flatten_record(rec: dict) -> dict:
 def scalars(rec: dict) -> dict[str, float]:
     """Every number of an evaluation record under its flat name (``task_auc.<task>``, ``client_auc.<id>``, as in
     ``metrics.csv``), plus ``worst_task_auc`` and ``worst_client_auc`` (the lowest defined AUC) where the record has
-    per-task or per-client AUCs. What Tune and the experiment trackers receive."""
+    per-task or per-client AUCs (and ``worst_val_client_auc`` over the validation parts). What Tune and the
+    experiment trackers receive."""
     out: dict[str, float] = {}
     for key, value in flatten_record(rec).items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out[key] = value
-    for part, name in (("task_auc", "worst_task_auc"), ("client_auc", "worst_client_auc")):
+    for part, name in (("task_auc", "worst_task_auc"), ("client_auc", "worst_client_auc"),
+                       ("val_client_auc", "worst_val_client_auc")):
         defined = [v for v in (rec.get(part) or {}).values()
                    if isinstance(v, (int, float)) and not math.isnan(v)]
         if defined:
@@ -35,16 +37,19 @@ def scalars(rec: dict) -> dict[str, float]:
 
 # Groups of the grouped metric names (TensorBoard tags, tracker metrics): AUCs, communication, training.
 _AUC_NAMES = {"test_auc": "auc/test", "worst_task_auc": "auc/worst_task", "worst_client_auc": "auc/worst_client",
-              "test_samples": "auc/test_samples"}
+              "test_samples": "auc/test_samples", "val_auc": "auc/val", "val_samples": "auc/val_samples",
+              "worst_val_client_auc": "auc/worst_val_client"}
 _COMM_NAMES = {"bytes_up": "comm/bytes_up", "bytes_down": "comm/bytes_down"}
 _TRAIN_NAMES = {"train_loss": "train/loss"}
 
 
 def grouped_name(key: str) -> str:
     """The grouped name of a flat metric name: ``test_auc`` -> ``auc/test``, ``task_auc.Edema`` ->
-    ``auc/task/Edema``, ``client_auc.3`` -> ``auc/client/3``, ``bytes_up`` -> ``comm/bytes_up``, ``train_loss`` ->
-    ``train/loss``, and any other (lr, stage, round, wall_s, samples_per_s) ``train/<key>``."""
-    for prefix, group in (("task_auc.", "auc/task/"), ("client_auc.", "auc/client/")):
+    ``auc/task/Edema``, ``client_auc.3`` -> ``auc/client/3``, ``val_auc`` -> ``auc/val``, ``val_client_auc.3`` ->
+    ``auc/val_client/3``, ``bytes_up`` -> ``comm/bytes_up``, ``train_loss`` -> ``train/loss``, and any other (lr,
+    stage, round, wall_s, samples_per_s) ``train/<key>``."""
+    for prefix, group in (("task_auc.", "auc/task/"), ("client_auc.", "auc/client/"),
+                          ("val_task_auc.", "auc/val_task/"), ("val_client_auc.", "auc/val_client/")):
         if key.startswith(prefix):
             return group + key[len(prefix):]
     return _AUC_NAMES.get(key) or _COMM_NAMES.get(key) or _TRAIN_NAMES.get(key) or f"train/{key}"

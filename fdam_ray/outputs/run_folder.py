@@ -13,10 +13,12 @@ from typing import Any
 
 from fdam_ray.locations import output_root
 from fdam_ray.outputs.observer import Observer, RunStart, Snapshot
-from fdam_ray.outputs.writer import RunWriter
+from fdam_ray.outputs.writer import RunWriter, tensorboard_installed
 from fdam_ray.runlock import RunLock, check_not_in_use
 from fdam_ray.sections import EACH_ONCE, NONNEGATIVE, Section, setting, shared
 from fdam_ray.state import RoundPlan
+from fdam_ray.versions import VERSIONS_KEY, changed_versions, run_versions
+from fdam_ray.yamlio import read_yaml_file
 
 log = logging.getLogger(__name__)
 MAX_RUN_NAME = 100
@@ -35,6 +37,14 @@ def is_folder_name(name: str) -> bool:
             and not any(c in "/\\" or ord(c) < 32 or ord(c) == 127 for c in name))
 
 
+TENSORBOARD_ALLOWED = "auto, false, or true where the tensorboard package is installed: pip install tensorboard"
+
+
+def _tensorboard_allowed(value: bool | str) -> bool:
+    """``tensorboard=true`` without the package: refused when the config is built, before anything runs."""
+    return value is not True or tensorboard_installed()
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OutputSection(Section):
     """The config fields of a run folder and of the experiment trackers (:mod:`fdam_ray.trackers`)."""
@@ -47,8 +57,9 @@ class OutputSection(Section):
                                    check=(lambda v: is_folder_name(v), RUN_NAME_ALLOWED))
     checkpoint_every: int = setting(100, "Write a checkpoint every this many rounds (and at the end); 0 = only at "
                                     "the end.", check=NONNEGATIVE, resume=True)
-    tensorboard: bool = setting(True, "Write TensorBoard event files into the run folder (needs tensorboard).",
-                                resume=True)
+    tensorboard: bool | str = setting("auto", "Write TensorBoard event files into the run folder: auto = where the "
+                                      "tensorboard package is installed (silent where not), true (needs it), "
+                                      "false.", check=(_tensorboard_allowed, TENSORBOARD_ALLOWED), resume=True)
     trackers: tuple[str, ...] = setting((), "Experiment trackers that get the config, every evaluation and the "
                                         "final model: mlflow, wandb (a list, or names joined by commas; each needs "
                                         "its extra, pip install 'fdam-ray[mlflow]'); empty = none.",
@@ -138,6 +149,8 @@ class RunFolder(Observer):
         self.lock = RunLock(self.dir)  # before anything in the folder is opened for writing
         try:
             self.writer = RunWriter(self.dir, tensorboard=self.section.tensorboard, history=run.history)
+            if run.resumed:
+                _say_changed_versions(self.dir / "config.yaml")
             if not run.resumed or not (self.dir / "config.yaml").exists():  # (a resumed Tune trial's new folder)
                 self._write_config()
             if not run.resumed:
@@ -153,7 +166,7 @@ class RunFolder(Observer):
 
     def _write_config(self) -> None:
         if self.writer is not None and not self._config_written:
-            self.writer.write_config(self.config_dict)
+            self.writer.write_config({**self.config_dict, VERSIONS_KEY: run_versions()})
             self._config_written = True
 
     def _checkpoint(self, snapshot: Snapshot, round_: int) -> None:
@@ -191,19 +204,26 @@ class RunFolder(Observer):
         self._checkpoint(snapshot, round_)
         return self.dir
 
+    def best_model(self, model: dict, record: dict) -> None:
+        if self.writer is not None:
+            self.writer.best_model(model, record)
+
     def finish(self, summary: dict, model: dict, snapshot: Snapshot) -> None:
         if self.writer is None:
             return
         if self._last_checkpoint != summary["rounds"]:
             self._checkpoint(snapshot, summary["rounds"])
         summary["run_dir"] = str(self.dir)
+        summary[VERSIONS_KEY] = run_versions()
         self._write_config()
         self.writer.finish(model, summary)
 
     def close(self, error: BaseException | None) -> None:
         try:
             if self.writer is not None:
-                if isinstance(error, Exception):
+                if isinstance(error, RunStopped):  # a stop asked for (SIGTERM), its checkpoint written: planned
+                    self.writer.event("run stopped: %s", error, level=logging.INFO)
+                elif isinstance(error, Exception):
                     self.writer.event("run stopped: %s", error, level=logging.ERROR)
                 self.writer.close()
         finally:
@@ -224,6 +244,19 @@ class RunFolder(Observer):
             else:
                 entry.unlink(missing_ok=True)
         log.info("removed the run folder '%s': the run stopped before its first round", made)
+
+
+def _say_changed_versions(config_file: Path) -> None:
+    """One line when a resumed run continues under other versions than its ``config.yaml`` records (a run
+    folder of before versions were recorded, or a damaged one, says nothing)."""
+    try:
+        recorded = read_yaml_file(config_file, "run config") if config_file.is_file() else None
+    except ValueError:
+        return
+    before = recorded.get(VERSIONS_KEY) if isinstance(recorded, dict) else None
+    changed = changed_versions(before, run_versions()) if isinstance(before, dict) else ""
+    if changed:
+        log.warning("the run is resumed under other versions than it ran under before: %s", changed)
 
 
 def check_new_run_dir(config: OutputSection) -> Path | None:

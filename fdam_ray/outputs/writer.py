@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import logging
 import os
@@ -16,7 +17,6 @@ from fdam_ray.outputs.records import flatten_record, grouped_scalars
 from fdam_ray.redact import RedactingFilter
 
 log = logging.getLogger("fdam_ray.outputs")
-_notice_given = False
 PRIVATE_MODE = 0o600  # files that hold the config or messages about it: the owner's only (as checkpoint.pt is)
 
 
@@ -32,16 +32,24 @@ def private_file(path: Path, text: str | None = None) -> Path:
     return path
 
 
-def _tensorboard_writer(path: Path):
-    global _notice_given
+def tensorboard_installed() -> bool:
+    """Whether the tensorboard package is there (``tensorboard: auto`` writes event files only then)."""
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+def _tensorboard_writer(path: Path, wanted: bool | str):
+    """TensorBoard's writer for ``tensorboard`` = ``wanted``: true (the config refused it without the package),
+    false, or auto (on where the package is installed, silent where it is not)."""
+    if wanted is False or (wanted == "auto" and not tensorboard_installed()):
+        return None
     try:
         from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        if not _notice_given:
-            log.warning("TensorBoard files are not written: the 'tensorboard' package is not installed "
-                        "(pip install tensorboard)")
-            _notice_given = True
-        return None
+    except ImportError as exc:  # installed but broken
+        if wanted == "auto":
+            log.debug("tensorboard=auto: TensorBoard cannot be imported (%s); no event files", exc)
+            return None
+        raise ValueError(f"config field 'tensorboard': true, but TensorBoard cannot be imported ({exc}); reinstall "
+                         "it (pip install tensorboard) or set tensorboard=auto or false") from None
     return SummaryWriter(log_dir=str(path))
 
 
@@ -56,7 +64,7 @@ class _LogFile(logging.FileHandler):
 class RunWriter:
     """Writes a run's files as the run goes; on resume, rewrites the metric files from the checkpoint's history."""
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool, history: list[dict] | None = None) -> None:
+    def __init__(self, run_dir: Path, *, tensorboard: bool | str, history: list[dict] | None = None) -> None:
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.dir / "metrics.jsonl", "w", encoding="utf-8")
@@ -76,7 +84,7 @@ class RunWriter:
         self._warnings.addFilter(RedactingFilter())
         self._warnings.setFormatter(self._handler.formatter)
         logging.getLogger("fdam_ray").addHandler(self._warnings)
-        self._tb = _tensorboard_writer(self.dir / "events") if tensorboard else None
+        self._tb = _tensorboard_writer(self.dir / "events", tensorboard)
         for rec in history or []:
             self._write_metrics(rec)
 
@@ -115,9 +123,10 @@ class RunWriter:
         """Write one evaluation record to every output."""
         self._write_metrics(rec)
         self.log.info(
-            "iteration %d round %d stage %d lr %.4g loss %s test_auc %.6f bytes %d wall_s %.1f",
+            "iteration %d round %d stage %d lr %.4g loss %s test_auc %.6f%s bytes %d wall_s %.1f",
             rec["iteration"], rec["round"], rec["stage"], rec["lr"],
             "-" if rec.get("train_loss") is None else f"{rec['train_loss']:.6f}", rec["test_auc"],
+            "" if "val_auc" not in rec else f" val_auc {rec['val_auc']:.6f}",
             rec["bytes_up"] + rec["bytes_down"], rec["wall_s"],
         )
         if self._tb is not None:
@@ -131,6 +140,12 @@ class RunWriter:
 
     def checkpoint(self, checkpoint: Checkpoint) -> None:
         save_checkpoint(self.dir / "checkpoint.pt", checkpoint)
+
+    def best_model(self, model_payload: dict, record: dict) -> None:
+        """``best_model.pt``: the model at the best validation AUC (``model.pt``'s format)."""
+        write_atomically(self.dir / "best_model.pt", lambda fh: torch.save(model_payload, fh), "the best model")
+        self.log.info("best_model.pt: the model of iteration %d (val AUC %.6f)", record["iteration"],
+                      record["val_auc"])
 
     def finish(self, model_payload: dict, summary: dict) -> None:
         write_atomically(self.dir / "model.pt", lambda fh: torch.save(model_payload, fh), "the final model")

@@ -3,13 +3,19 @@
     space.py   the search-space file: sections, validation, Ray Tune's distributions
     trial.py   one trial: a federation assembled by fdam_ray.recipe, reporting to Tune with checkpoints
     sweep.py   the sweep: Tune's searcher, scheduler and per-trial placement groups; resume
+
+For a ``ray.tune.Tuner`` of your own (any searcher, scheduler, callback): :func:`trainable` (whole federations
+as trials, each in its placement group) and :func:`tracker_callbacks` (the config's trackers as Tune callbacks).
     report.py  the results: table, best config, figure
     callbacks.py  Ray Tune's MLflow and W&B logger callbacks for the sweep's trackers
 """
 
 from __future__ import annotations
 
+from fdam_ray.tuning.callbacks import tracker_callbacks
 from fdam_ray.tuning.space import Space, TuneOptions, load_space, make_space, param_space, space_of_sweep
 from fdam_ray.tuning.sweep import run_sweep
+from fdam_ray.tuning.trial import federation_trial, trainable
 
-__all__ = ["Space", "TuneOptions", "load_space", "make_space", "param_space", "run_sweep", "space_of_sweep"]
+__all__ = ["Space", "TuneOptions", "federation_trial", "load_space", "make_space", "param_space", "run_sweep",
+           "space_of_sweep", "tracker_callbacks", "trainable"]

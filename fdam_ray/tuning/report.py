@@ -62,7 +62,8 @@ def error_line(error: BaseException) -> str:
 
 def write_sweep_outputs(grid, space: Space) -> SweepOutcome:
     """Table (CSV, Markdown) sorted by the metric, ``best_config.yaml`` (from finished trials of a sweep
-    that ran to its end), ``top_trials.png`` and, when trials failed, their errors in full in ``errors.log``."""
+    that ran to its end; by ``val_auc``, the default metric, where trials have a validation split),
+    ``top_trials.png`` and, when trials failed, their errors in full in ``errors.log``."""
     opts = space.options
     out, remote = _results_folder(str(grid.experiment_path))
     trials = _read_trials(grid, space)
@@ -120,7 +121,8 @@ def _read_trials(grid, space: Space) -> _Trials:
 
 
 def _trial_row(result, space: Space) -> dict:
-    """A trial's row: its searched values, final and best metric, iterations, whether it failed, and its curve
+    """A trial's row: its searched values, final and best metric, its final test AUC when the metric is another
+    (a sweep selecting on validation still reports the test set), iterations, whether it failed, and its curve
     (``_history``, for the figure)."""
     opts = space.options
     df = result.metrics_dataframe
@@ -130,6 +132,7 @@ def _trial_row(result, space: Space) -> dict:
     best = (max(values) if opts.mode == "max" else min(values)) if values else None
     return {"trial": Path(result.path).name, **{k: result.config.get(k) for k in space.search},
             f"final_{opts.metric}": last.get(opts.metric), f"best_{opts.metric}": best,
+            **({} if opts.metric == "test_auc" else {"final_test_auc": last.get("test_auc")}),
             "iterations": last.get("iteration"), "error": None if result.error is None else "error",
             "_history": hist}
 

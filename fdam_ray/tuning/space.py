@@ -1,20 +1,23 @@
 """Search-space files of ``fdam tune``: reading, validating, and Ray Tune's spaces.
 
-A search-space file (``tune/*.yaml``) has three sections, all keyed by the
+A search-space file has three sections, all keyed by the
 training config's own field names:
 
     base:   fixed fields of every trial (a training config)
     search: field -> {grid: [...]} | {choice: [...]} | {uniform: [lo, hi]}
                      | {loguniform: [lo, hi]} | {randint: [lo, hi]}
     tune:   metric (test_auc, train_loss, ..., task_auc.<task>, client_auc.<id>, worst_task_auc,
-            worst_client_auc), mode, searcher (grid | random | optuna), num_samples, scheduler (fifo | asha),
-            grace_period, reduction_factor, max_concurrent_trials, driver_cpus, name, storage_path
+            worst_client_auc; val_auc, val_task_auc.<task>, val_client_auc.<id>, worst_val_client_auc with
+            val_fraction > 0, where val_auc is the default), mode, searcher (grid | random | optuna),
+            num_samples, scheduler (fifo | asha), grace_period, reduction_factor, max_concurrent_trials,
+            driver_cpus, name, storage_path
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -32,24 +35,52 @@ from fdam_ray.locations import RemoteFolder, is_uri, join_uri
 from fdam_ray.redact import clip, short
 from fdam_ray.yamlio import kind_of
 
+log = logging.getLogger(__name__)
 SPEC_KINDS = ("grid", "choice", "uniform", "loguniform", "randint")
 RANGE_KINDS = ("uniform", "loguniform", "randint")
-REPORTED = ("iteration", "round", "stage", "test_auc", "train_loss", "bytes_up", "bytes_down", "wall_s")
+REPORTED = ("iteration", "round", "stage", "test_auc", "val_auc", "train_loss", "bytes_up", "bytes_down", "wall_s")
 # Reported as well where a run has them (multi-task data, clients with test splits of their own): the AUC of each
 # task and each client under the metrics.csv names, and the lowest of each.
-REPORTED_PATTERNS = (re.compile(r"task_auc\..+"), re.compile(r"client_auc\.\d+"), re.compile(r"worst_task_auc"),
-                     re.compile(r"worst_client_auc"), re.compile(r"lr|samples_per_s|test_samples"))
+REPORTED_PATTERNS = (re.compile(r"task_auc\..+"), re.compile(r"client_auc\..+"), re.compile(r"worst_task_auc"),
+                     re.compile(r"worst_client_auc"), re.compile(r"lr|samples_per_s|test_samples"),
+                     re.compile(r"val_task_auc\..+|val_client_auc\..+|worst_val_client_auc|val_samples"))
 
 
 def is_reported(metric: str) -> bool:
     """Whether trials report ``metric`` to Tune (where the run has it): see :data:`REPORTED`."""
     return metric in REPORTED or any(p.fullmatch(metric) for p in REPORTED_PATTERNS)
 SPACE_FILE = "fdam_space.yaml"  # the space a sweep folder was started with
+# Example spaces shipped inside the package (so a wheel install has them): ``fdam tune small`` runs small.yaml.
+EXAMPLE_SPACES = Path(__file__).resolve().parent / "spaces"
+
+
+def example_names() -> list[str]:
+    """The names of the example spaces shipped with fdam-ray (small, paper_grid)."""
+    return sorted(p.stem for p in EXAMPLE_SPACES.glob("*.yaml"))
+
+
+def space_path(arg: str) -> str:
+    """What ``fdam tune SPACE`` reads: a file (or storage URI) of that name where there is one, else the example
+    space of that name shipped with fdam-ray (``small``, ``small.yaml``, ``tune/small.yaml`` as older
+    instructions wrote it)."""
+    if is_uri(arg) or Path(arg).exists():
+        return arg
+    name = Path(arg).name.removesuffix(".yaml")
+    example = EXAMPLE_SPACES / f"{name}.yaml"
+    if example.is_file() and (arg in (name, f"{name}.yaml", f"tune/{name}.yaml")):
+        return str(example)
+    return arg
+
+
+def no_space_hint() -> str:
+    """What ``fdam tune`` without a space says: the example spaces and where they are installed."""
+    return (f"fdam tune needs a search-space file, an example's name ({', '.join(example_names())}: `fdam tune "
+            f"small`; copy one from {EXAMPLE_SPACES} to start your own) or --resume DIR")
 
 
 @dataclasses.dataclass
 class TuneOptions:
-    metric: str = "test_auc"
+    metric: str = "test_auc"  # val_auc where the base config has val_fraction > 0 (see make_space)
     mode: str = "max"
     searcher: str = "grid"
     num_samples: int = 1
@@ -70,7 +101,7 @@ class TuneOptions:
                                   f"(one of {', '.join(choices)})")
         if not isinstance(self.metric, str) or not is_reported(self.metric):
             raise ConfigError(f"tune option 'metric': {short(self.metric)} is not reported (one of "
-                              f"{', '.join(REPORTED)}, task_auc.<task>, client_auc.<client id>, worst_task_auc, "
+                              f"{', '.join(REPORTED)}, task_auc.<task>, client_auc.<client>, worst_task_auc, "
                               "worst_client_auc)")
         _check_option("num_samples", self.num_samples, integer=True, low=1)
         _check_option("grace_period", self.grace_period, integer=True, low=1, optional=True)
@@ -148,7 +179,9 @@ def _candidates(search: dict[str, dict]) -> list[dict]:
 
 
 def load_space(path: str, overrides: dict[str, Any] | None = None) -> Space:
-    """Read and validate a search-space file; ``overrides`` set base fields (``tune.X`` keys set options)."""
+    """Read and validate a search-space file (or an example space by name: :func:`space_path`); ``overrides`` set
+    base fields (``tune.X`` keys set options)."""
+    path = space_path(path)
     return make_space(load_config_file(path), overrides, where=f"search space '{clip(path)}'")
 
 
@@ -165,13 +198,26 @@ def make_space(data: dict[str, Any], overrides: dict[str, Any] | None = None, *,
             raise ConfigError(f"unknown tune option {_name(key)} (one of {', '.join(sorted(known))})")
     for name, spec in search.items():
         _check_spec(name, spec)
-    for combo in _candidates(search):
-        build_config({**base, **combo})
+    configs = [build_config({**base, **combo}) for combo in _candidates(search)]
+    if "metric" not in opts and configs and all(c.val_fraction > 0 for c in configs):
+        opts["metric"] = "val_auc"  # select on validation, never on the test set
     options = TuneOptions(**opts)
+    _check_validation_metric(options.metric, configs)
     if options.searcher == "grid" and any(k not in ("grid", "choice") for s in search.values() for k in s):
         raise ConfigError("tune option 'searcher': grid takes only {grid: [...]} and {choice: [...]}; "
                           "use searcher: random for ranges")
     return Space(base, search, options)
+
+
+def _check_validation_metric(metric: str, configs: list) -> None:
+    """A validation metric needs every trial to have a validation split; a test metric where they have one is
+    allowed but selects on the test set, so it is said."""
+    validated = [c.val_fraction > 0 for c in configs]
+    if metric.startswith(("val_", "worst_val_")) and not all(validated):
+        raise ConfigError(f"tune option 'metric': {metric} needs val_fraction > 0 in every trial (set it in base)")
+    if not metric.startswith(("val_", "worst_val_")) and metric.endswith("auc") and any(validated):
+        log.warning("tune option 'metric' is %s while trials have a validation split (val_fraction > 0): the "
+                    "sweep selects on it, not on val_auc", metric)
 
 
 def _check_sections(data: Any, where: str) -> None:

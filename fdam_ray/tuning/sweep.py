@@ -19,10 +19,10 @@ from fdam_ray.locations import RemoteFolder, is_uri, join_uri, local_path_of, ou
 from fdam_ray.redact import redact
 from fdam_ray.runlock import RunLock
 from fdam_ray.trackers import check_usable as check_trackers
-from fdam_ray.tuning.callbacks import tune_callbacks
+from fdam_ray.tuning.callbacks import tracker_callbacks
 from fdam_ray.tuning.report import SweepOutcome, cell, write_sweep_outputs
 from fdam_ray.tuning.space import SPACE_FILE, Space, param_space
-from fdam_ray.tuning.trial import federation_trial, trial_bundles
+from fdam_ray.tuning.trial import trainable
 
 SWEEP_FOLDER = "sweep folder"  # what a lock refusal calls the folder
 
@@ -162,23 +162,14 @@ def _run(space: Space, base_config, storage: str, *, resume_dir: str | None, add
     from fdam_ray.executors.ray.session import ensure_ray
 
     ensure_ray(address=address, cpus_needed=1)
-    base, driver_cpus = space.base, space.options.driver_cpus
-
-    def resources(params: dict):
-        # per trial: a searched num_clients, clients_per_actor, cpus_per_actor, gpus_per_actor or executor changes
-        # its bundles
-        config = build_config({**base, **params})
-        return tune.PlacementGroupFactory(trial_bundles(config, driver_cpus), strategy=config.placement_strategy)
-
-    trainable = tune.with_resources(tune.with_parameters(federation_trial, base=base, metric=space.options.metric),
-                                    resources)
+    trial = trainable(space.base, metric=space.options.metric, driver_cpus=space.options.driver_cpus)
     if resume_dir:
         where = resume_dir if is_uri(resume_dir) else str(Path(resume_dir).resolve())
-        tuner = tune.Tuner.restore(where, trainable=trainable, resume_unfinished=True, resume_errored=True)
+        tuner = tune.Tuner.restore(where, trainable=trial, resume_unfinished=True, resume_errored=True)
     else:
         opts = space.options
         tuner = tune.Tuner(
-            trainable,
+            trial,
             param_space=param_space(space.search, opts.searcher),
             tune_config=tune.TuneConfig(
                 metric=opts.metric, mode=opts.mode, num_samples=opts.num_samples,
@@ -190,7 +181,7 @@ def _run(space: Space, base_config, storage: str, *, resume_dir: str | None, add
                                       checkpoint_config=tune.CheckpointConfig(num_to_keep=2), verbose=1,
                                       # remote storage: each trial's run folder (metrics, train.log) goes there too
                                       sync_config=tune.SyncConfig(sync_artifacts=is_uri(storage)),
-                                      callbacks=tune_callbacks(base_config)),
+                                      callbacks=tracker_callbacks(space.base)),
         )
     grid = _fit(tuner)
     return write_sweep_outputs(grid, space)

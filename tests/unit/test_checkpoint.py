@@ -190,3 +190,57 @@ def test_a_full_disk_is_found_behind_torchs_error_and_the_old_file_stays(tmp_pat
     plain = tmp_path / "plain"
     plain.write_bytes(b"")
     assert path.read_bytes() == b"new" and path.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777  # umask
+
+
+class _RunsCode:
+    """A pickle that would run a command when unpickled with full unpickling."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("echo unpickled",))
+
+
+def test_a_checkpoint_that_is_a_device_or_foreign_pickle_is_one_line_without_unsafe_advice(tmp_path):
+    import os
+    import pickle
+
+    os.symlink("/dev/zero", tmp_path / "zero.pt")  # read whole, it would never end
+    with pytest.raises(CheckpointError, match=r"zero.pt' is not a regular file$"):
+        load_checkpoint(tmp_path / "zero.pt")
+    (tmp_path / "evil.pt").write_bytes(pickle.dumps(_RunsCode()))
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(tmp_path / "evil.pt")
+    message = str(info.value)
+    assert "could run code" in message and "weights_only" not in message and "\n" not in message
+
+
+def test_under_a_scratch_folder_no_temporary_file_appears_in_the_written_folder(tmp_path):
+    """Ray Tune copies a trial's folder while the trial writes it; a temporary file listed there and renamed
+    before the copy reads it fails that copy. Under a scratch folder the written folder only ever holds whole
+    files."""
+    from fdam_ray.checkpoint import scratch_folder, write_atomically
+
+    run, scratch = tmp_path / "driver_artifacts" / "trial" / "run", tmp_path / ".scratch" / "trial"
+    run.mkdir(parents=True)
+    seen: dict[str, list[str]] = {}
+
+    def write(fh):
+        seen["run"] = sorted(p.name for p in run.iterdir())
+        seen["scratch"] = sorted(p.name for p in scratch.iterdir())
+        fh.write(b"whole")
+
+    with scratch_folder(scratch):
+        write_atomically(run / "summary.json", write, "the summary")
+    assert seen["run"] == [] and len(seen["scratch"]) == 1 and seen["scratch"][0].startswith(".summary.json.")
+    assert (run / "summary.json").read_bytes() == b"whole" and list(scratch.iterdir()) == []
+    write_atomically(run / "model.pt", write, "the model")  # outside the block: beside the file, as before
+    assert seen["run"][1] == "summary.json" and seen["run"][0].startswith(".model.pt.")
+
+
+def test_a_trials_scratch_folder_is_outside_what_tune_copies():
+    from fdam_ray.tuning.trial import trial_scratch
+
+    trial = Path("/tmp/ray/session_x/artifacts/ts/live/driver_artifacts/trial_0001")
+    scratch = trial_scratch(trial)
+    assert trial.parent not in scratch.parents and scratch.parents[1] == trial.parent.parent

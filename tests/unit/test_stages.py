@@ -119,7 +119,7 @@ def test_observer_hooks_come_in_order_and_the_run_folder_checkpoints_on_time(tmp
     result = recipe.federate(cfg, observers=[rec])
     assert rec.calls[0] == ("start", False, 0) and rec.calls[1] == ("record", 0)
     assert rec.calls[-1] == ("close", None)
-    assert rec.calls[-2] == ("finish", 7, ["a", "alpha", "b", "model", "task_names"])
+    assert rec.calls[-2] == ("finish", 7, ["a", "alpha", "b", "model", "network", "task_names"])
     assert [c[1] for c in rec.calls if c[0] == "round_end"] == list(range(1, 8))
     assert [c[1] for c in rec.calls if c[0] == "record"] == [0, 3, 6, 7]  # iterations 0, 6, 12, 14
     assert ("event", "stage 2 began at iteration 8 (round 5)") in rec.calls

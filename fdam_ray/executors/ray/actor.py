@@ -39,6 +39,7 @@ from fdam_ray.executors.ray.session import assigned_cpus
 from fdam_ray.executors.ray.transports.compiled import patient_reads
 from fdam_ray.executors.ray.transports.group import GroupMember, RoundShare, ServerStep
 from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores
+from fdam_ray.transfer import Broadcast, CompressedSum, Receiver, attach_residual, compress, residual_of
 
 T = TypeVar("T")
 
@@ -92,6 +93,7 @@ class ClientShell:
         self.clients: dict[int, Client] = {}
         self.test: AnySplit | None = None
         self._partial: PartialSum | None = None
+        self._before: tuple[int | None, dict[int, dict]] = (None, {})  # a deadline round's states before it
         # how the last compiled round went, (round, "running" | "done" | "failed" | "withdrawn", value); set on
         # the graph's thread, read on the main thread
         self._status: tuple[int, str, object] | None = None
@@ -99,6 +101,9 @@ class ClientShell:
         self._sources: dict = {}  # object ref -> data source spec read here
         self._group: GroupMember | None = None  # transport=collective: this actor's place in the group
         self._partial_round = -1  # the round self._partial holds (transport=collective keeps it for a re-run)
+        self._receiver = Receiver()  # transfer_precision bf16/fp16: the float32 master this actor's rounds run from
+        self._residual: dict = {}  # error feedback: the rounding residual of this actor's uploads
+        self._residual_before: dict | None = None  # a deadline round's residual before it
         torch.set_num_threads(threads)
         set_host_cpus(assigned_cpus())  # data_workers=auto follows the CPUs Ray gave this actor
         patient_reads(channel_wait == "sleep")  # only the compiled graph's thread reads channels here
@@ -168,13 +173,34 @@ class ClientShell:
         clients = list(self.clients.values())
         self._call("begin_stage", lambda: begin_stage_hosted(clients, reference, reset_control_variate))
 
-    def local_round(self, state: GlobalState, plan: RoundPlan, client_ids: Sequence[int],
-                    adopt_global_c: Sequence[int] = ()) -> PartialSum:
+    def local_round(self, state: GlobalState | Broadcast, plan: RoundPlan, client_ids: Sequence[int],
+                    adopt_global_c: Sequence[int] = (), undoable: bool = False) -> PartialSum | CompressedSum:
         """Run the round of ``client_ids`` one after another; return their updates folded into one partial sum.
 
-        A replacement client first sets its c^k to the global c (``adopt_global_c``).
+        A replacement client first sets its c^k to the global c (``adopt_global_c``). ``undoable`` (a round with
+        a deadline): each client's own state is kept as it was before the round, so :meth:`discard_round` can
+        put it back when the round was folded without this actor. A :class:`Broadcast` (``transfer_precision``
+        bf16/fp16) updates this actor's master, the round runs from it, and the sum goes back as rounded
+        differences (:mod:`fdam_ray.transfer`).
         """
         self.round = plan.round
+        self._before = (plan.round, {k: self.clients[k].get_state() for k in client_ids if k in self.clients}
+                        if undoable else {})
+        self._residual_before = {k: v.copy() for k, v in self._residual.items()} if undoable else None
+        if isinstance(state, Broadcast):
+            message = state
+            master = self._call("local_round", lambda: self._receiver.receive(message, ray.get))
+            partial = self._local_round(master, plan, client_ids, adopt_global_c)
+            residual = self._residual if message.error_feedback else None
+            return compress(partial, master, message.precision, sampled=plan.partial, residual=residual)
+        return self._local_round(state, plan, client_ids, adopt_global_c)
+
+    def transfer_master(self) -> tuple[int, GlobalState | None]:
+        """The version and float32 master of the broadcast this actor holds (for tests and diagnostics)."""
+        return self._receiver.version, self._receiver.master
+
+    def _local_round(self, state: GlobalState, plan: RoundPlan, client_ids: Sequence[int],
+                     adopt_global_c: Sequence[int]) -> PartialSum:
         if self._partial is None:
             self._partial = PartialSum.zeros(state, control_variates=state.c_v is not None)
         partial = self._partial.reset()  # reused: Ray serialises the returned sum before this actor runs again
@@ -186,6 +212,44 @@ class ClientShell:
 
         self._each("local_round", client_ids, run)
         return partial
+
+    def discard_round(self, round_index: int) -> list[int]:
+        """Round ``round_index`` was folded without this actor (it missed the deadline): its clients' own states
+        (c^k, sampler position, moments, loss scale) go back to what they were before it, as those of clients
+        that did not take part. Returns the clients put back."""
+        kept_round, before = self._before
+        if kept_round != round_index:
+            return []
+        self._each("discard_round", list(before), lambda c: c.set_state(before[c.client_id]))
+        if self._residual_before is not None:  # error feedback: the discarded upload's rounding never counted
+            self._residual = self._residual_before
+        self._before, self._residual_before = (None, {}), None
+        return sorted(before)
+
+    def round_changes(self, round_index: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The weighted sums over this actor's clients of round ``round_index`` of the change of c^k,
+        sum_k w_k (c^k_new - c^k_old) for (c_v, c_alpha), folded in the order and the arithmetic of the partial
+        sum such a round sends when it is sampled: what the driver folds instead of the sums of c^k when another
+        client missed the deadline of a round that every client was asked to run. None without control
+        variates."""
+        kept_round, before = self._before
+        if kept_round != round_index or not before:
+            return None
+        totals: tuple[np.ndarray, np.ndarray] | None = None
+        for k, old in before.items():
+            client = self.clients[k]
+            new = client.control_variate()
+            if new is None or old["c_v"] is None:
+                return None
+            changes = [np.subtract(n, o, dtype=np.float32) for n, o in zip(new, (old["c_v"], old["c_alpha"]),
+                                                                            strict=True)]
+            if client.weight is not None:
+                changes = [np.multiply(x, np.float32(client.weight)) for x in changes]
+            if totals is None:
+                totals = (np.zeros_like(changes[0]), np.zeros_like(changes[1]))
+            for total, x in zip(totals, changes, strict=True):
+                np.add(total, x, out=total)
+        return totals
 
     def compiled_round(self, message: tuple) -> PartialSum | None:
         """One round under ``transport: compiled`` (on the graph's thread): ``message`` is
@@ -205,7 +269,8 @@ class ClientShell:
             self._status = (plan.round, "done", None)
             return None
         try:
-            partial = self.local_round(state, plan, ids, adopt)
+            # a compiled round carries a float32 state (transfer_precision bf16/fp16 refuses transport=compiled)
+            partial = cast(PartialSum, self.local_round(state, plan, ids, adopt))
         except BaseException as exc:
             self._status = (plan.round, "failed", exc)
             raise
@@ -266,8 +331,8 @@ class ClientShell:
             raise failure
         return share
 
-    def evaluate(self, state: GlobalState, client_ids: Sequence[int]) -> list[Scores | None]:
-        return self._each("evaluate", client_ids, lambda c: c.evaluate(state))
+    def evaluate(self, state: GlobalState, client_ids: Sequence[int], split: str = "test") -> list[Scores | None]:
+        return self._each("evaluate", client_ids, lambda c: c.evaluate(state, split))
 
     def score_test_slice(self, state: GlobalState, start: int, stop: int) -> Scores:
         """Scores of ``state`` on samples ``start:stop`` of the global test set."""
@@ -283,8 +348,11 @@ class ClientShell:
         return self._each("score_moments", client_ids, lambda c: c.score_moments(state))
 
     def get_state(self, client_ids: Sequence[int]) -> list[dict]:
-        return self._each("client_states", client_ids, lambda c: c.get_state())
+        states = self._each("client_states", client_ids, lambda c: c.get_state())
+        attach_residual(states, self._residual or None)
+        return states
 
     def set_state(self, states: Sequence[dict]) -> None:
+        self._residual = residual_of(list(states))
         by_id = {s["client_id"]: s for s in states}
         self._each("restore_client_states", list(by_id), lambda c: c.set_state(by_id[c.client_id]))

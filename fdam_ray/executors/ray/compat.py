@@ -122,8 +122,24 @@ def start_loopback_ray(**start: Any) -> None:
     private instance (GCS, raylet, agents, dashboard, workers) listens there only (:func:`loopback_node`)."""
     import ray
 
-    with loopback_node():
+    with loopback_node(), quiet_default_token_auth():
         ray.init(address="local", _node_ip_address="127.0.0.1", **start)
+
+
+@contextlib.contextmanager
+def quiet_default_token_auth() -> Iterator[None]:
+    """While a private local Ray starts: token authentication switched on as Ray does by default, without the
+    warning Ray prints each time it does so itself.
+
+    With ``RAY_AUTH_MODE`` unset, ``ray.init`` starting a new instance sets it to ``token`` and warns ("Token
+    authentication is enabled for this Ray cluster...") on every run. For the instance fdam starts, which
+    only this user's processes reach on 127.0.0.1, that line says nothing to act on; switching token mode on
+    here first gives the same instance (the variable set, Ray's cached config told) and no warning. A mode the
+    user set is left as it is, and joining a cluster (not this function) keeps Ray's warnings.
+    """
+    if "RAY_AUTH_MODE" not in os.environ:
+        enable_token_auth()  # where this Ray lacks the switch, Ray enables it itself and warns
+    yield
 
 
 @contextlib.contextmanager

@@ -39,6 +39,7 @@ import ray
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.client import ClientSection
 from fdam_ray.data import DataSource
+from fdam_ray.deadlines import Deadline, DeadlineSection
 from fdam_ray.executors.base import Executor, actor_groups
 from fdam_ray.executors.ray.fleet import Fleet
 from fdam_ray.executors.ray.placement import Placement
@@ -46,7 +47,9 @@ from fdam_ray.executors.ray.session import ensure_ray
 from fdam_ray.executors.ray.transports import REGISTRY, Round, Transport, transport_for
 from fdam_ray.executors.ray.transports.compiled import CompiledRounds
 from fdam_ray.executors.ray_section import RayExecutorSection
+from fdam_ray.sites import client_label
 from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores
+from fdam_ray.transfer import Downlink, decoding, downlink_of, sent_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +90,15 @@ class RayExecutor(Executor):
         self.placement: Placement | None = None
         self.fleet: Fleet | None = None
         self.transport: Transport | None = None
+        self.downlink: Downlink | None = None
+        self.broadcast_nbytes: int | None = None  # bytes one client received in the last round (None: the state's)
         self.num_clients = 0
         self.took: dict[str, float] = {}
         self._put_state: GlobalState | None = None
         self._put_ref: Any = None
+        self.deadline: Deadline | None = None
+        self.late: dict[int, Any] = {}  # actor -> the roll-back queued behind its late round call
+        self.fold_order: list[int] = []  # with a deadline: the actors whose sums the last round folded, in order
 
     # -- what tests and diagnostics read -------------------------------------------------------
     @property
@@ -136,6 +144,8 @@ class RayExecutor(Executor):
     def start(self, config: Any, source: DataSource) -> list[ClientInfo]:
         whole = config
         client_section = ClientSection.of(config)
+        self.deadline = Deadline.of(DeadlineSection.of(config))
+        self.downlink = downlink_of(config)  # transfer_precision bf16/fp16 (fdam_ray/transfer.py)
         self.config = config = RayExecutorSection.of(config)
         self.timeout = config.ray_timeout_s
         transport = REGISTRY[transport_for(config.transport, config.reduce)]
@@ -195,27 +205,70 @@ class RayExecutor(Executor):
         # the compiled graph carries the round), always fresh, since the driver changes a state in place only
         # between scoring and the next round
         chosen = set(fleet.live) if clients is None else set(clients) & set(fleet.live)
+        chosen -= self._still_late()
 
         def work(a: int) -> tuple[list[int], list[int]]:
             """Actor ``a``'s clients in this round, and those of them that first adopt the global c."""
             ids = [k for k in fleet.hosted.get(a, ()) if k in chosen]
             return ids, [k for k in ids if k in fleet.adopt_global_c]
 
+        message: Any = state
+        if self.downlink is not None:  # rounded differences go down; what comes up is expanded before the fold
+            message, master = self.downlink.send(state)
+            message.full = ray.put(master)  # fetched only by an actor without the previous master
+            self.broadcast_nbytes = sent_nbytes(message, master)
+            fold = decoding(fold, master, plan.partial)
+
         def call(a: int, actor: Any) -> Any:
             if not put:
-                put.append(ray.put(state))
-            return actor.local_round.remote(put[0], plan, *work(a))  # at call time: a replacement adopts c
+                put.append(ray.put(message))
+            if self.deadline is None:
+                return actor.local_round.remote(put[0], plan, *work(a))  # at call time: a replacement adopts c
+            return actor.local_round.remote(put[0], plan, *work(a), undoable=True)
 
         # an actor with no client in the round is not called
         targets = [a for a in fleet.actors if any(k in chosen for k in fleet.hosted.get(a, ()))]
         assert self.transport is not None
-        self.transport.run_round(Round(state, plan, fold, targets, work, call))
+        self.fold_order = []
+        if self.deadline is not None:  # which actors' sums were folded, for round_changes
+            owner = {k: a for a, ids in fleet.hosted.items() for k in ids}
+            unnoted = fold
+
+            def fold(partial: PartialSum) -> None:
+                self.fold_order.extend(owner[s.client_id] for s in partial.stats)
+                unnoted(partial)
+
+        round = Round(state, plan, fold, targets, work, call, self.deadline)
+        self.transport.run_round(round)
+        for a in round.late:  # queued behind the late call: the actor's clients as they were before the round
+            if a in fleet.actors:
+                self.late[a] = fleet.actors[a].discard_round.remote(plan.round)
+
+    def round_changes(self, round_index: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """After a round with a deadline that some client missed: each actor that made it sends the weighted sum
+        of its clients' changes of c^k (:meth:`ClientShell.round_changes`), in the order their partial sums were
+        folded, so the round folds as a round of the clients that made it would."""
+        fleet = self._fleet
+        actors = list(dict.fromkeys(a for a in self.fold_order if a in fleet.actors))
+        refs = [fleet.actors[a].round_changes.remote(round_index) for a in actors]
+        return [got for got in ray.get(refs, timeout=self.timeout) if got is not None]
+
+    def _still_late(self) -> set[int]:
+        """The clients of actors whose late call of an earlier round (and its roll-back) has not ended: they sit
+        this round out too (the actor is not asked twice at once)."""
+        if not self.late:
+            return set()
+        ready, _ = ray.wait(list(self.late.values()), num_returns=len(self.late), timeout=0)
+        for a, ref in list(self.late.items()):
+            if ref in ready or a not in self._fleet.actors:
+                del self.late[a]
+        return {k for a in self.late for k in self._fleet.hosted.get(a, ())}
 
     @_between_rounds("evaluate")
-    def evaluate(self, state: GlobalState) -> list[Scores]:
+    def evaluate(self, state: GlobalState, split: str = "test") -> list[Scores]:
         ref = self._state_ref(state)
         hosted = self._fleet.hosted
-        scores = self._fleet.per_client("evaluate", lambda a, actor: actor.evaluate.remote(ref, hosted[a]))
+        scores = self._fleet.per_client("evaluate", lambda a, actor: actor.evaluate.remote(ref, hosted[a], split))
         return [s for s in scores if s is not None]
 
     @_between_rounds("score_test_set")
@@ -260,11 +313,20 @@ class RayExecutor(Executor):
         fleet = self._fleet
         gone = [k for k, s in enumerate(states) if s is None and k in fleet.live]
         for k in gone:
-            log.warning("client %d was dropped before the checkpoint; it stays out", k)
+            log.warning("client %s was dropped before the checkpoint; it stays out",
+                        client_label(k, fleet.client_section.client_names))
         if gone:
             fleet.drop(gone)
         self._all("restore_client_states",
                   lambda a, actor: actor.set_state.remote([states[k] for k in fleet.hosted[a]]))
+
+    def transfer_state(self) -> dict | None:
+        """The broadcast's driver state for a checkpoint (None with fp32 transfers)."""
+        return None if self.downlink is None else self.downlink.state_dict()
+
+    def restore_transfer_state(self, state: dict | None) -> None:
+        if self.downlink is not None:
+            self.downlink.load_state_dict(state)
 
     @property
     def active_clients(self) -> int:
@@ -283,7 +345,7 @@ class RayExecutor(Executor):
     def shutdown(self) -> None:
         fleet = self.fleet
         if fleet is not None:
-            abandoned = list(fleet.in_flight)
+            abandoned = [*fleet.in_flight, *self.late.values()]
             if self.transport is not None:
                 self.transport.close(fleet.end)
             else:

@@ -38,6 +38,7 @@ from fdam_ray.executors.errors import ClientError, ClientInputError
 from fdam_ray.executors.ray.actor import ClientShell
 from fdam_ray.executors.ray.placement import Placement, node_addresses, node_is_lost
 from fdam_ray.executors.ray_section import RayExecutorSection
+from fdam_ray.sites import client_label, client_labels
 from fdam_ray.state import ClientInfo
 
 log = logging.getLogger(__name__)
@@ -182,7 +183,8 @@ class Fleet:
             if where is None:
                 continue
             node = where["node_id"]
-            lines.append(f"placement: clients {', '.join(map(str, self.hosted.get(a, ())))} -> actor {a} -> node "
+            hosted = client_labels(self.hosted.get(a, ()), self.client_section.client_names)
+            lines.append(f"placement: clients {hosted} -> actor {a} -> node "
                          f"{node} ({ips.get(node, 'address unknown')})")
         return lines
 
@@ -235,13 +237,16 @@ class Fleet:
 
     def _actor_error(self, a: int, action: str, error: str, traceback: str = "") -> ClientError:
         hosted = tuple(self.hosted.get(a, ()))
-        return ClientError(hosted[0] if hosted else -1, self.round, action, error, traceback, a, hosted, True)
+        err = ClientError(hosted[0] if hosted else -1, self.round, action, error, traceback, a, hosted, True)
+        err.names = self.client_section.client_names
+        return err
 
     def _as_client_error(self, a: int, action: str, exc: BaseException) -> ClientError:
         cause = getattr(exc, "cause", None)
         err = cause if isinstance(cause, ClientError) else exc if isinstance(exc, ClientError) else None
         if err is not None:  # raised in client code (the client is named) or made here
             err.actor, err.clients = a, tuple(self.hosted.get(a, ())) or err.clients
+            err.names = self.client_section.client_names
             return err
         if isinstance(exc, ray.exceptions.RayActorError):
             what, text = "its actor process died", str(exc)
@@ -285,8 +290,8 @@ class Fleet:
     def _give_up(self, a: int, err: ClientError, attempts: int) -> None:
         """``on_client_failure: retry`` and the retries used up: stop the run with the error."""
         self._event(err, "abort")
-        who = (f"client {err.client_id}" if len(err.clients) == 1
-               else f"actor {a} (clients {', '.join(map(str, err.clients))})")
+        who = (f"client {client_label(err.client_id, err.names)}" if len(err.clients) == 1
+               else f"actor {a} (clients {client_labels(err.clients, err.names)})")
         err.add_note(f"{who} failed {attempts} times in this call (on_client_failure=retry, "
                      f"max_client_retries={self.config.max_client_retries})")
         raise err
@@ -305,14 +310,14 @@ class Fleet:
         self.lost_nodes.append(event)
         log.warning("node %s (%s) was lost in round %d with actors %s (clients %s); rebuilding them on the "
                     "surviving nodes", node, event["address"] or "address unknown", self.round,
-                    ", ".join(map(str, on_it)), ", ".join(map(str, clients)))
+                    ", ".join(map(str, on_it)), client_labels(clients, self.client_section.client_names))
 
     def _event(self, err: ClientError, outcome: str, dropped: list[int] | None = None) -> None:
         self.events.append({"client": err.client_id, "actor": err.actor, "clients": list(err.clients),
                             "round": err.round, "action": err.action, "error": err.error, "outcome": outcome,
                             **({"dropped": dropped} if dropped is not None else {})})
         log.warning("%s -> %s", err, outcome if dropped is None or len(err.clients) == 1
-                    else f"{outcome} (clients {', '.join(map(str, dropped))})")
+                    else f"{outcome} (clients {client_labels(dropped, err.names)})")
 
     # -- actors coming and going --------------------------------------------------------------------
     def kill(self, a: int) -> None:

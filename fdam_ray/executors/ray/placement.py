@@ -14,16 +14,21 @@ own verdict ``INFEASIBLE`` while waiting) fails within seconds, naming the
 bundles, the strategy and the nodes, unless an autoscaler may add nodes
 (:func:`~fdam_ray.executors.ray.compat.autoscaler_configured`). Every wait
 polls: a stop asked for (SIGTERM under ``fdam train``) and a cluster whose GCS
-went away end it at once, in one line.
+went away end it at once, in one line. The GCS queries a wait makes run in a
+helper thread (:func:`ask_gcs`): a GCS killed between a check and a query
+would otherwise hold the query for Ray's minute of reconnecting and then end
+the process.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import socket
+import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import ray
 from ray.util.placement_group import (
@@ -39,6 +44,7 @@ from fdam_ray.executors.ray import compat
 from fdam_ray.executors.ray_section import RayExecutorSection
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Resources every node has; the others (custom resources such as site_3) are what clients can be pinned by.
 _STANDARD = ("CPU", "GPU", "memory", "object_store_memory")
@@ -130,12 +136,35 @@ def check_capacity(bundle: dict[str, float], num_actors: int, *, grows: bool, ti
         detail = ", ".join(f"{r}: {v:g} needed, {h:g} in the cluster" for r, (v, h) in short.items())
         if not grows:
             raise ValueError(f"{num_actors} actors need more than the cluster offers ({detail}; {_node_line(nodes)}, "
-                             "no autoscaler); lower cpus_per_actor / gpus_per_actor, or host more clients per "
-                             "actor (clients_per_actor)")
+                             f"no autoscaler); lower cpus_per_actor / gpus_per_actor{_fitting(short, num_actors)}, "
+                             f"or host more clients per actor (clients_per_actor){_private_instead()}")
         log.warning("the cluster cannot hold %d actors yet (%s); waiting up to %g s for its autoscaler to add "
                     "nodes", num_actors, detail, timeout_s)
     if not grows:
         _check_strict(strategy, need, num_actors, nodes)
+
+
+def _fitting(short: dict[str, tuple[float, float]], num_actors: int) -> str:
+    """`` (cpus_per_actor=0.5 fits)``: the per-actor shares of the short resources that the cluster holds for
+    ``num_actors`` actors together ('' where one of them is not there at all)."""
+    fits = []
+    for resource, field in (("CPU", "cpus_per_actor"), ("GPU", "gpus_per_actor")):
+        if resource in short:
+            have = short[resource][1]
+            if have <= 0:
+                return ""
+            fits.append(f"{field}={math.floor(have / num_actors * 100) / 100:g}")
+    return f" ({' and '.join(fits)} fits)" if fits and all(not f.endswith("=0") for f in fits) else ""
+
+
+def _private_instead() -> str:
+    """What to do instead when the cluster was joined only because ``ray start`` recorded it on this machine."""
+    from fdam_ray.executors.ray.session import joined_recorded_cluster
+
+    if not joined_recorded_cluster():
+        return ""
+    return ("; it is the cluster `ray start` left running on this machine, joined because no address was given: "
+            "address=local starts a private Ray sized for the run instead")
 
 
 def _check_strict(strategy: str, need: dict[str, float], num_actors: int, nodes: Sequence[dict]) -> None:
@@ -158,6 +187,15 @@ def wait_for_group(group: PlacementGroup, *, what: str, timeout_s: float, grows:
     group's bundles and strategy, as the messages name them. The caller removes the group on an error."""
     from fdam_ray.outputs.run_folder import RunStopped, stop_requested
 
+    def check() -> None:
+        reason = stop_requested()
+        if reason is not None:
+            raise RunStopped(f"{reason}: stopped while waiting for the cluster to place {what}; nothing was "
+                             "trained", None)
+        gone = cluster_gone(what)
+        if gone is not None:
+            raise gone
+
     started = time.monotonic()
     ready = group.ready()
     said = 0.0
@@ -169,25 +207,20 @@ def wait_for_group(group: PlacementGroup, *, what: str, timeout_s: float, grows:
                 return
             except ray.exceptions.RayError as exc:  # e.g. TaskPlacementGroupRemoved: its cluster went away
                 raise cluster_gone_or(exc, what) from None
-        reason = stop_requested()
-        if reason is not None:
-            raise RunStopped(f"{reason}: stopped while waiting for the cluster to place {what}; nothing was "
-                             "trained", None)
-        gone = cluster_gone(what)
-        if gone is not None:
-            raise gone
+        check()
         from ray.util import placement_group_table
 
-        stats = placement_group_table(group).get("stats") or {}
+        stats = ask_gcs(lambda: placement_group_table(group), check).get("stats") or {}
         if stats.get("scheduling_state") == "INFEASIBLE" and not grows:
-            raise ValueError(f"the cluster can never place {what}: {_node_line(ray.nodes())}, no autoscaler; lower "
+            nodes = ask_gcs(ray.nodes, check)
+            raise ValueError(f"the cluster can never place {what}: {_node_line(nodes)}, no autoscaler; lower "
                              "cpus_per_actor / gpus_per_actor, use placement_strategy PACK or SPREAD, or add nodes")
         waited = time.monotonic() - started
         if waited > timeout_s:
             raise TimeoutError(waited)
         if waited - said >= (60.0 if said else 2.0):
             said = waited
-            free = ray.available_resources()
+            free = ask_gcs(ray.available_resources, check)
             log.warning("waiting %.0f s so far (up to %g s) for the cluster to place %s: %s; free now: CPU %g, GPU %g",
                         waited, timeout_s, what, "an autoscaler may add nodes" if grows else "busy with other work",
                         free.get("CPU", 0), free.get("GPU", 0))
@@ -203,6 +236,31 @@ def gcs_answers() -> bool:
         return True
     except (OSError, ValueError):
         return False
+
+
+def ask_gcs(query: Callable[[], T], check: Callable[[], None], poll_s: float = 0.25) -> T:
+    """``query()`` (a call Ray answers from the GCS), run in a helper thread while this one runs ``check()``
+    every ``poll_s`` until the answer comes: a check that raises (a stop asked for, the GCS gone) ends the wait
+    at once. A GCS that dies mid-query holds the query for Ray's minute of reconnecting; the helper thread is a
+    daemon, so the process can still leave."""
+    box: dict[str, Any] = {}
+
+    def ask() -> None:
+        try:
+            box["answer"] = query()
+        except BaseException as exc:  # handed to the waiting thread
+            box["error"] = exc
+
+    helper = threading.Thread(target=ask, name="fdam-gcs-query", daemon=True)
+    helper.start()
+    while True:
+        helper.join(poll_s)
+        if not helper.is_alive():
+            break
+        check()
+    if "error" in box:
+        raise box["error"]
+    return box["answer"]
 
 
 def cluster_gone(what: str) -> PlacementError | None:
@@ -319,25 +377,31 @@ class Placement:
             check_offered(cfg.client_resources, ray.nodes(), clients[:1])
         deadline = time.monotonic() + cfg.placement_timeout_s
         what = f"the bundle of actor {a} (clients {', '.join(map(str, clients))})"
-        while True:
+        group = self.placement_group
+
+        def check() -> None:
             reason = stop_requested()
             if reason is not None:  # mid-round: the federation checkpoints the round's start
                 raise PlacementError(f"{reason}: stopped while waiting for the cluster to place {what} again")
             gone = cluster_gone(what)
             if gone is not None:
                 raise gone
-            table = placement_group_table(self.placement_group)
-            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+        while True:
+            check()
+            table = ask_gcs(lambda: placement_group_table(group), check)
+            alive = {n["NodeID"] for n in ask_gcs(ray.nodes, check) if n.get("Alive")}
             node = table.get("bundles_to_node_id", {}).get(self.bundle_of[a])
             if table.get("state") == "CREATED" and node in alive:
                 return
             if time.monotonic() > deadline:
                 break
             time.sleep(0.5)
+        free = ask_gcs(ray.available_resources, check)
         raise PlacementError(
             f"clients {', '.join(map(str, clients))} (actor {a}) cannot be placed again within "
             f"placement_timeout_s={cfg.placement_timeout_s:g} s: their bundle {self.bundles.get(a)} fits none of "
-            f"the live nodes beside the other actors (available: {ray.available_resources()}); the run stops")
+            f"the live nodes beside the other actors (available: {free}); the run stops")
 
     def release(self) -> None:
         """Remove the placement group if it is this federation's own (an enclosing one stays)."""

@@ -56,6 +56,16 @@ from fdam_ray.redact import redact, redact_handlers, short
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# The address of the cluster this process joined because `ray start` recorded it on this machine (no address
+# given), for messages that suggest a private instance instead; None otherwise.
+_joined_recorded: str | None = None
+
+
+def joined_recorded_cluster() -> str | None:
+    """The address of the ``ray start`` cluster of this machine this process joined without being given an
+    address (:func:`ensure_ray`), else None."""
+    return _joined_recorded if ray.is_initialized() else None
+
 AUTH_HELP = (
     "set RAY_AUTH_MODE=token and give this process the cluster's token: RAY_AUTH_TOKEN=<token>, "
     "RAY_AUTH_TOKEN_PATH=<file holding it>, or the file ~/.ray/auth_token (print the token on the head node "
@@ -164,6 +174,7 @@ def ensure_ray(*, address: str | None, cpus_needed: float) -> bool:
             log.info("reusing the Ray instance this process already runs (address=%s not used)", redact(address))
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
+    _remember_recorded(None)
     if address == "auto":  # Ray would read the shared record itself, unchecked
         address, why = recorded_cluster()
         if address is None:
@@ -175,6 +186,7 @@ def ensure_ray(*, address: str | None, cpus_needed: float) -> bool:
             log.warning("joining the Ray cluster already running on this machine at %s (started by `ray start` "
                         "as this user); address=local starts a private Ray instead", running)
             address = running
+            _remember_recorded(running)
             if not os.environ.get("RAY_AUTH_MODE") and _token_at_hand():
                 _enable_token_mode()  # as Ray's own ray.init() does; the cluster's processes are this user's
     if address and address != "local":
@@ -184,13 +196,32 @@ def ensure_ray(*, address: str | None, cpus_needed: float) -> bool:
             _raise_if_stopped(f"while joining the Ray cluster at {redact(address)}")
         log.info("connecting to the Ray cluster at %s", redact(address))
         with _keeping_sigterm_handler(f"while joining the Ray cluster at {redact(address)}"):
-            ray.init(address=address)  # never with start-up arguments: Ray refuses them when joining
+            ray.init(address=address, **_shipped())  # never with start-up arguments: Ray refuses them when joining
         return False
     num_cpus = max(os.cpu_count() or 1, math.ceil(cpus_needed))
     log.info("starting a private local Ray instance (%d CPUs, every port on 127.0.0.1)", num_cpus)
     with _keeping_sigterm_handler("while a private local Ray started"):
         compat.start_loopback_ray(num_cpus=num_cpus, dashboard_host="127.0.0.1")
     return True
+
+
+def _shipped() -> dict[str, Any]:
+    """``runtime_env`` for a cluster joined by address: the modules of the current folder a ``module:attr``
+    factory was found in (:func:`~fdam_ray.factories.current_folder_modules`), as Ray's ``py_modules``, so that
+    workers on other machines import them as this driver does."""
+    from fdam_ray.factories import current_folder_modules
+
+    modules = current_folder_modules()
+    if not modules:
+        return {}
+    log.info("shipping %s of the current folder to the cluster (Ray's runtime_env py_modules)",
+             ", ".join(os.path.basename(m) for m in modules))
+    return {"runtime_env": {"py_modules": modules}}
+
+
+def _remember_recorded(address: str | None) -> None:
+    global _joined_recorded
+    _joined_recorded = address
 
 
 def _raise_if_stopped(when: str) -> None:

@@ -4,6 +4,7 @@
     star.py      classic calls, every actor's partial sum folded at the driver     transport=classic reduce=star
     node.py      classic calls, the actors of a node folded there first            transport=classic reduce=node
     compiled.py  the round as one Ray Compiled Graph                               transport=compiled reduce=star
+                 ... with the actors of a node merged there inside the graph       transport=compiled reduce=node
     collective.py  the actors all-reduce their sums and apply the server step     transport=collective reduce=star
                    (group.py: an actor's side of it)
 
@@ -16,21 +17,19 @@ from __future__ import annotations
 
 from fdam_ray.executors.ray.transports.base import Round, Transport
 from fdam_ray.executors.ray.transports.collective import CollectiveTransport
-from fdam_ray.executors.ray.transports.compiled import CompiledTransport
+from fdam_ray.executors.ray.transports.compiled import CompiledNodeTransport, CompiledTransport
 from fdam_ray.executors.ray.transports.node import NodeTransport
 from fdam_ray.executors.ray.transports.star import StarTransport
 
 __all__ = ["REFUSED", "REGISTRY", "Round", "Transport", "transport_for"]
 
 REGISTRY: dict[str, type[Transport]] = {cls.name: cls for cls in (StarTransport, NodeTransport, CompiledTransport,
-                                                                    CollectiveTransport)}
+                                                                    CompiledNodeTransport, CollectiveTransport)}
 
 # (transport, reduce) pairs of the config that no transport runs, and why
 REFUSED: dict[tuple[str, str], str] = {
-    ("compiled", "node"): "transport=compiled folds every actor's partial sum at the driver; reduce=node needs "
-                          "transport=classic",
     ("collective", "node"): "transport=collective reduces the actors' partial sums among the actors themselves; "
-                            "reduce=node needs transport=classic",
+                            "reduce=node needs transport=classic or compiled",
 }
 
 

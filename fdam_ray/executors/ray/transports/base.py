@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import ray
+
 from fdam_ray.algorithms.server import PartialSum
+from fdam_ray.deadlines import Deadline
 from fdam_ray.executors.ray_section import RayExecutorSection
 from fdam_ray.state import ClientInfo, GlobalState, RoundPlan
 
@@ -36,6 +40,9 @@ class Round:
         work: actor index -> its clients in this round and those of them that first adopt the global c (asked
             at call time, so a replacement adopts it).
         call: the round as a classic call on one actor (the first such call puts the state in the object store).
+        deadline: the round's deadline (:mod:`fdam_ray.deadlines`), or None to wait for every actor.
+        late: filled by the transport: actor index -> its call still running when the round was folded without
+            it (the executor has the actor roll the round back once that call ends).
     """
 
     state: GlobalState
@@ -44,6 +51,8 @@ class Round:
     targets: list[int]
     work: Callable[[int], tuple[list[int], list[int]]]
     call: Callable[[int, Any], Any]
+    deadline: Deadline | None = None
+    late: dict[int, Any] = dataclasses.field(default_factory=dict)
 
 
 class Transport(abc.ABC):
@@ -72,6 +81,33 @@ class Transport(abc.ABC):
         """After a broken round: apply the failure policy to the ``failed`` actors and re-run the round's call
         on their replacements and on ``again`` (actors whose part never ran), folding what they return."""
         self.fleet.rerun(failed, round.call, round.fold, again)
+
+    def gather(self, round: Round, refs: dict[int, Any], started: float) -> list[int]:
+        """Wait for the actors' round calls ``refs`` (actor -> ref) until the round's deadline, past it until
+        ``min_clients`` clients have reported (or until ``ray_timeout_s``); returns the actors whose call ended in
+        time, in arrival order, and puts the others in ``round.late``. Nothing is fetched here."""
+        deadline = round.deadline
+        assert deadline is not None
+        clients = {a: len(round.work(a)[0]) for a in refs}
+        enough = min(deadline.min_clients, sum(clients.values()))
+        pending = {ref: a for a, ref in refs.items()}
+        arrived: list[int] = []
+        times: list[float] = []
+        while pending:
+            now = time.monotonic() - started
+            due = deadline.due(times, len(refs))
+            reported = sum(clients[a] for a in arrived)
+            if due is not None and reported >= enough and now >= due:
+                break
+            wait = self.fleet.timeout - now if due is None or reported < enough else due - now
+            if wait <= 0:
+                break
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait, fetch_local=False)
+            for ref in ready:
+                arrived.append(pending.pop(ref))
+                times.append(time.monotonic() - started)
+        round.late.update({a: ref for ref, a in pending.items()})
+        return arrived
 
     def rest(self, took_s: float) -> None:  # noqa: B027 (optional hook)
         """Before work between rounds (scoring, checkpoints) that last took ``took_s``."""

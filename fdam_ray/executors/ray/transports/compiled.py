@@ -9,12 +9,16 @@ into pre-allocated shared-memory channels between the driver and the actors
 actor), which removes the per-call launch and object-store work of classic
 Ray calls. The channels are sized for the state at build time.
 
+With ``reduce: node`` (:class:`CompiledNodeTransport`) the actors of a node
+with several actors send their outputs, inside the graph, to a reducer actor
+on that node, which folds them; the driver reads one sum per such node.
+
 Waiting on a channel (``channel_wait``). Ray's channel reads poll: while a
 graph waits for its next input, each actor's graph thread keeps a core busy,
 and so does the driver while it waits for the outputs, so actors that share
 cores slow down the ones still computing, and an idle graph (during scoring
 or a checkpoint) burns a core per actor. With ``channel_wait: sleep`` (the
-default) a read of the graph's channels, by an actor or by the driver, polls
+default) a read of the graph's channels, by an actor, a node reducer or the driver, polls
 as Ray does for its first ``SPIN_S`` only (the gaps inside a loop of rounds
 are shorter) and then sleeps between checks, with pauses that grow with the
 time already waited (:func:`patient_read`): at most ``PAUSE_CAP_S`` while the
@@ -43,15 +47,18 @@ is rebuilt next round.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
 
 from fdam_ray.executors.ray import compat
 from fdam_ray.executors.ray.transports.base import Round, Transport
+from fdam_ray.executors.ray.transports.node import end_reducer, start_reducer
 from fdam_ray.interrupts import interruptible
 
 log = logging.getLogger(__name__)
@@ -63,6 +70,8 @@ logging.getLogger("ray.dag.compiled_dag_node").setLevel(logging.CRITICAL)
 
 NAP_FRACTION = 0.5  # of the shortest of the last 8 rounds, slept before reading a round's outputs
 REST_RATIO = 4.0  # channel_wait=spin: end the graph before work between rounds that last took this x a build
+STUCK_AFTER_S = 10.0  # reduce=node: a teardown still waiting after this ends the node reducers
+READY_TIMEOUT_S = 60.0  # reduce=node: longest wait for the reducers to answer after a broken round
 _CHANNEL_SLACK = 1 << 20  # bytes beyond the state: plan, client lists, pickling headers, step statistics
 
 # channel_wait=sleep: how long a wait polls before it sleeps (the gaps inside a loop of rounds are shorter), the
@@ -82,7 +91,9 @@ def patient_read(ray_read: Callable[[Any, float | None], Any], channel: Any, tim
     of rounds are shorter); after that it checks with a zero timeout and sleeps between checks, with pauses
     that start at ``FIRST_PAUSE_S`` and double up to the larger of ``PAUSE_CAP_S`` and ``PAUSE_OF_WAIT``
     times the time this channel has been waited on. A wait that the caller splits into several reads (Ray's
-    read loop asks again every ``read_iteration_timeout``) counts as one. Raises Ray's timeout error at the
+    read loop asks again every ``read_iteration_timeout``, 0.1 s) counts as one: it goes on with the wait's
+    start and its last pause (an idle graph's actor checks about 33 times a second, where starting each read's
+    pauses afresh made it 140). Raises Ray's timeout error at the
     deadline, and whatever ``ray_read`` raises.
     """
     from ray.exceptions import RayChannelTimeoutError
@@ -91,7 +102,7 @@ def patient_read(ray_read: Callable[[Any, float | None], Any], channel: Any, tim
     deadline = None if timeout is None or timeout < 0 else now + timeout
     since = getattr(channel, "_fdam_waiting_since", None) or now
     channel._fdam_waiting_since = since
-    pause = FIRST_PAUSE_S
+    pause = getattr(channel, "_fdam_pause", None) or FIRST_PAUSE_S  # a wait split into reads backs off as one
     while True:
         poll = max(0.0, SPIN_S - (now - since))  # Ray's polling while the wait is young
         if deadline is not None:
@@ -101,15 +112,16 @@ def patient_read(ray_read: Callable[[Any, float | None], Any], channel: Any, tim
         except RayChannelTimeoutError:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
-                raise  # the caller's next read goes on with the same wait: `since` is kept
+                channel._fdam_pause = pause
+                raise  # the caller's next read goes on with the same wait: `since` and the pause are kept
             if now - since >= SPIN_S:
                 time.sleep(pause if deadline is None else min(pause, deadline - now))
                 pause = min(2 * pause, max(PAUSE_CAP_S, PAUSE_OF_WAIT * (now - since)))
             continue
         except BaseException:
-            channel._fdam_waiting_since = None
+            channel._fdam_waiting_since = channel._fdam_pause = None
             raise
-        channel._fdam_waiting_since = None
+        channel._fdam_waiting_since = channel._fdam_pause = None
         return value
 
 
@@ -132,6 +144,28 @@ def _read(ray_read: Callable[[Any, float | None], Any], channel: Any, timeout: f
     return patient_read(ray_read, channel, timeout)
 
 
+def _sources(actors: dict[int, Any], merges: Sequence[tuple[Any, list[int]]]) -> list[tuple[Any, list[int]]]:
+    """Where each of the graph's outputs comes from, in output order: ``(reducer, its actors)`` for a node's
+    merge (at its first actor's position), ``(None, [actor])`` for an actor whose output is its own."""
+    merged_by_first = {group[0]: (reducer, list(group)) for reducer, group in merges}
+    merged = {a for _, group in merges for a in group}
+    sources: list[tuple[Any, list[int]]] = []
+    for a in sorted(actors):
+        if a in merged_by_first:
+            sources.append(merged_by_first[a])
+        elif a not in merged:
+            sources.append((None, [a]))
+    return sources
+
+
+def _outputs(message: Any, actors: dict[int, Any], sources: list[tuple[Any, list[int]]]) -> list[Any]:
+    """The graph's outputs over ``message`` (:func:`_sources`): a reducer's merge of its actors' rounds, or an
+    actor's round."""
+    return [reducer.merge_parts.bind(*[actors[b].compiled_round.bind(message) for b in group])
+            if reducer is not None else actors[group[0]].compiled_round.bind(message)
+            for reducer, group in sources]
+
+
 class CompiledRounds:
     """The compiled round graph of one federation: built on demand, rebuilt when the actors change."""
 
@@ -145,21 +179,29 @@ class CompiledRounds:
         self._recent: collections.deque[float] = collections.deque(maxlen=8)  # the last rounds' durations, s
         self.busy = False  # an execution was sent and its outputs not all read
         self.build_s = 0.0  # how long the last build took
+        self.groups: list[list[int]] = []  # the actors behind each output of the graph, in output order
+        self.on_stuck: Callable[[], None] | None = None  # ends what a teardown waits on forever (see teardown)
 
-    def _key(self, actors: dict[int, Any]) -> tuple:
-        return tuple((a, compat.actor_id(actors[a])) for a in sorted(actors))
+    def _key(self, actors: dict[int, Any], merges: Sequence[tuple[Any, list[int]]]) -> tuple:
+        return (tuple((a, compat.actor_id(actors[a])) for a in sorted(actors)),
+                tuple((compat.actor_id(reducer), tuple(group)) for reducer, group in merges))
 
-    def ensure(self, actors: dict[int, Any], state_bytes: int, timeout_s: float) -> None:
+    def ensure(self, actors: dict[int, Any], state_bytes: int, timeout_s: float,
+               merges: Sequence[tuple[Any, list[int]]] = ()) -> None:
         """Have a graph over exactly ``actors`` (index -> handle), with channels for ``state_bytes``;
-        ``timeout_s`` (``ray_timeout_s``) bounds the wait for a free input channel."""
-        key = self._key(actors)
+        ``timeout_s`` (``ray_timeout_s``) bounds the wait for a free input channel. ``merges`` (``reduce:
+        node``): per node reducer, its handle and its node's actors (ascending): their outputs go to the
+        reducer's :meth:`~fdam_ray.executors.ray.transports.node.NodeReducer.merge_parts`, whose one output
+        takes the place of theirs (at its first actor's position)."""
+        key = self._key(actors, merges)
         if self.graph is not None and key == self.key:
             return
         self.teardown()
         started = time.monotonic()
-        self.graph = compat.compile_graph(
-            lambda message: [actors[a].compiled_round.bind(message) for a in sorted(actors)],
-            submit_timeout_s=timeout_s, buffer_bytes=int(state_bytes) + _CHANNEL_SLACK)
+        sources = _sources(actors, merges)
+        self.graph = compat.compile_graph(lambda message: _outputs(message, actors, sources),
+                                          submit_timeout_s=timeout_s, buffer_bytes=int(state_bytes) + _CHANNEL_SLACK)
+        self.groups = [group for _, group in sources]
         self.build_s = time.monotonic() - started
         self.key = key
         self.builds += 1
@@ -167,10 +209,11 @@ class CompiledRounds:
         self._last_key = key
         if self.builds > 1:
             log.debug("the round's compiled graph was built again over actors %s",
-                      ", ".join(str(a) for a, _ in key))
+                      ", ".join(str(a) for a, _ in key[0]))
 
     def run(self, message: tuple, timeout_s: float) -> list[Any]:
-        """Execute one round; the outputs in actor order (partial sums, or None for actors without clients).
+        """Execute one round; the outputs in actor order (partial sums, or None for actors without clients;
+        a node's merged sum in place of its actors').
 
         Raises what Ray raises when an actor raised, died or did not answer within ``timeout_s``: the caller
         then tears the graph down and recovers the round from the actors (:meth:`ClientShell.round_status`).
@@ -203,14 +246,38 @@ class CompiledRounds:
 
     def teardown(self) -> None:
         """End the graph (the actors stay alive and take classic calls and a new graph). Ray waits for the
-        actors' loops to end; a stop signal ends that wait (:func:`fdam_ray.interrupts.interruptible`)."""
+        actors' loops to end; a stop signal ends that wait (:func:`fdam_ray.interrupts.interruptible`).
+
+        With ``on_stuck`` set (``reduce: node``: it ends the node reducers, which the next graph starts again),
+        a loop still running ``STUCK_AFTER_S`` after the teardown began is ended by it: a reducer's read of an
+        actor's channel was seen to miss the close (large states, Ray 2.60) and Ray would wait for it forever.
+        """
         graph, self.graph, self.key, self.busy = self.graph, None, (), False
-        if graph is not None:
+        if graph is None:
+            return
+        ended: list[BaseException | None] = []
+
+        def end() -> None:
             try:
-                with interruptible():
-                    graph.teardown()
-            except Exception as exc:  # a graph broken by a dead actor may fail to end cleanly; it is gone either way
-                log.debug("teardown of the compiled graph: %s", exc)
+                graph.teardown()
+                ended.append(None)
+            except Exception as exc:  # a graph broken by a dead actor may fail to end cleanly; it is gone anyway
+                ended.append(exc)
+
+        with interruptible():
+            if self.on_stuck is None:
+                end()
+            else:
+                waiter = threading.Thread(target=end, name="fdam-graph-teardown", daemon=True)
+                waiter.start()
+                waiter.join(STUCK_AFTER_S)
+                if waiter.is_alive():
+                    log.debug("the compiled graph's loops did not end within %.0f s; ending its reducers",
+                              STUCK_AFTER_S)
+                    self.on_stuck()
+                    waiter.join()
+        if ended and ended[0] is not None:
+            log.debug("teardown of the compiled graph: %s", ended[0])
 
 
 
@@ -229,16 +296,27 @@ class CompiledTransport(Transport):
         started = time.monotonic()
         calls = {a: round.work(a) for a in round.targets}
         try:
-            self.graph.ensure(self.fleet.actors, round.state.nbytes, self.fleet.timeout)
+            self.graph.ensure(self.fleet.actors, round.state.nbytes, self.fleet.timeout, self.merges())
             outputs = self.graph.run((round.state, round.plan, calls), self.fleet.timeout)
         except Exception as exc:  # Ray's task, channel and timeout errors: the actors say what happened
             log.debug("the compiled round %d broke: %s: %s", round.plan.round, type(exc).__name__, exc)
         else:
-            for partial in outputs:
-                if partial is not None:
-                    self.fleet.folded(partial, round.fold)
+            for partial in self._in_fold_order(outputs, round.targets):
+                self.fleet.folded(partial, round.fold)
             return
         self._recover_broken(round, sorted(calls), started)
+
+    def _in_fold_order(self, outputs: list[Any], targets: list[int]) -> list[Any]:
+        """The round's partial sums by the lowest target actor behind each: actor order, and with node merges
+        the order a classic ``reduce: node, fold_order: client`` round folds its nodes' sums in."""
+        chosen = set(targets)
+        keyed = [(min(chosen.intersection(group), default=-1), i, out)
+                 for i, (group, out) in enumerate(zip(self.graph.groups, outputs, strict=True)) if out is not None]
+        return [out for *_, out in sorted(keyed, key=lambda k: k[:2])]
+
+    def merges(self) -> list[tuple[Any, list[int]]]:
+        """The node merges of the graph (none: every actor's sum goes to the driver)."""
+        return []
 
     def _recover_broken(self, round: Round, targets: list[int], started: float) -> None:
         """Ask every actor of a broken compiled round how its part ended (a classic call, answered while the
@@ -295,3 +373,63 @@ class CompiledTransport(Transport):
             self.graph.teardown()
         end_actors()
         self.graph.teardown()  # a round cut short: the actors it waited on are gone, so it ends at once
+
+
+class CompiledNodeTransport(CompiledTransport):
+    """``transport: compiled, reduce: node``: the actors of a node send their sums, inside the graph, to that
+    node's reducer (:class:`~fdam_ray.executors.ray.transports.node.NodeReducer`, an actor pinned there with
+    no CPU reserved, so its merge never waits behind a client's step), which folds them in actor order; one
+    sum per node reaches the driver, folded in the order of a classic ``reduce: node, fold_order: client``
+    round, so the two runs are equal bit for bit. An actor alone on its node, or on a node known to be lost,
+    sends its own sum. A broken round is recovered from the actors as under ``reduce: star`` (what finished is
+    folded per actor at the driver, as the classic node transport does when a reducer fails); a reducer that
+    no longer answers then is dropped and, its node being alive, started again with the next graph."""
+
+    name = "compiled_node"
+    serves = ("compiled", "node")
+
+    def __init__(self, fleet, config) -> None:
+        super().__init__(fleet, config)
+        self.reducers: dict[str, Any] = {}
+        fleet.on_node_lost.append(self.drop_reducer)
+        self.graph.on_stuck = self.drop_reducers
+
+    def drop_reducers(self) -> None:
+        """End every node reducer (the next graph starts them again)."""
+        for node in list(self.reducers):
+            self.drop_reducer(node)
+
+    def merges(self) -> list[tuple[Any, list[int]]]:
+        lost = {e["node_id"] for e in self.fleet.lost_nodes}
+        by_node: dict[str, list[int]] = {}
+        for a in sorted(self.fleet.actors):
+            node = self.fleet.where_of.get(a, {}).get("node_id")
+            if node is not None and node not in lost:
+                by_node.setdefault(node, []).append(a)
+        out = []
+        for node, group in by_node.items():
+            if len(group) > 1:
+                if node not in self.reducers:
+                    patient = self.graph.channel_wait == "sleep"
+                    self.reducers[node] = start_reducer(node, functools.partial(patient_reads, patient))
+                out.append((self.reducers[node], group))
+        return out
+
+    def _recover_broken(self, round: Round, targets: list[int], started: float) -> None:
+        asked = {node: reducer.ready.remote() for node, reducer in self.reducers.items()}
+        deadline = time.monotonic() + min(self.fleet.timeout, READY_TIMEOUT_S)
+        for node, ref in asked.items():
+            try:
+                ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
+            except ray.exceptions.RayError as exc:
+                log.warning("the reducer of node %s failed in round %d (%s); folding its actors' sums directly",
+                            node, round.plan.round, type(exc).__name__)
+                self.drop_reducer(node)
+        super()._recover_broken(round, targets, started)
+
+    def drop_reducer(self, node: str) -> None:
+        end_reducer(node, self.reducers.pop(node, None))
+
+    def close(self, end_actors) -> None:
+        super().close(end_actors)
+        self.drop_reducers()

@@ -8,12 +8,18 @@ node known to be lost, is folded directly). A reducer that fails (its node
 lost, or killed) is never reused: its actors' sums are fetched by the driver.
 Failed actors are replaced and their calls re-run after the round
 (:meth:`~fdam_ray.executors.ray.transports.base.Transport.recover`).
+
+With a round deadline (:mod:`fdam_ray.deadlines`) the driver first waits for
+the actors' calls until the deadline, then has the nodes merge those that
+ended in time (a merge then starts once the deadline is known, not while the
+node's last client still steps).
 """
 
 from __future__ import annotations
 
 import logging
 import pickle
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,6 +30,7 @@ from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.executors.errors import ClientError
 from fdam_ray.executors.ray.transports.base import Round, Transport
 from fdam_ray.executors.ray_section import RayExecutorSection
+from fdam_ray.transfer import CompressedSum, compress_differences, differences
 
 log = logging.getLogger(__name__)
 
@@ -39,28 +46,57 @@ class NodeReducer:
     and the driver replaces it and folds its re-run directly.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_start: Callable[[], Any] | None = None) -> None:
         self._kept: PartialSum | None = None
+        if on_start is not None:  # transport=compiled: how its graph thread waits on channels (channel_wait)
+            on_start()
 
     def merge(self, refs: list, actors: list[int], ordered: bool = False
-              ) -> tuple[PartialSum | None, list[tuple[int, BaseException]]]:
+              ) -> tuple[PartialSum | CompressedSum | None, list[tuple[int, BaseException]]]:
         held: PartialSum | None = None  # the first part to arrive, a read-only view until a second one comes
         total: PartialSum | None = None
         failed: list[tuple[int, BaseException]] = []
+        rounded: str | None = None  # transfer_precision of sums sent as rounded differences
         for a, ref in _arrivals(dict(zip(refs, actors, strict=True)), ordered):
             try:
                 part = ray.get(ref)
             except Exception as exc:  # the driver applies the failure policy
                 failed.append((a, _portable(exc)))
                 continue
-            if total is None and held is None:
-                held = part
-            elif total is None and held is not None:
-                total, held = self._sum_of(held, part), None
-            elif total is not None:
-                total.merge(part)
+            if isinstance(part, CompressedSum):  # differences add up like the sums they stand for
+                rounded, part = part.precision, differences(part)
+            held, total = self._fold_in(held, total, part)
             del part
-        return (held if total is None else total), failed
+        merged = held if total is None else total
+        if rounded is not None and merged is not None:  # rounded once more for the trip to the driver
+            return compress_differences(merged, rounded), failed
+        return merged, failed
+
+    def merge_parts(self, *parts: PartialSum | None) -> PartialSum | None:
+        """Under ``transport: compiled``: the outputs of the node's actors in the round's graph, in actor order
+        (None from an actor without clients this round), folded as :meth:`merge` folds them in actor order; one
+        part alone is passed on as it came. Runs on the reducer's own thread, never behind a client's step."""
+        held: PartialSum | None = None
+        total: PartialSum | None = None
+        for part in parts:
+            if part is not None:
+                held, total = self._fold_in(held, total, part)
+        return held if total is None else total
+
+    def ready(self) -> bool:
+        """Answers while the reducer lives (the driver asks after a compiled round broke)."""
+        return True
+
+    def _fold_in(self, held: PartialSum | None, total: PartialSum | None, part: PartialSum
+                 ) -> tuple[PartialSum | None, PartialSum | None]:
+        """``(held, total)`` after adding ``part``: the first part is held as it is, the second makes the sum."""
+        if total is None and held is None:
+            return part, None
+        if total is None and held is not None:
+            return None, self._sum_of(held, part)
+        assert total is not None
+        total.merge(part)
+        return held, total
 
     def _sum_of(self, first: PartialSum, second: PartialSum) -> PartialSum:
         """``first + second`` written into the sums kept on this reducer (made again only when shapes change)."""
@@ -99,6 +135,23 @@ def _portable(exc: BaseException) -> BaseException:
 
 _RemoteReducer = ray.remote(NodeReducer)
 
+
+def start_reducer(node: str, on_start: Callable[[], Any] | None = None) -> Any:
+    """A :class:`NodeReducer` actor pinned to ``node``, with no CPU reserved (its merges take no client's
+    slot and never wait behind a client's step); ``on_start`` (picklable) runs in the reducer's process as it
+    starts (the compiled transport makes its channel reads sleep there, as the actors' do)."""
+    return _RemoteReducer.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+        node, soft=False)).remote(on_start)
+
+
+def end_reducer(node: str, reducer: Any) -> None:
+    """Kill ``reducer`` (the reducer of ``node``; None: nothing to end)."""
+    if reducer is not None:
+        try:
+            ray.kill(reducer, no_restart=True)
+        except Exception as exc:  # already gone with its node
+            log.debug("kill of the reducer of node %s: %s", node, exc)
+
 _FAILURES = (ray.exceptions.RayError, ClientError)
 
 
@@ -116,7 +169,11 @@ class NodeTransport(Transport):
 
     def run_round(self, round: Round) -> None:
         fleet = self.fleet
+        started = time.monotonic()
         refs = {a: round.call(a, fleet.actors[a]) for a in sorted(round.targets)}
+        if round.deadline is not None:  # the nodes merge what made the deadline, once it is known
+            fleet.in_flight = dict.fromkeys(refs.values(), (0, 0.0))
+            refs = {a: refs[a] for a in sorted(self.gather(round, refs, started))}
         waiting = self._merges(refs)  # a merge (node, its actors) or an actor's sum (None, [a])
         fleet.in_flight = dict.fromkeys([*refs.values(), *waiting], (0, 0.0))
         failed: dict[int, BaseException] = {}
@@ -176,17 +233,11 @@ class NodeTransport(Transport):
 
     def _reducer(self, node: str) -> Any:
         if node not in self.reducers:
-            self.reducers[node] = _RemoteReducer.options(
-                num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+            self.reducers[node] = start_reducer(node)
         return self.reducers[node]
 
     def drop_reducer(self, node: str) -> None:
-        reducer = self.reducers.pop(node, None)
-        if reducer is not None:
-            try:
-                ray.kill(reducer, no_restart=True)
-            except Exception as exc:  # already gone with its node
-                log.debug("kill of the reducer of node %s: %s", node, exc)
+        end_reducer(node, self.reducers.pop(node, None))
 
     def close(self, end_actors: Callable[[], None]) -> None:
         end_actors()

@@ -1,0 +1,40 @@
+"""fdam-ray on Flower's deployment engine: the same algorithm modules behind a Flower ServerApp and ClientApp.
+
+A Ray cluster is one trust domain; a consortium of hospitals is not. Flower's
+deployment engine lets each site run a SuperNode that connects out to one
+SuperLink (TLS, node authentication, secure aggregation), and this package runs
+fdam-ray's federation over it:
+
+- the server side is :class:`~fdam_ray.federation.Federation` itself (stages,
+  eta_g, the global control variate c, CODA's alpha step, client sampling and
+  weights of docs/algorithms.md s.3b), given a :class:`FlowerExecutor` that
+  moves each round's state and updates as Flower messages instead of Ray calls
+  (:mod:`.executor`);
+- the site side is :class:`~fdam_ray.client.Client` (the local solver, c^k,
+  sampler position, stage reference), rebuilt for every message from what the
+  site keeps in the node's state and in a file of its own (:mod:`.site`);
+- with SecAgg+ (:mod:`.secagg`) the server receives only the sums of the
+  sites' updates.
+
+Import this package only where Flower is installed (``pip install
+"fdam-ray[flower]"``); the rest of fdam_ray never imports it.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Flower reports usage events to its own server unless told not to, read once when flwr is imported: a
+# consortium's processes talk to its SuperLink only. FLWR_TELEMETRY_ENABLED=1 in the environment turns them on.
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+
+try:
+    import flwr  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    from fdam_ray.data.base import MissingExtraError
+
+    raise MissingExtraError('fdam_ray.flower needs Flower: pip install "fdam-ray[flower]"') from exc
+
+from fdam_ray.flower.section import FlowerSection, split_config
+
+__all__ = ["FlowerSection", "split_config"]

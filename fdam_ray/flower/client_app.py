@@ -1,0 +1,170 @@
+"""The site's Flower ClientApp: each message runs one phase of the site's fdam-ray client.
+
+Message types (the server side is :class:`~fdam_ray.flower.executor.FlowerExecutor`):
+
+- ``query.hello``: which site this node is and what it keeps for the run;
+- ``query.sync``: the run's config, the global p, the stage's centre (and the stage's c^k reset); replies
+  with the client's counts (:class:`~fdam_ray.state.ClientInfo`);
+- ``train.round``: one round of local steps from the global state, the update in the clear;
+- ``train``: the same round under SecAgg+ (``secaggplus_mod`` masks what the site sends, see :mod:`.secagg`);
+- ``query.change``: the change of c^k in the site's last round (a round another site dropped out of);
+- ``evaluate``: scores of the global model on the site's own test split;
+- ``query.moments``: score sums for CODA's closed-form alpha.
+
+The site's data come from its node config (:func:`~fdam_ray.flower.site.site_source`); ``state-dir`` names
+where it keeps its state file, ``share-test-scores = false`` keeps its test scores and labels at home and
+``require-secagg = true`` refuses rounds whose update would reach the server in the clear.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.client.mod import secaggplus_mod
+from flwr.clientapp import ClientApp
+
+from fdam_ray.flower import records
+from fdam_ray.flower.secagg import secure_round
+from fdam_ray.flower.site import KeptState, SiteStore, build_client, site_source, zero_control_variate
+from fdam_ray.state import ClientUpdate, GlobalState, RoundPlan
+
+app = ClientApp()
+
+
+@dataclasses.dataclass
+class SiteCall:
+    """One message's view of the site: its number, data, store and kept state (settled for the message)."""
+
+    site: int
+    source: Any
+    store: SiteStore
+    kept: KeptState
+    node_config: Any
+
+
+def open_site(context: Context, cfg: ConfigRecord | None, *, check_run: bool = True) -> SiteCall:
+    site, source = site_source(context.node_config)
+    store = SiteStore(context.state, _text(context.node_config.get("state-dir")), site)
+    kept = store.load()
+    if cfg is not None and check_run:
+        if kept.run_key != cfg["run_key"] or kept.version != cfg["version"]:
+            raise RuntimeError(f"site {site} is not in step with the server (run {kept.run_key or '-'} version "
+                               f"{kept.version}, server {records.raw(cfg, 'run_key')} version "
+                               f"{records.raw(cfg, 'version')}): sync first")
+        kept.settle(records.integer(cfg, "counted"))
+    return SiteCall(site, source, store, kept, context.node_config)
+
+
+def _text(value: Any) -> str | None:
+    return None if value in (None, "") else str(value)
+
+
+def _flag(node_config: Any, key: str, default: bool) -> bool:
+    value = node_config.get(key, default)
+    return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+
+
+def local_round(call: SiteCall, state: GlobalState, plan: RoundPlan) -> ClientUpdate:
+    """The site's round: its client from the kept state, I local steps, the new state kept as pending."""
+    kept = call.kept
+    client = build_client(call.site, call.source, kept)
+    if kept.client is None and kept.replaced and state.c_v is not None and state.c_alpha is not None:
+        client.set_control_variate(state.c_v, state.c_alpha)  # a replaced client starts from c
+    start = client.get_state()
+    update = client.local_round(state, plan)
+    kept.pending_round, kept.pending, kept.pending_start = plan.round, client.get_state(), start
+    call.store.save(kept)
+    update.stats.client_id = call.site
+    return update
+
+
+@app.query("hello")
+def hello(msg: Message, context: Context) -> Message:
+    call = open_site(context, None, check_run=False)
+    cfg = msg.content.config_records[records.CONFIG]
+    same_run = call.kept.run_key == cfg["run_key"]
+    src = call.source
+    return Message(RecordDict({records.CONFIG: records.config({
+        "site": call.site, "version": call.kept.version if same_run else 0,
+        "input_shape": [int(d) for d in src.input_shape], "num_tasks": int(src.num_tasks),
+        "task_names": [str(t) for t in src.task_names]})}), reply_to=msg)
+
+
+@app.query("sync")
+def sync(msg: Message, context: Context) -> Message:
+    cfg = msg.content.config_records[records.CONFIG]
+    call = open_site(context, None, check_run=False)
+    kept = call.kept
+    if kept.run_key != cfg["run_key"]:
+        kept = call.kept = KeptState(run_key=str(cfg["run_key"]), replaced=bool(cfg["replaced"]))
+    kept.settle(records.integer(cfg, "counted"))
+    kept.config = str(cfg["config"])
+    arrays = records.numpy_of(msg.content.array_records[records.ARRAYS])
+    if "positive_ratio" in arrays:
+        kept.positive_ratio = arrays["positive_ratio"]
+    stage = records.integer(cfg, "stage")
+    if stage > kept.stage:
+        kept.reference = arrays["reference"]
+        if cfg["reset"]:
+            zero_control_variate(kept.client)
+            kept.replaced = False  # the stage starts every c^k at zero
+        kept.stage = stage
+    kept.version = records.integer(cfg, "version")
+    info = build_client(call.site, call.source, kept).info()
+    call.store.save(kept)
+    return Message(records.info_content(info), reply_to=msg)
+
+
+@app.train("round")
+def train_round(msg: Message, context: Context) -> Message:
+    cfg = msg.content.config_records[records.CONFIG]
+    call = open_site(context, cfg)
+    if _flag(call.node_config, "require-secagg", False):
+        raise PermissionError(f"site {call.site} takes part only in rounds under secure aggregation "
+                              "(require-secagg); set flower.secagg: true on the server")
+    update = local_round(call, records.global_state_of(msg.content), records.plan_of(cfg))
+    return Message(RecordDict({records.STATE: records.arrays(update.vectors()),
+                               records.CONFIG: records.config(records.stats_config(update.stats))}), reply_to=msg)
+
+
+@app.train(mods=[secaggplus_mod])
+def train_secure(msg: Message, context: Context) -> Message:
+    return secure_round(msg, context, lambda cfg: open_site(context, cfg), local_round)
+
+
+@app.query("change")
+def change(msg: Message, context: Context) -> Message:
+    cfg = msg.content.config_records[records.CONFIG]
+    call = open_site(context, None, check_run=False)
+    kept, wanted = call.kept, records.integer(cfg, "round")
+    if kept.pending is None or kept.pending_round != wanted or kept.pending_start is None:
+        raise RuntimeError(f"site {call.site} holds no update of round {wanted}")
+    new, old = kept.pending, kept.pending_start
+    delta = {name: None if new.get(name) is None else
+             np.asarray(new[name], dtype=np.float32) - np.asarray(old[name], dtype=np.float32)
+             for name in ("c_v", "c_alpha")}
+    return Message(RecordDict({records.STATE: records.arrays(delta)}), reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    cfg = msg.content.config_records[records.CONFIG]
+    call = open_site(context, cfg)
+    scores = None
+    if _flag(call.node_config, "share-test-scores", True):
+        split = str(cfg.get("split", "test"))  # "val": the site's validation part (val_fraction > 0)
+        scores = build_client(call.site, call.source, call.kept).evaluate(records.global_state_of(msg.content), split)
+    return Message(records.scores_content(scores), reply_to=msg)
+
+
+@app.query("moments")
+def moments(msg: Message, context: Context) -> Message:
+    cfg = msg.content.config_records[records.CONFIG]
+    call = open_site(context, cfg)
+    client = build_client(call.site, call.source, call.kept)
+    return Message(records.moments_content(client.score_moments(records.global_state_of(msg.content))),
+                   reply_to=msg)
+

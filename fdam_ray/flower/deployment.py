@@ -1,0 +1,290 @@
+"""A consortium on one machine: TLS certificates, a SuperLink and one SuperNode per site on 127.0.0.1.
+
+What a real consortium runs on several machines (the SuperLink at the
+coordinating centre, a SuperNode at each hospital, ``flwr run`` from a study
+member's laptop), started here as local processes for the example and the
+tests. Every process listens on 127.0.0.1 only and every connection is TLS with
+certificates this module makes (a throw-away certificate authority and a server
+certificate for 127.0.0.1 and localhost). Processes are stopped by their pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import ipaddress
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+APP_NAME = "fdam-consortium"
+
+
+@dataclasses.dataclass(frozen=True)
+class Certificates:
+    ca: Path
+    server_cert: Path
+    server_key: Path
+
+
+def make_certificates(folder: str | Path) -> Certificates:
+    """A certificate authority and a server certificate (127.0.0.1, localhost) signed by it, valid one day."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+
+    def name(text: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, text)])
+
+    def signed(builder: x509.CertificateBuilder, key: Any) -> x509.Certificate:
+        return builder.sign(key, hashes.SHA256())
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=1)
+    authority = name("fdam consortium CA")
+    ca = signed(x509.CertificateBuilder().subject_name(authority).issuer_name(authority)
+                .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(start).not_valid_after(end)
+                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True), ca_key)
+    key = ec.generate_private_key(ec.SECP256R1())
+    sans = x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address(LOOPBACK))])
+    cert = signed(x509.CertificateBuilder().subject_name(name("fdam superlink")).issuer_name(ca.subject)
+                  .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                  .not_valid_before(start).not_valid_after(end)
+                  .add_extension(sans, critical=False), ca_key)
+    out = Certificates(folder / "ca.crt", folder / "server.pem", folder / "server.key")
+    out.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    out.server_cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    out.server_key.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                serialization.NoEncryption()))
+    out.server_key.chmod(0o600)
+    return out
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+def write_app(folder: str | Path) -> Path:
+    """A Flower App whose components are fdam-ray's ServerApp and ClientApp (the code is the installed fdam_ray)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "pyproject.toml").write_text(f"""[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "{APP_NAME}"
+version = "1.0.0"
+dependencies = []
+
+[tool.hatch.build.targets.wheel]
+packages = ["."]
+
+[tool.flwr.app]
+publisher = "fdam-ray"
+
+[tool.flwr.app.components]
+serverapp = "fdam_ray.flower.server_app:app"
+clientapp = "fdam_ray.flower.client_app:app"
+
+[tool.flwr.app.config]
+config = ""
+result = ""
+""", encoding="utf-8")
+    (folder / "README.md").write_text("fdam-ray's CODASCA / CODA+ as a Flower App.\n", encoding="utf-8")
+    return folder
+
+
+def node_config_text(values: Mapping[str, Any]) -> str:
+    """``--node-config`` text: ``key=value`` pairs, strings quoted."""
+    def one(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return str(v)
+        return "'" + str(v).replace("'", "") + "'"
+
+    return " ".join(f"{k}={one(v)}" for k, v in values.items())
+
+
+class Consortium:
+    """A SuperLink and one SuperNode per site, on 127.0.0.1 with TLS, in ``folder`` (logs, certificates, state).
+
+    Args:
+        folder: where everything this consortium writes goes.
+        sites: one node config per site (``site``, ``data`` or ``source``, ``state-dir``, ...).
+        secagg: nothing differs on the nodes (the ClientApp always carries the SecAgg+ mod).
+    """
+
+    def __init__(self, folder: str | Path, sites: Sequence[Mapping[str, Any]]) -> None:
+        self.folder = Path(folder)
+        self.sites = [dict(s) for s in sites]
+        self.certs = make_certificates(self.folder / "certificates")
+        self.port = free_port()
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.home = self.folder / "flwr-home"
+        bin_dir = str(Path(sys.executable).parent)  # Flower's processes start Flower's other commands by name
+        self.env = {**os.environ, "FLWR_HOME": str(self.home), "PYTHONUNBUFFERED": "1", "FLWR_TELEMETRY_ENABLED": "0",
+                    "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+        self.env.pop("RAY_ADDRESS", None)
+        self._write_connection()
+
+    def _write_connection(self) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        (self.home / "config.toml").write_text(f"""[superlink]
+default = "consortium"
+
+[superlink.consortium]
+address = "{LOOPBACK}:{self.port}"
+root-certificates = "{self.certs.ca}"
+""", encoding="utf-8")
+
+    def _bin(self, name: str) -> str:
+        here = Path(sys.executable).parent / name
+        found = str(here) if here.exists() else shutil.which(name)
+        if found is None:
+            raise FileNotFoundError(f"'{name}' is not installed (pip install \"fdam-ray[flower]\")")
+        return found
+
+    def _start(self, key: str, args: list[str]) -> subprocess.Popen:
+        logfile = open(self.folder / f"{key}.log", "ab")  # the process holds it; closed here after the start
+        proc = subprocess.Popen(args, stdout=logfile, stderr=subprocess.STDOUT, env=self.env, cwd=self.folder,
+                                start_new_session=True)
+        logfile.close()
+        self.processes[key] = proc
+        log.info("%s started (pid %d)", key, proc.pid)
+        return proc
+
+    def start_superlink(self) -> None:
+        self._start("superlink", [self._bin("flower-superlink"), "--host", LOOPBACK, "--port", str(self.port),
+                                  "--ssl-ca-certfile", str(self.certs.ca), "--ssl-certfile",
+                                  str(self.certs.server_cert), "--ssl-keyfile", str(self.certs.server_key)])
+        self._wait_port(self.port)
+
+    def start_site(self, index: int) -> None:
+        site = self.sites[index]
+        self._start(f"site{index}", [self._bin("flower-supernode"), "--superlink", f"{LOOPBACK}:{self.port}",
+                                     "--root-certificates", str(self.certs.ca), "--host", LOOPBACK,
+                                     "--port", str(free_port()), "--node-config", node_config_text(site)])
+
+    def start(self) -> Consortium:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.start_superlink()
+        for i in range(len(self.sites)):
+            self.start_site(i)
+        return self
+
+    def stop_process(self, key: str, timeout: float = 20.0) -> None:
+        """Stop one process and the processes it started, each by its pid (SIGTERM, SIGKILL after ``timeout``).
+
+        Flower starts some of its helpers detached, in sessions of their own, so they are found by their parent
+        pid before anything is stopped."""
+        proc = self.processes.pop(key, None)
+        if proc is None:
+            return
+        pids = [*_descendants(proc.pid), proc.pid] if proc.poll() is None else []
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            proc.poll()
+            time.sleep(0.2)
+        for pid in pids:
+            if _alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(5)
+
+    def stop(self) -> None:
+        for key in [k for k in self.processes if k != "superlink"]:
+            self.stop_process(key)
+        self.stop_process("superlink")
+
+    def __enter__(self) -> Consortium:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _wait_port(self, port: int, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for key, proc in self.processes.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{key} exited with code {proc.returncode}; see {self.folder / (key + '.log')}")
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                if s.connect_ex((LOOPBACK, port)) == 0:
+                    return
+            time.sleep(0.5)
+        raise TimeoutError(f"nothing listens on {LOOPBACK}:{port} after {timeout:g} s")
+
+    def run(self, app: str | Path, config: str | Path, result: str | Path, *, timeout: float = 900.0) -> None:
+        """``flwr run`` the app with the config file; wait until the result file is written."""
+        overrides = f"config='{Path(config).resolve()}' result='{Path(result).resolve()}'"
+        out = subprocess.run([self._bin("flwr"), "run", str(app), "consortium", "--run-config", overrides],
+                             env=self.env, cwd=self.folder, capture_output=True, text=True, timeout=120)
+        (self.folder / "flwr-run.log").write_text(out.stdout + out.stderr, encoding="utf-8")
+        if out.returncode != 0:
+            raise RuntimeError(f"flwr run failed ({out.returncode}): {(out.stderr or out.stdout)[-2000:]}")
+        deadline = time.monotonic() + timeout
+        while not Path(result).exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the run wrote no result within {timeout:g} s; see the logs in {self.folder}")
+            if self.processes.get("superlink") is not None and self.processes["superlink"].poll() is not None:
+                raise RuntimeError(f"the SuperLink exited; see {self.folder / 'superlink.log'}")
+            time.sleep(1.0)
+
+
+def _children() -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        out.setdefault(ppid, []).append(int(entry.name))
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    """The pids of every process below ``pid`` (children first listed deepest last)."""
+    children, found, todo = _children(), [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

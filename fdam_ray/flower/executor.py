@@ -1,0 +1,316 @@
+"""The server side on Flower: fdam-ray's executor interface over a Flower Grid.
+
+:class:`~fdam_ray.federation.Federation` runs the paper's outer loop here as it
+does inline or on Ray (stages, rounds, the server step of
+:mod:`fdam_ray.algorithms.server` with eta_g, the global c, CODA's alpha,
+client sampling and weights of docs/algorithms.md s.3b, evaluation); this
+executor only moves what the loop hands it. Each site is one client, hosted on
+its own SuperNode; the updates of a round are folded in site order, one
+partial sum per site as the inline executor folds them with
+``clients_per_actor: 1``, so a Flower run equals an inline run.
+
+A site whose reply does not come within ``round_timeout_s`` is left out of the
+round: the others' updates make the round (their weights renormalised) and the
+global c moves by their changes of c^k over the total weight of all K sites
+(SCAFFOLD's rule for partial participation), so c stays the weighted mean of
+every site's c^k. The site is told at its next message that its round was not
+counted, and goes on from its state before it. A site whose node restarts is
+found again by its site number; it keeps its state if it kept a file of it
+(``state-dir``), else it starts as a replaced client (its c^k set to the global
+c, a fresh sampler).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
+
+from fdam_ray.algorithms.sampling import client_weights
+from fdam_ray.algorithms.server import PartialSum
+from fdam_ray.executors.base import Executor
+from fdam_ray.flower import records
+from fdam_ray.flower.section import FlowerSection
+from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, Moments, RoundPlan, Scores
+
+if TYPE_CHECKING:
+    from fdam_ray.config import Config
+    from fdam_ray.data import DataSource
+
+log = logging.getLogger(__name__)
+
+
+class SiteShapes:
+    """What the sites said of their data when they connected (the driver's replica needs it)."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_tasks: int, task_names: tuple[str, ...]) -> None:
+        self.input_shape, self.num_tasks, self.task_names = input_shape, num_tasks, task_names
+
+
+class FlowerExecutor(Executor):
+    """The K clients of a federation as K Flower sites reached through ``grid``.
+
+    Args:
+        grid: the ServerApp's grid.
+        flower: the config's Flower section.
+        run_key: names this run at the sites (their kept state belongs to it).
+        num_sites: K; the sites are numbered 0..K-1 by their node config.
+    """
+
+    def __init__(self, grid: Grid, flower: FlowerSection, *, run_key: str, num_sites: int) -> None:
+        self.grid = grid
+        self.flower = flower
+        self.run_key = run_key
+        self.num_sites = num_sites
+        self.node_of: dict[int, int] = {}  # site -> node id
+        self.site_of: dict[int, int] = {}  # node id -> site
+        self.synced: dict[int, int] = {}  # site -> setup version it has applied
+        self.counted: dict[int, int] = {k: -1 for k in range(num_sites)}  # site -> last round of it folded
+        self.version = 0
+        self.config_json = ""
+        self.positive_ratio: np.ndarray | None = None
+        self.stage = 0
+        self.reference: np.ndarray | None = None
+        self.reset = True
+        self.weights: np.ndarray | None = None  # w_k by site (None: uniform)
+        self.shapes: SiteShapes | None = None
+        self.secure: Callable[..., PartialSum | None] | None = None  # set by secagg.enable
+        self.replaced: set[int] = set()  # sites that lost their state mid-run (they start from the global c)
+        self.with_tests: list[int] = []  # sites holding a test split of their own
+
+    # -- finding the sites -----------------------------------------------------------------
+    def connect(self) -> SiteShapes:
+        """Wait until every site 0..K-1 has connected; what their data look like."""
+        deadline = time.monotonic() + self.flower.connect_timeout_s
+        while True:
+            self.refresh()
+            missing = [k for k in range(self.num_sites) if k not in self.node_of]
+            if not missing:
+                assert self.shapes is not None
+                return self.shapes
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"sites {missing} did not connect within flower.connect_timeout_s="
+                                   f"{self.flower.connect_timeout_s:g} s ({len(self.node_of)} of {self.num_sites} "
+                                   "did)")
+            time.sleep(0.5)
+
+    def refresh(self) -> None:
+        """Ask nodes not seen before which site they are; forget nodes that left."""
+        nodes = set(self.grid.get_node_ids())
+        for node in [n for n in self.site_of if n not in nodes]:
+            site = self.site_of.pop(node)
+            if self.node_of.get(site) == node:
+                del self.node_of[site]
+                log.warning("site %d (node %d) left", site, node)
+        new = sorted(n for n in nodes if n not in self.site_of)
+        if not new:
+            return
+        cfg = records.config({"run_key": self.run_key})
+        messages = [Message(RecordDict({records.CONFIG: cfg}), dst_node_id=n, message_type="query.hello")
+                    for n in new]
+        for reply in self.grid.send_and_receive(messages, timeout=self.flower.round_timeout_s):
+            if reply.has_error():
+                log.warning("node %d did not say which site it is: %s", reply.metadata.src_node_id,
+                            reply.error.reason)
+                continue
+            self._adopt(reply.metadata.src_node_id, reply.content.config_records[records.CONFIG])
+
+    def _adopt(self, node: int, said: ConfigRecord) -> None:
+        site = records.integer(said, "site")
+        if not 0 <= site < self.num_sites:
+            log.warning("node %d says it is site %d; this run has sites 0..%d: ignored", node, site,
+                        self.num_sites - 1)
+            return
+        shapes = SiteShapes(tuple(int(d) for d in records.raw(said, "input_shape")), records.integer(said, "num_tasks"),
+                            tuple(str(t) for t in records.raw(said, "task_names")))
+        if self.shapes is None:
+            self.shapes = shapes
+        elif (shapes.input_shape, shapes.num_tasks) != (self.shapes.input_shape, self.shapes.num_tasks):
+            raise ValueError(f"site {site}'s samples have shape {shapes.input_shape} and {shapes.num_tasks} tasks, "
+                             f"the other sites' {self.shapes.input_shape} and {self.shapes.num_tasks}")
+        old = self.node_of.get(site)
+        if old is not None and old != node:
+            self.site_of.pop(old, None)
+            log.warning("site %d is now node %d (was node %d)", site, node, old)
+        self.node_of[site], self.site_of[node] = node, site
+        self.synced[site] = records.integer(said, "version")
+        if self.config_json and self.synced[site] == 0:
+            self.replaced.add(site)
+            log.warning("site %d kept no state of this run: it rejoins as a replaced client (c^k = the global c, "
+                        "a fresh sampler)", site)
+
+    # -- one wave of messages ----------------------------------------------------------------
+    def header(self, site: int, **more: object) -> dict[str, object]:
+        return {"run_key": self.run_key, "version": self.version, "counted": self.counted[site], **more}
+
+    def ask(self, message_type: str, contents: dict[int, RecordDict]) -> dict[int, RecordDict]:
+        """Send one message per site and return the replies by site (a site that failed or timed out is absent)."""
+        messages = [Message(c, dst_node_id=self.node_of[k], message_type=message_type)
+                    for k, c in contents.items() if k in self.node_of]
+        out: dict[int, RecordDict] = {}
+        for reply in self.grid.send_and_receive(messages, timeout=self.flower.round_timeout_s):
+            site = self.site_of.get(reply.metadata.src_node_id)
+            if site is None:
+                continue
+            if reply.has_error():
+                log.warning("site %d: %s failed: %s", site, message_type, reply.error.reason)
+                continue
+            out[site] = reply.content
+        return out
+
+    def ensure_synced(self, sites: Iterable[int]) -> list[int]:
+        """Bring the given sites up to the current setup (config, p, stage); the sites that are in step."""
+        self.refresh()
+        stale = [k for k in sites if k in self.node_of and self.synced.get(k, 0) != self.version]
+        if stale:
+            replies = self.ask("query.sync", {k: self._sync_content(k) for k in stale})
+            for k in replies:
+                self.synced[k] = self.version
+                self.replaced.discard(k)
+        return [k for k in sites if k in self.node_of and self.synced.get(k) == self.version]
+
+    def _sync_content(self, site: int) -> RecordDict:
+        cfg = self.header(site, config=self.config_json, stage=self.stage, reset=self.reset,
+                          replaced=site in self.replaced)
+        arrays = {"positive_ratio": self.positive_ratio, "reference": self.reference}
+        return RecordDict({records.CONFIG: records.config(cfg), records.ARRAYS: records.arrays(arrays)})
+
+    def _start_sites(self) -> dict[int, RecordDict]:
+        """Give every site the run's setup now (a federation starts with all its sites)."""
+        self.version += 1
+        self.refresh()
+        replies = self.ask("query.sync", {k: self._sync_content(k) for k in range(self.num_sites)
+                                          if k in self.node_of})
+        for k in replies:
+            self.synced[k] = self.version
+            self.replaced.discard(k)
+        missing = [k for k in range(self.num_sites) if k not in replies]
+        if missing:
+            raise RuntimeError(f"sites {missing} did not start (see the warnings above); a federation starts with "
+                               "all its sites")
+        return replies
+
+    def _setup_changed(self) -> None:
+        """p or the stage changed: each site receives the new setup before its next message (one wave fewer per
+        change; a site that is away then catches up when it returns)."""
+        self.version += 1
+
+    # -- the executor interface ------------------------------------------------------------------
+    def start(self, config: Config, source: DataSource) -> list[ClientInfo]:
+        self.config_json = records.to_json(config.to_dict())
+        self.run_key = f"{self.run_key}-{hashlib.sha256(self.config_json.encode()).hexdigest()[:12]}"
+        self.stage, self.reference, self.positive_ratio = 0, None, None
+        replies = self._start_sites()
+        infos = [records.info_of(replies[k]) for k in range(self.num_sites)]
+        self.with_tests = [i.client_id for i in infos if i.num_test > 0]
+        for k, info in enumerate(infos):
+            if info.client_id != k:
+                raise RuntimeError(f"the node of site {k} answered as client {info.client_id}")
+        self.weights = client_weights(config.client_weighting, [i.num_train for i in infos])
+        return infos
+
+    def configure(self, positive_ratio: np.ndarray) -> None:
+        self.positive_ratio = np.asarray(positive_ratio)
+        self._setup_changed()
+
+    def begin_stage(self, reference: np.ndarray, reset_control_variates: bool) -> None:
+        self.stage += 1
+        self.reference, self.reset = np.asarray(reference, dtype=np.float32), reset_control_variates
+        self._setup_changed()
+
+    def run_round(self, state: GlobalState, plan: RoundPlan, fold: Callable[[PartialSum], None],
+                  clients: Sequence[int] | None = None) -> None:
+        wanted = list(range(self.num_sites)) if clients is None else sorted(clients)
+        ready = self.ensure_synced(wanted)
+        if self.secure is not None:
+            total = self.secure(self, state, plan, ready, sampled=clients is not None)
+            if total is None:
+                raise RuntimeError(f"round {plan.round}: no site's update reached the server")
+            self._note_left_out(plan.round, wanted, [k for k in ready if self.counted[k] == plan.round])
+            fold(total)
+            return
+        contents = {k: records.global_state_content(state, {**self.header(k), **records.plan_config(plan)})
+                    for k in ready}
+        replies = self.ask("train.round", contents)
+        came = sorted(replies)
+        if not came:
+            raise RuntimeError(f"round {plan.round}: no site's update reached the server (sites {wanted} were "
+                               "asked)")
+        updates = {k: self._update_of(k, replies[k]) for k in came}
+        left_out = self._note_left_out(plan.round, wanted, came)
+        if left_out and clients is None:
+            self._partial_control(state, plan, updates)
+        for k in came:
+            part = PartialSum.zeros(state, control_variates=state.c_v is not None)
+            part.fold(updates[k], None if self.weights is None else float(self.weights[k]))
+            fold(part)
+            self.counted[k] = plan.round
+
+    def _update_of(self, site: int, content: RecordDict) -> ClientUpdate:
+        stats = records.stats_of(content.config_records[records.CONFIG])
+        stats.client_id = site
+        return ClientUpdate.from_vectors(records.state_vectors(content.array_records[records.STATE]),
+                                         client_id=site, stats=stats)
+
+    def _note_left_out(self, round_: int, wanted: list[int], came: list[int]) -> list[int]:
+        left_out = [k for k in wanted if k not in came]
+        if left_out:
+            log.warning("round %d: sites %s sent no update (left, failed or past flower.round_timeout_s=%g s); the "
+                        "round completes with sites %s under the partial-participation rule", round_, left_out,
+                        self.flower.round_timeout_s, came)
+        return left_out
+
+    def _partial_control(self, state: GlobalState, plan: RoundPlan, updates: dict[int, ClientUpdate]) -> None:
+        """A full round that some sites dropped out of: c <- c + sum_S w_k (c^k_new - c^k_old) / sum_all w.
+
+        The reducer of a full round divides the control sums by the weight of the sites that came, so each
+        update's control variate is replaced by the value whose weighted mean is that c."""
+        if state.c_v is None or state.c_alpha is None:
+            return
+        changes = self.ask("query.change", {k: RecordDict({records.CONFIG: records.config({"round": plan.round})})
+                                             for k in updates})
+        missing = [k for k in updates if k not in changes]
+        if missing:
+            raise RuntimeError(f"round {plan.round}: sites {missing} did not send the change of their control "
+                               "variate")
+        w = {k: 1.0 if self.weights is None else float(self.weights[k]) for k in updates}
+        total_all = float(self.num_sites if self.weights is None else self.weights.sum())
+        for name, prev in (("c_v", state.c_v), ("c_alpha", state.c_alpha)):
+            moved = prev.astype(np.float64).copy()
+            for k in sorted(updates):
+                change = records.state_vectors(changes[k].array_records[records.STATE])[name]
+                if change is None:
+                    raise RuntimeError(f"round {plan.round}: site {k} sent no change of {name}")
+                moved += w[k] * change / total_all
+            for k in updates:
+                setattr(updates[k], name, moved.astype(np.float32))
+
+    def evaluate(self, state: GlobalState, split: str = "test") -> list[Scores]:
+        """Each site's scores of ``state`` on its own test split (or, ``split="val"``, its validation part)."""
+        ready = self.ensure_synced(self.with_tests)  # a site without a test split of its own is not asked
+        replies = self.ask("evaluate", {k: records.global_state_content(state, self.header(k, split=split))
+                                        for k in ready})
+        return [s for s in (records.scores_of(replies[k]) for k in sorted(replies)) if s is not None]
+
+    def score_moments(self, state: GlobalState) -> list[Moments]:
+        ready = self.ensure_synced(range(self.num_sites))
+        replies = self.ask("query.moments", {k: records.global_state_content(state, self.header(k))
+                                             for k in ready})
+        return [records.moments_of(replies[k]) for k in sorted(replies)]
+
+    def client_states(self) -> list[dict | None]:
+        """The sites keep their own states (c^k, sampler position): a checkpoint here holds none of them."""
+        return [None] * self.num_sites
+
+    def restore_client_states(self, states: list[dict | None]) -> None:
+        raise ValueError("a Flower run is not resumed from a checkpoint: the sites keep their own states")
+
+    @property
+    def active_clients(self) -> int:
+        return len(self.node_of)

@@ -1,0 +1,228 @@
+"""A round under Flower's SecAgg+: the server learns only the sum of the sites' updates.
+
+CODASCA's server needs only sums (docs/algorithms.md s.3): sum_k w_k v^k,
+sum_k w_k alpha^k, the BatchNorm statistics' sum, and the change of the global
+c, sum_k w_k (c^k_new - c^k_old). Each site sends one vector,
+
+    s_k * [v^k - v, alpha^k - alpha, buffers^k - buffers, c_v^k change, c_alpha^k change] + [loss, samples / 1e4,
+    not finite, out of range]          with s_k = w_k / (sum of the planned sites' w)
+
+through Flower's ``secaggplus_mod``, which quantises it and masks it; the
+``SecAggPlusWorkflow`` on the server unmasks only the mean over the sites that
+completed the protocol. Sending differences from the round's start (not the
+end points) keeps the values small, so the fixed-point grid is fine where it
+matters.
+
+Fixed-point quantisation (Flower's): every value is clipped to
+[-flower.secagg_clipping_range, +range] (default 8) and mapped onto
+flower.secagg_quantization_range integer levels (default 2**24) with stochastic
+rounding, so each value carries an error of at most 2 * 8 / 2**24 = 9.5e-7 per
+site and round; a site refuses to send a value outside the range (it would be
+clipped silently), and the server stops the run naming the setting. Integer
+buffers (num_batches_tracked, the same on every site) are sent in the clear;
+so is nothing else.
+
+Every secure round uses the partial-participation form of the control-variate
+step, c <- c + sum_S w_k (change of c^k) / sum_all w, which is the full-round
+mean when every site completes and stays right when SecAgg+ completes a round
+without a site that dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.common import Code, FitIns, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.compat.common import recorddict_compat as compat
+from flwr.server.compat.grid_client_proxy import GridClientProxy
+from flwr.server.compat.legacy_context import LegacyContext
+from flwr.server.strategy import Strategy
+from flwr.server.workflow import SecAggPlusWorkflow
+from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key
+
+from fdam_ray.algorithms.server import PartialSum
+from fdam_ray.flower import records
+from fdam_ray.flower.section import FlowerSection
+from fdam_ray.state import GlobalState, RoundPlan, StepStats, vector_names
+
+if TYPE_CHECKING:
+    from fdam_ray.flower.executor import FlowerExecutor
+
+log = logging.getLogger(__name__)
+
+SAMPLES_SCALE = 1e-4  # samples enter the secure sum as samples * 1e-4 (inside the clipping range)
+_SUMMED = ("v", "alpha", "buffers", "c_v", "c_alpha")
+_STATS = 4  # loss, samples * SAMPLES_SCALE, not finite, out of range
+
+
+# -- site side ------------------------------------------------------------------------------------
+def secure_round(msg: Message, context: Context, open_call: Callable[[ConfigRecord], Any],
+                 local_round: Callable[..., Any]) -> Message:
+    """The site's round inside the SecAgg+ protocol: the update as one scaled difference vector."""
+    fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
+    cfg = fitins.config
+    header = records.config({k: cfg[k] for k in ("run_key", "version", "counted")})
+    call = open_call(header)
+    names = str(cfg["names"]).split(",")
+    vectors: dict[str, np.ndarray | None] = dict.fromkeys(vector_names())
+    vectors.update(zip(names, parameters_to_ndarrays(fitins.parameters), strict=True))
+    state = GlobalState.from_vectors(vectors, round=int(cfg["round"]), iteration=int(cfg["iteration"]))
+    plan = RoundPlan(round=int(cfg["plan_round"]), stage=int(cfg["plan_stage"]), steps=int(cfg["plan_steps"]),
+                     lr=float(cfg["plan_lr"]), iteration=int(cfg["plan_iteration"]), partial=True)
+    update = local_round(call, state, plan)
+    own = call_weight(call)
+    weight = 1.0 if own is None else own
+    scale = weight * float(cfg["scale"])
+    parts = []
+    for name in _SUMMED:
+        x = getattr(update, name)
+        if x is None:
+            continue
+        start = getattr(state, name) if name in ("v", "alpha", "buffers") else 0.0
+        parts.append((np.asarray(x, dtype=np.float64) - start) * scale)
+    body = np.concatenate(parts) if parts else np.zeros(0)
+    clip = float(cfg["clip"])
+    out_of_range = bool(body.size and np.abs(body).max() > clip)
+    if out_of_range:
+        log.warning("site %d: a value of its update is %.3g, outside flower.secagg_clipping_range=%g", call.site,
+                    float(np.abs(body).max()), clip)
+    stats = np.array([float(np.clip(update.stats.loss, -clip, clip)), update.stats.samples * SAMPLES_SCALE,
+                      0.0 if update.stats.finite else 1.0, 1.0 if out_of_range else 0.0])
+    res = FitRes(Status(Code.OK, "ok"), ndarrays_to_parameters([np.concatenate([body, stats])]), 1,
+                 {"counters": json.dumps([int(c) for c in update.counters]), "steps": update.stats.steps})
+    return Message(compat.fitres_to_recorddict(res, keep_input=True), reply_to=msg)
+
+
+def call_weight(call: Any) -> float | None:
+    """w_k of the site (None: uniform): its training-set size under client_weighting ``samples``."""
+    config = json.loads(call.kept.config)
+    if config.get("client_weighting", "uniform") == "uniform":
+        return None
+    return float(len(call.source.client_shard(call.site).train))
+
+
+# -- server side ----------------------------------------------------------------------------------
+class _OneRound(Strategy):
+    """The legacy strategy SecAggPlusWorkflow drives: it asks the round's sites and keeps the unmasked mean."""
+
+    def __init__(self, instructions: list[tuple[GridClientProxy, FitIns]]) -> None:
+        self.instructions = instructions
+        self.mean: np.ndarray | None = None
+        self.sites_done: list[int] = []
+        self.metrics: list[dict] = []
+
+    def initialize_parameters(self, client_manager):
+        return None
+
+    def configure_fit(self, server_round, parameters, client_manager):
+        return self.instructions
+
+    def aggregate_fit(self, server_round, results, failures):
+        if results:
+            self.mean = parameters_to_ndarrays(results[0][1].parameters)[0]
+            self.sites_done = [proxy.node_id for proxy, _ in results]
+            self.metrics = [dict(res.metrics) for _, res in results]
+        return None, {}
+
+    def configure_evaluate(self, server_round, parameters, client_manager):
+        return []
+
+    def aggregate_evaluate(self, server_round, results, failures):
+        return None, {}
+
+    def evaluate(self, server_round, parameters):
+        return None
+
+
+def enable(executor: FlowerExecutor, context: Context) -> None:
+    """Run every round of ``executor`` under SecAgg+ (the ServerApp's ``context`` hosts the workflow's state)."""
+    flower = executor.flower
+
+    def secure(ex: FlowerExecutor, state: GlobalState, plan: RoundPlan, sites: list[int], *,
+               sampled: bool) -> PartialSum | None:
+        return run_secure_round(ex, context, flower, state, plan, sites, sampled=sampled)
+
+    executor.secure = secure
+
+
+def _weight(ex: FlowerExecutor, k: int) -> float:
+    return 1.0 if ex.weights is None else float(ex.weights[k])
+
+
+def run_secure_round(ex: FlowerExecutor, context: Context, flower: FlowerSection, state: GlobalState,
+                     plan: RoundPlan, sites: list[int], *, sampled: bool) -> PartialSum | None:
+    """One round through SecAggPlusWorkflow; the partial sum of the sites that completed it (None: none did)."""
+    if len(sites) < 2:
+        raise RuntimeError(f"round {plan.round}: secure aggregation needs at least 2 sites, {len(sites)} are ready")
+    names = [n for n, x in state.vectors().items() if x is not None]
+    params = ndarrays_to_parameters([x for x in state.vectors().values() if x is not None])
+    planned = sum(_weight(ex, k) for k in sites)
+    run_id = ex.grid.run.run_id
+    instructions = []
+    for k in sites:
+        cfg = {**ex.header(k), "round": state.round, "iteration": state.iteration, "names": ",".join(names),
+               "scale": 1.0 / planned, "clip": flower.secagg_clipping_range,
+               **{f"plan_{f}": getattr(plan, f) for f in ("round", "stage", "steps", "lr", "iteration")}}
+        instructions.append((GridClientProxy(ex.node_of[k], ex.grid, run_id), FitIns(params, cfg)))
+    strategy = _OneRound(instructions)
+    legacy = LegacyContext(Context(run_id=context.run_id, node_id=context.node_id, node_config=context.node_config,
+                                   state=RecordDict(), run_config=context.run_config), strategy=strategy)
+    legacy.state.config_records[MAIN_CONFIGS_RECORD] = records.config({Key.CURRENT_ROUND: plan.round})
+    legacy.state.array_records[MAIN_PARAMS_RECORD] = compat.parameters_to_arrayrecord(Parameters([], ""), True)
+    workflow = SecAggPlusWorkflow(_share(flower.secagg_num_shares), _share(flower.secagg_reconstruction_threshold),
+                                  max_weight=1.0, clipping_range=flower.secagg_clipping_range,
+                                  quantization_range=flower.secagg_quantization_range,
+                                  timeout=flower.round_timeout_s)
+    workflow(ex.grid, legacy)
+    if strategy.mean is None:
+        return None
+    done = sorted(ex.site_of[n] for n in strategy.sites_done)
+    for k in done:
+        ex.counted[k] = plan.round
+    return _partial_sum(ex, state, plan, strategy, done, planned, sampled=sampled)
+
+
+def _share(value: float) -> int | float:
+    """A count stays a count; a fraction stays a fraction (SecAggPlusWorkflow reads the type)."""
+    return int(value) if float(value) > 1 and float(value).is_integer() else float(value)
+
+
+def _partial_sum(ex: FlowerExecutor, state: GlobalState, plan: RoundPlan, strategy: _OneRound, done: list[int],
+                 planned: float, *, sampled: bool) -> PartialSum:
+    """The sites' weighted sums, rebuilt from the unmasked mean of their scaled differences."""
+    n = len(done)
+    if strategy.mean is None:
+        raise RuntimeError(f"round {plan.round}: secure aggregation returned no sum")
+    total: np.ndarray = strategy.mean * n  # sum over the sites of s_k * difference (+ the stats)
+    body, stats = total[:-_STATS], total[-_STATS:]
+    if stats[3] > 0.5:
+        raise ValueError(f"round {plan.round}: an update held values outside flower.secagg_clipping_range="
+                         f"{ex.flower.secagg_clipping_range:g}; raise it (the sites' logs name the value)")
+    weight = sum(_weight(ex, k) for k in done)
+    total_all = float(ex.num_sites if ex.weights is None else ex.weights.sum())
+    out: dict[str, np.ndarray | None] = {}
+    offset = 0
+    for name in _SUMMED:
+        ref = getattr(state, name)
+        if ref is None:
+            out[name] = None
+            continue
+        change = body[offset: offset + ref.size] * planned  # sum_k w_k (x^k - x)
+        offset += ref.size
+        if name in ("v", "alpha", "buffers"):
+            out[name] = (change + weight * ref.astype(np.float64)).astype(np.float32)
+        elif sampled:  # the reducer adds c and divides by the total weight itself
+            out[name] = change.astype(np.float32)
+        else:  # a full round's reducer divides by the weight that came: give it weight * (c + change / all)
+            out[name] = (weight * (ref.astype(np.float64) + change / total_all)).astype(np.float32)
+    counters = [json.loads(str(m["counters"])) for m in strategy.metrics]
+    out["counters"] = np.max(np.asarray(counters, dtype=np.int64), axis=0) if counters and counters[0] else \
+        state.counters.copy()
+    loss = float(stats[0]) / n
+    stat = StepStats(-1, loss, plan.steps, round(float(stats[1]) / SAMPLES_SCALE), 0.0, finite=stats[2] < 0.5)
+    return PartialSum.from_vectors(out, weight=weight, count=n, bytes_up=n * int(total.size) * 4, stats=[stat])

@@ -1,0 +1,78 @@
+"""The Flower-specific settings: their own ``flower:`` section of the same config file.
+
+Everything else in the file is an ordinary fdam-ray config (the same fields,
+checked by :func:`fdam_ray.config.build_config`), so the study a consortium
+simulated with Ray runs unchanged on Flower: only this section is added.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from fdam_ray.sections import ConfigError, fail
+
+SECTION_KEY = "flower"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FlowerSection:
+    """How the server reaches the sites and how their updates are combined.
+
+    Attributes:
+        connect_timeout_s: how long the server waits for every site (0..K-1) to connect before it starts.
+        round_timeout_s: how long the server waits for the replies of one message wave; a site that has not
+            replied by then is left out of that round (the partial-participation rule, docs/algorithms.md s.3b).
+        secagg: combine the round's updates with Flower's SecAgg+ (the server sees only their sum).
+        secagg_clipping_range: SecAgg+ clips each value sent to [-range, range] before quantising.
+        secagg_quantization_range: SecAgg+ maps [-range, range] onto this many integer levels.
+        secagg_num_shares: SecAgg+ shares of each site's key (a fraction: of the round's sites).
+        secagg_reconstruction_threshold: shares needed to reconstruct a site's masks (a fraction: of the shares;
+            0.7 of 3 sites is 2: one site may drop out mid-protocol, and no single site can unmask another).
+        test_data: an ``.npz`` file (arrays ``x``, ``y``) the server scores the global model on; None: the
+            sites' own test splits are the test set.
+    """
+
+    connect_timeout_s: float = 120.0
+    round_timeout_s: float = 600.0
+    secagg: bool = False
+    secagg_clipping_range: float = 8.0
+    secagg_quantization_range: int = 2**24
+    secagg_num_shares: float = 1.0
+    secagg_reconstruction_threshold: float = 0.7
+    test_data: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("connect_timeout_s", "round_timeout_s", "secagg_clipping_range"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise fail(f"flower.{name}", value, "a number > 0")
+        q = self.secagg_quantization_range
+        if not isinstance(q, int) or isinstance(q, bool) or not 2 <= q <= 2**26:
+            raise fail("flower.secagg_quantization_range", q, "an integer in [2, 2**26]")
+        for name in ("secagg_num_shares", "secagg_reconstruction_threshold"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise fail(f"flower.{name}", value, "a number > 0 (a fraction, or a count)")
+        if not isinstance(self.secagg, bool):
+            raise fail("flower.secagg", self.secagg, "true or false")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any] | None) -> FlowerSection:
+        values = dict(values or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in values:
+            if key not in known:
+                raise ConfigError(f"unknown field 'flower.{str(key)[:80]}' (the flower section takes "
+                                  f"{', '.join(sorted(known))})")
+        return cls(**values)
+
+
+def split_config(values: Mapping[str, Any]) -> tuple[dict[str, Any], FlowerSection]:
+    """(the fdam-ray fields, the Flower section) of one config mapping."""
+    rest = dict(values)
+    section = rest.pop(SECTION_KEY, None)
+    if section is not None and not isinstance(section, Mapping):
+        raise ConfigError(f"config field 'flower' must be a section of field: value, not {type(section).__name__}")
+    return rest, FlowerSection.from_mapping(section)

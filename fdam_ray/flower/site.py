@@ -1,0 +1,209 @@
+"""A site: one fdam-ray client kept between Flower messages (docs/algorithms.md s.2, s.3, s.3b).
+
+A SuperNode may run each message in a fresh process, so nothing of a site lives
+in Python objects between messages. What the site must keep between rounds (its
+c^k, its sampler position, the stage's proximal centre v_ref, the global p and
+the run's config) is :class:`KeptState`, stored in the node's state
+(``Context.state``) and, when the site names a ``state-dir``, in a file of its
+own that survives a SuperNode restart. For every message the site rebuilds its
+:class:`~fdam_ray.client.Client` from it: the same solver, sampler and control
+variate the inline executor runs, so a round here is the same arithmetic.
+
+An update the server may not have counted (its reply lost, or the site left out
+of the round after the timeout) must not move c^k: the state after a round is
+kept as *pending* until the server's next message says which round of this site
+it last counted (``counted``). Then the pending state is adopted, or dropped and
+the site goes on from the state it had before that round, as the server's c
+assumes (SCAFFOLD's rule for clients that did not take part).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import torch
+from flwr.app import RecordDict
+
+from fdam_ray.client import Client, ClientSection, resolve_device
+from fdam_ray.config import build_config
+from fdam_ray.data import DataSource
+from fdam_ray.data.base import Shard, Split, as_labels
+from fdam_ray.executors.base import ExecutorSection
+from fdam_ray.executors.inline import inline_threads
+from fdam_ray.factories import resolve
+from fdam_ray.flower import records
+
+log = logging.getLogger(__name__)
+
+STATE_RECORD = "fdam_site"
+
+
+class SiteSource(DataSource):
+    """One site's own data as client ``site`` of the federation (the site never sees another's)."""
+
+    def __init__(self, site: int, train: tuple[Any, Any], test: tuple[Any, Any] | None = None) -> None:
+        self.site = site
+        self.train = _split(train, f"site {site}'s training data")
+        self.test = None if test is None else _split(test, f"site {site}'s test data")
+        self.num_clients = site + 1
+        self.input_shape = tuple(self.train.x.shape[1:])
+        self.num_tasks = int(self.train.y.shape[1])
+        self.task_names = ("positive",) if self.num_tasks == 1 else tuple(f"task{t}" for t in range(self.num_tasks))
+
+    def client_shard(self, client_id: int) -> Shard:
+        if client_id != self.site:
+            raise ValueError(f"site {self.site} holds its own data only, not client {client_id}'s")
+        return Shard(self.train, self.test)
+
+    def test_set(self) -> None:
+        return None
+
+
+def _split(pair: tuple[Any, Any], what: str) -> Split:
+    x = np.ascontiguousarray(np.asarray(pair[0], dtype=np.float32))
+    if x.ndim < 2:
+        raise ValueError(f"{what}: X must have shape (n, features...), got {x.shape}")
+    return Split(torch.from_numpy(x), as_labels(pair[1], what=what))
+
+
+def site_source(node_config: Mapping[str, Any]) -> tuple[int, DataSource]:
+    """(k, the site's data) from the SuperNode's ``--node-config``: ``site`` (k), and ``data`` (an ``.npz`` with
+    ``x``, ``y`` and optionally ``x_test``, ``y_test``) or ``source`` (``module:function``, called with k, returning
+    a :class:`~fdam_ray.data.DataSource` that builds client k's shard, or ``((X, y), (X_test, y_test) or None)``)."""
+    if "site" not in node_config:
+        raise ValueError("node config: 'site' (this site's client number k, 0..K-1) is missing")
+    site = int(node_config["site"])
+    if "data" in node_config:
+        with np.load(str(node_config["data"]), allow_pickle=False) as npz:
+            test = (npz["x_test"], npz["y_test"]) if "x_test" in npz else None
+            return site, SiteSource(site, (npz["x"], npz["y"]), test)
+    if "source" in node_config:
+        made = resolve(str(node_config["source"]), field="node config 'source'", here=f"on site {site}")(site)
+        if isinstance(made, DataSource):
+            return site, made
+        train, test = made
+        return site, SiteSource(site, train, test)
+    raise ValueError("node config: give 'data' (an .npz file of x, y[, x_test, y_test]) or 'source' "
+                     "(module:function returning the site's data)")
+
+
+@dataclasses.dataclass
+class KeptState:
+    """What a site keeps between messages (see the module docstring)."""
+
+    run_key: str = ""
+    config: str = ""  # the run's config as JSON, as the server sent it
+    version: int = 0  # the server's setup version this site has applied
+    positive_ratio: np.ndarray | None = None
+    stage: int = 0
+    reference: np.ndarray | None = None
+    client: dict | None = None  # Client.get_state() after the last round the server counted
+    pending_round: int = -1
+    pending: dict | None = None  # Client.get_state() after round pending_round, not yet known to be counted
+    pending_start: dict | None = None  # the client state that round started from (for the change of c^k)
+    replaced: bool = False  # joined mid-run without a kept state: its first round starts from c^k = c
+
+    def settle(self, counted: int) -> None:
+        """Adopt the pending round if the server counted it, else go back to the state before it."""
+        if self.pending is not None:
+            if counted == self.pending_round:
+                self.client = self.pending
+            else:
+                log.warning("site %s: its update of round %d was not counted by the server; it goes on from the "
+                            "state it had before that round", _site_of(self.client or self.pending),
+                            self.pending_round)
+        self.pending, self.pending_start, self.pending_round = None, None, -1
+
+    def to_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        torch.save({k: _tensors(v) for k, v in dataclasses.asdict(self).items()}, buf)
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> KeptState:
+        raw = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # tensors and plain values only
+        out = cls(**raw)
+        for name in ("positive_ratio", "reference"):
+            value = getattr(out, name)
+            if value is not None:
+                setattr(out, name, value.numpy())
+        return out
+
+
+def _site_of(state: dict | None) -> object:
+    return "?" if state is None else state.get("client_id")
+
+
+def _tensors(value: Any) -> Any:
+    """numpy arrays as tensors (what ``torch.load(weights_only=True)`` reads back), recursively."""
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, dict):
+        return {k: _tensors(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_tensors(v) for v in value)
+    return value
+
+
+class SiteStore:
+    """Where a site's :class:`KeptState` lives: the node's state record, and a file when ``state_dir`` is set.
+
+    The node's state is lost when the SuperNode restarts; the file (written atomically after every change) is
+    not, and it lies where the site decides.
+    """
+
+    def __init__(self, state: RecordDict, state_dir: str | None, site: int) -> None:
+        self.state = state
+        self.path = None if not state_dir else Path(state_dir) / f"site-{site}.pt"
+
+    def load(self) -> KeptState:
+        if STATE_RECORD in self.state.config_records:
+            return KeptState.from_bytes(bytes(cast(bytes, self.state.config_records[STATE_RECORD]["blob"])))
+        if self.path is not None and self.path.exists():
+            log.info("site state read from %s (the node's state was empty: a restarted SuperNode)", self.path)
+            return KeptState.from_bytes(self.path.read_bytes())
+        return KeptState()
+
+    def save(self, kept: KeptState) -> None:
+        data = kept.to_bytes()
+        self.state.config_records[STATE_RECORD] = records.config({"blob": data})
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".site-", suffix=".tmp")
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, self.path)
+
+
+def build_client(site: int, source: DataSource, kept: KeptState) -> Client:
+    """The site's client as ``kept`` describes it: the run's config, p, the stage's centre, c^k and sampler."""
+    if not kept.config:
+        raise RuntimeError(f"site {site} has not been given the run's config yet")
+    config = build_config(json.loads(kept.config))
+    threads = inline_threads(ExecutorSection.of(config))
+    if threads is not None:
+        torch.set_num_threads(threads)
+    client = Client(ClientSection.of(config), source, site, device=resolve_device(config.device))
+    if kept.positive_ratio is not None and client.replica.objective.has_auxiliary:
+        client.configure(kept.positive_ratio)
+    if kept.reference is not None:
+        client.replica.set_reference(kept.reference)
+    if kept.client is not None:
+        client.set_state(kept.client)
+    return client
+
+
+def zero_control_variate(state: dict | None) -> None:
+    """A stage start with reset_control_variates: c^k <- 0 in a kept client state."""
+    if state is not None and state.get("c_v") is not None:
+        state["c_v"] = np.zeros_like(np.asarray(state["c_v"]))
+        state["c_alpha"] = np.zeros_like(np.asarray(state["c_alpha"]))

@@ -1,0 +1,135 @@
+"""AUC losses for your own PyTorch loop: AUC-square and AUC-M, one task or many with missing labels.
+
+The same objectives the federation optimises (docs/algorithms.md s.1; Yuan et
+al. 2021, eq. 2 and AUC-M), as :class:`torch.nn.Module` losses that hold their
+own a, b (minimised) and alpha (maximised), as LibAUC's ``AUCMLoss`` does. With
+P = [y = 1], N = [y = 0] and score h in [0, 1] the per-sample objective is
+
+    AUCSquareLoss:  (1-p)(h-a)^2 P + p(h-b)^2 N + 2(1+alpha)(p h N - (1-p) h P) - p(1-p) alpha^2
+    AUCMLoss:       (1-p)(h-a)^2 P + p(h-b)^2 N + 2 alpha (p(1-p) m + p h N - (1-p) h P) - p(1-p) alpha^2
+
+where p is the positive ratio (``imratio``) and m the margin; alpha >= 0 for
+AUC-M (:class:`fdam_ray.optim.PrimalDualSGD` projects it). The loss of a batch
+is the mean of F over the samples, per task, then the mean over the tasks that
+have a labelled sample in the batch. With ``num_tasks`` T > 1 the model gives
+T scores, a, b, alpha and p are length-T vectors, and a label of -1 or NaN is
+missing: that sample is left out of that task only.
+
+The arithmetic is :func:`fdam_ray.objectives.auc_objective`, the one the
+federation's clients call, so a loss here and a federated run agree to the bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from fdam_ray.objectives import auc_objective, global_positive_ratio
+
+__all__ = ["AUCLoss", "AUCMLoss", "AUCSquareLoss", "positive_ratio"]
+
+
+def _as_label_matrix(labels: torch.Tensor | np.ndarray | Sequence, num_tasks: int) -> torch.Tensor:
+    """Labels as a float (B, T) tensor with NaN for missing (-1 or NaN); anything else but 0 and 1 is refused."""
+    y = torch.as_tensor(labels).to(torch.float32).reshape(-1, num_tasks)
+    y = torch.where(y == -1, torch.full_like(y, float("nan")), y)
+    bad = ~(torch.isnan(y) | (y == 0) | (y == 1))
+    if bool(bad.any()):
+        row, task = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"labels: {float(y[row, task])!r} at row {row}, task {task} is not 0, 1, or -1 / NaN "
+                         "(missing)")
+    return y
+
+
+def positive_ratio(labels: torch.Tensor | np.ndarray | Sequence, num_tasks: int = 1) -> np.ndarray:
+    """p per task from training labels: positives over labelled samples (-1 and NaN are not labelled).
+
+    Give it the whole training set's labels once (``imratio=positive_ratio(train_y)``): a p fixed for the run,
+    as the federation's global p, rather than one that moves with each batch.
+    """
+    y = _as_label_matrix(labels, num_tasks).numpy()
+    return global_positive_ratio([(y == 1).sum(0)], [(~np.isnan(y)).sum(0)])
+
+
+class AUCLoss(nn.Module):
+    """Shared part of the AUC losses: the auxiliary variables, p, and the label handling.
+
+    Args:
+        num_tasks: T, scores per sample.
+        imratio: p, one value or one per task, in (0, 1); None estimates it as (positives + 1) / (labelled + 2)
+            over every batch seen in training mode (never 0 or 1, and the pooled ratio as batches add up).
+        margin: m of AUC-M.
+        from_logits: True when the model's raw outputs are given (the loss applies the sigmoid); False when
+            they are scores in [0, 1] already, as LibAUC's losses take them.
+    """
+
+    objective: ClassVar[str] = ""
+    alpha_nonnegative: ClassVar[bool] = False
+    p: torch.Tensor  # buffers: p per task, and the counts its estimate comes from
+    positives: torch.Tensor
+    labelled: torch.Tensor
+
+    def __init__(self, *, num_tasks: int = 1, imratio: float | Sequence[float] | np.ndarray | None = None,
+                 margin: float = 1.0, from_logits: bool = False) -> None:
+        super().__init__()
+        if num_tasks < 1:
+            raise ValueError(f"num_tasks: {num_tasks} is not allowed (>= 1)")
+        if not margin > 0:
+            raise ValueError(f"margin: {margin} is not allowed (> 0)")
+        self.num_tasks, self.margin, self.from_logits = num_tasks, float(margin), from_logits
+        self.a = nn.Parameter(torch.zeros(num_tasks))
+        self.b = nn.Parameter(torch.zeros(num_tasks))
+        self.alpha = nn.Parameter(torch.zeros(num_tasks))
+        self.estimate_p = imratio is None
+        p = np.full(num_tasks, 0.5) if imratio is None else np.broadcast_to(
+            np.asarray(imratio, dtype=np.float64), (num_tasks,)).copy()
+        if np.any(~(p > 0)) or np.any(~(p < 1)):
+            raise ValueError(f"imratio: {p.tolist()[:8]} is not allowed (each in (0, 1), or None to estimate it)")
+        self.register_buffer("p", torch.as_tensor(p, dtype=torch.float32))
+        self.register_buffer("positives", torch.zeros(num_tasks, dtype=torch.float64))
+        self.register_buffer("labelled", torch.zeros(num_tasks, dtype=torch.float64))
+
+    def primal_parameters(self) -> Iterator[nn.Parameter]:
+        """a and b: minimised with the model."""
+        yield self.a
+        yield self.b
+
+    def dual_parameters(self) -> Iterator[nn.Parameter]:
+        """alpha: maximised."""
+        yield self.alpha
+
+    def _update_estimate(self, y: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.positives += (y == 1).sum(0).to(self.positives)
+            self.labelled += (~torch.isnan(y)).sum(0).to(self.labelled)
+            self.p.copy_((self.positives + 1) / (self.labelled + 2))
+
+    def forward(self, predictions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The minibatch loss of (B,) or (B, T) ``predictions`` (scores, or logits with ``from_logits``) and
+        labels of the same shape (0, 1; -1 or NaN missing)."""
+        h = predictions.reshape(predictions.shape[0], -1)
+        if h.shape[1] != self.num_tasks:
+            raise ValueError(f"predictions: {h.shape[1]} per sample, but the loss has num_tasks={self.num_tasks}")
+        y = _as_label_matrix(labels, self.num_tasks).to(h.device)
+        if self.estimate_p and self.training:
+            self._update_estimate(y)
+        if self.from_logits:
+            h = torch.sigmoid(h)
+        return auc_objective(self.objective, h, y, self.p, self.a, self.b, self.alpha, margin=self.margin)
+
+
+class AUCSquareLoss(AUCLoss):
+    """AUC-square, the paper's eq. 2 (alpha unconstrained); see the module docstring for F and the arguments."""
+
+    objective = "auc_square"
+
+
+class AUCMLoss(AUCLoss):
+    """AUC-M, the min-max margin loss (alpha >= 0, margin m, default 1); see the module docstring."""
+
+    objective = "auc_margin"
+    alpha_nonnegative = True

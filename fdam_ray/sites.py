@@ -1,0 +1,59 @@
+"""Named sites: the name a client goes by wherever it is shown (config field ``client_names``).
+
+A cross-silo study speaks of hospitals, not of client 3. With ``client_names``
+set, client k is shown as its name in the per-client metric keys
+(``client_auc.<name>``, hence ``metrics.csv``, Tune and the trackers), in
+``train.log`` (a client replaced or dropped, warnings), in error messages and
+in the summary; without it, as today, by its index ``0..K-1``. A name is used as
+a metric key and may become part of a file name, so it is kept to letters,
+digits and ``_ . -``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+
+from fdam_ray.sections import Section, fail, setting, shared
+
+MAX_NAME = 64
+_NAME = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9_.-]{{0,{MAX_NAME - 1}}}$")
+NAME_ALLOWED = (f"one distinct name per client, each of at most {MAX_NAME} characters of letters, digits, '_', '.' "
+                "and '-', starting with a letter or digit")
+
+
+def is_site_name(name: object) -> bool:
+    """Whether ``name`` may name a client: safe as a metric key (MLflow, W&B, TensorBoard) and as a file name."""
+    return isinstance(name, str) and bool(_NAME.match(name))
+
+
+def client_label(client_id: int, names: Sequence[str] | None) -> str:
+    """How client ``client_id`` is shown: its name, else its index (``3``)."""
+    if names is None or not 0 <= client_id < len(names):
+        return str(client_id)
+    return names[client_id]
+
+
+def client_labels(client_ids: Sequence[int], names: Sequence[str] | None) -> str:
+    """Several clients as shown in one message: ``0, 1, 2`` or ``siteA, siteB``."""
+    return ", ".join(client_label(k, names) for k in client_ids)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SiteSection(Section):
+    """The names of the clients (sites); checked against ``num_clients``."""
+
+    name = "sites"
+
+    client_names: tuple[str, ...] | None = setting(
+        None, "A name per client, in client order, used wherever a client is shown (client_auc.<name>, train.log, "
+        "errors); letters, digits, '_', '.', '-'; null = the client indices 0..K-1.",
+        check=(lambda v: all(is_site_name(n) for n in v) and len(set(v)) == len(v), NAME_ALLOWED))
+    num_clients: int = shared()
+
+    def check(self) -> None:
+        names = self.client_names
+        if names is not None and len(names) != self.num_clients:
+            raise fail("client_names", names,
+                       f"one name per client: {self.num_clients} (num_clients), not {len(names)}")
