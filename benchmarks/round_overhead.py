@@ -34,7 +34,7 @@ memory before and during rounds at K = 2, 4, 8, each in a fresh driver process
                                         [--out benchmarks/results/round_overhead.md]
 
 Last line: ``RESULT state_floats=... compiled_ms=... classic_ms=... gloo_ms=... compiled_spin_ms=...
-collective_ms=... ratio_collective_gloo=... ratio_collective_gloo_small=...
+collective_ms=... ratio_collective_gloo=... ratio_collective_gloo_small=... ratio_collective_gloo_k2=...
 ratio_compiled_gloo=... ratio_compiled_gloo_small=... ratio_compiled_classic_small=... plain_ray_ms=...
 ratio_classic_plain=... floor_ms=... driver_mem_ratio_k8_k2=... driver_rss_ratio_k8_k2=...`` (largest N,
 K = --clients, except the ``_small`` ratios, at the smallest N; driver_mem = private memory, driver_rss =
@@ -64,6 +64,7 @@ from fdam_ray.algorithms import AlgorithmSection, build_algorithm
 from fdam_ray.client import Replica
 from fdam_ray.config import build_config
 from fdam_ray.data import DataSource, Shard, Split
+from fdam_ray.executors.ray.compat import loopback_node, start_loopback_ray
 from fdam_ray.executors.ray.executor import RayExecutor
 from fdam_ray.executors.ray.transports.compiled import SPIN_S
 from fdam_ray.state import RoundPlan
@@ -341,7 +342,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--sizes", type=int, nargs="+", default=[270_000, 7_000_000])
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--also-clients", type=int, nargs="*", default=[2],
-                        help="extra K measured at the largest size (K at most the cores: no oversubscription)")
+                        help="extra K measured at the largest size (K at most the cores: no oversubscription); "
+                             "the RESULT line adds ratio_collective_gloo_kK for each")
     parser.add_argument("--rounds", type=int, default=12, help="timed rounds per block (after 2 warm-up rounds)")
     parser.add_argument("--repeats", type=int, default=5,
                         help="alternating blocks of every pattern (each repeat starts one pattern further on)")
@@ -352,20 +354,22 @@ def main(argv: list[str] | None = None) -> str:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.memory_run:
-        ray.init(address=args.address, log_to_driver=False)
+        with loopback_node():  # joins the run's Ray on 127.0.0.1 (else Ray turns it into the machine's address)
+            ray.init(address=args.address, log_to_driver=False)
         print(json.dumps(driver_memory(args.memory_run, args.sizes[0], rounds=4)))
         return ""
     if len(args.mem_clients) < 2:
         parser.error("--mem-clients needs at least two K to compare")
     ks = [args.clients, *args.also_clients]
     # logical CPUs: the four executors' actors and the plain actors exist at once (they take turns to run)
-    ray.init(num_cpus=max(5 * max(ks), *args.mem_clients), include_dashboard=False, log_to_driver=False)
+    start_loopback_ray(num_cpus=max(5 * max(ks), *args.mem_clients), include_dashboard=False,
+                       log_to_driver=False)  # listens on 127.0.0.1
     gpus = int(ray.cluster_resources().get("GPU", 0))
 
     cases = [(n, args.clients) for n in args.sizes] + [(max(args.sizes), k) for k in args.also_clients]
     rows = []
     for n, k in cases:
-        r = measure_case(k, n, args.rounds, args.repeats, gloo=k == args.clients)
+        r = measure_case(k, n, args.rounds, args.repeats, gloo=True)
         rows.append(r)
         gloo = f"  gloo all-reduce {r['gloo']['ms']:6.1f} ms" if "gloo" in r else ""
         print(f"N={n:>9,}  K={k}  compiled {r['compiled']['ms']:7.1f} ms  collective {r['collective']['ms']:7.1f} ms"
@@ -465,6 +469,8 @@ Peak private memory K={k_hi} / K={k_lo}: {private_ratio:.2f}; peak RSS K={k_hi} 
                          ratio_compiled_classic_small=ratio(small_row, "compiled", "classic"),
                          plain_ray_ms=main_row["plain"]["ms"], ratio_classic_plain=ratio(main_row, "classic", "plain"),
                          floor_ms=main_row["floor_ms"],
+                         **{f"ratio_collective_gloo_k{r['k']}": ratio(r, "collective", "gloo")
+                            for r in rows if r["k"] != args.clients},
                          **{f"driver_mem_ratio_k{k_hi}_k{k_lo}": private_ratio,
                             f"driver_rss_ratio_k{k_hi}_k{k_lo}": rss_ratio})
     print(line)

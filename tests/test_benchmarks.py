@@ -408,20 +408,20 @@ def test_round_overhead_script(tmp_path):
     out = tmp_path / "ro.md"
     out.write_text(f"{C.BEGIN}\nold\n{C.END}\n\n## Reading\nkept\n")
     _, values = run_script_process("benchmarks/round_overhead.py", "--sizes", "2000", "4000", "--clients", "2",
-                                   "--also-clients", "--rounds", "2", "--repeats", "1", "--mem-clients", "1", "2",
+                                   "--also-clients", "1", "--rounds", "2", "--repeats", "1", "--mem-clients", "1", "2",
                                    "--out", str(out))
     assert set(values) == {"state_floats", "compiled_ms", "classic_ms", "gloo_ms", "compiled_spin_ms",
                            "collective_ms", "ratio_collective_gloo", "ratio_collective_gloo_small",
                            "ratio_compiled_gloo", "ratio_compiled_gloo_small", "ratio_compiled_classic_small",
                            "plain_ray_ms", "ratio_classic_plain", "floor_ms", "driver_mem_ratio_k2_k1",
-                           "driver_rss_ratio_k2_k1"}
+                           "driver_rss_ratio_k2_k1", "ratio_collective_gloo_k1"}
     assert values["state_floats"] == 4000 and min(values["plain_ray_ms"], values["gloo_ms"]) > 0
     assert values["ratio_compiled_gloo"] == pytest.approx(values["compiled_ms"] / values["gloo_ms"], rel=2e-3)
     assert values["ratio_collective_gloo"] == pytest.approx(values["collective_ms"] / values["gloo_ms"], rel=2e-3)
     assert values["ratio_classic_plain"] == pytest.approx(values["classic_ms"] / values["plain_ray_ms"], rel=2e-3)
     text = out.read_text()
     assert "\nold\n" not in text and text.endswith(f"{C.END}\n\n## Reading\nkept\n")
-    assert "| 2,000 | 2 |" in text and "| 4,000 | 2 |" in text
+    assert "| 2,000 | 2 |" in text and "| 4,000 | 2 |" in text and "| 4,000 | 1 |" in text
     assert "Command: `python benchmarks/round_overhead.py --sizes 2000" in text
 
 

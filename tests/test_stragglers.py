@@ -37,6 +37,7 @@ SMALL = dict(model="mlp", model_width=8, batch_size="full", eval_every=1000, see
     (dict(min_clients=0), r"'min_clients': 0 is not allowed"),
     (dict(round_deadline=5, executor="inline"), r"null with executor=inline"),
     (dict(round_deadline=5, transport="compiled"), r"null with transport=compiled"),
+    (dict(round_deadline="2x", transport="collective"), r"null with transport=collective \(every actor's all-reduce"),
     (dict(round_deadline=5, participation_record="runs/x"), r"null with participation_record"),
 ])
 def test_bad_values_are_one_line_errors(fields, match):
