@@ -162,3 +162,35 @@ def test_a_state_key_changes_with_the_stage_and_with_the_values():
     assert state_key(state, 2) == key and state_key(state, 3) != key
     state.alpha[0] = 0.25  # a stage end's new alpha
     assert state_key(state, 2) != key
+
+
+def _listening(port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp* writes them) of this machine's sockets listening on ``port``."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as fh:
+            for line in fh.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, _, hex_port = local.partition(":")
+                if state == "0A" and int(hex_port, 16) == port:
+                    out.append(address)
+    return out
+
+
+def test_the_groups_store_listens_on_the_given_address_only():
+    """torch's TCPStore server binds every interface; the group's store is handed a socket bound to its host."""
+    import torch
+
+    from fdam_ray.executors.ray.transports.group import GroupMember
+
+    member = GroupMember(torch.device("cpu"))
+    port = member.open("127.0.0.1", 10.0)
+    try:
+        assert _listening(port) == ["0100007F"]  # 127.0.0.1, and nothing on 0.0.0.0 or ::
+        client = torch.distributed.TCPStore("127.0.0.1", port, None, False)
+        client.set("k", "v")
+        assert member.store.get("k") == b"v"
+        del client
+    finally:
+        member.leave()
+    assert _listening(port) == []  # the store closed the socket it was handed

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import socket
 import zlib
 from typing import Any
 
@@ -148,9 +149,14 @@ class GroupMember:
         import torch.distributed as dist
 
         self.leave()
-        self.store = dist.TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
-                                   wait_for_workers=False)
-        return int(self.store.port)
+        # the store listens on ``host`` only (torch's own server would bind every interface): a socket bound here,
+        # handed over to the store, which closes it when it ends
+        listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                        backlog=128)
+        port = int(listener.getsockname()[1])
+        self.store = dist.TCPStore(host, port, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                                   wait_for_workers=False, master_listen_fd=listener.detach())
+        return port
 
     def join(self, host: str, port: int, rank: int, world: int, backend: str, timeout_s: float,
              step: ServerStep | None) -> None:
