@@ -111,12 +111,14 @@ def collective_round(spec: dict, device: torch.device) -> dict:
     from fdam_ray.algorithms import AlgorithmSection, build_algorithm
     from fdam_ray.client import Replica
     from fdam_ray.config import build_config
+    from fdam_ray.executors.ray.compat import start_loopback_ray
     from fdam_ray.executors.ray.executor import RayExecutor
 
     k, n = spec["clients"], spec["floats"]
     gpu = device.type == "cuda"
     share = {"gpus_per_actor": 1.0 / k, "cpus_per_actor": 1.0} if gpu else {"cpus_per_actor": 0.5}
-    ray.init(address="local", include_dashboard=False, log_to_driver=False, **({} if gpu else {"num_cpus": k}))
+    start_loopback_ray(include_dashboard=False, log_to_driver=False,
+                       **({} if gpu else {"num_cpus": k}))  # listens on 127.0.0.1
     try:
         config = build_config(dict(dataset="arrays", num_clients=k, model="linear", algorithm="coda_plus",
                                    batch_size="full", local_steps=1, lr=0.01, executor="ray", eval_on="driver",

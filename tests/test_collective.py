@@ -53,7 +53,8 @@ def assert_same_run(got, want, atol=1e-6):
 @pytest.mark.parametrize("extra", [
     dict(algorithm="codasca", global_lr=1.1),
     dict(algorithm="coda_plus", clients_per_actor=2),
-    dict(algorithm="codasca", clients_per_round=2, client_weighting="samples"),
+    pytest.param(dict(algorithm="codasca", clients_per_round=2, client_weighting="samples"),
+                 marks=pytest.mark.slow),  # two Ray runs, 14 s; the oracle test below samples by default
 ], ids=["codasca", "hosted", "sampled"])
 def test_a_collective_run_equals_the_classic_run_in_client_order(extra):
     clients, test = gaussian_clients(num_clients=4)
@@ -86,6 +87,7 @@ def test_collective_runs_match_the_numpy_oracle(case):
     assert result.state.round == -(-case["iterations"] // case["local_steps"])
 
 
+@pytest.mark.slow  # two Ray runs, 11 s
 def test_hosted_sampled_weighted_rounds_over_stage_changes_equal_classic():
     clients, test = sized_clients()
     cfg = dict(BASE, clients_per_round=3, clients_per_actor=2, **RAY)
