@@ -18,7 +18,7 @@ from test_oracle import initial_v, uneven_clients
 from test_sampling import CASES as SAMPLING_CASES
 
 import fdam_ray
-from fdam_ray.config import build_config
+from fdam_ray.config import ConfigError, build_config
 from fdam_ray.data.arrays import ArraysSource
 from fdam_ray.executors.ray.executor import RayExecutor
 from fdam_ray.executors.ray.transports import REFUSED, transport_for
@@ -104,6 +104,13 @@ def test_reduce_node_is_refused_in_one_line():
         transport_for("collective", "node")
     assert str(info.value) == REFUSED["collective", "node"] and "\n" not in str(info.value)
     assert transport_for("collective", "star") == "collective"
+    # the config refuses it first (a run or a sweep stops before it starts anything); inline reads neither field
+    with pytest.raises(ConfigError, match=r"^config field 'reduce': 'node' is not allowed \(star: transport="
+                       r"collective reduces") as refused:
+        build_config(dict(transport="collective", reduce="node"))
+    assert "\n" not in str(refused.value)
+    assert build_config(dict(transport="collective", reduce="node", executor="inline")).reduce == "node"
+    assert build_config(dict(transport="compiled", reduce="node")).reduce == "node"
 
 
 def test_the_members_server_step_is_the_drivers_bit_for_bit_in_either_set_of_sums():

@@ -16,6 +16,13 @@ from typing import Any
 from fdam_ray.executors.base import ExecutorSection
 from fdam_ray.sections import POSITIVE, Section, fail, setting, shared
 
+# (transport, reduce) pairs of the config that no transport runs, and why (checked with the config, so a run or a
+# sweep stops before anything starts; the transports' registry reads the same table)
+REFUSED_PAIRS: dict[tuple[str, str], str] = {
+    ("collective", "node"): "transport=collective reduces the actors' partial sums among the actors themselves; "
+                            "reduce=node needs transport=classic or compiled",
+}
+
 # Resources Ray reserves through cpus_per_actor / gpus_per_actor, never through client_resources.
 BUILT_IN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
@@ -84,9 +91,13 @@ class RaySection(Section):
                                    resume=True)
     num_clients: int = shared()
     clients_per_actor: int = shared()
+    executor: str = shared()
 
     def check(self) -> None:
-        """client_resources: one entry per client, and the clients of one actor ask for the same."""
+        """A (transport, reduce) pair some transport runs; client_resources: one entry per client, and the clients
+        of one actor ask for the same."""
+        if self.executor == "ray" and (self.transport, self.reduce) in REFUSED_PAIRS:
+            raise fail("reduce", self.reduce, f"star: {REFUSED_PAIRS[self.transport, self.reduce]}")
         resources, k, m = self.client_resources, self.num_clients, self.clients_per_actor
         if resources is None:
             return

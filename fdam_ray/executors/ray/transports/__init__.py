@@ -20,17 +20,15 @@ from fdam_ray.executors.ray.transports.collective import CollectiveTransport
 from fdam_ray.executors.ray.transports.compiled import CompiledNodeTransport, CompiledTransport
 from fdam_ray.executors.ray.transports.node import NodeTransport
 from fdam_ray.executors.ray.transports.star import StarTransport
+from fdam_ray.executors.ray_section import REFUSED_PAIRS
 
 __all__ = ["REFUSED", "REGISTRY", "Round", "Transport", "transport_for"]
 
 REGISTRY: dict[str, type[Transport]] = {cls.name: cls for cls in (StarTransport, NodeTransport, CompiledTransport,
                                                                     CompiledNodeTransport, CollectiveTransport)}
 
-# (transport, reduce) pairs of the config that no transport runs, and why
-REFUSED: dict[tuple[str, str], str] = {
-    ("collective", "node"): "transport=collective reduces the actors' partial sums among the actors themselves; "
-                            "reduce=node needs transport=classic or compiled",
-}
+# (transport, reduce) pairs of the config that no transport runs, and why (the config refuses them first)
+REFUSED: dict[tuple[str, str], str] = REFUSED_PAIRS
 
 
 def transport_for(transport: str, reduce: str) -> str:
