@@ -166,7 +166,7 @@ def test_fields_filters_by_section_or_word(capsys):
                                   "on_client_failure", "max_client_retries"]
     gpu = listed("gpu")  # a word: in the name, or starting a word of the meaning
     assert {"gpus_per_actor", "gpu_memory_cap", "device", "deterministic"} <= set(gpu) and "lr" not in gpu
-    assert listed("ray", "gpu") == ["gpus_per_actor", "gpu_memory_cap"]  # several terms: every one selects
+    assert listed("ray", "gpu") == ["gpus_per_actor", "transport", "gpu_memory_cap"]  # several terms: each selects
     assert all(name in everything for names in SECTIONS.values() for name in names)  # no stale section entry
     assert main(["fields", "nothing-like-this"]) == 2
     err = capsys.readouterr().err
