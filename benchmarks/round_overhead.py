@@ -257,8 +257,8 @@ def gloo_rounds(k: int, n: int, rounds: int, warmup: int = 2) -> dict:
     return {"overhead_ms": 1e3 * statistics.median(times)}
 
 
-def measure_case(num_clients: int, state_floats: int, rounds: int, repeats: int, gloo: bool) -> dict:
-    """Alternating blocks of executor rounds (both transports, the compiled one with both ways of waiting),
+def measure_case(num_clients: int, state_floats: int, rounds: int, repeats: int) -> dict:
+    """Alternating blocks of executor rounds (every transport, the compiled one with both ways of waiting),
     plain-Ray rounds and gloo all-reduce rounds, each repeat starting one pattern further on (the object store
     frees a classic block's objects during the next block, so no pattern always follows the same one);
     medians and ranges over the blocks."""
@@ -271,7 +271,7 @@ def measure_case(num_clients: int, state_floats: int, rounds: int, repeats: int,
                                      "plain": [], "gloo": []}
     floors = []
     try:
-        patterns = [*executors, "plain", *(["gloo"] if gloo else [])]
+        patterns = [*executors, "plain", "gloo"]
         for repeat in range(repeats):
             shift = repeat % len(patterns)
             for pattern in patterns[shift:] + patterns[:shift]:
@@ -369,12 +369,12 @@ def main(argv: list[str] | None = None) -> str:
     cases = [(n, args.clients) for n in args.sizes] + [(max(args.sizes), k) for k in args.also_clients]
     rows = []
     for n, k in cases:
-        r = measure_case(k, n, args.rounds, args.repeats, gloo=True)
+        r = measure_case(k, n, args.rounds, args.repeats)
         rows.append(r)
-        gloo = f"  gloo all-reduce {r['gloo']['ms']:6.1f} ms" if "gloo" in r else ""
         print(f"N={n:>9,}  K={k}  compiled {r['compiled']['ms']:7.1f} ms  collective {r['collective']['ms']:7.1f} ms"
               f"  classic {r['classic']['ms']:7.1f} ms"
-              f"  plain Ray {r['plain']['ms']:6.1f} ms{gloo}  floor {r['floor_ms']:6.1f} ms", flush=True)
+              f"  plain Ray {r['plain']['ms']:6.1f} ms  gloo all-reduce {r['gloo']['ms']:6.1f} ms"
+              f"  floor {r['floor_ms']:6.1f} ms", flush=True)
     mem_n = max(args.sizes)
     address = ray.get_runtime_context().gcs_address
     mem = {}
@@ -396,19 +396,18 @@ def main(argv: list[str] | None = None) -> str:
     yes = lambda ok: "yes" if ok else "no"
     case_rows = []
     for r in rows:
-        gloo = "gloo" in r
         case_rows.append([
             f"{r['n']:,}", r["k"], f"{r['compiled']['compute_ms']:.1f}",
             f"{r['compiled']['wall_ms']:.1f} / {r['compiled_spin']['wall_ms']:.1f} / {r['classic']['wall_ms']:.1f}",
             f"{r['compiled']['driver_cpu_ms']:.1f} / {r['compiled_spin']['driver_cpu_ms']:.1f} / "
             f"{r['classic']['driver_cpu_ms']:.1f}",
             span(r["compiled"]), span(r["compiled_spin"]), span(r["classic"]),
-            span(r["plain"]), span(r["gloo"]) if gloo else "-",
-            f"{ratio(r, 'compiled', 'gloo'):.2f}" if gloo else "-",
-            yes(ratio(r, "compiled", "gloo") <= GLOO_TARGET) if gloo else "-",
-            f"{ratio(r, 'compiled_spin', 'gloo'):.2f}" if gloo else "-",
-            span(r["collective"]), f"{ratio(r, 'collective', 'gloo'):.2f}" if gloo else "-",
-            yes(ratio(r, "collective", "gloo") <= COLLECTIVE_TARGET) if gloo else "-",
+            span(r["plain"]), span(r["gloo"]),
+            f"{ratio(r, 'compiled', 'gloo'):.2f}",
+            yes(ratio(r, "compiled", "gloo") <= GLOO_TARGET),
+            f"{ratio(r, 'compiled_spin', 'gloo'):.2f}",
+            span(r["collective"]), f"{ratio(r, 'collective', 'gloo'):.2f}",
+            yes(ratio(r, "collective", "gloo") <= COLLECTIVE_TARGET),
             f"{ratio(r, 'compiled', 'classic'):.2f}", f"{ratio(r, 'classic', 'plain'):.2f}",
             yes(ratio(r, "classic", "plain") <= TARGET_RATIO), f"{r['floor_ms']:.1f}"])
     mem_rows = [[k, f"{m['base']['private']:.0f}", f"{m['peak']['private']:.0f}", f"{m['base']['total']:.0f}",

@@ -64,6 +64,11 @@ def deadline_value(name: str, value: Any) -> float | str:
     return float(value)
 
 
+# transports that cannot leave a late client out of a round, and why
+_NO_DEADLINE = {"compiled": "its graph returns every actor's output at once",
+                "collective": "every actor's all-reduce waits for every other"}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DeadlineSection(Section):
     """Straggler-tolerant rounds (this module's docstring): the deadline, the clients a round waits for, replay."""
@@ -96,12 +101,9 @@ class DeadlineSection(Section):
         if self.executor != "ray":
             raise fail("round_deadline", self.round_deadline, "null with executor=inline (its clients run one "
                        "after another in this process: none can be left behind)")
-        if self.transport == "compiled":
-            raise fail("round_deadline", self.round_deadline, "null with transport=compiled (its graph returns "
-                       "every actor's output at once; use transport=classic)")
-        if self.transport == "collective":
-            raise fail("round_deadline", self.round_deadline, "null with transport=collective (every actor's "
-                       "all-reduce waits for every other; use transport=classic)")
+        if self.transport in _NO_DEADLINE:
+            raise fail("round_deadline", self.round_deadline, f"null with transport={self.transport} "
+                       f"({_NO_DEADLINE[self.transport]}; use transport=classic)")
         if self.participation_record is not None:
             raise fail("round_deadline", self.round_deadline, "null with participation_record (a replay runs the "
                        "recorded sets and waits for every client)")
