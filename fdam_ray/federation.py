@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,7 +50,7 @@ from fdam_ray.objectives import global_positive_ratio
 from fdam_ray.outputs import Observer, RunStart, Snapshot
 from fdam_ray.schedules import Position, Schedule, ScheduleSection
 from fdam_ray.sites import client_label
-from fdam_ray.state import ClientUpdate, GlobalState, RoundPlan, Rule, vector_names
+from fdam_ray.state import ClientUpdate, GlobalState, RoundPlan, Rule, StepStats, vector_names
 
 if TYPE_CHECKING:
     from fdam_ray.config import Config
@@ -161,22 +162,32 @@ class Federation:
         self.executor.begin_stage(loop.server.reference, self.algorithm.reset_control_variates)
         loop.bytes_down += self.executor.active_clients * loop.server.reference.nbytes
 
-    def _round(self, loop: LoopState, plan: RoundPlan) -> None:
-        t0 = time.perf_counter()
+    def _participants(self, plan: RoundPlan) -> tuple[RoundPlan, list[int] | None, list[int] | None]:
+        """The round's plan (marked partial for a sampled round), its sampled clients and the clients it runs (a
+        replayed record's set, else the sample; None: every client)."""
         sampled = self.algorithm.participants(self.config.seed, plan.round, self.num_clients)
         clients = self.forced.get(plan.round, sampled)  # a replayed record's set
-        total = None
         if clients is not None:  # a sampled round: c stays the mean over all clients (s.3b)
             plan = dataclasses.replace(plan, partial=True)
+        return plan, sampled, clients
+
+    def _check_updates(self, round_index: int, stats: list[StepStats]) -> None:
+        """Each client checks its own update (in parallel, where its buffers live); the driver reads the flag."""
+        for st in stats:
+            if not (st.finite and math.isfinite(st.loss)):
+                raise DivergenceError(f"round {round_index}: client {self._label(st.client_id)} sent a NaN or "
+                                      f"infinite update (loss {st.loss}); lower lr or set grad_clip")
+
+    def _round(self, loop: LoopState, plan: RoundPlan) -> None:
+        t0 = time.perf_counter()
+        plan, sampled, clients = self._participants(plan)
+        total = None
+        if clients is not None:
             total = float(self.num_clients if self.client_weights is None else self.client_weights.sum())
         reducer = self.algorithm.reducer(loop.state, weights=self.client_weights, partial_total=total)
 
         def fold(update: PartialSum | ClientUpdate) -> None:
-            # each client checks its own update (in parallel, where its buffers live); the driver trusts it
-            for stats in update.stats if isinstance(update, PartialSum) else [update.stats]:
-                if not (stats.finite and math.isfinite(stats.loss)):
-                    raise DivergenceError(f"round {plan.round}: client {self._label(stats.client_id)} sent a NaN "
-                                          f"or infinite update (loss {stats.loss}); lower lr or set grad_clip")
+            self._check_updates(plan.round, update.stats if isinstance(update, PartialSum) else [update.stats])
             reducer.fold(update)
 
         asked = self.executor.active_clients
@@ -196,13 +207,47 @@ class Federation:
         loop.bytes_up += reducer.bytes_up
         state = reducer.finish(steps=plan.steps)
         if not all_finite([torch.from_numpy(x) for x in (state.v, state.alpha, state.buffers)]):
-            raise DivergenceError(f"round {plan.round}: the global state became NaN or infinite after the server "
-                                  "step; lower lr or global_lr")
+            raise _state_diverged(plan.round)
         loop.train_s += time.perf_counter() - t0
         loop.samples += sum(s.samples for s in reducer.stats)
         loop.loss_sum += float(np.mean([s.loss for s in reducer.stats]))
         loop.loss_rounds += 1
         self.algorithm.after_round(loop.server, state)
+
+    def _rounds(self, loop: LoopState, run: list[tuple[RoundPlan, Position]],
+                done: Callable[[RoundPlan, Position, bool], None]) -> int:
+        """Run ``run`` (plans, each with the schedule's position after it) in one go on the executor
+        (:meth:`~fdam_ray.executors.base.Executor.run_rounds`): the server step is applied where the clients are
+        and the driver receives the state once, after the last applied round. Calls ``done(plan, position, last)``
+        for every applied round, in order; returns how many were applied: all, or none when an actor failed in the
+        run (the executor undid it; its rounds then run one at a time, :meth:`_round`)."""
+        t0 = time.perf_counter()
+        planned = [self._participants(plan)[::2] for plan, _ in run]  # (plan, clients)
+        average = self.algorithm.reference_point == "average"
+        out = self.executor.run_rounds(loop.state, planned, average)
+        sent = getattr(self.executor, "broadcast_nbytes", None)
+        for i in range(out.applied):
+            (plan, clients), stats = planned[i], out.stats[i]
+            self._check_updates(plan.round, stats)
+            loop.bytes_down += ((self.executor.active_clients if clients is None else out.counts[i])
+                                * (loop.state.nbytes if sent is None else sent))
+            loop.bytes_up += out.bytes_up[i]
+            loop.samples += sum(st.samples for st in stats)
+            loop.loss_sum += float(np.mean([st.loss for st in stats]))
+            loop.loss_rounds += 1
+        if out.stop == "stale":  # the state after the last applied round: not adopted, as a round at a time
+            raise _state_diverged(planned[out.applied - 1][0].round)
+        if out.applied:
+            assert out.state is not None
+            self.algorithm.after_rounds(loop.server, out.state, out.ref_sum, out.applied)
+        loop.train_s += time.perf_counter() - t0
+        for i in range(out.applied):
+            done(run[i][0], run[i][1], i == out.applied - 1)
+        if out.stop == "diverged":  # the round after the applied ones: a client's update was not finite
+            self._check_updates(planned[out.applied][0].round, out.stats[out.applied])
+            raise RuntimeError(f"round {planned[out.applied][0].round} stopped a run of rounds as not finite, but "
+                               "every client's update was")
+        return out.applied
 
     def _note_participants(self, loop: LoopState, round_index: int, sampled: list[int] | None,
                            asked: list[int] | None, took_part: list[int]) -> None:
@@ -287,29 +332,59 @@ class Federation:
             if resume is None:
                 observer.record(self._record(loop, evaluator, 0, 1, self.schedule.lr, started), snapshot)
             schedule = Schedule(self.schedule, loop.position)
-            for plan, starts_stage in schedule.plans():
+            plans = schedule.plans()
+            ahead = 1 if self.deadlines.tolerant else self.executor.rounds_ahead()
+
+            def pull() -> tuple[RoundPlan, bool, Position] | None:
+                got = next(plans, None)
+                return None if got is None else (*got, dataclasses.replace(schedule.position))
+
+            def done(plan: RoundPlan, position: Position, last: bool = True) -> None:
+                loop.position = position
+                rec = None
+                if last and (loop.state.iteration >= loop.next_eval
+                             or loop.state.iteration >= self.schedule.iterations):
+                    loop.next_eval = (loop.state.iteration // self.eval_every + 1) * self.eval_every
+                    rec = self._record(loop, evaluator, plan.round, plan.stage, plan.lr, started)
+                    observer.record(rec, snapshot)
+                observer.round_end(plan, rec, snapshot if last else None)
+
+            waiting = pull()
+            while waiting is not None:
+                plan, starts_stage, position = waiting
                 if starts_stage:
                     self._end_stage(loop)
                     observer.event("stage %d began at iteration %d (round %d)", plan.stage, plan.iteration,
                                    plan.round)
-                try:
-                    self._round(loop, plan)
-                except PlacementError as exc:
-                    self._stop_unplaced(exc, loop, plan, schedule.position.stage_rounds - 1, started)
-                    raise
-                loop.position = dataclasses.replace(schedule.position)
-                rec = None
-                if loop.state.iteration >= loop.next_eval or loop.state.iteration >= self.schedule.iterations:
-                    loop.next_eval = (loop.state.iteration // self.eval_every + 1) * self.eval_every
-                    rec = self._record(loop, evaluator, plan.round, plan.stage, plan.lr, started)
-                    observer.record(rec, snapshot)
-                observer.round_end(plan, rec, snapshot)
+                run, waiting = [(plan, position)], None
+                while len(run) < ahead and not self._ends_run(loop, run[-1][0]):  # a run of rounds (collective)
+                    waiting = pull()
+                    if waiting is None or waiting[1]:  # a new stage: the driver ends the old one first
+                        break
+                    run.append(waiting[::2])
+                    waiting = None
+                applied = self._rounds(loop, run, done) if len(run) > 1 else 0
+                for plan, position in run[applied:]:  # one at a time (also a run that an actor's failure undid)
+                    try:
+                        self._round(loop, plan)
+                    except PlacementError as exc:
+                        self._stop_unplaced(exc, loop, plan, position.stage_rounds - 1, started)
+                        raise
+                    done(plan, position)
+                if waiting is None:
+                    waiting = pull()
             return self._finish(loop, started, snapshot)
         except BaseException as exc:
             error = exc
             raise
         finally:
             observer.close(error)
+
+    def _ends_run(self, loop: LoopState, plan: RoundPlan) -> bool:
+        """Whether the driver needs the global state after ``plan``: an evaluation, the last round, a checkpoint."""
+        after = plan.iteration + plan.steps
+        return (after >= loop.next_eval or after >= self.schedule.iterations
+                or self.observer.needs_state(plan.round))
 
     def _stop_unplaced(self, exc: PlacementError, loop: LoopState, plan: RoundPlan, stage_rounds: int,
                        started: float) -> None:
@@ -369,6 +444,11 @@ class Federation:
         return {"model": flat.model_state_dict(), "a": torch.from_numpy(a), "b": torch.from_numpy(b),
                 "alpha": torch.from_numpy(state.alpha.copy()), "task_names": list(self.source.task_names),
                 "network": network_record(self.config, self.source.input_shape, self.source.num_tasks)}
+
+
+def _state_diverged(round_index: int) -> DivergenceError:
+    return DivergenceError(f"round {round_index}: the global state became NaN or infinite after the server step; "
+                           "lower lr or global_lr")
 
 
 def _keep_best(loop: LoopState, rec: dict) -> None:

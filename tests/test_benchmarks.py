@@ -412,12 +412,15 @@ def test_round_overhead_script(tmp_path):
                                    "--out", str(out))
     assert set(values) == {"state_floats", "compiled_ms", "classic_ms", "gloo_ms", "compiled_spin_ms",
                            "collective_ms", "ratio_collective_gloo", "ratio_collective_gloo_small",
+                           "collective_round_ms", "ratio_collective_round_gloo", "ratio_collective_round_gloo_small",
                            "ratio_compiled_gloo", "ratio_compiled_gloo_small", "ratio_compiled_classic_small",
                            "plain_ray_ms", "ratio_classic_plain", "floor_ms", "driver_mem_ratio_k2_k1",
                            "driver_rss_ratio_k2_k1", "ratio_collective_gloo_k1"}
     assert values["state_floats"] == 4000 and min(values["plain_ray_ms"], values["gloo_ms"]) > 0
     assert values["ratio_compiled_gloo"] == pytest.approx(values["compiled_ms"] / values["gloo_ms"], rel=2e-3)
     assert values["ratio_collective_gloo"] == pytest.approx(values["collective_ms"] / values["gloo_ms"], rel=2e-3)
+    assert values["ratio_collective_round_gloo"] == pytest.approx(values["collective_round_ms"] / values["gloo_ms"],
+                                                                  rel=2e-3)
     assert values["ratio_classic_plain"] == pytest.approx(values["classic_ms"] / values["plain_ray_ms"], rel=2e-3)
     text = out.read_text()
     assert "\nold\n" not in text and text.endswith(f"{C.END}\n\n## Reading\nkept\n")

@@ -153,8 +153,8 @@ def test_fields_filters_by_section_or_word(capsys):
     everything = listed()
     assert everything == [f.name for f in FIELDS]
     assert listed("ray") == ["address", "cpus_per_actor", "gpus_per_actor", "placement_strategy", "client_resources",
-                             "reduce", "transport", "channel_wait", "placement_timeout_s", "gpu_memory_cap",
-                             "fold_order", "ray_timeout_s"]
+                             "reduce", "transport", "collective_rounds", "channel_wait", "placement_timeout_s",
+                             "gpu_memory_cap", "fold_order", "ray_timeout_s"]
     assert set(listed("ray")) < {f.name for f in dataclasses.fields(RaySection)}  # its own fields, not shared ones
     assert listed("RAY") == listed("ray")
     assert listed("schedule") == list(SECTIONS["schedule"])

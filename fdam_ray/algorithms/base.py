@@ -33,7 +33,7 @@ from fdam_ray.algorithms.drift import DRIFT_CORRECTIONS, DriftCorrection
 from fdam_ray.algorithms.local import LocalSolver
 from fdam_ray.algorithms.sampling import client_weights, sample_clients
 from fdam_ray.algorithms.server import RoundReducer
-from fdam_ray.algorithms.stages import ServerState, after_round, coda_alpha, end_stage, init_server_state
+from fdam_ray.algorithms.stages import ServerState, after_round, after_rounds, coda_alpha, end_stage, init_server_state
 from fdam_ray.flat import FlatModel
 from fdam_ray.objectives import Objective
 from fdam_ray.state import GlobalState, Moments
@@ -142,6 +142,11 @@ class Algorithm:
 
     def after_round(self, server: ServerState, new_state: GlobalState) -> ServerState:
         return after_round(server, new_state, reference_point=self.reference_point)
+
+    def after_rounds(self, server: ServerState, new_state: GlobalState, v_sum: np.ndarray | None,
+                     count: int) -> ServerState:
+        """After a run of ``count`` rounds (``v_sum``: the sum of their v, needed with ``average``)."""
+        return after_rounds(server, new_state, v_sum, count, reference_point=self.reference_point)
 
     # -- stage end ---------------------------------------------------------------------------
     def stage_alpha(self, moments: Sequence[Moments], positive_ratio: np.ndarray,

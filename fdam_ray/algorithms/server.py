@@ -179,11 +179,13 @@ class RoundReducer:
             arrives with its clients' weights already applied.
         partial_total: for a round that only a sample of the clients took part in, the total weight of all
             clients (K without weights); the updates then carry the change of c^k, not c^k.
+        sums: the running sums to fold into and finish in place (default: zeros of ``previous``'s shapes);
+            a caller that has the round's sums already (the collective transport's members) passes them.
     """
 
     def __init__(
         self, previous: GlobalState, *, global_lr: float, alpha_nonnegative: bool, control_variates: bool,
-        weights: np.ndarray | None = None, partial_total: float | None = None,
+        weights: np.ndarray | None = None, partial_total: float | None = None, sums: PartialSum | None = None,
     ) -> None:
         self.previous = previous
         self.global_lr = global_lr
@@ -192,7 +194,7 @@ class RoundReducer:
         self.weights = weights
         self.partial_total = partial_total
         self._finished = False
-        self.sums = PartialSum.zeros(previous, control_variates=control_variates)
+        self.sums = PartialSum.zeros(previous, control_variates=control_variates) if sums is None else sums
 
     @property
     def count(self) -> int:

@@ -65,6 +65,19 @@ def after_round(server: ServerState, new_state: GlobalState, *, reference_point:
     return server
 
 
+def after_rounds(server: ServerState, new_state: GlobalState, v_sum: np.ndarray | None, count: int, *,
+                 reference_point: str) -> ServerState:
+    """Adopt the state after a run of ``count`` rounds applied where the clients are; with ``average``, add
+    ``v_sum`` (the float64 sum of those rounds' v, summed there) to the stage's running sum."""
+    if reference_point == "average":
+        if v_sum is None:
+            raise ValueError("reference_point: average needs the sum of v over the run's rounds")
+        server.ref_sum += v_sum
+        server.ref_count += count
+    server.global_state = new_state
+    return server
+
+
 def end_stage(server: ServerState, *, reference_point: str, alpha: np.ndarray | None = None) -> ServerState:
     """Hand the stage over: new centre, empty running sum, CODA's alpha (the drift correction then resets c).
 

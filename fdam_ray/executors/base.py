@@ -22,7 +22,7 @@ import numpy as np
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.data import DataSource
 from fdam_ray.sections import AT_LEAST_ONE, NONNEGATIVE, Section, setting
-from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores
+from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores, StepStats
 
 if TYPE_CHECKING:
     from fdam_ray.config import Config
@@ -68,6 +68,36 @@ class ExecutorSection(Section):
                                       "gives up on it.", check=NONNEGATIVE, resume=True)
 
 
+@dataclasses.dataclass
+class RoundsRun:
+    """What :meth:`Executor.run_rounds` returns: the rounds of a run that were applied, in order, and why it
+    stopped early, if it did (an applied round's server step was applied where the clients are).
+
+    Attributes:
+        stats: per applied round, its clients' step statistics (in actor order); then, when the run stopped on
+            a client's non-finite update (``stop == "diverged"``), that round's statistics.
+        counts: per applied round, the clients whose updates it folded.
+        bytes_up: per applied round, the bytes its clients sent.
+        state: the global state after the last applied round (None when no round was applied).
+        ref_sum: the float64 sum of v over the applied rounds (asked for with ``average``), else None.
+        stop: '' (every round was applied), ``diverged`` (the round after the applied ones had a non-finite
+            client update; it was not applied), ``stale`` (the state after the last applied round is not
+            finite) or ``failed`` (an actor failed in the run: it was undone, no round of it applied, the failure
+            policy has run, and its rounds are to be run again one at a time, by :meth:`Executor.run_round`).
+    """
+
+    stats: list[list[StepStats]]
+    counts: list[int]
+    bytes_up: list[int]
+    state: GlobalState | None
+    ref_sum: np.ndarray | None = None
+    stop: str = ""
+
+    @property
+    def applied(self) -> int:
+        return len(self.counts)
+
+
 class Executor(abc.ABC):
     """Runs the clients of one federation."""
 
@@ -95,6 +125,18 @@ class Executor(abc.ABC):
 
         ``fold`` must not hold the partial sum past the round: it may be a view of a buffer the next round
         writes again (the compiled transport's output channels), so a fold that keeps one keeps a copy."""
+
+    def rounds_ahead(self) -> int:
+        """The most rounds :meth:`run_rounds` takes in one go; 1: this executor runs one round at a time (the
+        federation then calls :meth:`run_round` for every round)."""
+        return 1
+
+    def run_rounds(self, state: GlobalState, plans: Sequence[tuple[RoundPlan, Sequence[int] | None]],
+                   average: bool) -> RoundsRun:
+        """Run ``plans`` (each with its sampled clients, or None for every client) back to back from ``state``,
+        the server step applied where the clients are, without handing the driver each round's state; for at
+        most :meth:`rounds_ahead` plans. ``average``: also return the sum of v over the rounds."""
+        raise NotImplementedError(f"{type(self).__name__} runs one round at a time")
 
     @abc.abstractmethod
     def evaluate(self, state: GlobalState, split: str = "test") -> list[Scores]:

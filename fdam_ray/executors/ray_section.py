@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fdam_ray.executors.base import ExecutorSection
-from fdam_ray.sections import POSITIVE, Section, fail, setting, shared
+from fdam_ray.sections import AT_LEAST_ONE, POSITIVE, Section, fail, setting, shared
 
 # (transport, reduce) pairs of the config that no transport runs, and why (checked with the config, so a run or a
 # sweep stops before anything starts; the transports' registry reads the same table)
@@ -66,10 +66,17 @@ class RaySection(Section):
                              "Graph built per federation: the state and the partial sums travel through "
                              "pre-allocated shared-memory channels; rebuilt when an actor is replaced) or "
                              "collective (the actors all-reduce their partial sums among themselves, gloo on CPU, "
-                             "NCCL on GPUs, and apply the server step; the driver receives one reduced sum per "
-                             "round and sends the state only when the actors' copy is stale). Evaluation and "
+                             "NCCL on GPUs, and apply the server step, several rounds a call (collective_rounds); "
+                             "the driver receives the state where it needs it and sends it only when the actors' "
+                             "copy is stale). Evaluation and "
                              "set-up calls stay classic in every case.", choices=("classic", "compiled", "collective"),
                              resume=True)
+    collective_rounds: int = setting(16, "transport=collective: rounds the actors run back to back in one call "
+                                     "(local round, all-reduce, server step, and on to the next), the driver "
+                                     "receiving the global state only when the run ends; evaluations, checkpoints, "
+                                     "stage ends and the last round always end a run. 1 = one call per round, the "
+                                     "driver folding every round's reduced sum. A failure inside a run keeps the "
+                                     "rounds before it.", check=AT_LEAST_ONE, resume=True)
     channel_wait: str = setting("sleep", "transport=compiled: how the actors and the driver wait on the graph's "
                                 "channels: sleep (Ray's polling for the first 50 ms of a wait, then sleeps with "
                                 "pauses that grow with the wait: an idle graph costs almost no CPU, and a long wait "

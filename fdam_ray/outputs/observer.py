@@ -42,8 +42,15 @@ class Observer:
     def record(self, record: dict, snapshot: Snapshot) -> None:
         """An evaluation record (``snapshot()`` gives the checkpoint of this moment)."""
 
-    def round_end(self, plan: RoundPlan, record: dict | None, snapshot: Snapshot) -> None:
-        """A round is done (``record`` is its evaluation, if it had one)."""
+    def round_end(self, plan: RoundPlan, record: dict | None, snapshot: Snapshot | None) -> None:
+        """A round is done (``record`` is its evaluation, if it had one). ``snapshot`` is None for a round inside
+        a run of rounds (``transport: collective``): the driver does not hold its state, so no checkpoint of it
+        can be written (the run's last round has one)."""
+
+    def needs_state(self, round_: int) -> bool:
+        """Whether this observer needs the global state after round ``round_`` (a checkpoint round): such a round
+        ends a run of rounds."""
+        return False
 
     def event(self, message: str, *args: Any, level: int = logging.INFO) -> None:
         """Something worth a line in the run's log (a stage switch)."""
@@ -80,9 +87,12 @@ class Observers(Observer):
         for o in self.observers:
             o.record(record, snapshot)
 
-    def round_end(self, plan: RoundPlan, record: dict | None, snapshot: Snapshot) -> None:
+    def round_end(self, plan: RoundPlan, record: dict | None, snapshot: Snapshot | None) -> None:
         for o in self.observers:
             o.round_end(plan, record, snapshot)
+
+    def needs_state(self, round_: int) -> bool:
+        return any(o.needs_state(round_) for o in self.observers)
 
     def event(self, message: str, *args: Any, level: int = logging.INFO) -> None:
         for o in self.observers:

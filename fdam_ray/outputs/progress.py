@@ -149,7 +149,7 @@ class Progress(Observer):
     def record(self, record: dict, snapshot: Snapshot) -> None:
         self.auc, self.val_auc = record["test_auc"], record.get("val_auc")  # the initial evaluation too
 
-    def round_end(self, plan: RoundPlan, record: dict | None, snapshot: Snapshot) -> None:
+    def round_end(self, plan: RoundPlan, record: dict | None, snapshot: Snapshot | None) -> None:
         if self.bar is None:
             return
         if record is not None:

@@ -182,10 +182,15 @@ class RunFolder(Observer):
         if self._last_checkpoint is None:  # the initial evaluation of a fresh run
             self._checkpoint(snapshot, record["round"])
 
-    def round_end(self, plan: RoundPlan, record: dict | None, snapshot: Snapshot) -> None:
-        self._trained = True
+    def needs_state(self, round_: int) -> bool:
         every = self.section.checkpoint_every
-        if every and plan.round % every == 0:
+        return bool(every and round_ % every == 0)
+
+    def round_end(self, plan: RoundPlan, record: dict | None, snapshot: Snapshot | None) -> None:
+        self._trained = True
+        if snapshot is None:  # inside a run of rounds: a stop asked for is honoured at the run's end
+            return
+        if self.needs_state(plan.round):
             self._checkpoint(snapshot, plan.round)
         reason = _stop_reason
         if reason is not None and self.writer is not None and self.dir is not None:  # a round end: the state is whole

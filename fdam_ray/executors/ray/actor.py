@@ -37,7 +37,7 @@ from fdam_ray.data.base import set_host_cpus
 from fdam_ray.executors.errors import client_error
 from fdam_ray.executors.ray.session import assigned_cpus
 from fdam_ray.executors.ray.transports.compiled import patient_reads
-from fdam_ray.executors.ray.transports.group import GroupMember, RoundShare, ServerStep
+from fdam_ray.executors.ray.transports.group import GroupMember, RoundShare, RunShare, ServerStep
 from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores
 from fdam_ray.transfer import Broadcast, CompressedSum, Receiver, attach_residual, compress, residual_of
 
@@ -101,6 +101,7 @@ class ClientShell:
         self._sources: dict = {}  # object ref -> data source spec read here
         self._group: GroupMember | None = None  # transport=collective: this actor's place in the group
         self._partial_round = -1  # the round self._partial holds (transport=collective keeps it for a re-run)
+        self._before_run: tuple[str, dict] = ("", {})  # transport=collective: clients' states before a run of rounds
         self._receiver = Receiver()  # transfer_precision bf16/fp16: the float32 master this actor's rounds run from
         self._residual: dict = {}  # error feedback: the rounding residual of this actor's uploads
         self._residual_before: dict | None = None  # a deadline round's residual before it
@@ -330,6 +331,70 @@ class ClientShell:
         if failure is not None:
             raise failure
         return share
+
+    def collective_rounds(self, state: GlobalState | None,
+                          works: Sequence[tuple[RoundPlan, Sequence[int], Sequence[int], float | None]], token: str,
+                          average: bool) -> RunShare:
+        """A run of rounds under ``transport: collective`` with no call between them: for each of ``works``
+        (plan, this actor's clients in the round, those of them that first adopt the global c, a sampled round's
+        total weight or None) the local round, the group's all-reduce and the server step, as
+        :meth:`collective_round` does for one round. ``state`` None: start from the state this actor holds.
+
+        The run stops at the first round that does not go through, on every member at the same round (the
+        reasons travel in the all-reduce): a failed local round (its error is in the share, not raised, so the
+        rounds before it count), a broken all-reduce, a client's non-finite update, or a non-finite state. Each
+        member checks its slice of each new state (:meth:`GroupMember.slice_finite`) and, with ``average``
+        (``reference_point: average``), sums its slice of each new v in float64 for the stage's running sum.
+        Its clients' states before the run are kept, so a run that does not count can be undone
+        (:meth:`undo_run`).
+        The lowest rank returns the state after the last applied round.
+        """
+        member = self._member()
+        run = RunShare(rounds=[])
+        current = member.state_for(state)
+        self._before_run = (token, {k: c.get_state() for k, c in self.clients.items()})  # for undo_run
+        start, stop = member.my_slice(current.v.size)
+        ref = np.zeros(stop - start, dtype=np.float64) if average else None
+        stale = False
+        for plan, ids, adopt, partial_total in works:
+            failure: BaseException | None = None
+            try:
+                self.local_round(current, plan, ids, adopt)
+                self._partial_round = plan.round
+            except Exception as exc:  # a ClientError naming the client: returned once the group knows
+                failure = exc
+            share = member.reduce(None if failure is not None else self._partial, current, plan, partial_total,
+                                  "", stale)  # no check-in: the driver waits for a run as a whole
+            run.rounds.append(share)
+            if failure is not None or share.broken:
+                run.stop, run.failure = ("failed" if failure is not None else "broken"), failure
+                break
+            if share.stale or share.diverged:
+                run.stop = "stale" if share.stale else "diverged"
+                break
+            assert member.held is not None
+            current, run.done, run.key = member.held, run.done + 1, share.key
+            if ref is not None:
+                np.add(ref, current.v.reshape(-1)[start:stop], out=ref)
+            stale = not member.slice_finite(current)
+        run.stale = stale and not run.stop
+        if run.done and member.rank == 0:
+            run.state = current
+        if run.stop:
+            run.key = None
+        run.ref_sum, run.ref_slice = ref, (start, stop)
+        return run
+
+    def undo_run(self, token: str) -> list[int]:
+        """The run of rounds ``token`` does not count (a member failed in it): this actor's clients go back to
+        their states before it (c^k, sampler position, moments, loss scale), as if it had not run. Returns the
+        clients put back."""
+        kept_token, before = self._before_run
+        if kept_token != token:
+            return []
+        self._each("undo_run", list(before), lambda c: c.set_state(before[c.client_id]))
+        self._before_run = ("", {})
+        return sorted(before)
 
     def evaluate(self, state: GlobalState, client_ids: Sequence[int], split: str = "test") -> list[Scores | None]:
         return self._each("evaluate", client_ids, lambda c: c.evaluate(state, split))

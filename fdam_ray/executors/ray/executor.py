@@ -40,7 +40,7 @@ from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.client import ClientSection
 from fdam_ray.data import DataSource
 from fdam_ray.deadlines import Deadline, DeadlineSection
-from fdam_ray.executors.base import Executor, actor_groups
+from fdam_ray.executors.base import Executor, RoundsRun, actor_groups
 from fdam_ray.executors.ray.fleet import Fleet
 from fdam_ray.executors.ray.placement import Placement
 from fdam_ray.executors.ray.session import ensure_ray
@@ -243,6 +243,22 @@ class RayExecutor(Executor):
         for a in round.late:  # queued behind the late call: the actor's clients as they were before the round
             if a in fleet.actors:
                 self.late[a] = fleet.actors[a].discard_round.remote(plan.round)
+
+    def rounds_ahead(self) -> int:
+        if self.transport is None or self.deadline is not None or self.downlink is not None:
+            return 1
+        return self.transport.rounds_ahead()
+
+    def run_rounds(self, state: GlobalState, plans: Sequence[tuple[RoundPlan, Sequence[int] | None]],
+                   average: bool) -> RoundsRun:
+        fleet = self._fleet
+        fleet.round = plans[0][0].round
+        late = self._still_late()
+        chosen = [(set(fleet.live) if clients is None else set(clients) & set(fleet.live)) - late
+                  for _, clients in plans]
+        assert self.transport is not None
+        self.fold_order = []
+        return self.transport.run_rounds(state, [plan for plan, _ in plans], chosen, average)
 
     def round_changes(self, round_index: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """After a round with a deadline that some client missed: each actor that made it sends the weighted sum

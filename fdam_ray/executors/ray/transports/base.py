@@ -21,6 +21,7 @@ import ray
 
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.deadlines import Deadline
+from fdam_ray.executors.base import RoundsRun
 from fdam_ray.executors.ray_section import RayExecutorSection
 from fdam_ray.state import ClientInfo, GlobalState, RoundPlan
 
@@ -72,6 +73,16 @@ class Transport(abc.ABC):
 
     def started(self, config: Any, infos: list[ClientInfo]) -> None:  # noqa: B027 (optional hook)
         """Once the actors are set up: the run's whole ``config`` and the clients' infos."""
+
+    def rounds_ahead(self) -> int:
+        """The most rounds :meth:`run_rounds` takes in one go (1: this transport runs one round at a time)."""
+        return 1
+
+    def run_rounds(self, state: GlobalState, plans: Sequence[RoundPlan], chosen: Sequence[set[int]],
+                   average: bool) -> RoundsRun:
+        """Run ``plans`` back to back (``chosen``: each round's clients), the server step on the actors; see
+        :meth:`~fdam_ray.executors.base.Executor.run_rounds`."""
+        raise NotImplementedError(f"transport {self.name} runs one round at a time")
 
     @abc.abstractmethod
     def run_round(self, round: Round) -> None:

@@ -14,12 +14,23 @@ sums, which it folds once (its reducer then computes the state every actor
 already holds, bit for bit). The driver sends the global state only when the
 actors' copy is not the one it holds (the first round, a new stage, a rebuilt
 group, a resume; :func:`~fdam_ray.executors.ray.transports.group.state_key`),
-so a round moves one state up and none down instead of K up and K down. The
-driver still receives that one reduced sum every round, not only on
-evaluation and checkpoint rounds: the federation loop holds the global state
-after every round (the stage's running average, the finiteness check), and a
-driver that received only metrics would need that loop to hold the state
-lazily; the transport leaves the loop as it is.
+so a round moves one state up and none down instead of K up and K down.
+
+Runs of rounds (``collective_rounds`` > 1, the default): the federation hands
+the transport the rounds up to the next point where it needs the global
+state (an evaluation, a checkpoint, a stage end, the last round; at most
+``collective_rounds``), and one call per actor runs them all back to back
+(:meth:`run_rounds`): no Ray call, no sum to the driver and no fold there
+between them. The driver receives each round's step statistics and, once,
+the state after the run from the lowest rank. What the loop does on the
+driver every round moves to the members: each checks its slice of every new
+state for NaN or infinity (a non-finite update or state stops the run at
+once, on every member, with the driver's error for that round), and with
+``reference_point: average`` each sums its slice of every new v in float64
+for the stage's running sum. A run that an actor's failure breaks does not
+count: the live actors put their clients back to their states before it, the
+failure policy runs, and its rounds run again one at a time, so the failure
+is recovered as one in the run's first round.
 
 Sampled-out actors are in the group and contribute zeros. The group is the
 fleet's actors, not the round's: building a group costs a rendezvous (far
@@ -53,6 +64,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -60,12 +72,13 @@ import ray
 
 from fdam_ray.algorithms import AlgorithmSection, build_algorithm
 from fdam_ray.algorithms.server import RoundReducer
+from fdam_ray.executors.base import RoundsRun
 from fdam_ray.executors.errors import ClientError
 from fdam_ray.executors.ray import compat
 from fdam_ray.executors.ray.placement import node_addresses
 from fdam_ray.executors.ray.transports.base import Round, Transport
-from fdam_ray.executors.ray.transports.group import RoundShare, ServerStep, state_key
-from fdam_ray.state import ClientInfo, GlobalState
+from fdam_ray.executors.ray.transports.group import RoundShare, RunShare, ServerStep, state_key
+from fdam_ray.state import ClientInfo, GlobalState, RoundPlan
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +89,14 @@ _FAILURES = (ray.exceptions.RayError, ClientError)
 
 
 class CollectiveTransport(Transport):
-    """The actors all-reduce their partial sums and apply the server step; one call per actor per round.
+    """The actors all-reduce their partial sums and apply the server step; one call per actor per round, or per
+    run of rounds.
 
     Attributes:
         builds: groups built (the first, and one per change of the set of actors or broken round).
-        rounds_sent: rounds that sent the global state to the actors (the others used the actors' copy).
+        rounds_sent: rounds (or runs of rounds) that sent the global state to the actors (the others used the
+            actors' copy).
+        runs: the rounds of each run of rounds (``collective_rounds``), in order.
         backend: the group's backend (``gloo`` or ``nccl``; '' before the first build).
     """
 
@@ -93,6 +109,7 @@ class CollectiveTransport(Transport):
         self.held_key: tuple | None = None
         self.builds = 0
         self.rounds_sent = 0
+        self.runs: list[list[int]] = []  # the rounds of each run of rounds (one call per actor for all of them)
         self.backend = ""
         self.step: ServerStep | None = None
         self.total_weight = 0.0
@@ -113,6 +130,10 @@ class CollectiveTransport(Transport):
                      if type(probe) is RoundReducer else None)
 
     # -- a round ---------------------------------------------------------------------------
+    def rounds_ahead(self) -> int:
+        """``collective_rounds`` when the actors apply the server step, else 1."""
+        return self.config.collective_rounds if self.step is not None else 1
+
     def run_round(self, round: Round) -> None:
         fleet = self.fleet
         kept: set[int] = set()  # actors whose local round is done, its partial sum kept on the actor
@@ -132,6 +153,112 @@ class CollectiveTransport(Transport):
                 fleet.failed(a, "local_round", exc, attempts)  # raises when the policy stops the run
         raise RuntimeError(f"round {round.plan.round}: the collective all-reduce kept breaking with every actor "
                            "alive")
+
+    # -- a run of rounds -------------------------------------------------------------------
+    def run_rounds(self, state: GlobalState, plans: Sequence[RoundPlan], chosen: Sequence[set[int]],
+                   average: bool) -> RoundsRun:
+        """One call per actor for all of ``plans``: the actors run them back to back
+        (:meth:`~fdam_ray.executors.ray.actor.ClientShell.collective_rounds`), and the driver receives each
+        round's step statistics and, at the end, the state from the lowest rank.
+
+        A run in which an actor fails does not count: the live actors put their clients back to their states
+        before it (:meth:`~fdam_ray.executors.ray.actor.ClientShell.undo_run`), the failure policy runs for the
+        failed actors, and the run's rounds are left to :meth:`run_round`, one at a time (so a failure inside a
+        run is recovered as one in its first round would be under ``collective_rounds: 1``). The driver does not
+        hold the states inside a run, so nothing short of that keeps the round's record exact (the stage's
+        running sum of v is summed in slices, one per actor)."""
+        fleet = self.fleet
+        attempts: dict[int, int] = {}
+        self._ensure_group(attempts)
+        members = sorted(fleet.actors)
+        send = self.held_key is None or self.held_key != state_key(state, plans[0].stage)
+        state_ref = ray.put(state) if send else None
+        self.rounds_sent += send
+        token = f"{plans[0].round}.{self._tries}"
+        self._tries += 1
+        self.runs.append([plan.round for plan in plans])
+        works: dict[int, list] = {a: [] for a in members}
+        adopted: set[int] = set()  # replacement clients adopt the global c in their first round only
+        for plan, clients in zip(plans, chosen, strict=True):
+            for a in members:
+                ids = [k for k in fleet.hosted.get(a, ()) if k in clients]
+                adopt = [k for k in ids if k in fleet.adopt_global_c and k not in adopted]
+                works[a].append((plan, ids, adopt, self.total_weight if plan.partial else None))
+            adopted.update(clients)
+        refs = {a: fleet.actors[a].collective_rounds.remote(state_ref, works[a], token, average) for a in members}
+        runs, failed = self._collect_runs(refs, len(plans))
+        alive = [a for a in members if a in runs and a not in failed]
+        stops = {runs[a].stop for a in alive}
+        if failed or not stops <= {"", "diverged", "stale"}:
+            self._undo(token, alive, failed, attempts)
+            return RoundsRun(stats=[], counts=[], bytes_up=[], state=None, stop="failed")
+        first = runs[members[0]]
+        applied = first.done
+        out = RoundsRun(stats=[[st for a in members for st in runs[a].rounds[i].stats] for i in range(applied)],
+                        counts=[r.count for r in first.rounds[:applied]],
+                        bytes_up=[r.bytes_up for r in first.rounds[:applied]],
+                        state=first.state if applied else None)
+        if average and applied:
+            out.ref_sum = np.zeros(state.v.size, dtype=np.float64)
+            for a in members:
+                lo, hi = runs[a].ref_slice
+                out.ref_sum[lo:hi] = runs[a].ref_sum
+            out.ref_sum = out.ref_sum.reshape(state.v.shape)
+        fleet.adopt_global_c.difference_update(st.client_id for rnd in out.stats for st in rnd)
+        keys = {runs[a].key for a in members}
+        self.held_key = keys.pop() if len(keys) == 1 else None
+        if stops == {"diverged"}:  # the driver's check names the client; the round is not applied
+            out.stop = "diverged"
+            out.stats.append([st for a in members for st in runs[a].rounds[applied].stats])
+        elif stops == {"stale"} or any(runs[a].stale for a in members):
+            out.stop = "stale"
+        return out
+
+    def _collect_runs(self, refs: dict[int, Any], rounds: int) -> tuple[dict[int, RunShare], dict[int, BaseException]]:
+        """Every member's share of a run, or its failure: a member that has not answered ``ray_timeout_s``
+        after another one did (the members end a run together) is ended as late."""
+        fleet = self.fleet
+        deadline = time.monotonic() + fleet.timeout * (rounds + 1)
+        fleet.in_flight = {ref: (a, deadline) for a, ref in refs.items()}
+        runs: dict[int, RunShare] = {}
+        failed: dict[int, BaseException] = {}
+        try:
+            pending = dict(refs)
+            while pending:
+                done, _ = ray.wait(list(pending.values()), num_returns=1,
+                                   timeout=max(0.0, deadline - time.monotonic()))
+                if not done:
+                    break
+                for a in [a for a, ref in pending.items() if ref in done]:
+                    try:
+                        runs[a] = ray.get(pending.pop(a), timeout=fleet.timeout)
+                    except _FAILURES as exc:
+                        failed[a] = exc
+                deadline = min(deadline, time.monotonic() + fleet.timeout)
+            for a in pending:
+                failed[a] = fleet.late(a, "local_round")
+                fleet.kill(a)  # ends its connections, which releases the members waiting for it
+        finally:
+            fleet.in_flight = {}
+        for a, r in runs.items():
+            if r.failure is not None:
+                failed[a] = r.failure
+        return runs, failed
+
+    def _undo(self, token: str, alive: list[int], failed: dict[int, BaseException], attempts: dict[int, int]) -> None:
+        """A run that does not count: the live actors undo it, the group is dropped, and the failure policy runs
+        for the ``failed`` actors (it raises when it stops the run)."""
+        fleet = self.fleet
+        self._forget()
+        refs = {a: fleet.actors[a].undo_run.remote(token) for a in alive if a in fleet.actors}
+        for a, ref in refs.items():
+            try:
+                ray.get(ref, timeout=fleet.timeout)
+            except _FAILURES as exc:
+                failed[a] = exc
+        for a, error in sorted(failed.items()):
+            attempts.setdefault(a, 0)
+            fleet.failed(a, "local_round", error, attempts)
 
     def _attempt(self, round: Round, members: list[int], kept: set[int], send: bool
                  ) -> tuple[dict[int, RoundShare], dict[int, BaseException]]:

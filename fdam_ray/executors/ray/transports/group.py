@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import math
 import socket
 import zlib
 from typing import Any
@@ -40,7 +41,8 @@ from fdam_ray.state import GlobalState, RoundPlan, Rule, StepStats, vector_field
 log = logging.getLogger(__name__)
 
 KEY_STRIDE = 997  # every this-many-th value of the long vectors enters a state's key (the short ones whole)
-_SLOTS = 4  # float64 slots per member before its integer buffers: weight, count, bytes, failed
+_SLOTS = 6  # float64 slots per member before its integer buffers: weight, count, bytes, failed, diverged
+# (a client's update or loss not finite), stale (the state this round started from is not finite)
 
 
 def state_key(state: GlobalState, stage: int) -> tuple:
@@ -75,18 +77,20 @@ class ServerStep:
         """The new global state from the round's reduced sums, as the driver's reducer computes it (which folds
         them into zeros: ``0 + x``, written here into ``into``'s buffers when their shapes match, so a round
         allocates no state-sized buffer; the returned state's vectors are then those buffers)."""
-        reducer = RoundReducer(previous, global_lr=self.global_lr, alpha_nonnegative=self.alpha_nonnegative,
-                               control_variates=self.control_variates, partial_total=partial_total)
+        def reducer(sums: PartialSum | None = None) -> RoundReducer:
+            return RoundReducer(previous, global_lr=self.global_lr, alpha_nonnegative=self.alpha_nonnegative,
+                                control_variates=self.control_variates, partial_total=partial_total, sums=sums)
+
         if into is None or not _same_shapes(into, total):
-            reducer.fold(total)
-            return reducer.finish(steps=steps)
+            folding = reducer()
+            folding.fold(total)
+            return folding.finish(steps=steps)
         for f in vector_fields():
             x, out = getattr(total, f.name), getattr(into, f.name)
             if x is not None:
                 (np.maximum if f.metadata["rule"] is Rule.MAX else np.add)(x, x.dtype.type(0), out=out)
         into.weight, into.count, into.bytes_up, into.stats = 0.0 + total.weight, total.count, total.bytes_up, []
-        reducer.sums = into
-        return reducer.finish(steps=steps)
+        return reducer(into).finish(steps=steps)  # no zeros made to fold into
 
 
 def _same_shapes(a: PartialSum, b: PartialSum) -> bool:
@@ -110,6 +114,41 @@ class RoundShare:
     key: tuple | None = None
     total: PartialSum | None = None
     broken: str = ""
+    count: int = 0
+    bytes_up: int = 0
+    diverged: bool = False
+    stale: bool = False
+
+
+@dataclasses.dataclass
+class RunShare:
+    """What a member returns from a run of rounds (:meth:`~fdam_ray.executors.ray.actor.ClientShell.collective_rounds`).
+
+    Attributes:
+        rounds: one share per round this member took part in (its clients' statistics, the round's client count
+            and bytes); the run's first ``done`` rounds were applied, a further one is the round the run stopped in.
+        done: rounds whose server step every member applied.
+        stop: why the run ended before its last round: '' (it did not), ``broken`` (the all-reduce broke),
+            ``failed`` (a member's local round raised), ``diverged`` (a client's update or loss was not finite:
+            the round is not applied) or ``stale`` (the state after round ``done - 1`` is not finite).
+        failure: this member's own error when its local round raised.
+        stale: this member's slice of the state after the run's last round is not finite.
+        key: :func:`state_key` of the state held after the run (None: none held).
+        state: that state (the lowest rank only).
+        ref_sum: with the ``average`` reference point, this member's slice of the float64 sum of v over the
+            applied rounds, else None.
+        ref_slice: (start, stop) of that slice in v.
+    """
+
+    rounds: list[RoundShare]
+    done: int = 0
+    stop: str = ""
+    failure: BaseException | None = None
+    stale: bool = False
+    key: tuple | None = None
+    state: GlobalState | None = None
+    ref_sum: np.ndarray | None = None
+    ref_slice: tuple[int, int] = (0, 0)
 
 
 def _layout(state: GlobalState) -> list[tuple[str, int]]:
@@ -195,10 +234,15 @@ class GroupMember:
 
     # -- a round --------------------------------------------------------------------------
     def reduce(self, mine: PartialSum | None, state: GlobalState, plan: RoundPlan, partial_total: float | None,
-               token: str) -> RoundShare:
+               token: str, stale: bool = False) -> RoundShare:
         """All-reduce ``mine`` (None: this member failed; it contributes nothing and flags the failure) with the
         group's, apply the server step, keep the new state; a broken all-reduce ends the process group and says
-        why in the share. ``token`` names this try of the round in the store (the driver reads who arrived)."""
+        why in the share. ``token`` names this try of the round in the store (the driver reads who arrived).
+
+        Flags every member reads in the share: ``diverged`` (a member's client sent a non-finite update or loss:
+        the step is not applied, the lowest rank still returns the sums, whose fold raises on the driver) and
+        ``stale`` (a member found its slice of ``state`` not finite, :meth:`slice_finite`; the step is not
+        applied)."""
 
         world, rank = self.world, self.rank
         layout = _layout(state)
@@ -209,7 +253,9 @@ class GroupMember:
             small[3 * world + rank] = 1.0
         else:
             small[rank], small[world + rank], small[2 * world + rank] = mine.weight, mine.count, mine.bytes_up
+            small[4 * world + rank] = not all(s.finite and math.isfinite(s.loss) for s in mine.stats)
             small[_SLOTS * world + rank * counters:_SLOTS * world + (rank + 1) * counters] = mine.counters
+        small[5 * world + rank] = stale
         flat = self._buffer(sum(n for _, n in layout))
         if mine is not None:
             at = 0
@@ -217,7 +263,8 @@ class GroupMember:
                 flat[at:at + n] = getattr(mine, name)
                 at += n
         try:
-            self.store.set(f"{token}/{rank}", "1")
+            if token:  # a round at a time: the driver reads who arrived when one is late
+                self.store.set(f"{token}/{rank}", "1")
             self._all_reduce(small, flat)
             if small[3 * world:4 * world].any():
                 return RoundShare(mine_stats, broken="a member failed in its local round")
@@ -227,10 +274,35 @@ class GroupMember:
             self.leave()
             return RoundShare(mine_stats, broken=why)
         total = self._total(flat, layout, small, state)
-        if self.step is None:
-            return RoundShare(mine_stats, None, total if rank == 0 else None)
+        diverged, stale = bool(small[4 * world:5 * world].any()), bool(small[5 * world:6 * world].any())
+        share = RoundShare(mine_stats, None, total if rank == 0 else None, count=total.count,
+                           bytes_up=total.bytes_up, diverged=diverged, stale=stale)
+        if self.step is None or diverged or stale:
+            return share
         self.held = self.step.apply(state, total, plan.steps, partial_total, self._server_sums(total))
-        return RoundShare(mine_stats, state_key(self.held, plan.stage), total if rank == 0 else None)
+        share.key = state_key(self.held, plan.stage)
+        return share
+
+    def my_slice(self, n: int, rank: int | None = None) -> tuple[int, int]:
+        """This member's share (or ``rank``'s) of an ``n``-long vector: contiguous, in rank order (the last ones
+        one shorter)."""
+        rank = self.rank if rank is None else rank
+        per, extra = divmod(n, self.world)
+        start = rank * per + min(rank, extra)
+        return start, start + per + (rank < extra)
+
+    def slice_finite(self, state: GlobalState) -> bool:
+        """Whether this member's slice of v (and, on the lowest rank, alpha and the float buffers) is finite: each
+        member checks its share of the state once, not the whole state on every member (a dot product first,
+        exact only where that is not finite)."""
+        start, stop = self.my_slice(state.v.size)
+        parts = [state.v.reshape(-1)[start:stop]]
+        if self.rank == 0:
+            parts += [state.alpha.reshape(-1), state.buffers.reshape(-1)]
+        for x in parts:
+            if x.size and not math.isfinite(float(np.dot(x, x))) and not np.isfinite(x).all():
+                return False
+        return True
 
     def _total(self, flat: np.ndarray, layout: list[tuple[str, int]], small: np.ndarray,
                state: GlobalState) -> PartialSum:
