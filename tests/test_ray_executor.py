@@ -131,7 +131,9 @@ def test_a_killed_client_process_is_replaced_and_the_run_ends_near_the_undisturb
     undisturbed = run(build_config(dict(cfg, executor="inline")), save=False)
     executor = KillDuringRound(victim=1, at_round=2, how="pid")
     with caplog.at_level(logging.WARNING, logger="fdam_ray"):
-        disturbed = run(build_config(dict(cfg, executor="ray", transport=transport)), executor=executor, save=False)
+        # one round a call under collective: the kill lands in round 2 (runs of rounds: tests/test_collective_runs.py)
+        disturbed = run(build_config(dict(cfg, executor="ray", transport=transport, collective_rounds=1)),
+                        executor=executor, save=False)
     [event] = executor.events
     assert (event["client"], event["round"], event["action"]) == (1, 2, "local_round")
     assert "died" in event["error"] and event["outcome"].startswith("replaced")
