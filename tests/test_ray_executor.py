@@ -134,10 +134,14 @@ def test_a_killed_client_process_is_replaced_and_the_run_ends_near_the_undisturb
         # one round a call under collective: the kill lands in round 2 (runs of rounds: tests/test_collective_runs.py)
         disturbed = run(build_config(dict(cfg, executor="ray", transport=transport, collective_rounds=1)),
                         executor=executor, save=False)
-    [event] = executor.events
+    event, *more = executor.events
     assert (event["client"], event["round"], event["action"]) == (1, 2, "local_round")
     assert "died" in event["error"] and event["outcome"].startswith("replaced")
     assert "client 1 failed in round 2 (local_round)" in caplog.text
+    # under collective, a peer can hang ending the broken group (torch's destroy_process_group): it is ended
+    # as late after collective.BROKEN_GRACE_S and replaced too, rather than waited for until ray_timeout_s
+    assert all(transport == "collective" and e["round"] == 2 and "no answer" in e["error"]
+               and e["outcome"].startswith("replaced") for e in more), more
     assert disturbed.state.round == 8
     assert abs(disturbed.summary["final_test_auc"] - undisturbed.summary["final_test_auc"]) <= 0.01
 

@@ -84,6 +84,7 @@ log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 120.0  # at most this (and ray_timeout_s) for the members to meet when a group is built
 BUILD_TRIES = 3  # builds of one group that fail with every member alive before the run stops
+BROKEN_GRACE_S = 30.0  # after a member failed or the all-reduce broke, the longest wait for the other members
 
 _FAILURES = (ray.exceptions.RayError, ClientError)
 
@@ -216,7 +217,8 @@ class CollectiveTransport(Transport):
 
     def _collect_runs(self, refs: dict[int, Any], rounds: int) -> tuple[dict[int, RunShare], dict[int, BaseException]]:
         """Every member's share of a run, or its failure: a member that has not answered ``ray_timeout_s``
-        after another one did (the members end a run together) is ended as late."""
+        after another one did (the members end a run together), or :data:`BROKEN_GRACE_S` after another one's
+        failure or broken all-reduce, is ended as late."""
         fleet = self.fleet
         deadline = time.monotonic() + fleet.timeout * (rounds + 1)
         fleet.in_flight = {ref: (a, deadline) for a, ref in refs.items()}
@@ -234,7 +236,9 @@ class CollectiveTransport(Transport):
                         runs[a] = ray.get(pending.pop(a), timeout=fleet.timeout)
                     except _FAILURES as exc:
                         failed[a] = exc
-                deadline = min(deadline, time.monotonic() + fleet.timeout)
+                    broken = a in failed or runs[a].stop in ("broken", "failed")
+                    deadline = min(deadline, time.monotonic() + (min(fleet.timeout, BROKEN_GRACE_S) if broken
+                                                                 else fleet.timeout))
             for a in pending:
                 failed[a] = fleet.late(a, "local_round")
                 fleet.kill(a)  # ends its connections, which releases the members waiting for it
@@ -296,11 +300,12 @@ class CollectiveTransport(Transport):
 
     def _collect(self, refs: dict[int, Any], deadline: float, shares: dict[int, RoundShare],
                  failed: dict[int, BaseException]) -> dict[int, Any]:
-        """Fetch the shares that arrive before ``deadline`` (errors into ``failed``); those still pending."""
+        """Fetch the shares that arrive before ``deadline`` (errors into ``failed``); those still pending. Once
+        a member failed or its all-reduce broke, the others have :data:`BROKEN_GRACE_S` more (a member can hang
+        ending a broken process group; it is then ended as late, not waited for until ``ray_timeout_s``)."""
         pending = dict(refs)
         while pending:
-            done, _ = ray.wait(list(pending.values()), num_returns=len(pending),
-                               timeout=max(0.0, deadline - time.monotonic()))
+            done, _ = ray.wait(list(pending.values()), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not done:
                 break
             for a in [a for a, ref in pending.items() if ref in done]:
@@ -308,6 +313,8 @@ class CollectiveTransport(Transport):
                     shares[a] = ray.get(pending.pop(a), timeout=self.fleet.timeout)
                 except _FAILURES as exc:
                     failed[a] = exc
+                if a in failed or getattr(shares[a], "broken", ""):  # (a join returns None)
+                    deadline = min(deadline, time.monotonic() + min(self.fleet.timeout, BROKEN_GRACE_S))
             if time.monotonic() >= deadline:
                 break
         return pending
