@@ -341,8 +341,9 @@ class ClientShell:
         :meth:`collective_round` does for one round. ``state`` None: start from the state this actor holds.
 
         The run stops at the first round that does not go through, on every member at the same round (the
-        reasons travel in the all-reduce): a failed local round (its error is in the share, not raised, so the
-        rounds before it count), a broken all-reduce, a client's non-finite update, or a non-finite state. Each
+        reasons travel in the all-reduce): a failed local round (its error is in the share, not raised; the
+        driver then has the run undone), a broken all-reduce, a client's non-finite update, or a non-finite
+        state. Each
         member checks its slice of each new state (:meth:`GroupMember.slice_finite`) and, with ``average``
         (``reference_point: average``), sums its slice of each new v in float64 for the stage's running sum.
         Its clients' states before the run are kept, so a run that does not count can be undone
