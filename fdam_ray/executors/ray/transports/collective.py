@@ -313,7 +313,8 @@ class CollectiveTransport(Transport):
                     shares[a] = ray.get(pending.pop(a), timeout=self.fleet.timeout)
                 except _FAILURES as exc:
                     failed[a] = exc
-                if a in failed or getattr(shares[a], "broken", ""):  # (a join returns None)
+                share = shares.get(a)  # (a join returns None)
+                if a in failed or (share is not None and share.broken):
                     deadline = min(deadline, time.monotonic() + min(self.fleet.timeout, BROKEN_GRACE_S))
             if time.monotonic() >= deadline:
                 break
