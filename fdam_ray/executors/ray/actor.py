@@ -366,6 +366,7 @@ class ClientShell:
                 failure = exc
             share = member.reduce(None if failure is not None else self._partial, current, plan, partial_total,
                                   "", stale)  # no check-in: the driver waits for a run as a whole
+            share.total = None  # the lowest rank's reduced sums (views of one buffer): not sent back with the run
             run.rounds.append(share)
             if failure is not None or share.broken:
                 run.stop, run.failure = ("failed" if failure is not None else "broken"), failure
