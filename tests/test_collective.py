@@ -141,6 +141,15 @@ def test_the_members_server_step_is_the_drivers_bit_for_bit_in_either_set_of_sum
             for name in FIELDS:
                 assert getattr(got, name).tobytes() == getattr(want, name).tobytes(), name
             assert (got.round, got.iteration) == (want.round, want.iteration)
+        # in place (a run of rounds): the sums a fold makes hold no -0.0, and on those the state is the driver's
+        # bits, written into the sums' own buffers
+        folded = PartialSum.zeros(prev, control_variates=True)
+        folded.merge(total)
+        assert not np.signbit(folded.v[:3]).any()
+        got = step.apply(prev, folded, 4, partial_total, in_place=True)
+        assert got.v is folded.v and got.c_v is folded.c_v
+        for name in FIELDS:
+            assert getattr(got, name).tobytes() == getattr(want, name).tobytes(), name
 
 
 def test_nccl_only_when_every_actor_holds_a_gpu_of_its_own_and_the_store_on_the_loopback_on_one_node():

@@ -51,8 +51,12 @@ class PartialSum(StateVectors):
     stats: list[StepStats] = dataclasses.field(default_factory=list)
 
     @classmethod
-    def zeros(cls, like: StateVectors, *, control_variates: bool) -> PartialSum:
-        """An empty sum for states shaped like ``like`` (with control-variate sums when asked)."""
+    def zeros(cls, like: StateVectors, *, control_variates: bool, flat: bool = False) -> PartialSum:
+        """An empty sum for states shaped like ``like`` (with control-variate sums when asked).
+
+        ``flat``: the summed vectors are consecutive views of one float32 buffer, in declaration order
+        (:attr:`flat`), so the whole sum can be reduced in one call without a copy.
+        """
         out: dict[str, np.ndarray | None] = {}
         for f in vector_fields():
             rule = f.metadata["rule"]
@@ -61,7 +65,21 @@ class PartialSum(StateVectors):
                 out[f.name] = np.zeros_like(of, dtype=np.float32) if control_variates else None
             else:
                 out[f.name] = np.zeros_like(getattr(like, f.name), dtype=np.int64 if rule is Rule.MAX else np.float32)
-        return cls.from_vectors(out)
+        made = cls.from_vectors(out)
+        if flat:
+            summed = {name: getattr(made, name) for name in made._summed()}
+            buffer = np.zeros(sum(x.size for x in summed.values()), dtype=np.float32)
+            at = 0
+            for name, x in summed.items():
+                setattr(made, name, buffer[at:at + x.size].reshape(x.shape))
+                at += x.size
+            made.__dict__["_flat"] = buffer
+        return made
+
+    @property
+    def flat(self) -> np.ndarray | None:
+        """The one buffer the summed vectors are views of (:meth:`zeros` with ``flat``), else None."""
+        return self.__dict__.get("_flat")
 
     @property
     def control_variates(self) -> bool:
@@ -72,12 +90,25 @@ class PartialSum(StateVectors):
         return [f.name for f in vector_fields() if f.metadata["rule"] is not Rule.MAX
                 and getattr(self, f.name) is not None]
 
-    def reset(self) -> PartialSum:
-        """Empty the sums in place (a host reuses one partial sum round after round)."""
-        for x in self.vectors().values():
-            if x is not None:
+    def reset(self, lazy: bool = False) -> PartialSum:
+        """Empty the sums in place (a host reuses one partial sum round after round).
+
+        ``lazy``: the summed vectors are not zeroed; the first update folded or merged is written into them as
+        ``x + 0`` (the same bits as adding it to zeros, one pass fewer), and :meth:`settle` zeroes them if
+        nothing was. Until then they must not be read.
+        """
+        for name, x in self.vectors().items():
+            if x is not None and (not lazy or name in _MAX):
                 x.fill(0)
         self.weight, self.count, self.bytes_up, self.stats = 0.0, 0, 0, []
+        self.__dict__["_unset"] = lazy
+        return self
+
+    def settle(self) -> PartialSum:
+        """Zero the summed vectors of a lazily reset sum into which nothing was folded (readable from here)."""
+        if self.__dict__.pop("_unset", False):
+            for name in self._summed():
+                getattr(self, name).fill(0)
         return self
 
     def fold(self, update: ClientUpdate, weight: float | None = None) -> None:
@@ -85,18 +116,20 @@ class PartialSum(StateVectors):
         if self.control_variates and not all(getattr(update, name) is not None for name in _CONTROL):
             raise ValueError(f"client {update.client_id} sent no control variate")
         names = self._summed()
+        first = self.__dict__.pop("_unset", False)  # a lazy reset: these sums hold nothing yet
         if weight is None:
             for name in names:
                 total = getattr(self, name)
-                np.add(total, getattr(update, name), out=total)
+                np.add(getattr(update, name) if first else total, _ZERO if first else getattr(update, name),
+                       out=total)
             self.weight += 1.0
         else:
             w = np.float32(weight)
             for name in names:
                 total = getattr(self, name)
-                scaled = self._scratch(total.size)
+                scaled = total if first else self._scratch(total.size)
                 np.multiply(getattr(update, name), w, out=scaled)
-                np.add(total, scaled, out=total)
+                np.add(total, _ZERO if first else scaled, out=total)
             self.weight += float(weight)
         self._fold_max(update)
         self.count += 1
@@ -113,10 +146,13 @@ class PartialSum(StateVectors):
         if self.control_variates and not other.control_variates:
             ids = [s.client_id for s in other.stats]
             raise ValueError(f"the partial sum of clients {ids} holds no control variate")
+        first = self.__dict__.pop("_unset", False)  # a lazy reset: these sums hold nothing yet
         for name in self._summed():
+            total = getattr(self, name)
             if getattr(other, name) is not None:
-                total = getattr(self, name)
-                np.add(total, getattr(other, name), out=total)
+                np.add(getattr(other, name) if first else total, _ZERO if first else getattr(other, name), out=total)
+            elif first:
+                total.fill(0)
         self._fold_max(other)
         self._add_counts(other)
 
@@ -161,10 +197,15 @@ class PartialSum(StateVectors):
         return scratch[size]
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "_scratch_by_size"}  # the scratch does not travel
+        if self.__dict__.get("_unset"):
+            raise RuntimeError("a lazily reset partial sum was sent before settle()")
+        # neither the scratch nor the flat buffer travels (the vectors, views of it, travel on their own)
+        return {k: v for k, v in self.__dict__.items() if k not in ("_scratch_by_size", "_flat", "_unset")}
 
 
 _CONTROL = vector_names(Rule.CONTROL)
+_MAX = vector_names(Rule.MAX)
+_ZERO = np.float32(0)
 
 
 class RoundReducer:

@@ -101,6 +101,8 @@ class ClientShell:
         self._sources: dict = {}  # object ref -> data source spec read here
         self._group: GroupMember | None = None  # transport=collective: this actor's place in the group
         self._partial_round = -1  # the round self._partial holds (transport=collective keeps it for a re-run)
+        # transport=collective, runs of rounds: two flat partial sums used in turn (each round's state lives in one)
+        self._run_partials: list[PartialSum | None] = [None, None]
         self._before_run: tuple[str, dict] = ("", {})  # transport=collective: clients' states before a run of rounds
         self._receiver = Receiver()  # transfer_precision bf16/fp16: the float32 master this actor's rounds run from
         self._residual: dict = {}  # error feedback: the rounding residual of this actor's uploads
@@ -201,10 +203,14 @@ class ClientShell:
         return self._receiver.version, self._receiver.master
 
     def _local_round(self, state: GlobalState, plan: RoundPlan, client_ids: Sequence[int],
-                     adopt_global_c: Sequence[int]) -> PartialSum:
-        if self._partial is None:
-            self._partial = PartialSum.zeros(state, control_variates=state.c_v is not None)
-        partial = self._partial.reset()  # reused: Ray serialises the returned sum before this actor runs again
+                     adopt_global_c: Sequence[int], into: PartialSum | None = None) -> PartialSum:
+        """The clients' updates folded into ``into`` (default: this actor's kept partial sum, reused: Ray
+        serialises the returned sum before this actor runs again)."""
+        if into is None:
+            if self._partial is None:
+                self._partial = PartialSum.zeros(state, control_variates=state.c_v is not None)
+            into = self._partial
+        partial = into.reset(lazy=True)  # the first update is written, not added to zeros
 
         def run(client: Client) -> None:
             if client.client_id in adopt_global_c and state.c_v is not None and state.c_alpha is not None:
@@ -212,7 +218,24 @@ class ClientShell:
             run_hosted([client], state, plan, partial)
 
         self._each("local_round", client_ids, run)
-        return partial
+        return partial.settle()
+
+    def _run_partial(self, state: GlobalState) -> PartialSum:
+        """Where a round of a run of rounds folds its clients' updates: one of two flat partial sums, the one
+        whose buffer does not hold ``state`` (each round's new state is finished in its own partial sum's
+        buffer, :meth:`GroupMember.reduce` with ``in_place``)."""
+        control = state.c_v is not None
+        for i, kept in enumerate(self._run_partials):
+            if kept is not None and (kept.control_variates != control or kept.v.shape != state.v.shape
+                                     or kept.buffers.shape != state.buffers.shape
+                                     or kept.alpha.shape != state.alpha.shape):
+                self._run_partials[i] = None
+        for i, kept in enumerate(self._run_partials):
+            if kept is None:
+                kept = self._run_partials[i] = PartialSum.zeros(state, control_variates=control, flat=True)
+            if not np.may_share_memory(kept.v, state.v):
+                return kept
+        raise AssertionError("both run partial sums hold the state")  # two buffers, one state: unreachable
 
     def discard_round(self, round_index: int) -> list[int]:
         """Round ``round_index`` was folded without this actor (it missed the deadline): its clients' own states
@@ -359,14 +382,15 @@ class ClientShell:
         stale = False
         for plan, ids, adopt, partial_total in works:
             failure: BaseException | None = None
+            self.round = plan.round
+            partial = self._run_partial(current)
             try:
-                self.local_round(current, plan, ids, adopt)
-                self._partial_round = plan.round
+                self._local_round(current, plan, ids, adopt, into=partial)
             except Exception as exc:  # a ClientError naming the client: returned once the group knows
                 failure = exc
-            share = member.reduce(None if failure is not None else self._partial, current, plan, partial_total,
-                                  "", stale)  # no check-in: the driver waits for a run as a whole
-            share.total = None  # the lowest rank's reduced sums (views of one buffer): not sent back with the run
+            # reduced in place, no check-in (the driver waits for a run as a whole), no sums kept for a re-run
+            share = member.reduce(None if failure is not None else partial, current, plan, partial_total, "", stale,
+                                  in_place=True)
             run.rounds.append(share)
             if failure is not None or share.broken:
                 run.stop, run.failure = ("failed" if failure is not None else "broken"), failure

@@ -73,14 +73,20 @@ class ServerStep:
     control_variates: bool
 
     def apply(self, previous: GlobalState, total: PartialSum, steps: int, partial_total: float | None,
-              into: PartialSum | None = None) -> GlobalState:
+              into: PartialSum | None = None, in_place: bool = False) -> GlobalState:
         """The new global state from the round's reduced sums, as the driver's reducer computes it (which folds
         them into zeros: ``0 + x``, written here into ``into``'s buffers when their shapes match, so a round
-        allocates no state-sized buffer; the returned state's vectors are then those buffers)."""
+        allocates no state-sized buffer; the returned state's vectors are then those buffers).
+
+        ``in_place``: the state is finished in ``total``'s own buffers, with no ``0 + x`` pass. The same bits:
+        the sums hold no -0.0 (each member's partial sum starts from +0.0 and +0.0 + -0.0 is +0.0; a sum of
+        terms none of which is -0.0 is never -0.0), the one value ``0 + x`` changes."""
         def reducer(sums: PartialSum | None = None) -> RoundReducer:
             return RoundReducer(previous, global_lr=self.global_lr, alpha_nonnegative=self.alpha_nonnegative,
                                 control_variates=self.control_variates, partial_total=partial_total, sums=sums)
 
+        if in_place:
+            return reducer(total).finish(steps=steps)
         if into is None or not _same_shapes(into, total):
             folding = reducer()
             folding.fold(total)
@@ -234,10 +240,15 @@ class GroupMember:
 
     # -- a round --------------------------------------------------------------------------
     def reduce(self, mine: PartialSum | None, state: GlobalState, plan: RoundPlan, partial_total: float | None,
-               token: str, stale: bool = False) -> RoundShare:
+               token: str, stale: bool = False, in_place: bool = False) -> RoundShare:
         """All-reduce ``mine`` (None: this member failed; it contributes nothing and flags the failure) with the
         group's, apply the server step, keep the new state; a broken all-reduce ends the process group and says
         why in the share. ``token`` names this try of the round in the store (the driver reads who arrived).
+
+        ``in_place`` (a run of rounds): ``mine``, when its vectors are views of one buffer
+        (:meth:`PartialSum.zeros` with ``flat``), is reduced and turned into the new state in that buffer (no
+        copy kept for a re-run, no sums returned): the held state then lives in ``mine``, so the next round
+        must fold into another partial sum.
 
         Flags every member reads in the share: ``diverged`` (a member's client sent a non-finite update or loss:
         the step is not applied, the lowest rank still returns the sums, whose fold raises on the driver) and
@@ -256,8 +267,10 @@ class GroupMember:
             small[4 * world + rank] = not all(s.finite and math.isfinite(s.loss) for s in mine.stats)
             small[_SLOTS * world + rank * counters:_SLOTS * world + (rank + 1) * counters] = mine.counters
         small[5 * world + rank] = stale
-        flat = self._buffer(sum(n for _, n in layout))
-        if mine is not None:
+        size = sum(n for _, n in layout)
+        own = in_place and mine is not None and mine.flat is not None and mine.flat.size == size
+        flat = mine.flat if own and mine is not None and mine.flat is not None else self._buffer(size)
+        if mine is not None and not own:
             at = 0
             for name, n in layout:
                 flat[at:at + n] = getattr(mine, name)
@@ -275,11 +288,14 @@ class GroupMember:
             return RoundShare(mine_stats, broken=why)
         total = self._total(flat, layout, small, state)
         diverged, stale = bool(small[4 * world:5 * world].any()), bool(small[5 * world:6 * world].any())
-        share = RoundShare(mine_stats, None, total if rank == 0 else None, count=total.count,
+        share = RoundShare(mine_stats, None, total if rank == 0 and not in_place else None, count=total.count,
                            bytes_up=total.bytes_up, diverged=diverged, stale=stale)
         if self.step is None or diverged or stale:
             return share
-        self.held = self.step.apply(state, total, plan.steps, partial_total, self._server_sums(total))
+        if own:
+            self.held = self.step.apply(state, total, plan.steps, partial_total, in_place=True)
+        else:
+            self.held = self.step.apply(state, total, plan.steps, partial_total, self._server_sums(total))
         share.key = state_key(self.held, plan.stage)
         return share
 
