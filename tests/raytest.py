@@ -66,23 +66,38 @@ class SleepyDataset(torch.utils.data.Dataset):
         return torch.from_numpy(self.x[i]), torch.from_numpy(self.y[i])
 
 
-class SlowClientSource(DataSource):
-    """Wraps a source; client ``slow`` reads its training samples through a :class:`SleepyDataset`."""
+class OneClientWrapped(DataSource):
+    """Wraps a source; client ``client`` reads its training samples through the dataset :meth:`dataset` makes
+    of them (the others read theirs as ``inner`` gives them)."""
 
-    def __init__(self, inner: DataSource, slow: int, delay_s: float) -> None:
-        self.inner, self.slow, self.delay_s = inner, slow, delay_s
+    def __init__(self, inner: DataSource, client: int) -> None:
+        self.inner, self.client = inner, client
         self.num_clients, self.num_tasks = inner.num_clients, inner.num_tasks
         self.input_shape, self.task_names = inner.input_shape, inner.task_names
 
+    def dataset(self, x: np.ndarray, y: np.ndarray) -> torch.utils.data.Dataset:
+        raise NotImplementedError
+
     def client_shard(self, client_id: int) -> Shard:
         shard = self.inner.client_shard(client_id)
-        if client_id != self.slow:
+        if client_id != self.client:
             return shard
         x, y = shard.train.x.numpy(), shard.train.y.numpy()
-        return Shard(DatasetSplit(SleepyDataset(x, y, self.delay_s), y), shard.test)
+        return Shard(DatasetSplit(self.dataset(x, y), y), shard.test)
 
     def test_set(self):
         return self.inner.test_set()
+
+
+class SlowClientSource(OneClientWrapped):
+    """Wraps a source; client ``slow`` reads its training samples through a :class:`SleepyDataset`."""
+
+    def __init__(self, inner: DataSource, slow: int, delay_s: float) -> None:
+        super().__init__(inner, slow)
+        self.delay_s = delay_s
+
+    def dataset(self, x: np.ndarray, y: np.ndarray) -> torch.utils.data.Dataset:
+        return SleepyDataset(x, y, self.delay_s)
 
 
 class DamagedDataset(torch.utils.data.Dataset):

@@ -16,14 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from raytest import ray_session
+from raytest import OneClientWrapped, ray_session
 from sample_clients import gaussian_clients
 
 import fdam_ray
 from fdam_ray.algorithms import AlgorithmSection, build_algorithm
 from fdam_ray.checkpoint import load_checkpoint
 from fdam_ray.config import ConfigError, build_config
-from fdam_ray.data import DatasetSplit, DataSource, Shard
+from fdam_ray.data import DataSource
 from fdam_ray.data.arrays import ArraysSource
 from fdam_ray.executors.base import RoundsRun
 from fdam_ray.executors.inline import InlineExecutor
@@ -194,23 +194,15 @@ class PoisonedDataset(torch.utils.data.Dataset):
         return torch.from_numpy(x), torch.from_numpy(self.y[i])
 
 
-class PoisonedSource(DataSource):
+class PoisonedSource(OneClientWrapped):
     """Client ``victim`` of ``inner`` reads through a :class:`PoisonedDataset`."""
 
     def __init__(self, inner: DataSource, victim: int, bad: int, how: str, marker: str) -> None:
-        self.inner, self.victim, self.bad, self.how, self.marker = inner, victim, bad, how, marker
-        self.num_clients, self.num_tasks = inner.num_clients, inner.num_tasks
-        self.input_shape, self.task_names = inner.input_shape, inner.task_names
+        super().__init__(inner, victim)
+        self.bad, self.how, self.marker = bad, how, marker
 
-    def client_shard(self, client_id: int) -> Shard:
-        shard = self.inner.client_shard(client_id)
-        if client_id != self.victim:
-            return shard
-        x, y = shard.train.x.numpy(), shard.train.y.numpy()
-        return Shard(DatasetSplit(PoisonedDataset(x, y, self.bad, self.how, self.marker), y), shard.test)
-
-    def test_set(self):
-        return self.inner.test_set()
+    def dataset(self, x, y) -> torch.utils.data.Dataset:
+        return PoisonedDataset(x, y, self.bad, self.how, self.marker)
 
 
 # batches of 4 of 40 samples, 2 steps a round: 8 reads a round, so read 8 (r - 1) + 3 falls in round r

@@ -225,21 +225,7 @@ class CollectiveTransport(Transport):
         runs: dict[int, RunShare] = {}
         failed: dict[int, BaseException] = {}
         try:
-            pending = dict(refs)
-            while pending:
-                done, _ = ray.wait(list(pending.values()), num_returns=1,
-                                   timeout=max(0.0, deadline - time.monotonic()))
-                if not done:
-                    break
-                for a in [a for a, ref in pending.items() if ref in done]:
-                    try:
-                        runs[a] = ray.get(pending.pop(a), timeout=fleet.timeout)
-                    except _FAILURES as exc:
-                        failed[a] = exc
-                    broken = a in failed or runs[a].stop in ("broken", "failed")
-                    deadline = min(deadline, time.monotonic() + (min(fleet.timeout, BROKEN_GRACE_S) if broken
-                                                                 else fleet.timeout))
-            for a in pending:
+            for a in self._collect(refs, deadline, runs, failed, settle_s=fleet.timeout):
                 failed[a] = fleet.late(a, "local_round")
                 fleet.kill(a)  # ends its connections, which releases the members waiting for it
         finally:
@@ -298,11 +284,12 @@ class CollectiveTransport(Transport):
             fleet.in_flight = {}
         return shares, failed
 
-    def _collect(self, refs: dict[int, Any], deadline: float, shares: dict[int, RoundShare],
-                 failed: dict[int, BaseException]) -> dict[int, Any]:
-        """Fetch the shares that arrive before ``deadline`` (errors into ``failed``); those still pending. Once
+    def _collect(self, refs: dict[int, Any], deadline: float, answers: dict[int, Any],
+                 failed: dict[int, BaseException], settle_s: float | None = None) -> dict[int, Any]:
+        """Fetch the answers that arrive before ``deadline`` (errors into ``failed``); those still pending. Once
         a member failed or its all-reduce broke, the others have :data:`BROKEN_GRACE_S` more (a member can hang
-        ending a broken process group; it is then ended as late, not waited for until ``ray_timeout_s``)."""
+        ending a broken process group; it is then ended as late, not waited for until ``ray_timeout_s``), and
+        with ``settle_s`` at most that long after any answer (the members of a run end it together)."""
         pending = dict(refs)
         while pending:
             done, _ = ray.wait(list(pending.values()), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
@@ -310,12 +297,13 @@ class CollectiveTransport(Transport):
                 break
             for a in [a for a, ref in pending.items() if ref in done]:
                 try:
-                    shares[a] = ray.get(pending.pop(a), timeout=self.fleet.timeout)
+                    answers[a] = ray.get(pending.pop(a), timeout=self.fleet.timeout)
                 except _FAILURES as exc:
                     failed[a] = exc
-                share = shares.get(a)  # (a join returns None)
-                if a in failed or (share is not None and share.broken):
+                if a in failed or _broken(answers.get(a)):
                     deadline = min(deadline, time.monotonic() + min(self.fleet.timeout, BROKEN_GRACE_S))
+                elif settle_s is not None:
+                    deadline = min(deadline, time.monotonic() + settle_s)
             if time.monotonic() >= deadline:
                 break
         return pending
@@ -417,3 +405,11 @@ class CollectiveTransport(Transport):
     def close(self, end_actors) -> None:
         end_actors()
         self._forget()
+
+
+def _broken(answer: Any) -> bool:
+    """Whether a member's answer says the group broke: a round's all-reduce broke, or a run stopped because
+    it broke or a member failed (a join answers None)."""
+    if isinstance(answer, RoundShare):
+        return bool(answer.broken)
+    return isinstance(answer, RunShare) and answer.stop in ("broken", "failed")
