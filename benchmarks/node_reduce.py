@@ -123,8 +123,35 @@ def load_netlab(folder: str):
     return module
 
 
-def store_bytes_for(clients_per_node: int, state_floats: int) -> int:
-    return max(300 * 2**20, (clients_per_node + 3) * state_floats * 4 * 2)
+def store_bytes_for(nodes: int, clients_per_node: int, state_floats: int) -> int:
+    """Object store bytes per node (every node gets the same) so that no round's objects or channels go to disk.
+
+    The driver's node is the fullest: under ``reduce: star`` it receives every client's sum (K states), and
+    while classic blocks run the compiled star graph stays up with its own copy of each actor's output channel
+    (K more), beside the broadcast and the node sums. A store too small for that puts new objects in files
+    under Ray's temporary folder ("fallback allocation") and spills others to disk, which stalls rounds for
+    seconds; the blocks report what was spilled and what sat in such files (:func:`store_pressure`).
+    """
+    state = state_floats * 4 + (1 << 20)
+    k = nodes * clients_per_node
+    return max(300 * 2**20, (2 * k + 8) * state, (3 * clients_per_node + 8) * state)
+
+
+STORE_PRESSURE: dict[str, float] = {}  # the largest spilled and fallback MiB seen after a block, this process
+
+
+def store_pressure() -> tuple[float, float] | None:
+    """(MiB spilled to disk so far, MiB now in fallback files) over the cluster's object stores, from Ray's
+    memory report (its internal API: None without a Ray session, or where this Ray has none of it)."""
+    if not ray.is_initialized():
+        return None
+    try:
+        from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+        stats = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address)).store_stats
+        return stats.spilled_bytes_total / 2**20, stats.object_store_bytes_fallback / 2**20
+    except Exception:  # a Ray without this report: the figures are left out
+        return None
 
 
 def start_executor(nodes: int, clients_per_node: int, state_floats: int):
@@ -205,8 +232,14 @@ def blocks(executor, algorithm, state, count: int, repeats: int, combos=BLOCKS, 
         use_transport(executor, combo, transports)
         state, ms, ingress, objects = rounds(executor, algorithm, state, count, warmup)
         got[combo].append((ms, ingress, objects))
+        pressure = store_pressure()
+        if pressure is not None:  # the run's worst, for the results file
+            STORE_PRESSURE["spilled_mib"] = max(STORE_PRESSURE.get("spilled_mib", 0.0), pressure[0])
+            STORE_PRESSURE["fallback_mib"] = max(STORE_PRESSURE.get("fallback_mib", 0.0), pressure[1])
         print(f"  block {label(combo)}: {ms:.0f} ms a round, {objects} sums folded "
-              f"({meminfo_gib():.1f} GiB of memory free)", file=sys.stderr, flush=True)
+              f"({meminfo_gib():.1f} GiB of memory free"
+              + ("" if pressure is None else f"; object stores: {pressure[0]:.0f} MiB spilled so far, "
+                 f"{pressure[1]:.0f} MiB in fallback files") + ")", file=sys.stderr, flush=True)
     return state, got
 
 
@@ -254,7 +287,7 @@ def actors_per_node(executor: RayExecutor) -> list[int]:
 
 def measure(nodes: int, clients_per_node: int, state_floats: int, count: int, repeats: int, warmup: int = 1
             ) -> dict:
-    with loopback_cluster(nodes, clients_per_node, store_bytes_for(clients_per_node, state_floats)):
+    with loopback_cluster(nodes, clients_per_node, store_bytes_for(nodes, clients_per_node, state_floats)):
         executor, algorithm, state = start_executor(nodes, clients_per_node, state_floats)
         kept: dict = {}
         try:
@@ -276,7 +309,7 @@ def measure_netlab(netcluster, args: argparse.Namespace) -> dict[str, dict]:
     unshaped: dict = {}
     shaped: dict = {}
     with netcluster.net_cluster(workers=nodes, cpus_per_worker=per_node, rate=None,
-                                object_store_bytes=store_bytes_for(per_node, args.state_floats)) as nc:
+                                object_store_bytes=store_bytes_for(nodes, per_node, args.state_floats)) as nc:
         for transport in ("classic", "compiled"):
             combos = tuple(c for c in BLOCKS if c[0] == transport)
             executor, algorithm, state = start_executor(nodes, per_node, args.state_floats)
@@ -362,7 +395,7 @@ limited to {args.rate} (tc); the classic one then with one node at {args.slow_ra
 alternating blocks of {args.rounds} timed rounds (after {_warmups(args)}) per setting (the compiled \
 `reduce: node` blocks last, one after another, so each graph is built once); round time = median over the \
 blocks of each block's median (lo..hi over the blocks). Machine: {os.cpu_count()} CPU cores and \
-{meminfo_gib('MemTotal'):.0f} GiB of memory shared by every node.
+{meminfo_gib('MemTotal'):.0f} GiB of memory shared by every node. {store_line(args)}
 
 **Star against node**, under the classic and the compiled transport:
 
@@ -379,6 +412,16 @@ node`, classic; ratios against the round with every node at {args.rate} (measure
 
 {C.table(["setting", "round ms", "/ without the slow node", "sums folded in the last round"], slow)}
 """
+
+
+def store_line(args: argparse.Namespace) -> str:
+    """What the results file says of the object stores: their size and whether any round went to disk."""
+    size = store_bytes_for(args.nodes[-1], args.clients_per_node, args.state_floats) / 2**20
+    if not STORE_PRESSURE:
+        return f"Object store: {size:,.0f} MiB per node."
+    return (f"Object store: {size:,.0f} MiB per node; over the run {STORE_PRESSURE['spilled_mib']:,.0f} MiB were "
+            f"spilled to disk and at most {STORE_PRESSURE['fallback_mib']:,.0f} MiB sat in fallback files "
+            "(objects a full store puts on disk).")
 
 
 def local_body(args: argparse.Namespace, results: list[dict]) -> str:

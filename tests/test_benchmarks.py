@@ -444,6 +444,29 @@ def test_node_reduce_script(tmp_path):
     assert "2 timed rounds (after 2 warm-up rounds)" in text
 
 
+def test_node_reduce_sizes_every_store_for_the_driver_node_of_a_star_round_and_says_what_went_to_disk():
+    import argparse
+
+    import node_reduce
+
+    state = 7_000_000 * 4
+    size = node_reduce.store_bytes_for(4, 4, 7_000_000)
+    # the driver's node holds the 16 sums of a classic star round and the compiled star graph's 16 channels
+    assert size >= 2 * 16 * state and size >= 3 * 4 * state
+    assert node_reduce.store_bytes_for(2, 8, 7_000_000) > node_reduce.store_bytes_for(2, 2, 7_000_000)
+    assert node_reduce.store_bytes_for(1, 1, 1000) == 300 * 2**20  # small states: Ray's own floor here
+    args = argparse.Namespace(nodes=[2, 4], clients_per_node=4, state_floats=7_000_000)
+    node_reduce.STORE_PRESSURE.clear()
+    assert node_reduce.store_line(args) == f"Object store: {size / 2**20:,.0f} MiB per node."
+    node_reduce.STORE_PRESSURE.update(spilled_mib=28.0, fallback_mib=56.0)
+    try:
+        line = node_reduce.store_line(args)
+    finally:
+        node_reduce.STORE_PRESSURE.clear()
+    assert "28 MiB were spilled to disk" in line and "at most 56 MiB sat in fallback files" in line
+    assert node_reduce.store_pressure() is None  # no Ray running in this process: left out, not an error
+
+
 def test_node_reduce_refuses_a_netlab_folder_without_netcluster_in_one_line(tmp_path):
     import node_reduce
 
