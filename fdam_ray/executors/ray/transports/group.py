@@ -19,7 +19,11 @@ vector but those combined by max) laid end to end in one buffer. A round in
 which a member flagged a failure is discarded. The member's own partial sum is copied into that buffer rather than
 reduced in place: a round whose all-reduce breaks is finished from the kept
 partial sums (:meth:`~fdam_ray.executors.ray.actor.ClientShell.collective_round`
-with ``reduce_only``) without running a client twice.
+with ``reduce_only``) without running a client twice. Inside a run of rounds
+nothing is re-run that way (a run that breaks is undone and run again round by
+round), so there each member reduces its partial sum in the sum's own buffer
+and finishes the new state in it (``reduce`` with ``in_place``), folding the
+next round into a second partial sum.
 """
 
 from __future__ import annotations
