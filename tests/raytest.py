@@ -96,6 +96,15 @@ class SlowClientSource(OneClientWrapped):
         super().__init__(inner, slow)
         self.delay_s = delay_s
 
+    @property
+    def slow(self) -> int:
+        """The slow client (the wrapped one; subclasses set it per shard to slow every client)."""
+        return self.client
+
+    @slow.setter
+    def slow(self, client_id: int) -> None:
+        self.client = client_id
+
     def dataset(self, x: np.ndarray, y: np.ndarray) -> torch.utils.data.Dataset:
         return SleepyDataset(x, y, self.delay_s)
 

@@ -163,7 +163,7 @@ class SlowEveryClient(SlowClientSource):
     """Every client reads its training samples through a SleepyDataset (a round takes a while)."""
 
     def client_shard(self, client_id: int):
-        self.client = client_id
+        self.slow = client_id
         return super().client_shard(client_id)
 
 

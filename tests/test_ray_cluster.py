@@ -43,9 +43,20 @@ def test_deploy_config_passes_rays_own_validation():
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_ports(1)[0]
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` free ports on 127.0.0.1, all different: the sockets are held open together while they are chosen
+    (chosen one at a time, a port just closed can come back, and Ray refuses two components on one port)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def _listening(port: int) -> bool:
@@ -69,10 +80,10 @@ def cluster():
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["PATH"] = BIN + os.pathsep + env.get("PATH", "")
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
-    gcs, dashboard = _free_port(), _free_port()
     named = ("ray-client-server-port", "node-manager-port", "object-manager-port", "metrics-export-port",
              "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port")
-    ports = {"port": gcs, "dashboard-port": dashboard, **{n: _free_port() for n in named}}
+    gcs, dashboard, *others = _free_ports(2 + len(named))
+    ports = {"port": gcs, "dashboard-port": dashboard, **dict(zip(named, others, strict=True))}
     cmd = [os.path.join(BIN, "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", "--num-cpus=2",
            f"--temp-dir={temp}", "--dashboard-host=127.0.0.1", "--disable-usage-stats",
            *[f"--{k}={v}" for k, v in ports.items()]]
