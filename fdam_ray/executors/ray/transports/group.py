@@ -272,8 +272,9 @@ class GroupMember:
             small[_SLOTS * world + rank * counters:_SLOTS * world + (rank + 1) * counters] = mine.counters
         small[5 * world + rank] = stale
         size = sum(n for _, n in layout)
-        own = in_place and mine is not None and mine.flat is not None and mine.flat.size == size
-        flat = mine.flat if own and mine is not None and mine.flat is not None else self._buffer(size)
+        mine_flat = mine.flat if in_place and mine is not None else None
+        own = mine_flat is not None and mine_flat.size == size
+        flat = mine_flat if own and mine_flat is not None else self._buffer(size)
         if mine is not None and not own:
             at = 0
             for name, n in layout:
