@@ -10,7 +10,8 @@ steps): the rest is broadcast, transfer, serialisation and reduction. It is
 measured for the transports of the executor (``classic``: one Ray call per
 actor through the object store; ``compiled``: one Ray Compiled Graph, with
 its default ``channel_wait: sleep`` and with ``spin``; ``collective``: the
-actors all-reduce their partial sums over gloo and apply the server step,
+actors all-reduce their partial sums (one node: through the shared-memory
+block of ``collective_backend: auto``) and apply the server step,
 timed as a run of rounds, one call per actor for the block, and one call a
 round, the driver folding the lowest rank's reduced sum).
 
@@ -452,7 +453,8 @@ compiled` (one Ray Compiled Graph: shared-memory channels) with its default `cha
 for its first {SPIN_S * 1e3:g} ms, then sleeps between checks); compiled spin = the same with `channel_wait: \
 spin` (Ray's polling throughout); each graph is ended after its block (a spinning graph's waiting threads keep a \
 core each busy) and built again in the next block's warm-up rounds. Collective = `transport: collective` (the \
-actors all-reduce their partial sums over gloo and apply the server step) as a training run uses it: the \
+actors all-reduce their partial sums, here through the shared-memory block of `collective_backend: auto` (all \
+actors on one node), and apply the server step) as a training run uses it: the \
 block's rounds as one run of rounds (`collective_rounds` >= {args.rounds}: one call per actor for the whole \
 block, the state to the driver once at its end; overhead = (the run's wall - the sum over its rounds of the \
 slowest client's compute) / rounds, after a warm-up run of 2 rounds). Collective one call a round = the same \

@@ -55,17 +55,23 @@ def assert_same_run(got, want, atol=1e-6):
     dict(algorithm="coda_plus", clients_per_actor=2),
     pytest.param(dict(algorithm="codasca", clients_per_round=2, client_weighting="samples"),
                  marks=pytest.mark.slow),  # two Ray runs, 14 s; the oracle test below samples by default
-], ids=["codasca", "hosted", "sampled"])
+    dict(algorithm="codasca", collective_backend="gloo"),
+], ids=["codasca", "hosted", "sampled", "gloo"])
 def test_a_collective_run_equals_the_classic_run_in_client_order(extra):
+    """On one node the actors reduce through shared memory, in rank order: the driver's order of folding the
+    actors' sums, so the run is classic's bit for bit; over gloo (the ring's order) to float32 rounding."""
     clients, test = gaussian_clients(num_clients=4)
     cfg = dict(ARRAYS, iterations=12, stage_length=6, executor="ray", **extra)
-    classic = arrays_run(dict(cfg, transport="classic", fold_order="client"), clients, test)
+    classic = arrays_run(dict(cfg, transport="classic", fold_order="client", collective_backend="auto"), clients,
+                         test)
     executor = RayExecutor()
     got = arrays_run(dict(cfg, transport="collective"), clients, test, executor=executor)
     assert got.state.round == classic.state.round == 6
-    assert_same_run(got, classic)
+    gloo = extra.get("collective_backend") == "gloo"
+    assert_same_run(got, classic, atol=1e-6 if gloo else 0.0)
     transport = executor.transport
-    assert transport.name == "collective" and transport.builds == 1 and transport.backend == "gloo"
+    assert transport.name == "collective" and transport.builds == 1
+    assert transport.backend == ("gloo" if gloo else "shm")
     # the state went down in the first round and at the stage start only; the actors kept their copy otherwise
     assert transport.rounds_sent == 2
 
@@ -152,21 +158,31 @@ def test_the_members_server_step_is_the_drivers_bit_for_bit_in_either_set_of_sum
             assert getattr(got, name).tobytes() == getattr(want, name).tobytes(), name
 
 
-def test_nccl_only_when_every_actor_holds_a_gpu_of_its_own_and_the_store_on_the_loopback_on_one_node():
+def test_nccl_only_when_every_actor_holds_a_gpu_of_its_own_shared_memory_on_one_node_and_the_store_on_the_loopback():
     from types import SimpleNamespace
 
+    from fdam_ray.executors.ray.transports import shared
     from fdam_ray.executors.ray.transports.collective import CollectiveTransport
 
-    def backend(where: dict) -> tuple[str, str]:
+    assert shared.supported()  # these machines: Linux on x86-64
+
+    def backend(where: dict, choice: str = "auto") -> tuple[str, str]:
         transport = CollectiveTransport.__new__(CollectiveTransport)
         transport.fleet = SimpleNamespace(where_of=where)
+        transport.config = SimpleNamespace(collective_backend=choice)
         return transport._backend(sorted(where)), transport._host(sorted(where))
 
     gpu = lambda node, ids: {"device": "cuda:0", "gpu_ids": ids, "node_id": node}
+    cpu = lambda node: {"device": "cpu", "gpu_ids": [], "node_id": node}
     assert backend({0: gpu("n", [0]), 1: gpu("n", [1])}) == ("nccl", "127.0.0.1")
-    assert backend({0: gpu("n", [0]), 1: gpu("n", [0])})[0] == "gloo"  # a shared GPU: NCCL takes one rank per GPU
-    assert backend({0: gpu("n", [0]), 1: {"device": "cpu", "gpu_ids": [], "node_id": "n"}})[0] == "gloo"
-    assert backend({0: {"device": "cpu", "gpu_ids": [], "node_id": "n"}}) == ("gloo", "127.0.0.1")
+    assert backend({0: gpu("n", [0]), 1: gpu("m", [0])}, "gloo")[0] == "nccl"
+    # a shared GPU (NCCL takes one rank per GPU) or a CPU actor: shared memory on one node, else gloo
+    assert backend({0: gpu("n", [0]), 1: gpu("n", [0])})[0] == "shm"
+    assert backend({0: gpu("n", [0]), 1: gpu("m", [0]), 2: gpu("m", [0])})[0] == "gloo"
+    assert backend({0: gpu("n", [0]), 1: cpu("n")})[0] == "shm"
+    assert backend({0: cpu("n")}) == ("shm", "127.0.0.1")
+    assert backend({0: cpu("n"), 1: cpu("n")}, "gloo") == ("gloo", "127.0.0.1")
+    assert backend({0: cpu("n"), 1: cpu("m")})[0] == "gloo"
 
 
 def test_a_state_key_changes_with_the_stage_and_with_the_values():

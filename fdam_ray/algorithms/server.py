@@ -51,11 +51,13 @@ class PartialSum(StateVectors):
     stats: list[StepStats] = dataclasses.field(default_factory=list)
 
     @classmethod
-    def zeros(cls, like: StateVectors, *, control_variates: bool, flat: bool = False) -> PartialSum:
+    def zeros(cls, like: StateVectors, *, control_variates: bool, flat: bool = False,
+              buffer: np.ndarray | None = None) -> PartialSum:
         """An empty sum for states shaped like ``like`` (with control-variate sums when asked).
 
         ``flat``: the summed vectors are consecutive views of one float32 buffer, in declaration order
-        (:attr:`flat`), so the whole sum can be reduced in one call without a copy.
+        (:attr:`flat`), so the whole sum can be reduced in one call without a copy; ``buffer``: that buffer
+        (float32, exactly as long as the summed vectors; zeroed here), else a new one.
         """
         out: dict[str, np.ndarray | None] = {}
         for f in vector_fields():
@@ -68,7 +70,14 @@ class PartialSum(StateVectors):
         made = cls.from_vectors(out)
         if flat:
             summed = {name: getattr(made, name) for name in made._summed()}
-            buffer = np.zeros(sum(x.size for x in summed.values()), dtype=np.float32)
+            size = sum(x.size for x in summed.values())
+            if buffer is None:
+                buffer = np.zeros(size, dtype=np.float32)
+            elif buffer.dtype != np.float32 or buffer.shape != (size,):
+                raise ValueError(f"a flat partial sum needs a float32 buffer of {size} values, not {buffer.dtype} "
+                                 f"{buffer.shape}")
+            else:
+                buffer.fill(0)
             at = 0
             for name, x in summed.items():
                 setattr(made, name, buffer[at:at + x.size].reshape(x.shape))

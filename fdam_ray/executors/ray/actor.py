@@ -223,7 +223,11 @@ class ClientShell:
     def _run_partial(self, state: GlobalState) -> PartialSum:
         """Where a round of a run of rounds folds its clients' updates: one of two flat partial sums, the one
         whose buffer does not hold ``state`` (each round's new state is finished in its own partial sum's
-        buffer, :meth:`GroupMember.reduce` with ``in_place``)."""
+        buffer, :meth:`GroupMember.reduce` with ``in_place``); under backend ``shm``, the member's slot of the
+        group's block (the new state is then held in the block)."""
+        slot = self._member().run_partial(state)
+        if slot is not None:
+            return slot
         control = state.c_v is not None
         for i, kept in enumerate(self._run_partials):
             if kept is not None and (kept.control_variates != control or kept.v.shape != state.v.shape

@@ -1,10 +1,11 @@
 """``transport: collective``: the actors all-reduce their partial sums among themselves, as the paper's code does.
 
-The fleet's actors form one collective group (``torch.distributed``: gloo
-between CPU actors, NCCL when every actor holds a GPU of its own; NCCL takes
-one rank per GPU, so actors sharing a GPU use gloo), built once per set of
-actors and built again when that set changes (a replacement, a dropped actor,
-a lost node). A round is one call per actor: its local round, then
+The fleet's actors form one collective group (``torch.distributed``: NCCL
+when every actor holds a GPU of its own, NCCL taking one rank per GPU; else,
+with ``collective_backend: auto`` and every actor on one node, backend
+``shm``: a shared-memory block, :mod:`.shared`; else gloo), built once per
+set of actors and built again when that set changes (a replacement, a
+dropped actor, a lost node). A round is one call per actor: its local round, then
 :meth:`~fdam_ray.executors.ray.transports.group.GroupMember.reduce`: the
 all-reduce of the weighted partial sums (every vector with its rule: sums for
 v, alpha, BatchNorm statistics and control variates, max for integer
@@ -39,17 +40,19 @@ state, so whichever actors the next round samples start from it without the
 driver sending it. Hosted clients (``clients_per_actor`` > 1) are folded
 into their actor's partial sum first, as under the other transports.
 
-The all-reduce sums in the group's order, not the driver's, so a run equals
-a classic ``fold_order: client`` run to float32 rounding (about 1e-7
-relative), not bit for bit. ``reduce: node`` is refused: the actors reduce
+Backend ``shm`` sums in rank order, the driver's order of folding the actors'
+sums, so a run equals a classic ``fold_order: client`` run bit for bit; gloo
+and NCCL sum in their own order (equal to float32 rounding, about 1e-7
+relative). ``reduce: node`` is refused: the actors reduce
 among themselves, so there is nothing left for a node's reducer to fold.
 
 Failures. Every wait is bounded by ``ray_timeout_s``: the driver's wait for
 a round, and every collective call inside the group (the group's timeout). An
 actor whose client raised flags it in the first (small) all-reduce, so every
 member stops before the large one and the group stays sound; an actor that
-dies breaks its peers' all-reduce at once (gloo sees the connection close),
-and they return. An actor that does not answer in time is told from the
+dies breaks its peers' all-reduce at once (gloo sees the connection close;
+a shared-memory wait looks at the peers' processes every 50 ms), and they
+return. An actor that does not answer in time is told from the
 peers it blocks by the group's store, where each member checks in before its
 all-reduce: the late one is ended (which releases the others) and counts as
 failed. Then, as under the other transports, the failure policy
@@ -76,6 +79,7 @@ from fdam_ray.executors.base import RoundsRun
 from fdam_ray.executors.errors import ClientError
 from fdam_ray.executors.ray import compat
 from fdam_ray.executors.ray.placement import node_addresses
+from fdam_ray.executors.ray.transports import shared
 from fdam_ray.executors.ray.transports.base import Round, Transport
 from fdam_ray.executors.ray.transports.group import RoundShare, RunShare, ServerStep, state_key
 from fdam_ray.state import ClientInfo, GlobalState, RoundPlan
@@ -98,7 +102,7 @@ class CollectiveTransport(Transport):
         rounds_sent: rounds (or runs of rounds) that sent the global state to the actors (the others used the
             actors' copy).
         runs: the rounds of each run of rounds (``collective_rounds``), in order.
-        backend: the group's backend (``gloo`` or ``nccl``; '' before the first build).
+        backend: the group's backend (``shm``, ``gloo`` or ``nccl``; '' before the first build).
     """
 
     name = "collective"
@@ -389,14 +393,18 @@ class CollectiveTransport(Transport):
         return node_addresses().get(self.fleet.where_of.get(members[0], {}).get("node_id", ""), "") or "127.0.0.1"
 
     def _backend(self, members: list[int]) -> str:
-        """NCCL when every member holds a GPU and no two share one (NCCL takes one rank per GPU), else gloo."""
-        gpus = []
-        for a in members:
-            where = self.fleet.where_of.get(a, {})
-            if not str(where.get("device", "cpu")).startswith("cuda") or not where.get("gpu_ids"):
-                return "gloo"
-            gpus.append((where.get("node_id"), tuple(where["gpu_ids"])))
-        return "nccl" if len(set(gpus)) == len(gpus) else "gloo"
+        """NCCL when every member holds a GPU and no two share one (NCCL takes one rank per GPU); else, with
+        ``collective_backend: auto``, ``shm`` when every member is on one node (and the machine supports it:
+        :func:`~fdam_ray.executors.ray.transports.shared.supported`); else gloo."""
+        wheres = [self.fleet.where_of.get(a, {}) for a in members]
+        gpus = [(w.get("node_id"), tuple(w.get("gpu_ids") or ())) for w in wheres
+                if str(w.get("device", "cpu")).startswith("cuda") and w.get("gpu_ids")]
+        if len(gpus) == len(members) and len(set(gpus)) == len(gpus):
+            return "nccl"
+        one_node = len({w.get("node_id") for w in wheres}) == 1
+        if self.config.collective_backend == "auto" and one_node and shared.supported():
+            return "shm"
+        return "gloo"
 
     def _forget(self) -> None:
         """Drop the group on the driver's side (the members leave it when they join the next one, or end)."""

@@ -3,7 +3,10 @@
 Each actor of the round's group holds one :class:`GroupMember`. After the
 actor's local round, :meth:`GroupMember.reduce` all-reduces its weighted
 partial sum with the other members' (``torch.distributed``: gloo on CPU
-actors, NCCL when every member holds a GPU of its own), applies the server
+actors, NCCL when every member holds a GPU of its own; backend ``shm``, every
+member on one node: through a shared-memory block, :mod:`.shared` and
+:meth:`GroupMember._reduce_shared`, where each member finishes the server
+step on its slice and a run's state is held in the block), applies the server
 step itself (the same :class:`~fdam_ray.algorithms.server.RoundReducer` the
 driver runs, on the same sums, so the new global state is the driver's bit
 for bit) and keeps that state for the next round, so the driver sends the
@@ -40,6 +43,7 @@ import numpy as np
 import torch
 
 from fdam_ray.algorithms.server import PartialSum, RoundReducer
+from fdam_ray.executors.ray.transports.shared import SharedBlock, SharedBroken
 from fdam_ray.state import GlobalState, RoundPlan, Rule, StepStats, vector_fields
 
 log = logging.getLogger(__name__)
@@ -101,6 +105,11 @@ class ServerStep:
                 (np.maximum if f.metadata["rule"] is Rule.MAX else np.add)(x, x.dtype.type(0), out=out)
         into.weight, into.count, into.bytes_up, into.stats = 0.0 + total.weight, total.count, total.bytes_up, []
         return reducer(into).finish(steps=steps)  # no zeros made to fold into
+
+
+def _is_buffer(x: np.ndarray | None, buffer: np.ndarray) -> bool:
+    """Whether ``x`` is exactly ``buffer`` (same start, same length)."""
+    return x is not None and x.size == buffer.size and x.ctypes.data == buffer.ctypes.data
 
 
 def _same_shapes(a: PartialSum, b: PartialSum) -> bool:
@@ -186,6 +195,12 @@ class GroupMember:
         self.store: Any = None
         self.step: ServerStep | None = None
         self.held: GlobalState | None = None
+        self.timeout_s = 0.0
+        # backend shm (members on one node): the group's shared-memory block, made at the first reduce of a size
+        self.shared = False
+        self.block: SharedBlock | None = None
+        self._blocks = 0  # blocks made in this group (each one's path travels under its own store key)
+        self._slot_partial: PartialSum | None = None  # a run's partial sum over this member's slot
         self._flat = np.empty(0, dtype=np.float32)
         # the server step's sums, two sets used in turn: the state held from the last round lives in one
         self._sums: list[PartialSum | None] = [None, None]
@@ -210,7 +225,9 @@ class GroupMember:
     def join(self, host: str, port: int, rank: int, world: int, backend: str, timeout_s: float,
              step: ServerStep | None) -> None:
         """Join the group whose store the lowest rank serves at ``host:port`` (leaving any other first); every
-        collective call of the group waits at most ``timeout_s``."""
+        collective call of the group waits at most ``timeout_s``. Backend ``shm`` (every member on this node):
+        the members reduce through a shared-memory block (:mod:`.shared`), over a gloo group that only sets it
+        up."""
         import torch.distributed as dist
 
         if rank != 0:
@@ -218,21 +235,32 @@ class GroupMember:
             self.store = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout_s))
         elif dist.is_initialized():
             dist.destroy_process_group()
+        self._drop_block()
         self.held = None
-        dist.init_process_group(backend, store=self.store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo" if backend == "shm" else backend, store=self.store, rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
         self.rank, self.world, self.backend, self.step = rank, world, backend, step
+        self.timeout_s, self.shared, self._blocks = timeout_s, backend == "shm", 0
 
     def leave(self) -> None:
         """Leave the group (a broken one too): its process group ended, its store dropped, no state held."""
         import torch.distributed as dist
 
+        self._drop_block()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception as exc:  # a group broken by a dead member may not end cleanly; it is gone either way
                 log.debug("destroy_process_group: %s", exc)
-        self.store, self.rank, self.world, self.held = None, -1, 0, None
+        self.store, self.rank, self.world, self.held, self.shared = None, -1, 0, None, False
+
+    def _drop_block(self) -> None:
+        """Leave the shared-memory block: members still waiting in it are released (its mapping goes with the
+        last view of it: a held state may still read from it)."""
+        if self.block is not None:
+            self.block.mark_broken()
+            self.block.close()
+        self.block, self._slot_partial = None, None
 
     def state_for(self, given: GlobalState | None) -> GlobalState:
         """The round's starting state: the one sent, else the one this member holds."""
@@ -272,6 +300,8 @@ class GroupMember:
             small[_SLOTS * world + rank * counters:_SLOTS * world + (rank + 1) * counters] = mine.counters
         small[5 * world + rank] = stale
         size = sum(n for _, n in layout)
+        if self.shared:
+            return self._reduce_shared(mine, state, plan, partial_total, token, small, layout, size, in_place)
         mine_flat = mine.flat if in_place and mine is not None else None
         own = mine_flat is not None and mine_flat.size == size
         flat = mine_flat if own and mine_flat is not None else self._buffer(size)
@@ -303,6 +333,138 @@ class GroupMember:
             self.held = self.step.apply(state, total, plan.steps, partial_total, self._server_sums(total))
         share.key = state_key(self.held, plan.stage)
         return share
+
+    def _reduce_shared(self, mine: PartialSum | None, state: GlobalState, plan: RoundPlan,
+                       partial_total: float | None, token: str, small: np.ndarray, layout: list[tuple[str, int]],
+                       size: int, in_place: bool) -> RoundShare:
+        """:meth:`reduce` through the group's shared-memory block (backend ``shm``, see :mod:`.shared`): the
+        members' sums in rank order, each member's slice finished by it (``in_place``: the new state is then
+        held in the block's result buffer, no copy of it anywhere), else the whole sums read from the block and
+        the server step applied as under gloo."""
+        import torch.distributed as dist
+
+        world, rank = self.world, self.rank
+        mine_stats = [] if mine is None else list(mine.stats)
+        block: SharedBlock | None = None
+        finished: GlobalState | None = None
+        try:
+            block = self._block_for(size, small.size)
+            if block is None:  # no room in /dev/shm: this group reduces over gloo from here on
+                return self.reduce(mine, state, plan, partial_total, token, bool(small[5 * world + rank]), in_place)
+            if mine is not None and not _is_buffer(mine.flat, block.slot):
+                at = 0
+                for name, n in layout:
+                    block.slot[at:at + n] = getattr(mine, name).reshape(-1)
+                    at += n
+            if token:  # a round at a time: the driver reads who arrived when one is late
+                self.store.set(f"{token}/{rank}", "1")
+            block.put_row(small)
+            block.barrier()
+            small = block.sum_rows()
+            if small[3 * world:4 * world].any():
+                return RoundShare(mine_stats, broken="a member failed in its local round")
+            diverged, stale = bool(small[4 * world:5 * world].any()), bool(small[5 * world:6 * world].any())
+            apply = self.step is not None and not diverged and not stale
+            total: PartialSum | None = None
+            if apply or not in_place:  # in place with no step: nothing to sum
+                out = block.result_for(state.v)
+                start, stop = self.my_slice(size)
+                block.reduce_slice(out, start, stop)
+                total = self._total(out, layout, small, state)
+                if in_place:
+                    finished = self._finish_slice(state, total, layout, start, stop, plan.steps, partial_total)
+                block.barrier()
+        except (SharedBroken, OSError, dist.DistError) as exc:  # a member died, left or is late: the group broke
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            log.debug("the shared-memory reduce of round %d broke: %s", plan.round, why)
+            self.leave()
+            return RoundShare(mine_stats, broken=why)
+        share = RoundShare(mine_stats, None, total if rank == 0 and not in_place else None,
+                           count=int(small[world:2 * world].sum()), bytes_up=int(small[2 * world:3 * world].sum()),
+                           diverged=diverged, stale=stale)
+        if not apply or self.step is None or total is None:
+            return share
+        if finished is not None:
+            self.held = finished
+        else:
+            self.held = self.step.apply(state, total, plan.steps, partial_total, self._server_sums(total))
+        share.key = state_key(self.held, plan.stage)
+        return share
+
+    def _block_for(self, n: int, small: int) -> SharedBlock | None:
+        """The group's shared-memory block for states of ``n`` summed floats (made, all members together, when
+        there is none of that size yet); None when the lowest rank could not make one (the group then reduces
+        over gloo)."""
+        import torch.distributed as dist
+
+        block = self.block
+        if block is not None and block.n == n and block.small_len == small:
+            return block
+        self._drop_block()
+        self._blocks += 1
+        key = f"shm-block/{self._blocks}"
+        if self.rank == 0:
+            try:
+                path = SharedBlock.create(self.world, small, n)
+            except OSError as exc:
+                path = ""
+                log.warning("no shared-memory block of %d floats for the collective group (%s): it reduces over "
+                            "gloo", n, exc)
+            self.store.set(key, path)
+        dist.barrier()
+        path = self.store.get(key).decode()
+        if not path:
+            self.shared = False
+            return None
+        try:
+            block = SharedBlock(path, self.rank, self.world, small, n, self.timeout_s)
+            dist.barrier()  # every member has mapped it and opened its FIFO
+            block.connect()
+            dist.barrier()  # every member has opened the others' FIFOs: the names can go
+        finally:
+            if self.rank == 0:
+                SharedBlock.unlink(path, self.world)
+        self.block = block
+        return block
+
+    def run_partial(self, state: GlobalState) -> PartialSum | None:
+        """Backend ``shm``, inside a run of rounds: a flat partial sum over this member's slot of the block, so
+        the member's fold writes where the others read (None: no block for states like ``state`` yet)."""
+        block = self.block
+        if block is None or sum(n for _, n in _layout(state)) != block.n:
+            return None
+        control, kept = state.c_v is not None, self._slot_partial
+        if kept is None or kept.control_variates != control or any(
+                getattr(kept, name).shape != getattr(state, name).shape for name in ("v", "alpha", "buffers")):
+            kept = self._slot_partial = PartialSum.zeros(state, control_variates=control, flat=True,
+                                                         buffer=block.slot)
+        return kept
+
+    def _finish_slice(self, state: GlobalState, total: PartialSum, layout: list[tuple[str, int]], start: int,
+                      stop: int, steps: int, partial_total: float | None) -> GlobalState:
+        """The server step on this member's slice ``start:stop`` of the summed vectors, in ``total``'s buffers
+        (the step is elementwise; its scalars come from the whole round's weights); the new global state: views
+        of ``total``'s buffers, whole once every member has finished its slice."""
+        assert self.step is not None
+        spans, at = {}, 0
+        for name, n in layout:
+            spans[name] = (min(max(start - at, 0), n), min(max(stop - at, 0), n))
+            at += n
+        sums: dict[str, np.ndarray | None] = {}
+        prev: dict[str, np.ndarray | None] = {}
+        for f in vector_fields():
+            x, p = getattr(total, f.name), getattr(state, f.name)
+            if f.name in spans and x is not None:
+                lo, hi = spans[f.name]
+                sums[f.name] = x.reshape(-1)[lo:hi]
+                prev[f.name] = None if p is None else p.reshape(-1)[lo:hi]
+            else:
+                sums[f.name], prev[f.name] = x, p
+        part = PartialSum.from_vectors(sums, weight=total.weight, count=total.count, bytes_up=total.bytes_up)
+        done = self.step.apply(GlobalState.from_vectors(prev, round=state.round, iteration=state.iteration), part,
+                               steps, partial_total, in_place=True)
+        whole = {f.name: None if getattr(done, f.name) is None else getattr(total, f.name) for f in vector_fields()}
+        return GlobalState.from_vectors(whole, round=done.round, iteration=done.iteration)
 
     def my_slice(self, n: int, rank: int | None = None) -> tuple[int, int]:
         """This member's share (or ``rank``'s) of an ``n``-long vector: contiguous, in rank order (the last ones
