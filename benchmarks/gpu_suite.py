@@ -11,10 +11,12 @@
    ``transport: collective`` on a state of N floats (DenseNet121's size); its round overhead (the round
    minus the slowest client's compute, as round_overhead.py measures it) against a bare
    ``torch.distributed`` all-reduce of N floats among 4 processes on the same GPU (target: at most 1.2x).
-   The transport uses NCCL when every actor holds a GPU of its own and gloo when actors share one (NCCL takes
-   one rank per GPU and refuses a second rank on the same device); the bare reference tries NCCL first and,
-   when NCCL refuses 4 ranks on one GPU, says so in the table and measures gloo, so both sides use the same
-   backend. On the CPU (``--device cpu``) both use gloo.
+   The transport uses NCCL when every actor holds a GPU of its own and, run here with
+   ``collective_backend: gloo``, gloo when actors share one (NCCL takes one rank per GPU and refuses a second
+   rank on the same device; the default ``auto`` would reduce through host shared memory, which
+   round_overhead.py measures); the bare reference tries NCCL first and, when NCCL refuses 4 ranks on one
+   GPU, says so in the table and measures gloo, so both sides use the same backend. On the CPU
+   (``--device cpu``) both use gloo.
 
 Writes ``gpu_suite.md`` (the card named, every table) and ``gpu_throughput.md`` into ``--out-dir``
 (default benchmarks/results). Prints the time each part took.
@@ -122,7 +124,8 @@ def collective_round(spec: dict, device: torch.device) -> dict:
     try:
         config = build_config(dict(dataset="arrays", num_clients=k, model="linear", algorithm="coda_plus",
                                    batch_size="full", local_steps=1, lr=0.01, executor="ray", eval_on="driver",
-                                   transport="collective", device=device.type, **share))
+                                   transport="collective", collective_backend="gloo", device=device.type,
+                                   **share))
         source = WideSource(k, n - 3)
         executor = RayExecutor()
         executor.start(config, source)
