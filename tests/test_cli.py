@@ -153,7 +153,8 @@ def test_fields_filters_by_section_or_word(capsys):
     everything = listed()
     assert everything == [f.name for f in FIELDS]
     assert listed("ray") == ["address", "cpus_per_actor", "gpus_per_actor", "placement_strategy", "client_resources",
-                             "reduce", "transport", "collective_rounds", "channel_wait", "placement_timeout_s",
+                             "reduce", "transport", "collective_rounds", "collective_backend", "channel_wait",
+                             "placement_timeout_s",
                              "gpu_memory_cap", "fold_order", "ray_timeout_s"]
     assert set(listed("ray")) < {f.name for f in dataclasses.fields(RaySection)}  # its own fields, not shared ones
     assert listed("RAY") == listed("ray")
@@ -166,7 +167,8 @@ def test_fields_filters_by_section_or_word(capsys):
                                   "on_client_failure", "max_client_retries"]
     gpu = listed("gpu")  # a word: in the name, or starting a word of the meaning
     assert {"gpus_per_actor", "gpu_memory_cap", "device", "deterministic"} <= set(gpu) and "lr" not in gpu
-    assert listed("ray", "gpu") == ["gpus_per_actor", "transport", "gpu_memory_cap"]  # several terms: each selects
+    # several terms: each selects
+    assert listed("ray", "gpu") == ["gpus_per_actor", "transport", "collective_backend", "gpu_memory_cap"]
     assert all(name in everything for names in SECTIONS.values() for name in names)  # no stale section entry
     assert main(["fields", "nothing-like-this"]) == 2
     err = capsys.readouterr().err

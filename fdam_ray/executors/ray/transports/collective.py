@@ -79,9 +79,9 @@ from fdam_ray.executors.base import RoundsRun
 from fdam_ray.executors.errors import ClientError
 from fdam_ray.executors.ray import compat
 from fdam_ray.executors.ray.placement import node_addresses
-from fdam_ray.executors.ray.transports import shared
 from fdam_ray.executors.ray.transports.base import Round, Transport
 from fdam_ray.executors.ray.transports.group import RoundShare, RunShare, ServerStep, state_key
+from fdam_ray.executors.ray.transports.shared import supported as shared_memory_supported
 from fdam_ray.state import ClientInfo, GlobalState, RoundPlan
 
 log = logging.getLogger(__name__)
@@ -402,7 +402,7 @@ class CollectiveTransport(Transport):
         if len(gpus) == len(members) and len(set(gpus)) == len(gpus):
             return "nccl"
         one_node = len({w.get("node_id") for w in wheres}) == 1
-        if self.config.collective_backend == "auto" and one_node and shared.supported():
+        if self.config.collective_backend == "auto" and one_node and shared_memory_supported():
             return "shm"
         return "gloo"
 

@@ -341,13 +341,13 @@ class GroupMember:
         members' sums in rank order, each member's slice finished by it (``in_place``: the new state is then
         held in the block's result buffer, no copy of it anywhere), else the whole sums read from the block and
         the server step applied as under gloo."""
-        import torch.distributed as dist
-
         world, rank = self.world, self.rank
         mine_stats = [] if mine is None else list(mine.stats)
         block: SharedBlock | None = None
         finished: GlobalState | None = None
         try:
+            if token:  # a round at a time: the driver reads who arrived when one is late (before any wait)
+                self.store.set(f"{token}/{rank}", "1")
             block = self._block_for(size, small.size)
             if block is None:  # no room in /dev/shm: this group reduces over gloo from here on
                 return self.reduce(mine, state, plan, partial_total, token, bool(small[5 * world + rank]), in_place)
@@ -356,8 +356,6 @@ class GroupMember:
                 for name, n in layout:
                     block.slot[at:at + n] = getattr(mine, name).reshape(-1)
                     at += n
-            if token:  # a round at a time: the driver reads who arrived when one is late
-                self.store.set(f"{token}/{rank}", "1")
             block.put_row(small)
             block.barrier()
             small = block.sum_rows()
@@ -374,7 +372,8 @@ class GroupMember:
                 if in_place:
                     finished = self._finish_slice(state, total, layout, start, stop, plan.steps, partial_total)
                 block.barrier()
-        except (SharedBroken, OSError, dist.DistError) as exc:  # a member died, left or is late: the group broke
+        except (SharedBroken, OSError, RuntimeError) as exc:  # a member died, left or is late (gloo's set-up
+            # barriers raise RuntimeError on a timeout): the group is broken
             why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             log.debug("the shared-memory reduce of round %d broke: %s", plan.round, why)
             self.leave()

@@ -35,7 +35,6 @@ The counters are plain aligned 8-byte stores, which x86-64 keeps in order
 
 from __future__ import annotations
 
-import errno
 import os
 import platform
 import select
@@ -48,7 +47,7 @@ import numpy as np
 SHM_DIR = "/dev/shm"
 SPIN_S = 0.01  # a wait first yields the CPU in a loop for this long (a wake through the FIFO costs a reschedule)
 CHECK_EVERY_S = 0.05  # how often a wait looks at the other members' processes, the broken mark and the clock
-_HEADER = 8  # int64 words before the per-member ones: [0] broken, [1] members mapped
+_HEADER = 8  # int64 words before the per-member ones: [0] broken (the others are spare)
 _ALIGN = 64
 
 
@@ -207,11 +206,12 @@ class SharedBlock:
         return int(self.counters.min()) >= self.seq
 
     def _wake(self) -> None:
-        """Wake every other member (a byte in its FIFO; a full FIFO has bytes to wake it already)."""
+        """Wake every other member (a byte in its FIFO; a full FIFO has bytes to wake it already, and one
+        without a reader belongs to a member that is gone: the others' checks find it)."""
         for fd in self._peers:
             try:
                 os.write(fd, b"w")
-            except BlockingIOError:
+            except (BlockingIOError, BrokenPipeError):
                 pass
 
     def _drain(self) -> None:
@@ -236,11 +236,7 @@ class SharedBlock:
     def mark_broken(self) -> None:
         """Release every member waiting in this block (they raise :class:`SharedBroken`)."""
         self.header[0] = 1
-        try:
-            self._wake()
-        except OSError as exc:  # a member's FIFO was closed with it: it waits no more
-            if exc.errno != errno.EPIPE:
-                raise
+        self._wake()
 
     def close(self) -> None:
         """Close this member's FIFOs (the block's mapping goes with the last view of it: a held state may
