@@ -55,7 +55,8 @@ def assert_same_run(got, want, atol=1e-6):
     dict(algorithm="coda_plus", clients_per_actor=2),
     pytest.param(dict(algorithm="codasca", clients_per_round=2, client_weighting="samples"),
                  marks=pytest.mark.slow),  # two Ray runs, 14 s; the oracle test below samples by default
-    dict(algorithm="codasca", collective_backend="gloo"),
+    # gloo on one node (13 s); the default tier reduces over gloo in test_shared_block's fallback case
+    pytest.param(dict(algorithm="codasca", collective_backend="gloo"), marks=pytest.mark.slow),
 ], ids=["codasca", "hosted", "sampled", "gloo"])
 def test_a_collective_run_equals_the_classic_run_in_client_order(extra):
     """On one node the actors reduce through shared memory, in rank order: the driver's order of folding the

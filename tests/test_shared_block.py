@@ -136,7 +136,11 @@ def _leftovers() -> set[str]:
     return {name for name in os.listdir(shared.SHM_DIR) if name.startswith("fdam-ray-")}
 
 
-@pytest.mark.parametrize("world,in_place", [(3, True), (3, False), (1, True)], ids=["3-in-place", "3-copied", "1"])
+@pytest.mark.parametrize("world,in_place", [
+    (3, True),
+    pytest.param(3, False, marks=pytest.mark.slow),  # spawned members importing torch: 7 s each case
+    pytest.param(1, True, marks=pytest.mark.slow),
+], ids=["3-in-place", "3-copied", "1"])
 def test_members_hold_the_drivers_states_bit_for_bit(world, in_place):
     before = _leftovers()
     rounds = 4
