@@ -402,27 +402,27 @@ class GroupMember:
         self._drop_block()
         self._blocks += 1
         key = f"shm-block/{self._blocks}"
+        made = ""  # the lowest rank's block, unlinked whatever happens next (the others map it or the group broke)
         if self.rank == 0:
             try:
-                path = SharedBlock.create(self.world, small, n)
+                made = SharedBlock.create(self.world, small, n)
             except OSError as exc:
-                path = ""
                 log.warning("no shared-memory block of %d floats for the collective group (%s): it reduces over "
                             "gloo", n, exc)
-            self.store.set(key, path)
-        dist.barrier()
-        path = self.store.get(key).decode()
-        if not path:
-            self.shared = False
-            return None
+            self.store.set(key, made)
         try:
+            dist.barrier()
+            path = self.store.get(key).decode()
+            if not path:
+                self.shared = False
+                return None
             block = SharedBlock(path, self.rank, self.world, small, n, self.timeout_s)
             dist.barrier()  # every member has mapped it and opened its FIFO
             block.connect()
             dist.barrier()  # every member has opened the others' FIFOs: the names can go
         finally:
-            if self.rank == 0:
-                SharedBlock.unlink(path, self.world)
+            if made:
+                SharedBlock.unlink(made, self.world)
         self.block = block
         return block
 
