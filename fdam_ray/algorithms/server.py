@@ -94,6 +94,12 @@ class PartialSum(StateVectors):
     def control_variates(self) -> bool:
         return all(getattr(self, name) is not None for name in _CONTROL)
 
+    def fits(self, state: StateVectors) -> bool:
+        """Whether this sum can take the updates of a round from ``state``: control-variate sums exactly when
+        ``state`` carries c, and the shapes of v, alpha and the buffers."""
+        return self.control_variates == (state.c_v is not None) and all(
+            getattr(self, name).shape == getattr(state, name).shape for name in ("v", "alpha", "buffers"))
+
     def _summed(self) -> list[str]:
         """The names of the vectors this partial sum adds up (every one present but those combined by max)."""
         return [f.name for f in vector_fields() if f.metadata["rule"] is not Rule.MAX

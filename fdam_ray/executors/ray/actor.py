@@ -228,15 +228,13 @@ class ClientShell:
         slot = self._member().run_partial(state)
         if slot is not None:
             return slot
-        control = state.c_v is not None
         for i, kept in enumerate(self._run_partials):
-            if kept is not None and (kept.control_variates != control or kept.v.shape != state.v.shape
-                                     or kept.buffers.shape != state.buffers.shape
-                                     or kept.alpha.shape != state.alpha.shape):
+            if kept is not None and not kept.fits(state):
                 self._run_partials[i] = None
         for i, kept in enumerate(self._run_partials):
             if kept is None:
-                kept = self._run_partials[i] = PartialSum.zeros(state, control_variates=control, flat=True)
+                kept = self._run_partials[i] = PartialSum.zeros(state, control_variates=state.c_v is not None,
+                                                                flat=True)
             if not np.may_share_memory(kept.v, state.v):
                 return kept
         raise AssertionError("both run partial sums hold the state")  # two buffers, one state: unreachable

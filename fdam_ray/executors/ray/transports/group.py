@@ -107,6 +107,14 @@ class ServerStep:
         return reducer(into).finish(steps=steps)  # no zeros made to fold into
 
 
+def _pack(mine: PartialSum, layout: list[tuple[str, int]], into: np.ndarray) -> None:
+    """Copy ``mine``'s summed vectors end to end into ``into``, in ``layout``'s order."""
+    at = 0
+    for name, n in layout:
+        into[at:at + n] = getattr(mine, name).reshape(-1)
+        at += n
+
+
 def _is_buffer(x: np.ndarray | None, buffer: np.ndarray) -> bool:
     """Whether ``x`` is exactly ``buffer`` (same start, same length)."""
     return x is not None and x.size == buffer.size and x.ctypes.data == buffer.ctypes.data
@@ -306,10 +314,7 @@ class GroupMember:
         own = mine_flat is not None and mine_flat.size == size
         flat = mine_flat if own and mine_flat is not None else self._buffer(size)
         if mine is not None and not own:
-            at = 0
-            for name, n in layout:
-                flat[at:at + n] = getattr(mine, name)
-                at += n
+            _pack(mine, layout, flat)
         try:
             if token:  # a round at a time: the driver reads who arrived when one is late
                 self.store.set(f"{token}/{rank}", "1")
@@ -352,10 +357,7 @@ class GroupMember:
             if block is None:  # no room in /dev/shm: this group reduces over gloo from here on
                 return self.reduce(mine, state, plan, partial_total, token, bool(small[5 * world + rank]), in_place)
             if mine is not None and not _is_buffer(mine.flat, block.slot):
-                at = 0
-                for name, n in layout:
-                    block.slot[at:at + n] = getattr(mine, name).reshape(-1)
-                    at += n
+                _pack(mine, layout, block.slot)
             block.put_row(small)
             block.barrier()
             small = block.sum_rows()
@@ -432,10 +434,9 @@ class GroupMember:
         block = self.block
         if block is None or sum(n for _, n in _layout(state)) != block.n:
             return None
-        control, kept = state.c_v is not None, self._slot_partial
-        if kept is None or kept.control_variates != control or any(
-                getattr(kept, name).shape != getattr(state, name).shape for name in ("v", "alpha", "buffers")):
-            kept = self._slot_partial = PartialSum.zeros(state, control_variates=control, flat=True,
+        kept = self._slot_partial
+        if kept is None or not kept.fits(state):
+            kept = self._slot_partial = PartialSum.zeros(state, control_variates=state.c_v is not None, flat=True,
                                                          buffer=block.slot)
         return kept
 
