@@ -21,6 +21,14 @@ change, so the bar is read against the ``exact`` row.
 
     python benchmarks/transfer_precision.py --quick --workers 2 --algorithms codasca --seeds 0 1 2 3 4 5 6 7
 
+With ``--stage-length 512`` the lr is divided by 3 every 512 iterations (the
+paper's stagewise schedule): the runs settle, the ``exact`` row stays close to
+fp32, and d measures the rounding itself
+(benchmarks/results/transfer_precision_staged.md):
+
+    python benchmarks/transfer_precision.py --quick --workers 2 --stage-length 512 --seeds 0 1 2 3 4 5 6 7 \
+        --out benchmarks/results/transfer_precision_staged.md
+
 Last line: ``RESULT max_abs_d_bf16=... max_abs_d_bf16_ef=... max_abs_d_fp16=... max_abs_d_exact=... mean_d_bf16=...
 mean_d_bf16_ef=... rms_d_bf16=... rms_d_bf16_ef=... rms_d_fp16=... rms_d_exact=... bytes_ratio=... seeds=...``.
 """
@@ -59,6 +67,8 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--algorithms", nargs="+", default=list(W.ALGORITHMS), choices=W.ALGORITHMS)
     p.add_argument("--iterations", type=int, default=None, help="iterations of a run (default comm_window "
                    f"--quick's {W.QUICK['iterations']})")
+    p.add_argument("--stage-length", type=int, default=None, help="T0: lr / 3 (and a new reference point) every "
+                   "this many iterations, as in comm_window --stage-length (default: one stage of constant lr)")
     args = p.parse_args(argv)
     C.check_args(args)
     for alg in args.algorithms:
@@ -68,6 +78,11 @@ def parse_args(argv: list[str] | None):
                         f"{sorted(k[1] for k in HYPER if k[0] == alg)})")
     args.base = C.ih_spec(args)
     args.iterations = args.iterations or W.QUICK["iterations"]
+    if args.stage_length is not None:
+        bad = [i for i in args.windows if args.stage_length < 1 or args.stage_length % i]
+        if bad or args.stage_length > args.iterations:
+            p.error(f"--stage-length {args.stage_length}: must be a multiple of every --windows I "
+                    f"({bad or args.windows}) and at most --iterations {args.iterations}")
     return args
 
 
@@ -103,8 +118,8 @@ def spec_for(args, alg: str, i: int, seed: int, variant: str) -> dict:
     """The run of ``variant`` (a key of VARIANTS) for algorithm ``alg`` at window ``i`` and ``seed``."""
     lr, pw, glr = HYPER[(alg, i)]
     return {**args.base, "objective": "auc_margin", "iterations": args.iterations, "eval_every": args.iterations,
-            "stage_length": args.iterations, "algorithm": alg, "local_steps": i, "lr": lr, "prox_weight": pw,
-            "global_lr": glr, "seed": seed, **VARIANTS[variant], "_variant": variant}
+            "stage_length": args.stage_length or args.iterations, "algorithm": alg, "local_steps": i, "lr": lr,
+            "prox_weight": pw, "global_lr": glr, "seed": seed, **VARIANTS[variant], "_variant": variant}
 
 
 def measure(args) -> dict:
@@ -122,6 +137,12 @@ def _auc(results: list[dict], alg: str, i: int, variant: str) -> dict[int, float
 def _bytes(results: list[dict], variant: str) -> float:
     return sum(r["last"]["bytes_up"] + r["last"]["bytes_down"] for r in results
                if r["spec"]["_variant"] == variant and r["last"])
+
+
+def _schedule(args) -> str:
+    if not args.stage_length or args.stage_length >= args.iterations:
+        return "one stage of constant lr"
+    return f"lr / 3 every {args.stage_length} iterations ({args.iterations // args.stage_length} stages)"
 
 
 def _rms(d: list[float]) -> float:
@@ -158,7 +179,7 @@ def report(args, m: dict, out: Path, command: str) -> str:
     body = "\n\n".join([
         f"comm_window's quick setting: {args.base['dataset']}-IH, K = {args.base['num_clients']}, "
         f"model {args.base['model']} (width {args.base['model_width']}), auc_margin, {args.iterations} iterations, "
-        f"one stage of constant lr, hyperparameters as comm_window tuned them, executor inline (the rounding of "
+        f"{_schedule(args)}, hyperparameters as comm_window tuned them, executor inline (the rounding of "
         f"a Ray run's transfers). Final test AUC, mean ± sample std over seeds {' '.join(map(str, args.seeds))}; "
         "d = AUC - fp32 AUC, paired per seed; rms d = root mean square of d.",
         *tables,

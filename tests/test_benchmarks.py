@@ -604,3 +604,19 @@ def test_transfer_precision_exact_variant_sends_float32_through_the_rounded_path
     exact = TP.run_variant(TP.spec_for(args, "codasca", 16, 0, "exact"))
     assert transfer.encode is encode
     assert exact["last"]["bytes_up"] == 2 * bf16["last"]["bytes_up"]
+
+
+def test_transfer_precision_stage_length_sets_the_stagewise_schedule_and_is_checked(capsys):
+    import transfer_precision as TP
+
+    base = ["--dataset", "digits", "--clients", "2", "--iterations", "64", "--algorithms", "codasca"]
+    args = TP.parse_args(base + ["--stage-length", "32"])
+    assert TP.spec_for(args, "codasca", 16, 0, "bf16")["stage_length"] == 32
+    assert TP._schedule(args) == "lr / 3 every 32 iterations (2 stages)"
+    plain = TP.parse_args(base)
+    assert TP.spec_for(plain, "codasca", 16, 0, "bf16")["stage_length"] == 64
+    assert TP._schedule(plain) == "one stage of constant lr"
+    for bad in ("24", "0", "128"):  # not a multiple of I = 16; not >= 1; longer than the run
+        with pytest.raises(SystemExit):
+            TP.parse_args(base + ["--stage-length", bad])
+        assert f"--stage-length {bad}: must be a multiple of every --windows I" in capsys.readouterr().err
