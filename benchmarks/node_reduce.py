@@ -31,11 +31,17 @@ results file gives the two side by side. At the rate it also measures
 node at ``--slow-rate`` among the others at ``--rate`` (``reduce: node``), with
 no deadline and with ``round_deadline`` ``--deadline``.
 
+With ``--netlab DIR --precision-rates R1 R2 ...`` it measures only ``reduce:
+node`` (classic) with fp32 against bf16 transfers, unshaped and at each rate,
+and fits each precision's round time to a + b / rate: the part that does not
+shrink with the link and the part that does
+(benchmarks/results/node_reduce_precision.md).
+
     python benchmarks/node_reduce.py [--nodes 2 4] [--clients-per-node 4] [--state-floats 7000000]
                                      [--rounds 6] [--repeats 3] [--warmup N]
                                      [--out benchmarks/results/node_reduce.md]
                                      [--netlab ../shared/netlab --rate 1gbit [--slow-rate 100mbit]
-                                      [--deadline 2x]]
+                                      [--deadline 2x] [--precision-rates 1gbit 500mbit 250mbit]]
 
 Last line: ``RESULT nodes=... clients=... ingress_ratio_node_star=... round_ratio_node_star=...
 round_ratio_node_star_compiled=...`` (at the largest --nodes); with --netlab ``RESULT rate=...
@@ -344,6 +350,89 @@ def measure_netlab(netcluster, args: argparse.Namespace) -> dict[str, dict]:
     return out
 
 
+PRECISION_BLOCKS = (("classic", "node", "fp32", None), ("classic", "node", "bf16", None))
+
+
+def measure_precision_rates(netcluster, args: argparse.Namespace) -> dict[str, dict]:
+    """``--precision-rates``: on netlab's cluster, one classic executor with ``reduce: node``, fp32 against bf16
+    transfers in alternating blocks, unshaped and then at each rate (every node's ingress). Returns rate ->
+    {"fp32": row, "bf16": row, "ratio": bf16 / fp32}, rows as in :func:`summary`."""
+    nodes, per_node = args.nodes[-1], args.clients_per_node
+    out: dict[str, dict] = {}
+    with netcluster.net_cluster(workers=nodes, cpus_per_worker=per_node, rate=None,
+                                object_store_bytes=store_bytes_for(nodes, per_node, args.state_floats)) as nc:
+        executor, algorithm, state = start_executor(nodes, per_node, args.state_floats)
+        kept: dict = {}
+        try:
+            for rate in ["unshaped", *args.precision_rates]:
+                with contextlib.ExitStack() as shaped:
+                    if rate != "unshaped":
+                        shaped.enter_context(netcluster.Shaping(nc.ips, rate))
+                    state, got = blocks(executor, algorithm, state, args.rounds, args.repeats, PRECISION_BLOCKS,
+                                        kept, args.warmup)
+                rows = {}
+                for combo, measured in got.items():
+                    times = [b[0] for b in measured]
+                    rows[combo[2]] = {"ms": statistics.median(times), "lo": min(times), "hi": max(times),
+                                      "ingress": measured[-1][1], "objects": measured[-1][2]}
+                out[rate] = {**rows, "ratio": rows["bf16"]["ms"] / rows["fp32"]["ms"]}
+                print(f"  {rate}: fp32 {rows['fp32']['ms']:.0f} ms, bf16 {rows['bf16']['ms']:.0f} ms, "
+                      f"bf16 / fp32 {out[rate]['ratio']:.2f}", file=sys.stderr, flush=True)
+            out["actors_per_node"] = {"placed": actors_per_node(executor)}
+        finally:
+            end_graphs(executor, kept)
+            executor.shutdown()
+    return out
+
+
+def line_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of y on x through ``points`` (at least two distinct x)."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return my - slope * mx, slope
+
+
+def precision_body(args: argparse.Namespace, results: dict[str, dict], netcluster) -> str:
+    """The results file's block for --precision-rates: fp32 and bf16 node rounds per link, and a line fit of the
+    round time against the time one bit takes on a link (1 / rate) that splits each into a part that does not
+    shrink with the link (the intercept) and a part that does (the slope)."""
+    rates = list(args.precision_rates)
+    rows = [[rate, _ms(results[rate]["fp32"]), _ms(results[rate]["bf16"]), f"{results[rate]['ratio']:.2f}"]
+            for rate in ["unshaped", *rates]]
+    placed = ", ".join(map(str, results["actors_per_node"]["placed"]))
+    mib = args.state_floats * 4 / 2**20
+    text = f"""
+netlab cluster ({args.netlab}): a head without CPUs and {args.nodes[-1]} worker nodes, each at its own \
+loopback address, x {args.clients_per_node} client actors pinned per node (actors per node {placed}), state \
+of N = {args.state_floats:,} floats ({mib:.1f} MiB), one trivial local step on one sample per round (CODA+, a \
+linear scorer), classic transport, `reduce: node`. One executor; `transfer_precision` fp32 and bf16 in \
+{args.repeats} alternating blocks of {args.rounds} timed rounds (after {_warmups(args)}) per link, unshaped and \
+then with every node's ingress at each rate; round time = median over the blocks of each block's median \
+(lo..hi over the blocks). Machine: {os.cpu_count()} CPU cores and {meminfo_gib('MemTotal'):.0f} GiB of memory \
+shared by every node. {store_line(args)}
+
+{C.table(["per-node link", "fp32 node round ms", "bf16 node round ms", "bf16 / fp32"], rows)}
+"""
+    if len(rates) >= 2:
+        x = {rate: 1e9 / netcluster.parse_rate(rate) for rate in rates}  # ns a bit takes on the link
+        fits = {p: line_fit([(x[rate], results[rate][p]["ms"]) for rate in rates]) for p in ("fp32", "bf16")}
+        fit_rows = [[p, f"{fits[p][0]:.0f}", f"{fits[p][1]:.0f}"] for p in ("fp32", "bf16")]
+        bound = ", ".join(f"{(fits['fp32'][0] + fits['fp32'][1] * x[r] / 2) / results[r]['fp32']['ms']:.2f} of "
+                          f"fp32's at {r}" for r in rates)
+        kept = fits["bf16"][1] / fits["fp32"][1]
+        text += f"""
+Line fit over the shaped links (round ms = a + b x, x = ns a bit takes on each node's link: 1 at 1gbit):
+
+{C.table(["precision", "a: ms that do not shrink with the link", "b: ms per ns a bit"], fit_rows)}
+
+b (bf16) / b (fp32) = {kept:.2f}: the share of fp32's network time a bf16 round keeps. A bf16 round that \
+halved the network time and added nothing would take a (fp32) + b (fp32) x / 2: {bound}.
+"""
+    return text
+
+
 def end_graphs(executor: RayExecutor, kept: dict) -> None:
     """End the compiled graphs of the kept transports other than the executor's own (it ends that one)."""
     for transport in kept.values():
@@ -524,7 +613,13 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--rate", default="1gbit", help="--netlab: each node's ingress rate (tc's syntax)")
     parser.add_argument("--slow-rate", default="100mbit", help="--netlab: the slow node's ingress rate")
     parser.add_argument("--deadline", default="2x", help="--netlab: round_deadline with the slow node")
+    parser.add_argument("--precision-rates", nargs="+", default=None, metavar="RATE",
+                        help="--netlab: measure only `reduce: node` (classic) with fp32 against bf16 transfers, "
+                             "unshaped and at each of these per-node rates (results file default "
+                             "node_reduce_precision.md)")
     args = parser.parse_args(argv)
+    if args.precision_rates and not args.netlab:
+        parser.error("--precision-rates needs --netlab (the rates are netlab's shaping)")
     if args.warmup is None:
         args.warmup = 4 if args.netlab else 1
     if args.warmup < 1:
@@ -537,7 +632,19 @@ def main(argv: list[str] | None = None) -> str:
 
     # the nodes started here must use the token mode this process's Ray read when it was imported
     os.environ["RAY_AUTH_MODE"] = "token" if is_token_auth_enabled() else "disabled"
-    if netcluster is not None:
+    out_name = "node_reduce.md"
+    if netcluster is not None and args.precision_rates:
+        for rate in args.precision_rates:
+            try:
+                netcluster.parse_rate(rate)
+            except ValueError as e:
+                parser.error(f"--precision-rates: {e}")
+        by_rate = measure_precision_rates(netcluster, args)
+        body = precision_body(args, by_rate, netcluster)
+        values = dict(rates="_".join(args.precision_rates), ratio_bf16_fp32_node_unshaped=by_rate["unshaped"]["ratio"],
+                      **{f"ratio_bf16_fp32_node_{r}": by_rate[r]["ratio"] for r in args.precision_rates})
+        out_name = "node_reduce_precision.md"
+    elif netcluster is not None:
         by_link = measure_netlab(netcluster, args)
         for link in ("unshaped", args.rate):
             print(f"{link}: {progress(by_link[link])}", flush=True)
@@ -547,6 +654,7 @@ def main(argv: list[str] | None = None) -> str:
                       round_ratio_node_star_compiled=shaped["round_ratio_compiled"],
                       round_ratio_bf16_fp32=shaped["bf16_ratio"], straggler_ratio_deadline=st["ratio_deadline"],
                       straggler_ratio_none=st["ratio_none"])
+        out_name = "node_reduce_netlab.md"
     else:
         results = []
         for nodes in args.nodes:
@@ -558,7 +666,7 @@ def main(argv: list[str] | None = None) -> str:
         values = dict(nodes=last["nodes"], clients=last["clients"], ingress_ratio_node_star=last["ingress_ratio"],
                       round_ratio_node_star=last["round_ratio"],
                       round_ratio_node_star_compiled=last["round_ratio_compiled"])
-    out = Path(args.out) if args.out else C.RESULTS_DIR / ("node_reduce_netlab.md" if netcluster else "node_reduce.md")
+    out = Path(args.out) if args.out else C.RESULTS_DIR / out_name
     C.write_results(out, "Per-node reduction against the star", C.command_line("node_reduce.py", argv), body)
     line = C.result_line(**values)
     print(line)

@@ -610,7 +610,7 @@ def test_transfer_precision_stage_length_sets_the_stagewise_schedule_and_is_chec
     import transfer_precision as TP
 
     base = ["--dataset", "digits", "--clients", "2", "--iterations", "64", "--algorithms", "codasca"]
-    args = TP.parse_args(base + ["--stage-length", "32"])
+    args = TP.parse_args([*base, "--stage-length", "32"])
     assert TP.spec_for(args, "codasca", 16, 0, "bf16")["stage_length"] == 32
     assert TP._schedule(args) == "lr / 3 every 32 iterations (2 stages)"
     plain = TP.parse_args(base)
@@ -618,5 +618,42 @@ def test_transfer_precision_stage_length_sets_the_stagewise_schedule_and_is_chec
     assert TP._schedule(plain) == "one stage of constant lr"
     for bad in ("24", "0", "128"):  # not a multiple of I = 16; not >= 1; longer than the run
         with pytest.raises(SystemExit):
-            TP.parse_args(base + ["--stage-length", bad])
+            TP.parse_args([*base, "--stage-length", bad])
         assert f"--stage-length {bad}: must be a multiple of every --windows I" in capsys.readouterr().err
+
+
+def test_node_reduce_precision_rates_fit_splits_the_round_and_needs_netlab(capsys):
+    """The fit of --precision-rates recovers a + b / rate exactly from rounds built that way, and the option
+    without --netlab is refused before anything starts."""
+    import argparse
+
+    import node_reduce as NR
+
+    assert NR.line_fit([(1.0, 5.0), (2.0, 7.0), (4.0, 11.0)]) == pytest.approx((3.0, 2.0))
+
+    class Netcluster:  # netlab's rate parser, alone
+        @staticmethod
+        def parse_rate(rate):
+            return {"1gbit": 10**9, "500mbit": 5 * 10**8, "250mbit": 25 * 10**7}[rate]
+
+    rates = ["1gbit", "500mbit", "250mbit"]
+    ns = {"1gbit": 1.0, "500mbit": 2.0, "250mbit": 4.0}
+
+    def row(ms):
+        return {"ms": ms, "lo": ms, "hi": ms, "ingress": 0, "objects": 4}
+
+    results = {r: {"fp32": row(400 + 1100 * ns[r]), "bf16": row(600 + 550 * ns[r])} for r in rates}
+    results["unshaped"] = {"fp32": row(500.0), "bf16": row(550.0)}
+    for r in results:
+        results[r]["ratio"] = results[r]["bf16"]["ms"] / results[r]["fp32"]["ms"]
+    results["actors_per_node"] = {"placed": [4, 4, 4, 4]}
+    args = argparse.Namespace(precision_rates=rates, netlab="netlab", nodes=[4], clients_per_node=4,
+                              state_floats=7_000_000, repeats=3, rounds=6, warmup=4)
+    text = NR.precision_body(args, results, Netcluster)
+    assert "| 1gbit | 1500 (1500..1500) | 1150 (1150..1150) | 0.77 |" in text
+    assert "| fp32 | 400 | 1100 |" in text and "| bf16 | 600 | 550 |" in text
+    assert "b (bf16) / b (fp32) = 0.50" in text
+    assert "0.63 of fp32's at 1gbit" in text  # (400 + 550) / 1500
+    with pytest.raises(SystemExit):
+        NR.main(["--precision-rates", "1gbit", "250mbit"])
+    assert "--precision-rates needs --netlab" in capsys.readouterr().err
