@@ -279,6 +279,7 @@ def test_bootstrap_slope_interval_brackets_the_slope_and_narrows_with_agreeing_s
     assert math.isnan(rv.bootstrap_slope(ks, {k: [math.nan] * 3 for k in ks}, resamples=20)[0])
 
 
+@pytest.mark.slow  # 10-17 s
 def test_clients_scale_script(tmp_path):
     import clients_scale
 

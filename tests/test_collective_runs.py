@@ -220,6 +220,7 @@ def test_a_nan_update_inside_a_run_stops_it_with_the_round_at_a_time_error(ray_m
         assert executor.transport.runs == ([] if rounds == 1 else [[1, 2, 3, 4, 5, 6]])
 
 
+@pytest.mark.slow  # 10 s; the NaN case above is the default run's
 def test_a_state_that_overflows_inside_a_run_stops_it_with_the_round_at_a_time_error(ray_module):
     clients, test = gaussian_clients(num_clients=3)
     for rounds in (1, 16):

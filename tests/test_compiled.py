@@ -67,6 +67,7 @@ def test_the_graph_ends_with_the_run():
     assert executor.graph.builds == 1 and executor.graph.graph is None and executor.actors == {}
 
 
+@pytest.mark.slow  # a multi-node cluster of its own, 16 s
 def test_compiled_with_per_node_reduction_merges_on_the_node_and_equals_classic_node_reduction_bit_for_bit():
     # one node: the three actors' sums are merged by its reducer inside the graph; a round that samples only
     # one of them passes that actor's sum on as it is, as the classic node transport does

@@ -39,6 +39,9 @@ HALF = dict(cpus_per_client=0.5)  # K clients fit the module's 4 logical CPUs
 ARRAYS = dict(model="mlp", model_width=8, batch_size="full", eval_every=2, seed=2, lr=0.2, local_steps=2, **HALF)
 # the failure tests run under both ways a round reaches the actors
 TRANSPORTS = pytest.mark.parametrize("transport", ["classic", "compiled", "collective"])
+# fault handling: classic in the default run, the compiled and collective transports (6-9 s each) in the slow tier
+TRANSPORTS_CLASSIC_FIRST = pytest.mark.parametrize("transport", [
+    "classic", pytest.param("compiled", marks=pytest.mark.slow), pytest.param("collective", marks=pytest.mark.slow)])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -159,7 +162,7 @@ class AdoptGlobalC(InlineExecutor):
         super().run_round(state, plan, fold)
 
 
-@TRANSPORTS
+@TRANSPORTS_CLASSIC_FIRST
 def test_a_replaced_client_restarts_from_the_global_control_variate(transport):
     clients, test = gaussian_clients(num_clients=3)
     cfg = dict(ARRAYS, algorithm="codasca", iterations=10, positive_ratio=0.3)
@@ -203,7 +206,7 @@ def test_an_exception_in_client_code_reaches_the_driver_with_client_round_and_tr
     assert no_leftover_groups()
 
 
-@TRANSPORTS
+@TRANSPORTS_CLASSIC_FIRST
 def test_retry_replaces_a_failing_client_up_to_the_limit_then_stops_the_run(transport):
     clients, test = gaussian_clients(num_clients=2)
     executor = RayExecutor()
@@ -213,7 +216,7 @@ def test_retry_replaces_a_failing_client_up_to_the_limit_then_stops_the_run(tran
     assert [e["outcome"] for e in executor.events] == ["replaced (attempt 1 of 1)", "abort"]
 
 
-@TRANSPORTS
+@TRANSPORTS_CLASSIC_FIRST
 def test_drop_goes_on_without_the_failing_client(transport):
     clients, test = gaussian_clients(num_clients=3)
     cfg = dict(ARRAYS, algorithm="codasca", iterations=8, positive_ratio=0.3)
@@ -243,7 +246,7 @@ def test_bad_client_input_is_not_retried_and_the_cli_says_it_in_one_line(tmp_pat
     assert [e["outcome"] for e in executor.events] == ["abort"]
 
 
-@TRANSPORTS
+@TRANSPORTS_CLASSIC_FIRST
 def test_a_client_that_does_not_answer_in_time_fails_instead_of_hanging(transport):
     clients, test = gaussian_clients(num_clients=2)
     source = SlowClientSource(ArraysSource(clients, test), slow=1, delay_s=30.0)

@@ -18,6 +18,7 @@ def ray_session():
         yield
 
 
+@pytest.mark.slow  # 15 s; tests/unit/test_sampling.py holds S = K inline in the default run
 def test_s_equal_k_is_the_full_run_bit_for_bit_under_ray(ray_session, clients_and_test):
     clients, test = clients_and_test
     cfg = dict(BASE, algorithm="codasca", local_steps=3, iterations=12, lr=0.2, batch_size=8, executor="ray",
