@@ -667,7 +667,9 @@ def main(argv: list[str] | None = None) -> str:
                       round_ratio_node_star=last["round_ratio"],
                       round_ratio_node_star_compiled=last["round_ratio_compiled"])
     out = Path(args.out) if args.out else C.RESULTS_DIR / out_name
-    C.write_results(out, "Per-node reduction against the star", C.command_line("node_reduce.py", argv), body)
+    title = ("bf16 against fp32 transfers under per-node reduction, by link rate" if args.precision_rates
+             else "Per-node reduction against the star")
+    C.write_results(out, title, C.command_line("node_reduce.py", argv), body)
     line = C.result_line(**values)
     print(line)
     return line
