@@ -57,6 +57,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
+import re
 import statistics
 import sys
 import time
@@ -385,6 +386,27 @@ def measure_precision_rates(netcluster, args: argparse.Namespace) -> dict[str, d
     return out
 
 
+def rate_key(rate: str) -> str:
+    """A rate as it appears in a RESULT name: ``1.5gbit`` -> ``1_5gbit``."""
+    return re.sub(r"\W", "_", rate.strip())
+
+
+def check_precision_rates(parser: argparse.ArgumentParser, netcluster, rates: list[str]) -> None:
+    """--precision-rates: each a rate netlab reads, above zero, no two the same (the fit needs distinct links);
+    checked before any node starts."""
+    bits: dict[int, str] = {}
+    for rate in rates:
+        try:
+            value = netcluster.parse_rate(rate)
+        except ValueError as e:
+            parser.error(f"--precision-rates: {e}")
+        if value <= 0:
+            parser.error(f"--precision-rates: {rate!r} is no rate above zero (use e.g. 1gbit, 500mbit)")
+        if value in bits:
+            parser.error(f"--precision-rates: {rate!r} and {bits[value]!r} are the same rate; give distinct rates")
+        bits[value] = rate
+
+
 def line_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     """Least-squares (intercept, slope) of y on x through ``points`` (at least two distinct x)."""
     n = len(points)
@@ -625,6 +647,8 @@ def main(argv: list[str] | None = None) -> str:
     if args.warmup < 1:
         parser.error(f"--warmup: {args.warmup}; at least 1 (the first round of a block builds its compiled graph)")
     netcluster = load_netlab(args.netlab) if args.netlab else None
+    if netcluster is not None and args.precision_rates:
+        check_precision_rates(parser, netcluster, args.precision_rates)
     if netcluster is not None:
         netcluster.ensure_driver_shim()  # re-executes this program as a process of the head node
     torch.set_num_threads(1)
@@ -634,15 +658,10 @@ def main(argv: list[str] | None = None) -> str:
     os.environ["RAY_AUTH_MODE"] = "token" if is_token_auth_enabled() else "disabled"
     out_name = "node_reduce.md"
     if netcluster is not None and args.precision_rates:
-        for rate in args.precision_rates:
-            try:
-                netcluster.parse_rate(rate)
-            except ValueError as e:
-                parser.error(f"--precision-rates: {e}")
         by_rate = measure_precision_rates(netcluster, args)
         body = precision_body(args, by_rate, netcluster)
         values = dict(rates="_".join(args.precision_rates), ratio_bf16_fp32_node_unshaped=by_rate["unshaped"]["ratio"],
-                      **{f"ratio_bf16_fp32_node_{r}": by_rate[r]["ratio"] for r in args.precision_rates})
+                      **{f"ratio_bf16_fp32_node_{rate_key(r)}": by_rate[r]["ratio"] for r in args.precision_rates})
         out_name = "node_reduce_precision.md"
     elif netcluster is not None:
         by_link = measure_netlab(netcluster, args)

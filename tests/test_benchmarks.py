@@ -658,3 +658,27 @@ def test_node_reduce_precision_rates_fit_splits_the_round_and_needs_netlab(capsy
     with pytest.raises(SystemExit):
         NR.main(["--precision-rates", "1gbit", "250mbit"])
     assert "--precision-rates needs --netlab" in capsys.readouterr().err
+
+
+def test_node_reduce_precision_rates_are_checked_before_anything_starts(capsys):
+    import argparse
+
+    import node_reduce as NR
+
+    class Netcluster:  # netlab's rate parser, alone
+        @staticmethod
+        def parse_rate(rate):
+            units = {"gbit": 10**9, "mbit": 10**6}
+            for unit, scale in units.items():
+                if rate.endswith(unit):
+                    return int(float(rate[: -len(unit)]) * scale)
+            raise ValueError(f"rate {rate!r}: use e.g. 1gbit, 500mbit, 10gbit")
+
+    parser = argparse.ArgumentParser()
+    NR.check_precision_rates(parser, Netcluster, ["1gbit", "1.5gbit", "250mbit"])
+    for rates, says in ((["1gbit", "fast"], "rate 'fast'"), (["0mbit", "1gbit"], "'0mbit' is no rate above zero"),
+                        (["1gbit", "1000mbit"], "'1000mbit' and '1gbit' are the same rate")):
+        with pytest.raises(SystemExit):
+            NR.check_precision_rates(parser, Netcluster, rates)
+        assert f"--precision-rates: {says}" in capsys.readouterr().err
+    assert NR.rate_key("1.5gbit") == "1_5gbit"
