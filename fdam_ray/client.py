@@ -32,7 +32,18 @@ from fdam_ray.models import build_model, model_name
 from fdam_ray.precision import Precision, PrecisionSection
 from fdam_ray.sections import AT_LEAST_ONE, Section, setting, shared
 from fdam_ray.sites import client_label
-from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, Moments, RoundPlan, Scores, StepStats
+from fdam_ray.state import (
+    ClientInfo,
+    ClientUpdate,
+    GlobalState,
+    Moments,
+    RoundPlan,
+    Scores,
+    StepStats,
+    reads_store_arrays,
+)
+
+reads_store_arrays(__name__)  # control variates and moments from the object store are only copied in
 
 log = logging.getLogger(__name__)
 

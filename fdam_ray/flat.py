@@ -23,7 +23,9 @@ import torch
 from torch import nn
 
 from fdam_ray.precision import Precision
-from fdam_ray.state import GlobalState
+from fdam_ray.state import GlobalState, reads_store_arrays
+
+reads_store_arrays(__name__)  # states from the object store are only copied into the model
 
 
 def _bind(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:

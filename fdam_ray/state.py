@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
+import warnings
 from collections.abc import Mapping
 from typing import Any, Self, cast
 
@@ -164,3 +166,14 @@ class Moments:
     sum_neg: np.ndarray
     num_neg: np.ndarray
     client_id: int = -1
+
+
+def reads_store_arrays(module: str) -> None:
+    """Silence torch's warning about wrapping a read-only NumPy array, for ``module`` alone.
+
+    Arrays fetched from Ray's object store (and the shared-memory block's results) are read-only. A module
+    that wraps them in tensors only to read them (copy sources, finiteness checks) has nothing to learn from
+    that warning, which torch prints once a process, in every actor's log. Writing to such a tensor elsewhere
+    still warns."""
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning,
+                            module=re.escape(module) + "$")

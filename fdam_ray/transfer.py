@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -42,7 +41,7 @@ import torch
 
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.sections import Section, fail, setting, shared
-from fdam_ray.state import GlobalState, Rule, StepStats, vector_fields
+from fdam_ray.state import GlobalState, Rule, StepStats, reads_store_arrays, vector_fields
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -75,10 +74,7 @@ class TransferSection(Section):
 
 _TORCH_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
-# Arrays fetched from Ray's object store are read-only; encode and decode only read them, so torch's warning about
-# writing to such arrays (once a process) says nothing here. Scoped to this module's calls, set once.
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning,
-                        module=r"fdam_ray\.transfer")
+reads_store_arrays(__name__)  # encode and decode only read the arrays they wrap
 
 
 def encode(x: np.ndarray, precision: str) -> np.ndarray:

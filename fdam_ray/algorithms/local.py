@@ -36,7 +36,9 @@ from fdam_ray.flat import FlatModel
 from fdam_ray.objectives import Objective
 from fdam_ray.optim import dual_ascent_, heavy_ball_, primal_direction_
 from fdam_ray.sections import Section, fail, setting, shared
-from fdam_ray.state import GlobalState, vector_names
+from fdam_ray.state import GlobalState, reads_store_arrays, vector_names
+
+reads_store_arrays(__name__)  # a stage's reference point from the object store is only copied in
 
 PROXIMAL_CENTRES = ("stage", "round")
 LOCAL_OPTIMIZERS = ("sgd", "adam")
