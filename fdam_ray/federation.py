@@ -50,11 +50,12 @@ from fdam_ray.objectives import global_positive_ratio
 from fdam_ray.outputs import Observer, RunStart, Snapshot
 from fdam_ray.schedules import Position, Schedule, ScheduleSection
 from fdam_ray.sites import client_label
-from fdam_ray.state import ClientUpdate, GlobalState, RoundPlan, Rule, StepStats, vector_names
+from fdam_ray.state import ClientUpdate, GlobalState, RoundPlan, Rule, StepStats, reads_store_arrays, vector_names
 
 if TYPE_CHECKING:
     from fdam_ray.config import Config
 
+reads_store_arrays(__name__)  # the driver only checks the states fetched from the store for finiteness
 log = logging.getLogger(__name__)
 
 

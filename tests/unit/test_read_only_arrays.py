@@ -7,7 +7,8 @@ import subprocess
 import sys
 import textwrap
 
-READERS = ("fdam_ray.flat", "fdam_ray.client", "fdam_ray.algorithms.local", "fdam_ray.transfer")
+READERS = ("fdam_ray.flat", "fdam_ray.client", "fdam_ray.algorithms.local", "fdam_ray.transfer",
+           "fdam_ray.federation")
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
@@ -37,7 +38,7 @@ def test_loading_a_read_only_state_into_the_model_is_silent_and_each_reading_mod
         mine = [f for f in warnings.filters if f[0] == "ignore" and f[1] is not None
                 and "not writable" in f[1].pattern and f[3] is not None and f[3].match(module)]
         assert mine, module + ": no filter"
-        assert not any(f[3].match("fdam_ray.federation") or f[3].match(module + "_other") for f in mine), module
+        assert not any(f[3].match("fdam_ray.api") or f[3].match(module + "_other") for f in mine), module
     """)
     assert done.returncode == 0, done.stderr
 
