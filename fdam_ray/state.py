@@ -171,9 +171,8 @@ class Moments:
 def reads_store_arrays(module: str) -> None:
     """Silence torch's warning about wrapping a read-only NumPy array, for ``module`` alone.
 
-    Arrays fetched from Ray's object store (and the shared-memory block's results) are read-only. A module
-    that wraps them in tensors only to read them (copy sources, finiteness checks) has nothing to learn from
-    that warning, which torch prints once a process, in every actor's log. Writing to such a tensor elsewhere
-    still warns."""
+    Arrays fetched from Ray's object store are read-only. A module that wraps them in tensors only to read
+    them (copy sources, finiteness checks) has nothing to learn from that warning, which torch prints once a
+    process, in every actor's log. Wrapping such an array in any other module still warns."""
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning,
                             module=re.escape(module) + "$")
