@@ -168,11 +168,15 @@ class Moments:
     client_id: int = -1
 
 
+STORE_READERS: set[str] = set()  # the modules that called reads_store_arrays
+
+
 def reads_store_arrays(module: str) -> None:
     """Silence torch's warning about wrapping a read-only NumPy array, for ``module`` alone.
 
     Arrays fetched from Ray's object store are read-only. A module that wraps them in tensors only to read
     them (copy sources, finiteness checks) has nothing to learn from that warning, which torch prints once a
     process, in every actor's log. Wrapping such an array in any other module still warns."""
+    STORE_READERS.add(module)
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning,
                             module=re.escape(module) + "$")

@@ -32,3 +32,13 @@ def fresh_wandb_settings():
     wandb = sys.modules.get("wandb")
     if wandb is not None and hasattr(wandb, "teardown"):
         wandb.teardown()
+
+
+@pytest.fixture(autouse=True)
+def store_reader_filters():
+    """pytest's per-test capture of warnings drops filters set at import: the package's read-only-array filters
+    (fdam_ray.state.reads_store_arrays) are set again for each test, as a run keeps them."""
+    from fdam_ray.state import STORE_READERS, reads_store_arrays
+
+    for module in sorted(STORE_READERS):
+        reads_store_arrays(module)
