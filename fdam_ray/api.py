@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -15,13 +17,24 @@ from fdam_ray.config import FIELD_BY_NAME, Config, build_config
 from fdam_ray.data import make_source
 from fdam_ray.data.arrays import ArrayPair, ArraysSource
 from fdam_ray.data.datasets import DatasetsSource, Entry
+from fdam_ray.data.sections import DATASET_NAMES
 from fdam_ray.evaluation import one_class_problems
-from fdam_ray.factories import PYTHON_PREFIX
+from fdam_ray.factories import PYTHON_PREFIX, is_import_path
 from fdam_ray.federation import RunResult
-from fdam_ray.models import build_model, model_name
+from fdam_ray.models import (
+    BUILDERS,
+    MAX_TASKS,
+    NetworkRecord,
+    build_model,
+    layout,
+    model_name,
+    read_network_record,
+    record_problem,
+)
 from fdam_ray.recipe import run
+from fdam_ray.redact import short
 from fdam_ray.sites import client_label
-from fdam_ray.weights import safe_load, torch_load_failure
+from fdam_ray.weights import is_state_dict, misfits, not_a_state_dict, safe_load, torch_load_failure
 from fdam_ray.yamlio import read_yaml_file
 
 log = logging.getLogger(__name__)
@@ -157,60 +170,88 @@ def names_a_run_folder(config: Config) -> bool:
     return config.run_name is not None or config.out_dir != FIELD_BY_NAME["out_dir"].default
 
 
-def load_model(run_dir: str | Path, *, best: bool = False, model: Callable | None = None) -> nn.Module:
+def load_model(run_dir: str | Path, *, best: bool = False, model: str | Callable | None = None) -> nn.Module:
     """The network a finished run trained, rebuilt and loaded, on CPU in eval mode: ``net(x)`` gives its (B, T)
     logits, as the run's final global model did.
 
     The network is built as the run built it: the model fields that ``model.pt`` records (the model's name or
     factory ``module:attr``, ``model_width``, the input shape and task count of the run's data), or, for a
-    ``model.pt`` written before that record, those of the run's ``config.yaml`` and its dataset. A factory given
-    in Python that cannot be imported by name (recorded as ``python:...``) must be given again as ``model``.
+    ``model.pt`` written before that record, those of the run's ``config.yaml`` and its built-in dataset.
+
+    A run folder does not choose code to run: a built-in network (``linear``, ``mlp``, ``cnn``, ``resnet20``,
+    ``densenet121``, ``densenet161``) is built by its name; a run's own factory only when you give it as
+    ``model``, either the factory itself or its import path ``module:attr`` (which is then imported), and only
+    when that is the name the run recorded. A file that records any other name imports and calls nothing. Nor
+    does it choose sizes: the record is checked before anything is built (integers; an input of 1 to
+    :data:`~fdam_ray.models.MAX_INPUT_DIMS` dimensions and at most :data:`~fdam_ray.models.MAX_INPUT_VALUES`
+    values, ``model_width`` and ``num_tasks`` at most 65536), and a built-in network is first laid out
+    without memory (torch's meta device) and must match the file's weights key for key and shape for shape,
+    so what is built is never larger than the weights the file holds.
 
     Args:
         run_dir: the run folder.
         best: load ``best_model.pt`` (the model a validation split selected) instead of ``model.pt``.
-        model: the model factory of a run that was given one in Python (it must have the name the run recorded).
+        model: the model factory of a run that was given one (the callable, or its import path ``module:attr``;
+            it must have the name the run recorded), or the built-in name the run recorded.
 
     Raises:
         ValueError: one line naming the folder or file and what is wrong (not a finished run, no best model,
-            a factory that cannot be imported, weights that do not fit the network).
+            a file that is not a regular file, a damaged record naming its key, a factory not given or that
+            cannot be imported, sizes out of bounds, weights that do not fit the network).
     """
+    if not isinstance(run_dir, (str, os.PathLike)):
+        raise ValueError(f"load_model: run_dir {short(run_dir)} is not allowed (the path of a run folder)")
     folder = Path(run_dir).expanduser()
-    name = "best_model.pt" if best else "model.pt"
-    file = folder / name
-    if not file.is_file():
-        raise ValueError(_missing_model(folder, name))
+    file = _model_file(folder, "best_model.pt" if best else "model.pt")
     payload = _read_model_file(file)
-    network = payload.get("network") if isinstance(payload.get("network"), Mapping) else None
-    if network is None and best and (folder / "model.pt").is_file():
-        network = _read_model_file(folder / "model.pt").get("network")
-    if not isinstance(network, Mapping):
-        network = _network_of_config(folder, payload)
-    recorded = str(network["model"])
-    factory: str | Callable = recorded
-    if model is not None:
-        if model_name(model) != recorded:
-            raise ValueError(f"load_model: '{folder}' holds model {recorded!r}, not {model_name(model)!r}")
-        factory = model
-    elif recorded.startswith(PYTHON_PREFIX):
-        raise ValueError(f"load_model: '{folder}' was trained with a model factory given in Python ({recorded}), "
-                         "which cannot be imported by that name; give it again: "
-                         f"fdam_ray.load_model('{folder}', model=<that factory>)")
+    record, recorded_in = _network_of(folder, file, payload, best=best)
+    factory = _chosen_factory(record.model, model, recorded_in, folder)
+    state = payload["model"]
+    if isinstance(factory, str) and factory in BUILDERS:
+        try:
+            own = layout(factory, record.input_shape, record.num_tasks, width=record.model_width)
+        except ValueError as exc:
+            raise ValueError(f"load_model: '{file}': {exc}") from None
+        problems = misfits(own, state)
+        if problems:
+            raise ValueError(f"load_model: '{file}' does not fit the network {record.model!r} it records: "
+                             + "; ".join(problems))
     try:
-        net = build_model(factory, tuple(network["input_shape"]), int(network["num_tasks"]),
-                          width=int(network["model_width"]), seed=int(network.get("seed", 0)))
+        net = build_model(factory, record.input_shape, record.num_tasks, width=record.model_width,
+                          seed=record.seed)
     except ValueError as exc:
-        raise ValueError(f"load_model: '{folder}': {exc}") from None
+        raise ValueError(f"load_model: '{file}': {exc}") from None
     try:
-        net.load_state_dict(payload["model"])
-    except (RuntimeError, KeyError, TypeError) as exc:
+        net.load_state_dict(state)
+    except (RuntimeError, KeyError, TypeError, ValueError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ValueError(f"load_model: '{file}' does not fit the network {recorded!r} it records: {first[:200]}"
-                         ) from None
+        raise ValueError(f"load_model: '{file}' does not fit the network {record.model!r} it records: "
+                         f"{first[:200]}") from None
     return net.eval()
 
 
+def _model_file(folder: Path, name: str) -> Path:
+    """``folder / name`` when it is a regular file (or a link to one); else one line saying what it is."""
+    file = folder / name
+    try:
+        mode = file.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        if file.is_symlink():
+            raise ValueError(f"load_model: '{file}' is a broken link, not a model file") from None
+        raise ValueError(_missing_model(folder, name)) from None
+    except (OSError, ValueError) as exc:  # no permission, a link loop, a name too long, a NUL character
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ValueError(f"load_model: '{short(str(file), 300)}' cannot be read: {short(why, 200)}") from None
+    if stat.S_ISREG(mode):
+        return file
+    kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file (a device, pipe or socket)"
+    raise ValueError(f"load_model: '{file}' is {kind}, not a model file (a run writes {name} as a file, with "
+                     "torch.save)")
+
+
 def _missing_model(folder: Path, name: str) -> str:
+    if folder.is_file():
+        return f"load_model: '{folder}' is a file, not a run folder (give the folder that holds {name})"
     if not folder.is_dir():
         return f"load_model: '{folder}' is not a run folder"
     if name == "best_model.pt":
@@ -220,28 +261,95 @@ def _missing_model(folder: Path, name: str) -> str:
 
 
 def _read_model_file(file: Path) -> dict[str, Any]:
+    """The payload of a model file, its ``model`` (a state_dict) and ``task_names`` (when present) checked."""
     try:
         payload = safe_load(file)
     except Exception as exc:  # torch raises several kinds; all mean "not a model file"
         raise ValueError(f"load_model: '{file}' cannot be read: {torch_load_failure(exc)}") from None
-    if not isinstance(payload, dict) or not isinstance(payload.get("model"), Mapping):
+    if not isinstance(payload, dict) or "model" not in payload:
         raise ValueError(f"load_model: '{file}' is not a run's model file (no state_dict under 'model')")
+    if not is_state_dict(payload["model"]):
+        raise ValueError(f"load_model: '{file}': 'model' is not a state_dict (a non-empty mapping of parameter "
+                         f"names to tensors): {not_a_state_dict(payload['model'])}")
+    names = payload.get("task_names")
+    if names is not None and not (isinstance(names, list) and 1 <= len(names) <= MAX_TASKS
+                                  and all(isinstance(n, str) for n in names)):
+        shown = " ".join(short(names).split())
+        raise ValueError(f"load_model: '{file}': 'task_names' {shown} is not allowed (a list of 1 to {MAX_TASKS} "
+                         "task names)")
     return payload
 
 
-def _network_of_config(folder: Path, payload: Mapping[str, Any]) -> dict[str, Any]:
-    """The network of a ``model.pt`` written before it recorded one: the model fields of the run's
-    ``config.yaml``, the input shape of its dataset (a dataset given in Python has none to read)."""
-    recorded = read_yaml_file(folder / "config.yaml", "run config")
+def _network_of(folder: Path, file: Path, payload: Mapping[str, Any], *, best: bool) -> tuple[NetworkRecord, Path]:
+    """The network ``file`` records, checked, and the file that records it: for a ``best_model.pt`` without
+    one, the run's ``model.pt``; for a model file written before that record, the run's ``config.yaml``."""
+    if "network" in payload:
+        return read_network_record(payload["network"], f"load_model: '{file}': 'network'", defaults=_OLDER), file
+    final = folder / "model.pt"
+    if best and (final.exists() or final.is_symlink()):
+        final_payload = _read_model_file(_model_file(folder, "model.pt"))
+        if "network" in final_payload:
+            return read_network_record(final_payload["network"], f"load_model: '{final}': 'network'",
+                                       defaults=_OLDER), final
+    return _network_of_config(folder, file, payload), folder / "config.yaml"
+
+
+_OLDER = {"seed": 0}  # what a network record written before it held a key means by its absence
+
+
+def _network_of_config(folder: Path, file: Path, payload: Mapping[str, Any]) -> NetworkRecord:
+    """The network of a model file written before it recorded one: the model fields of the run's
+    ``config.yaml``, the input shape of its built-in dataset (a dataset given in Python, or a factory of your own,
+    which is not imported on a file's word, has none to read)."""
+    config_file = folder / "config.yaml"
+    where = f"load_model: '{config_file}'"
+    try:
+        recorded = read_yaml_file(config_file, "run config")
+    except ValueError as exc:
+        raise ValueError(f"load_model: '{file}' records no network, and {exc}") from None
     if not isinstance(recorded, dict) or "model" not in recorded:
-        raise ValueError(f"load_model: '{folder}' has no config.yaml naming its model")
+        raise ValueError(f"{where} is not a run config naming its 'model' (and '{file}' records no network)")
+    problem = record_problem("model", recorded["model"])
+    if problem:
+        raise ValueError(f"{where} key 'model': {short(recorded['model'])} is not allowed ({problem})")
+    dataset = recorded.get("dataset", FIELD_BY_NAME["dataset"].default)
+    if not isinstance(dataset, str) or dataset not in DATASET_NAMES:
+        raise ValueError(f"{where} key 'dataset': {short(dataset)} is not allowed (a built-in dataset, whose input "
+                         f"shape '{file}', which records no network, is built for; a dataset factory named in a "
+                         "file is not imported)")
     try:
         config = build_config({**recorded, "model": "linear"})  # the model is read as recorded, below
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    try:
         source = make_source(config)
         input_shape, num_tasks = source.input_shape, source.num_tasks
-    except Exception as exc:  # a config or data source of its own that cannot be rebuilt here
-        raise ValueError(f"load_model: the model.pt of '{folder}' does not record its network, and the input "
-                         f"shape of its dataset {str(recorded.get('dataset'))!r} cannot be read "
-                         f"({type(exc).__name__}: {str(exc)[:200]})") from None
-    return {"model": recorded["model"], "model_width": config.model_width, "seed": config.seed,
-            "input_shape": list(input_shape), "num_tasks": len(payload.get("task_names") or []) or num_tasks}
+    except Exception as exc:  # a data source that cannot be rebuilt here (a dataset given in Python, no data)
+        why = short(" ".join(str(exc).split()), 200)
+        raise ValueError(f"load_model: '{file}' does not record its network, and the input shape of its dataset "
+                         f"{short(dataset)} cannot be read ({type(exc).__name__}: {why})") from None
+    network = {"model": recorded["model"], "model_width": config.model_width, "seed": config.seed,
+               "input_shape": list(input_shape), "num_tasks": len(payload.get("task_names") or []) or num_tasks}
+    return read_network_record(network, where)
+
+
+def _chosen_factory(recorded: str, model: str | Callable | None, file: Path, folder: Path) -> str | Callable:
+    """What builds the network: the caller's ``model`` when it has the recorded name, else a built-in name;
+    never code that only the file names."""
+    if model is not None:
+        if not (callable(model) or (isinstance(model, str) and (model in BUILDERS or is_import_path(model)))):
+            raise ValueError(f"load_model('{folder}'): model={short(model)} is not allowed (the run's model "
+                             "factory, its import path module:attr, or a built-in model name)")
+        given = model_name(model)
+        if given != recorded:
+            raise ValueError(f"load_model: '{file}' holds model {recorded!r}, not {given!r}")
+        return model
+    if recorded in BUILDERS:
+        return recorded
+    if recorded.startswith(PYTHON_PREFIX):
+        raise ValueError(f"load_model: '{folder}' was trained with a model factory given in Python ({recorded}), "
+                         "which cannot be imported by that name; give it again: "
+                         f"fdam_ray.load_model('{folder}', model=<that factory>)")
+    raise ValueError(f"load_model: '{file}' records the model factory {recorded!r}, and a model file does not "
+                     "choose code to run: give the factory, fdam_ray.load_model("
+                     f"'{folder}', model=<that factory>), or model={recorded!r} to have it imported")

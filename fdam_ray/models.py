@@ -22,7 +22,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from fdam_ray.factories import describe_error, import_path_of, is_import_path, python_name, raised_at, resolve
+from fdam_ray.factories import (
+    PYTHON_PREFIX,
+    describe_error,
+    import_path_of,
+    is_import_path,
+    python_name,
+    raised_at,
+    resolve,
+)
+from fdam_ray.redact import short
 from fdam_ray.sections import AT_LEAST_ONE, Section, setting
 
 
@@ -164,6 +173,100 @@ def network_record(config: Any, input_shape: tuple[int, ...], num_tasks: int) ->
     it again."""
     return {"model": model_name(config.model), "model_width": int(config.model_width), "seed": int(config.seed),
             "input_shape": [int(d) for d in input_shape], "num_tasks": int(num_tasks)}
+
+
+# What a saved network record (model.pt's ``network``, read by fdam_ray.load_model) may ask to build. Every network
+# of the built-in datasets (digits 1x8x8, mnist5k 1x28x28, cifar 3x32x32, imagefolder 3x224x224, chestxray 3x320x320
+# or another image_size, synthetic num_features) and of your own arrays is far inside them.
+MAX_INPUT_DIMS = 8  # dimensions of one sample
+MAX_INPUT_VALUES = 2**26  # values in one sample (67,108,864: a 4x4096x4096 image)
+MAX_MODEL_WIDTH = 2**16
+MAX_TASKS = 2**16
+MAX_SEED = 2**64 - 1  # torch.manual_seed's range
+MAX_MODEL_NAME = 1000  # characters of a model name or import path
+
+
+@dataclasses.dataclass(frozen=True)
+class NetworkRecord:
+    """Which network a saved model holds, checked (:func:`read_network_record`)."""
+
+    model: str
+    model_width: int
+    seed: int
+    input_shape: tuple[int, ...]
+    num_tasks: int
+
+
+NETWORK_KEYS = tuple(f.name for f in dataclasses.fields(NetworkRecord))
+
+
+def _shown(value: object) -> str:
+    """A value of a record as a one-line message shows it (a tensor's repr has line breaks)."""
+    return " ".join(short(value).split())
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _model_name_problem(value: object) -> str | None:
+    if (isinstance(value, str) and len(value) <= MAX_MODEL_NAME
+            and (value in BUILDERS or is_import_path(value) or value.startswith(PYTHON_PREFIX))):
+        return None
+    return (f"one of {', '.join(BUILDERS)}, an import path module:attr or a python:... name, of at most "
+            f"{MAX_MODEL_NAME} characters")
+
+
+def record_problem(key: str, value: object) -> str | None:
+    """What is wrong with ``value`` of the record's ``key`` (what is allowed), or None."""
+    if key == "model":
+        return _model_name_problem(value)
+    if key == "input_shape":
+        dims = list(value) if isinstance(value, (list, tuple)) else None
+        if (dims is None or not 1 <= len(dims) <= MAX_INPUT_DIMS or not all(_is_int(d) and d >= 1 for d in dims)
+                or math.prod(dims) > MAX_INPUT_VALUES):
+            return (f"a list of 1 to {MAX_INPUT_DIMS} positive integers, the shape of one sample, of at most "
+                    f"{MAX_INPUT_VALUES} values in all")
+        return None
+    low, high = {"model_width": (1, MAX_MODEL_WIDTH), "num_tasks": (1, MAX_TASKS), "seed": (0, MAX_SEED)}[key]
+    if _is_int(value) and low <= value <= high:  # type: ignore[operator]
+        return None
+    return f"an integer from {low} to {high}"
+
+
+def read_network_record(record: object, where: str, *, defaults: dict[str, Any] | None = None) -> NetworkRecord:
+    """The network record ``record`` (``model.pt``'s ``network``), every key checked against the bounds above
+    before anything is built; ``defaults`` fill keys an older record may lack (``seed``).
+
+    Raises:
+        ValueError: one line, ``where`` (the file and the record's name) followed by the key, its value and what
+            is allowed: a record that is no mapping, a key missing, unknown, of a wrong type or out of bounds.
+    """
+    keys = ", ".join(NETWORK_KEYS)
+    if not isinstance(record, dict) or not all(isinstance(k, str) for k in record):
+        raise ValueError(f"{where} is {_shown(record)}, not a mapping of the keys {keys}")
+    unknown = [k for k in record if k not in NETWORK_KEYS]
+    if unknown:
+        raise ValueError(f"{where} holds the unknown key(s) {_shown(unknown)} (a network record holds {keys})")
+    values = {**(defaults or {}), **record}
+    for key in NETWORK_KEYS:
+        if key not in values:
+            raise ValueError(f"{where} lacks the key {key!r} (a network record holds {keys})")
+        problem = record_problem(key, values[key])
+        if problem:
+            raise ValueError(f"{where} key {key!r}: {_shown(values[key])} is not allowed ({problem})")
+    return NetworkRecord(model=values["model"], model_width=values["model_width"], seed=values["seed"],
+                         input_shape=tuple(values["input_shape"]), num_tasks=values["num_tasks"])
+
+
+def layout(name: str, input_shape: tuple[int, ...], num_tasks: int, *, width: int) -> dict[str, torch.Tensor]:
+    """The state_dict of the built-in network ``name`` laid out on torch's meta device: every key and shape,
+    no memory taken and no weight initialised (what a file's weights are checked against before the network is
+    built)."""
+    if name.startswith("densenet"):
+        import torchvision.models  # noqa: F401 (imported before the meta device is set: its own tensors are real)
+    with torch.device("meta"):
+        return BUILDERS[name](tuple(input_shape), num_tasks, width).state_dict()
 
 
 def _factory(model: str | Callable) -> Callable:

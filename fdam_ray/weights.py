@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fdam_ray.redact import short
+
 log = logging.getLogger(__name__)
 
 # Old torchvision DenseNet checkpoints name layers "norm.1"; torchvision's modules are "norm1".
@@ -43,6 +45,33 @@ def _unwrap(obj: object, path: str) -> dict[str, torch.Tensor]:
     if all(k.startswith("module.") for k in state):  # saved from DataParallel / DistributedDataParallel
         state = {k[len("module."):]: v for k, v in state.items()}
     return {(m.group(1) + m.group(2) if (m := _DENSENET_OLD_KEY.match(k)) else k): v for k, v in state.items()}
+
+
+def is_state_dict(obj: object) -> bool:
+    """Whether ``obj`` is a non-empty mapping of names (printable text) to dense tensors holding values (not on
+    the meta device)."""
+    return isinstance(obj, Mapping) and bool(obj) and all(
+        isinstance(k, str) and 0 < len(k) <= _LONGEST_KEY and k.isprintable() and isinstance(v, torch.Tensor)
+        and v.layout == torch.strided and not v.is_meta for k, v in obj.items())
+
+
+_LONGEST_KEY = 1000  # characters of a state_dict key (a parameter's dotted name)
+
+
+def not_a_state_dict(obj: object) -> str:
+    """Why ``obj`` is no state_dict (:func:`is_state_dict`), in a few words on one line."""
+    if not isinstance(obj, Mapping):
+        return f"it is a {type(obj).__name__}"
+    if not obj:
+        return "it is empty"
+    for key, value in obj.items():
+        if not isinstance(key, str) or not 0 < len(key) <= _LONGEST_KEY or not key.isprintable():
+            return f"its key {' '.join(short(key, 60).split())} is not a parameter name"
+        if not isinstance(value, torch.Tensor):
+            return f"its entry {short(key, 60)} is a {type(value).__name__}, not a tensor"
+        if value.layout != torch.strided or value.is_meta:
+            return f"its entry {short(key, 60)} is a {value.layout} tensor on {value.device}, not a dense tensor"
+    return "it holds no tensors"
 
 
 def safe_load(path: str | Path) -> Any:
@@ -129,6 +158,15 @@ def load_weights(model: nn.Module, state: Mapping[str, torch.Tensor], *, source:
         why = "its size differs from the file's" if head & set(mismatched) else "the weights have none"
         log.warning("%s: classifier head %s re-initialised (%s)", source, ", ".join(fresh_head), why)
     return fresh_head
+
+
+def misfits(own: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> list[str]:
+    """What keeps ``state`` from fitting a network whose state_dict is ``own`` key for key and shape for shape (its
+    head included), a phrase per kind; ``own`` may be laid out on the meta device."""
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    mismatched = [k for k in own if k in state and state[k].shape != own[k].shape]
+    return _misfits(own, state, set(), missing=missing, mismatched=mismatched, unexpected=unexpected)
 
 
 def _misfits(own: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], head: set[str], *,

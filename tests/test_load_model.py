@@ -81,18 +81,23 @@ def test_best_loads_best_model_pt_and_its_absence_is_one_line(tmp_path, digits_r
     assert all(torch.count_nonzero(t) == 0 for t in net.state_dict().values())
 
 
-def test_an_own_factory_is_imported_as_the_run_did_and_one_that_cannot_be_is_one_line(tmp_path):
+def test_an_own_factory_is_built_when_given_and_one_that_cannot_be_imported_is_one_line(tmp_path):
+    import own_fixtures
+
     r = finished(tmp_path, dataset="synthetic", model="own_fixtures:bn_net", model_width=6, samples_per_client=40)
-    net = fdam_ray.load_model(r.run_dir)
+    with pytest.raises(ValueError, match=r"records the model factory 'own_fixtures:bn_net'.*model=") as caught:
+        fdam_ray.load_model(r.run_dir)  # a model file does not choose code: the factory is given, or named
+    assert "\n" not in str(caught.value)
     x = torch.randn(5, 20)
     final = build_model("own_fixtures:bn_net", (20,), 1, width=6)
     final.load_state_dict(r.model_state)
-    assert torch.equal(outputs(net, x), outputs(final.eval(), x))
+    for given in (own_fixtures.bn_net, "own_fixtures:bn_net"):
+        assert torch.equal(outputs(fdam_ray.load_model(r.run_dir, model=given), x), outputs(final.eval(), x))
     payload = torch.load(r.run_dir / "model.pt", weights_only=True)
     payload["network"]["model"] = "no_such_module_here:make"
     torch.save(payload, r.run_dir / "model.pt")
     with pytest.raises(ValueError, match="cannot import module 'no_such_module_here'") as caught:
-        fdam_ray.load_model(r.run_dir)
+        fdam_ray.load_model(r.run_dir, model="no_such_module_here:make")
     assert "\n" not in str(caught.value) and str(r.run_dir) in str(caught.value)
 
 
