@@ -13,7 +13,9 @@ AUC-M (:class:`fdam_ray.optim.PrimalDualSGD` projects it). The loss of a batch
 is the mean of F over the samples, per task, then the mean over the tasks that
 have a labelled sample in the batch. With ``num_tasks`` T > 1 the model gives
 T scores, a, b, alpha and p are length-T vectors, and a label of -1 or NaN is
-missing: that sample is left out of that task only.
+missing: that sample is left out of that task only. Labels come in the scores'
+layout, one row per sample; a loss is never computed from NaN or infinite
+scores (a ValueError says where, rather than a NaN written into the model).
 
 The arithmetic is :func:`fdam_ray.objectives.auc_objective`, the one the
 federation's clients call, so a loss here and a federated run agree to the bit.
@@ -28,14 +30,30 @@ import numpy as np
 import torch
 from torch import nn
 
-from fdam_ray.objectives import auc_objective, global_positive_ratio
+from fdam_ray.objectives import (
+    auc_objective,
+    check_label_layout,
+    global_positive_ratio,
+    number_argument,
+    whole_argument,
+)
+from fdam_ray.redact import short
 
 __all__ = ["AUCLoss", "AUCMLoss", "AUCSquareLoss", "positive_ratio"]
 
 
-def _as_label_matrix(labels: torch.Tensor | np.ndarray | Sequence, num_tasks: int) -> torch.Tensor:
-    """Labels as a float (B, T) tensor with NaN for missing (-1 or NaN); anything else but 0 and 1 is refused."""
-    y = torch.as_tensor(labels).to(torch.float32).reshape(-1, num_tasks)
+def _label_tensor(labels: torch.Tensor | np.ndarray | Sequence) -> torch.Tensor:
+    try:
+        return torch.as_tensor(labels)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"labels: {short(labels)} is not allowed (a tensor, array or sequence of 0, 1, and -1 / "
+                         "NaN for missing)") from None
+
+
+def _as_label_matrix(y: torch.Tensor, num_tasks: int) -> torch.Tensor:
+    """Labels (already in a (B, T) or (B,) layout) as a float (B, T) tensor with NaN for missing (-1 or NaN);
+    anything else but 0 and 1 is refused."""
+    y = y.to(torch.float32).reshape(-1, num_tasks)
     y = torch.where(y == -1, torch.full_like(y, float("nan")), y)
     bad = ~(torch.isnan(y) | (y == 0) | (y == 1))
     if bool(bad.any()):
@@ -51,8 +69,28 @@ def positive_ratio(labels: torch.Tensor | np.ndarray | Sequence, num_tasks: int 
     Give it the whole training set's labels once (``imratio=positive_ratio(train_y)``): a p fixed for the run,
     as the federation's global p, rather than one that moves with each batch.
     """
-    y = _as_label_matrix(labels, num_tasks).numpy()
+    num_tasks = whole_argument("num_tasks", num_tasks, lambda v: v >= 1, "a whole number >= 1")
+    given = _label_tensor(labels)
+    if not ((given.ndim == 2 and given.shape[1] == num_tasks) or (num_tasks == 1 and given.ndim == 1)):
+        layout = "(N,) or (N, 1)" if num_tasks == 1 else f"(N, {num_tasks}), one row per sample"
+        raise ValueError(f"labels: shape {tuple(given.shape)} is not allowed for num_tasks={num_tasks} ({layout})")
+    y = _as_label_matrix(given, num_tasks).numpy()
     return global_positive_ratio([(y == 1).sum(0)], [(~np.isnan(y)).sum(0)])
+
+
+def _positive_ratio_argument(imratio: float | Sequence[float] | np.ndarray, num_tasks: int) -> np.ndarray:
+    """``imratio`` as p per task: one number, or one per task, each in (0, 1)."""
+    allowed = "a number in (0, 1)" + (f", or {num_tasks} of them (one per task)" if num_tasks > 1 else "")
+    try:
+        given = np.asarray(imratio)
+    except (TypeError, ValueError, RuntimeError):
+        given = np.asarray(None)
+    if given.dtype.kind not in "iuf" or given.ndim > 1 or given.size not in (1, num_tasks):
+        raise ValueError(f"imratio: {short(imratio)} is not allowed ({allowed}, or None to estimate it)")
+    p = np.broadcast_to(given.astype(np.float64).reshape(-1), (num_tasks,)).copy()
+    if not np.all((p > 0) & (p < 1)):  # NaN fails both
+        raise ValueError(f"imratio: {p.tolist()[:8]} is not allowed ({allowed}, or None to estimate it)")
+    return p
 
 
 class AUCLoss(nn.Module):
@@ -76,19 +114,16 @@ class AUCLoss(nn.Module):
     def __init__(self, *, num_tasks: int = 1, imratio: float | Sequence[float] | np.ndarray | None = None,
                  margin: float = 1.0, from_logits: bool = False) -> None:
         super().__init__()
-        if num_tasks < 1:
-            raise ValueError(f"num_tasks: {num_tasks} is not allowed (>= 1)")
-        if not margin > 0:
-            raise ValueError(f"margin: {margin} is not allowed (> 0)")
-        self.num_tasks, self.margin, self.from_logits = num_tasks, float(margin), from_logits
+        num_tasks = whole_argument("num_tasks", num_tasks, lambda v: v >= 1, "a whole number >= 1")
+        margin = number_argument("margin", margin, lambda v: v > 0, "a finite number > 0")
+        if not isinstance(from_logits, (bool, np.bool_)):
+            raise ValueError(f"from_logits: {short(from_logits)} is not allowed (True or False)")
+        p = np.full(num_tasks, 0.5) if imratio is None else _positive_ratio_argument(imratio, num_tasks)
+        self.num_tasks, self.margin, self.from_logits = num_tasks, float(margin), bool(from_logits)
         self.a = nn.Parameter(torch.zeros(num_tasks))
         self.b = nn.Parameter(torch.zeros(num_tasks))
         self.alpha = nn.Parameter(torch.zeros(num_tasks))
         self.estimate_p = imratio is None
-        p = np.full(num_tasks, 0.5) if imratio is None else np.broadcast_to(
-            np.asarray(imratio, dtype=np.float64), (num_tasks,)).copy()
-        if np.any(~(p > 0)) or np.any(~(p < 1)):
-            raise ValueError(f"imratio: {p.tolist()[:8]} is not allowed (each in (0, 1), or None to estimate it)")
         self.register_buffer("p", torch.as_tensor(p, dtype=torch.float32))
         self.register_buffer("positives", torch.zeros(num_tasks, dtype=torch.float64))
         self.register_buffer("labelled", torch.zeros(num_tasks, dtype=torch.float64))
@@ -110,11 +145,26 @@ class AUCLoss(nn.Module):
 
     def forward(self, predictions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The minibatch loss of (B,) or (B, T) ``predictions`` (scores, or logits with ``from_logits``) and
-        labels of the same shape (0, 1; -1 or NaN missing)."""
+        labels of the same shape (0, 1; -1 or NaN missing).
+
+        Refused with a ValueError (before p's estimate counts the batch): predictions of another shape or holding
+        NaN or infinity, labels in another layout ((T, B) or a flat (T*B,) for T > 1; (B,) and (B, 1) are the
+        same for T = 1) or with a value other than 0, 1, -1 and NaN."""
+        t = self.num_tasks
+        if not isinstance(predictions, torch.Tensor):
+            raise ValueError(f"predictions: {type(predictions).__name__} is not allowed (a tensor of scores)")
+        if not ((predictions.ndim == 2 and predictions.shape[1] == t) or (t == 1 and predictions.ndim == 1)):
+            layout = "(B,) or (B, 1)" if t == 1 else f"(B, {t})"
+            raise ValueError(f"predictions: shape {tuple(predictions.shape)} is not allowed ({layout} scores for "
+                             f"num_tasks={t})")
+        given = _label_tensor(labels)
+        check_label_layout(given, predictions.shape, t)
         h = predictions.reshape(predictions.shape[0], -1)
-        if h.shape[1] != self.num_tasks:
-            raise ValueError(f"predictions: {h.shape[1]} per sample, but the loss has num_tasks={self.num_tasks}")
-        y = _as_label_matrix(labels, self.num_tasks).to(h.device)
+        if not bool(torch.isfinite(h).all()):  # one check per step; a NaN loss would write NaN into the model
+            row, task = (int(i) for i in (~torch.isfinite(h)).nonzero()[0])
+            raise ValueError(f"predictions: {float(h[row, task])!r} at row {row}, task {task} is not a finite "
+                             "score (the model's output holds NaN or infinity: it diverged, or its input holds one)")
+        y = _as_label_matrix(given, t).to(h.device)
         if self.estimate_p and self.training:
             self._update_estimate(y)
         if self.from_logits:

@@ -20,13 +20,51 @@ nothing, rather than a zero that would shrink the others' weight).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import numbers
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F_nn
 
+from fdam_ray.redact import short
+
 OBJECTIVES = ("auc_square", "auc_margin", "bce")
+
+
+def number_argument(name: str, value: object, ok: Callable[[float], bool], allowed: str) -> float:
+    """``value`` if it is a finite real number (not a bool) for which ``ok`` holds, else the one-line ValueError
+    naming ``name``, the value and the ``allowed`` range in words."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(value) or not ok(value)):  # type: ignore[arg-type]
+        raise ValueError(f"{name}: {short(value)} is not allowed ({allowed})")
+    return value  # type: ignore[return-value]  # as given: a check must not change what a valid run computes
+
+
+def whole_argument(name: str, value: object, ok: Callable[[int], bool], allowed: str) -> int:
+    """``value`` as an int if it is a whole number (an int, or a float without a fraction; not a bool) for which
+    ``ok`` holds, else the one-line ValueError naming ``name``, the value and the ``allowed`` range in words."""
+    whole: int | None = None
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        whole = int(value)
+    elif isinstance(value, float | np.floating) and math.isfinite(value) and float(value).is_integer():
+        whole = int(value)
+    if whole is None or not ok(whole):
+        raise ValueError(f"{name}: {short(value)} is not allowed ({allowed})")
+    return whole
+
+
+def check_label_layout(labels: torch.Tensor, scores_shape: torch.Size, num_tasks: int, *,
+                       scores_name: str = "predictions") -> None:
+    """Labels must come in the scores' layout: (B, T), or (B,) / (B, 1) when T = 1 (never (T, B) or a flat
+    (T*B,) that a reshape would silently misread)."""
+    batch = scores_shape[0]
+    if labels.shape == (batch, num_tasks) or (num_tasks == 1 and labels.shape == (batch,)):
+        return
+    layout = f"({batch},) or ({batch}, 1)" if num_tasks == 1 else f"({batch}, {num_tasks}), one row per sample"
+    raise ValueError(f"labels: shape {tuple(labels.shape)} does not match {scores_name} {tuple(scores_shape)} "
+                     f"(labels take the scores' layout: {layout} for num_tasks={num_tasks})")
 
 
 class Objective:
@@ -39,13 +77,11 @@ class Objective:
     """
 
     def __init__(self, name: str, *, num_tasks: int, margin: float = 1.0) -> None:
-        if name not in OBJECTIVES:
-            raise ValueError(f"objective {name!r} is not one of {', '.join(OBJECTIVES)}")
-        if num_tasks < 1:
-            raise ValueError(f"num_tasks must be >= 1, got {num_tasks}")
+        if not isinstance(name, str) or name not in OBJECTIVES:
+            raise ValueError(f"objective {short(name)} is not one of {', '.join(OBJECTIVES)}")
         self.name = name
-        self.num_tasks = num_tasks
-        self.margin = float(margin)
+        self.num_tasks = whole_argument("num_tasks", num_tasks, lambda v: v >= 1, "a whole number >= 1")
+        self.margin = float(number_argument("margin", margin, lambda v: v > 0, "a finite number > 0"))
         self.p: torch.Tensor | None = None
 
     @property
@@ -64,9 +100,16 @@ class Objective:
 
     def set_positive_ratio(self, p: np.ndarray | float, device: torch.device | str = "cpu") -> None:
         """Fix p (one value, or one per task) for every later call."""
-        arr = np.broadcast_to(np.asarray(p, dtype=np.float64), (self.num_tasks,)).copy()
-        if np.any(arr <= 0) or np.any(arr >= 1):
-            raise ValueError(f"positive ratio p must lie in (0, 1) for every task, got {arr.tolist()}")
+        try:
+            given = np.asarray(p, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise ValueError(f"positive ratio p: {short(p)} is not a number or one number per task") from None
+        if given.ndim > 1 or given.size not in (1, self.num_tasks):
+            raise ValueError(f"positive ratio p: {given.size} values in shape {given.shape}, but num_tasks="
+                             f"{self.num_tasks} (one value, or one per task)")
+        arr = np.broadcast_to(given.reshape(-1), (self.num_tasks,)).copy()
+        if not np.all((arr > 0) & (arr < 1)):  # NaN fails both
+            raise ValueError(f"positive ratio p must lie in (0, 1) for every task, got {arr.tolist()[:8]}")
         self.p = torch.as_tensor(arr, dtype=torch.float32, device=device)
 
     def __call__(
@@ -78,6 +121,7 @@ class Objective:
         alpha: torch.Tensor,
     ) -> torch.Tensor:
         logits = logits.reshape(logits.shape[0], -1)
+        check_label_layout(labels, logits.shape, logits.shape[1], scores_name="logits")
         labels = labels.reshape(logits.shape)
         if self.name == "bce":
             return bce_objective(logits, labels)
