@@ -26,8 +26,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -92,6 +94,36 @@ class RunResult:
     pretrain: RunResult | None = None
 
 
+_ONE_AT_A_TIME = threading.Lock()  # guards the two below
+_running_in: int | None = None  # the thread a federation of this process runs in
+_depth = 0  # how deep (a two-stage recipe runs its stage 1 inside the assembly of stage 2)
+
+
+@contextmanager
+def one_federation_at_a_time() -> Iterator[None]:
+    """While inside, this thread runs this process's federation; another thread's is refused in one line.
+
+    torch's random number generator is one per process (a model's seeded initialisation, a driver's checkpointed
+    RNG state): two federations at once in threads would draw from it in turns and each end other than alone.
+    One after another they are independent; nested in one thread (stage 1 of a recipe) they are sequential."""
+    global _running_in, _depth
+    me = threading.current_thread()
+    with _ONE_AT_A_TIME:
+        if _running_in is not None and _running_in != me.ident:
+            other = next((t.name for t in threading.enumerate() if t.ident == _running_in), str(_running_in))
+            raise RuntimeError(f"another federation is running in this process (thread {other!r}); torch's random "
+                               "number generator is shared by the whole process, so two runs at once would change "
+                               "each other's results: run them one after another, or each in a process of its own")
+        _running_in, _depth = me.ident, _depth + 1
+    try:
+        yield
+    finally:
+        with _ONE_AT_A_TIME:
+            _depth -= 1
+            if _depth == 0:
+                _running_in = None
+
+
 class Federation:
     """Runs one assembled federation (see :mod:`fdam_ray.recipe` for the assembly).
 
@@ -120,7 +152,7 @@ class Federation:
         self.replica = Replica(config, source, device=driver_device)
         self.validation = config.val_fraction > 0  # select on the clients' validation parts, not the test set
         self.deadlines = DeadlineSection.of(config)
-        self.forced = {} if config.participation_record is None else read_record(config.participation_record)
+        self.forced = {} if config.participation_record is None else read_record(config.participation_record, config)
         self.missed = MissedRounds()
         self._unrecorded: dict[str, list[int]] = {}  # rounds recorded since the last metrics record
 
@@ -302,7 +334,12 @@ class Federation:
 
     # -- the run ----------------------------------------------------------------------
     def run(self, *, resume: Checkpoint | None = None) -> RunResult:
-        """Run (or, with ``resume``, a checkpoint, continue) the federation."""
+        """Run (or, with ``resume``, a checkpoint, continue) the federation (one at a time in a process:
+        :func:`one_federation_at_a_time`)."""
+        with one_federation_at_a_time():
+            return self._run(resume)
+
+    def _run(self, resume: Checkpoint | None) -> RunResult:
         initial = self._start()
         started = time.perf_counter()
         if resume is None:
@@ -409,6 +446,8 @@ class Federation:
     def _finish(self, loop: LoopState, started: float, snapshot: Snapshot) -> RunResult:
         state, history = loop.state, loop.history
         best = _selected(loop) if self.validation else _best_test(history)
+        if self.validation:
+            _warn_if_tied(history, best)
         if self.validation and loop.best_val_state is not None:
             self.observer.best_model(self._model_payload(loop.best_val_state), history[best])
         payload = self._model_payload(state)  # the final state, loaded last: the replica holds it
@@ -464,6 +503,23 @@ def _keep_best(loop: LoopState, rec: dict) -> None:
     loop.best_val_state = GlobalState.from_vectors(
         {k: None if x is None or k in control else x.copy() for k, x in state.vectors().items()},
         round=state.round, iteration=state.iteration)
+
+
+def _warn_if_tied(history: list[dict], best: int) -> None:
+    """One warning when other evaluations have the selected one's validation AUC (a saturated or small validation
+    set): the selection is then the earliest of them, not one the validation set tells apart."""
+    val = history[best].get("val_auc")
+    if val is None or not math.isfinite(val):
+        return
+    tied = [h["iteration"] for h in history if h.get("val_auc") == val]
+    if len(tied) < 2:
+        return
+    shown = ", ".join(map(str, tied[:5])) + (", ..." if len(tied) > 5 else "")
+    samples = history[best].get("val_samples")
+    log.warning("%d evaluations tied at the best validation AUC %.6g (iterations %s): the validation set%s cannot "
+                "tell them apart, so best_model.pt and best_* are the earliest of them (iteration %d); a larger "
+                "val_fraction (or more data) tells them apart", len(tied), val, shown,
+                "" if samples is None else f" ({samples} samples)", history[best]["iteration"])
 
 
 def _best_test(history: list[dict]) -> int:

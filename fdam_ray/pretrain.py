@@ -23,6 +23,8 @@ pre-training prints, continues the whole recipe: it finishes stage 1 and runs
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,13 +34,18 @@ import yaml
 
 from fdam_ray.checkpoint import CheckpointError, write_atomically
 from fdam_ray.data import DataSource
+from fdam_ray.deadlines import read_record
 from fdam_ray.models import build_model
-from fdam_ray.outputs.observer import Observer, RunStart
-from fdam_ray.sections import NONNEGATIVE, POSITIVE, Section, setting
+from fdam_ray.outputs.observer import Observer, RunStart, Snapshot
+from fdam_ray.sections import NONNEGATIVE, POSITIVE, Section, setting, shared, warn_once
+from fdam_ray.state import RoundPlan
 from fdam_ray.weights import head_keys
 from fdam_ray.yamlio import read_yaml_file
 
+log = logging.getLogger(__name__)
+
 RECIPE_FILE = "recipe.yaml"  # in stage 1's run folder: the whole run's config, and stage 2's folder
+PROGRESS_EVERY_S = 30.0  # stage 1 logs where it is at most this often between its evaluations
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,6 +64,36 @@ class PretrainSection(Section):
                                       "(the paper's choice, e.g. with pretrain_lr 1e-5).", choices=("sgd", "adam"))
     pretrain_federated: bool = setting(True, "Pre-train on all clients (fedavg); false = on client 0's data alone "
                                        "(e.g. the first source).")
+    lr: float = shared()
+    batch_size: int = shared()
+    local_optimizer: str = shared()
+    algorithm: str = shared()
+    num_clients: int = shared()
+
+    def check(self) -> None:
+        """Pre-training fields without pre-training have no effect: one warning (a config that turns pre-training
+        off with pretrain_iterations = 0, e.g. in a sweep, may mean it; more often pretrain_iterations was
+        forgotten)."""
+        if self.pretrain_iterations:
+            return
+        unused = self.unused()
+        if unused:
+            warn_once(log, f"config fields {', '.join(unused)} have no effect: pretrain_iterations = 0 (no "
+                      "pre-training); set pretrain_iterations > 0 to pre-train, or remove them")
+
+    def unused(self) -> list[str]:
+        """The pre-training fields set (``name = value``) to other than what the run itself uses. Stage 1's own
+        config (:func:`pretrain_config`) keeps the fields it was made from, equal to its own, and names none."""
+        out = []
+        if self.pretrain_lr is not None and self.pretrain_lr != self.lr:
+            out.append(f"pretrain_lr = {self.pretrain_lr:g}")
+        if self.pretrain_batch_size is not None and self.pretrain_batch_size != self.batch_size:
+            out.append(f"pretrain_batch_size = {self.pretrain_batch_size or 'full'}")
+        if self.pretrain_optimizer != "sgd" and self.pretrain_optimizer != self.local_optimizer:
+            out.append(f"pretrain_optimizer = {self.pretrain_optimizer}")
+        if not self.pretrain_federated and not (self.algorithm == "centralized" and self.num_clients == 1):
+            out.append("pretrain_federated = false")
+        return out
 
 
 class FirstClientSource(DataSource):
@@ -81,7 +118,13 @@ class FirstClientSource(DataSource):
 
 
 def pretrain_config(config):
-    """The stage-1 config: BCE under fedavg (or centralized on one client), one stage at a constant lr."""
+    """The stage-1 config: BCE under fedavg (or centralized on one client), one stage at a constant lr.
+
+    A ``participation_record`` is the record of one federation, replayed by stage 2 (the AUC run): stage 1 runs
+    every client, and the record is checked against stage 2 here, before stage 1 starts.
+    """
+    if config.participation_record is not None:
+        read_record(config.participation_record, config)
     federated = config.pretrain_federated and config.num_clients > 1
     return config.replace(
         algorithm="fedavg" if federated else "centralized",
@@ -99,6 +142,7 @@ def pretrain_config(config):
         local_optimizer=config.pretrain_optimizer,
         momentum=config.momentum if config.pretrain_optimizer == "sgd" else 0.0,
         run_name=None if config.run_name is None else f"{config.run_name}-pretrain",
+        participation_record=None,
     )
 
 
@@ -154,3 +198,32 @@ class Stage2Folder(Observer):
             return
         text = yaml.safe_dump(recipe_record(self.config, folder), sort_keys=False).encode("utf-8")
         write_atomically(self.stage1_dir / RECIPE_FILE, lambda fh: fh.write(text), "the pre-training recipe")
+
+
+class PretrainProgress(Observer):
+    """Stage 1's progress in the log between its evaluations (which the loop logs): at most every ``every_s``
+    seconds, where it is, so a pre-training of thousands of iterations is not silent until stage 2 begins."""
+
+    def __init__(self, every_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s = PROGRESS_EVERY_S if every_s is None else every_s
+        self.clock = clock
+        self.iterations = 0
+        self.started = self.said = 0.0
+
+    def start(self, run: RunStart) -> None:
+        self.iterations = run.iterations
+        self.started = self.said = self.clock()
+        log.info("pre-training: stage 1 of %d iterations begins (a line at least every %.0f s)", self.iterations,
+                 self.every_s)
+
+    def record(self, record: dict, snapshot: Snapshot) -> None:
+        self.said = self.clock()  # the loop has just logged this evaluation
+
+    def round_end(self, plan: RoundPlan, record: dict | None, snapshot: Snapshot | None) -> None:
+        now = self.clock()
+        if now - self.said < self.every_s:
+            return
+        self.said = now
+        done = plan.iteration + plan.steps
+        log.info("pre-training: iteration %d of %d (%.0f%%), round %d, %.0f s so far", done, self.iterations,
+                 100.0 * done / max(1, self.iterations), plan.round, now - self.started)

@@ -46,12 +46,15 @@ from fdam_ray.executors import Executor, make_executor
 from fdam_ray.executors.errors import PlacementError
 from fdam_ray.executors.inline import InlineExecutor, ignored_fields
 from fdam_ray.factories import PYTHON_PREFIX
-from fdam_ray.federation import Federation, RunResult
+from fdam_ray.federation import Federation, RunResult, one_federation_at_a_time
 from fdam_ray.models import model_name
 from fdam_ray.outputs import EvalCallback, Observer, Observers, OutputSection, Progress, RunFolder, RunStopped
+from fdam_ray.outputs.agreement import check_one_run, check_same_config
+from fdam_ray.outputs.records import read_summary
 from fdam_ray.outputs.run_folder import check_new_run_dir
 from fdam_ray.pretrain import (
     RECIPE_FILE,
+    PretrainProgress,
     Stage2Folder,
     pretrain_config,
     pretrain_source,
@@ -102,6 +105,17 @@ def federate(
         pretrained: stage 1 of the two-stage recipe, already run (a resumed recipe's); None runs it here.
         files: more YAML files for a fresh run folder (stage 1's ``recipe.yaml``).
     """
+    with one_federation_at_a_time():  # a second one in another thread is refused before it makes or reads anything
+        return _federate(config, source=source, executor=executor, initial_model_state=initial_model_state,
+                         resume=resume, save=save, run_dir=run_dir, checkpoints=checkpoints, on_eval=on_eval,
+                         progress=progress, observers=observers, pretrained=pretrained, files=files)
+
+
+def _federate(config: Config, *, source: DataSource | None, executor: Executor | None,
+              initial_model_state: dict[str, torch.Tensor] | None, resume: Checkpoint | None, save: bool,
+              run_dir: Path | None, checkpoints: bool, on_eval: Callable[[dict], None] | None, progress: bool,
+              observers: Sequence[Observer], pretrained: RunResult | None, files: dict[str, dict] | None,
+              ) -> RunResult:
     trackers_usable(config.trackers)  # before any data is read or client started
     if resume is None and save and run_dir is None:
         check_new_run_dir(OutputSection.of(config))  # a name in use is refused now, not after pre-training
@@ -168,7 +182,8 @@ def _initial_weights(config: Config, source: DataSource, weights: dict[str, torc
             log.info("pre-training: %d iterations of %s with bce on %s", stage1.iterations, stage1.algorithm,
                      "every client" if stage1.num_clients > 1 else "client 0")
             pretrained = federate(stage1, source=pretrain_source(stage1, source), initial_model_state=weights,
-                                  save=save, progress=progress, files={RECIPE_FILE: recipe_record(config)})
+                                  save=save, progress=progress, files={RECIPE_FILE: recipe_record(config)},
+                                  observers=[PretrainProgress()])  # its progress in the log
             log.info("pre-training done: test AUC %.4f", pretrained.summary["final_test_auc"])
         return pretrained_body(pretrained.model_state, config, source), "pre-trained weights", pretrained
     if weights is None and config.model_weights:
@@ -309,7 +324,12 @@ def resume(
     :func:`fdam_ray.train_arrays` or :func:`fdam_ray.train_datasets` (given as a
     source, as those build it).
     """
-    run_dir = Path(run_dir)
+    with one_federation_at_a_time():  # (a finished run's resume sets the process's torch RNG as the run left it)
+        return _resume(Path(run_dir), changes, source=source, on_eval=on_eval, progress=progress, model=model)
+
+
+def _resume(run_dir: Path, changes: dict | None, *, source: DataSource | None,
+            on_eval: Callable[[dict], None] | None, progress: bool, model: str | Callable | None) -> RunResult:
     if not run_dir.is_dir():
         raise ValueError(f"--resume: '{run_dir}' is not a run folder")
     if not (run_dir / "checkpoint.pt").exists():
@@ -317,6 +337,7 @@ def resume(
                          "before the first checkpoint)")
     check_not_in_use(run_dir)  # at once, not after the clients have started
     checkpoint = load_checkpoint(run_dir / "checkpoint.pt")
+    check_one_run(run_dir, checkpoint, may_differ=RESUME_MAY_CHANGE)  # before anything in the folder is written
     saved = _saved_config(run_dir, dict(checkpoint.config or {}), model, run_dir / "checkpoint.pt")
     recipe = read_recipe(run_dir)
     if recipe is not None:
@@ -398,7 +419,7 @@ def _continue(run_dir: Path, checkpoint: Checkpoint, saved: Config, wanted: Conf
 def stored_result(run_dir: Path, checkpoint: Checkpoint, config: Config) -> RunResult | None:
     """The result of the finished run in ``run_dir``, read from its files (None when they are not all there)."""
     try:
-        summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+        summary = read_summary(json.loads((run_dir / "summary.json").read_text(encoding="utf-8")))
         model = safe_load(run_dir / "model.pt")
         model_state, a, b = model["model"], model["a"].numpy(), model["b"].numpy()
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError):
@@ -416,8 +437,10 @@ def _resume_recipe(run_dir: Path, checkpoint: Checkpoint, saved_stage1: Config, 
                    progress: bool, model: str | Callable | None) -> RunResult:
     """Continue a two-stage run from stage 1's folder: stage 1 to its end, then stage 2 (or, when stage 2 has a
     checkpoint already, stage 2 from it)."""
-    whole = _wanted(run_dir, _saved_config(run_dir, dict(recipe["config"]), model, run_dir / RECIPE_FILE), changes,
-                    done=None)  # stage 2 has not begun
+    recorded = _saved_config(run_dir, dict(recipe["config"]), model, run_dir / RECIPE_FILE)
+    check_same_config(run_dir, RECIPE_FILE, pretrain_config(recorded).to_dict(), dict(checkpoint.config or {}),
+                      may_differ=RESUME_MAY_CHANGE)  # the recipe's stage 1 is this folder's run
+    whole = _wanted(run_dir, recorded, changes, done=None)  # stage 2 has not begun
     stage2_dir = recipe.get("stage2_dir")
     if stage2_dir and (Path(stage2_dir) / "checkpoint.pt").exists():
         log.info("pre-training in '%s' is finished; continuing stage 2 in '%s'", run_dir, stage2_dir)

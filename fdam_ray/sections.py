@@ -106,3 +106,14 @@ def shared_names(cls: type) -> list[str]:
     """The fields ``cls`` itself declares with :func:`shared`."""
     own = inspect.get_annotations(cls)
     return [f.name for f in dataclasses.fields(cls) if f.name in own and SETTING not in f.metadata]
+
+
+_WARNED: set[str] = set()
+
+
+def warn_once(log: Any, message: str) -> None:
+    """Log ``message`` as a warning once per process: a section's check runs on every config built (a resume, a
+    two-stage run's stage 1, each Tune trial), for a combination that may be meant but is likely a mistake."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        log.warning("%s", message)

@@ -468,3 +468,10 @@ def test_plot_names_and_skips_a_run_whose_auc_is_nan_and_draws_the_others(tmp_pa
     assert main(["plot", str(tmp_path / "nan"), "--out", str(tmp_path / "none")]) == 2
     assert "nothing to plot" in capsys.readouterr().err
     assert plot_runs([tmp_path / "good"], tmp_path / "one")
+
+
+def test_fdam_train_says_that_pretraining_began_without_verbose(tmp_path, caplog, capsys):
+    """Stage 1 is not silent until its first evaluation: `fdam train` shows the pre-training logger's lines
+    (a line when it begins, then at most every 30 s) without -v; --quiet keeps them out."""
+    assert main(["train", *args(tmp_path, **RECIPE)]) == 0
+    assert "pre-training: stage 1 of 12 iterations begins" in caplog.text

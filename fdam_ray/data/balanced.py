@@ -3,10 +3,14 @@
 At 1-10 % positives a natural batch of 32 often holds no positive, and the AUC
 objectives learn nothing from such a batch but the negatives' side. With
 ``positive_sampling: balanced`` every batch of B holds n+ = round(share x B)
-positives (at least 1 and at most B - 1) and B - n+ negatives, each drawn from
+positives and B - n+ negatives, each drawn from
 its own stream of seeded shuffles of the client's positives (negatives), epoch
 after epoch: the few positives repeat within an epoch of the negatives, which
-is sampling them with replacement across batches. A sample is positive when
+is sampling them with replacement across batches. A share that rounds to no
+positive (or no negative) in a batch of B, ``positive_share`` <= 0.5 / B or >=
+1 - 0.5 / B, is refused (of ``batch_size`` and, with pre-training,
+``pretrain_batch_size``): the sampler would hold one anyway and the
+objective's p would not be the batches' share. A sample is positive when
 any of its labels is 1 (multi-label), negative otherwise. Both streams'
 positions are the sampler's state, saved in checkpoints, so a resumed run
 draws the same batches. ``natural`` (the default) keeps the plain shuffles of
@@ -35,7 +39,7 @@ from typing import Any
 import torch
 
 from fdam_ray.data.base import AnySplit, DatasetSplit, IndexStream, LoaderSampler, TensorSampler
-from fdam_ray.sections import FRACTION, Section, fail, setting, shared
+from fdam_ray.sections import FRACTION, Section, fail, setting, shared, warn_once
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +60,42 @@ class SamplingSection(Section):
                                     check=FRACTION)
     batch_size: int = shared()
     algorithm: str = shared()
+    pretrain_iterations: int = shared()
+    pretrain_batch_size: int | None = shared()
 
     def check(self) -> None:
         if self.positive_sampling != "balanced":
+            if self.positive_share != 0.5:  # a sweep over positive_sampling may mean it; more often a slip
+                warn_once(log, f"config field 'positive_share' = {self.positive_share:g} has no effect: "
+                          f"positive_sampling = {self.positive_sampling} (only balanced batches take a share of "
+                          "positives); set positive_sampling: balanced, or remove positive_share")
             return
-        if self.batch_size < 2:
-            raise fail("batch_size", self.batch_size, ">= 2 with positive_sampling: balanced (a batch holds a "
-                       "positive and a negative)")
+        batches = [("batch_size", self.batch_size)]
+        if self.pretrain_iterations and self.pretrain_batch_size is not None:  # stage 1 draws these batches
+            batches.append(("pretrain_batch_size", self.pretrain_batch_size))
+        for name, size in batches:
+            if size < 2:
+                raise fail(name, size, ">= 2 with positive_sampling: balanced (a batch holds a positive and a "
+                           "negative)")
+            self._check_share(name, size)
         if self.algorithm == "coda":
             raise fail("positive_sampling", self.positive_sampling, "natural with algorithm coda (its closed-form "
                        "alpha is taken over the clients' whole data)")
+
+    def _check_share(self, name: str, size: int) -> None:
+        """A batch of ``size`` holds round(positive_share x size) positives: it must be at least 1 and at most
+        size - 1. Otherwise the sampler would hold 1 positive (1 negative) anyway, and the objective's p (the
+        share, unless positive_ratio is set) would not be the share its batches hold."""
+        positives = round(self.positive_share * size)
+        if 1 <= positives <= size - 1:
+            return
+        raise fail("positive_share", self.positive_share, f"above {0.5 / size:.3g} and below "
+                   f"{1 - 0.5 / size:.3g} with {name} = {size}: a balanced batch holds round(positive_share x "
+                   f"{name}) = {positives} positives, which the sampler would make "
+                   f"{'1' if positives < 1 else f'{size - 1} (1 negative)'}, and then the objective's p would "
+                   "not be the batches' share; "
+                   f"{'raise' if positives < 1 else 'lower'} positive_share, raise the batch size, or use natural "
+                   "batches")
 
 
 def objective_positive_ratio(config: Any) -> float | None:

@@ -10,15 +10,32 @@ share; a dataset with settings of its own has a subclass that adds them.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 from fdam_ray.factories import is_import_path
-from fdam_ray.sections import AT_LEAST_ONE, EACH_ONCE, FRACTION, NONNEGATIVE, POSITIVE, Section, fail, setting, shared
+from fdam_ray.sections import (
+    AT_LEAST_ONE,
+    EACH_ONCE,
+    FRACTION,
+    NONNEGATIVE,
+    POSITIVE,
+    Section,
+    fail,
+    owned_fields,
+    setting,
+    shared,
+    warn_once,
+)
+
+log = logging.getLogger(__name__)
 
 # "arrays" and "datasets" are set by fdam_ray.train_arrays / train_datasets (bring-your-own data), not by hand.
 DATASET_NAMES = ("digits", "synthetic", "arrays", "cifar10", "cifar100", "imagefolder", "mnist5k", "chestxray",
                  "datasets")
 CHESTXRAY_SOURCES = ("chexpert", "nih", "padchest", "mimic", "vindr")
+# The datasets whose source splits a pool of classes over the clients with `partition` (ih or dirichlet).
+PARTITIONED = ("digits", "mnist5k", "cifar10", "cifar100", "imagefolder")
 # The datasets whose source reads its samples from the folder data_root, so that client_data_roots can give
 # each client a folder of its own. Any other dataset (digits and mnist5k are bundled, synthetic is drawn, your
 # own factory is called with a client number, never a folder) would give every client the same data.
@@ -72,6 +89,18 @@ class DataSection(Section):
     seed: int = shared()
 
     def check(self) -> None:
+        self._check_roots()
+        unused = []
+        if self.partition != "dirichlet" and self.dirichlet_concentration != 0.5:
+            unused.append(("dirichlet_concentration", f"partition = {self.partition}"))
+        if self.partition != "ih" and self.dataset not in PARTITIONED:
+            unused.append(("partition", f"dataset = {self.dataset}, which is not split from a pool of classes"))
+        if self.download and self.dataset not in ("cifar10", "cifar100"):
+            unused.append(("download", f"dataset = {self.dataset} (it fetches cifar10/cifar100 only)"))
+        for name, why in unused:
+            warn_unused(name, getattr(self, name), why)
+
+    def _check_roots(self) -> None:
         roots = self.client_data_roots
         if roots is None:
             return
@@ -81,6 +110,23 @@ class DataSection(Section):
         refused = roots_refusal(self.dataset)
         if refused:
             raise fail("client_data_roots", short_list(roots, shown=1, width=40), refused)
+
+
+def warn_unused(name: str, value: Any, why: str) -> None:
+    """One warning for a field set to other than its default that the run does not read (``why``): a config
+    shared by several datasets may mean it; more often the other field was meant to be set too."""
+    shown = value if not isinstance(value, (tuple, list)) else short_list(tuple(map(str, value)))
+    warn_once(log, f"config field '{name}' = {shown} has no effect with {why}; remove it or change that field")
+
+
+def _warn_if_not(section: DataSection, dataset: str) -> None:
+    """Warn once for each field ``section``'s class owns and sets when the run's dataset is not ``dataset``."""
+    if section.dataset == dataset:
+        return
+    for f in owned_fields(type(section)):
+        value = getattr(section, f.name)
+        if value != f.default:
+            warn_unused(f.name, value, f"dataset = {section.dataset} (only dataset {dataset} reads it)")
 
 
 def short_list(values: tuple[str, ...], *, shown: int = 2, width: int = 60) -> str:
@@ -121,6 +167,9 @@ class SyntheticSection(DataSection):
                                    check=NONNEGATIVE)
     num_features: int = setting(20, "Synthetic data: feature dimension.", check=AT_LEAST_ONE)
     samples_per_client: int = setting(500, "Synthetic data: training samples per client.", check=AT_LEAST_ONE)
+
+    def check(self) -> None:
+        _warn_if_not(self, "synthetic")  # (DataSection's own rules run on its own cut of the config)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -167,6 +216,9 @@ class ChestXraySection(DataSection):
     chestxray_blank: str = setting("zeros", "chestxray: blank (not mentioned) labels: zeros (negative) or ignore "
                                    "(missing).", choices=("zeros", "ignore"))
     chestxray_frontal_only: bool = setting(True, "chestxray: keep frontal (PA/AP) views only.")
+
+    def check(self) -> None:
+        _warn_if_not(self, "chestxray")  # (DataSection's own rules run on its own cut of the config)
 
 
 # The section each dataset's source takes ("arrays" has none: its data comes in memory, not from a config).

@@ -12,7 +12,8 @@
     model.pt         the final model: {"model": state_dict, "a", "b", "alpha", "task_names"}
     best_model.pt    with val_fraction > 0: the model at the best validation AUC (model.pt's format)
     summary.json     best and final test AUC (with val_fraction > 0: best_* selected by val_auc), rounds, bytes
-                     moved, wall time, samples/s
+                     moved, wall time, samples/s; strict JSON: a number that is not defined (the AUC of samples of
+                     one class, NaN) is null, and its key in ``notes`` says why
     .lock            who writes the folder now (pid, host, start); see :mod:`fdam_ray.runlock`
     recipe.yaml      stage 1 of a two-stage run: the whole run's config and stage 2's folder (:mod:`fdam_ray.pretrain`)
 
@@ -29,6 +30,7 @@ By concern:
     records.py       the flat and grouped names of a record's numbers (metrics.csv, Tune, TensorBoard, trackers)
     writer.py        RunWriter: the folder's files as the run goes
     run_folder.py    RunFolder: the folder as an observer, when checkpoints are written, stops asked for (SIGTERM)
+    agreement.py     check_one_run: a resume refuses a folder whose files come from different runs
     progress.py      Progress: the console progress bar
 """
 

@@ -4,6 +4,7 @@ experiment trackers)."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 
 def flatten_record(rec: dict) -> dict:
@@ -58,3 +59,64 @@ def grouped_name(key: str) -> str:
 def grouped_scalars(rec: dict) -> dict[str, float]:
     """:func:`scalars` under their grouped names, without the step (``iteration``)."""
     return {grouped_name(k): v for k, v in scalars(rec).items() if k != "iteration"}
+
+
+NOTES_KEY = "notes"  # summary.json: why a value is null
+
+
+def _why_not_finite(key: str, value: float) -> str:
+    if "auc" in key:
+        where = ("the clients' validation parts together hold" if "val" in key else
+                 "the test set holds" if "test" in key else "the samples it is computed on hold")
+        return (f"{value} written as null: the AUC is not defined because {where} one class only (an AUC needs "
+                "positives and negatives)")
+    return f"{value} written as null: not a finite number"
+
+
+def finite_or_null(value: Any) -> Any:
+    """``value`` as strict JSON holds it: every NaN or infinite number (also inside a list or mapping) as None.
+    ``metrics.jsonl`` is written so (one JSON record a line, which NaN is not); readers take null as NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
+def strict_summary(summary: dict) -> dict:
+    """``summary`` as strict JSON can hold it: every NaN or infinite number (also inside a list or mapping) becomes
+    null, and ``notes`` says why for each key that held one. :func:`read_summary` reads it back."""
+    notes: dict[str, str] = {}
+
+    def clean(value, key: str):
+        if isinstance(value, float) and not math.isfinite(value):
+            notes.setdefault(key, _why_not_finite(key, value))
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v, key) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v, key) for v in value]
+        return value
+
+    out = {k: clean(v, k) for k, v in summary.items() if k != NOTES_KEY}
+    if notes:
+        out[NOTES_KEY] = notes
+    return out
+
+
+def read_summary(summary: dict) -> dict:
+    """A summary written by :func:`strict_summary`, with each top-level null its notes explain the number it was
+    again (NaN or infinite, as the run returned it)."""
+    notes = summary.get(NOTES_KEY)
+    if not isinstance(notes, dict):
+        return summary
+    out = dict(summary)
+    for key, why in notes.items():
+        if key in out and out[key] is None and isinstance(why, str):
+            try:
+                out[key] = float(why.split(" ", 1)[0])
+            except ValueError:
+                pass
+    return out

@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 MAX_RUN_NAME = 100
 _DERIVED_SUFFIX = "-pretrain"  # the name of a recipe's pre-training stage: <run_name>-pretrain (fdam_ray.pretrain)
 RUN_NAME_ALLOWED = (f"one folder name of at most {MAX_RUN_NAME} characters: no '/', '\\', NUL or control "
-                    "characters, not '.' or '..'")
+                    "characters, nor others that do not print (line breaks, non-breaking or zero-width spaces), "
+                    "not '.' or '..'")
 
 
 def is_folder_name(name: str) -> bool:
@@ -34,7 +35,7 @@ def is_folder_name(name: str) -> bool:
         return True  # as null: a time-stamped name
     longest = MAX_RUN_NAME + (len(_DERIVED_SUFFIX) if name.endswith(_DERIVED_SUFFIX) else 0)
     return (len(name) <= longest and name.strip() not in (".", "..")
-            and not any(c in "/\\" or ord(c) < 32 or ord(c) == 127 for c in name))
+            and not any(c in "/\\" or not c.isprintable() for c in name))  # control, line breaks, invisible
 
 
 TENSORBOARD_ALLOWED = "auto, false, or true where the tensorboard package is installed: pip install tensorboard"

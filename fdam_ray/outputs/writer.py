@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from fdam_ray.checkpoint import Checkpoint, DiskFullError, disk_full, save_checkpoint, write_atomically
-from fdam_ray.outputs.records import flatten_record, grouped_scalars
+from fdam_ray.outputs.records import NOTES_KEY, finite_or_null, flatten_record, grouped_scalars, strict_summary
 from fdam_ray.redact import RedactingFilter
 
 log = logging.getLogger("fdam_ray.outputs")
@@ -110,7 +110,7 @@ class RunWriter:
             raise error from None
 
     def _append_metrics(self, rec: dict) -> None:
-        self._jsonl.write(json.dumps(rec) + "\n")
+        self._jsonl.write(json.dumps(finite_or_null(rec), allow_nan=False) + "\n")  # strict: NaN as null
         self._jsonl.flush()
         flat = flatten_record(rec)
         if self._csv is None:
@@ -149,7 +149,12 @@ class RunWriter:
 
     def finish(self, model_payload: dict, summary: dict) -> None:
         write_atomically(self.dir / "model.pt", lambda fh: torch.save(model_payload, fh), "the final model")
-        text = (json.dumps(summary, indent=2) + "\n").encode("utf-8")
+        strict = strict_summary(summary)  # strict JSON: a NaN (an AUC of one class) is null, and notes say why
+        for key, why in strict.get(NOTES_KEY, {}).items():
+            self.log.info("summary.json: %s: %s", key, why)
+        if NOTES_KEY in strict:
+            summary[NOTES_KEY] = strict[NOTES_KEY]  # what the run returns says it too
+        text = (json.dumps(strict, indent=2, allow_nan=False) + "\n").encode("utf-8")
         write_atomically(self.dir / "summary.json", lambda fh: fh.write(text), "the summary")
 
     def close(self) -> None:
