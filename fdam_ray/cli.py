@@ -15,9 +15,12 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from fdam_ray import interrupts
-from fdam_ray.config import SECTIONS, ConfigError, build_config, describe_fields, load_config_file, parse_overrides
 from fdam_ray.locations import where
-from fdam_ray.redact import redact, redact_handlers
+from fdam_ray.redact import clip, redact, redact_handlers
+from fdam_ray.sections import ConfigError
+
+# Only light modules above: the command line and a config file are read and checked for form before torch (and
+# the config module, whose sections import it) is imported, which takes tens of seconds on a loaded machine.
 
 if TYPE_CHECKING:
     from fdam_ray.federation import RunResult
@@ -53,6 +56,7 @@ def _summary(summary: dict) -> str:
 
 def _train_or_resume(resume_dir: str | None, values: dict, **how: Any) -> RunResult:
     """Run the config ``values`` describe, or continue the run in ``resume_dir`` (``values`` may change it)."""
+    from fdam_ray.config import build_config
     from fdam_ray.recipe import resume, run
 
     if resume_dir:
@@ -64,12 +68,34 @@ def _train_or_resume(resume_dir: str | None, values: dict, **how: Any) -> RunRes
     return run(config, **how)
 
 
+def read_command_config(config_file: str | None, overrides: list[str]) -> dict[str, Any]:
+    """The config file's mapping (empty without one), checked for form with light modules only: the file exists
+    and is YAML holding a mapping, and every override is ``key=value``. Raises ConfigError in one line."""
+    from fdam_ray.yamlio import read_yaml_file
+
+    for item in overrides or ():
+        key, sep, _ = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override '{clip(item, 80)}' is not of the form key=value")
+    if not config_file:
+        return {}
+    data = read_yaml_file(config_file, "config file")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{clip(config_file)}' must hold a mapping of field: value, not "
+                          f"{type(data).__name__}")
+    return data
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    values = read_command_config(args.config, args.overrides)  # before torch: a config error in a second
+
+    from fdam_ray.config import parse_overrides
     from fdam_ray.executors.errors import ClientError, PlacementError
     from fdam_ray.federation import DivergenceError
     from fdam_ray.outputs import RunStopped, clear_stop_request, request_stop
 
-    values = load_config_file(args.config) if args.config else {}
     values.update(parse_overrides(args.overrides))
     if args.address:
         values["address"] = args.address
@@ -110,6 +136,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    read_command_config(None, args.overrides)  # before torch: a malformed override in a second
+    from fdam_ray.config import parse_overrides
     from fdam_ray.tuning import load_space, run_sweep
 
     if args.resume:
@@ -162,8 +190,22 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_fields(args: argparse.Namespace) -> int:
+    from fdam_ray.config import describe_fields
+
     print(describe_fields(args.terms))
     return 0
+
+
+class _FieldsHelp(argparse.HelpFormatter):
+    """``fdam fields -h``: the section names, read from the config only when that help is shown."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = super()._get_help_string(action)
+        if text and "{sections}" in text:
+            from fdam_ray.config import SECTIONS
+
+            text = text.replace("{sections}", ", ".join(SECTIONS))
+        return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -195,10 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("runs", nargs="+", metavar="RUN_DIR")
     plot.add_argument("--out", help="folder for the PNGs (default: the run folder, or ./plots for several runs)")
     plot.set_defaults(func=cmd_plot)
-    fields = sub.add_parser("fields", help="list every config field with its default and meaning")
+    fields = sub.add_parser("fields", help="list every config field with its default and meaning",
+                            formatter_class=_FieldsHelp)
     fields.add_argument("terms", nargs="*", metavar="SECTION|WORD",
-                        help=f"only the fields of a section ({', '.join(SECTIONS)}) or with this word in their name "
-                        "or meaning")
+                        help="only the fields of a section ({sections}) or with this word in their name or meaning")
     fields.set_defaults(func=cmd_fields)
     return parser
 
@@ -233,6 +275,8 @@ def _run_command(argv: list[str] | None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     redact_handlers()  # no password of a URI or address reaches stderr through a log line
+    if not getattr(args, "quiet", False):  # stage 1 of a two-stage run says where it is, -v or not
+        logging.getLogger("fdam_ray.pretrain").setLevel(logging.INFO)
     try:
         return args.func(args)
     except (ConfigError, ValueError) as exc:

@@ -9,9 +9,15 @@ ending: :func:`interruptible`) the first signal ends the wait at once.
 
 A second signal (a second Ctrl+C, a scheduler's follow-up SIGTERM) means now:
 the process flushes its output and leaves with ``os._exit``, keeping what the
-first one saved. Ray's exit-time shutdown is skipped: interrupted, it prints a
+first one saved. "Now" holds while the main thread is inside a long native call
+(a Ray wait, Ray's exit-time shutdown), where Python runs no signal handler
+until the call returns: a thread of its own reads the signals from Python's
+wakeup file descriptor (:func:`signal.set_wakeup_fd`) as they arrive, counts
+the stop signals and leaves on the second. Ray's exit-time shutdown is skipped: interrupted, it prints a
 KeyboardInterrupt traceback, and its teardown of a compiled graph can crash the
-process. A private local Ray whose driver is gone is ended by Ray's own reaper.
+process. A private local Ray whose driver is gone is ended by the kernel (its server processes die with
+the driver) and by pid (what is left in their sessions:
+:func:`fdam_ray.executors.ray.session.end_private_sessions`, run by :func:`before_exit_now`).
 Once the command has returned (:func:`command_returned`) any signal exits so:
 the state is saved by then.
 
@@ -63,6 +69,7 @@ class _State:
         self.waits = 0  # interruptible() blocks entered and not left
         self.returned = False
         self.previous: dict[int, Any] = {}  # the handlers install() replaced
+        self.watch: _Watch | None = None  # the thread that sees signals while the main thread is in native code
 
 
 _state = _State()
@@ -73,15 +80,31 @@ def exit_code(signum: int) -> int:
     return 128 + int(signum)
 
 
-def _exit_now(signum: int) -> None:
+_leaving = threading.Lock()  # one line, whichever of the main thread and the watch leaves first
+_last: list[Callable[[], None]] = []  # quick clean-ups run before os._exit (before_exit_now)
+
+
+def before_exit_now(clean_up: Callable[[], None]) -> None:
+    """Run ``clean_up()`` (quick: it must not wait) when a second signal makes the process leave at once, which
+    skips exit-time handlers (``atexit``)."""
+    if clean_up not in _last:
+        _last.append(clean_up)
+
+
+def _exit_now(signum: int, again: bool | None = None) -> None:
     """Leave at once, quietly: one line, output flushed, no exit-time handlers (Ray's shutdown among them)."""
+    _leaving.acquire()  # the other one, if it came second, waits here until the process is gone
     name = signal.Signals(signum).name
-    what = (f"{name} again: exiting now; what the first signal saved is kept" if _state.first is not None
+    again = _state.first is not None if again is None else again
+    what = (f"{name} again: exiting now; what the first signal saved is kept" if again
             else f"{name} while exiting: exiting now")
     with contextlib.suppress(Exception):
         sys.stdout.flush()
     with contextlib.suppress(Exception):
         print(f"fdam: {what}", file=sys.stderr, flush=True)
+    for clean_up in _last:
+        with contextlib.suppress(Exception):
+            clean_up()
     os._exit(exit_code(signum))
 
 
@@ -100,10 +123,13 @@ def install(on_first: FirstSignal = _raise_interrupt) -> bool:
     nothing) off the main thread, where Python allows no handler."""
     if threading.current_thread() is not threading.main_thread():
         return False
+    if _state.watch is not None:
+        _state.watch.stop()
     _state.__init__()  # type: ignore[misc]  # a fresh command (main() called again in one process)
     _state.on_first = on_first
     for signum in STOP_SIGNALS:
         _state.previous[signum] = signal.signal(signum, _handle)
+    _state.watch = _Watch.start()
     return True
 
 
@@ -111,9 +137,81 @@ def uninstall() -> None:
     """Give SIGTERM and SIGINT back the handlers :func:`install` replaced (a caller of
     :func:`fdam_ray.cli.main` in its own process, a test, gets its process back as it was)."""
     if threading.current_thread() is threading.main_thread():
+        if _state.watch is not None:
+            _state.watch.stop()
         for signum, handler in _state.previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
     _state.__init__()  # type: ignore[misc]
+
+
+class _Watch:
+    """A daemon thread reading the signal numbers Python's C-level handler writes to the wakeup file descriptor
+    the moment a signal arrives, whatever the main thread is doing: on the second stop signal, or on the first
+    once the command has returned, it leaves at once (:func:`_exit_now`), as the main thread's handler would
+    once it ran. Not started where the wakeup descriptor is someone else's already (an asyncio loop of the main
+    thread): the handlers alone then act, when the main thread runs Python."""
+
+    def __init__(self, read_fd: int, write_fd: int) -> None:
+        self.read_fd, self.write_fd = read_fd, write_fd
+        self.stops = 0
+        self.closing = False
+        self.thread = threading.Thread(target=self._run, name="fdam-signals", daemon=True)
+
+    @classmethod
+    def start(cls) -> _Watch | None:
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        try:
+            before = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        except ValueError:  # pragma: no cover - not the main thread (install checks)
+            before = -2
+        if before != -1:  # another's: give it back
+            if before >= 0:
+                signal.set_wakeup_fd(before)
+            os.close(read_fd)
+            os.close(write_fd)
+            return None
+        watch = cls(read_fd, write_fd)
+        watch.thread.start()
+        return watch
+
+    def _run(self) -> None:
+        while True:
+            try:
+                got = os.read(self.read_fd, 64)
+            except OSError:
+                return
+            if self.closing or not got:
+                return
+            for signum in got:
+                if signum not in STOP_SIGNALS:
+                    continue
+                self.stops += 1
+                if self.stops >= 2 or _state.returned:
+                    _exit_now(signum, again=self.stops >= 2)
+
+    def stop(self) -> None:
+        """Give the wakeup descriptor back and end the thread (main thread only)."""
+        with contextlib.suppress(ValueError):
+            current = signal.set_wakeup_fd(-1)
+            if current not in (self.write_fd, -1):  # someone put theirs in place of ours meanwhile: keep it
+                signal.set_wakeup_fd(current)
+        self.closing = True
+        with contextlib.suppress(OSError):
+            os.write(self.write_fd, b"\0")
+        self.thread.join(1.0)
+        for fd in (self.read_fd, self.write_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _forget_watch_in_child() -> None:
+    """A forked child (a DataLoader worker) must not report its own signals into the parent's watch."""
+    with contextlib.suppress(ValueError):
+        signal.set_wakeup_fd(-1)
+
+
+os.register_at_fork(after_in_child=_forget_watch_in_child)
 
 
 def set_first(on_first: FirstSignal) -> None:

@@ -48,11 +48,15 @@ import importlib
 import importlib.util
 import json
 import logging
+import socket
 import tempfile
+import threading
+import urllib.request
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 
@@ -125,6 +129,8 @@ def check_mlflow_store() -> None:
     import mlflow
     from mlflow.tracking import MlflowClient
 
+    check_server_answers("mlflow", mlflow.get_tracking_uri(), "MLFLOW_TRACKING_URI",
+                         "set MLFLOW_TRACKING_URI to a server that answers or to a local store (sqlite:///mlflow.db)")
     with interruptible():  # a tracking server that does not answer: a stop signal ends the wait
         try:
             MlflowClient().search_experiments(max_results=1)
@@ -133,6 +139,44 @@ def check_mlflow_store() -> None:
                                f"'{redact(mlflow.get_tracking_uri())}' ({_first_line(exc)}); set "
                                "MLFLOW_TRACKING_URI to a store MLflow takes (sqlite:///mlflow.db, http://host:5000), "
                                "or leave mlflow out of trackers") from None
+
+
+PROBE_TIMEOUT_S = 5.0  # longest wait for a tracker's server to accept a connection, before its own retries
+
+
+def check_server_answers(name: str, uri: str, setting: str, instead: str) -> None:
+    """Refuse, in one line and within ``PROBE_TIMEOUT_S``, a tracker whose server (an ``http(s)://`` URI) does
+    not accept a connection: the tracker's own library would retry for minutes before failing. ``setting``
+    names where the URI comes from, ``instead`` what else to set. A URI that is not ``http(s)``, or one reached
+    through a proxy, is left to the tracker."""
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        raise TrackerError(f"trackers: {name}'s server URI {redact(uri)} ({setting}) has no valid port; "
+                           f"{instead}, or leave {name} out of trackers") from None
+    if urllib.request.getproxies() and not urllib.request.proxy_bypass(parts.hostname):
+        return  # the connection goes through a proxy, which this probe does not speak
+    why: list[str] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((parts.hostname, port), timeout=PROBE_TIMEOUT_S).close()
+        except OSError as exc:
+            why.append(exc.strerror or type(exc).__name__)
+        else:
+            why.append("")
+
+    prober = threading.Thread(target=probe, name=f"fdam-{name}-probe", daemon=True)  # a name lookup can hang too
+    with interruptible():
+        prober.start()
+        prober.join(PROBE_TIMEOUT_S + 1.0)
+    reason = why[0] if why else f"no answer within {PROBE_TIMEOUT_S:g} s"
+    if reason:
+        raise TrackerError(f"trackers: {name}'s server at {redact(uri)} ({setting}) cannot be reached "
+                           f"({reason}); start it, {instead}, or leave {name} out of trackers")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -163,6 +207,9 @@ def check_wandb_login() -> None:
     if found is None:
         raise ConfigError("trackers: wandb has no API key, so it would log nothing: log in with `wandb login` (or "
                           "set WANDB_API_KEY), or set WANDB_MODE=offline to log locally and `wandb sync` later")
+    check_server_answers("wandb", str(settings.base_url), "WANDB_BASE_URL or `wandb login --host`",
+                         "set WANDB_BASE_URL to a W&B server that answers, or WANDB_MODE=offline to log locally and "
+                         "`wandb sync` later")
 
 
 def make_trackers(config: Config, run_dir_of: Callable[[], Path | None] = lambda: None) -> list[Observer]:

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,6 +34,9 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("ray._private.authentication.authentication_token_setup", "_enable_token_auth"),
     ("ray._private.authentication.authentication_utils", "is_token_auth_enabled"),
     ("ray._common.utils", "get_ray_address_file"),
+    ("ray._private.services", "ConsolePopen"),
+    ("ray._private.services", "get_node"),
+    ("ray._private.utils", "detect_fate_sharing_support"),
     ("ray._private.ray_constants", "ENABLE_RAY_CLUSTER"),
     ("ray._private.state", "state"),
     ("ray.experimental.internal_kv", "_internal_kv_get"),
@@ -124,6 +129,64 @@ def start_loopback_ray(**start: Any) -> None:
 
     with loopback_node(), quiet_default_token_auth():
         ray.init(address="local", _node_ip_address="127.0.0.1", **start)
+
+
+class StartTimedOut(TimeoutError):
+    """A private local Ray that did not start within the caller's bound (:func:`bounded_start`)."""
+
+
+@contextlib.contextmanager
+def bounded_start(deadline: float, started: list[Any]) -> Iterator[None]:
+    """While a private local Ray starts from this process: its fixed waits end at ``deadline`` (a
+    ``time.monotonic()`` value) instead, and its server processes sit apart from this process's group.
+
+    - Ray waits a fixed 30 s for its GCS to publish its port (``RAY_gcs_server_port_wait_time_s``, set here to
+      the time left unless the user set it) and a fixed 30 s for the raylet to register (a loop over
+      ``services.get_node``, which here retries until ``deadline`` and then raises :class:`StartTimedOut`).
+    - Every process Ray starts itself (GCS, raylet, monitor, dashboard; the raylet then starts the workers and
+      agents in its own session) is started in a session of its own and appended to ``started`` (its
+      ``Popen``), so that a signal to this process's group (a scheduler's SIGTERM to the job) does not reach
+      them, and a failed start can stop them by pid. Only where the kernel ends them with this process (Linux's
+      parent-death signal): elsewhere Ray's reaper ends them by process group, which they then must share.
+    """
+    try:
+        services = importlib.import_module("ray._private.services")
+        popen = _private("ray._private.services", "ConsolePopen")
+        get_node = _private("ray._private.services", "get_node")
+        apart = bool(_private("ray._private.utils", "detect_fate_sharing_support")())
+    except ImportError:  # a Ray without these names: it starts, and waits, as it does
+        yield
+        return
+
+    class ApartPopen(popen):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            if apart:
+                kwargs["start_new_session"] = True
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    def waiting_get_node(*args: Any, **kwargs: Any) -> Any:
+        while True:
+            try:
+                return get_node(*args, **kwargs)
+            except RuntimeError:  # not registered yet
+                if time.monotonic() >= deadline:
+                    raise StartTimedOut("the raylet did not register with the GCS in time") from None
+                time.sleep(0.2)
+
+    variable = "RAY_gcs_server_port_wait_time_s"
+    own_wait = variable not in os.environ
+    if own_wait:
+        os.environ[variable] = str(max(1, math.ceil(deadline - time.monotonic())))
+    setattr(services, "ConsolePopen", ApartPopen)  # noqa: B010 (private names mypy does not see)
+    setattr(services, "get_node", waiting_get_node)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(services, "ConsolePopen", popen)  # noqa: B010
+        setattr(services, "get_node", get_node)  # noqa: B010
+        if own_wait:
+            os.environ.pop(variable, None)
 
 
 @contextlib.contextmanager
