@@ -15,6 +15,7 @@ with it: its fixed-point quantisation).
     python examples/consortium.py --quick            # a few minutes on 2 CPU cores (each message starts a process)
     python examples/consortium.py --secagg           # the server sees only the sums of the sites' updates
     python examples/consortium.py --folder runs/consortium   # keep the logs, certificates and site states
+    python examples/consortium.py --quick --timeout 1800     # a busy machine: wait longer for the consortium
 """
 
 from __future__ import annotations
@@ -45,12 +46,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 rounds over 2 stages; the simulation in-process")
     parser.add_argument("--secagg", action="store_true", help="combine the updates with SecAgg+")
     parser.add_argument("--folder", help="where the consortium writes (default: a temporary folder)")
+    parser.add_argument("--timeout", type=float, default=900.0,
+                        help="seconds the consortium may take to start and to run the study (default 900)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        run(Path(args.folder or tmp), quick=args.quick, secagg=args.secagg)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            run(Path(args.folder or tmp), quick=args.quick, secagg=args.secagg, timeout=args.timeout)
+    except (TimeoutError, RuntimeError, ValueError) as exc:  # each is one line naming what to do; no traceback
+        sys.exit(f"consortium.py: {exc}")
 
 
-def run(folder: Path, *, quick: bool, secagg: bool) -> None:
+def run(folder: Path, *, quick: bool, secagg: bool, timeout: float = 900.0) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     sites = hospitals()
     # the study's config file, with its flower section; the simulation reads the same file (and ignores that section)
@@ -72,7 +78,7 @@ def run(folder: Path, *, quick: bool, secagg: bool) -> None:
         nodes.append({"site": k, "data": str(folder / f"{name}.npz"), "state-dir": str(folder / f"{name}-state")})
     print("2. the consortium: a SuperLink and 3 SuperNodes on 127.0.0.1 with TLS" + (", SecAgg+" if secagg else ""))
     start = time.perf_counter()
-    with Consortium(folder / "consortium", nodes) as consortium:
+    with Consortium(folder / "consortium", nodes, timeout=timeout) as consortium:
         consortium.run(write_app(folder / "app"), config, folder / "result.npz")
     result = np.load(folder / "result.npz")
     history = yaml.safe_load(str(result["history"]))

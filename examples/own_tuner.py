@@ -11,6 +11,13 @@ prints each trial's AUC as it is reported.
     python examples/own_tuner.py --quick            # 2 short trials (the test suite's)
     python examples/own_tuner.py --out my_sweeps    # where Tune's experiment folder goes (default: tune_results)
     python examples/own_tuner.py --trackers mlflow  # every trial to MLflow too (or wandb, or mlflow,wandb)
+    python examples/own_tuner.py --address HOST:6379  # the trials on a Ray cluster
+
+Ray is started as ``fdam train`` and ``fdam tune`` start it (README, "Trust"):
+the cluster ``--address`` (or ``RAY_ADDRESS``) names, else this user's ``ray
+start`` cluster of this machine, else a private instance whose every process
+listens on 127.0.0.1 only, with token authentication. Left to itself, Ray Tune
+would start one listening on every interface of the machine.
 
 Each trial's run folder (``metrics.csv``, ``train.log``, ``config.yaml``,
 ``model.pt``) is ``run/`` in its trial folder, so ``fdam plot`` takes the
@@ -26,6 +33,7 @@ from datetime import datetime
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler
 
+from fdam_ray.executors.ray.session import ensure_ray
 from fdam_ray.tuning import tracker_callbacks, trainable
 
 
@@ -55,8 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="two short trials (the test suite's)")
     parser.add_argument("--out", default="tune_results", help="folder for Tune's experiment folder")
     parser.add_argument("--trackers", default="", help="experiment trackers: mlflow, wandb or mlflow,wandb")
+    parser.add_argument("--address", default=None,
+                        help="a Ray cluster to join (host:port); default: RAY_ADDRESS, else your `ray start` cluster "
+                             "of this machine, else a private Ray on 127.0.0.1")
     args = parser.parse_args(argv)
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")  # a local disk
+    ensure_ray(address=args.address, cpus_needed=1)  # before the Tuner, which would start Ray on every interface
 
     base = base_config(args.quick, args.trackers)
     lrs = [0.1, 0.01] if args.quick else [0.3, 0.1, 0.03, 0.01, 0.003, 0.001]

@@ -181,24 +181,61 @@ RENAMED_PER_ACTOR = {"cpus_per_client": "cpus_per_actor", "gpus_per_client": "gp
 _OTHER_NAMES = {alias: f.name for f in FIELDS for alias in f.aliases}
 
 
-def _flatten_sections(values: Mapping[str, Any]) -> dict[str, Any]:
+# Keys whose mapping is a section of fields (``model: {name: cnn, width: 16}`` -> model, model_width): the names
+# that start other fields' names (``model``, ``lr``, ``pretrain``, ``client_data``).
+_SECTION_KEYS = frozenset("_".join(parts[:i]) for f in FIELDS for parts in [f.name.split("_")]
+                         for i in range(1, len(parts)))
+
+
+def _flatten_sections(values: Mapping[str, Any], spelled: dict[str, tuple[str, str]] | None = None) -> dict[str, Any]:
     """Sections to flat names: ``model: {name: cnn, weights: W}`` or ``model.weights=W`` -> ``model_weights``.
 
-    A section's ``name`` key sets the field named like the section (``model``).
+    A section's ``name`` key sets the field named like the section (``model``). A mapping given to a field that
+    starts no other field's name (``model_width: {width: 16}``, from an alias or an anchor) is that field's
+    value, refused by the field in one line naming it, not read as fields ``model_width_width``.
+    ``spelled`` gets, for each name made from a section and one of its keys, how the user wrote them.
     """
     out: dict[str, Any] = {}
     for key, value in values.items():
         _check_name(key)
-        if isinstance(value, Mapping):
+        if isinstance(value, Mapping) and (key in _SECTION_KEYS or key not in FIELD_BY_NAME or set(value) == {"name"}):
             for sub, v in value.items():
                 _check_name(sub, key)
-                out[key if sub == "name" else f"{key}_{sub}"] = v
+                out[_joined(key, sub, spelled)] = v
         elif "." in key:
             section, _, sub = key.partition(".")
-            out[section if sub == "name" else f"{section}_{sub}"] = value
+            if section in FIELD_BY_NAME and section not in _SECTION_KEYS and sub != "name":
+                raise ConfigError(f"config key '{clip(key, 80)}': '{section}' is a field, not a section; give "
+                                  f"{section}=VALUE (see `fdam fields {section}`)")
+            out[_joined(section, sub, spelled)] = value
         else:
             out[key] = value
     return out
+
+
+def _joined(section: str, sub: str, spelled: dict[str, tuple[str, str]] | None) -> str:
+    """The flat name of key ``sub`` of section ``section`` (``name``: the section's own field)."""
+    if sub == "name":
+        return section
+    flat = f"{section}_{sub}"
+    if spelled is not None:
+        spelled[flat] = (section, sub)
+    return flat
+
+
+def _unknown_key(key: str, spelled: Mapping[str, tuple[str, str]]) -> ConfigError:
+    """The error of a key that is no field, naming it as the user wrote it (a section's key: the section too)."""
+    section, sub = spelled.get(key, ("", ""))
+    if sub in FIELD_BY_NAME:  # model: {model_width: 16}
+        inside = sub[len(section) + 1:] if sub.startswith(f"{section}_") else ""
+        return ConfigError(f"config key '{clip(sub, 80)}' under '{clip(section, 80)}' is a field of its own, not a "
+                           f"key of section '{clip(section, 80)}': give it at the top level"
+                           + (f", or as '{inside}' under '{section}'" if inside else ""))
+    hint = nearest_field(key)
+    extra = f"; did you mean '{hint}'?" if hint else ""
+    where = "" if not section else f" (key '{clip(sub, 80)}' under '{clip(section, 80)}'" + (
+        ")" if section in _SECTION_KEYS else ", which is no section of fields)")
+    return ConfigError(f"unknown config field '{clip(key, 80)}'{where}{extra} (see `fdam fields` for the list)")
 
 
 def _check_name(key: Any, section: str = "") -> None:
@@ -245,17 +282,20 @@ def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> C
 def _given(values: Mapping[str, Any] | None, overrides: Mapping[str, Any]) -> dict[str, Any]:
     """The user's keys as flat field names (old names read as their new ones); an unknown key is an error. A run's
     ``config.yaml`` read back keeps the versions it ran under (:data:`VERSIONS_KEY`): a record, not a field."""
-    # the `flower:` section is read by fdam_ray.flower (a consortium's settings); a simulation of the study ignores it
-    values = {k: v for k, v in (values or {}).items()
-              if k != VERSIONS_KEY and not (k == "flower" and isinstance(v, Mapping))}
-    given = _flatten_sections(values)
-    given.update(_flatten_sections(overrides))
+    # the `flower:` section is read by fdam_ray.flower (a consortium's settings); a simulation of the study checks it
+    # (a broken one is the same study's error: one line naming the field) and then ignores it
+    if values and "flower" in values:
+        from fdam_ray.flower.section import split_config  # imports no Flower
+
+        split_config(values)
+    values = {k: v for k, v in (values or {}).items() if k not in (VERSIONS_KEY, "flower")}
+    spelled: dict[str, tuple[str, str]] = {}
+    given = _flatten_sections(values, spelled)
+    given.update(_flatten_sections(overrides, spelled))
     given = _read_renamed(given)
     for key in given:
         if key not in FIELD_BY_NAME:
-            hint = nearest_field(key)
-            extra = f"; did you mean '{hint}'?" if hint else ""
-            raise ConfigError(f"unknown config field '{clip(key, 80)}'{extra} (see `fdam fields` for the list)")
+            raise _unknown_key(key, spelled)
     return given
 
 

@@ -5,8 +5,9 @@ set, client k is shown as its name in the per-client metric keys
 (``client_auc.<name>``, hence ``metrics.csv``, Tune and the trackers), in
 ``train.log`` (a client replaced or dropped, warnings), in error messages and
 in the summary; without it, as today, by its index ``0..K-1``. A name is used as
-a metric key and may become part of a file name, so it is kept to letters,
-digits and ``_ . -``.
+a metric key and may become part of a file name, so it is kept to ASCII
+letters and digits and ``_ . -`` (no accents, other scripts, spaces or line
+breaks), and the message that refuses a name says exactly that.
 """
 
 from __future__ import annotations
@@ -15,17 +16,20 @@ import dataclasses
 import re
 from collections.abc import Sequence
 
+from fdam_ray.redact import short
 from fdam_ray.sections import Section, fail, setting, shared
 
 MAX_NAME = 64
-_NAME = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9_.-]{{0,{MAX_NAME - 1}}}$")
-NAME_ALLOWED = (f"one distinct name per client, each of at most {MAX_NAME} characters of letters, digits, '_', '.' "
-                "and '-', starting with a letter or digit")
+_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.-]{{0,{MAX_NAME - 1}}}", re.ASCII)
+NAME_ALLOWED = (f"one distinct name per client, each of at most {MAX_NAME} characters of ASCII letters, digits, '_', "
+                "'.' and '-' (A-Z, a-z, 0-9, _ . -; no accents, other scripts, spaces or line breaks), starting with "
+                "a letter or digit")
 
 
 def is_site_name(name: object) -> bool:
-    """Whether ``name`` may name a client: safe as a metric key (MLflow, W&B, TensorBoard) and as a file name."""
-    return isinstance(name, str) and bool(_NAME.match(name))
+    """Whether ``name`` may name a client: safe as a metric key (MLflow, W&B, TensorBoard) and as a file name;
+    :data:`NAME_ALLOWED` says the same in words."""
+    return isinstance(name, str) and _NAME.fullmatch(name) is not None  # match(): '$' would let "a\n" through
 
 
 def client_label(client_id: int, names: Sequence[str] | None) -> str:
@@ -48,12 +52,22 @@ class SiteSection(Section):
 
     client_names: tuple[str, ...] | None = setting(
         None, "A name per client, in client order, used wherever a client is shown (client_auc.<name>, train.log, "
-        "errors); letters, digits, '_', '.', '-'; null = the client indices 0..K-1.",
-        check=(lambda v: all(is_site_name(n) for n in v) and len(set(v)) == len(v), NAME_ALLOWED))
+        "errors); ASCII letters, digits, '_', '.', '-'; null = the client indices 0..K-1.",
+        allowed=NAME_ALLOWED)
     num_clients: int = shared()
 
     def check(self) -> None:
         names = self.client_names
-        if names is not None and len(names) != self.num_clients:
+        if names is None:
+            return
+        bad = next((n for n in names if not is_site_name(n)), None)
+        if bad is not None:
+            raise fail("client_names", names, f"{NAME_ALLOWED}; {short(bad, 60)} is not")
+        seen: set[str] = set()
+        for name in names:
+            if name in seen:
+                raise fail("client_names", names, f"{NAME_ALLOWED}; '{name}' is given twice")
+            seen.add(name)
+        if len(names) != self.num_clients:
             raise fail("client_names", names,
                        f"one name per client: {self.num_clients} (num_clients), not {len(names)}")

@@ -7,7 +7,8 @@ Hostile files are refused before they cost memory: a file is read only when it
 is a regular file of at most :data:`MAX_FILE_BYTES` (``/dev/zero``, a FIFO or a
 folder is one line naming it), a document whose aliases would expand to more
 than :data:`MAX_EXPANDED_NODES` values (an alias bomb) or refer to themselves is
-refused, and every mapping key must be text (``1: 2`` names the key and its line).
+refused, and every mapping key must be text (``1: 2`` names the key and its line). A merge key
+(``<<: *defaults``) is read as YAML defines it: the mapping's own keys win over merged ones.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from fdam_ray.sections import ConfigError
 
 MAX_FILE_BYTES = 1 << 20  # 1 MiB: a config or space file is a few kB
 MAX_EXPANDED_NODES = 1_000_000  # values a document may hold with its aliases expanded (a 1 MiB file has fewer)
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 class _Loader(yaml.SafeLoader):
@@ -40,15 +42,32 @@ class _Loader(yaml.SafeLoader):
         return node
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        """A mapping whose keys are text, each given once; a merge key (``<<: *defaults``) adds the keys of the
+        mappings it names where the mapping does not give them itself, as YAML defines it."""
+        self._check_keys(node)
+        return super().construct_mapping(node, deep=deep)  # SafeConstructor's: merged keys first, its own win
+
+    def _check_keys(self, node: yaml.MappingNode) -> None:
+        """Every key of ``node`` and of the mappings it merges is text, and none is given twice in one mapping
+        (a key a mapping gives over one it merges is YAML's override, not a repeat). A node is checked before
+        PyYAML's ``flatten_mapping`` folds merged keys into it, once."""
+        if getattr(node, "_fdam_keys_checked", False):
+            return
+        node._fdam_keys_checked = True
         seen: set = set()
-        for key_node, _ in node.value:
+        for key_node, value_node in node.value:
+            if key_node.tag == _MERGE_TAG:  # not a key: what follows is merged
+                merged = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+                for sub in merged:
+                    if isinstance(sub, yaml.MappingNode):
+                        self._check_keys(sub)
+                continue
             key = self.construct_object(key_node, deep=True)
             if not isinstance(key, str):
                 raise KeyNotTextError(key, key_node.start_mark.line + 1)
             if key in seen:
                 raise DuplicateKeyError(key, key_node.start_mark.line + 1)
             seen.add(key)
-        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(

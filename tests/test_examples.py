@@ -23,6 +23,20 @@ def test_the_examples_readme_lists_every_example():
     assert {"hospitals.py", "sweep.py", "own_model_and_data.py"} <= listed
 
 
+def test_every_example_that_uses_ray_starts_it_as_fdam_does():
+    """A bare ``ray.init()``, or Ray Tune left to start Ray itself, gives an instance whose servers listen on every
+    interface; the examples (and any script in tune/) start Ray through fdam's own start, which joins the cluster
+    named or this user's ``ray start`` cluster, else starts a private one on 127.0.0.1 only (README, "Trust"), or
+    through an fdam entry point that does (``train_arrays``, ``run_sweep``)."""
+    scripts = [*EXAMPLES.glob("*.py"), *(EXAMPLES.parent / "tune").glob("**/*.py")]
+    assert len(scripts) >= 5
+    for path in scripts:
+        text = path.read_text()
+        assert not re.search(r"\bray\.init\s*\(|\bfrom ray import\b[^\n]*\binit\b", text), path.name
+        if re.search(r"\bTuner\s*\(", text):
+            assert re.search(r"\bensure_ray\s*\(", text), f"{path.name} lets Ray Tune start Ray on every interface"
+
+
 def test_hospitals_splits_real_imbalanced_data_and_reports_pooled_and_per_site_auc(capsys):
     hospitals = load("hospitals")
     sites = hospitals.hospitals()

@@ -34,8 +34,12 @@ def test_fdam_ray_runs_without_flower_and_the_bridge_says_what_to_install():
         y = (x[:, 0] > 0).astype("float32")
         fdam_ray.train_arrays(dict(model="linear", batch_size="full", iterations=2, local_steps=1, eval_every=2,
                                    executor="inline"), [(x, y), (x, y)], (x, y))
+        try:  # the study's flower section is checked without Flower
+            fdam_ray.config.build_config({"flower": {"round_timeout_s": float("nan")}})
+        except fdam_ray.config.ConfigError as exc:
+            print("checked:", exc)
         try:
-            import fdam_ray.flower
+            import fdam_ray.flower.server_app
         except ImportError as exc:
             print("refused:", exc)
     """)
@@ -43,6 +47,7 @@ def test_fdam_ray_runs_without_flower_and_the_bridge_says_what_to_install():
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-2000:]
     assert 'refused: fdam_ray.flower needs Flower: pip install "fdam-ray[flower]"' in out.stdout
+    assert "checked: config field 'flower.round_timeout_s': nan is not allowed" in out.stdout
 
 
 def test_a_simulation_reads_the_same_config_file_and_ignores_its_flower_section():
@@ -171,8 +176,8 @@ def test_under_secagg_the_server_sees_only_sums_and_the_run_is_within_the_quanti
 def test_a_site_that_requires_secagg_refuses_a_round_in_the_clear(data):
     *_, folder = data
     grid = InProcessGrid(client_app, node_configs(folder, **{"require-secagg": True}))
-    with pytest.raises(RuntimeError, match="no site's update reached the server"):
-        flower_run(folder, CODASCA, grid)
+    with pytest.raises(RuntimeError, match=r"site 0 \(node 101\) takes part only in rounds under secure aggregation"):
+        flower_run(folder, CODASCA, grid)  # refused before any round: nothing was sent in the clear
 
 
 def round_of(msg):
@@ -279,7 +284,8 @@ def test_a_site_that_lost_its_state_rejoins_as_a_replaced_client(data, caplog):
     grid = RestartingGrid(client_app, node_configs(folder))  # no state-dir: the node state was all it had
     with caplog.at_level(logging.WARNING):
         result = flower_run(folder, CODASCA, grid)
-    assert "site 1 kept no state of this run: it rejoins as a replaced client" in caplog.text
+    assert "kept no state of this run: it rejoins as a replaced client" in caplog.text
+    assert f"site 1 (node {grid.node_of_site(1)}) kept no state" in caplog.text
     assert result.state.iteration == CODASCA["iterations"]
     assert max_difference(result, fdam_ray.train_arrays(CODASCA, clients, test)) > 1e-6
 

@@ -3,14 +3,17 @@ callback), examples/own_tuner.py as the README shows it, and the trials' tracker
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import ray
 
 from fdam_ray.config import ConfigError, build_config
-from fdam_ray.executors.ray.compat import start_loopback_ray
 from fdam_ray.tuning import federation_trial, tracker_callbacks, trainable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,17 +106,67 @@ def test_tracker_callbacks_give_wandb_every_field_of_a_trials_config(monkeypatch
     assert "config" not in callback.kwargs  # the next trial gets its own
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    start_loopback_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
-    ray.shutdown()
+@pytest.fixture
+def no_ray_yet():
+    """No Ray in this process and none recorded to join (a Ray temp folder of its own): what the example starts
+    is its own. Stopped at the end, with the environment Ray changed."""
+    if ray.is_initialized():
+        ray.shutdown()
+    saved = dict(os.environ)
+    temp = tempfile.mkdtemp(prefix="fdt", dir="/tmp")  # short: Ray's socket paths live under it
+    os.environ.pop("RAY_ADDRESS", None)
+    os.environ["RAY_TMPDIR"] = temp
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        os.environ.clear()
+        os.environ.update(saved)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
-def test_the_own_tuner_example_runs_asha_and_its_callback_over_federations(tmp_path, ray_session, capsys):
+def _listening_addresses_of_children() -> list[tuple[int, str]]:
+    """(pid, bound address) of each listening TCP socket of the processes this one started (Ray's servers,
+    agents and workers), from /proc."""
+    from fdam_ray.executors.ray.ownership import _proc_address
+
+    listening = {}
+    for table in ("tcp", "tcp6"):
+        for line in Path("/proc/net", table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # LISTEN
+                listening[fields[9]] = str(_proc_address(fields[1].split(":")[0]))
+    parents = {}
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if proc.name.isdigit():
+                parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    mine, todo = [], [os.getpid()]
+    while todo:
+        parent = todo.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent]
+        mine += children
+        todo += children
+    found = []
+    for pid in mine:
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("socket:[") and target[8:-1] in listening:
+                        found.append((pid, listening[target[8:-1]]))
+    return found
+
+
+def test_the_own_tuner_example_runs_asha_and_its_callback_over_federations(tmp_path, no_ray_yet, capsys):
     from test_examples import load
 
     assert load("own_tuner").main(["--quick", "--out", str(tmp_path / "tune")]) == 0
+    # the Ray it ran on is the one fdam starts (README, "Trust"), not Tune's own start on every interface
+    assert ray.get_runtime_context().gcs_address.rpartition(":")[0] == "127.0.0.1"
+    if Path("/proc/net/tcp").exists():
+        listens = _listening_addresses_of_children()
+        assert len(listens) >= 3 and all(address == "127.0.0.1" for _, address in listens), listens
     out = capsys.readouterr().out
     reports = re.findall(r"trial lr=([\d.]+): iteration (\d+), test AUC ([\d.]+)", out)
     assert {lr for lr, _, _ in reports} == {"0.1", "0.01"}  # the user's callback saw both trials

@@ -16,8 +16,9 @@ fdam-ray's federation over it:
 - with SecAgg+ (:mod:`.secagg`) the server receives only the sums of the
   sites' updates.
 
-Import this package only where Flower is installed (``pip install
-"fdam-ray[flower]"``); the rest of fdam_ray never imports it.
+Importing this package needs no Flower: its config section (:mod:`.section`) is checked by every fdam-ray run,
+a simulation of the study included. Every other module of it needs Flower (``pip install "fdam-ray[flower]"``)
+and says so when it is missing; the rest of fdam_ray imports only :mod:`.section`.
 """
 
 from __future__ import annotations
@@ -27,13 +28,6 @@ import os
 # Flower reports usage events to its own server unless told not to, read once when flwr is imported: a
 # consortium's processes talk to its SuperLink only. FLWR_TELEMETRY_ENABLED=1 in the environment turns them on.
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-
-try:
-    import flwr  # noqa: F401
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    from fdam_ray.data.base import MissingExtraError
-
-    raise MissingExtraError('fdam_ray.flower needs Flower: pip install "fdam-ray[flower]"') from exc
 
 from fdam_ray.flower.section import FlowerSection, split_config
 

@@ -9,7 +9,8 @@ Message types (the server side is :class:`~fdam_ray.flower.executor.FlowerExecut
 - ``train``: the same round under SecAgg+ (``secaggplus_mod`` masks what the site sends, see :mod:`.secagg`);
 - ``query.change``: the change of c^k in the site's last round (a round another site dropped out of);
 - ``evaluate``: scores of the global model on the site's own test split;
-- ``query.moments``: score sums for CODA's closed-form alpha.
+- ``query.moments``: score sums for CODA's closed-form alpha;
+- ``query.refused``: the server stops the run because of this node (one line: why, and what to do).
 
 The site's data come from its node config (:func:`~fdam_ray.flower.site.site_source`); ``state-dir`` names
 where it keeps its state file, ``share-test-scores = false`` keeps its test scores and labels at home and
@@ -18,7 +19,11 @@ where it keeps its state file, ``share-test-scores = false`` keeps its test scor
 
 from __future__ import annotations
 
+from fdam_ray.flower import needs_flower  # noqa: F401 (first: without Flower, says what to install)
+
+# isort: split
 import dataclasses
+import logging
 from typing import Any
 
 import numpy as np
@@ -30,6 +35,8 @@ from fdam_ray.flower import records
 from fdam_ray.flower.secagg import secure_round
 from fdam_ray.flower.site import KeptState, SiteStore, build_client, site_source, zero_control_variate
 from fdam_ray.state import ClientUpdate, GlobalState, RoundPlan
+
+log = logging.getLogger(__name__)
 
 app = ClientApp()
 
@@ -47,7 +54,7 @@ class SiteCall:
 
 def open_site(context: Context, cfg: ConfigRecord | None, *, check_run: bool = True) -> SiteCall:
     site, source = site_source(context.node_config)
-    store = SiteStore(context.state, _text(context.node_config.get("state-dir")), site)
+    store = SiteStore(context.state, _text(context.node_config.get("state-dir")), site, context.node_id)
     kept = store.load()
     if cfg is not None and check_run:
         if kept.run_key != cfg["run_key"] or kept.version != cfg["version"]:
@@ -87,10 +94,26 @@ def hello(msg: Message, context: Context) -> Message:
     cfg = msg.content.config_records[records.CONFIG]
     same_run = call.kept.run_key == cfg["run_key"]
     src = call.source
+    requires = _flag(call.node_config, "require-secagg", False)
+    if requires and "secagg" in cfg and not cfg["secagg"]:
+        log.error("site %d (node %d): this node takes part only in rounds under secure aggregation (require-secagg "
+                  "= true) and the server's run has flower.secagg: false, so it can take part in none; set "
+                  "flower.secagg: true in the study's config, or require-secagg = false on this node",
+                  call.site, context.node_id)
     return Message(RecordDict({records.CONFIG: records.config({
         "site": call.site, "version": call.kept.version if same_run else 0,
         "input_shape": [int(d) for d in src.input_shape], "num_tasks": int(src.num_tasks),
-        "task_names": [str(t) for t in src.task_names]})}), reply_to=msg)
+        "task_names": [str(t) for t in src.task_names], "require_secagg": requires,
+        "lost_state": call.store.lost})}), reply_to=msg)
+
+
+@app.query("refused")
+def refused(msg: Message, context: Context) -> Message:
+    """The server stops the run because of this node: the site's own log says so, in one line."""
+    reason = str(msg.content.config_records[records.CONFIG]["reason"])
+    log.error("site %s (node %d): the server stops the run because of this node: %s",
+              context.node_config.get("site", "?"), context.node_id, reason)
+    return Message(RecordDict(), reply_to=msg)
 
 
 @app.query("sync")

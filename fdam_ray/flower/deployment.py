@@ -15,6 +15,7 @@ import dataclasses
 import datetime
 import ipaddress
 import logging
+import math
 import os
 import shutil
 import signal
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 APP_NAME = "fdam-consortium"
+STOP_GRACE_S = 20.0  # a process stopped with SIGTERM gets this long (or the consortium's timeout if shorter)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,10 +136,15 @@ class Consortium:
     Args:
         folder: where everything this consortium writes goes.
         sites: one node config per site (``site``, ``data`` or ``source``, ``state-dir``, ...).
-        secagg: nothing differs on the nodes (the ClientApp always carries the SecAgg+ mod).
+        timeout: seconds; every wait of the consortium comes from it: the SuperLink starting to listen, and a run
+            (``flwr run`` submitting it, then the run writing its result; :meth:`run` may give its own). Its expiry
+            is one :class:`TimeoutError` line naming it and the logs.
+
+    Nothing differs on the nodes with SecAgg+ (the ClientApp always carries the SecAgg+ mod).
     """
 
-    def __init__(self, folder: str | Path, sites: Sequence[Mapping[str, Any]]) -> None:
+    def __init__(self, folder: str | Path, sites: Sequence[Mapping[str, Any]], *, timeout: float = 900.0) -> None:
+        self.timeout = _seconds(timeout)
         self.folder = Path(folder)
         self.sites = [dict(s) for s in sites]
         self.certs = make_certificates(self.folder / "certificates")
@@ -195,14 +202,16 @@ root-certificates = "{self.certs.ca}"
             self.start_site(i)
         return self
 
-    def stop_process(self, key: str, timeout: float = 20.0) -> None:
-        """Stop one process and the processes it started, each by its pid (SIGTERM, SIGKILL after ``timeout``).
+    def stop_process(self, key: str, timeout: float | None = None) -> None:
+        """Stop one process and the processes it started, each by its pid (SIGTERM, SIGKILL after ``timeout``;
+        default: :data:`STOP_GRACE_S`, or the consortium's timeout if shorter).
 
         Flower starts some of its helpers detached, in sessions of their own, so they are found by their parent
         pid before anything is stopped."""
         proc = self.processes.pop(key, None)
         if proc is None:
             return
+        timeout = min(STOP_GRACE_S, self.timeout) if timeout is None else timeout
         pids = [*_descendants(proc.pid), proc.pid] if proc.poll() is None else []
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
@@ -216,7 +225,7 @@ root-certificates = "{self.certs.ca}"
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(5)
+            proc.wait(min(5.0, timeout))
 
     def stop(self) -> None:
         for key in [k for k in self.processes if k != "superlink"]:
@@ -229,7 +238,8 @@ root-certificates = "{self.certs.ca}"
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _wait_port(self, port: int, timeout: float = 120.0) -> None:
+    def _wait_port(self, port: int) -> None:
+        timeout = self.timeout
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for key, proc in self.processes.items():
@@ -239,23 +249,55 @@ root-certificates = "{self.certs.ca}"
                 if s.connect_ex((LOOPBACK, port)) == 0:
                     return
             time.sleep(0.5)
-        raise TimeoutError(f"nothing listens on {LOOPBACK}:{port} after {timeout:g} s")
+        raise TimeoutError(f"nothing listens on {LOOPBACK}:{port} within the consortium's timeout={timeout:g} s; see "
+                           f"{self.folder / 'superlink.log'} (on a busy machine, give a longer timeout)")
 
-    def run(self, app: str | Path, config: str | Path, result: str | Path, *, timeout: float = 900.0) -> None:
-        """``flwr run`` the app with the config file; wait until the result file is written."""
-        overrides = f"config='{Path(config).resolve()}' result='{Path(result).resolve()}'"
-        out = subprocess.run([self._bin("flwr"), "run", str(app), "consortium", "--run-config", overrides],
-                             env=self.env, cwd=self.folder, capture_output=True, text=True, timeout=120)
-        (self.folder / "flwr-run.log").write_text(out.stdout + out.stderr, encoding="utf-8")
-        if out.returncode != 0:
-            raise RuntimeError(f"flwr run failed ({out.returncode}): {(out.stderr or out.stdout)[-2000:]}")
+    def run(self, app: str | Path, config: str | Path, result: str | Path, *, timeout: float | None = None) -> None:
+        """``flwr run`` the app with the config file; wait until the result file is written.
+
+        ``timeout`` (default: the consortium's) bounds the whole run, the submission included: past it, one
+        :class:`TimeoutError` line names it and the logs."""
+        timeout = self.timeout if timeout is None else _seconds(timeout)
         deadline = time.monotonic() + timeout
+        overrides = f"config='{Path(config).resolve()}' result='{Path(result).resolve()}'"
+        log_path = self.folder / "flwr-run.log"
+        try:
+            out = subprocess.run([self._bin("flwr"), "run", str(app), "consortium", "--run-config", overrides],
+                                 env=self.env, cwd=self.folder, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            log_path.write_text(_text(exc.stdout) + _text(exc.stderr), encoding="utf-8")
+            raise TimeoutError(self._expired(timeout, "`flwr run` had not submitted the run")) from None
+        log_path.write_text(out.stdout + out.stderr, encoding="utf-8")
+        if out.returncode != 0:
+            raise RuntimeError(f"flwr run failed (exit code {out.returncode}): {_last_line(out.stderr + out.stdout)}; "
+                               f"see {log_path}")
         while not Path(result).exists():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the run wrote no result within {timeout:g} s; see the logs in {self.folder}")
+                raise TimeoutError(self._expired(timeout, "the run was submitted"))
             if self.processes.get("superlink") is not None and self.processes["superlink"].poll() is not None:
                 raise RuntimeError(f"the SuperLink exited; see {self.folder / 'superlink.log'}")
-            time.sleep(1.0)
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic()) + 0.01))
+
+    def _expired(self, timeout: float, where: str) -> str:
+        return (f"the consortium's run wrote no result within timeout={timeout:g} s ({where}); see the logs in "
+                f"{self.folder} (on a busy machine, give a longer timeout)")
+
+
+def _seconds(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"timeout: {value!r} is not allowed (a finite number of seconds > 0)")
+    return float(value)
+
+
+def _text(value: str | bytes | None) -> str:
+    if value is None:
+        return ""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][-300:] if lines else "no output"
 
 
 def _children() -> dict[int, list[int]]:

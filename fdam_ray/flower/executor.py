@@ -16,17 +16,31 @@ global c moves by their changes of c^k over the total weight of all K sites
 every site's c^k. The site is told at its next message that its round was not
 counted, and goes on from its state before it. A site whose node restarts is
 found again by its site number; it keeps its state if it kept a file of it
-(``state-dir``), else it starts as a replaced client (its c^k set to the global
-c, a fresh sampler).
+(``state-dir``), else (or when that file is damaged) it starts as a replaced
+client (its c^k set to the global c, a fresh sampler).
+
+A site that can never take part is not left out round after round: a node
+whose ``require-secagg`` the run does not meet, two nodes claiming one site
+number, a node that cannot say which site it is (or names none of this run's)
+while a site is missing, a site's data of another shape, each stops the run
+with one line (:class:`SiteRefused`) naming the site, the node and what to do,
+and the nodes concerned log it too. A site whose messages fail (its code
+raises) follows the config's failure policy over its failures in a row:
+``on_client_failure`` retry or abort stops the run past ``max_client_retries``,
+drop drops it once (it stays in c by the partial-participation rule, and comes
+back when its node restarts).
 """
 
 from __future__ import annotations
 
+from fdam_ray.flower import needs_flower  # noqa: F401 (first: without Flower, says what to install)
+
+# isort: split
 import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
@@ -34,7 +48,7 @@ from flwr.serverapp import Grid
 
 from fdam_ray.algorithms.sampling import client_weights
 from fdam_ray.algorithms.server import PartialSum
-from fdam_ray.executors.base import Executor
+from fdam_ray.executors.base import Executor, ExecutorSection
 from fdam_ray.flower import records
 from fdam_ray.flower.section import FlowerSection
 from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, Moments, RoundPlan, Scores
@@ -44,6 +58,15 @@ if TYPE_CHECKING:
     from fdam_ray.data import DataSource
 
 log = logging.getLogger(__name__)
+
+
+class SiteRefused(RuntimeError):
+    """A site or node that can never take part in this run: one line naming it and what to do; the run stops."""
+
+
+def _first_line(text: object) -> str:
+    lines = [line for line in str(text).splitlines() if line.strip()]
+    return (lines[0] if lines else "no reason given")[:300]
 
 
 class SiteShapes:
@@ -83,10 +106,18 @@ class FlowerExecutor(Executor):
         self.secure: Callable[..., PartialSum | None] | None = None  # set by secagg.enable
         self.replaced: set[int] = set()  # sites that lost their state mid-run (they start from the global c)
         self.with_tests: list[int] = []  # sites holding a test split of their own
+        self.unusable: dict[int, str] = {}  # node id -> why it cannot take part (said once, not asked again)
+        self.failures: dict[int, int] = {}  # site -> messages it failed in a row
+        self.last_error: dict[int, str] = {}  # site -> its last failure, in one line
+        self.dropped: set[int] = set()  # sites dropped under on_client_failure=drop (until their node restarts)
+        self.on_failure, self.max_retries = "retry", 2  # the config's on_client_failure, max_client_retries
 
     # -- finding the sites -----------------------------------------------------------------
     def connect(self) -> SiteShapes:
-        """Wait until every site 0..K-1 has connected; what their data look like."""
+        """Wait until every site 0..K-1 has connected; what their data look like.
+
+        A node that cannot take part (it could not say which site it is, or names none of this run's) while a
+        site is missing stops the run at once, naming it: it is most likely that site, misconfigured."""
         deadline = time.monotonic() + self.flower.connect_timeout_s
         while True:
             self.refresh()
@@ -94,6 +125,10 @@ class FlowerExecutor(Executor):
             if not missing:
                 assert self.shapes is not None
                 return self.shapes
+            if self.unusable:
+                nodes = "; ".join(f"node {n} {why}" for n, why in sorted(self.unusable.items()))
+                self._refuse(f"sites {missing} have not connected and {nodes}: fix that node's config (site = "
+                             f"0..{self.num_sites - 1}, its data) and restart its SuperNode; the run stops")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"sites {missing} did not connect within flower.connect_timeout_s="
                                    f"{self.flower.connect_timeout_s:g} s ({len(self.node_of)} of {self.num_sites} "
@@ -101,49 +136,110 @@ class FlowerExecutor(Executor):
             time.sleep(0.5)
 
     def refresh(self) -> None:
-        """Ask nodes not seen before which site they are; forget nodes that left."""
+        """Ask nodes not seen before which site they are; forget nodes that left. A site two listed nodes claim,
+        or one that requires what this run does not do, stops the run (:class:`SiteRefused`)."""
         nodes = set(self.grid.get_node_ids())
         for node in [n for n in self.site_of if n not in nodes]:
             site = self.site_of.pop(node)
             if self.node_of.get(site) == node:
                 del self.node_of[site]
                 log.warning("site %d (node %d) left", site, node)
-        new = sorted(n for n in nodes if n not in self.site_of)
+        new = sorted(n for n in nodes if n not in self.site_of and n not in self.unusable)
         if not new:
             return
-        cfg = records.config({"run_key": self.run_key})
-        messages = [Message(RecordDict({records.CONFIG: cfg}), dst_node_id=n, message_type="query.hello")
-                    for n in new]
-        for reply in self.grid.send_and_receive(messages, timeout=self.flower.round_timeout_s):
-            if reply.has_error():
-                log.warning("node %d did not say which site it is: %s", reply.metadata.src_node_id,
-                            reply.error.reason)
+        said = self._hello(new)
+        claims: dict[int, list[int]] = {}
+        for node, record in said.items():
+            site = records.integer(record, "site")
+            if not 0 <= site < self.num_sites:
+                self._unusable(node, f"says it is site {site} (this run has sites 0..{self.num_sites - 1})")
                 continue
-            self._adopt(reply.metadata.src_node_id, reply.content.config_records[records.CONFIG])
+            claims.setdefault(site, []).append(node)
+        # a site already held by a node that is still listed: that node is asked again (a restarted SuperNode's
+        # old node does not answer; a second SuperNode with the same site number does)
+        holders = {self.node_of[k]: k for k in claims if self.node_of.get(k) in nodes}
+        again = self._hello(sorted(holders), quiet=True) if holders else {}
+        for node, record in again.items():
+            if records.integer(record, "site") == holders[node]:
+                claims[holders[node]].append(node)
+        for site, claimants in sorted(claims.items()):
+            if len(claimants) > 1:
+                self._duplicate(site, sorted(claimants))
+        for node in sorted(n for n in said if n not in self.unusable):
+            self._adopt(node, said[node])
+
+    def _hello(self, nodes: list[int], *, quiet: bool = False) -> dict[int, ConfigRecord]:
+        """What each node says of itself (a node that failed to say is unusable, logged once)."""
+        cfg = records.config({"run_key": self.run_key, "secagg": self.flower.secagg})
+        messages = [Message(RecordDict({records.CONFIG: cfg}), dst_node_id=n, message_type="query.hello")
+                    for n in nodes]
+        out: dict[int, ConfigRecord] = {}
+        for reply in self.grid.send_and_receive(messages, timeout=self.flower.round_timeout_s):
+            node = reply.metadata.src_node_id
+            if reply.has_error():
+                if not quiet:
+                    self._unusable(node, f"could not say which site it is ({_first_line(reply.error.reason)})")
+                continue
+            out[node] = reply.content.config_records[records.CONFIG]
+        return out
+
+    def _unusable(self, node: int, why: str) -> None:
+        """A node that cannot take part: said once, and not asked again (a fixed SuperNode comes back as a new
+        node)."""
+        self.unusable[node] = why
+        log.warning("node %d %s: it takes part in no round of this run; fix its config and restart its SuperNode",
+                    node, why)
+
+    def _duplicate(self, site: int, nodes: list[int]) -> None:
+        names = ", ".join(map(str, nodes[:-1])) + f" and {nodes[-1]}"
+        who = f"nodes {names} {'both' if len(nodes) == 2 else 'all'} say they are site {site}"
+        reason = (f"{who}: give each SuperNode its own site number (node config site = 0..{self.num_sites - 1}), "
+                  "stop the extra one, and start the run again")
+        self._refuse(f"the run stops: {reason}", tell=nodes)
+
+    def _refuse(self, line: str, tell: Sequence[int] = ()) -> NoReturn:
+        """Stop the run with one line (logged here, and on the nodes in ``tell``: each site's log names it)."""
+        log.error("%s", line)
+        if tell:
+            try:
+                self.grid.send_and_receive([Message(RecordDict({records.CONFIG: records.config({"reason": line})}),
+                                                    dst_node_id=n, message_type="query.refused") for n in tell],
+                                           timeout=self.flower.round_timeout_s)
+            except Exception as exc:  # the run stops with this line whether or not the nodes heard it
+                log.debug("telling nodes %s failed: %s", list(tell), exc)
+        raise SiteRefused(line)
 
     def _adopt(self, node: int, said: ConfigRecord) -> None:
         site = records.integer(said, "site")
-        if not 0 <= site < self.num_sites:
-            log.warning("node %d says it is site %d; this run has sites 0..%d: ignored", node, site,
-                        self.num_sites - 1)
-            return
+        if bool(said.get("require_secagg", False)) and not self.flower.secagg:
+            self._refuse(f"site {site} (node {node}) takes part only in rounds under secure aggregation (its node "
+                         "config has require-secagg = true) and this run has flower.secagg: false, so it can take "
+                         "part in none: set flower.secagg: true in the config's flower section, or require-secagg "
+                         "= false on that node; the run stops")
         shapes = SiteShapes(tuple(int(d) for d in records.raw(said, "input_shape")), records.integer(said, "num_tasks"),
                             tuple(str(t) for t in records.raw(said, "task_names")))
         if self.shapes is None:
             self.shapes = shapes
         elif (shapes.input_shape, shapes.num_tasks) != (self.shapes.input_shape, self.shapes.num_tasks):
-            raise ValueError(f"site {site}'s samples have shape {shapes.input_shape} and {shapes.num_tasks} tasks, "
-                             f"the other sites' {self.shapes.input_shape} and {self.shapes.num_tasks}")
+            self._refuse(f"site {site} (node {node})'s samples have shape {shapes.input_shape} and "
+                         f"{shapes.num_tasks} tasks, the other sites' {self.shapes.input_shape} and "
+                         f"{self.shapes.num_tasks}: give that node the study's data; the run stops", tell=[node])
         old = self.node_of.get(site)
         if old is not None and old != node:
             self.site_of.pop(old, None)
             log.warning("site %d is now node %d (was node %d)", site, node, old)
+        if site in self.dropped and old != node:  # a restarted SuperNode: the site may take part again
+            self.dropped.discard(site)
+            self.failures.pop(site, None)
         self.node_of[site], self.site_of[node] = node, site
         self.synced[site] = records.integer(said, "version")
+        lost = str(said.get("lost_state", "") or "")
         if self.config_json and self.synced[site] == 0:
             self.replaced.add(site)
-            log.warning("site %d kept no state of this run: it rejoins as a replaced client (c^k = the global c, "
-                        "a fresh sampler)", site)
+            log.warning("site %d (node %d) kept no state of this run%s: it rejoins as a replaced client (c^k = the "
+                        "global c, a fresh sampler)", site, node, f" ({lost})" if lost else "")
+        elif lost:
+            log.warning("site %d (node %d): %s; it starts this run afresh", site, node, lost)
 
     # -- one wave of messages ----------------------------------------------------------------
     def header(self, site: int, **more: object) -> dict[str, object]:
@@ -152,21 +248,46 @@ class FlowerExecutor(Executor):
     def ask(self, message_type: str, contents: dict[int, RecordDict]) -> dict[int, RecordDict]:
         """Send one message per site and return the replies by site (a site that failed or timed out is absent)."""
         messages = [Message(c, dst_node_id=self.node_of[k], message_type=message_type)
-                    for k, c in contents.items() if k in self.node_of]
+                    for k, c in contents.items() if k in self.node_of and k not in self.dropped]
         out: dict[int, RecordDict] = {}
         for reply in self.grid.send_and_receive(messages, timeout=self.flower.round_timeout_s):
             site = self.site_of.get(reply.metadata.src_node_id)
             if site is None:
                 continue
             if reply.has_error():
-                log.warning("site %d: %s failed: %s", site, message_type, reply.error.reason)
+                self._failed(site, message_type, reply.error.reason)
                 continue
+            self.failures.pop(site, None)
             out[site] = reply.content
         return out
+
+    def _failed(self, site: int, action: str, reason: str | None) -> None:
+        """A site answered with an error: the failure policy (``on_client_failure``, ``max_client_retries``) over
+        its failures in a row. A site that keeps failing stops the run, or (``drop``) is dropped once: asked no
+        more, left out of every further round under the partial-participation rule, until its node restarts."""
+        n = self.failures[site] = self.failures.get(site, 0) + 1
+        self.last_error[site] = line = (f"site {site} (node {self.node_of.get(site, '?')}): {action} failed: "
+                                        f"{_first_line(reason)}")
+        policy, retries = self.on_failure, self.max_retries
+        if policy != "abort" and n <= retries:
+            log.warning("%s (%d of %d failures in a row before on_client_failure=%s acts)", line, n, retries + 1,
+                        policy)
+            return
+        if policy == "drop":
+            self.dropped.add(site)
+            log.warning("%s; after %d failure%s in a row it is dropped (on_client_failure=drop): it takes part in no "
+                        "further round (its c^k stays in c, the partial-participation rule); restart its SuperNode to "
+                        "bring it back", line, n, "s" if n > 1 else "")
+            return
+        self._refuse(f"{line}; after {n} failure{'s' if n > 1 else ''} in a row (on_client_failure={policy}, "
+                     f"max_client_retries={retries}) the run stops: fix the site (its log says more) and start the "
+                     "run again, or set on_client_failure: drop to go on without it",
+                     tell=[self.node_of[site]] if site in self.node_of else [])
 
     def ensure_synced(self, sites: Iterable[int]) -> list[int]:
         """Bring the given sites up to the current setup (config, p, stage); the sites that are in step."""
         self.refresh()
+        sites = [k for k in sites if k not in self.dropped]
         stale = [k for k in sites if k in self.node_of and self.synced.get(k, 0) != self.version]
         if stale:
             replies = self.ask("query.sync", {k: self._sync_content(k) for k in stale})
@@ -192,8 +313,8 @@ class FlowerExecutor(Executor):
             self.replaced.discard(k)
         missing = [k for k in range(self.num_sites) if k not in replies]
         if missing:
-            raise RuntimeError(f"sites {missing} did not start (see the warnings above); a federation starts with "
-                               "all its sites")
+            why = "; ".join(self.last_error.get(k, f"site {k} did not answer") for k in missing)
+            raise RuntimeError(f"sites {missing} did not start ({why}); a federation starts with all its sites")
         return replies
 
     def _setup_changed(self) -> None:
@@ -204,6 +325,8 @@ class FlowerExecutor(Executor):
     # -- the executor interface ------------------------------------------------------------------
     def start(self, config: Config, source: DataSource) -> list[ClientInfo]:
         self.config_json = records.to_json(config.to_dict())
+        policy = ExecutorSection.of(config)
+        self.on_failure, self.max_retries = policy.on_client_failure, policy.max_client_retries
         self.run_key = f"{self.run_key}-{hashlib.sha256(self.config_json.encode()).hexdigest()[:12]}"
         self.stage, self.reference, self.positive_ratio = 0, None, None
         replies = self._start_sites()
@@ -260,7 +383,7 @@ class FlowerExecutor(Executor):
 
     def _note_left_out(self, round_: int, wanted: list[int], came: list[int]) -> list[int]:
         left_out = [k for k in wanted if k not in came]
-        if left_out:
+        if [k for k in left_out if k not in self.dropped]:  # a dropped site was said once, when it was dropped
             log.warning("round %d: sites %s sent no update (left, failed or past flower.round_timeout_s=%g s); the "
                         "round completes with sites %s under the partial-participation rule", round_, left_out,
                         self.flower.round_timeout_s, came)

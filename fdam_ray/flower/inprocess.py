@@ -11,6 +11,9 @@ is lost, a node restarted with an empty state.
 
 from __future__ import annotations
 
+from fdam_ray.flower import needs_flower  # noqa: F401 (first: without Flower, says what to install)
+
+# isort: split
 import copy
 import dataclasses
 import itertools

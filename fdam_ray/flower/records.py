@@ -7,6 +7,9 @@ control variates of CODA+) is simply absent.
 
 from __future__ import annotations
 
+from fdam_ray.flower import needs_flower  # noqa: F401 (first: without Flower, says what to install)
+
+# isort: split
 import dataclasses
 import json
 from collections.abc import Mapping

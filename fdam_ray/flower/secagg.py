@@ -30,6 +30,9 @@ without a site that dropped.
 
 from __future__ import annotations
 
+from fdam_ray.flower import needs_flower  # noqa: F401 (first: without Flower, says what to install)
+
+# isort: split
 import json
 import logging
 from collections.abc import Callable

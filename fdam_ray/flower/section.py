@@ -8,7 +8,8 @@ simulated with Ray runs unchanged on Flower: only this section is added.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fdam_ray.sections import ConfigError, fail
@@ -44,19 +45,28 @@ class FlowerSection:
     test_data: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("connect_timeout_s", "round_timeout_s", "secagg_clipping_range"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise fail(f"flower.{name}", value, "a number > 0")
+        for name in ("connect_timeout_s", "round_timeout_s"):
+            _number(name, getattr(self, name), lambda v: v > 0, "a finite number of seconds > 0")
+        _number("secagg_clipping_range", self.secagg_clipping_range, lambda v: v > 0, "a finite number > 0")
         q = self.secagg_quantization_range
         if not isinstance(q, int) or isinstance(q, bool) or not 2 <= q <= 2**26:
             raise fail("flower.secagg_quantization_range", q, "an integer in [2, 2**26]")
-        for name in ("secagg_num_shares", "secagg_reconstruction_threshold"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise fail(f"flower.{name}", value, "a number > 0 (a fraction, or a count)")
+        # SecAgg+'s own rules (a count of shares is whole and at least 3; the modulus 2**32 holds at most
+        # 2**32 / quantization_range of them; a count threshold is below a count of shares), checked here, not in
+        # the middle of the first secure round
+        most = 2**32 // q
+        _number("secagg_num_shares", self.secagg_num_shares,
+                lambda v: 0 < v <= 1 or (float(v).is_integer() and 3 <= v <= most),
+                f"a fraction in (0, 1] of the round's sites, or a whole count in [3, {most}]")
+        shares = self.secagg_num_shares
+        _number("secagg_reconstruction_threshold", self.secagg_reconstruction_threshold,
+                lambda v: 0 < v <= 1 or (float(v).is_integer() and 2 <= v and (shares <= 1 or v < shares)),
+                "a fraction in (0, 1] of the shares, or a whole count >= 2"
+                + ("" if shares <= 1 else f" and below flower.secagg_num_shares = {shares:g}"))
         if not isinstance(self.secagg, bool):
             raise fail("flower.secagg", self.secagg, "true or false")
+        if self.test_data is not None and (not isinstance(self.test_data, str) or not self.test_data):
+            raise fail("flower.test_data", self.test_data, "the path of an .npz file, or null")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None) -> FlowerSection:
@@ -69,8 +79,18 @@ class FlowerSection:
         return cls(**values)
 
 
+def _number(name: str, value: Any, rule: Callable[[float], bool], allowed: str) -> None:
+    """A number of the section: a real number (not a bool or text), finite, and within ``rule``; else one line."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and rule(value)
+    if not ok:
+        raise fail(f"flower.{name}", value, allowed)
+
+
 def split_config(values: Mapping[str, Any]) -> tuple[dict[str, Any], FlowerSection]:
-    """(the fdam-ray fields, the Flower section) of one config mapping."""
+    """(the fdam-ray fields, the Flower section) of one config mapping.
+
+    :func:`fdam_ray.config.build_config` calls it too: a simulation of the study ignores the section, but a broken
+    one is refused there as here (this module imports no Flower)."""
     rest = dict(values)
     section = rest.pop(SECTION_KEY, None)
     if section is not None and not isinstance(section, Mapping):

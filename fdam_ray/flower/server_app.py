@@ -8,6 +8,9 @@ global state and history are written to.
 
 from __future__ import annotations
 
+from fdam_ray.flower import needs_flower  # noqa: F401 (first: without Flower, says what to install)
+
+# isort: split
 import json
 import logging
 from collections.abc import Mapping

@@ -5,7 +5,9 @@ in Python objects between messages. What the site must keep between rounds (its
 c^k, its sampler position, the stage's proximal centre v_ref, the global p and
 the run's config) is :class:`KeptState`, stored in the node's state
 (``Context.state``) and, when the site names a ``state-dir``, in a file of its
-own that survives a SuperNode restart. For every message the site rebuilds its
+own that survives a SuperNode restart (one that cannot be this site's state,
+unreadable or holding anything else, is set aside as ``site-k.pt.damaged`` with
+one line, and the site rejoins as a replaced client). For every message the site rebuilds its
 :class:`~fdam_ray.client.Client` from it: the same solver, sampler and control
 variate the inline executor runs, so a round here is the same arithmetic.
 
@@ -19,6 +21,9 @@ assumes (SCAFFOLD's rule for clients that did not take part).
 
 from __future__ import annotations
 
+from fdam_ray.flower import needs_flower  # noqa: F401 (first: without Flower, says what to install)
+
+# isort: split
 import dataclasses
 import io
 import json
@@ -129,14 +134,43 @@ class KeptState:
         return buf.getvalue()
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> KeptState:
-        raw = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # tensors and plain values only
+    def from_bytes(cls, data: bytes, site: int | None = None) -> KeptState:
+        """The state ``data`` holds (of site ``site``, when given); :class:`DamagedState` (one line, never torch's
+        advice to load a file unsafely) when it holds anything else."""
+        try:
+            raw = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # tensors and plain values only
+        except Exception as exc:  # torch raises many kinds, each with a long text of its own
+            raise DamagedState(f"not a state torch can read safely ({type(exc).__name__})") from None
+        if not isinstance(raw, dict):
+            raise DamagedState(f"holds {type(raw).__name__}, not a site's state")
+        kinds = {f.name: _KINDS[f.name] for f in dataclasses.fields(cls)}
+        for key, value in raw.items():
+            if key not in kinds:
+                raise DamagedState(f"holds {str(key)[:40]!r}, which a site's state does not")
+            if not isinstance(value, kinds[key]) or (isinstance(value, bool) and kinds[key] is int):
+                raise DamagedState(f"its {key} is {type(value).__name__}")
+        for key in ("client", "pending", "pending_start"):
+            if raw.get(key) is None:
+                continue
+            owner = raw[key].get("client_id")
+            if not isinstance(owner, int) or (site is not None and owner != site):
+                raise DamagedState(f"its {key} is the state of client {str(owner)[:20]}, not of site {site}")
         out = cls(**raw)
         for name in ("positive_ratio", "reference"):
             value = getattr(out, name)
             if value is not None:
                 setattr(out, name, value.numpy())
         return out
+
+
+class DamagedState(ValueError):
+    """A kept state that cannot be this site's (an unreadable file, or one holding something else)."""
+
+
+_KINDS: dict[str, type | tuple[type, ...]] = {
+    "run_key": str, "config": str, "version": int, "positive_ratio": (torch.Tensor, type(None)), "stage": int,
+    "reference": (torch.Tensor, type(None)), "client": (dict, type(None)), "pending_round": int,
+    "pending": (dict, type(None)), "pending_start": (dict, type(None)), "replaced": bool}
 
 
 def _site_of(state: dict | None) -> object:
@@ -161,17 +195,47 @@ class SiteStore:
     not, and it lies where the site decides.
     """
 
-    def __init__(self, state: RecordDict, state_dir: str | None, site: int) -> None:
+    def __init__(self, state: RecordDict, state_dir: str | None, site: int, node: int | None = None) -> None:
         self.state = state
+        self.site, self.node = site, node
         self.path = None if not state_dir else Path(state_dir) / f"site-{site}.pt"
+        self.lost = ""  # why a kept state was not usable (told to the server), "" if none was lost
 
     def load(self) -> KeptState:
+        """The kept state; a damaged one is set aside with one line (the site goes on as one that kept no state,
+        and the server takes it back as a replaced client)."""
         if STATE_RECORD in self.state.config_records:
-            return KeptState.from_bytes(bytes(cast(bytes, self.state.config_records[STATE_RECORD]["blob"])))
+            try:
+                return KeptState.from_bytes(bytes(cast(bytes, self.state.config_records[STATE_RECORD]["blob"])),
+                                            self.site)
+            except DamagedState as exc:
+                del self.state.config_records[STATE_RECORD]
+                return self._damaged(f"its kept state in the node's state is damaged ({exc})")
         if self.path is not None and self.path.exists():
             log.info("site state read from %s (the node's state was empty: a restarted SuperNode)", self.path)
-            return KeptState.from_bytes(self.path.read_bytes())
+            try:
+                return KeptState.from_bytes(self.path.read_bytes(), self.site)
+            except (DamagedState, OSError) as exc:
+                aside = self._set_aside(self.path)
+                return self._damaged(f"its state file {self.path} is damaged ({exc}); it is kept, not read, as "
+                                     f"{aside}")
         return KeptState()
+
+    def _damaged(self, what: str) -> KeptState:
+        self.lost = what
+        log.warning("site %d (node %s): %s; the site rejoins as a replaced client (c^k = the global c, a fresh "
+                    "sampler); nothing to do unless it happens again (then look at the disk of its state-dir)",
+                    self.site, "?" if self.node is None else self.node, what)
+        return KeptState()
+
+    @staticmethod
+    def _set_aside(path: Path) -> Path:
+        for i in range(1000):
+            aside = path.with_name(path.name + (".damaged" if i == 0 else f".damaged.{i}"))
+            if not aside.exists():
+                break
+        os.replace(path, aside)
+        return aside
 
     def save(self, kept: KeptState) -> None:
         data = kept.to_bytes()
