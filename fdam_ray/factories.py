@@ -37,7 +37,7 @@ ON_EVERY_NODE = ("every process that runs a client imports it: install the packa
 
 def is_import_path(value: Any) -> bool:
     """Whether ``value`` is written like an import path ``module:attr``."""
-    return isinstance(value, str) and bool(_PATH.match(value))
+    return isinstance(value, str) and bool(_PATH.fullmatch(value))
 
 
 def resolve(path: str, *, field: str, here: str = "") -> Callable:

@@ -32,6 +32,7 @@ from fdam_ray.config import (
     typed_value,
 )
 from fdam_ray.locations import RemoteFolder, is_uri, join_uri
+from fdam_ray.outputs.run_folder import RUN_NAME_ALLOWED, is_folder_name
 from fdam_ray.redact import clip, short
 from fdam_ray.yamlio import kind_of
 
@@ -116,6 +117,8 @@ class TuneOptions:
             value = getattr(self, name)
             if not (isinstance(value, str) and value.strip()) and not (name == "name" and value is None):
                 raise ConfigError(f"tune option '{name}': {short(value)} is not allowed (a non-empty text)")
+        if self.name is not None and not is_folder_name(self.name):  # the sweep's folder stays under storage_path
+            raise ConfigError(f"tune option 'name': {short(self.name)} is not allowed ({RUN_NAME_ALLOWED})")
 
 
 def _check_option(name: str, value: Any, *, integer: bool = False, low: int = 0, positive: bool = False,
