@@ -43,7 +43,7 @@ import torch
 
 from fdam_ray.algorithms import ServerState
 from fdam_ray.schedules import Position
-from fdam_ray.state import GlobalState
+from fdam_ray.state import ClientState, GlobalState
 from fdam_ray.weights import safe_load, torch_load_failure
 
 SCHEMA = 1  # the schema this fdam-ray writes
@@ -51,9 +51,6 @@ _PREFIX = "fdam-ray-checkpoint/"
 FORMAT = f"{_PREFIX}{SCHEMA}"
 _ARRAY = "__ndarray__"
 
-# A client's own state (control variate, sampler position, loss scaler), as its executor exports it; None for a
-# dropped client; ``{"client_id": k, "rebuild": True}`` for one that could not be placed when it was written.
-ClientState = dict | None
 
 
 class CheckpointError(ValueError):
@@ -174,7 +171,9 @@ class Checkpoint:
 
     Attributes:
         loop: the driver loop's state (global state, reference point, running sum, counters, history, position).
-        clients: every client's own state (see :data:`ClientState`), in client order.
+        clients: every client's own state (:class:`~fdam_ray.state.ClientState`), in client order: None for a
+            dropped client, a ``rebuild`` marker for one that could not be placed when it was written. In the
+            file each is the plain mapping :meth:`ClientState.to_dict` gives (the layout of every schema-1 file).
         positive_ratio: the global p, one per task.
         torch_rng: the driver's torch RNG state.
         config: the run's config (``Config.to_dict()``); None until the observer that writes the file adds it.
@@ -183,7 +182,7 @@ class Checkpoint:
     schema: ClassVar[int] = SCHEMA
 
     loop: LoopState
-    clients: list[ClientState]
+    clients: list[ClientState | None]
     positive_ratio: np.ndarray
     torch_rng: torch.Tensor
     config: dict | None = None
@@ -193,11 +192,12 @@ class Checkpoint:
 
     def unplaced_clients(self) -> list[int]:
         """The clients marked for a rebuild (their actors could not be placed when this was written)."""
-        return [k for k, s in enumerate(self.clients) if s and s.get("rebuild")]
+        return [k for k, s in enumerate(self.clients) if s is not None and ClientState.of(s).rebuild]
 
     def to_payload(self) -> dict:
         """The file's payload in the layout of :data:`SCHEMA`."""
-        return {"config": self.config, "loop": _loop_payload(self.loop), "clients": list(self.clients),
+        clients = [None if s is None else ClientState.of(s).to_dict() for s in self.clients]
+        return {"config": self.config, "loop": _loop_payload(self.loop), "clients": clients,
                 "positive_ratio": self.positive_ratio, "torch_rng": self.torch_rng}
 
     @classmethod
@@ -206,7 +206,7 @@ class Checkpoint:
         naming ``path``."""
         _check_kinds(payload, _PAYLOAD, path, "")
         _check_kinds(payload["loop"], _LOOP, path, "run state's ")
-        return cls(loop=_loop_from(payload["loop"], path), clients=payload["clients"],
+        return cls(loop=_loop_from(payload["loop"], path), clients=[_client_from(s, path) for s in payload["clients"]],
                    positive_ratio=payload["positive_ratio"], torch_rng=payload["torch_rng"],
                    config=payload["config"])
 
@@ -217,6 +217,16 @@ _PAYLOAD: dict[str, type] = {"config": dict, "loop": dict, "clients": list, "pos
 _LOOP: dict[str, type] = {"state": dict, "history": list, "position": dict}  # (and, by their fields, the rest)
 # Loop fields added to schema 1 after files of it were written: such a file reads them as None.
 _LOOP_ADDED = ("best_val_auc", "best_val_iteration", "best_val_state", "transfer")
+
+
+def _client_from(values: Any, path: str | Path) -> ClientState | None:
+    """A client's state from the file's layout (None: a dropped client)."""
+    if values is None:
+        return None
+    if not isinstance(values, dict):
+        raise CheckpointError(f"checkpoint '{path}' is damaged: a client's state is a {type(values).__name__}, not "
+                              "a mapping")
+    return ClientState.from_dict(values)
 
 
 def _check_kinds(payload: Any, kinds: dict[str, type], path: str | Path, where: str) -> None:

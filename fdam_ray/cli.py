@@ -94,7 +94,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from fdam_ray.config import parse_overrides
     from fdam_ray.executors.errors import ClientError, PlacementError
     from fdam_ray.federation import DivergenceError
-    from fdam_ray.outputs import RunStopped, clear_stop_request, request_stop
+    from fdam_ray.interrupts import RunStopped, clear_stop_request, request_stop
 
     values.update(parse_overrides(args.overrides))
     if args.address:

@@ -15,7 +15,8 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,6 +35,7 @@ from fdam_ray.sections import AT_LEAST_ONE, Section, setting, shared
 from fdam_ray.sites import client_label
 from fdam_ray.state import (
     ClientInfo,
+    ClientState,
     ClientUpdate,
     GlobalState,
     Moments,
@@ -329,7 +331,8 @@ class Client:
         compute_s = time.perf_counter() - start  # the steps alone: loading and exporting the state are transfer
         solver.end(plan.steps, plan.lr, partial=plan.partial)  # client final (a sampled round sends the change)
         stats = StepStats(self.client_id, loss, plan.steps, samples, compute_s, finite=self._finite())
-        return ClientUpdate.from_vectors(solver.export(copy=copy), client_id=self.client_id, stats=stats)
+        update = ClientUpdate.from_vectors(solver.export(copy=copy), client_id=self.client_id, stats=stats)
+        return replica.algorithm.drift.transform_update(update, state)  # where privacy would act (none yet)
 
     def _finite(self) -> bool:
         """Whether the round's end point and c^k hold no NaN or infinity (one check where they live)."""
@@ -357,10 +360,11 @@ class Client:
         pos, neg = y == 1, y == 0
         return Moments((h * pos).sum(0), pos.sum(0), (h * neg).sum(0), neg.sum(0), self.client_id)
 
-    def set_control_variate(self, c_v: np.ndarray, c_alpha: np.ndarray) -> None:
+    def set_control_variate(self, *control: np.ndarray) -> None:
+        """c^k <- ``control`` (one array per control vector, in declaration order: (c_v^k, c_alpha^k))."""
         if self.cv is not None:
             with torch.no_grad():
-                for t, x in zip(self.cv, (c_v, c_alpha), strict=True):
+                for t, x in zip(self.cv, control, strict=True):
                     t.copy_(torch.from_numpy(np.asarray(x, dtype=np.float32)))
 
     def control_variate(self) -> tuple[np.ndarray, np.ndarray] | None:
@@ -369,26 +373,24 @@ class Client:
             return None
         return self.cv[0].detach().cpu().numpy().copy(), self.cv[1].detach().cpu().numpy().copy()
 
-    def get_state(self) -> dict:
-        """What a checkpoint needs to continue this client exactly: c^k, the sampler's position and the local
-        step's moments."""
-        cv = self.control_variate()
-        state = {"client_id": self.client_id, "c_v": None if cv is None else cv[0],
-                 "c_alpha": None if cv is None else cv[1], "sampler": self.sampler.get_state(),
-                 "scaler": self.flat.precision.state_dict()}
-        if self.moments is not None:  # absent for plain SGD: a checkpoint as before
-            state["moments"] = [t.detach().cpu().numpy().copy() for t in self.moments]
-        return state
+    def get_state(self) -> ClientState:
+        """What a checkpoint needs to continue this client exactly: c^k, the sampler's position, the loss scale
+        and the local step's moments."""
+        moments = None if self.moments is None else [t.detach().cpu().numpy().copy() for t in self.moments]
+        return ClientState(self.client_id, self.control_variate(), self.sampler.get_state(),
+                           self.flat.precision.state_dict(), moments)
 
-    def set_state(self, state: dict) -> None:
-        if state["client_id"] != self.client_id:
-            raise ValueError(f"state of client {state['client_id']} given to client {self.client_id}")
-        if state["c_v"] is not None:
-            self.set_control_variate(state["c_v"], state["c_alpha"])
-        if state["sampler"] is not None:  # None: a client rebuilt on resume keeps its fresh sampler
-            self.sampler.set_state(state["sampler"])
-        self.flat.precision.load_state_dict(state.get("scaler"))
-        moments = state.get("moments")
+    def set_state(self, state: ClientState | Mapping[str, Any]) -> None:
+        """Continue from ``state`` (a :class:`ClientState`, or a mapping in its file layout)."""
+        state = ClientState.of(state)
+        if state.client_id != self.client_id:
+            raise ValueError(f"state of client {state.client_id} given to client {self.client_id}")
+        if state.control is not None:
+            self.set_control_variate(*state.control)
+        if state.sampler is not None:  # None: a client rebuilt on resume keeps its fresh sampler
+            self.sampler.set_state(state.sampler)
+        self.flat.precision.load_state_dict(state.scaler)
+        moments = state.moments
         if moments is not None and self.moments is not None:  # None: a rebuilt client starts from zero moments
             with torch.no_grad():
                 for t, x in zip(self.moments, moments, strict=True):

@@ -48,8 +48,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from fdam_ray.executors.capabilities import no_deadline
 from fdam_ray.redact import short
 from fdam_ray.sections import AT_LEAST_ONE, Section, fail, setting, shared, warn_once
 
@@ -76,11 +75,6 @@ def deadline_value(name: str, value: Any) -> float | str:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise fail(name, value, _ALLOWED)
     return float(value)
-
-
-# transports that cannot leave a late client out of a round, and why
-_NO_DEADLINE = {"compiled": "its graph returns every actor's output at once",
-                "collective": "every actor's all-reduce waits for every other"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -124,9 +118,9 @@ class DeadlineSection(Section):
         if self.executor != "ray":
             raise fail("round_deadline", self.round_deadline, "null with executor=inline (its clients run one "
                        "after another in this process: none can be left behind)")
-        if self.transport in _NO_DEADLINE:
-            raise fail("round_deadline", self.round_deadline, f"null with transport={self.transport} "
-                       f"({_NO_DEADLINE[self.transport]}; use transport=classic)")
+        refused = no_deadline(self.transport)  # a transport that cannot leave a late client out, as it declares
+        if refused:
+            raise fail("round_deadline", self.round_deadline, f"null with transport={self.transport} ({refused})")
         if self.participation_record is not None:
             raise fail("round_deadline", self.round_deadline, "null with participation_record (a replay runs the "
                        "recorded sets and waits for every client)")
@@ -287,18 +281,8 @@ def check_record(record: dict[int, list[int]], config: Any, *, where: str, recor
     is an empty record of a run with a deadline (no client missed one; the replay runs every round as planned).
     """
     k = int(config.num_clients)
-    if "num_clients" in recorded and recorded["num_clients"] != k:
-        raise _refuse(where, f"it was recorded with num_clients = {short(recorded['num_clients'])}, this run has "
-                      f"{k} (a record names clients of its own run)")
     s = _sampling(config, k)
-    if "clients_per_round" in recorded and isinstance(recorded.get("num_clients", k), int):
-        was = _sampling(recorded, int(recorded.get("num_clients", k)))
-        if was != s:
-            raise _refuse(where, f"it was recorded with clients_per_round = {_null(was)}, this run with "
-                          f"{_null(s)} (a round the record does not name runs the run's own sample)")
-        if s is not None and "seed" in recorded and recorded["seed"] != config.seed:
-            raise _refuse(where, f"it was recorded with seed = {short(recorded['seed'])}, this run has "
-                          f"{config.seed} (the seed draws each round's sample of clients_per_round = {s})")
+    _check_recorded_run(config, k, s, where=where, recorded=recorded)
     if not record:
         if recorded and recorded.get("round_deadline") is None and recorded.get("participation_record") is None:
             raise _refuse(where, "that run ran without round_deadline: every round ran its plan, so it recorded "
@@ -308,31 +292,52 @@ def check_record(record: dict[int, list[int]], config: Any, *, where: str, recor
                    "deadline in that run, so it forces nothing and the replay runs every round as planned")
         return
     last = planned_rounds(config)
-    if s is not None:
-        from fdam_ray.algorithms.sampling import sample_clients  # the algorithms import torch
-    past: list[int] = []
-    for r, clients in sorted(record.items()):
-        if reached is not None and r > reached:
-            raise _refuse(where, f"round {r} is past round {reached}, the last the recorded run finished (the "
-                          "record is damaged)")
-        bad = [c for c in clients if not 0 <= c < k]
-        if bad:
-            raise _refuse(where, f"round {r} names client {bad[0]}, outside 0..{k - 1} (num_clients = {k}: a "
-                          "record of a run with other clients cannot be replayed)")
-        if s is not None:
-            sample = sample_clients(config.seed, r, k, s) or list(range(k))
-            out = [c for c in clients if c not in sample]
-            if out:
-                raise _refuse(where, f"round {r} names client {out[0]}, not in the round's sample {sample} "
-                              f"(clients_per_round = {s}, seed = {config.seed}): the record is of another run")
-        if r > last:
-            past.append(r)
+    past = [r for r, clients in sorted(record.items()) if _check_round(r, clients, config, k, s, where=where,
+                                                                       reached=reached) > last]
     if past:
         rounds = ", ".join(map(str, past))
         warn_once(log, f"config field 'participation_record': {short(where)}: round{'s' if len(past) > 1 else ''} "
                    f"{rounds} {'are' if len(past) > 1 else 'is'} past this run's last round {last} "
                    f"(iterations = {config.iterations}): not replayed; a resume with more iterations replays "
                    f"{'them' if len(past) > 1 else 'it'}")
+
+
+def _check_recorded_run(config: Any, k: int, s: int | None, *, where: str, recorded: Mapping[str, Any]) -> None:
+    """The recorded run had this run's clients and sampling (``num_clients``, ``clients_per_round``, and the
+    ``seed`` when sampling), as far as its checkpoint's config says."""
+    if "num_clients" in recorded and recorded["num_clients"] != k:
+        raise _refuse(where, f"it was recorded with num_clients = {short(recorded['num_clients'])}, this run has "
+                      f"{k} (a record names clients of its own run)")
+    if "clients_per_round" in recorded and isinstance(recorded.get("num_clients", k), int):
+        was = _sampling(recorded, int(recorded.get("num_clients", k)))
+        if was != s:
+            raise _refuse(where, f"it was recorded with clients_per_round = {_null(was)}, this run with "
+                          f"{_null(s)} (a round the record does not name runs the run's own sample)")
+        if s is not None and "seed" in recorded and recorded["seed"] != config.seed:
+            raise _refuse(where, f"it was recorded with seed = {short(recorded['seed'])}, this run has "
+                          f"{config.seed} (the seed draws each round's sample of clients_per_round = {s})")
+
+
+def _check_round(r: int, clients: list[int], config: Any, k: int, s: int | None, *, where: str,
+                 reached: int | None) -> int:
+    """Round ``r``'s recorded set: a round the recorded run finished, clients within 0..K-1 and within the
+    round's sample. Returns ``r``."""
+    if reached is not None and r > reached:
+        raise _refuse(where, f"round {r} is past round {reached}, the last the recorded run finished (the "
+                      "record is damaged)")
+    bad = [c for c in clients if not 0 <= c < k]
+    if bad:
+        raise _refuse(where, f"round {r} names client {bad[0]}, outside 0..{k - 1} (num_clients = {k}: a "
+                      "record of a run with other clients cannot be replayed)")
+    if s is not None:
+        from fdam_ray.algorithms.sampling import sample_clients  # the algorithms import torch
+
+        sample = sample_clients(config.seed, r, k, s) or list(range(k))
+        out = [c for c in clients if c not in sample]
+        if out:
+            raise _refuse(where, f"round {r} names client {out[0]}, not in the round's sample {sample} "
+                          f"(clients_per_round = {s}, seed = {config.seed}): the record is of another run")
+    return r
 
 
 def planned_rounds(config: Any) -> int:
@@ -354,16 +359,12 @@ def planned_rounds(config: Any) -> int:
 
 def as_sampled_round(reducer: Any, executor: Any, round_index: int, total_weight: float) -> None:
     """Make a round every client was asked to run, and that some missed, fold as a sampled round of those that
-    made it (s.3b): the reducer's sums of c^k become the sums of their changes (sent by their actors,
-    :meth:`~fdam_ray.executors.ray.executor.RayExecutor.round_changes`), and c moves by them over
-    ``total_weight`` (that of all clients). Nothing to do without control variates."""
-    sums = reducer.sums
-    if not sums.control_variates:
+    made it (s.3b): the drift correction's rule (:meth:`~fdam_ray.algorithms.drift.ControlVariates.as_sampled`)
+    with the sums of the changes of c^k their actors send
+    (:meth:`~fdam_ray.executors.ray.executor.RayExecutor.round_changes`), c moving by them over ``total_weight``
+    (that of all clients). Nothing to do without control variates."""
+    if not reducer.sums.control_variates:
         return
-    changes = executor.round_changes(round_index)
-    for i, name in enumerate(("c_v", "c_alpha")):
-        total = getattr(sums, name)
-        total.fill(0)
-        for part in changes:
-            np.add(total, part[i], out=total)
-    reducer.partial_total = total_weight
+    from fdam_ray.algorithms.drift import CONTROL_VARIATES  # the algorithms import torch
+
+    CONTROL_VARIATES.as_sampled(reducer, executor.round_changes(round_index), total_weight)

@@ -26,10 +26,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,6 +35,7 @@ import numpy as np
 import torch
 
 from fdam_ray.algorithms import AlgorithmSection, build_algorithm
+from fdam_ray.algorithms.drift import CONTROL_VARIATES
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.algorithms.stages import moments_nbytes
 from fdam_ray.checkpoint import Checkpoint, ClientState, LoopState
@@ -49,10 +48,12 @@ from fdam_ray.executors import Executor
 from fdam_ray.executors.errors import PlacementError
 from fdam_ray.models import network_record
 from fdam_ray.objectives import global_positive_ratio
+from fdam_ray.one_at_a_time import one_federation_at_a_time
 from fdam_ray.outputs import Observer, RunStart, Snapshot
 from fdam_ray.schedules import Position, Schedule, ScheduleSection
 from fdam_ray.sites import client_label
-from fdam_ray.state import ClientUpdate, GlobalState, RoundPlan, Rule, StepStats, reads_store_arrays, vector_names
+from fdam_ray.state import ClientUpdate, GlobalState, RoundPlan, StepStats, reads_store_arrays
+from fdam_ray.summary import keep_best, run_summary, selected_evaluation, warn_if_test_set_changed
 
 if TYPE_CHECKING:
     from fdam_ray.config import Config
@@ -92,36 +93,6 @@ class RunResult:
     state: GlobalState
     run_dir: Path | None
     pretrain: RunResult | None = None
-
-
-_ONE_AT_A_TIME = threading.Lock()  # guards the two below
-_running_in: int | None = None  # the thread a federation of this process runs in
-_depth = 0  # how deep (a two-stage recipe runs its stage 1 inside the assembly of stage 2)
-
-
-@contextmanager
-def one_federation_at_a_time() -> Iterator[None]:
-    """While inside, this thread runs this process's federation; another thread's is refused in one line.
-
-    torch's random number generator is one per process (a model's seeded initialisation, a driver's checkpointed
-    RNG state): two federations at once in threads would draw from it in turns and each end other than alone.
-    One after another they are independent; nested in one thread (stage 1 of a recipe) they are sequential."""
-    global _running_in, _depth
-    me = threading.current_thread()
-    with _ONE_AT_A_TIME:
-        if _running_in is not None and _running_in != me.ident:
-            other = next((t.name for t in threading.enumerate() if t.ident == _running_in), str(_running_in))
-            raise RuntimeError(f"another federation is running in this process (thread {other!r}); torch's random "
-                               "number generator is shared by the whole process, so two runs at once would change "
-                               "each other's results: run them one after another, or each in a process of its own")
-        _running_in, _depth = me.ident, _depth + 1
-    try:
-        yield
-    finally:
-        with _ONE_AT_A_TIME:
-            _depth -= 1
-            if _depth == 0:
-                _running_in = None
 
 
 class Federation:
@@ -216,7 +187,7 @@ class Federation:
         plan, sampled, clients = self._participants(plan)
         total = None
         if clients is not None:
-            total = float(self.num_clients if self.client_weights is None else self.client_weights.sum())
+            total = CONTROL_VARIATES.total_weight(self.num_clients, self.client_weights)
         reducer = self.algorithm.reducer(loop.state, weights=self.client_weights, partial_total=total)
 
         def fold(update: PartialSum | ClientUpdate) -> None:
@@ -230,8 +201,8 @@ class Federation:
             self.executor.run_round(loop.state, plan, fold, clients)
         if self.deadlines.round_deadline is not None and not plan.partial and reducer.count < asked:
             # a client missed the deadline of a round every client ran: fold it as a round of those that made it
-            as_sampled_round(reducer, self.executor, plan.round, float(
-                self.num_clients if self.client_weights is None else self.client_weights.sum()))
+            as_sampled_round(reducer, self.executor, plan.round,
+                             CONTROL_VARIATES.total_weight(self.num_clients, self.client_weights))
         if self.deadlines.tolerant:
             self._note_participants(loop, plan.round, sampled, clients, [st.client_id for st in reducer.stats])
         sent = getattr(self.executor, "broadcast_nbytes", None)  # rounded transfers move fewer bytes
@@ -308,10 +279,10 @@ class Federation:
             rec["participation"] = " ".join(f"r{r}={','.join(map(str, ks))}" for r, ks in self._unrecorded.items())
             self._unrecorded = {}
         loop.loss_sum, loop.loss_rounds = 0.0, 0
-        _warn_if_test_set_changed(loop.history, rec)
+        warn_if_test_set_changed(loop.history, rec)
         loop.history.append(rec)
         if self.validation:
-            _keep_best(loop, rec)
+            keep_best(loop, rec)
             log.info("iteration %d round %d stage %d: val AUC %.4f, test AUC %.4f", rec["iteration"], plan_round,
                      stage, rec["val_auc"], rec["test_auc"])
         else:
@@ -335,7 +306,7 @@ class Federation:
     # -- the run ----------------------------------------------------------------------
     def run(self, *, resume: Checkpoint | None = None) -> RunResult:
         """Run (or, with ``resume``, a checkpoint, continue) the federation (one at a time in a process:
-        :func:`one_federation_at_a_time`)."""
+        :func:`~fdam_ray.one_at_a_time.one_federation_at_a_time`)."""
         with one_federation_at_a_time():
             return self._run(resume)
 
@@ -445,29 +416,14 @@ class Federation:
 
     def _finish(self, loop: LoopState, started: float, snapshot: Snapshot) -> RunResult:
         state, history = loop.state, loop.history
-        best = _selected(loop) if self.validation else _best_test(history)
-        if self.validation:
-            _warn_if_tied(history, best)
+        best = selected_evaluation(loop, validation=self.validation)
         if self.validation and loop.best_val_state is not None:
             self.observer.best_model(self._model_payload(loop.best_val_state), history[best])
         payload = self._model_payload(state)  # the final state, loaded last: the replica holds it
         model_state, a, b = payload["model"], payload["a"].numpy(), payload["b"].numpy()
-        summary = {
-            "algorithm": self.algorithm.preset.name,
-            "final_test_auc": history[-1]["test_auc"],
-            "best_test_auc": history[best]["test_auc"],
-            "best_iteration": history[best]["iteration"],
-            **(_validation_summary(history, best) if self.validation else {}),
-            "iterations": state.iteration,
-            "rounds": state.round,
-            "bytes_up": loop.bytes_up,
-            "bytes_down": loop.bytes_down,
-            "wall_s": round(loop.wall_offset + time.perf_counter() - started, 3),
-            "samples_per_s": round(loop.samples / loop.train_s, 1) if loop.train_s else None,
-            "positive_ratio": [round(float(x), 6) for x in self.positive_ratio],
-            **({"client_names": list(self.config.client_names)} if self.config.client_names else {}),
-            "run_dir": None,  # an observer that saves the run sets it
-        }
+        summary = run_summary(loop, best, algorithm=self.algorithm.preset.name, validation=self.validation,
+                              started=started, positive_ratio=self.positive_ratio,
+                              client_names=self.config.client_names)
         cv = _control_variates(state)
         self.observer.finish(summary, payload, snapshot)
         run_dir = summary["run_dir"]
@@ -491,68 +447,6 @@ def _state_diverged(round_index: int) -> DivergenceError:
                            "lower lr or global_lr")
 
 
-def _keep_best(loop: LoopState, rec: dict) -> None:
-    """Keep the evaluation with the highest validation AUC so far (the first of equal ones): its AUC, its
-    iteration and a copy of the model's state there (the loop's arrays change in later rounds; the control
-    variates are not the model's and are left out)."""
-    val = rec.get("val_auc")
-    if val is None or not math.isfinite(val) or (loop.best_val_auc is not None and val <= loop.best_val_auc):
-        return
-    state, control = loop.state, vector_names(Rule.CONTROL)
-    loop.best_val_auc, loop.best_val_iteration = float(val), rec["iteration"]
-    loop.best_val_state = GlobalState.from_vectors(
-        {k: None if x is None or k in control else x.copy() for k, x in state.vectors().items()},
-        round=state.round, iteration=state.iteration)
-
-
-def _warn_if_tied(history: list[dict], best: int) -> None:
-    """One warning when other evaluations have the selected one's validation AUC (a saturated or small validation
-    set): the selection is then the earliest of them, not one the validation set tells apart."""
-    val = history[best].get("val_auc")
-    if val is None or not math.isfinite(val):
-        return
-    tied = [h["iteration"] for h in history if h.get("val_auc") == val]
-    if len(tied) < 2:
-        return
-    shown = ", ".join(map(str, tied[:5])) + (", ..." if len(tied) > 5 else "")
-    samples = history[best].get("val_samples")
-    log.warning("%d evaluations tied at the best validation AUC %.6g (iterations %s): the validation set%s cannot "
-                "tell them apart, so best_model.pt and best_* are the earliest of them (iteration %d); a larger "
-                "val_fraction (or more data) tells them apart", len(tied), val, shown,
-                "" if samples is None else f" ({samples} samples)", history[best]["iteration"])
-
-
-def _best_test(history: list[dict]) -> int:
-    """Without validation: the evaluation of the highest test AUC (the last one when none is defined)."""
-    aucs = [h["test_auc"] for h in history]
-    return int(np.nanargmax(aucs)) if np.any(np.isfinite(aucs)) else len(history) - 1
-
-
-def _selected(loop: LoopState) -> int:
-    """With validation: the evaluation of the best validation AUC (the last one when none is defined)."""
-    at = [i for i, h in enumerate(loop.history) if h["iteration"] == loop.best_val_iteration]
-    return at[-1] if at else len(loop.history) - 1
-
-
-def _validation_summary(history: list[dict], best: int) -> dict:
-    """The summary's validation fields: best_test_auc and best_iteration are then those of this evaluation."""
-    return {"best_val_auc": history[best]["val_auc"], "final_val_auc": history[-1]["val_auc"],
-            "selected_by": "val_auc"}
-
-
-def _warn_if_test_set_changed(history: list[dict], rec: dict) -> None:
-    """One warning when the pooled test set is not the one the last evaluation scored: a client dropped from the
-    run (``on_client_failure=drop``) takes its own test split out of a pool made of the clients' splits, and an
-    AUC over other samples cannot be compared with the earlier ones (each record keeps its ``test_samples``)."""
-    before = history[-1].get("test_samples") if history else None
-    now = rec.get("test_samples")
-    if before is not None and now is not None and now != before:
-        log.warning("the pooled test set has %d samples at iteration %d, %d at the evaluation before (the test "
-                    "splits of dropped clients are no longer scored): test AUCs before and after are not comparable, "
-                    "and best_test_auc may come from the larger set (metrics record test_samples per evaluation)",
-                    now, rec["iteration"], before)
-
-
 def _control_variates(state: GlobalState) -> tuple[np.ndarray, np.ndarray] | None:
     """The final (c_v, c_alpha) of an algorithm with drift correction, else None."""
     if state.c_v is None:
@@ -562,13 +456,9 @@ def _control_variates(state: GlobalState) -> tuple[np.ndarray, np.ndarray] | Non
     return state.c_v, state.c_alpha
 
 
-def rebuilt_states(states: list[ClientState], state: GlobalState) -> list[ClientState]:
+def rebuilt_states(states: list[ClientState | None], state: GlobalState) -> list[ClientState | None]:
     """A checkpoint's client states, where a client marked ``rebuild`` (its actor could not be placed when the
-    checkpoint was written) gets the global control variate c of ``state`` and keeps the fresh sampler it
-    starts with, as a replaced actor's client does."""
-    out: list[ClientState] = []
-    for k, s in enumerate(states):
-        if s is not None and s.get("rebuild"):
-            s = {"client_id": k, "c_v": state.c_v, "c_alpha": state.c_alpha, "sampler": None, "scaler": None}
-        out.append(s)
-    return out
+    checkpoint was written) starts as a replaced actor's client does (the drift correction's rule,
+    :meth:`~fdam_ray.algorithms.drift.DriftCorrection.replaced`: the global c of ``state``, a fresh sampler)."""
+    typed = [None if s is None else ClientState.of(s) for s in states]  # (a mapping in the file's layout is read)
+    return [CONTROL_VARIATES.replaced(k, state) if s is not None and s.rebuild else s for k, s in enumerate(typed)]

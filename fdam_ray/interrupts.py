@@ -17,7 +17,7 @@ the stop signals and leaves on the second. Ray's exit-time shutdown is skipped: 
 KeyboardInterrupt traceback, and its teardown of a compiled graph can crash the
 process. A private local Ray whose driver is gone is ended by the kernel (its server processes die with
 the driver) and by pid (what is left in their sessions:
-:func:`fdam_ray.executors.ray.session.end_private_sessions`, run by :func:`before_exit_now`).
+:func:`fdam_ray.executors.ray.startup.end_private_sessions`, run by :func:`before_exit_now`).
 Once the command has returned (:func:`command_returned`) any signal exits so:
 the state is saved by then.
 
@@ -26,6 +26,12 @@ DataLoader worker processes ignore both signals unless their parent sends them
 job's whole process group, and a worker killed mid-batch would fail the driver
 before its own handler saved anything; the driver ends its workers when it
 stops.
+
+A clean stop of ``fdam train`` is a flag (:func:`request_stop`, which its
+SIGTERM handler calls): the run folder acts on it at the next round end, with
+a checkpoint, and the waits outside rounds (placement, joining or starting a
+Ray cluster) poll it (:func:`stop_requested`); each raises :class:`RunStopped`.
+The flag lives here, below the Ray executor and the outputs that both read it.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -58,6 +65,41 @@ class Interrupted(KeyboardInterrupt):
 
 def _raise_interrupt(signum: int) -> None:
     raise Interrupted(signum)
+
+
+_stop_reason: str | None = None
+
+
+def request_stop(reason: str) -> None:
+    """Ask every run of this process to stop at its next round end, with a checkpoint (safe in a signal handler).
+
+    ``fdam train`` calls it on SIGTERM, what Slurm, Kubernetes and spot-instance reclaim send.
+    """
+    global _stop_reason
+    _stop_reason = reason
+
+
+def stop_requested() -> str | None:
+    """Why a stop was asked for (:func:`request_stop`), or None; waits outside rounds (placement, joining a
+    cluster) poll it, so that a stop is acted on while they wait too."""
+    return _stop_reason
+
+
+def clear_stop_request() -> None:
+    global _stop_reason
+    _stop_reason = None
+
+
+class RunStopped(Exception):
+    """A run stopped at a round end because it was asked to (:func:`request_stop`); its checkpoint is written.
+
+    Attributes:
+        run_dir: the run folder, to continue with ``--resume`` (None: stopped before a run folder was made).
+    """
+
+    def __init__(self, message: str, run_dir: Path | None) -> None:
+        super().__init__(message)
+        self.run_dir = run_dir
 
 
 class _State:

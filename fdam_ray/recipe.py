@@ -46,9 +46,11 @@ from fdam_ray.executors import Executor, make_executor
 from fdam_ray.executors.errors import PlacementError
 from fdam_ray.executors.inline import InlineExecutor, ignored_fields
 from fdam_ray.factories import PYTHON_PREFIX
-from fdam_ray.federation import Federation, RunResult, one_federation_at_a_time
+from fdam_ray.federation import Federation, RunResult
+from fdam_ray.interrupts import RunStopped
 from fdam_ray.models import model_name
-from fdam_ray.outputs import EvalCallback, Observer, Observers, OutputSection, Progress, RunFolder, RunStopped
+from fdam_ray.one_at_a_time import one_federation_at_a_time
+from fdam_ray.outputs import EvalCallback, Observer, Observers, OutputSection, Progress, RunFolder
 from fdam_ray.outputs.agreement import check_one_run, check_same_config
 from fdam_ray.outputs.records import read_summary
 from fdam_ray.outputs.run_folder import check_new_run_dir

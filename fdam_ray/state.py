@@ -12,7 +12,7 @@ import dataclasses
 import enum
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Self, cast
 
 import numpy as np
@@ -166,6 +166,82 @@ class Moments:
     sum_neg: np.ndarray
     num_neg: np.ndarray
     client_id: int = -1
+
+
+_CLIENT_KEYS = ("client_id", "sampler", "scaler", "moments", "transfer_residual", "rebuild")
+
+
+@dataclasses.dataclass(eq=False)
+class ClientState(Mapping[str, Any]):
+    """A client's own state: what a checkpoint needs to continue it exactly (docs/algorithms.md s.8, R1).
+
+    In files (checkpoints, a Flower site's state) it is the plain mapping :meth:`to_dict` gives, tensors and
+    arrays in plain containers (read back with ``torch.load(weights_only=True)``): ``client_id``, each control
+    variate by its declared name (:func:`vector_names` of :attr:`Rule.CONTROL`, None without drift correction),
+    ``sampler``, ``scaler``, then ``moments`` and ``transfer_residual`` when set. :meth:`from_dict` reads that
+    layout, as every fdam-ray wrote it. The record reads as that mapping too (``state["client_id"]``).
+
+    Attributes:
+        client_id: k.
+        control: c^k, one array per declared control vector in declaration order; None without drift correction.
+        sampler: the sampler's position; None for a client rebuilt on a new actor (it keeps its fresh sampler).
+        scaler: the fp16 loss scaler's state (None under fp32 and bf16).
+        moments: the local optimiser's buffers (momentum, Adam's moments and step); None for plain SGD.
+        transfer_residual: with 16-bit transfers and error feedback, the upload residual of the host whose first
+            client this is (R11); None otherwise.
+        rebuild: a marker alone (no other field set): the client's actor could not be placed when the checkpoint
+            was written; a resume rebuilds it as a replaced client.
+    """
+
+    client_id: int
+    control: tuple[np.ndarray, ...] | None = None
+    sampler: Any = None
+    scaler: dict | None = None
+    moments: list[np.ndarray] | None = None
+    transfer_residual: dict[str, np.ndarray] | None = None
+    rebuild: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """The file's layout of this state (the values as they are, not copied)."""
+        if self.rebuild:
+            return {"client_id": self.client_id, "rebuild": True}
+        names = vector_names(Rule.CONTROL)
+        out: dict[str, Any] = {"client_id": self.client_id}
+        out.update(zip(names, self.control if self.control is not None else (None,) * len(names), strict=True))
+        out.update(sampler=self.sampler, scaler=self.scaler)
+        if self.moments is not None:  # absent for plain SGD: a file as before
+            out["moments"] = self.moments
+        if self.transfer_residual is not None:
+            out["transfer_residual"] = self.transfer_residual
+        return out
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> ClientState:
+        """A state from the file's layout; a key the layout does not have is a ValueError naming it."""
+        names = vector_names(Rule.CONTROL)
+        unknown = sorted(str(k) for k in values if k not in _CLIENT_KEYS and k not in names)
+        if unknown:
+            raise ValueError(f"the state of client {values.get('client_id')} holds {', '.join(unknown)}, which a "
+                             "client's state does not")
+        if values.get("rebuild"):
+            return cls(values["client_id"], rebuild=True)
+        control = None if values[names[0]] is None else tuple(values[name] for name in names)
+        return cls(values["client_id"], control, values["sampler"], values.get("scaler"), values.get("moments"),
+                   values.get("transfer_residual"))
+
+    @classmethod
+    def of(cls, state: ClientState | Mapping[str, Any]) -> ClientState:
+        """``state`` as a :class:`ClientState` (a mapping in the file's layout is read by :meth:`from_dict`)."""
+        return state if isinstance(state, ClientState) else cls.from_dict(state)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_dict()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.to_dict())
+
+    def __len__(self) -> int:
+        return len(self.to_dict())
 
 
 STORE_READERS: set[str] = set()  # the modules that called reads_store_arrays

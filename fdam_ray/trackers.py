@@ -61,8 +61,8 @@ from urllib.parse import urlsplit
 import torch
 
 from fdam_ray.config import Config, ConfigError
-from fdam_ray.interrupts import interruptible
-from fdam_ray.outputs import Observer, RunStart, RunStopped, Snapshot, scalars
+from fdam_ray.interrupts import RunStopped, interruptible
+from fdam_ray.outputs import Observer, RunStart, Snapshot, scalars
 from fdam_ray.redact import redact
 from fdam_ray.versions import VERSIONS_KEY, run_versions
 

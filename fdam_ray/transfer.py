@@ -33,15 +33,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from fdam_ray.algorithms.server import PartialSum
+from fdam_ray.executors.capabilities import no_16bit
 from fdam_ray.sections import Section, fail, setting, shared
-from fdam_ray.state import GlobalState, Rule, StepStats, reads_store_arrays, vector_fields
+from fdam_ray.state import ClientState, GlobalState, Rule, StepStats, reads_store_arrays, vector_fields
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -64,9 +65,10 @@ class TransferSection(Section):
     def check(self) -> None:
         if self.error_feedback and self.transfer_precision == "fp32":
             raise fail("error_feedback", True, "true only with transfer_precision bf16 or fp16")
-        if self.transfer_precision != "fp32" and self.executor == "ray" and self.transport != "classic":
+        refused = no_16bit(self.transport) if self.executor == "ray" else ""  # as the transports declare
+        if self.transfer_precision != "fp32" and refused:
             raise fail("transfer_precision", self.transfer_precision,
-                       f"fp32 with transport={self.transport}; bf16/fp16 run with transport=classic")
+                       f"fp32 with transport={self.transport}; {refused}")
 
 
 # -- rounding -------------------------------------------------------------------------------------------------
@@ -308,18 +310,18 @@ def sent_nbytes(message: Broadcast, master: GlobalState) -> int:
     return int(master.nbytes) if message.bits is None else message.nbytes
 
 
-RESIDUAL_KEY = "transfer_residual"  # where a host's upload residual rides in its first client's checkpointed state
+RESIDUAL_KEY = "transfer_residual"  # the field of a host's first ClientState its upload residual rides in
 
 
-def attach_residual(states: list, residual: dict | None) -> None:
+def attach_residual(states: Sequence[ClientState | None], residual: dict | None) -> None:
     """Put a host's upload residual into the first of its clients' exported states."""
     if residual is not None and states and states[0] is not None:
-        states[0][RESIDUAL_KEY] = {k: np.array(v) for k, v in residual.items()}
+        states[0].transfer_residual = {k: np.array(v) for k, v in residual.items()}
 
 
-def residual_of(states: list) -> dict:
+def residual_of(states: Sequence[ClientState | None]) -> dict:
     """A host's upload residual from its clients' checkpointed states (empty when none was kept)."""
     for s in states:
-        if s is not None and s.get(RESIDUAL_KEY) is not None:
-            return {k: np.array(v, dtype=np.float32) for k, v in s[RESIDUAL_KEY].items()}
+        if s is not None and s.transfer_residual is not None:
+            return {k: np.array(v, dtype=np.float32) for k, v in s.transfer_residual.items()}
     return {}

@@ -123,7 +123,7 @@ def test_reduce_node_is_refused_in_one_line():
 def test_the_members_server_step_is_the_drivers_bit_for_bit_in_either_set_of_sums():
     from fdam_ray.algorithms import AlgorithmSection, build_algorithm
     from fdam_ray.algorithms.server import PartialSum
-    from fdam_ray.executors.ray.transports.group import ServerStep
+    from fdam_ray.executors.ray.transports.collective_messages import ServerStep
     from fdam_ray.state import GlobalState
 
     rng = np.random.default_rng(0)
@@ -187,7 +187,7 @@ def test_nccl_only_when_every_actor_holds_a_gpu_of_its_own_shared_memory_on_one_
 
 
 def test_a_state_key_changes_with_the_stage_and_with_the_values():
-    from fdam_ray.executors.ray.transports.group import state_key
+    from fdam_ray.executors.ray.transports.collective_messages import state_key
     from fdam_ray.state import GlobalState
 
     v = np.arange(100_000, dtype=np.float32)

@@ -23,7 +23,7 @@ from raytest import pids_using, ray_session
 from fdam_ray.config import build_config
 from fdam_ray.executors.ray import compat, placement
 from fdam_ray.executors.ray.placement import Placement, wait_for_group
-from fdam_ray.outputs.run_folder import RunStopped, clear_stop_request, request_stop
+from fdam_ray.interrupts import RunStopped, clear_stop_request, request_stop
 
 ARRAYS = dict(dataset="arrays", model="mlp", model_width=8, batch_size="full")
 

@@ -20,7 +20,8 @@ import torch
 
 from fdam_ray.algorithms.server import PartialSum, RoundReducer
 from fdam_ray.executors.ray.transports import shared
-from fdam_ray.executors.ray.transports.group import GroupMember, ServerStep
+from fdam_ray.executors.ray.transports.collective_messages import ServerStep
+from fdam_ray.executors.ray.transports.group import GroupMember
 from fdam_ray.executors.ray.transports.shared import SharedBlock, SharedBroken
 from fdam_ray.state import GlobalState, RoundPlan
 

@@ -9,25 +9,44 @@ local step by c - c^k, and at the round's end, with I the steps taken:
 
 The server's c is the (weighted) mean of the clients' c^k; under client
 sampling a sampled client sends the change of its c^k and c moves by their
-weighted sum over the total weight of all clients (s.3b), which
-:class:`~fdam_ray.algorithms.server.RoundReducer` applies. A stage start zeroes
+weighted sum over the total weight of all clients (s.3b). A stage start zeroes
 c and every c^k unless ``reset_control_variates`` is off.
 
 A strategy has a client half (:meth:`DriftCorrection.client`, one per model
 replica, torch tensors where the replica computes) and a server half (the
 methods on the strategy itself, numpy). :class:`NoCorrection` leaves every
 term out, so the same solver is CODA+ without it and CODASCA with it.
+
+The partial-participation rule lives here once, on :class:`ControlVariates`
+(:data:`CONTROL_VARIATES`; s.3b and s.8, R6, R7, R10), and every executor and
+bridge calls it: what a client uploads in a full and in a sampled round (the
+client half's :meth:`ClientControlVariates.exported`), the change of c^k
+(:meth:`ControlVariates.change`), a host's sums of its clients' changes when
+another client was late (:meth:`~ControlVariates.host_changes`), how the
+server forms c (:meth:`~ControlVariates.server_c`, the reducer's; and
+:meth:`~ControlVariates.moved_c` for bridges whose server takes a full round's
+mean, Flower and SecAgg+), the total weight T of all clients, dropped ones
+included (:meth:`~ControlVariates.total_weight`), a late round refolded as a
+sampled one (:meth:`~ControlVariates.as_sampled`), and the state a replaced
+client starts from (:meth:`DriftCorrection.replaced`). A mechanism that
+transforms a client's change before aggregation (differential privacy: clip
+and noise) goes in :meth:`DriftCorrection.transform_update`.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from fdam_ray.flat import FlatModel
-from fdam_ray.state import GlobalState, Rule, vector_fields
+from fdam_ray.state import ClientState, ClientUpdate, GlobalState, Rule, StateVectors, vector_fields, vector_names
+
+if TYPE_CHECKING:
+    from fdam_ray.algorithms.server import RoundReducer
 
 # a client's own control variate: (c_v^k, c_alpha^k) tensors, or None without drift correction
 ClientVariate = tuple[torch.Tensor, torch.Tensor] | None
@@ -147,6 +166,24 @@ class DriftCorrection(abc.ABC):
     def end_stage(self, state: GlobalState, *, reset: bool) -> None:  # noqa: B027
         """A stage ends: zero the global c when ``reset`` (the paper's DSGSCA+ start)."""
 
+    def transform_update(self, update: ClientUpdate, start: StateVectors) -> ClientUpdate:
+        """What a client sends toward aggregation, from the update its round made (``start``: the state the round
+        ran from). The one place for a mechanism that transforms a client's change before it is summed
+        (differential privacy: clip the change v^k - v and, with control variates, that of c^k, then add noise):
+        :meth:`~fdam_ray.client.Client.local_round` returns what this returns, for every executor and bridge.
+        With control variates the update carries c^k new in a round every client was asked to run (its change
+        from ``start``'s c is c^k new - c) and c^k new - c^k old in a sampled round (:meth:`ControlVariates.change`;
+        the sums of a late round, :meth:`ControlVariates.host_changes`, form that change from the kept states and
+        would take the same transform). None yet: the update as it is."""
+        return update
+
+    def replaced(self, client_id: int, state: StateVectors) -> ClientState:
+        """The state a client rebuilt on a new actor starts from (a replacement after a failure, or on resume a
+        client whose actor could not be placed): c^k = the global c of ``state``, a fresh sampler (None keeps
+        it), no loss scale, zero optimiser buffers (s.8, R1)."""
+        control = tuple(getattr(state, name) for name in vector_names(Rule.CONTROL))
+        return ClientState(client_id, None if any(c is None for c in control) else control)
+
 
 class NoDriftCorrection(DriftCorrection):
     name = "none"
@@ -172,5 +209,86 @@ class ControlVariates(DriftCorrection):
             for f in vector_fields(Rule.CONTROL):
                 setattr(state, f.name, np.zeros_like(getattr(state, f.name)))
 
+    # -- the partial-participation rule (s.3b; s.8, R6, R7, R10) ----------------------------------------------
+    names = vector_names(Rule.CONTROL)  # the control vectors of a state, in declaration order
 
-DRIFT_CORRECTIONS: dict[str, DriftCorrection] = {d.name: d for d in (NoDriftCorrection(), ControlVariates())}
+    @staticmethod
+    def total_weight(num_clients: int, weights: np.ndarray | None) -> float:
+        """T, the total weight of all K clients of the run: K under ``uniform``, the sum of every n_k under
+        ``samples``. K and T stay those of the run's start: a dropped client still counts (R7)."""
+        return float(num_clients if weights is None else weights.sum())
+
+    @staticmethod
+    def change(new: Sequence[np.ndarray], old: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """c^k new - c^k old per control vector, in float32: what a client of a sampled round sends (the client
+        half forms the same value on its device, R9) and what a late round's sums add up."""
+        return [np.subtract(np.asarray(n), np.asarray(o), dtype=np.float32) for n, o in zip(new, old, strict=True)]
+
+    def host_changes(self, clients: Iterable[tuple[Sequence[np.ndarray] | None, Sequence[np.ndarray] | None,
+                                                   float | None]]) -> tuple[np.ndarray, ...] | None:
+        """sum_k w_k (c^k new - c^k old) over a host's clients, each given as (c^k new, c^k old, w_k or None for
+        weight 1), folded in their order with the arithmetic of a partial sum (R10): what a host whose clients
+        made a round that another client missed sends instead of its sums of c^k (R6). None when a client holds
+        no control variate (or no client is given)."""
+        totals: tuple[np.ndarray, ...] | None = None
+        for new, old, weight in clients:
+            if new is None or old is None:
+                return None
+            changes = self.change(new, old)
+            if weight is not None:
+                changes = [np.multiply(x, np.float32(weight)) for x in changes]
+            if totals is None:
+                totals = tuple(np.zeros_like(x) for x in changes)
+            for total, x in zip(totals, changes, strict=True):
+                np.add(total, x, out=total)
+        return totals
+
+    def as_sampled(self, reducer: RoundReducer, changes: Sequence[Sequence[np.ndarray]], total_weight: float) -> None:
+        """Make a round every client was asked to run, and that some missed, fold as a sampled round of those that
+        made it (s.3b, R6): the reducer's sums of c^k become the sums ``changes`` of their hosts' changes
+        (:meth:`host_changes`, in fold order), and c moves by them over ``total_weight`` (T). Nothing to do
+        when the round's sums hold no control variate."""
+        sums = reducer.sums
+        if not sums.control_variates:
+            return
+        for i, name in enumerate(self.names):
+            total = getattr(sums, name)
+            total.fill(0)
+            for part in changes:
+                np.add(total, part[i], out=total)
+        reducer.partial_total = total_weight
+
+    def server_c(self, total: np.ndarray, prev: np.ndarray | None, inv: np.float32,
+                 partial_total: float | None) -> np.ndarray:
+        """The server's c from the round's weighted sum ``total`` of the clients' uploads, in place (R10): their
+        mean S * inv (inv = float32(1 / W)) in a round every client was asked to run, else, ``partial_total``
+        being T, c <- c + sum_k w_k (c^k new - c^k old) / T (SCAFFOLD's rule, s.3b), the sum already holding
+        the changes."""
+        if partial_total is None:
+            total *= inv
+            return total
+        if prev is None:
+            raise ValueError("a partial round needs the previous global control variate")
+        total *= np.float32(1.0 / partial_total)
+        total += prev
+        return total
+
+    @staticmethod
+    def moved_c(previous: np.ndarray, changes: Iterable[tuple[float, np.ndarray]], total: float) -> np.ndarray:
+        """c + sum_k w_k (c^k new - c^k old) / T in float64, the changes given as (w_k, change) and added in
+        their order: the rule for a bridge whose server takes a full round's mean of what the sites that came
+        send (Flower, SecAgg+), which then sends a value whose mean is this c."""
+        moved = previous.astype(np.float64)
+        for weight, change in changes:
+            moved += weight * change / total
+        return moved
+
+    def zeroed(self, state: ClientState) -> ClientState:
+        """A kept client state at a stage start with ``reset_control_variates``: c^k = 0 (s.5)."""
+        if state.control is not None:
+            state.control = tuple(np.zeros_like(np.asarray(c)) for c in state.control)
+        return state
+
+
+CONTROL_VARIATES = ControlVariates()
+DRIFT_CORRECTIONS: dict[str, DriftCorrection] = {d.name: d for d in (NoDriftCorrection(), CONTROL_VARIATES)}

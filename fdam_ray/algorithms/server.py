@@ -9,7 +9,9 @@ The means are over the clients that took part, with weights w_k (client
 weighting ``samples``: w_k = n_k) renormalised over them; without weights they
 are plain means. When only a sample of the clients took part, c stays the
 weighted mean over all clients (SCAFFOLD's rule): each sampled client sends the
-change of its c^k and c <- c + sum_k w_k (c^k_new - c^k_old) / sum_all w.
+change of its c^k and c <- c + sum_k w_k (c^k_new - c^k_old) / sum_all w. That
+rule is the drift correction's (:data:`~fdam_ray.algorithms.drift.CONTROL_VARIATES`);
+the reducer calls it.
 
 Updates are folded into sums as they arrive and dropped, so the server holds a
 fixed number of state-sized buffers whatever the number of clients.
@@ -27,6 +29,7 @@ import dataclasses
 
 import numpy as np
 
+from fdam_ray.algorithms.drift import CONTROL_VARIATES
 from fdam_ray.state import ClientUpdate, GlobalState, Rule, StateVectors, StepStats, vector_fields, vector_names
 
 
@@ -305,7 +308,7 @@ class RoundReducer:
                 if rule is Rule.EXTRAPOLATE:
                     total = self._extrapolate(total, getattr(prev, f.name))
             elif rule is Rule.CONTROL:
-                total = self._control_mean(total, getattr(prev, f.name), inv)
+                total = CONTROL_VARIATES.server_c(total, getattr(prev, f.name), inv, self.partial_total)
             out[f.name] = total
         if self.alpha_nonnegative:
             alpha = out["alpha"]
@@ -313,15 +316,3 @@ class RoundReducer:
                 raise RuntimeError("the server combined no alpha (every state carries one, empty for bce)")
             np.maximum(alpha, 0, out=alpha)
         return GlobalState.from_vectors(out, round=prev.round + 1, iteration=prev.iteration + steps)
-
-    def _control_mean(self, total: np.ndarray, prev: np.ndarray | None, inv: np.float32) -> np.ndarray:
-        """c from the clients' (weighted) sum: their mean when every client took part, else
-        c <- c + sum_k w_k (c^k_new - c^k_old) / sum_all w (SCAFFOLD's rule, s.3b)."""
-        if self.partial_total is None:
-            total *= inv
-            return total
-        if prev is None:
-            raise ValueError("a partial round needs the previous global control variate")
-        total *= np.float32(1.0 / self.partial_total)
-        total += prev
-        return total

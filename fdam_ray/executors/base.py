@@ -22,7 +22,7 @@ import numpy as np
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.data import DataSource
 from fdam_ray.sections import AT_LEAST_ONE, NONNEGATIVE, Section, setting
-from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores, StepStats
+from fdam_ray.state import ClientInfo, ClientState, GlobalState, Moments, RoundPlan, Scores, StepStats
 
 if TYPE_CHECKING:
     from fdam_ray.config import Config
@@ -148,12 +148,12 @@ class Executor(abc.ABC):
         """Every client's score sums over its training positives and negatives."""
 
     @abc.abstractmethod
-    def client_states(self) -> list[dict | None]:
+    def client_states(self) -> list[ClientState | None]:
         """Every client's resumable state (``Client.get_state()``: control variate, sampler position); None for a
         client that was dropped."""
 
     @abc.abstractmethod
-    def restore_client_states(self, states: list[dict | None]) -> None:
+    def restore_client_states(self, states: list[ClientState | None]) -> None:
         """Give every client back the state :meth:`client_states` returned (``Client.set_state``)."""
 
     @property

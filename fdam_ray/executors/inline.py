@@ -37,7 +37,7 @@ from fdam_ray.data import DataSource
 from fdam_ray.executors.base import Executor, ExecutorSection, actor_groups
 from fdam_ray.executors.ray_section import RaySection
 from fdam_ray.sections import owned_fields
-from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores
+from fdam_ray.state import ClientInfo, ClientState, GlobalState, Moments, RoundPlan, Scores
 from fdam_ray.transfer import Downlink, attach_residual, compress, expand, residual_of, sent_nbytes
 
 # ExecutorSection's fields that only the Ray executor reads (inline has no actors to replace or to score on).
@@ -131,8 +131,8 @@ class InlineExecutor(Executor):
     def score_moments(self, state: GlobalState) -> list[Moments]:
         return [c.score_moments(state) for c in self.clients]
 
-    def client_states(self) -> list[dict | None]:
-        states: list[dict | None] = [c.get_state() for c in self.clients]
+    def client_states(self) -> list[ClientState | None]:
+        states: list[ClientState | None] = [c.get_state() for c in self.clients]
         if self.residuals is not None:
             for g, group in enumerate(self.groups):
                 attach_residual([states[k] for k in group], self.residuals.get(g))
@@ -146,13 +146,13 @@ class InlineExecutor(Executor):
         if self.downlink is not None:
             self.downlink.load_state_dict(state)
 
-    def restore_client_states(self, states: list[dict | None]) -> None:
+    def restore_client_states(self, states: list[ClientState | None]) -> None:
         dropped = [k for k, s in enumerate(states) if s is None]
         if dropped:
             raise ValueError(f"client(s) {dropped} were dropped from the run being resumed; the inline executor "
                              "runs every client: resume it with executor=ray")
         for c, s in zip(self.clients, states, strict=True):
-            c.set_state(cast(dict, s))  # None refused above
+            c.set_state(cast(ClientState, s))  # None refused above
         if self.residuals is not None:
             self.residuals = {g: residual_of([states[k] for k in group]) for g, group in enumerate(self.groups)}
 

@@ -14,14 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from fdam_ray.executors.base import ExecutorSection
+from fdam_ray.executors.capabilities import REDUCES, reduces, refused_pairs, transports
 from fdam_ray.sections import AT_LEAST_ONE, POSITIVE, Section, fail, setting, shared
-
-# (transport, reduce) pairs of the config that no transport runs, and why (checked with the config, so a run or a
-# sweep stops before anything starts; the transports' registry reads the same table)
-REFUSED_PAIRS: dict[tuple[str, str], str] = {
-    ("collective", "node"): "transport=collective reduces the actors' partial sums among the actors themselves; "
-                            "reduce=node needs transport=classic or compiled",
-}
 
 # Resources Ray reserves through cpus_per_actor / gpus_per_actor, never through client_resources.
 BUILT_IN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
@@ -60,7 +54,7 @@ class RaySection(Section):
                                                         "ask for the same; null = any node.")
     reduce: str = setting("star", "ray executor: star (every actor's partial sum goes to the driver) or node (the "
                           "actors on one node fold their partial sums into one on that node; the driver receives "
-                          "one per node).", choices=("star", "node"), resume=True)
+                          "one per node).", choices=REDUCES, resume=True)
     transport: str = setting("classic", "ray executor: how a round reaches the actors and comes back: classic (one "
                              "Ray call per actor, the state through the object store) or compiled (one Ray Compiled "
                              "Graph built per federation: the state and the partial sums travel through "
@@ -69,7 +63,7 @@ class RaySection(Section):
                              "NCCL on GPUs, and apply the server step, several rounds a call (collective_rounds); "
                              "the driver receives the state where it needs it and sends it only when the actors' "
                              "copy is stale). Evaluation and "
-                             "set-up calls stay classic in every case.", choices=("classic", "compiled", "collective"),
+                             "set-up calls stay classic in every case.", choices=tuple(transports()),
                              resume=True)
     collective_rounds: int = setting(16, "transport=collective: rounds the actors run back to back in one call "
                                      "(local round, all-reduce, server step, and on to the next), the driver "
@@ -106,10 +100,12 @@ class RaySection(Section):
     executor: str = shared()
 
     def check(self) -> None:
-        """A (transport, reduce) pair some transport runs; client_resources: one entry per client, and the clients
-        of one actor ask for the same."""
-        if self.executor == "ray" and (self.transport, self.reduce) in REFUSED_PAIRS:
-            raise fail("reduce", self.reduce, f"star: {REFUSED_PAIRS[self.transport, self.reduce]}")
+        """A (transport, reduce) pair some transport runs (as the transports declare); client_resources: one entry
+        per client, and the clients of one actor ask for the same."""
+        refused = refused_pairs()  # what the transports declare (fdam_ray.executors.capabilities)
+        if self.executor == "ray" and (self.transport, self.reduce) in refused:
+            raise fail("reduce", self.reduce, f"{', '.join(reduces(self.transport))}: "
+                       f"{refused[self.transport, self.reduce]}")
         resources, k, m = self.client_resources, self.num_clients, self.clients_per_actor
         if resources is None:
             return

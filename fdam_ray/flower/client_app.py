@@ -26,11 +26,11 @@ import dataclasses
 import logging
 from typing import Any
 
-import numpy as np
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 
+from fdam_ray.algorithms.drift import CONTROL_VARIATES
 from fdam_ray.flower import records
 from fdam_ray.flower.secagg import secure_round
 from fdam_ray.flower.site import KeptState, SiteStore, build_client, site_source, zero_control_variate
@@ -165,10 +165,10 @@ def change(msg: Message, context: Context) -> Message:
     kept, wanted = call.kept, records.integer(cfg, "round")
     if kept.pending is None or kept.pending_round != wanted or kept.pending_start is None:
         raise RuntimeError(f"site {call.site} holds no update of round {wanted}")
-    new, old = kept.pending, kept.pending_start
-    delta = {name: None if new.get(name) is None else
-             np.asarray(new[name], dtype=np.float32) - np.asarray(old[name], dtype=np.float32)
-             for name in ("c_v", "c_alpha")}
+    new, old = kept.pending.control, kept.pending_start.control
+    names = CONTROL_VARIATES.names
+    delta = dict.fromkeys(names) if new is None or old is None else dict(zip(names, CONTROL_VARIATES.change(new, old),
+                                                                              strict=True))
     return Message(RecordDict({records.STATE: records.arrays(delta)}), reply_to=msg)
 
 

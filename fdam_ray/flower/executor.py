@@ -46,12 +46,13 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
+from fdam_ray.algorithms.drift import CONTROL_VARIATES
 from fdam_ray.algorithms.sampling import client_weights
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.executors.base import Executor, ExecutorSection
 from fdam_ray.flower import records
 from fdam_ray.flower.section import FlowerSection
-from fdam_ray.state import ClientInfo, ClientUpdate, GlobalState, Moments, RoundPlan, Scores
+from fdam_ray.state import ClientInfo, ClientState, ClientUpdate, GlobalState, Moments, RoundPlan, Scores
 
 if TYPE_CHECKING:
     from fdam_ray.config import Config
@@ -390,7 +391,8 @@ class FlowerExecutor(Executor):
         return left_out
 
     def _partial_control(self, state: GlobalState, plan: RoundPlan, updates: dict[int, ClientUpdate]) -> None:
-        """A full round that some sites dropped out of: c <- c + sum_S w_k (c^k_new - c^k_old) / sum_all w.
+        """A full round that some sites dropped out of: c <- c + sum_S w_k (c^k_new - c^k_old) / sum_all w, the
+        drift correction's rule (:meth:`~fdam_ray.algorithms.drift.ControlVariates.moved_c`).
 
         The reducer of a full round divides the control sums by the weight of the sites that came, so each
         update's control variate is replaced by the value whose weighted mean is that c."""
@@ -403,14 +405,16 @@ class FlowerExecutor(Executor):
             raise RuntimeError(f"round {plan.round}: sites {missing} did not send the change of their control "
                                "variate")
         w = {k: 1.0 if self.weights is None else float(self.weights[k]) for k in updates}
-        total_all = float(self.num_sites if self.weights is None else self.weights.sum())
-        for name, prev in (("c_v", state.c_v), ("c_alpha", state.c_alpha)):
-            moved = prev.astype(np.float64).copy()
-            for k in sorted(updates):
-                change = records.state_vectors(changes[k].array_records[records.STATE])[name]
+        sent = {k: records.state_vectors(changes[k].array_records[records.STATE]) for k in sorted(updates)}
+        for name in CONTROL_VARIATES.names:
+            weighted: list[tuple[float, np.ndarray]] = []
+            for k, vectors in sent.items():
+                change = vectors[name]
                 if change is None:
                     raise RuntimeError(f"round {plan.round}: site {k} sent no change of {name}")
-                moved += w[k] * change / total_all
+                weighted.append((w[k], change))
+            moved = CONTROL_VARIATES.moved_c(getattr(state, name), weighted,
+                                             CONTROL_VARIATES.total_weight(self.num_sites, self.weights))
             for k in updates:
                 setattr(updates[k], name, moved.astype(np.float32))
 
@@ -427,11 +431,11 @@ class FlowerExecutor(Executor):
                                              for k in ready})
         return [records.moments_of(replies[k]) for k in sorted(replies)]
 
-    def client_states(self) -> list[dict | None]:
+    def client_states(self) -> list[ClientState | None]:
         """The sites keep their own states (c^k, sampler position): a checkpoint here holds none of them."""
         return [None] * self.num_sites
 
-    def restore_client_states(self, states: list[dict | None]) -> None:
+    def restore_client_states(self, states: list[ClientState | None]) -> None:
         raise ValueError("a Flower run is not resumed from a checkpoint: the sites keep their own states")
 
     @property

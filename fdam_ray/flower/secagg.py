@@ -48,6 +48,7 @@ from flwr.server.strategy import Strategy
 from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key
 
+from fdam_ray.algorithms.drift import CONTROL_VARIATES
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.flower import records
 from fdam_ray.flower.section import FlowerSection
@@ -59,7 +60,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SAMPLES_SCALE = 1e-4  # samples enter the secure sum as samples * 1e-4 (inside the clipping range)
-_SUMMED = ("v", "alpha", "buffers", "c_v", "c_alpha")
+_DIFFERENCES = ("v", "alpha", "buffers")  # sent as x^k - x; the control vectors as the change of c^k
+_SUMMED = (*_DIFFERENCES, *CONTROL_VARIATES.names)
 _STATS = 4  # loss, samples * SAMPLES_SCALE, not finite, out of range
 
 
@@ -86,7 +88,7 @@ def secure_round(msg: Message, context: Context, open_call: Callable[[ConfigReco
         x = getattr(update, name)
         if x is None:
             continue
-        start = getattr(state, name) if name in ("v", "alpha", "buffers") else 0.0
+        start = getattr(state, name) if name in _DIFFERENCES else 0.0
         parts.append((np.asarray(x, dtype=np.float64) - start) * scale)
     body = np.concatenate(parts) if parts else np.zeros(0)
     clip = float(cfg["clip"])
@@ -207,7 +209,7 @@ def _partial_sum(ex: FlowerExecutor, state: GlobalState, plan: RoundPlan, strate
         raise ValueError(f"round {plan.round}: an update held values outside flower.secagg_clipping_range="
                          f"{ex.flower.secagg_clipping_range:g}; raise it (the sites' logs name the value)")
     weight = sum(_weight(ex, k) for k in done)
-    total_all = float(ex.num_sites if ex.weights is None else ex.weights.sum())
+    total_all = CONTROL_VARIATES.total_weight(ex.num_sites, ex.weights)
     out: dict[str, np.ndarray | None] = {}
     offset = 0
     for name in _SUMMED:
@@ -217,12 +219,12 @@ def _partial_sum(ex: FlowerExecutor, state: GlobalState, plan: RoundPlan, strate
             continue
         change = body[offset: offset + ref.size] * planned  # sum_k w_k (x^k - x)
         offset += ref.size
-        if name in ("v", "alpha", "buffers"):
+        if name in _DIFFERENCES:
             out[name] = (change + weight * ref.astype(np.float64)).astype(np.float32)
         elif sampled:  # the reducer adds c and divides by the total weight itself
             out[name] = change.astype(np.float32)
         else:  # a full round's reducer divides by the weight that came: give it weight * (c + change / all)
-            out[name] = (weight * (ref.astype(np.float64) + change / total_all)).astype(np.float32)
+            out[name] = (weight * CONTROL_VARIATES.moved_c(ref, [(1.0, change)], total_all)).astype(np.float32)
     counters = [json.loads(str(m["counters"])) for m in strategy.metrics]
     out["counters"] = np.max(np.asarray(counters, dtype=np.int64), axis=0) if counters and counters[0] else \
         state.counters.copy()

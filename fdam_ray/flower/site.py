@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from flwr.app import RecordDict
 
+from fdam_ray.algorithms.drift import CONTROL_VARIATES
 from fdam_ray.client import Client, ClientSection, resolve_device
 from fdam_ray.config import build_config
 from fdam_ray.data import DataSource
@@ -46,6 +47,7 @@ from fdam_ray.executors.base import ExecutorSection
 from fdam_ray.executors.inline import inline_threads
 from fdam_ray.factories import resolve
 from fdam_ray.flower import records
+from fdam_ray.state import ClientState
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +113,10 @@ class KeptState:
     positive_ratio: np.ndarray | None = None
     stage: int = 0
     reference: np.ndarray | None = None
-    client: dict | None = None  # Client.get_state() after the last round the server counted
+    client: ClientState | None = None  # Client.get_state() after the last round the server counted
     pending_round: int = -1
-    pending: dict | None = None  # Client.get_state() after round pending_round, not yet known to be counted
-    pending_start: dict | None = None  # the client state that round started from (for the change of c^k)
+    pending: ClientState | None = None  # Client.get_state() after round pending_round, not yet known to be counted
+    pending_start: ClientState | None = None  # the client state that round started from (for the change of c^k)
     replaced: bool = False  # joined mid-run without a kept state: its first round starts from c^k = c
 
     def settle(self, counted: int) -> None:
@@ -130,7 +132,8 @@ class KeptState:
 
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
-        torch.save({k: _tensors(v) for k, v in dataclasses.asdict(self).items()}, buf)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        torch.save({k: _tensors(v.to_dict() if isinstance(v, ClientState) else v) for k, v in fields.items()}, buf)
         return buf.getvalue()
 
     @classmethod
@@ -155,6 +158,10 @@ class KeptState:
             owner = raw[key].get("client_id")
             if not isinstance(owner, int) or (site is not None and owner != site):
                 raise DamagedState(f"its {key} is the state of client {str(owner)[:20]}, not of site {site}")
+            try:
+                raw[key] = ClientState.from_dict(raw[key])
+            except (KeyError, ValueError) as exc:
+                raise DamagedState(f"its {key} is not a client's state ({type(exc).__name__}: {exc})") from None
         out = cls(**raw)
         for name in ("positive_ratio", "reference"):
             value = getattr(out, name)
@@ -173,8 +180,8 @@ _KINDS: dict[str, type | tuple[type, ...]] = {
     "pending": (dict, type(None)), "pending_start": (dict, type(None)), "replaced": bool}
 
 
-def _site_of(state: dict | None) -> object:
-    return "?" if state is None else state.get("client_id")
+def _site_of(state: ClientState | None) -> object:
+    return "?" if state is None else state.client_id
 
 
 def _tensors(value: Any) -> Any:
@@ -266,8 +273,8 @@ def build_client(site: int, source: DataSource, kept: KeptState) -> Client:
     return client
 
 
-def zero_control_variate(state: dict | None) -> None:
-    """A stage start with reset_control_variates: c^k <- 0 in a kept client state."""
-    if state is not None and state.get("c_v") is not None:
-        state["c_v"] = np.zeros_like(np.asarray(state["c_v"]))
-        state["c_alpha"] = np.zeros_like(np.asarray(state["c_alpha"]))
+def zero_control_variate(state: ClientState | None) -> None:
+    """A stage start with reset_control_variates: c^k <- 0 in a kept client state (the drift correction's
+    :meth:`~fdam_ray.algorithms.drift.ControlVariates.zeroed`)."""
+    if state is not None:
+        CONTROL_VARIATES.zeroed(state)

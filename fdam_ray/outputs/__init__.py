@@ -29,24 +29,19 @@ By concern:
     observer.py      the Observer hooks, their fan-out (Observers), EvalCallback
     records.py       the flat and grouped names of a record's numbers (metrics.csv, Tune, TensorBoard, trackers)
     writer.py        RunWriter: the folder's files as the run goes
-    run_folder.py    RunFolder: the folder as an observer, when checkpoints are written, stops asked for (SIGTERM)
+    run_folder.py    RunFolder: the folder as an observer, when checkpoints are written, a stop asked for
+                     (SIGTERM; the flag, request_stop and RunStopped are fdam_ray.interrupts', re-exported here)
     agreement.py     check_one_run: a resume refuses a folder whose files come from different runs
     progress.py      Progress: the console progress bar
 """
 
 from __future__ import annotations
 
+from fdam_ray.interrupts import RunStopped, clear_stop_request, request_stop  # the stop flag's home: re-exported
 from fdam_ray.outputs.observer import EvalCallback, Observer, Observers, RunStart, Snapshot
 from fdam_ray.outputs.progress import Progress, terminal_size
 from fdam_ray.outputs.records import flatten_record, grouped_name, grouped_scalars, scalars
-from fdam_ray.outputs.run_folder import (
-    OutputSection,
-    RunFolder,
-    RunStopped,
-    clear_stop_request,
-    make_run_dir,
-    request_stop,
-)
+from fdam_ray.outputs.run_folder import OutputSection, RunFolder, make_run_dir
 from fdam_ray.outputs.writer import RunWriter
 
 __all__ = [

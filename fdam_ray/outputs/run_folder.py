@@ -11,6 +11,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from fdam_ray.interrupts import RunStopped, stop_requested
 from fdam_ray.locations import output_root
 from fdam_ray.outputs.observer import Observer, RunStart, Snapshot
 from fdam_ray.outputs.writer import RunWriter, tensorboard_installed
@@ -69,41 +70,6 @@ class OutputSection(Section):
     tracker_project: str = setting("fdam-ray", "MLflow experiment and W&B project the trackers log to.", resume=True)
     algorithm: str = shared()
     dataset: str = shared()
-
-
-_stop_reason: str | None = None
-
-
-def request_stop(reason: str) -> None:
-    """Ask every run of this process to stop at its next round end, with a checkpoint (safe in a signal handler).
-
-    ``fdam train`` calls it on SIGTERM, what Slurm, Kubernetes and spot-instance reclaim send.
-    """
-    global _stop_reason
-    _stop_reason = reason
-
-
-def stop_requested() -> str | None:
-    """Why a stop was asked for (:func:`request_stop`), or None; waits outside rounds (placement, joining a
-    cluster) poll it, so that a stop is acted on while they wait too."""
-    return _stop_reason
-
-
-def clear_stop_request() -> None:
-    global _stop_reason
-    _stop_reason = None
-
-
-class RunStopped(Exception):
-    """A run stopped at a round end because it was asked to (:func:`request_stop`); its checkpoint is written.
-
-    Attributes:
-        run_dir: the run folder, to continue with ``--resume`` (None: stopped before a run folder was made).
-    """
-
-    def __init__(self, message: str, run_dir: Path | None) -> None:
-        super().__init__(message)
-        self.run_dir = run_dir
 
 
 class RunFolder(Observer):
@@ -193,7 +159,7 @@ class RunFolder(Observer):
             return
         if self.needs_state(plan.round):
             self._checkpoint(snapshot, plan.round)
-        reason = _stop_reason
+        reason = stop_requested()
         if reason is not None and self.writer is not None and self.dir is not None:  # a round end: the state is whole
             if self._last_checkpoint != plan.round:
                 self._checkpoint(snapshot, plan.round)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from fdam_ray.executors.ray import compat, session
+from fdam_ray.executors.ray import compat, session, startup
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
 RAY_TIMEOUT = ("The current node timed out during startup. This could happen because some of the raylet failed to "
@@ -58,7 +58,7 @@ def test_a_private_ray_that_does_not_start_is_retried_once_its_processes_stopped
         raise Exception(RAY_TIMEOUT)  # Ray's fixed raylet wait
 
     monkeypatch.setattr(compat, "start_loopback_ray", start_on_a_busy_machine)
-    monkeypatch.setattr(session, "SAY_EVERY_S", 0.15, raising=False)
+    monkeypatch.setattr(startup, "SAY_EVERY_S", 0.15, raising=False)
     caplog.set_level(logging.WARNING, logger="fdam_ray")
     with pytest.raises(RuntimeError) as failed:
         session.ensure_ray(address="local", cpus_needed=2)
@@ -82,7 +82,7 @@ def test_the_raylet_wait_is_bounded_by_fdam_not_by_rays_fixed_30_s(monkeypatch, 
         raise RuntimeError("node not found")
 
     monkeypatch.setattr(services, "get_node", not_registered)
-    monkeypatch.setattr(session, "START_TIMEOUT_S", 0.6, raising=False)
+    monkeypatch.setattr(startup, "START_TIMEOUT_S", 0.6, raising=False)
     monkeypatch.setattr(compat, "start_loopback_ray", lambda **kw: services.get_node("127.0.0.1:1", "id"))
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=r"did not start within 0.6 s, twice"):
@@ -112,8 +112,8 @@ def test_rays_server_processes_get_a_session_of_their_own(monkeypatch, services)
         procs.append(services.ConsolePopen(SLEEPER))
 
     monkeypatch.setattr(compat, "start_loopback_ray", start)
-    monkeypatch.setattr(session, "_sessions", [], raising=False)
-    monkeypatch.setattr(session, "_registered", [True], raising=False)  # no exit-time clean-up in this process
+    monkeypatch.setattr(startup, "_sessions", [], raising=False)
+    monkeypatch.setattr(startup, "_registered", [True], raising=False)  # no exit-time clean-up in this process
     session.ensure_ray(address="local", cpus_needed=1)
     try:
         (proc,) = procs
@@ -135,8 +135,8 @@ def test_what_is_left_of_the_private_rays_sessions_is_ended_at_exit(monkeypatch,
         procs.append(services.ConsolePopen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True))
 
     monkeypatch.setattr(compat, "start_loopback_ray", start)
-    monkeypatch.setattr(session, "_sessions", [], raising=False)
-    monkeypatch.setattr(session, "_registered", [True], raising=False)
+    monkeypatch.setattr(startup, "_sessions", [], raising=False)
+    monkeypatch.setattr(startup, "_registered", [True], raising=False)
     session.ensure_ray(address="local", cpus_needed=1)
     (raylet,) = procs
     try:
@@ -144,7 +144,7 @@ def test_what_is_left_of_the_private_rays_sessions_is_ended_at_exit(monkeypatch,
         raylet.kill()  # as Ray's shutdown does
         raylet.wait()
         (agent,) = [int(p) for p in os.listdir("/proc") if p.isdigit() and _session_of(int(p)) == raylet.pid]
-        session.end_private_sessions()
+        startup.end_private_sessions()
         deadline = time.monotonic() + 5
         while _session_of(agent) == raylet.pid and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -48,7 +48,7 @@ from fdam_ray.executors.ray.transports import REGISTRY, Round, Transport, transp
 from fdam_ray.executors.ray.transports.compiled import CompiledRounds
 from fdam_ray.executors.ray_section import RayExecutorSection
 from fdam_ray.sites import client_label
-from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores
+from fdam_ray.state import ClientInfo, ClientState, GlobalState, Moments, RoundPlan, Scores
 from fdam_ray.transfer import Downlink, decoding, downlink_of, sent_nbytes
 
 log = logging.getLogger(__name__)
@@ -315,17 +315,17 @@ class RayExecutor(Executor):
         return self._fleet.per_client("score_moments", lambda a, actor: actor.score_moments.remote(ref, hosted[a]))
 
     @_between_rounds("client_states")
-    def client_states(self) -> list[dict | None]:
-        """Every client's state; None for a client that was dropped, and ``{"client_id": k, "rebuild": True}``
+    def client_states(self) -> list[ClientState | None]:
+        """Every client's state; None for a client that was dropped, and a ``rebuild`` marker
         for one whose actor is lost and not placed again (the run stops with a :class:`PlacementError`): a
         resume rebuilds it from its shard with the global control variate, as a replaced actor's clients are."""
         fleet = self._fleet
-        got = {s["client_id"]: s for s in fleet.per_client(
+        got = {s.client_id: s for s in fleet.per_client(
             "client_states", lambda a, actor: actor.get_state.remote(fleet.hosted[a]))}
         unplaced = {k for a, ids in fleet.hosted.items() if a not in fleet.actors for k in ids}
-        return [{"client_id": k, "rebuild": True} if k in unplaced else got.get(k) for k in range(self.num_clients)]
+        return [ClientState(k, rebuild=True) if k in unplaced else got.get(k) for k in range(self.num_clients)]
 
-    def restore_client_states(self, states: list[dict | None]) -> None:
+    def restore_client_states(self, states: list[ClientState | None]) -> None:
         fleet = self._fleet
         gone = [k for k, s in enumerate(states) if s is None and k in fleet.live]
         for k in gone:

@@ -8,19 +8,24 @@
     collective.py  the actors all-reduce their sums and apply the server step     transport=collective reduce=star
                    (group.py: an actor's side of it)
 
-Adding a transport is one module with a :class:`Transport` subclass (its
-``name`` and the config's ``(transport, reduce)`` pair it ``serves``) and one
-entry in :data:`REGISTRY`.
+    compiled_actor.py, collective_actor.py  the actors' side of compiled and collective (parts of the actor shell)
+
+Adding a transport is one module with a :class:`Transport` subclass, its
+declaration in :data:`fdam_ray.executors.capabilities.CAPABILITIES` (its
+``name``, the config's ``(transport, reduce)`` pair it serves and what it
+refuses; the config's checks, the refusals and the README's table follow
+from it), the class's ``capabilities`` pointing at it, and one entry in
+:data:`REGISTRY`.
 """
 
 from __future__ import annotations
 
+from fdam_ray.executors.capabilities import refused_pairs
 from fdam_ray.executors.ray.transports.base import Round, Transport
 from fdam_ray.executors.ray.transports.collective import CollectiveTransport
 from fdam_ray.executors.ray.transports.compiled import CompiledNodeTransport, CompiledTransport
 from fdam_ray.executors.ray.transports.node import NodeTransport
 from fdam_ray.executors.ray.transports.star import StarTransport
-from fdam_ray.executors.ray_section import REFUSED_PAIRS
 
 __all__ = ["REFUSED", "REGISTRY", "Round", "Transport", "transport_for"]
 
@@ -28,7 +33,7 @@ REGISTRY: dict[str, type[Transport]] = {cls.name: cls for cls in (StarTransport,
                                                                     CompiledNodeTransport, CollectiveTransport)}
 
 # (transport, reduce) pairs of the config that no transport runs, and why (the config refuses them first)
-REFUSED: dict[tuple[str, str], str] = REFUSED_PAIRS
+REFUSED: dict[tuple[str, str], str] = refused_pairs()
 
 
 def transport_for(transport: str, reduce: str) -> str:

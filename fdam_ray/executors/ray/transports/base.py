@@ -22,6 +22,7 @@ import ray
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.deadlines import Deadline
 from fdam_ray.executors.base import RoundsRun
+from fdam_ray.executors.capabilities import Capabilities
 from fdam_ray.executors.ray_section import RayExecutorSection
 from fdam_ray.state import ClientInfo, GlobalState, RoundPlan
 
@@ -60,12 +61,19 @@ class Transport(abc.ABC):
     """How rounds travel between the driver and the actors of a :class:`~fdam_ray.executors.ray.fleet.Fleet`.
 
     Class attributes:
-        name: the transport's name in the registry (:mod:`fdam_ray.executors.ray.transports`).
-        serves: the config's ``(transport, reduce)`` pair this transport runs.
+        capabilities: what the transport runs and supports, its one declaration: its entry of
+            :data:`~fdam_ray.executors.capabilities.CAPABILITIES` (plain data the config's checks read without Ray).
+        name: the transport's name in the registry (:mod:`fdam_ray.executors.ray.transports`), from ``capabilities``.
+        serves: the config's ``(transport, reduce)`` pair this transport runs, from ``capabilities``.
     """
 
+    capabilities: ClassVar[Capabilities]
     name: ClassVar[str]
     serves: ClassVar[tuple[str, str]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.name, cls.serves = cls.capabilities.name, cls.capabilities.serves
 
     def __init__(self, fleet: Fleet, config: RayExecutorSection) -> None:
         self.fleet = fleet

@@ -14,7 +14,7 @@ actor's step statistics and, from the lowest rank only, the round's reduced
 sums, which it folds once (its reducer then computes the state every actor
 already holds, bit for bit). The driver sends the global state only when the
 actors' copy is not the one it holds (the first round, a new stage, a rebuilt
-group, a resume; :func:`~fdam_ray.executors.ray.transports.group.state_key`),
+group, a resume; :func:`~fdam_ray.executors.ray.transports.collective_messages.state_key`),
 so a round moves one state up and none down instead of K up and K down.
 
 Runs of rounds (``collective_rounds`` > 1, the default): the federation hands
@@ -76,11 +76,12 @@ import ray
 from fdam_ray.algorithms import AlgorithmSection, build_algorithm
 from fdam_ray.algorithms.server import RoundReducer
 from fdam_ray.executors.base import RoundsRun
+from fdam_ray.executors.capabilities import CAPABILITIES
 from fdam_ray.executors.errors import ClientError
 from fdam_ray.executors.ray import compat
 from fdam_ray.executors.ray.placement import node_addresses
 from fdam_ray.executors.ray.transports.base import Round, Transport
-from fdam_ray.executors.ray.transports.group import RoundShare, RunShare, ServerStep, state_key
+from fdam_ray.executors.ray.transports.collective_messages import RoundShare, RunShare, ServerStep, state_key
 from fdam_ray.executors.ray.transports.shared import supported as shared_memory_supported
 from fdam_ray.state import ClientInfo, GlobalState, RoundPlan
 
@@ -105,8 +106,7 @@ class CollectiveTransport(Transport):
         backend: the group's backend (``shm``, ``gloo`` or ``nccl``; '' before the first build).
     """
 
-    name = "collective"
-    serves = ("collective", "star")
+    capabilities = CAPABILITIES["collective"]
 
     def __init__(self, fleet, config) -> None:
         super().__init__(fleet, config)
@@ -163,60 +163,87 @@ class CollectiveTransport(Transport):
     def run_rounds(self, state: GlobalState, plans: Sequence[RoundPlan], chosen: Sequence[set[int]],
                    average: bool) -> RoundsRun:
         """One call per actor for all of ``plans``: the actors run them back to back
-        (:meth:`~fdam_ray.executors.ray.actor.ClientShell.collective_rounds`), and the driver receives each
+        (:meth:`~.collective_actor.CollectiveActor.collective_rounds`), and the driver receives each
         round's step statistics and, at the end, the state from the lowest rank.
 
         A run in which an actor fails does not count: the live actors put their clients back to their states
-        before it (:meth:`~fdam_ray.executors.ray.actor.ClientShell.undo_run`), the failure policy runs for the
+        before it (:meth:`~.collective_actor.CollectiveActor.undo_run`), the failure policy runs for the
         failed actors, and the run's rounds are left to :meth:`run_round`, one at a time (so a failure inside a
         run is recovered as one in its first round would be under ``collective_rounds: 1``). The driver does not
         hold the states inside a run, so nothing short of that keeps the round's record exact (the stage's
         running sum of v is summed in slices, one per actor)."""
-        fleet = self.fleet
         attempts: dict[int, int] = {}
-        self._ensure_group(attempts)
-        members = sorted(fleet.actors)
-        send = self.held_key is None or self.held_key != state_key(state, plans[0].stage)
-        state_ref = ray.put(state) if send else None
-        self.rounds_sent += send
-        token = f"{plans[0].round}.{self._tries}"
-        self._tries += 1
-        self.runs.append([plan.round for plan in plans])
-        works: dict[int, list] = {a: [] for a in members}
-        adopted: set[int] = set()  # replacement clients adopt the global c in their first round only
-        for plan, clients in zip(plans, chosen, strict=True):
-            for a in members:
-                ids = [k for k in fleet.hosted.get(a, ()) if k in clients]
-                adopt = [k for k in ids if k in fleet.adopt_global_c and k not in adopted]
-                works[a].append((plan, ids, adopt, self.total_weight if plan.partial else None))
-            adopted.update(clients)
-        refs = {a: fleet.actors[a].collective_rounds.remote(state_ref, works[a], token, average) for a in members}
+        members, token, state_ref = self._start_run(state, plans, attempts)
+        works = self._works(members, plans, chosen)
+        refs = {a: self.fleet.actors[a].collective_rounds.remote(state_ref, works[a], token, average)
+                for a in members}
         runs, failed = self._collect_runs(refs, len(plans))
         alive = [a for a in members if a in runs and a not in failed]
         stops = {runs[a].stop for a in alive}
         if failed or not stops <= {"", "diverged", "stale"}:
             self._undo(token, alive, failed, attempts)
             return RoundsRun(stats=[], counts=[], bytes_up=[], state=None, stop="failed")
-        first = runs[members[0]]
+        shares = [runs[a] for a in members]
+        out = self._run_result(state, shares, average)
+        self.fleet.adopt_global_c.difference_update(st.client_id for rnd in out.stats for st in rnd)
+        keys = {share.key for share in shares}
+        self.held_key = keys.pop() if len(keys) == 1 else None
+        if stops == {"diverged"}:  # the driver's check names the client; the round is not applied
+            out.stop = "diverged"
+            out.stats.append([st for share in shares for st in share.rounds[shares[0].done].stats])
+        elif stops == {"stale"} or any(share.stale for share in shares):
+            out.stop = "stale"
+        return out
+
+    def _start_run(self, state: GlobalState, plans: Sequence[RoundPlan], attempts: dict[int, int]
+                   ) -> tuple[list[int], str, Any]:
+        """A run's start: the group (built when the actors changed), the state put in the object store when the
+        members' copy is stale, the run's try named and its rounds recorded; the members in rank order, the
+        try's token and the state's ref (None: the members hold the state)."""
+        self._ensure_group(attempts)
+        members = sorted(self.fleet.actors)
+        send = self.held_key is None or self.held_key != state_key(state, plans[0].stage)
+        state_ref = ray.put(state) if send else None
+        self.rounds_sent += send
+        token = f"{plans[0].round}.{self._tries}"
+        self._tries += 1
+        self.runs.append([plan.round for plan in plans])
+        return members, token, state_ref
+
+    def _works(self, members: list[int], plans: Sequence[RoundPlan], chosen: Sequence[set[int]]
+               ) -> dict[int, list[tuple[RoundPlan, list[int], list[int], float | None]]]:
+        """Each member's part of every round of a run: the plan, the member's clients in the round, those of them
+        that first adopt the global c (a replacement client adopts it in its first round only) and a sampled
+        round's total weight (None in a full round)."""
+        fleet = self.fleet
+        works: dict[int, list[tuple[RoundPlan, list[int], list[int], float | None]]] = {a: [] for a in members}
+        adopted: set[int] = set()
+        for plan, clients in zip(plans, chosen, strict=True):
+            for a in members:
+                ids = [k for k in fleet.hosted.get(a, ()) if k in clients]
+                adopt = [k for k in ids if k in fleet.adopt_global_c and k not in adopted]
+                works[a].append((plan, ids, adopt, self.total_weight if plan.partial else None))
+            adopted.update(clients)
+        return works
+
+    @staticmethod
+    def _run_result(state: GlobalState, shares: list[RunShare], average: bool) -> RoundsRun:
+        """What a run that counts hands the loop, from the members' ``shares`` in rank order: each applied
+        round's step statistics (in actor order), client counts and bytes, the state after the run (the lowest
+        rank's) and, with ``average``, the float64 sum of v over the applied rounds put together from the
+        members' slices."""
+        first = shares[0]
         applied = first.done
-        out = RoundsRun(stats=[[st for a in members for st in runs[a].rounds[i].stats] for i in range(applied)],
+        out = RoundsRun(stats=[[st for share in shares for st in share.rounds[i].stats] for i in range(applied)],
                         counts=[r.count for r in first.rounds[:applied]],
                         bytes_up=[r.bytes_up for r in first.rounds[:applied]],
                         state=first.state if applied else None)
         if average and applied:
-            out.ref_sum = np.zeros(state.v.size, dtype=np.float64)
-            for a in members:
-                lo, hi = runs[a].ref_slice
-                out.ref_sum[lo:hi] = runs[a].ref_sum
-            out.ref_sum = out.ref_sum.reshape(state.v.shape)
-        fleet.adopt_global_c.difference_update(st.client_id for rnd in out.stats for st in rnd)
-        keys = {runs[a].key for a in members}
-        self.held_key = keys.pop() if len(keys) == 1 else None
-        if stops == {"diverged"}:  # the driver's check names the client; the round is not applied
-            out.stop = "diverged"
-            out.stats.append([st for a in members for st in runs[a].rounds[applied].stats])
-        elif stops == {"stale"} or any(runs[a].stale for a in members):
-            out.stop = "stale"
+            ref_sum = np.zeros(state.v.size, dtype=np.float64)
+            for share in shares:
+                lo, hi = share.ref_slice
+                ref_sum[lo:hi] = share.ref_sum
+            out.ref_sum = ref_sum.reshape(state.v.shape)
         return out
 
     def _collect_runs(self, refs: dict[int, Any], rounds: int) -> tuple[dict[int, RunShare], dict[int, BaseException]]:

@@ -56,6 +56,7 @@ from typing import Any
 
 import ray
 
+from fdam_ray.executors.capabilities import CAPABILITIES
 from fdam_ray.executors.ray import compat
 from fdam_ray.executors.ray.transports.base import Round, Transport
 from fdam_ray.executors.ray.transports.node import end_reducer, start_reducer
@@ -285,8 +286,7 @@ class CompiledTransport(Transport):
     """The round as one execution of the compiled graph, its outputs folded in actor order (so a compiled run
     equals a classic ``fold_order: client`` run bit for bit)."""
 
-    name = "compiled"
-    serves = ("compiled", "star")
+    capabilities = CAPABILITIES["compiled"]
 
     def __init__(self, fleet, config) -> None:
         super().__init__(fleet, config)
@@ -385,8 +385,7 @@ class CompiledNodeTransport(CompiledTransport):
     folded per actor at the driver, as the classic node transport does when a reducer fails); a reducer that
     no longer answers then is dropped and, its node being alive, started again with the next graph."""
 
-    name = "compiled_node"
-    serves = ("compiled", "node")
+    capabilities = CAPABILITIES["compiled_node"]
 
     def __init__(self, fleet, config) -> None:
         super().__init__(fleet, config)

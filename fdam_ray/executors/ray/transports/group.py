@@ -11,7 +11,9 @@ step itself (the same :class:`~fdam_ray.algorithms.server.RoundReducer` the
 driver runs, on the same sums, so the new global state is the driver's bit
 for bit) and keeps that state for the next round, so the driver sends the
 state only when the members' copy is not the one it holds (see
-:func:`state_key`).
+:func:`~.collective_messages.state_key`; what the driver and the members
+exchange is in :mod:`.collective_messages`, the actor's remote methods in
+:mod:`.collective_actor`).
 
 Two all-reduces per round, queued back to back in the same order on every
 member: a small float64 one in which each member writes its own slot (its
@@ -21,7 +23,7 @@ summed vectors (v, alpha, BatchNorm statistics, control variates; every
 vector but those combined by max) laid end to end in one buffer. A round in
 which a member flagged a failure is discarded. The member's own partial sum is copied into that buffer rather than
 reduced in place: a round whose all-reduce breaks is finished from the kept
-partial sums (:meth:`~fdam_ray.executors.ray.actor.ClientShell.collective_round`
+partial sums (:meth:`~.collective_actor.CollectiveActor.collective_round`
 with ``reduce_only``) without running a client twice. Inside a run of rounds
 nothing is re-run that way (a run that breaks is undone and run again round by
 round), so there each member reduces its partial sum in the sum's own buffer
@@ -31,80 +33,24 @@ next round into a second partial sum.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import logging
 import math
 import socket
-import zlib
 from typing import Any
 
 import numpy as np
 import torch
 
-from fdam_ray.algorithms.server import PartialSum, RoundReducer
+from fdam_ray.algorithms.server import PartialSum
+from fdam_ray.executors.ray.transports.collective_messages import RoundShare, ServerStep, same_shapes, state_key
 from fdam_ray.executors.ray.transports.shared import SharedBlock, SharedBroken
-from fdam_ray.state import GlobalState, RoundPlan, Rule, StepStats, vector_fields
+from fdam_ray.state import GlobalState, RoundPlan, Rule, vector_fields
 
 log = logging.getLogger(__name__)
 
-KEY_STRIDE = 997  # every this-many-th value of the long vectors enters a state's key (the short ones whole)
 _SLOTS = 6  # float64 slots per member before its integer buffers: weight, count, bytes, failed, diverged
 # (a client's update or loss not finite), stale (the state this round started from is not finite)
-
-
-def state_key(state: GlobalState, stage: int) -> tuple:
-    """What identifies a global state between the driver and the members: its round, iteration and stage,
-    its shapes, and a CRC of its short vectors and of a strided sample of its long ones.
-
-    The driver changes a state it got from a round only at a stage end (a new alpha, a reset c), which the
-    stage in the key catches; the CRC catches a state the members never computed (a resume, a state built
-    elsewhere). Equal keys: the members' copy is the driver's, and the state is not sent.
-    """
-    crc = 0
-    shapes = []
-    for f in vector_fields():
-        x = getattr(state, f.name)
-        shapes.append(None if x is None else x.shape)
-        if x is not None:
-            sample = x if x.size <= 4 * KEY_STRIDE else x[::KEY_STRIDE]
-            crc = zlib.crc32(np.ascontiguousarray(sample).tobytes(), crc)
-    return state.round, state.iteration, stage, tuple(shapes), crc
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerStep:
-    """The server step the members apply after the all-reduce: the driver's reducer's settings."""
-
-    global_lr: float
-    alpha_nonnegative: bool
-    control_variates: bool
-
-    def apply(self, previous: GlobalState, total: PartialSum, steps: int, partial_total: float | None,
-              into: PartialSum | None = None, in_place: bool = False) -> GlobalState:
-        """The new global state from the round's reduced sums, as the driver's reducer computes it (which folds
-        them into zeros: ``0 + x``, written here into ``into``'s buffers when their shapes match, so a round
-        allocates no state-sized buffer; the returned state's vectors are then those buffers).
-
-        ``in_place``: the state is finished in ``total``'s own buffers, with no ``0 + x`` pass. The same bits:
-        the sums hold no -0.0 (each member's partial sum starts from +0.0 and +0.0 + -0.0 is +0.0; a sum of
-        terms none of which is -0.0 is never -0.0), the one value ``0 + x`` changes."""
-        def reducer(sums: PartialSum | None = None) -> RoundReducer:
-            return RoundReducer(previous, global_lr=self.global_lr, alpha_nonnegative=self.alpha_nonnegative,
-                                control_variates=self.control_variates, partial_total=partial_total, sums=sums)
-
-        if in_place:
-            return reducer(total).finish(steps=steps)
-        if into is None or not _same_shapes(into, total):
-            folding = reducer()
-            folding.fold(total)
-            return folding.finish(steps=steps)
-        for f in vector_fields():
-            x, out = getattr(total, f.name), getattr(into, f.name)
-            if x is not None:
-                (np.maximum if f.metadata["rule"] is Rule.MAX else np.add)(x, x.dtype.type(0), out=out)
-        into.weight, into.count, into.bytes_up, into.stats = 0.0 + total.weight, total.count, total.bytes_up, []
-        return reducer(into).finish(steps=steps)  # no zeros made to fold into
 
 
 def _pack(mine: PartialSum, layout: list[tuple[str, int]], into: np.ndarray) -> None:
@@ -118,64 +64,6 @@ def _pack(mine: PartialSum, layout: list[tuple[str, int]], into: np.ndarray) -> 
 def _is_buffer(x: np.ndarray | None, buffer: np.ndarray) -> bool:
     """Whether ``x`` is exactly ``buffer`` (same start, same length)."""
     return x is not None and x.size == buffer.size and x.ctypes.data == buffer.ctypes.data
-
-
-def _same_shapes(a: PartialSum, b: PartialSum) -> bool:
-    return all((x is None and y is None) or (x is not None and y is not None and x.shape == y.shape
-                                             and x.dtype == y.dtype)
-               for x, y in zip(a.vectors().values(), b.vectors().values(), strict=True))
-
-
-@dataclasses.dataclass
-class RoundShare:
-    """What a member returns from a round.
-
-    Attributes:
-        stats: the member's clients' step statistics (in client order).
-        key: :func:`state_key` of the global state the member holds after the round (None: none held).
-        total: the round's reduced sums (the lowest rank only; None on the others and on a broken round).
-        broken: why the all-reduce did not complete ('' when it did).
-    """
-
-    stats: list[StepStats]
-    key: tuple | None = None
-    total: PartialSum | None = None
-    broken: str = ""
-    count: int = 0
-    bytes_up: int = 0
-    diverged: bool = False
-    stale: bool = False
-
-
-@dataclasses.dataclass
-class RunShare:
-    """What a member returns from a run of rounds (:meth:`~fdam_ray.executors.ray.actor.ClientShell.collective_rounds`).
-
-    Attributes:
-        rounds: one share per round this member took part in (its clients' statistics, the round's client count
-            and bytes); the run's first ``done`` rounds were applied, a further one is the round the run stopped in.
-        done: rounds whose server step every member applied.
-        stop: why the run ended before its last round: '' (it did not), ``broken`` (the all-reduce broke),
-            ``failed`` (a member's local round raised), ``diverged`` (a client's update or loss was not finite:
-            the round is not applied) or ``stale`` (the state after round ``done - 1`` is not finite).
-        failure: this member's own error when its local round raised.
-        stale: this member's slice of the state after the run's last round is not finite.
-        key: :func:`state_key` of the state held after the run (None: none held).
-        state: that state (the lowest rank only).
-        ref_sum: with the ``average`` reference point, this member's slice of the float64 sum of v over the
-            applied rounds, else None.
-        ref_slice: (start, stop) of that slice in v.
-    """
-
-    rounds: list[RoundShare]
-    done: int = 0
-    stop: str = ""
-    failure: BaseException | None = None
-    stale: bool = False
-    key: tuple | None = None
-    state: GlobalState | None = None
-    ref_sum: np.ndarray | None = None
-    ref_slice: tuple[int, int] = (0, 0)
 
 
 def _layout(state: GlobalState) -> list[tuple[str, int]]:
@@ -493,9 +381,10 @@ class GroupMember:
         order of folding the actors' sums)."""
         world, counters = self.world, state.counters.size
         vectors: dict[str, np.ndarray | None] = dict.fromkeys(f.name for f in vector_fields())
+        shaped_as = {f.name: f.metadata["corrects"] or f.name for f in vector_fields()}  # c: as what it corrects
         at = 0
         for name, n in layout:
-            like = getattr(state, "v" if name == "c_v" else "alpha" if name == "c_alpha" else name)
+            like = getattr(state, shaped_as[name])
             vectors[name] = flat[at:at + n].reshape(like.shape)
             at += n
         rows = small[_SLOTS * world:].reshape(world, counters)
@@ -512,7 +401,7 @@ class GroupMember:
         buffers the held state uses."""
         self._turn ^= 1
         sums = self._sums[self._turn]
-        if sums is None or not _same_shapes(sums, like):
+        if sums is None or not same_shapes(sums, like):
             sums = self._sums[self._turn] = PartialSum.from_vectors(
                 {k: None if x is None else np.empty_like(x) for k, x in like.vectors().items()})
         return sums

@@ -27,6 +27,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from fdam_ray.algorithms.server import PartialSum
+from fdam_ray.executors.capabilities import CAPABILITIES
 from fdam_ray.executors.errors import ClientError
 from fdam_ray.executors.ray.transports.base import Round, Transport
 from fdam_ray.executors.ray_section import RayExecutorSection
@@ -159,8 +160,7 @@ class NodeTransport(Transport):
     """Classic calls; the actors of a node merged there by its :class:`NodeReducer`, one sum per node to the
     driver (in arrival order, or in node and actor order with ``fold_order: client``)."""
 
-    name = "node"
-    serves = ("classic", "node")
+    capabilities = CAPABILITIES["node"]
 
     def __init__(self, fleet, config: RayExecutorSection) -> None:
         super().__init__(fleet, config)

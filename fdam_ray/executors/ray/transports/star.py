@@ -26,6 +26,7 @@ import time
 
 import ray
 
+from fdam_ray.executors.capabilities import CAPABILITIES
 from fdam_ray.executors.errors import ClientError
 from fdam_ray.executors.ray.transports.base import Round, Transport
 
@@ -35,8 +36,7 @@ _FAILURES = (ray.exceptions.RayError, ClientError)
 class StarTransport(Transport):
     """Classic calls; partial sums folded at the driver in arrival order or (``fold_order: client``) actor order."""
 
-    name = "star"
-    serves = ("classic", "star")
+    capabilities = CAPABILITIES["star"]
 
     def run_round(self, round: Round) -> None:
         if round.deadline is not None:

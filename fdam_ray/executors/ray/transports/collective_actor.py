@@ -1,0 +1,186 @@
+"""The actor's side of ``transport: collective``: its place in the actors' group and its rounds in it.
+
+A part of the actor shell (:class:`~fdam_ray.executors.ray.actor.ClientShell`
+inherits it). The driver's side is :mod:`.collective`; the group's
+all-reduce and server step are the actor's :class:`~.group.GroupMember`.
+Remote methods: :meth:`CollectiveActor.open_group` and
+:meth:`CollectiveActor.join_group` (build the group),
+:meth:`CollectiveActor.collective_round` (one round a call),
+:meth:`CollectiveActor.collective_rounds` (a run of rounds a call) and
+:meth:`CollectiveActor.undo_run` (a run that does not count).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+import numpy as np
+import torch
+
+from fdam_ray.algorithms.server import PartialSum
+from fdam_ray.executors.ray.transports.collective_messages import RoundShare, RunShare, ServerStep
+from fdam_ray.executors.ray.transports.group import GroupMember
+from fdam_ray.state import GlobalState, RoundPlan
+
+if TYPE_CHECKING:
+    from fdam_ray.client import Client
+    from fdam_ray.transfer import Broadcast, CompressedSum
+
+T = TypeVar("T")
+
+
+class CollectiveActor:
+    """The collective transport's part of an actor: its group member, its kept partial sums, and its clients'
+    states before a run of rounds."""
+
+    actor: int
+    round: int
+    device: torch.device
+    clients: dict[int, Client]
+    _partial: PartialSum | None
+
+    if TYPE_CHECKING:  # the shell's, which this part calls
+        def local_round(self, state: GlobalState | Broadcast, plan: RoundPlan, client_ids: Sequence[int],
+                        adopt_global_c: Sequence[int] = (), undoable: bool = False) -> PartialSum | CompressedSum:
+            ...
+
+        def _local_round(self, state: GlobalState, plan: RoundPlan, client_ids: Sequence[int],
+                         adopt_global_c: Sequence[int], into: PartialSum | None = None) -> PartialSum:
+            ...
+
+        def _each(self, action: str, ids: Sequence[int], fn: Callable[[Client], T]) -> list[T]:
+            ...
+
+    def _start_collective(self) -> None:
+        """Set up this part (from the shell's ``__init__``)."""
+        self._group: GroupMember | None = None  # this actor's place in the group
+        self._partial_round = -1  # the round self._partial holds (kept for a re-run)
+        # runs of rounds: two flat partial sums used in turn (each round's state lives in one)
+        self._run_partials: list[PartialSum | None] = [None, None]
+        self._before_run: tuple[str, dict] = ("", {})  # clients' states before a run of rounds
+
+    def _member(self) -> GroupMember:
+        if self._group is None:
+            self._group = GroupMember(self.device)
+        return self._group
+
+    def _run_partial(self, state: GlobalState) -> PartialSum:
+        """Where a round of a run of rounds folds its clients' updates: one of two flat partial sums, the one
+        whose buffer does not hold ``state`` (each round's new state is finished in its own partial sum's
+        buffer, :meth:`GroupMember.reduce` with ``in_place``); under backend ``shm``, the member's slot of the
+        group's block (the new state is then held in the block)."""
+        slot = self._member().run_partial(state)
+        if slot is not None:
+            return slot
+        for i, kept in enumerate(self._run_partials):
+            if kept is not None and not kept.fits(state):
+                self._run_partials[i] = None
+        for i, kept in enumerate(self._run_partials):
+            if kept is None:
+                kept = self._run_partials[i] = PartialSum.zeros(state, control_variates=state.c_v is not None,
+                                                                flat=True)
+            if not np.may_share_memory(kept.v, state.v):
+                return kept
+        raise AssertionError("both run partial sums hold the state")  # two buffers, one state: unreachable
+
+    def open_group(self, host: str, timeout_s: float) -> int:
+        """As the lowest rank of a new collective group: serve its store on ``host``; the port."""
+        return self._member().open(host, timeout_s)
+
+    def join_group(self, host: str, port: int, rank: int, world: int, backend: str, timeout_s: float,
+                   step: ServerStep | None) -> None:
+        """Join the collective group whose store is at ``host:port`` as ``rank`` of ``world``."""
+        self._member().join(host, port, rank, world, backend, timeout_s, step)
+
+    def collective_round(self, state: GlobalState | None, plan: RoundPlan, client_ids: Sequence[int],
+                         adopt_global_c: Sequence[int], reduce_only: bool, partial_total: float | None,
+                         token: str) -> RoundShare:
+        """One round under ``transport: collective``: the local round of ``client_ids`` (unless
+        ``reduce_only``: the partial sum kept from this round's local round), then the group's all-reduce and
+        the server step (:meth:`GroupMember.reduce`). ``state`` None: start from the state this actor holds.
+
+        A client's error is flagged to the group first (so no member waits for this one), then raised.
+        """
+        member = self._member()
+        start = member.state_for(state)
+        failure: BaseException | None = None
+        if not reduce_only:
+            try:
+                self.local_round(start, plan, client_ids, adopt_global_c)
+                self._partial_round = plan.round
+            except Exception as exc:  # a ClientError naming the client: raised after the group knows
+                failure = exc
+        elif self._partial_round != plan.round or self._partial is None:
+            failure = RuntimeError(f"actor {self.actor} holds no partial sum of round {plan.round} to reduce")
+        share = member.reduce(None if failure is not None else self._partial, start, plan, partial_total, token)
+        if failure is not None:
+            raise failure
+        return share
+
+    def collective_rounds(self, state: GlobalState | None,
+                          works: Sequence[tuple[RoundPlan, Sequence[int], Sequence[int], float | None]], token: str,
+                          average: bool) -> RunShare:
+        """A run of rounds under ``transport: collective`` with no call between them: for each of ``works``
+        (plan, this actor's clients in the round, those of them that first adopt the global c, a sampled round's
+        total weight or None) the local round, the group's all-reduce and the server step, as
+        :meth:`collective_round` does for one round. ``state`` None: start from the state this actor holds.
+
+        The run stops at the first round that does not go through, on every member at the same round (the
+        reasons travel in the all-reduce): a failed local round (its error is in the share, not raised; the
+        driver then has the run undone), a broken all-reduce, a client's non-finite update, or a non-finite
+        state. Each
+        member checks its slice of each new state (:meth:`GroupMember.slice_finite`) and, with ``average``
+        (``reference_point: average``), sums its slice of each new v in float64 for the stage's running sum.
+        Its clients' states before the run are kept, so a run that does not count can be undone
+        (:meth:`undo_run`).
+        The lowest rank returns the state after the last applied round.
+        """
+        member = self._member()
+        run = RunShare(rounds=[])
+        current = member.state_for(state)
+        self._before_run = (token, {k: c.get_state() for k, c in self.clients.items()})  # for undo_run
+        start, stop = member.my_slice(current.v.size)
+        ref = np.zeros(stop - start, dtype=np.float64) if average else None
+        stale = False
+        for plan, ids, adopt, partial_total in works:
+            failure: BaseException | None = None
+            self.round = plan.round
+            partial = self._run_partial(current)
+            try:
+                self._local_round(current, plan, ids, adopt, into=partial)
+            except Exception as exc:  # a ClientError naming the client: returned once the group knows
+                failure = exc
+            # reduced in place, no check-in (the driver waits for a run as a whole), no sums kept for a re-run
+            share = member.reduce(None if failure is not None else partial, current, plan, partial_total, "", stale,
+                                  in_place=True)
+            run.rounds.append(share)
+            if failure is not None or share.broken:
+                run.stop, run.failure = ("failed" if failure is not None else "broken"), failure
+                break
+            if share.stale or share.diverged:
+                run.stop = "stale" if share.stale else "diverged"
+                break
+            assert member.held is not None
+            current, run.done, run.key = member.held, run.done + 1, share.key
+            if ref is not None:
+                np.add(ref, current.v.reshape(-1)[start:stop], out=ref)
+            stale = not member.slice_finite(current)
+        run.stale = stale and not run.stop
+        if run.done and member.rank == 0:
+            run.state = current
+        if run.stop:
+            run.key = None
+        run.ref_sum, run.ref_slice = ref, (start, stop)
+        return run
+
+    def undo_run(self, token: str) -> list[int]:
+        """The run of rounds ``token`` does not count (a member failed in it): this actor's clients go back to
+        their states before it (c^k, sampler position, moments, loss scale), as if it had not run. Returns the
+        clients put back."""
+        kept_token, before = self._before_run
+        if kept_token != token:
+            return []
+        self._each("undo_run", list(before), lambda c: c.set_state(before[c.client_id]))
+        self._before_run = ("", {})
+        return sorted(before)
