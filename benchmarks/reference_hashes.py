@@ -11,6 +11,8 @@ hashed (SHA-256). ``benchmarks/results/reference_hashes.json`` is the record of 
     python benchmarks/reference_hashes.py --out hashes.json                 # record
     python benchmarks/reference_hashes.py --compare hashes.json             # check against a record
     python benchmarks/reference_hashes.py --only inline --compare h.json    # a part of the matrix
+    python benchmarks/reference_hashes.py --compare benchmarks/results/reference_hashes.json \
+        --table benchmarks/results/reference_hashes.md                       # and the table of this run
 
 Ray runs use fold_order=client (arrival order folds are equal only to float32 rounding). Last line:
 ``RESULT runs=N same=S changed=C new=M`` (same/changed/new only with --compare).
@@ -139,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the hashes here (JSON)")
     parser.add_argument("--compare", help="a JSON file of hashes to compare with")
     parser.add_argument("--only", nargs="*", default=None, help="name prefixes to run (inline, ray, flower, ...)")
+    parser.add_argument("--table", help="write this run's table (Markdown, between the results markers) here")
     args = parser.parse_args(argv)
     work: dict[str, Callable[[Path], str | None]] = {}
     for name, config in cases().items():
@@ -149,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         work = {k: v for k, v in work.items() if any(k.startswith(p) for p in args.only)}
     known = json.loads(Path(args.compare).read_text()) if args.compare else {}
     got: dict[str, str] = {}
+    rows = ["| run | hash (first 16 hex digits) | against the record | seconds |", "|---|---|---|---|"]
     same = changed = new = 0
     for name, fn in work.items():
         started = time.perf_counter()
@@ -166,10 +170,19 @@ def main(argv: list[str] | None = None) -> int:
                 verdict, same = "same", same + 1
             else:
                 verdict, changed = "CHANGED", changed + 1
-        print(f"{name:40s} {digest[:16]}  {verdict:8s} {time.perf_counter() - started:6.1f} s", flush=True)
+        seconds = time.perf_counter() - started
+        print(f"{name:40s} {digest[:16]}  {verdict:8s} {seconds:6.1f} s", flush=True)
+        rows.append(f"| {name} | `{digest[:16]}` | {verdict or '-'} | {seconds:.1f} |")
     if args.out:
         Path(args.out).write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
-    print(f"RESULT runs={len(got)} same={same} changed={changed} new={new}")
+    result = f"RESULT runs={len(got)} same={same} changed={changed} new={new}"
+    if args.table:
+        from _common import write_results
+
+        command = "python benchmarks/reference_hashes.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        write_results(Path(args.table), "Reference runs: hashes of their final states", command,
+                      "\n".join([*rows, "", result]))
+    print(result)
     return 1 if changed else 0
 
 
