@@ -20,9 +20,10 @@ float32 master states and send each other only rounded differences:
   was decoded plus the last residual is the sum of the true differences. The
   upload residual is host state (checkpointed with the host's first client);
   the broadcast's is the driver's (checkpointed with the loop state). The
-  broadcast needs it too: the server builds the next G from the master the
-  round ran from, so what a rounding of G - M left out is not in the next
-  G - M.
+  server step starts from the driver's exact G, not from M (docs/algorithms.md
+  s.8 R4); where the new G is built from the clients' results alone (eta_g = 1
+  in a round every client ran) it is built from M, so what a rounding of G - M
+  left out is not in the next G - M, and the broadcast's residual carries it.
 
 Rounding is round to nearest, ties to even (torch's and numpy's float32 ->
 bf16/fp16 conversion); integer buffers (num_batches_tracked) travel as they are.
