@@ -48,7 +48,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fdam_ray.executors.capabilities import no_deadline
+from fdam_ray.capabilities import no_deadline
 from fdam_ray.redact import short
 from fdam_ray.sections import AT_LEAST_ONE, Section, fail, setting, shared, warn_once
 

@@ -247,13 +247,38 @@ class _Watch:
                 os.close(fd)
 
 
+_mask_at_fork: list[set[int | signal.Signals]] = []  # the forking thread's signal mask, while a fork is under way
+
+
+def _hold_stop_signals_for_fork() -> None:
+    """Before a fork: hold SIGTERM and SIGINT in the forking thread, so that a stop signal sent to the process
+    group as the child comes to life (DataLoader workers are forked every epoch) waits until the child has let go
+    of the parent's wakeup descriptor, instead of being written into the parent's watch as a second signal."""
+    _mask_at_fork.append(signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS))
+
+
+def _release_stop_signals() -> None:
+    if _mask_at_fork:
+        signal.pthread_sigmask(signal.SIG_SETMASK, _mask_at_fork.pop())
+
+
 def _forget_watch_in_child() -> None:
-    """A forked child (a DataLoader worker) must not report its own signals into the parent's watch."""
+    """A forked child must not report its own signals into the parent's watch: it lets go of the wakeup
+    descriptor. Where the fdam command's handlers are installed (:func:`install`), the child (a DataLoader
+    worker: the command forks no other Python child) keeps SIGTERM and SIGINT held, so that the command's
+    handler never runs in it: :func:`ignore_stop_signals`, its ``worker_init_fn``, takes them from there (a
+    SIGTERM held meanwhile is one the job's group received, which the worker ignores). Elsewhere the child
+    receives what was held during the fork."""
     with contextlib.suppress(ValueError):
         signal.set_wakeup_fd(-1)
+    if _state.previous and _mask_at_fork:
+        _mask_at_fork.pop()  # held until the child sets its own
+        return
+    _release_stop_signals()
 
 
-os.register_at_fork(after_in_child=_forget_watch_in_child)
+os.register_at_fork(before=_hold_stop_signals_for_fork, after_in_parent=_release_stop_signals,
+                    after_in_child=_forget_watch_in_child)
 
 
 def set_first(on_first: FirstSignal) -> None:

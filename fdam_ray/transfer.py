@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from fdam_ray.algorithms.server import PartialSum
-from fdam_ray.executors.capabilities import no_16bit
+from fdam_ray.capabilities import no_16bit
 from fdam_ray.sections import Section, fail, setting, shared
 from fdam_ray.state import ClientState, GlobalState, Rule, StepStats, reads_store_arrays, vector_fields
 

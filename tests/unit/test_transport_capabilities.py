@@ -1,4 +1,4 @@
-"""What a transport supports is declared once (:mod:`fdam_ray.executors.capabilities`): the transport classes point at
+"""What a transport supports is declared once (:mod:`fdam_ray.capabilities`): the transport classes point at
 it, and the config's choices and refusals, the registry's refusals and the README's table are derived from it."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fdam_ray.config import build_config
-from fdam_ray.executors.capabilities import (
+from fdam_ray.capabilities import (
     CAPABILITIES,
     REDUCES,
     markdown_table,
@@ -20,6 +19,7 @@ from fdam_ray.executors.capabilities import (
     refused_pairs,
     transports,
 )
+from fdam_ray.config import build_config
 from fdam_ray.executors.ray_section import RaySection
 from fdam_ray.sections import SETTING, ConfigError
 
@@ -79,7 +79,7 @@ def test_the_configs_refusals_follow_the_declarations(transport):
 
 
 def test_the_config_reads_the_declarations_without_importing_ray():
-    code = ("import sys, fdam_ray.config, fdam_ray.executors.capabilities, fdam_ray.deadlines, fdam_ray.transfer; "
+    code = ("import sys, fdam_ray.config, fdam_ray.capabilities, fdam_ray.deadlines, fdam_ray.transfer; "
             "print('ray' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -98,4 +98,4 @@ def test_the_table_has_a_row_per_pair_and_says_why_for_each_refusal():
 
 def test_the_readmes_transport_table_is_the_declarations():
     assert markdown_table() in README.read_text(), ("README.md's transport table (under 'Round transport') is not "
-                                                     "fdam_ray.executors.capabilities.markdown_table()")
+                                                     "fdam_ray.capabilities.markdown_table()")

@@ -11,7 +11,7 @@
     compiled_actor.py, collective_actor.py  the actors' side of compiled and collective (parts of the actor shell)
 
 Adding a transport is one module with a :class:`Transport` subclass, its
-declaration in :data:`fdam_ray.executors.capabilities.CAPABILITIES` (its
+declaration in :data:`fdam_ray.capabilities.CAPABILITIES` (its
 ``name``, the config's ``(transport, reduce)`` pair it serves and what it
 refuses; the config's checks, the refusals and the README's table follow
 from it), the class's ``capabilities`` pointing at it, and one entry in
@@ -20,7 +20,7 @@ from it), the class's ``capabilities`` pointing at it, and one entry in
 
 from __future__ import annotations
 
-from fdam_ray.executors.capabilities import refused_pairs
+from fdam_ray.capabilities import refused_pairs
 from fdam_ray.executors.ray.transports.base import Round, Transport
 from fdam_ray.executors.ray.transports.collective import CollectiveTransport
 from fdam_ray.executors.ray.transports.compiled import CompiledNodeTransport, CompiledTransport

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import ray
 
 from fdam_ray.algorithms.server import PartialSum
+from fdam_ray.capabilities import Capabilities
 from fdam_ray.deadlines import Deadline
 from fdam_ray.executors.base import RoundsRun
-from fdam_ray.executors.capabilities import Capabilities
 from fdam_ray.executors.ray_section import RayExecutorSection
 from fdam_ray.state import ClientInfo, GlobalState, RoundPlan
 
@@ -62,7 +62,7 @@ class Transport(abc.ABC):
 
     Class attributes:
         capabilities: what the transport runs and supports, its one declaration: its entry of
-            :data:`~fdam_ray.executors.capabilities.CAPABILITIES` (plain data the config's checks read without Ray).
+            :data:`~fdam_ray.capabilities.CAPABILITIES` (plain data the config's checks read without Ray).
         name: the transport's name in the registry (:mod:`fdam_ray.executors.ray.transports`), from ``capabilities``.
         serves: the config's ``(transport, reduce)`` pair this transport runs, from ``capabilities``.
     """

@@ -75,8 +75,8 @@ import ray
 
 from fdam_ray.algorithms import AlgorithmSection, build_algorithm
 from fdam_ray.algorithms.server import RoundReducer
+from fdam_ray.capabilities import CAPABILITIES
 from fdam_ray.executors.base import RoundsRun
-from fdam_ray.executors.capabilities import CAPABILITIES
 from fdam_ray.executors.errors import ClientError
 from fdam_ray.executors.ray import compat
 from fdam_ray.executors.ray.placement import node_addresses

@@ -56,7 +56,7 @@ from typing import Any
 
 import ray
 
-from fdam_ray.executors.capabilities import CAPABILITIES
+from fdam_ray.capabilities import CAPABILITIES
 from fdam_ray.executors.ray import compat
 from fdam_ray.executors.ray.transports.base import Round, Transport
 from fdam_ray.executors.ray.transports.node import end_reducer, start_reducer

@@ -27,7 +27,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from fdam_ray.algorithms.server import PartialSum
-from fdam_ray.executors.capabilities import CAPABILITIES
+from fdam_ray.capabilities import CAPABILITIES
 from fdam_ray.executors.errors import ClientError
 from fdam_ray.executors.ray.transports.base import Round, Transport
 from fdam_ray.executors.ray_section import RayExecutorSection

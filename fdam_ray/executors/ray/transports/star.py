@@ -26,7 +26,7 @@ import time
 
 import ray
 
-from fdam_ray.executors.capabilities import CAPABILITIES
+from fdam_ray.capabilities import CAPABILITIES
 from fdam_ray.executors.errors import ClientError
 from fdam_ray.executors.ray.transports.base import Round, Transport
 
