@@ -154,10 +154,11 @@ def wandb_run(where: Path) -> dict:
         files = list(where.glob("wandb/offline-run-*/run-*.wandb"))
         assert len(files) == 1, files
         where = files[0]
-    # W&B's service process may still be writing the file after run.finish() returns: wait for its exit record
+    # W&B's service process may still be writing the file after run.finish() returns: wait for its run and exit
+    # records (both must be there to read the run)
     deadline = time.monotonic() + 60
     records = read_wandb_records(where)
-    while not any(r.WhichOneof("record_type") == "exit" for r in records) and time.monotonic() < deadline:
+    while not {"run", "exit"} <= {r.WhichOneof("record_type") for r in records} and time.monotonic() < deadline:
         time.sleep(0.2)
         records = read_wandb_records(where)
     out = {"history": {}, "summary": {}, "artifacts": [], "exit": None}
