@@ -4,6 +4,7 @@ experiment trackers)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 
@@ -73,34 +74,33 @@ def _why_not_finite(key: str, value: float) -> str:
     return f"{value} written as null: not a finite number"
 
 
-def finite_or_null(value: Any) -> Any:
-    """``value`` as strict JSON holds it: every NaN or infinite number (also inside a list or mapping) as None.
-    ``metrics.jsonl`` is written so (one JSON record a line, which NaN is not); readers take null as NaN."""
+def finite_or_null(value: Any, nulled: Callable[[float], None] | None = None) -> Any:
+    """``value`` as strict JSON holds it: every NaN or infinite number (also inside a list or mapping) as None,
+    each passed to ``nulled`` when given. ``metrics.jsonl`` is written so (one JSON record a line, which NaN is
+    not); readers take null as NaN."""
     if isinstance(value, float) and not math.isfinite(value):
+        if nulled is not None:
+            nulled(value)
         return None
     if isinstance(value, dict):
-        return {k: finite_or_null(v) for k, v in value.items()}
+        return {k: finite_or_null(v, nulled) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [finite_or_null(v) for v in value]
+        return [finite_or_null(v, nulled) for v in value]
     return value
 
 
 def strict_summary(summary: dict) -> dict:
-    """``summary`` as strict JSON can hold it: every NaN or infinite number (also inside a list or mapping) becomes
-    null, and ``notes`` says why for each key that held one. :func:`read_summary` reads it back."""
+    """``summary`` as strict JSON can hold it (:func:`finite_or_null`), and ``notes`` says why for each key that
+    held a number that is not finite. :func:`read_summary` reads it back."""
+    out: dict[str, Any] = {}
     notes: dict[str, str] = {}
-
-    def clean(value, key: str):
-        if isinstance(value, float) and not math.isfinite(value):
-            notes.setdefault(key, _why_not_finite(key, value))
-            return None
-        if isinstance(value, dict):
-            return {k: clean(v, key) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [clean(v, key) for v in value]
-        return value
-
-    out = {k: clean(v, k) for k, v in summary.items() if k != NOTES_KEY}
+    for key, value in summary.items():
+        if key == NOTES_KEY:
+            continue
+        nulled: list[float] = []
+        out[key] = finite_or_null(value, nulled.append)
+        if nulled:
+            notes[key] = _why_not_finite(key, nulled[0])
     if notes:
         out[NOTES_KEY] = notes
     return out
