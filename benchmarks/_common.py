@@ -4,7 +4,7 @@ Running a grid of configs (in this process or a small process pool), grouping
 the runs over seeds, the derived figures (I_max, log-log slopes, rounds to a
 target), and writing the Markdown results file, its figure and the ``RESULT``
 line. Every run goes through :func:`fdam_ray.run` (the one assembly path,
-:mod:`fdam_ray.recipe`) with ``save=False``: the benchmarks measure the library
+:mod:`fdam_ray.assembly.recipe`) with ``save=False``: the benchmarks measure the library
 as a user runs it.
 """
 

@@ -14,9 +14,9 @@ import math
 import numpy as np
 import torch
 
-from fdam_ray.client import Replica
 from fdam_ray.data import Split
 from fdam_ray.executors.base import Executor
+from fdam_ray.loop.client import Replica
 from fdam_ray.models import build_model
 
 
@@ -72,13 +72,14 @@ class ObjectiveProbe(Executor):
 
     def __init__(self, inner: Executor) -> None:
         self.inner = inner
+        self.section = inner.section  # the inner executor reads its own section of the config
         self.last = math.nan
 
-    def start(self, config, source):
-        infos = self.inner.start(config, source)
-        self.replica = Replica(config, source, device=torch.device("cpu"))
+    def start(self, setup, source):
+        infos = self.inner.start(setup, source)
+        self.replica = Replica(setup.client, source, device=torch.device("cpu"))
         self.union = Split(*union_train(source))
-        self.objective, self.margin = config.objective, config.margin
+        self.objective, self.margin = setup.algorithm.objective_name, setup.algorithm.margin
         return infos
 
     def evaluate(self, state):

@@ -74,11 +74,11 @@ def pss_mb(pid: int) -> float:
 
 def run_layout(args, k: int, per_actor: int) -> dict:
     """One Ray federation of K clients, ``per_actor`` to an actor: memory and round times."""
+    from fdam_ray.assembly.recipe import federate
     from fdam_ray.config import build_config
     from fdam_ray.data import make_source
     from fdam_ray.executors.ray.executor import RayExecutor
     from fdam_ray.outputs import Observer
-    from fdam_ray.recipe import federate
 
     config = build_config({
         **C.RUN_DEFAULTS, "dataset": "synthetic", "num_clients": k, "samples_per_client": args.samples,

@@ -42,7 +42,8 @@ import gpu_throughput as G
 import numpy as np
 import torch
 
-from fdam_ray.client import resolve_device
+from fdam_ray.executors.base import ExecutorSetup
+from fdam_ray.loop.client import resolve_device
 
 COLLECTIVE_TARGET = 1.2  # the collective round at most this times the bare all-reduce among 4 processes
 FULL = {"floats": 7_000_000, "clients": 4, "rounds": 10, "repeats": 3}
@@ -111,10 +112,10 @@ def collective_round(spec: dict, device: torch.device) -> dict:
     from round_overhead import WideSource, executor_rounds
 
     from fdam_ray.algorithms import AlgorithmSection, build_algorithm
-    from fdam_ray.client import Replica
     from fdam_ray.config import build_config
     from fdam_ray.executors.ray.compat import start_loopback_ray
     from fdam_ray.executors.ray.executor import RayExecutor
+    from fdam_ray.loop.client import Replica
 
     k, n = spec["clients"], spec["floats"]
     gpu = device.type == "cuda"
@@ -128,7 +129,7 @@ def collective_round(spec: dict, device: torch.device) -> dict:
                                    **share))
         source = WideSource(k, n - 3)
         executor = RayExecutor()
-        executor.start(config, source)
+        executor.start(ExecutorSetup.for_config(config, executor.section), source)
         try:
             state = Replica(config, source, device=torch.device("cpu")).flat.initial_state()
             executor.configure(np.array([0.5]))

@@ -71,14 +71,15 @@ from ray.cluster_utils import Cluster
 from round_overhead import WideSource
 
 from fdam_ray.algorithms import AlgorithmSection, build_algorithm
-from fdam_ray.client import Replica
 from fdam_ray.config import build_config
-from fdam_ray.deadlines import Deadline
+from fdam_ray.executors.base import ExecutorSetup
 from fdam_ray.executors.ray.compat import loopback_node
 from fdam_ray.executors.ray.executor import RayExecutor
-from fdam_ray.executors.ray.transports import REGISTRY, transport_for
-from fdam_ray.state import RoundPlan
-from fdam_ray.transfer import Downlink
+from fdam_ray.executors.ray.transports import transport_for
+from fdam_ray.features.deadlines import Deadline
+from fdam_ray.features.transfer import Downlink
+from fdam_ray.loop.client import Replica
+from fdam_ray.loop.state import RoundPlan
 
 DENSENET121_FLOATS = 6_960_000  # trainable parameters of DenseNet121 with one output, plus a, b
 RESNET20_FLOATS = 270_000
@@ -169,7 +170,7 @@ def start_executor(nodes: int, clients_per_node: int, state_floats: int):
         client_resources=[{f"site_{c // clients_per_node}": 0.01} for c in range(k)], reduce="star"))
     source = WideSource(k, state_floats - 3)
     executor = RayExecutor()
-    executor.start(config, source)
+    executor.start(ExecutorSetup.for_config(config, executor.section), source)
     state = Replica(config, source, device=torch.device("cpu")).flat.initial_state()
     executor.configure(np.array([0.5]))
     executor.begin_stage(state.v, True)
@@ -178,11 +179,13 @@ def start_executor(nodes: int, clients_per_node: int, state_floats: int):
 
 def use_transport(executor: RayExecutor, block: tuple, kept: dict) -> None:
     """Switch the started executor to ``block``: (transport, reduce, transfer_precision, round_deadline). The
-    transport is kept in ``kept`` by name, so the node transports keep their reducer actors from block to block
+    transport is kept in ``kept`` by its (transport, reduce) pair, so
+    the node transports keep their reducer actors from block to block
     (a compiled graph left behind is ended, its actors then free for the next graph; the executor closes the last
     one at shutdown); so is each precision's downlink, whose master the actors keep from block to block."""
     transport, reduce, precision, deadline = block
-    name = transport_for(transport, reduce)
+    cls = transport_for(transport, reduce)
+    name = cls.serves
     if transport == "compiled":  # an actor is in one graph at a time; classic calls run beside a graph
         for other, kept_transport in kept.items():
             graph = getattr(kept_transport, "graph", None)
@@ -190,7 +193,7 @@ def use_transport(executor: RayExecutor, block: tuple, kept: dict) -> None:
                 graph.teardown()
     executor.config = dataclasses.replace(executor.config, transport=transport, reduce=reduce)
     if name not in kept:
-        kept[name] = REGISTRY[name](executor.fleet, executor.config)
+        kept[name] = cls(executor.fleet, executor.config)
     executor.transport = kept[name]
     if precision != "fp32" and precision not in kept:
         kept[precision] = Downlink(precision, error_feedback=False)

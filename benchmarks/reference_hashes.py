@@ -4,7 +4,7 @@ A matrix of small runs, one per way a round can be computed: every algorithm and
 sampling and sample weights, momentum, 16-bit transfers with and without error feedback, the geometric
 schedule, hosting several clients per actor, the Ray executor under each transport (classic star and node
 reduction in client order, compiled, collective), a deadline no client misses (replays are pinned bit for bit
-by tests/test_stragglers.py), and Flower's in-process grid (where Flower is installed). Each run's final state
+by tests/features/test_stragglers.py), and Flower's in-process grid (where Flower is installed). Each run's final state
 vectors (v, alpha, buffers, counters, c_v, c_alpha), its round and iteration, and its evaluation AUCs are
 hashed (SHA-256). ``benchmarks/results/reference_hashes.json`` is the record of the current code.
 

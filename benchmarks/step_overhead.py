@@ -26,12 +26,12 @@ import _common as C
 import numpy as np
 import torch
 
-from fdam_ray.client import Client
 from fdam_ray.config import build_config
 from fdam_ray.data.arrays import ArraysSource
+from fdam_ray.loop.client import Client
+from fdam_ray.loop.state import RoundPlan
 from fdam_ray.models import build_model
 from fdam_ray.objectives import Objective
-from fdam_ray.state import RoundPlan
 
 LR, GAMMA = 0.05, 0.002
 TARGET_RATIO = 1.1  # Client.local_round at most 10% slower per step than the bare loop

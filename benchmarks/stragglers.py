@@ -31,7 +31,7 @@ from sample_clients import gaussian_clients
 from fdam_ray.config import build_config
 from fdam_ray.data.arrays import ArraysSource
 from fdam_ray.executors.ray.executor import RayExecutor
-from fdam_ray.state import RoundPlan
+from fdam_ray.loop.state import RoundPlan
 
 RESULTS = Path(__file__).resolve().parent / "results" / "stragglers.md"
 

@@ -11,15 +11,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fdam_ray.api import load_model, train, train_arrays, train_datasets
+    from fdam_ray.assembly.recipe import resume, run
     from fdam_ray.config import Config, ConfigError, build_config
-    from fdam_ray.federation import DivergenceError, RunResult
-    from fdam_ray.recipe import resume, run
+    from fdam_ray.loop.federation import DivergenceError, RunResult
 
 # The public names, imported when first used: `fdam` reads and checks its command line and config file before
 # torch is imported (seconds on a loaded machine).
 _HOME = {"load_model": "api", "train": "api", "train_arrays": "api", "train_datasets": "api", "Config": "config",
-         "ConfigError": "config", "build_config": "config", "DivergenceError": "federation", "RunResult": "federation",
-         "resume": "recipe", "run": "recipe"}
+         "ConfigError": "config", "build_config": "config", "DivergenceError": "loop.federation",
+         "RunResult": "loop.federation",
+         "resume": "assembly.recipe", "run": "assembly.recipe"}
 
 
 def __getattr__(name: str) -> Any:

@@ -13,14 +13,17 @@ from typing import Any
 
 from torch import nn
 
+from fdam_ray.assembly.factories import PYTHON_PREFIX, is_import_path
+from fdam_ray.assembly.recipe import run
+from fdam_ray.assembly.weights import is_state_dict, misfits, not_a_state_dict, safe_load, torch_load_failure
 from fdam_ray.config import FIELD_BY_NAME, Config, build_config
 from fdam_ray.data import make_source
 from fdam_ray.data.arrays import ArrayPair, ArraysSource
 from fdam_ray.data.datasets import DatasetsSource, Entry
 from fdam_ray.data.sections import DATASET_NAMES
-from fdam_ray.evaluation import one_class_problems
-from fdam_ray.factories import PYTHON_PREFIX, is_import_path
-from fdam_ray.federation import RunResult
+from fdam_ray.features.sites import client_label
+from fdam_ray.loop.evaluation import one_class_problems
+from fdam_ray.loop.federation import RunResult
 from fdam_ray.models import (
     BUILDERS,
     MAX_TASKS,
@@ -31,11 +34,8 @@ from fdam_ray.models import (
     read_network_record,
     record_problem,
 )
-from fdam_ray.recipe import run
-from fdam_ray.redact import short
-from fdam_ray.sites import client_label
-from fdam_ray.weights import is_state_dict, misfits, not_a_state_dict, safe_load, torch_load_failure
-from fdam_ray.yamlio import read_yaml_file
+from fdam_ray.settings.redact import short
+from fdam_ray.settings.yamlio import read_yaml_file
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def train(
     on_eval: Callable[[dict], None] | None = None,
     progress: bool | None = None,
 ) -> RunResult:
-    """Train a federation on the dataset the config names; see :func:`fdam_ray.recipe.run`.
+    """Train a federation on the dataset the config names; see :func:`fdam_ray.assembly.recipe.run`.
 
     ``model`` sets the config's ``model``: a built-in name, an import path ``module:attr``, or your own
     factory ``(input_shape, num_tasks) -> nn.Module`` (README, "Your own model and data"). A factory that
@@ -322,7 +322,7 @@ def _network_of_config(folder: Path, file: Path, payload: Mapping[str, Any]) -> 
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
     try:
-        source = make_source(config)
+        source = make_source(config, executor=config.executor, address=config.address)
         input_shape, num_tasks = source.input_shape, source.num_tasks
     except Exception as exc:  # a data source that cannot be rebuilt here (a dataset given in Python, no data)
         why = short(" ".join(str(exc).split()), 200)

@@ -14,16 +14,16 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
-from fdam_ray import interrupts
-from fdam_ray.locations import where
-from fdam_ray.redact import clip, redact, redact_handlers
-from fdam_ray.sections import ConfigError
+from fdam_ray.features import interrupts
+from fdam_ray.files.locations import where
+from fdam_ray.settings.redact import clip, redact, redact_handlers
+from fdam_ray.settings.sections import ConfigError
 
 # Only light modules above: the command line and a config file are read and checked for form before torch (and
 # the config module, whose sections import it) is imported, which takes tens of seconds on a loaded machine.
 
 if TYPE_CHECKING:
-    from fdam_ray.federation import RunResult
+    from fdam_ray.loop.federation import RunResult
 
 
 def _version() -> str:
@@ -56,8 +56,8 @@ def _summary(summary: dict) -> str:
 
 def _train_or_resume(resume_dir: str | None, values: dict, **how: Any) -> RunResult:
     """Run the config ``values`` describe, or continue the run in ``resume_dir`` (``values`` may change it)."""
+    from fdam_ray.assembly.recipe import resume, run
     from fdam_ray.config import build_config
-    from fdam_ray.recipe import resume, run
 
     if resume_dir:
         print(f"fdam train: resuming {resume_dir}", flush=True)
@@ -71,7 +71,7 @@ def _train_or_resume(resume_dir: str | None, values: dict, **how: Any) -> RunRes
 def read_command_config(config_file: str | None, overrides: list[str]) -> dict[str, Any]:
     """The config file's mapping (empty without one), checked for form with light modules only: the file exists
     and is YAML holding a mapping, and every override is ``key=value``. Raises ConfigError in one line."""
-    from fdam_ray.yamlio import read_yaml_file
+    from fdam_ray.settings.yamlio import read_yaml_file
 
     for item in overrides or ():
         key, sep, _ = item.partition("=")
@@ -93,8 +93,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from fdam_ray.config import parse_overrides
     from fdam_ray.executors.errors import ClientError, PlacementError
-    from fdam_ray.federation import DivergenceError
-    from fdam_ray.interrupts import RunStopped, clear_stop_request, request_stop
+    from fdam_ray.features.interrupts import RunStopped, clear_stop_request, request_stop
+    from fdam_ray.loop.federation import DivergenceError
 
     values.update(parse_overrides(args.overrides))
     if args.address:
@@ -248,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one ``fdam`` command; its exit code.
 
-    SIGTERM and Ctrl+C stop it as :mod:`fdam_ray.interrupts` says. Called without ``argv`` (the ``fdam``
+    SIGTERM and Ctrl+C stop it as :mod:`fdam_ray.features.interrupts` says. Called without ``argv`` (the ``fdam``
     command, ``python -m fdam_ray``) the process is the command's: the handlers stay for Ray's exit-time
     shutdown, where any signal exits at once. Called with ``argv`` (from a program or a test) the process's
     own handlers are given back when the command returns.
@@ -276,7 +276,7 @@ def _run_command(argv: list[str] | None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     redact_handlers()  # no password of a URI or address reaches stderr through a log line
     if not getattr(args, "quiet", False):  # stage 1 of a two-stage run says where it is, -v or not
-        logging.getLogger("fdam_ray.pretrain").setLevel(logging.INFO)
+        logging.getLogger("fdam_ray.assembly.pretrain").setLevel(logging.INFO)
     try:
         return args.func(args)
     except (ConfigError, ValueError) as exc:

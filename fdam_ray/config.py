@@ -1,13 +1,13 @@
 """Run configuration: one flat set of plain names shared by YAML files, the CLI and Tune.
 
 Each field is declared once, in the section class of the code that reads it
-(:func:`fdam_ray.sections.setting`: type, default, meaning with the paper's
+(:func:`fdam_ray.settings.sections.setting`: type, default, meaning with the paper's
 symbol, allowed values). :class:`Config` inherits every section, so a type
 checker sees each field; the field table :data:`FIELDS`, ``fdam fields``, the
 CLI's ``key=value`` keys and Tune's search-space keys are generated from the
 sections (:data:`SECTION_CLASSES`). :func:`build_config` is the only way to make
 a :class:`Config`: it rejects unknown keys, coerces types
-(:mod:`fdam_ray.coercion`), applies the chosen algorithm's preset defaults for
+(:mod:`fdam_ray.settings.coercion`), applies the chosen algorithm's preset defaults for
 fields the user left unset, checks every value and then each section's rules
 across its fields, raising :class:`ConfigError` (a ``ValueError``) that names
 the field, the value and what is allowed.
@@ -30,22 +30,26 @@ import yaml
 from fdam_ray.algorithms import AlgorithmSection
 from fdam_ray.algorithms.local import LocalStepSection
 from fdam_ray.algorithms.presets import PRESETS, Preset
-from fdam_ray.client import ClientSection
-from fdam_ray.coercion import CommandLineText, Field, coerce, from_text
+from fdam_ray.assembly.factories import python_name
+from fdam_ray.assembly.pretrain import PretrainSection
 from fdam_ray.data.balanced import SamplingSection
 from fdam_ray.data.sections import CHESTXRAY_SOURCES, DATASET_NAMES, ChestXraySection, DataSection, SyntheticSection
-from fdam_ray.deadlines import DeadlineSection
-from fdam_ray.evaluation import ValidationSection
 from fdam_ray.executors.base import ExecutorSection
 from fdam_ray.executors.ray_section import RaySection
-from fdam_ray.factories import python_name
+from fdam_ray.features.deadlines import DeadlineSection
+from fdam_ray.features.precision import PrecisionSection
+from fdam_ray.features.sites import SiteSection
+from fdam_ray.features.transfer import TransferSection
+from fdam_ray.files.versions import VERSIONS_KEY
+from fdam_ray.loop.client import ClientSection
+from fdam_ray.loop.evaluation import ValidationSection
+from fdam_ray.loop.schedules import ScheduleSection
 from fdam_ray.models import MODEL_NAMES, ModelSection
 from fdam_ray.outputs import OutputSection
-from fdam_ray.precision import PrecisionSection
-from fdam_ray.pretrain import PretrainSection
-from fdam_ray.redact import clip, short
-from fdam_ray.schedules import ScheduleSection
-from fdam_ray.sections import (
+from fdam_ray.privacy.section import PrivacySection
+from fdam_ray.settings.coercion import CommandLineText, Field, coerce, from_text
+from fdam_ray.settings.redact import clip, short
+from fdam_ray.settings.sections import (
     AT_LEAST_ONE,
     NONNEGATIVE,
     SETTING,
@@ -57,10 +61,7 @@ from fdam_ray.sections import (
     setting,
     shared_names,
 )
-from fdam_ray.sites import SiteSection
-from fdam_ray.transfer import TransferSection
-from fdam_ray.versions import VERSIONS_KEY
-from fdam_ray.yamlio import kind_of, load_yaml, read_yaml_file
+from fdam_ray.settings.yamlio import kind_of, load_yaml, read_yaml_file
 
 __all__ = ["CHESTXRAY_SOURCES", "DATASET_NAMES", "FIELDS", "FIELD_BY_NAME", "MODEL_NAMES", "RENAMED_PER_ACTOR",
            "RESUME_MAY_CHANGE", "SECTIONS", "SECTION_CLASSES", "CommandLineText", "Config", "ConfigError", "Field",
@@ -83,14 +84,15 @@ class RunSection(Section):
 SECTION_CLASSES: tuple[type[Section], ...] = (
     AlgorithmSection, ScheduleSection, DataSection, SyntheticSection, ChestXraySection, ModelSection,
     PretrainSection, ClientSection, LocalStepSection, SamplingSection, PrecisionSection, RunSection, ValidationSection,
-    ExecutorSection, RaySection, DeadlineSection, TransferSection, OutputSection, SiteSection,
+    ExecutorSection, RaySection, DeadlineSection, TransferSection, OutputSection, SiteSection, PrivacySection,
 )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config(AlgorithmSection, ScheduleSection, SyntheticSection, ChestXraySection, ModelSection, PretrainSection,
              ClientSection, LocalStepSection, SamplingSection, PrecisionSection, RunSection, ValidationSection,
-             ExecutorSection, RaySection, DeadlineSection, TransferSection, OutputSection, SiteSection):
+             ExecutorSection, RaySection, DeadlineSection, TransferSection, OutputSection, SiteSection,
+             PrivacySection):
     """A validated run configuration (every section's fields); build it with :func:`build_config`."""
 
     name = "config"
@@ -263,7 +265,7 @@ def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> C
     Fields the user does not set take the algorithm preset's default, then the
     field's own default. Nested sections are accepted and flattened (see
     :func:`_flatten_sections`). Each section's rules across its fields
-    (:meth:`~fdam_ray.sections.Section.check`) run last. Raises
+    (:meth:`~fdam_ray.settings.sections.Section.check`) run last. Raises
     :class:`ConfigError` on the first bad value.
     """
     given = _given(values, overrides)

@@ -37,7 +37,7 @@ from fdam_ray.objectives import (
     number_argument,
     whole_argument,
 )
-from fdam_ray.redact import short
+from fdam_ray.settings.redact import short
 
 __all__ = ["AUCLoss", "AUCMLoss", "AUCSquareLoss", "positive_ratio"]
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fdam_ray.factories import (
+from fdam_ray.assembly.factories import (
     PYTHON_PREFIX,
     describe_error,
     import_path_of,
@@ -31,8 +31,8 @@ from fdam_ray.factories import (
     raised_at,
     resolve,
 )
-from fdam_ray.redact import short
-from fdam_ray.sections import AT_LEAST_ONE, Section, setting
+from fdam_ray.settings.redact import short
+from fdam_ray.settings.sections import AT_LEAST_ONE, Section, setting
 
 
 def _image_shape(name: str, input_shape: tuple[int, ...]) -> tuple[int, int, int]:

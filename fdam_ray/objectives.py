@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F_nn
 
-from fdam_ray.redact import short
+from fdam_ray.settings.redact import short
 
 OBJECTIVES = ("auc_square", "auc_margin", "bce")
 

@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
+from fdam_ray.loop.schedules import stagewise_lr
 from fdam_ray.losses import AUCLoss
 from fdam_ray.objectives import number_argument, whole_argument
-from fdam_ray.redact import short
-from fdam_ray.schedules import stagewise_lr
+from fdam_ray.settings.redact import short
 
 __all__ = ["PrimalDualSGD", "dual_ascent_", "heavy_ball_", "primal_direction_"]
 

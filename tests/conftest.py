@@ -6,8 +6,12 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(1, os.path.join(os.path.dirname(__file__), "unit"))  # the oracle cases other tiers reuse
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers (raytest, oracle, ...)
+from testpath import TEST_PATH  # (after the path insert above)
+
+# Test modules other test modules reuse (the oracle cases, the hosted-run helpers, the sweep readers) are
+# imported by their basename, as pytest imports them, wherever in the tree they sit.
+sys.path.extend(p for p in TEST_PATH.split(os.pathsep)[1:] if p not in sys.path)
 torch.set_num_threads(1)
 # The suite runs on the CPU wherever it runs: its bit-for-bit comparisons assume CPU kernels, and a GPU in
 # view would move device=auto runs and Ray's resource counts onto it (CUDA starts lazily, so hiding it here,
@@ -37,8 +41,8 @@ def fresh_wandb_settings():
 @pytest.fixture(autouse=True)
 def store_reader_filters():
     """pytest's per-test capture of warnings drops filters set at import: the package's read-only-array filters
-    (fdam_ray.state.reads_store_arrays) are set again for each test, as a run keeps them."""
-    from fdam_ray.state import STORE_READERS, reads_store_arrays
+    (fdam_ray.loop.state.reads_store_arrays) are set again for each test, as a run keeps them."""
+    from fdam_ray.loop.state import STORE_READERS, reads_store_arrays
 
     for module in sorted(STORE_READERS):
         reads_store_arrays(module)

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import ray
 from ray.cluster_utils import Cluster
-from raytest import TESTS_DIR
+from raytest import TEST_PATH
 
 from fdam_ray.executors.ray.compat import loopback_node
 
@@ -41,7 +41,7 @@ def multi_node_cluster(workers: int = 3, cpus_per_worker: float = 2, head_cpus: 
     """A head (``head_cpus``, resource ``head``) plus ``workers`` nodes (``cpus_per_worker``, resource
     ``site_<i>``), with this process connected as the driver; everything is shut down at the end."""
     saved = dict(os.environ)
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, saved.get("PYTHONPATH")) if p)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TEST_PATH, saved.get("PYTHONPATH")) if p)
     os.environ["RAY_AUTH_MODE"] = process_auth_mode()
     with loopback_node():  # every node listens on 127.0.0.1 only
         cluster = Cluster(initialize_head=True, head_node_args={

@@ -46,17 +46,17 @@ class Mutation:
     why: str = ""  # for a mutation expected to survive: why it is harmless
 
 
-ORACLE = "tests/unit/test_oracle.py"
-OBJ = "tests/unit/test_objectives.py"
-SERVER = "tests/unit/test_server.py"
-SCHED = "tests/unit/test_schedules.py"
-DATA = "tests/test_data.py"
-FED = "tests/test_federation.py"
-METRICS = "tests/unit/test_metrics.py"
-STAGES = "tests/unit/test_stages.py"
-SAMPLING = "tests/unit/test_sampling.py"
-CKPT = ("tests/test_runs.py", "-k", "checkpoint or resume or atomic or unpickle")
-IMG = "tests/test_imagefolder.py"
+ORACLE = "tests/unit/algorithms/test_oracle.py"
+OBJ = "tests/unit/toplevel/test_objectives.py"
+SERVER = "tests/unit/algorithms/test_server.py"
+SCHED = "tests/unit/loop/test_schedules.py"
+DATA = "tests/data/test_data.py"
+FED = "tests/loop/test_federation.py"
+METRICS = "tests/unit/toplevel/test_metrics.py"
+STAGES = "tests/unit/algorithms/test_stages.py"
+SAMPLING = "tests/unit/algorithms/test_sampling.py"
+CKPT = ("tests/loop/test_runs.py", "-k", "checkpoint or resume or atomic or unpickle")
+IMG = "tests/data/test_imagefolder.py"
 
 # fmt: off
 MUTATIONS: list[Mutation] = [
@@ -116,7 +116,7 @@ MUTATIONS: list[Mutation] = [
              "        total += prev\n",
              "",
              (SAMPLING,), "under sampling, c becomes the sampled clients' change alone instead of c plus it"),
-    Mutation("weights_ignored_in_means", "fdam_ray/client.py",
+    Mutation("weights_ignored_in_means", "fdam_ray/loop/client.py",
              "None if weights is None else float(weights[0])  # w_k",
              "None  # w_k",
              (SAMPLING,), "client weights left out of the sums a host folds its clients into"),
@@ -178,37 +178,38 @@ MUTATIONS: list[Mutation] = [
     Mutation("round_centre_not_moved", "fdam_ray/algorithms/local.py",
              'if self.proximal == "round" and self.prox_weight:',
              "if False:",
-             ("tests/unit/test_fedprox.py",), "FedProx's proximal centre is never set to the round's starting point"),
+             ("tests/unit/algorithms/test_fedprox.py",),
+             "FedProx's proximal centre is never set to the round's starting point"),
     Mutation("fedprox_centred_on_the_stage", "fdam_ray/algorithms/fedprox.py",
              '    proximal = "round"',
              '    proximal = "stage"',
-             ("tests/unit/test_fedprox.py",), "FedProx pulls towards the stage's reference point"),
+             ("tests/unit/algorithms/test_fedprox.py",), "FedProx pulls towards the stage's reference point"),
     Mutation("fedprox_auc_centred_on_the_stage", "fdam_ray/algorithms/fedprox_auc.py",
              '    proximal = "round"',
              '    proximal = "stage"',
-             ("tests/unit/test_fedprox.py",), "FedProx-AUC pulls towards the stage's reference point"),
+             ("tests/unit/algorithms/test_fedprox.py",), "FedProx-AUC pulls towards the stage's reference point"),
     Mutation("codasca_without_drift_correction", "fdam_ray/algorithms/coda.py",
              'preset("codasca", Coda, AUC_OBJECTIVES, "control_variates",',
              'preset("codasca", Coda, AUC_OBJECTIVES, "none",',
              (ORACLE,), "CODASCA runs without control variates (it becomes CODA+)"),
     Mutation("coda_keeps_alpha_at_stage_end", "fdam_ray/algorithms/coda.py",
-             "    needs_stage_moments = True\n",
-             "    needs_stage_moments = False\n",
+             "    needs_score_sums = True\n",
+             "    needs_score_sums = False\n",
              (FED,), "CODA's stage end never recomputes alpha in closed form"),
     # -- schedules (s.5)
-    Mutation("stage_switch_late", "fdam_ray/schedules.py",
+    Mutation("stage_switch_late", "fdam_ray/loop/schedules.py",
              "return p.done >= p.stage * self.stage_length",
              "return p.done > p.stage * self.stage_length",
              (SCHED, ORACLE), "a stage ends one round after s x T0 iterations when it falls on a round end"),
-    Mutation("stage_lr_decays_once_too_often", "fdam_ray/schedules.py",
+    Mutation("stage_lr_decays_once_too_often", "fdam_ray/loop/schedules.py",
              "return lr / lr_decay ** (stage - 1)",
              "return lr / lr_decay ** stage",
              (SCHED, ORACLE), "stage s uses lr / decay^s instead of lr / decay^(s-1)"),
-    Mutation("geometric_lr_constant", "fdam_ray/schedules.py",
+    Mutation("geometric_lr_constant", "fdam_ray/loop/schedules.py",
              "return max(1, round(local_steps * factor)), lr / factor",
              "return max(1, round(local_steps * factor)), lr",
              (SCHED,), "the geometric schedule keeps lr constant as I_s grows"),
-    Mutation("last_round_not_shortened", "fdam_ray/schedules.py",
+    Mutation("last_round_not_shortened", "fdam_ray/loop/schedules.py",
              "steps = min(steps, self.iterations - p.done)",
              "steps = steps",
              (SCHED, ORACLE), "the last round runs I steps past the iteration budget"),
@@ -234,20 +235,20 @@ MUTATIONS: list[Mutation] = [
              "keep = ~np.isnan(labels[:, t])",
              "keep = np.ones(len(labels), dtype=bool)",
              (METRICS, FED), "a task's AUC keeps the samples without a label for it"),
-    Mutation("test_auc_mean_of_client_aucs", "fdam_ray/evaluation.py",
+    Mutation("test_auc_mean_of_client_aucs", "fdam_ray/loop/evaluation.py",
              "elif parts:\n            scores, labels = pooled([(p.scores, p.labels) for p in parts])",
              "elif parts:\n            scores, labels = parts[0].scores, parts[0].labels",
              (FED,), "the test AUC is the first client's AUC, not one AUC over the pooled scores"),
     # -- checkpoints
-    Mutation("checkpoint_arrays_come_back_as_tensors", "fdam_ray/checkpoint.py",
+    Mutation("checkpoint_arrays_come_back_as_tensors", "fdam_ray/loop/checkpoint.py",
              "return obj[_ARRAY].numpy()",
              "return obj[_ARRAY]",
              CKPT, "numpy arrays in a checkpoint come back as torch tensors"),
-    Mutation("checkpoint_unpickles_anything", "fdam_ray/weights.py",
+    Mutation("checkpoint_unpickles_anything", "fdam_ray/assembly/weights.py",
              "return torch.load(path, map_location=\"cpu\", weights_only=True)",
              "return torch.load(path, map_location=\"cpu\", weights_only=False)",
              CKPT, "a checkpoint is read with full unpickling (runs code from the file)"),
-    Mutation("checkpoint_write_in_place", "fdam_ray/checkpoint.py",
+    Mutation("checkpoint_write_in_place", "fdam_ray/loop/checkpoint.py",
              "fd, tmp = tempfile.mkstemp(prefix=f\".{path.name}.\", suffix=\".tmp\", dir=folder)",
              "fd, tmp = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), str(path)",
              CKPT, "a checkpoint is overwritten in place (a crash mid-write destroys the previous one)"),

@@ -1,7 +1,7 @@
 """Ray helpers for tests: one local session per module (CPUs pinned), and data that misbehaves on purpose.
 
-Ray workers get this folder on ``PYTHONPATH``, so classes and functions
-defined here or in test modules can run inside actors and tasks.
+Ray workers get this folder and every folder of test modules on ``PYTHONPATH`` (:data:`TEST_PATH`), so classes
+and functions defined here or in test modules can run inside actors and tasks.
 """
 
 from __future__ import annotations
@@ -14,19 +14,19 @@ from pathlib import Path
 import numpy as np
 import ray
 import torch
+from testpath import TEST_PATH
 
 from fdam_ray.data import DatasetSplit, DataSource, Shard
 from fdam_ray.executors.ray.compat import start_loopback_ray
 from fdam_ray.executors.ray.executor import RayExecutor
 
 NUM_CPUS = 4  # logical CPUs; clients run one torch thread each, so 4 of them share the 2 cores
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def first_state(executor, config, source):
     """Ready a started executor's clients for round 1 (p = 0.3, a first stage) and return the initial global
     state, with zero control variates."""
-    from fdam_ray.client import Replica
+    from fdam_ray.loop.client import Replica
 
     state = Replica(config, source, device=torch.device("cpu")).flat.initial_state()
     state.c_v, state.c_alpha = np.zeros_like(state.v), np.zeros_like(state.alpha)
@@ -42,7 +42,7 @@ def ray_session(num_cpus: int = NUM_CPUS):
         yield
         return
     saved = dict(os.environ)
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, saved.get("PYTHONPATH")) if p)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TEST_PATH, saved.get("PYTHONPATH")) if p)
     start_loopback_ray(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)  # listens on 127.0.0.1
     try:
         yield

@@ -11,20 +11,24 @@
   (stage transitions, s.5), :mod:`.sampling` (client sampling and weights, s.3b).
 
 The objectives and p live in :mod:`fdam_ray.objectives` (s.1), the schedules'
-stage lengths and step sizes in :mod:`fdam_ray.schedules` (s.5), the state
-vectors in :mod:`fdam_ray.state`.
+stage lengths and step sizes in :mod:`fdam_ray.loop.schedules` (s.5), the state
+vectors in :mod:`fdam_ray.loop.state`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from fdam_ray.algorithms.base import Algorithm, Preset
 from fdam_ray.algorithms.local import LocalSolver
 from fdam_ray.algorithms.presets import PRESETS
 from fdam_ray.algorithms.server import PartialSum, RoundReducer
 from fdam_ray.algorithms.stages import ServerState
-from fdam_ray.sections import AT_LEAST_ONE, FRACTION, NONNEGATIVE, POSITIVE, Section, fail, setting
+from fdam_ray.settings.sections import AT_LEAST_ONE, FRACTION, NONNEGATIVE, POSITIVE, Section, fail, setting
+
+if TYPE_CHECKING:
+    from fdam_ray.loop.client import ClientSection
 
 __all__ = ["PRESETS", "Algorithm", "AlgorithmSection", "LocalSolver", "PartialSum", "Preset", "RoundReducer",
            "ServerState", "build_algorithm"]
@@ -73,14 +77,13 @@ class AlgorithmSection(Section):
                        f"at most num_clients = {self.num_clients}, or null for all")
 
 
-def build_algorithm(section: object) -> Algorithm:
+def build_algorithm(section: AlgorithmSection | ClientSection) -> Algorithm:
     """The algorithm a config section names, built as its family's class with the hyperparameters the section
     carries (a client's section has no server fields: those keep their neutral defaults)."""
-    name = getattr(section, "algorithm")  # noqa: B009 (any section with the algorithm's fields)
-    objective = getattr(section, "objective")  # noqa: B009
-    if objective is None:
+    if section.objective is None:
         raise ValueError("the algorithm section has no objective (build the config with build_config)")
-    chosen = PRESETS[name]
-    hyper = {f.name: getattr(section, f.name) for f in dataclasses.fields(Algorithm)
-             if f.name not in ("preset", "objective_name") and hasattr(section, f.name)}
-    return chosen.family(chosen, objective, **hyper)
+    chosen = PRESETS[section.algorithm]
+    values = dataclasses.asdict(section)
+    hyper = {f.name: values[f.name] for f in dataclasses.fields(Algorithm)
+             if f.name not in ("preset", "objective_name") and f.name in values}
+    return chosen.family(chosen, section.objective, **hyper)

@@ -14,7 +14,7 @@ and fixed config values). The phases, and where each runs:
 - stage end (:meth:`Algorithm.end_stage`): the next proximal centre, control
   variates reset, and a family's own hook (CODA's closed-form alpha).
 
-What travels is the state vectors of :class:`fdam_ray.state.StateVectors`;
+What travels is the state vectors of :class:`fdam_ray.loop.state.StateVectors`;
 the drift correction decides whether the control variates are among them.
 Adding a family is one module that subclasses :class:`Algorithm`, overrides what
 differs and lists its presets, plus its import in :mod:`.presets`.
@@ -32,11 +32,11 @@ import numpy as np
 from fdam_ray.algorithms.drift import DRIFT_CORRECTIONS, DriftCorrection
 from fdam_ray.algorithms.local import LocalSolver
 from fdam_ray.algorithms.sampling import client_weights, sample_clients
-from fdam_ray.algorithms.server import RoundReducer
+from fdam_ray.algorithms.server import RoundReducer, ServerStep
 from fdam_ray.algorithms.stages import ServerState, after_round, after_rounds, coda_alpha, end_stage, init_server_state
-from fdam_ray.flat import FlatModel
+from fdam_ray.loop.flat import FlatModel
+from fdam_ray.loop.state import GlobalState, ScoreSums
 from fdam_ray.objectives import Objective
-from fdam_ray.state import GlobalState, Moments
 
 AUC_OBJECTIVES = ("auc_square", "auc_margin")
 
@@ -88,7 +88,7 @@ class Algorithm:
     # the centre of the proximal term: the stage's reference point, or where the round started (FedProx)
     proximal: ClassVar[str] = "stage"
     # whether the stage end needs the clients' score sums (CODA's closed-form alpha)
-    needs_stage_moments: ClassVar[bool] = False
+    needs_score_sums: ClassVar[bool] = False
 
     preset: Preset
     objective_name: str
@@ -136,9 +136,18 @@ class Algorithm:
     def reducer(self, previous: GlobalState, *, weights: np.ndarray | None = None,
                 partial_total: float | None = None) -> RoundReducer:
         """The round's reducer; ``partial_total`` (all clients' total weight) for a round of sampled clients."""
-        return RoundReducer(previous, global_lr=self.global_lr,
-                            alpha_nonnegative=self.objective_name == "auc_margin",
-                            control_variates=self.control_variates, weights=weights, partial_total=partial_total)
+        step = self._step()
+        return RoundReducer(previous, global_lr=step.global_lr, alpha_nonnegative=step.alpha_nonnegative,
+                            control_variates=step.control_variates, weights=weights, partial_total=partial_total)
+
+    def server_step(self) -> ServerStep | None:
+        """The server step as settings that can run where the clients are (the collective transport's members),
+        or None for a family with a reducer of its own (the step then stays on the driver)."""
+        return self._step() if type(self).reducer is Algorithm.reducer else None
+
+    def _step(self) -> ServerStep:
+        return ServerStep(global_lr=self.global_lr, alpha_nonnegative=self.objective_name == "auc_margin",
+                          control_variates=self.control_variates)
 
     def after_round(self, server: ServerState, new_state: GlobalState) -> ServerState:
         return after_round(server, new_state, reference_point=self.reference_point)
@@ -149,7 +158,7 @@ class Algorithm:
         return after_rounds(server, new_state, v_sum, count, reference_point=self.reference_point)
 
     # -- stage end ---------------------------------------------------------------------------
-    def stage_alpha(self, moments: Sequence[Moments], positive_ratio: np.ndarray,
+    def stage_alpha(self, sums: Sequence[ScoreSums], positive_ratio: np.ndarray,
                     weights: np.ndarray | None = None) -> np.ndarray | None:
         """A new global alpha from the clients' score sums at a stage end, or None to keep it (the default)."""
         return None
@@ -160,8 +169,8 @@ class Algorithm:
         return server
 
 
-def closed_form_stage_alpha(algorithm: Algorithm, moments: Sequence[Moments], positive_ratio: np.ndarray,
+def closed_form_stage_alpha(algorithm: Algorithm, sums: Sequence[ScoreSums], positive_ratio: np.ndarray,
                             weights: np.ndarray | None) -> np.ndarray:
     """CODA's closed-form alpha for ``algorithm``'s objective (see :func:`.stages.coda_alpha`)."""
-    return coda_alpha(moments, objective=algorithm.objective_name, margin=algorithm.margin,
+    return coda_alpha(sums, objective=algorithm.objective_name, margin=algorithm.margin,
                       positive_ratio=positive_ratio, weights=weights)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fdam_ray.algorithms.base import AUC_OBJECTIVES, Algorithm, closed_form_stage_alpha, preset
-from fdam_ray.state import Moments
+from fdam_ray.loop.state import ScoreSums
 
 
 class Coda(Algorithm):
@@ -25,11 +25,11 @@ class Coda(Algorithm):
 class CodaClosedForm(Coda):
     """CODA: at every stage end alpha <- alpha*(v), the maximiser of the weighted objective for fixed v."""
 
-    needs_stage_moments = True
+    needs_score_sums = True
 
-    def stage_alpha(self, moments: Sequence[Moments], positive_ratio: np.ndarray,
+    def stage_alpha(self, sums: Sequence[ScoreSums], positive_ratio: np.ndarray,
                     weights: np.ndarray | None = None) -> np.ndarray:
-        return closed_form_stage_alpha(self, moments, positive_ratio, weights)
+        return closed_form_stage_alpha(self, sums, positive_ratio, weights)
 
 
 PRESETS = (

@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from fdam_ray.flat import FlatModel
-from fdam_ray.state import ClientState, ClientUpdate, GlobalState, Rule, StateVectors, vector_fields, vector_names
+from fdam_ray.loop.flat import FlatModel
+from fdam_ray.loop.state import ClientState, ClientUpdate, GlobalState, Rule, StateVectors, vector_fields, vector_names
 
 if TYPE_CHECKING:
     from fdam_ray.algorithms.server import RoundReducer
@@ -170,7 +170,7 @@ class DriftCorrection(abc.ABC):
         """What a client sends toward aggregation, from the update its round made (``start``: the state the round
         ran from). The one place for a mechanism that transforms a client's change before it is summed
         (differential privacy: clip the change v^k - v and, with control variates, that of c^k, then add noise):
-        :meth:`~fdam_ray.client.Client.local_round` returns what this returns, for every executor and bridge.
+        :meth:`~fdam_ray.loop.client.Client.local_round` returns what this returns, for every executor and bridge.
         With control variates the update carries c^k new in a round every client was asked to run (its change
         from ``start``'s c is c^k new - c) and c^k new - c^k old in a sampled round (:meth:`ControlVariates.change`;
         the sums of a late round, :meth:`ControlVariates.host_changes`, form that change from the kept states and

@@ -30,7 +30,7 @@ import dataclasses
 import numpy as np
 
 from fdam_ray.algorithms.drift import CONTROL_VARIATES
-from fdam_ray.state import ClientUpdate, GlobalState, Rule, StateVectors, StepStats, vector_fields, vector_names
+from fdam_ray.loop.state import ClientUpdate, GlobalState, Rule, StateVectors, StepStats, vector_fields, vector_names
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -316,3 +316,46 @@ class RoundReducer:
                 raise RuntimeError("the server combined no alpha (every state carries one, empty for bce)")
             np.maximum(alpha, 0, out=alpha)
         return GlobalState.from_vectors(out, round=prev.round + 1, iteration=prev.iteration + steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerStep:
+    """The settings of the plain server step (:class:`RoundReducer`), and that step applied to a round's reduced
+    sums: what the collective transport's members run after the all-reduce, from
+    :meth:`~fdam_ray.algorithms.base.Algorithm.server_step`."""
+
+    global_lr: float
+    alpha_nonnegative: bool
+    control_variates: bool
+
+    def apply(self, previous: GlobalState, total: PartialSum, steps: int, partial_total: float | None,
+              into: PartialSum | None = None, in_place: bool = False) -> GlobalState:
+        """The new global state from the round's reduced sums, as the driver's reducer computes it (which folds
+        them into zeros: ``0 + x``, written here into ``into``'s buffers when their shapes match, so a round
+        allocates no state-sized buffer; the returned state's vectors are then those buffers).
+
+        ``in_place``: the state is finished in ``total``'s own buffers, with no ``0 + x`` pass. The same bits:
+        the sums hold no -0.0 (each member's partial sum starts from +0.0 and +0.0 + -0.0 is +0.0; a sum of
+        terms none of which is -0.0 is never -0.0), the one value ``0 + x`` changes."""
+        def reducer(sums: PartialSum | None = None) -> RoundReducer:
+            return RoundReducer(previous, global_lr=self.global_lr, alpha_nonnegative=self.alpha_nonnegative,
+                                control_variates=self.control_variates, partial_total=partial_total, sums=sums)
+
+        if in_place:
+            return reducer(total).finish(steps=steps)
+        if into is None or not same_shapes(into, total):
+            folding = reducer()
+            folding.fold(total)
+            return folding.finish(steps=steps)
+        for f in vector_fields():
+            x, out = getattr(total, f.name), getattr(into, f.name)
+            if x is not None:
+                (np.maximum if f.metadata["rule"] is Rule.MAX else np.add)(x, x.dtype.type(0), out=out)
+        into.weight, into.count, into.bytes_up, into.stats = 0.0 + total.weight, total.count, total.bytes_up, []
+        return reducer(into).finish(steps=steps)  # no zeros made to fold into
+
+
+def same_shapes(a: PartialSum, b: PartialSum) -> bool:
+    return all((x is None and y is None) or (x is not None and y is not None and x.shape == y.shape
+                                             and x.dtype == y.dtype)
+               for x, y in zip(a.vectors().values(), b.vectors().values(), strict=True))

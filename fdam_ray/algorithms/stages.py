@@ -11,7 +11,7 @@ this stage's round-end global iterates and their count:
                         sum, count <- 0
                         c <- 0                (reset_control_variates; the paper's DSGSCA+ start;
                                                the drift correction's step, :mod:`.drift`)
-                        alpha <- alpha*(v_r)  (CODA only: the closed form of s.1 from client moments)
+                        alpha <- alpha*(v_r)  (CODA only: the closed form of s.1 from score sums)
 
 The next stage starts from the last global iterate (v_r, alpha_r); with
 ``average`` only the centre is the stage average, since restarting a deep
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fdam_ray.state import GlobalState, Moments
+from fdam_ray.loop.state import GlobalState, ScoreSums
 
 
 @dataclasses.dataclass
@@ -96,7 +96,7 @@ def end_stage(server: ServerState, *, reference_point: str, alpha: np.ndarray | 
     return server
 
 
-def coda_alpha(moments: Sequence[Moments], *, objective: str, margin: float, positive_ratio: np.ndarray,
+def coda_alpha(sums: Sequence[ScoreSums], *, objective: str, margin: float, positive_ratio: np.ndarray,
                weights: np.ndarray | None = None) -> np.ndarray:
     """CODA's alpha at a stage end: the maximiser in alpha of sum_k w_k f_k (s.1, s.3b), from client sums.
 
@@ -116,7 +116,7 @@ def coda_alpha(moments: Sequence[Moments], *, objective: str, margin: float, pos
     p = np.asarray(positive_ratio, dtype=np.float64)
     num = np.zeros_like(p)
     den = np.zeros_like(p)
-    for x in moments:
+    for x in sums:
         n = np.asarray(x.num_pos, dtype=np.float64) + np.asarray(x.num_neg, dtype=np.float64)
         has = n > 0
         e = (p * x.sum_neg - (1 - p) * x.sum_pos) / np.maximum(n, 1)
@@ -131,6 +131,6 @@ def coda_alpha(moments: Sequence[Moments], *, objective: str, margin: float, pos
     raise ValueError(f"closed-form alpha exists for auc_square and auc_margin, not {objective!r}")
 
 
-def moments_nbytes(moments: Sequence[Moments]) -> int:
+def score_sums_nbytes(sums: Sequence[ScoreSums]) -> int:
     """Bytes the clients send up in CODA's alpha round."""
-    return sum(x.sum_pos.nbytes + x.num_pos.nbytes + x.sum_neg.nbytes + x.num_neg.nbytes for x in moments)
+    return sum(x.sum_pos.nbytes + x.num_pos.nbytes + x.sum_neg.nbytes + x.num_neg.nbytes for x in sums)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from fdam_ray.assembly.factories import is_import_path
 from fdam_ray.data.balanced import make_sampler
 from fdam_ray.data.base import (
     AnySplit,
@@ -17,7 +18,6 @@ from fdam_ray.data.base import (
     iter_batches,
 )
 from fdam_ray.data.sections import ChestXraySection, DataSection, SyntheticSection, data_section, roots_refusal
-from fdam_ray.factories import is_import_path
 
 if TYPE_CHECKING:
     from fdam_ray.config import Config
@@ -27,14 +27,17 @@ __all__ = ["AnySplit", "ChestXraySection", "DataSection", "DataSource", "Dataset
            "make_source", "source_class"]
 
 
-def make_source(config: Config | DataSection) -> DataSource:
+def make_source(config: Config | DataSection, *, executor: str = "inline", address: str | None = None,
+                ) -> DataSource:
     """The data source a config names (``arrays`` is made by :func:`fdam_ray.train_arrays`).
 
     ``config`` is a :class:`~fdam_ray.config.Config` or a section holding the
     dataset's fields; the source is given its dataset's section alone (see
     :mod:`fdam_ray.data.sections`). With ``client_data_roots`` the folders are
     checked here, on the driver, when the clients run on this machine (every
-    bad folder named in one line).
+    bad folder named in one line): ``executor`` and ``address`` are the run's
+    (:func:`~fdam_ray.data.rooted.clients_run_here`; a run's assembly passes its
+    config's).
     """
     if config.dataset == "arrays":
         raise ValueError("dataset 'arrays' takes in-memory data: call fdam_ray.train_arrays(config, clients, test)")
@@ -42,7 +45,7 @@ def make_source(config: Config | DataSection) -> DataSource:
         raise ValueError("dataset 'datasets' takes your own Datasets: call fdam_ray.train_datasets(config, clients, "
                          "test)")
     section = data_section(config)
-    roots = getattr(config, "client_data_roots", None)
+    roots = section.client_data_roots
     if roots:
         from fdam_ray.data.rooted import PerClientRoots, check_roots, clients_run_here
 
@@ -52,7 +55,7 @@ def make_source(config: Config | DataSection) -> DataSource:
         if section.data_root is None:
             raise ValueError("client_data_roots needs data_root as well: the folder of the global test set")
         cls = source_class(section.dataset)
-        if clients_run_here(config):
+        if clients_run_here(executor, address):
             check_roots(cls, section, roots)
         return PerClientRoots(_source_of, cls.shared_section(section, tuple(roots)), roots)
     return _source_of(section)
@@ -96,3 +99,4 @@ def source_class(dataset: str) -> type[DataSource]:
 def _source_of(section: DataSection) -> DataSource:
     """The source of the dataset ``section`` names."""
     return source_class(section.dataset)(section)  # type: ignore[call-arg]
+

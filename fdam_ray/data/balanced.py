@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from fdam_ray.data.base import AnySplit, DatasetSplit, IndexStream, LoaderSampler, TensorSampler
-from fdam_ray.sections import FRACTION, Section, fail, setting, shared, warn_once
+from fdam_ray.settings.sections import FRACTION, Section, fail, setting, shared, warn_once
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from fdam_ray.data.partition import validation_rows
-from fdam_ray.interrupts import ignore_stop_signals
+from fdam_ray.features.interrupts import ignore_stop_signals
 
 if TYPE_CHECKING:
     from fdam_ray.data.balanced import BalancedIndexStream
@@ -248,6 +248,12 @@ class DataSource(abc.ABC):
     @abc.abstractmethod
     def test_set(self) -> AnySplit | None:
         """The global test set, or None when the clients' own test splits together are the test set."""
+
+    def local_problems(self) -> list[str]:
+        """What this source lacks on this machine (missing folders or files, one line each, nothing read), for the
+        driver's check before any client starts (:func:`~fdam_ray.data.rooted.check_data_here`); none by default
+        (a source that reads no files, or checks them itself)."""
+        return []
 
     def for_client(self, client_id: int) -> DataSource:
         """What client ``client_id`` needs of this source. A recipe (the default) serves every client as it is;

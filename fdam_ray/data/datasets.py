@@ -22,7 +22,7 @@ for every other source.
 The network is built from the sample shape and T before any client starts:
 they are read from the first item of a Dataset the driver was given (the test
 set or a client's), else from client 0's first item, read where client 0 runs
-(:func:`describe_client`, called by :mod:`fdam_ray.recipe`).
+(:func:`describe_client`, called by :mod:`fdam_ray.assembly.recipe`).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from fdam_ray.assembly.factories import describe_error, raised_at, resolve
 from fdam_ray.data.base import DatasetSplit, DataSource, Shard, loader_errors, loader_workers
-from fdam_ray.factories import describe_error, raised_at, resolve
-from fdam_ray.interrupts import ignore_stop_signals
+from fdam_ray.features.interrupts import ignore_stop_signals
 
 Entry = Any  # a torch Dataset, or a callable returning one (or None, for a test split)
 

@@ -16,9 +16,13 @@ import dataclasses
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from fdam_ray.data.base import AnySplit, DataSource, Shard
 from fdam_ray.data.sections import DataSection
+
+if TYPE_CHECKING:
+    from fdam_ray.config import Config
 
 
 class ClientRoot(DataSource):
@@ -94,32 +98,28 @@ def check_roots(cls: type[DataSource], section: DataSection, roots: Sequence[str
                          "run; for a cluster whose nodes hold the folders, give its address)")
 
 
-def check_data_here(source: DataSource, config: object) -> None:
+def check_data_here(source: DataSource, config: Config) -> None:
     """Where the clients run on this machine (:func:`clients_run_here`), check the folders and
     files a source reads before any client (or Ray) starts, and name every one that is missing in one error:
     a wrong ``data_root`` is then found in seconds, not after the actors started and the first client failed
-    (and every missing source at once, not one per try). A source says what it lacks through a
-    ``local_problems()`` method (nothing read; sources without one are not checked here)."""
+    (and every missing source at once, not one per try). A source says what it lacks through
+    :meth:`~fdam_ray.data.base.DataSource.local_problems` (nothing read)."""
 
-    problems_of = getattr(source, "local_problems", None)
-    if problems_of is None or not clients_run_here(config):
+    if not clients_run_here(config.executor, config.address):
         return
-    problems = problems_of()
+    problems = source.local_problems()
     if problems:
         shown = problems[:8] + ([f"... ({len(problems)} in all)"] if len(problems) > 8 else [])
-        raise ValueError(f"dataset={getattr(config, 'dataset', '?')}: {'; '.join(shown)} (checked on this machine, "
+        raise ValueError(f"dataset={config.dataset}: {'; '.join(shown)} (checked on this machine, "
                          "where the clients run, before starting them)")
 
 
-def clients_run_here(config: object) -> bool:
-    """Whether the clients run on this machine (so their folders are this machine's): the inline executor, or
-    Ray without a cluster address (no ``address``, no ``RAY_ADDRESS``) and, when this process already runs
-    Ray (a test session, a Tune trial), one of a single node. A section without an executor field counts as
-    inline."""
-    executor = getattr(config, "executor", "inline")
+def clients_run_here(executor: str, address: str | None) -> bool:
+    """Whether the clients of a run on ``executor`` (at Ray ``address``) run on this machine (so their folders are
+    this machine's): the inline executor, or Ray without a cluster address (no ``address``, no ``RAY_ADDRESS``)
+    and, when this process already runs Ray (a test session, a Tune trial), one of a single node."""
     if executor == "inline":
         return True
-    address = getattr(config, "address", None)
     if executor != "ray" or address not in (None, "", "local") or os.environ.get("RAY_ADDRESS"):
         return False
     ray = sys.modules.get("ray")  # never imported here: only a Ray this process already runs is asked

@@ -1,4 +1,4 @@
-"""What the data sources read of a config: typed sections (see :mod:`fdam_ray.sections`).
+"""What the data sources read of a config: typed sections (see :mod:`fdam_ray.settings.sections`).
 
 A source's constructor takes its dataset's section, not the whole config, so
 what a dataset depends on is visible in one place and a client's data spec
@@ -13,8 +13,8 @@ import dataclasses
 import logging
 from typing import Any
 
-from fdam_ray.factories import is_import_path
-from fdam_ray.sections import (
+from fdam_ray.assembly.factories import is_import_path
+from fdam_ray.settings.sections import (
     AT_LEAST_ONE,
     EACH_ONCE,
     FRACTION,
@@ -243,7 +243,8 @@ def data_section(config: Any) -> DataSection:
     cls = DataSection if is_import_path(config.dataset) else SECTIONS.get(config.dataset)  # your own factory
     if cls is None:
         raise ValueError(f"dataset {config.dataset!r} has no loader")
-    missing = [f.name for f in dataclasses.fields(cls) if not hasattr(config, f.name)]
+    has = {f.name for f in dataclasses.fields(config)}
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in has]
     if missing:
         raise TypeError(f"dataset={config.dataset} reads {', '.join(missing)}, which {type(config).__name__} "
                         f"lacks; pass the Config or a {cls.__name__}")

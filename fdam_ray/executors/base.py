@@ -1,6 +1,6 @@
 """How the K clients of a federation run: the interface every executor implements.
 
-The driver loop (:mod:`fdam_ray.federation`) talks only to this interface; the
+The driver loop (:mod:`fdam_ray.loop.federation`) talks only to this interface; the
 algorithms never see it. An executor owns the clients, hands each round's
 global state to all of them and passes every client update to the
 driver's ``fold`` callback as soon as it has it (so nothing holds K updates at
@@ -14,17 +14,21 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.data import DataSource
-from fdam_ray.sections import AT_LEAST_ONE, NONNEGATIVE, Section, setting
-from fdam_ray.state import ClientInfo, ClientState, GlobalState, Moments, RoundPlan, Scores, StepStats
+from fdam_ray.features.deadlines import DeadlineSection
+from fdam_ray.features.transfer import Downlink, TransferSection
+from fdam_ray.loop.client import ClientSection
+from fdam_ray.loop.state import ClientInfo, ClientState, GlobalState, RoundPlan, Scores, ScoreSums, StepStats
+from fdam_ray.settings.sections import AT_LEAST_ONE, NONNEGATIVE, Section, setting
 
 if TYPE_CHECKING:
+    from fdam_ray.algorithms import Algorithm
     from fdam_ray.config import Config
 
 
@@ -36,12 +40,9 @@ def actor_groups(num_clients: int, clients_per_actor: int) -> list[list[int]]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExecutorSection(Section):
-    """What any executor reads of the config: which executor, where and how its clients run.
-
-    An executor is given the full config and cuts the sections it needs: this one,
-    :class:`~fdam_ray.client.ClientSection` (all a client receives), and the Ray executor's
-    :class:`~fdam_ray.executors.ray_section.RaySection`.
-    """
+    """What any executor reads of the config: which executor, where and how its clients run (an executor that
+    reads more declares a wider section as its :attr:`Executor.section`, as the Ray executor's
+    :class:`~fdam_ray.executors.ray_section.RayExecutorSection` is)."""
 
     name = "executor"
 
@@ -68,9 +69,46 @@ class ExecutorSection(Section):
                                       "gives up on it.", check=NONNEGATIVE, resume=True)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExecutorSetup:
+    """Everything an executor runs its clients by, cut from the config once, by the federation
+    (:meth:`ExecutorSetup.cut`): no executor reads the config itself.
+
+    Attributes:
+        algorithm: the algorithm the federation built (client weights, the server step's settings).
+        executor: the executor's own section (an instance of its class's :attr:`Executor.section`).
+        client: all that travels to a client (:class:`~fdam_ray.loop.client.ClientSection`).
+        transfer: what a transfer rounds (``transfer_precision``, ``error_feedback``).
+        deadline: the round deadline and the fewest clients a round needs.
+        run_config: the config's plain values (YAML types only), for an executor whose clients are built in
+            processes of their own from them (a Flower site) and to tell one run from another.
+    """
+
+    algorithm: Algorithm
+    executor: ExecutorSection
+    client: ClientSection
+    transfer: TransferSection
+    deadline: DeadlineSection
+    run_config: Mapping[str, Any]
+
+    @classmethod
+    def cut(cls, config: Config, algorithm: Algorithm, section: type[ExecutorSection]) -> ExecutorSetup:
+        return cls(algorithm=algorithm, executor=section.of(config), client=ClientSection.of(config),
+                   transfer=TransferSection.of(config), deadline=DeadlineSection.of(config),
+                   run_config=config.to_dict())
+
+    @classmethod
+    def for_config(cls, config: Config, section: type[ExecutorSection] = ExecutorSection) -> ExecutorSetup:
+        """The setup of ``config`` with its algorithm built here (a federation passes the one it built to
+        :meth:`cut`): for starting an executor outside a federation (tests, benchmarks)."""
+        from fdam_ray.algorithms import AlgorithmSection, build_algorithm
+
+        return cls.cut(config, build_algorithm(AlgorithmSection.of(config)), section)
+
+
 @dataclasses.dataclass
 class RoundsRun:
-    """What :meth:`Executor.run_rounds` returns: the rounds of a run that were applied, in order, and why it
+    """What :meth:`RunsOfRounds.run_rounds` returns: the rounds of a run that were applied, in order, and why it
     stopped early, if it did (an applied round's server step was applied where the clients are).
 
     Attributes:
@@ -99,15 +137,21 @@ class RoundsRun:
 
 
 class Executor(abc.ABC):
-    """Runs the clients of one federation."""
+    """Runs the clients of one federation.
+
+    The abstract members are what every executor implements; the others have defaults an executor overrides
+    when it has more to say (bytes its broadcast moved, transfer state to checkpoint, where its clients run, the
+    changes of c^k a deadline round needs). Running several rounds in one call is a second interface,
+    :class:`RunsOfRounds`, that an executor adds when it can.
+    """
+
+    section: ClassVar[type[ExecutorSection]] = ExecutorSection  # what it reads of the config
+    downlink: Downlink | None = None  # transfer_precision bf16/fp16: the driver's side of the rounded broadcast
+    sent: int | None = None  # bytes one client received in the last round's broadcast (None: the state's)
 
     @abc.abstractmethod
-    def start(self, config: Config, source: DataSource) -> list[ClientInfo]:
-        """Create the K clients (each builds its own shard) and return what they report.
-
-        ``config`` is the full config: the executor cuts the sections it reads (:class:`ExecutorSection`, its own
-        section, and :class:`~fdam_ray.client.ClientSection`, the only part that travels to a client).
-        """
+    def start(self, setup: ExecutorSetup, source: DataSource) -> list[ClientInfo]:
+        """Create the K clients (each builds its own shard, from ``setup.client``) and return what they report."""
 
     @abc.abstractmethod
     def configure(self, positive_ratio: np.ndarray) -> None:
@@ -126,17 +170,29 @@ class Executor(abc.ABC):
         ``fold`` must not hold the partial sum past the round: it may be a view of a buffer the next round
         writes again (the compiled transport's output channels), so a fold that keeps one keeps a copy."""
 
-    def rounds_ahead(self) -> int:
-        """The most rounds :meth:`run_rounds` takes in one go; 1: this executor runs one round at a time (the
-        federation then calls :meth:`run_round` for every round)."""
-        return 1
+    def broadcast_nbytes(self, state: GlobalState) -> int:
+        """The bytes one client received of the last round's broadcast of ``state`` (rounded transfers move
+        fewer than the state's own)."""
+        return state.nbytes if self.sent is None else self.sent
 
-    def run_rounds(self, state: GlobalState, plans: Sequence[tuple[RoundPlan, Sequence[int] | None]],
-                   average: bool) -> RoundsRun:
-        """Run ``plans`` (each with its sampled clients, or None for every client) back to back from ``state``,
-        the server step applied where the clients are, without handing the driver each round's state; for at
-        most :meth:`rounds_ahead` plans. ``average``: also return the sum of v over the rounds."""
-        raise NotImplementedError(f"{type(self).__name__} runs one round at a time")
+    def transfer_state(self) -> dict | None:
+        """The broadcast's driver state for a checkpoint (None with fp32 transfers)."""
+        return None if self.downlink is None else self.downlink.state_dict()
+
+    def restore_transfer_state(self, state: dict | None) -> None:
+        """Take back what :meth:`transfer_state` returned (a resume)."""
+        if self.downlink is not None:
+            self.downlink.load_state_dict(state)
+
+    def placement_lines(self) -> list[str]:
+        """Lines saying where each client runs, logged at the run's start (none when it runs in this process)."""
+        return []
+
+    def round_changes(self, round_index: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """After a round of ``round_index`` that a client missed by its deadline: the weighted sums of the changes
+        of c^k of the hosts that made it, in the order their partial sums were folded
+        (:func:`~fdam_ray.features.deadlines.as_sampled_round`). Only an executor with round deadlines has them."""
+        raise NotImplementedError(f"{type(self).__name__} has no round deadlines (round_deadline needs executor=ray)")
 
     @abc.abstractmethod
     def evaluate(self, state: GlobalState, split: str = "test") -> list[Scores]:
@@ -144,7 +200,7 @@ class Executor(abc.ABC):
         (clients without one are left out)."""
 
     @abc.abstractmethod
-    def score_moments(self, state: GlobalState) -> list[Moments]:
+    def score_sums(self, state: GlobalState) -> list[ScoreSums]:
         """Every client's score sums over its training positives and negatives."""
 
     @abc.abstractmethod
@@ -173,3 +229,21 @@ class Executor(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+class RunsOfRounds(abc.ABC):
+    """An executor that can run several rounds in one call, the server step applied where the clients are (the
+    collective transport's runs of rounds): the federation hands it the plans up to the next round whose state the
+    driver needs."""
+
+    @abc.abstractmethod
+    def rounds_ahead(self) -> int:
+        """The most rounds :meth:`run_rounds` takes in one go now; 1: one round at a time (the federation then
+        calls :meth:`Executor.run_round` for every round)."""
+
+    @abc.abstractmethod
+    def run_rounds(self, state: GlobalState, plans: Sequence[tuple[RoundPlan, Sequence[int] | None]],
+                   average: bool) -> RoundsRun:
+        """Run ``plans`` (each with its sampled clients, or None for every client) back to back from ``state``,
+        the server step applied where the clients are, without handing the driver each round's state; for at
+        most :meth:`rounds_ahead` plans. ``average``: also return the sum of v over the rounds."""

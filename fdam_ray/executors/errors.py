@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fdam_ray.sites import client_label, client_labels
+from fdam_ray.features.sites import client_label, client_labels
 
 
 class ClientError(RuntimeError):

@@ -5,7 +5,7 @@ client code runs in the caller's process and thread, so ``breakpoint()``, a
 debugger or a profiler work in it. Its results are the reference the Ray
 executor is tested against.
 
-One :class:`~fdam_ray.client.TrainingReplica` runs every client (each keeps its
+One :class:`~fdam_ray.loop.client.TrainingReplica` runs every client (each keeps its
 own shard, sampler position and control variate), so memory grows by a
 client's state, not by a model, per client. Updates are folded in the groups a
 Ray run with the same ``clients_per_actor`` folds them in (clients
@@ -26,31 +26,34 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 
 from fdam_ray.algorithms.server import PartialSum
-from fdam_ray.client import Client, ClientSection, begin_stage_hosted, host_clients, resolve_device, run_hosted
 from fdam_ray.data import DataSource
-from fdam_ray.executors.base import Executor, ExecutorSection, actor_groups
-from fdam_ray.executors.ray_section import RaySection
-from fdam_ray.sections import owned_fields
-from fdam_ray.state import ClientInfo, ClientState, GlobalState, Moments, RoundPlan, Scores
-from fdam_ray.transfer import Downlink, attach_residual, compress, expand, residual_of, sent_nbytes
+from fdam_ray.executors.base import Executor, ExecutorSection, ExecutorSetup, actor_groups
+from fdam_ray.executors.ray_section import RayExecutorSection, RaySection
+from fdam_ray.features.transfer import Downlink, attach_residual, compress, expand, residual_of, sent_nbytes
+from fdam_ray.loop.client import Client, begin_stage_hosted, host_clients, resolve_device, run_hosted
+from fdam_ray.loop.state import ClientInfo, ClientState, GlobalState, RoundPlan, Scores, ScoreSums
+from fdam_ray.settings.sections import owned_fields
+
+if TYPE_CHECKING:
+    from fdam_ray.config import Config
 
 # ExecutorSection's fields that only the Ray executor reads (inline has no actors to replace or to score on).
 _RAY_ONLY_EXECUTOR_FIELDS = ("on_client_failure", "max_client_retries")
 
 
-def ignored_fields(config: Any) -> list[str]:
+def ignored_fields(config: Config) -> list[str]:
     """The Ray executor's fields that ``config`` sets to other than their defaults: ``executor=inline`` ignores
     them (``transport=compiled``, ``client_resources``, ...)."""
     fields = [f for f in dataclasses.fields(ExecutorSection) if f.name in _RAY_ONLY_EXECUTOR_FIELDS]
     fields += owned_fields(RaySection)
-    return [f"{f.name}={_short(getattr(config, f.name))}" for f in fields
-            if hasattr(config, f.name) and getattr(config, f.name) != f.default]
+    values = dataclasses.asdict(RayExecutorSection.of(config))
+    return [f"{f.name}={_short(values[f.name])}" for f in fields if values[f.name] != f.default]
 
 
 def _short(value: Any, limit: int = 40) -> str:
@@ -71,24 +74,20 @@ class InlineExecutor(Executor):
         self.clients: list[Client] = []
         self.groups: list[list[int]] = []
         self._threads_before: int | None = None
-        self.downlink: Downlink | None = None  # transfer_precision bf16/fp16: the rounding a Ray run's transfers take
         self.residuals: dict[int, dict] | None = None  # error feedback: per group, its upload residual
-        self.broadcast_nbytes: int | None = None  # bytes one client received in the last round (None: the state's)
 
-    def start(self, config: ExecutorSection, source: DataSource) -> list[ClientInfo]:
+    def start(self, setup: ExecutorSetup, source: DataSource) -> list[ClientInfo]:
+        config = setup.executor
         threads = inline_threads(config)
         if threads is not None:
             if self._threads_before is None:
                 self._threads_before = torch.get_num_threads()
             torch.set_num_threads(threads)
         device = resolve_device(config.device)
-        self.clients = host_clients(ClientSection.of(config), source, range(source.num_clients), device=device)
+        self.clients = host_clients(setup.client, source, range(source.num_clients), device=device)
         self.groups = actor_groups(source.num_clients, config.clients_per_actor)
-        precision = getattr(config, "transfer_precision", "fp32")
-        if precision != "fp32":
-            feedback = bool(getattr(config, "error_feedback", False))
-            self.downlink = Downlink(precision, feedback)
-            self.residuals = {} if feedback else None
+        self.downlink = Downlink.of(setup.transfer)  # bf16/fp16: the rounding a Ray run's transfers take
+        self.residuals = {} if self.downlink is not None and self.downlink.error_feedback else None
         return [c.info() for c in self.clients]
 
     def configure(self, positive_ratio: np.ndarray) -> None:
@@ -111,12 +110,12 @@ class InlineExecutor(Executor):
 
     def _run_rounded(self, state: GlobalState, plan: RoundPlan, fold: Callable[[PartialSum], None],
                      chosen: set[int] | None) -> None:
-        """The round with what a Ray run moves rounded as it rounds it (:mod:`fdam_ray.transfer`): the clients
+        """The round with what a Ray run moves rounded as it rounds it (:mod:`fdam_ray.features.transfer`): the clients
         run from the broadcast master (held here once, as every host would hold it), each group's partial sum
         goes through the rounding of its differences."""
         downlink = cast(Downlink, self.downlink)
         message, master = downlink.send(state)
-        self.broadcast_nbytes = sent_nbytes(message, master)
+        self.sent = sent_nbytes(message, master)
         for g, group in enumerate(self.groups):
             hosted = [self.clients[k] for k in group if chosen is None or k in chosen]
             if hosted:
@@ -128,8 +127,8 @@ class InlineExecutor(Executor):
     def evaluate(self, state: GlobalState, split: str = "test") -> list[Scores]:
         return [s for s in (c.evaluate(state, split) for c in self.clients) if s is not None]
 
-    def score_moments(self, state: GlobalState) -> list[Moments]:
-        return [c.score_moments(state) for c in self.clients]
+    def score_sums(self, state: GlobalState) -> list[ScoreSums]:
+        return [c.score_sums(state) for c in self.clients]
 
     def client_states(self) -> list[ClientState | None]:
         states: list[ClientState | None] = [c.get_state() for c in self.clients]
@@ -137,14 +136,6 @@ class InlineExecutor(Executor):
             for g, group in enumerate(self.groups):
                 attach_residual([states[k] for k in group], self.residuals.get(g))
         return states
-
-    def transfer_state(self) -> dict | None:
-        """The broadcast's driver state for a checkpoint (None with fp32 transfers)."""
-        return None if self.downlink is None else self.downlink.state_dict()
-
-    def restore_transfer_state(self, state: dict | None) -> None:
-        if self.downlink is not None:
-            self.downlink.load_state_dict(state)
 
     def restore_client_states(self, states: list[ClientState | None]) -> None:
         dropped = [k for k, s in enumerate(states) if s is None]

@@ -2,7 +2,7 @@
 
 These fields mean nothing to the inline executor or to a client, so they sit in
 their own section: a client (a Ray actor) receives
-:class:`~fdam_ray.client.ClientSection` only, and the inline executor reads
+:class:`~fdam_ray.loop.client.ClientSection` only, and the inline executor reads
 :class:`~fdam_ray.executors.base.ExecutorSection`.
 """
 
@@ -13,9 +13,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from fdam_ray.capabilities import REDUCES, reduces, refused_pairs, transports
 from fdam_ray.executors.base import ExecutorSection
-from fdam_ray.sections import AT_LEAST_ONE, POSITIVE, Section, fail, setting, shared
+from fdam_ray.features.capabilities import REDUCES, reduces, refused_pairs, transports
+from fdam_ray.settings.sections import AT_LEAST_ONE, POSITIVE, Section, fail, setting, shared
 
 # Resources Ray reserves through cpus_per_actor / gpus_per_actor, never through client_resources.
 BUILT_IN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
@@ -102,7 +102,7 @@ class RaySection(Section):
     def check(self) -> None:
         """A (transport, reduce) pair some transport runs (as the transports declare); client_resources: one entry
         per client, and the clients of one actor ask for the same."""
-        refused = refused_pairs()  # what the transports declare (fdam_ray.capabilities)
+        refused = refused_pairs()  # what the transports declare (fdam_ray.features.capabilities)
         if self.executor == "ray" and (self.transport, self.reduce) in refused:
             raise fail("reduce", self.reduce, f"{', '.join(reduces(self.transport))}: "
                        f"{refused[self.transport, self.reduce]}")

@@ -5,12 +5,12 @@ deployment engine lets each site run a SuperNode that connects out to one
 SuperLink (TLS, node authentication, secure aggregation), and this package runs
 fdam-ray's federation over it:
 
-- the server side is :class:`~fdam_ray.federation.Federation` itself (stages,
+- the server side is :class:`~fdam_ray.loop.federation.Federation` itself (stages,
   eta_g, the global control variate c, CODA's alpha step, client sampling and
   weights of docs/algorithms.md s.3b), given a :class:`FlowerExecutor` that
   moves each round's state and updates as Flower messages instead of Ray calls
   (:mod:`.executor`);
-- the site side is :class:`~fdam_ray.client.Client` (the local solver, c^k,
+- the site side is :class:`~fdam_ray.loop.client.Client` (the local solver, c^k,
   sampler position, stage reference), rebuilt for every message from what the
   site keeps in the node's state and in a file of its own (:mod:`.site`);
 - with SecAgg+ (:mod:`.secagg`) the server receives only the sums of the

@@ -4,12 +4,12 @@ Message types (the server side is :class:`~fdam_ray.flower.executor.FlowerExecut
 
 - ``query.hello``: which site this node is and what it keeps for the run;
 - ``query.sync``: the run's config, the global p, the stage's centre (and the stage's c^k reset); replies
-  with the client's counts (:class:`~fdam_ray.state.ClientInfo`);
+  with the client's counts (:class:`~fdam_ray.loop.state.ClientInfo`);
 - ``train.round``: one round of local steps from the global state, the update in the clear;
 - ``train``: the same round under SecAgg+ (``secaggplus_mod`` masks what the site sends, see :mod:`.secagg`);
 - ``query.change``: the change of c^k in the site's last round (a round another site dropped out of);
 - ``evaluate``: scores of the global model on the site's own test split;
-- ``query.moments``: score sums for CODA's closed-form alpha;
+- ``query.score_sums``: score sums for CODA's closed-form alpha;
 - ``query.refused``: the server stops the run because of this node (one line: why, and what to do).
 
 The site's data come from its node config (:func:`~fdam_ray.flower.site.site_source`); ``state-dir`` names
@@ -34,7 +34,7 @@ from fdam_ray.algorithms.drift import CONTROL_VARIATES
 from fdam_ray.flower import records
 from fdam_ray.flower.secagg import secure_round
 from fdam_ray.flower.site import KeptState, SiteStore, build_client, site_source, zero_control_variate
-from fdam_ray.state import ClientUpdate, GlobalState, RoundPlan
+from fdam_ray.loop.state import ClientUpdate, GlobalState, RoundPlan
 
 log = logging.getLogger(__name__)
 
@@ -183,11 +183,11 @@ def evaluate(msg: Message, context: Context) -> Message:
     return Message(records.scores_content(scores), reply_to=msg)
 
 
-@app.query("moments")
-def moments(msg: Message, context: Context) -> Message:
+@app.query("score_sums")
+def score_sums(msg: Message, context: Context) -> Message:
     cfg = msg.content.config_records[records.CONFIG]
     call = open_site(context, cfg)
     client = build_client(call.site, call.source, call.kept)
-    return Message(records.moments_content(client.score_moments(records.global_state_of(msg.content))),
+    return Message(records.score_sums_content(client.score_sums(records.global_state_of(msg.content))),
                    reply_to=msg)
 

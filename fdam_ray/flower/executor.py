@@ -1,6 +1,6 @@
 """The server side on Flower: fdam-ray's executor interface over a Flower Grid.
 
-:class:`~fdam_ray.federation.Federation` runs the paper's outer loop here as it
+:class:`~fdam_ray.loop.federation.Federation` runs the paper's outer loop here as it
 does inline or on Ray (stages, rounds, the server step of
 :mod:`fdam_ray.algorithms.server` with eta_g, the global c, CODA's alpha,
 client sampling and weights of docs/algorithms.md s.3b, evaluation); this
@@ -47,15 +47,13 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from fdam_ray.algorithms.drift import CONTROL_VARIATES
-from fdam_ray.algorithms.sampling import client_weights
 from fdam_ray.algorithms.server import PartialSum
-from fdam_ray.executors.base import Executor, ExecutorSection
+from fdam_ray.executors.base import Executor, ExecutorSetup
 from fdam_ray.flower import records
 from fdam_ray.flower.section import FlowerSection
-from fdam_ray.state import ClientInfo, ClientState, ClientUpdate, GlobalState, Moments, RoundPlan, Scores
+from fdam_ray.loop.state import ClientInfo, ClientState, ClientUpdate, GlobalState, RoundPlan, Scores, ScoreSums
 
 if TYPE_CHECKING:
-    from fdam_ray.config import Config
     from fdam_ray.data import DataSource
 
 log = logging.getLogger(__name__)
@@ -324,9 +322,9 @@ class FlowerExecutor(Executor):
         self.version += 1
 
     # -- the executor interface ------------------------------------------------------------------
-    def start(self, config: Config, source: DataSource) -> list[ClientInfo]:
-        self.config_json = records.to_json(config.to_dict())
-        policy = ExecutorSection.of(config)
+    def start(self, setup: ExecutorSetup, source: DataSource) -> list[ClientInfo]:
+        self.config_json = records.to_json(dict(setup.run_config))  # each site builds its client from it
+        policy = setup.executor
         self.on_failure, self.max_retries = policy.on_client_failure, policy.max_client_retries
         self.run_key = f"{self.run_key}-{hashlib.sha256(self.config_json.encode()).hexdigest()[:12]}"
         self.stage, self.reference, self.positive_ratio = 0, None, None
@@ -336,7 +334,7 @@ class FlowerExecutor(Executor):
         for k, info in enumerate(infos):
             if info.client_id != k:
                 raise RuntimeError(f"the node of site {k} answered as client {info.client_id}")
-        self.weights = client_weights(config.client_weighting, [i.num_train for i in infos])
+        self.weights = setup.algorithm.weights([i.num_train for i in infos])
         return infos
 
     def configure(self, positive_ratio: np.ndarray) -> None:
@@ -425,11 +423,11 @@ class FlowerExecutor(Executor):
                                         for k in ready})
         return [s for s in (records.scores_of(replies[k]) for k in sorted(replies)) if s is not None]
 
-    def score_moments(self, state: GlobalState) -> list[Moments]:
+    def score_sums(self, state: GlobalState) -> list[ScoreSums]:
         ready = self.ensure_synced(range(self.num_sites))
-        replies = self.ask("query.moments", {k: records.global_state_content(state, self.header(k))
+        replies = self.ask("query.score_sums", {k: records.global_state_content(state, self.header(k))
                                              for k in ready})
-        return [records.moments_of(replies[k]) for k in sorted(replies)]
+        return [records.score_sums_of(replies[k]) for k in sorted(replies)]
 
     def client_states(self) -> list[ClientState | None]:
         """The sites keep their own states (c^k, sampler position): a checkpoint here holds none of them."""

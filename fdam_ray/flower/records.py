@@ -18,7 +18,7 @@ from typing import Any, cast
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from fdam_ray.state import ClientInfo, GlobalState, Moments, RoundPlan, Scores, StepStats, vector_names
+from fdam_ray.loop.state import ClientInfo, GlobalState, RoundPlan, Scores, ScoreSums, StepStats, vector_names
 
 STATE = "state"
 ARRAYS = "arrays"
@@ -100,15 +100,15 @@ def scores_of(content: RecordDict) -> Scores | None:
     return Scores(integer(cfg, "client_id"), arr["scores"], arr["labels"])
 
 
-def moments_content(m: Moments) -> RecordDict:
+def score_sums_content(m: ScoreSums) -> RecordDict:
     return RecordDict({ARRAYS: arrays({"sum_pos": np.asarray(m.sum_pos), "num_pos": np.asarray(m.num_pos),
                                        "sum_neg": np.asarray(m.sum_neg), "num_neg": np.asarray(m.num_neg)}),
                        CONFIG: config({"client_id": m.client_id})})
 
 
-def moments_of(content: RecordDict) -> Moments:
+def score_sums_of(content: RecordDict) -> ScoreSums:
     arr = numpy_of(content.array_records[ARRAYS])
-    return Moments(arr["sum_pos"], arr["num_pos"], arr["sum_neg"], arr["num_neg"],
+    return ScoreSums(arr["sum_pos"], arr["num_pos"], arr["sum_neg"], arr["num_neg"],
                    integer(content.config_records[CONFIG], "client_id"))
 
 

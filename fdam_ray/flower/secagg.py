@@ -52,7 +52,7 @@ from fdam_ray.algorithms.drift import CONTROL_VARIATES
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.flower import records
 from fdam_ray.flower.section import FlowerSection
-from fdam_ray.state import GlobalState, RoundPlan, StepStats, vector_names
+from fdam_ray.loop.state import GlobalState, RoundPlan, StepStats, vector_names
 
 if TYPE_CHECKING:
     from fdam_ray.flower.executor import FlowerExecutor

@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from fdam_ray.sections import ConfigError, fail
+from fdam_ray.settings.sections import ConfigError, fail
 
 SECTION_KEY = "flower"
 

@@ -23,18 +23,18 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fdam_ray.algorithms import AlgorithmSection
-from fdam_ray.client import resolve_device
 from fdam_ray.config import build_config, load_config_file
 from fdam_ray.data import DataSource
 from fdam_ray.data.base import Shard, Split, as_labels
 from fdam_ray.executors.base import ExecutorSection
 from fdam_ray.executors.inline import inline_threads
-from fdam_ray.federation import Federation, RunResult
 from fdam_ray.flower import secagg
 from fdam_ray.flower.executor import FlowerExecutor, SiteShapes
 from fdam_ray.flower.section import split_config
+from fdam_ray.loop.client import resolve_device
+from fdam_ray.loop.federation import Federation, RunResult
+from fdam_ray.loop.schedules import ScheduleSection
 from fdam_ray.outputs import Observer, Observers, RunFolder
-from fdam_ray.schedules import ScheduleSection
 
 log = logging.getLogger(__name__)
 

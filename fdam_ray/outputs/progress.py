@@ -16,8 +16,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from fdam_ray.loop.state import RoundPlan
 from fdam_ray.outputs.observer import Observer, RunStart, Snapshot
-from fdam_ray.state import RoundPlan
 
 INDENT = "  "  # the start of a wrapped line's continuation
 WIDE_BAR = 100  # columns from which the bar shows tqdm's default text (rate, time, round, stage, lr, AUC)

@@ -11,19 +11,20 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from fdam_ray.interrupts import RunStopped, stop_requested
-from fdam_ray.locations import output_root
+from fdam_ray.features.interrupts import RunStopped, stop_requested
+from fdam_ray.files.locations import output_root
+from fdam_ray.files.runlock import RunLock, check_not_in_use
+from fdam_ray.files.versions import VERSIONS_KEY, changed_versions, run_versions
+from fdam_ray.loop.state import RoundPlan
 from fdam_ray.outputs.observer import Observer, RunStart, Snapshot
 from fdam_ray.outputs.writer import RunWriter, tensorboard_installed
-from fdam_ray.runlock import RunLock, check_not_in_use
-from fdam_ray.sections import EACH_ONCE, NONNEGATIVE, Section, setting, shared
-from fdam_ray.state import RoundPlan
-from fdam_ray.versions import VERSIONS_KEY, changed_versions, run_versions
-from fdam_ray.yamlio import read_yaml_file
+from fdam_ray.settings.sections import EACH_ONCE, NONNEGATIVE, Section, setting, shared
+from fdam_ray.settings.yamlio import read_yaml_file
 
 log = logging.getLogger(__name__)
 MAX_RUN_NAME = 100
-_DERIVED_SUFFIX = "-pretrain"  # the name of a recipe's pre-training stage: <run_name>-pretrain (fdam_ray.pretrain)
+# the name of a recipe's pre-training stage: <run_name>-pretrain (fdam_ray.assembly.pretrain)
+_DERIVED_SUFFIX = "-pretrain"
 RUN_NAME_ALLOWED = (f"one folder name of at most {MAX_RUN_NAME} characters: no '/', '\\', NUL or control "
                     "characters, nor others that do not print (line breaks, non-breaking or zero-width spaces), "
                     "not '.' or '..'")
@@ -49,7 +50,7 @@ def _tensorboard_allowed(value: bool | str) -> bool:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OutputSection(Section):
-    """The config fields of a run folder and of the experiment trackers (:mod:`fdam_ray.trackers`)."""
+    """The config fields of a run folder and of the experiment trackers (:mod:`fdam_ray.outputs.trackers`)."""
 
     name = "outputs"
 

@@ -1,7 +1,7 @@
 """Ray Tune sweeps whose trials are whole federations (``fdam tune``).
 
     space.py   the search-space file: sections, validation, Ray Tune's distributions
-    trial.py   one trial: a federation assembled by fdam_ray.recipe, reporting to Tune with checkpoints
+    trial.py   one trial: a federation assembled by fdam_ray.assembly.recipe, reporting to Tune with checkpoints
     sweep.py   the sweep: Tune's searcher, scheduler and per-trial placement groups; resume
 
 For a ``ray.tune.Tuner`` of your own (any searcher, scheduler, callback): :func:`trainable` (whole federations

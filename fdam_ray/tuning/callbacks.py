@@ -1,10 +1,10 @@
 """Ray Tune's own logger callbacks for the experiment trackers a sweep names (MLflow, W&B).
 
-A sweep's trials report to Tune, not to :mod:`fdam_ray.trackers`' observers; Tune's callbacks then log every
+A sweep's trials report to Tune, not to :mod:`fdam_ray.outputs.trackers`' observers; Tune's callbacks then log every
 trial as a tracker run of its own, in the driver (where the tracker's settings and login are). Tune's callbacks
 log a trial's ``config``, which holds only the searched values: the ones here log every field of the trial's
 config instead (the base with the searched values), as ``fdam train`` does, and the reports carry the
-``metrics.csv`` names (:func:`fdam_ray.trackers.tracker_metrics`), so a sweep trial and a run are logged alike.
+``metrics.csv`` names (:func:`fdam_ray.outputs.trackers.tracker_metrics`), so a sweep trial and a run are logged alike.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fdam_ray.config import build_config
-from fdam_ray.trackers import check_usable, log_mlflow_params, run_tags, tracker_params
+from fdam_ray.outputs.trackers import check_usable, log_mlflow_params, run_tags, tracker_params
 
 
 def trial_params(base: Mapping[str, Any], searched: Mapping[str, Any]) -> dict[str, Any]:

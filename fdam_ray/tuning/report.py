@@ -10,9 +10,9 @@ from pathlib import Path
 import yaml
 
 from fdam_ray.config import build_config
-from fdam_ray.locations import RemoteFolder, is_uri, output_root
+from fdam_ray.files.locations import RemoteFolder, is_uri, output_root
 from fdam_ray.plots import plot_top_trials
-from fdam_ray.redact import redact
+from fdam_ray.settings.redact import redact
 from fdam_ray.tuning.space import Space
 
 ERRORS_FILE = "errors.log"

@@ -31,10 +31,10 @@ from fdam_ray.config import (
     read_yaml_file,
     typed_value,
 )
-from fdam_ray.locations import RemoteFolder, is_uri, join_uri
+from fdam_ray.files.locations import RemoteFolder, is_uri, join_uri
 from fdam_ray.outputs.run_folder import RUN_NAME_ALLOWED, is_folder_name
-from fdam_ray.redact import clip, short
-from fdam_ray.yamlio import kind_of
+from fdam_ray.settings.redact import clip, short
+from fdam_ray.settings.yamlio import kind_of
 
 log = logging.getLogger(__name__)
 SPEC_KINDS = ("grid", "choice", "uniform", "loguniform", "randint")

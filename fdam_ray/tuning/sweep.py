@@ -13,12 +13,12 @@ from pathlib import Path
 
 import yaml
 
-from fdam_ray import interrupts
 from fdam_ray.config import ConfigError, build_config
-from fdam_ray.locations import RemoteFolder, is_uri, join_uri, local_path_of, output_root
-from fdam_ray.redact import redact
-from fdam_ray.runlock import RunLock
-from fdam_ray.trackers import check_usable as check_trackers
+from fdam_ray.features import interrupts
+from fdam_ray.files.locations import RemoteFolder, is_uri, join_uri, local_path_of, output_root
+from fdam_ray.files.runlock import RunLock
+from fdam_ray.outputs.trackers import check_usable as check_trackers
+from fdam_ray.settings.redact import redact
 from fdam_ray.tuning.callbacks import tracker_callbacks
 from fdam_ray.tuning.report import SweepOutcome, cell, write_sweep_outputs
 from fdam_ray.tuning.space import SPACE_FILE, Space, param_space
@@ -90,7 +90,7 @@ def check_resume_trusted(sweep_dir: str | Path, *, trust_storage: bool = False) 
 
 def storage_of(storage_path: str) -> str:
     """``tune.storage_path`` as Ray Tune gets it: a URI untouched, a local path made absolute (see
-    :func:`fdam_ray.locations.output_root` for a relative path inside a Ray job)."""
+    :func:`fdam_ray.files.locations.output_root` for a relative path inside a Ray job)."""
     if is_uri(storage_path):
         return storage_path
     return str(output_root(storage_path, "tune.storage_path").resolve())
@@ -127,7 +127,7 @@ def run_sweep(space: Space, *, resume_dir: str | None = None, address: str | Non
 
 def _resumed_sweep_lock(resume_dir: str) -> RunLock | None:
     """The lock of a local sweep folder being resumed, taken before Tune reads or writes anything in it: a
-    second driver on a live sweep would restore its trials while they run (see :mod:`fdam_ray.runlock`).
+    second driver on a live sweep would restore its trials while they run (see :mod:`fdam_ray.files.runlock`).
     Who else writes a storage URI cannot be checked from here: None."""
     local = local_path_of(resume_dir)
     return None if local is None else RunLock(local, SWEEP_FOLDER)
@@ -190,7 +190,7 @@ def _run(space: Space, base_config, storage: str, *, resume_dir: str | None, add
 def _fit(tuner):
     """``tuner.fit()``, stopped on a first SIGTERM or Ctrl+C the way Ray Tune stops on Ctrl+C: the trials
     stopped, the experiment state saved, ``fit`` returning what it has (the caller then prints how to resume).
-    A second signal exits at once (:mod:`fdam_ray.interrupts`); Tune's own SIGINT handler is left out, which
+    A second signal exits at once (:mod:`fdam_ray.features.interrupts`); Tune's own SIGINT handler is left out, which
     would otherwise take the first Ctrl+C and hand the second back as a first."""
     if not interrupts.active() or threading.current_thread() is not threading.main_thread():
         return tuner.fit()

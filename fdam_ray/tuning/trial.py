@@ -24,7 +24,7 @@ from typing import Any
 
 from fdam_ray.config import Config, ConfigError, build_config
 from fdam_ray.outputs import Observer, Snapshot, scalars
-from fdam_ray.redact import short
+from fdam_ray.settings.redact import short
 from fdam_ray.tuning.space import REPORTED, is_reported
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -117,7 +117,7 @@ class TuneReport(Observer):
     def record(self, record: dict, snapshot: Snapshot) -> None:
         from ray import tune
 
-        from fdam_ray.checkpoint import save_checkpoint
+        from fdam_ray.loop.checkpoint import save_checkpoint
 
         metrics = reported_metrics(record)
         if self.metric is not None and self.metric not in metrics:
@@ -130,7 +130,7 @@ class TuneReport(Observer):
 
 
 def federation_trial(params: dict, base: dict, metric: str | None = None) -> None:
-    """One Tune trial: the federation of ``base`` with ``params``, through :func:`fdam_ray.recipe.federate`
+    """One Tune trial: the federation of ``base`` with ``params``, through :func:`fdam_ray.assembly.recipe.federate`
     (:func:`trainable` wraps it with its placement resources: use that in a Tuner of your own).
 
     Initial weights (``model_weights``) and pre-training (``pretrain_iterations``)
@@ -140,10 +140,10 @@ def federation_trial(params: dict, base: dict, metric: str | None = None) -> Non
     """
     from ray import tune
 
-    from fdam_ray.checkpoint import load_checkpoint, scratch_folder
+    from fdam_ray.assembly.recipe import federate
     from fdam_ray.data.base import set_host_cpus
     from fdam_ray.executors.ray.session import assigned_cpus
-    from fdam_ray.recipe import federate
+    from fdam_ray.loop.checkpoint import load_checkpoint, scratch_folder
 
     set_host_cpus(assigned_cpus())  # inline clients in this trial use the CPUs of its driver bundle
     trial_dir = Path(tune.get_context().get_trial_dir())

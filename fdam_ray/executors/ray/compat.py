@@ -5,7 +5,7 @@ strategies, ``ray.nodes``) is used where it is needed; what Ray does not
 promise to keep (underscore modules and attributes, the experimental
 compiled graphs and their shared-memory channels) is reached only through
 the functions below, so a Ray upgrade that moves one of them breaks here and
-in ``tests/test_ray_compat.py``, which checks that every name listed in
+in ``tests/executors/test_ray_compat.py``, which checks that every name listed in
 :data:`PRIVATE_NAMES` exists in the installed Ray. Each function degrades the
 way the code relied on before: a missing probe is skipped, a missing token
 helper falls back to the environment variable.

@@ -31,25 +31,24 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import ray
 
 from fdam_ray.algorithms.server import PartialSum
-from fdam_ray.client import ClientSection
 from fdam_ray.data import DataSource
-from fdam_ray.deadlines import Deadline, DeadlineSection
-from fdam_ray.executors.base import Executor, RoundsRun, actor_groups
+from fdam_ray.executors.base import Executor, ExecutorSection, ExecutorSetup, RoundsRun, RunsOfRounds, actor_groups
 from fdam_ray.executors.ray.fleet import Fleet
 from fdam_ray.executors.ray.placement import Placement
 from fdam_ray.executors.ray.session import ensure_ray
-from fdam_ray.executors.ray.transports import REGISTRY, Round, Transport, transport_for
-from fdam_ray.executors.ray.transports.compiled import CompiledRounds
+from fdam_ray.executors.ray.transports import Round, Transport, transport_for
+from fdam_ray.executors.ray.transports.compiled import CompiledRounds, CompiledTransport
 from fdam_ray.executors.ray_section import RayExecutorSection
-from fdam_ray.sites import client_label
-from fdam_ray.state import ClientInfo, ClientState, GlobalState, Moments, RoundPlan, Scores
-from fdam_ray.transfer import Downlink, decoding, downlink_of, sent_nbytes
+from fdam_ray.features.deadlines import Deadline
+from fdam_ray.features.sites import client_label
+from fdam_ray.features.transfer import Downlink, decoding, sent_nbytes
+from fdam_ray.loop.state import ClientInfo, ClientState, GlobalState, RoundPlan, Scores, ScoreSums
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +73,7 @@ def _between_rounds(kind: str) -> Callable:
     return wrap
 
 
-class RayExecutor(Executor):
+class RayExecutor(Executor, RunsOfRounds):
     """Runs the clients in Ray actors, ``clients_per_actor`` to an actor (see the module docstring).
 
     Attributes:
@@ -85,13 +84,13 @@ class RayExecutor(Executor):
     """
 
     fleet_type: ClassVar[type[Fleet]] = Fleet
+    section: ClassVar[type[ExecutorSection]] = RayExecutorSection
 
     def __init__(self) -> None:
         self.placement: Placement | None = None
         self.fleet: Fleet | None = None
         self.transport: Transport | None = None
         self.downlink: Downlink | None = None
-        self.broadcast_nbytes: int | None = None  # bytes one client received in the last round (None: the state's)
         self.num_clients = 0
         self.took: dict[str, float] = {}
         self._put_state: GlobalState | None = None
@@ -138,17 +137,16 @@ class RayExecutor(Executor):
     @property
     def graph(self) -> CompiledRounds | None:
         """The compiled graph of ``transport: compiled``, else None."""
-        return getattr(self.transport, "graph", None)
+        return self.transport.graph if isinstance(self.transport, CompiledTransport) else None
 
     # -- set-up ---------------------------------------------------------------------------
-    def start(self, config: Any, source: DataSource) -> list[ClientInfo]:
-        whole = config
-        client_section = ClientSection.of(config)
-        self.deadline = Deadline.of(DeadlineSection.of(config))
-        self.downlink = downlink_of(config)  # transfer_precision bf16/fp16 (fdam_ray/transfer.py)
-        self.config = config = RayExecutorSection.of(config)
+    def start(self, setup: ExecutorSetup, source: DataSource) -> list[ClientInfo]:
+        client_section = setup.client
+        self.deadline = Deadline.of(setup.deadline)
+        self.downlink = Downlink.of(setup.transfer)  # transfer_precision bf16/fp16 (fdam_ray/features/transfer.py)
+        self.config = config = cast(RayExecutorSection, setup.executor)
         self.timeout = config.ray_timeout_s
-        transport = REGISTRY[transport_for(config.transport, config.reduce)]
+        transport = transport_for(config.transport, config.reduce)
         self.num_clients = num_clients = source.num_clients
         groups = actor_groups(num_clients, config.clients_per_actor)
         if config.device == "cuda" and not config.gpus_per_actor:
@@ -165,7 +163,7 @@ class RayExecutor(Executor):
         self.transport = transport(self.fleet, config)
         self.placement.place(groups, local=started_here)
         infos = self.fleet.start(groups, source)
-        self.transport.started(whole, infos)
+        self.transport.started(setup.algorithm, infos)
         return infos
 
     def _state_ref(self, state: GlobalState) -> Any:
@@ -216,7 +214,7 @@ class RayExecutor(Executor):
         if self.downlink is not None:  # rounded differences go down; what comes up is expanded before the fold
             message, master = self.downlink.send(state)
             message.full = ray.put(master)  # fetched only by an actor without the previous master
-            self.broadcast_nbytes = sent_nbytes(message, master)
+            self.sent = sent_nbytes(message, master)
             fold = decoding(fold, master, plan.partial)
 
         def call(a: int, actor: Any) -> Any:
@@ -308,11 +306,11 @@ class RayExecutor(Executor):
                 return Scores(-1, np.concatenate([s.scores for _, s in parts]),
                               np.concatenate([s.labels for _, s in parts]))
 
-    @_between_rounds("score_moments")
-    def score_moments(self, state: GlobalState) -> list[Moments]:
+    @_between_rounds("score_sums")
+    def score_sums(self, state: GlobalState) -> list[ScoreSums]:
         ref = self._state_ref(state)
         hosted = self._fleet.hosted
-        return self._fleet.per_client("score_moments", lambda a, actor: actor.score_moments.remote(ref, hosted[a]))
+        return self._fleet.per_client("score_sums", lambda a, actor: actor.score_sums.remote(ref, hosted[a]))
 
     @_between_rounds("client_states")
     def client_states(self) -> list[ClientState | None]:
@@ -335,14 +333,6 @@ class RayExecutor(Executor):
             fleet.drop(gone)
         self._all("restore_client_states",
                   lambda a, actor: actor.set_state.remote([states[k] for k in fleet.hosted[a]]))
-
-    def transfer_state(self) -> dict | None:
-        """The broadcast's driver state for a checkpoint (None with fp32 transfers)."""
-        return None if self.downlink is None else self.downlink.state_dict()
-
-    def restore_transfer_state(self, state: dict | None) -> None:
-        if self.downlink is not None:
-            self.downlink.load_state_dict(state)
 
     @property
     def active_clients(self) -> int:

@@ -32,14 +32,14 @@ import numpy as np
 import ray
 
 from fdam_ray.algorithms.server import PartialSum
-from fdam_ray.client import ClientSection
 from fdam_ray.data import DataSource
 from fdam_ray.executors.errors import ClientError, ClientInputError
 from fdam_ray.executors.ray.actor import ClientShell
 from fdam_ray.executors.ray.placement import Placement, node_addresses, node_is_lost
 from fdam_ray.executors.ray_section import RayExecutorSection
-from fdam_ray.sites import client_label, client_labels
-from fdam_ray.state import ClientInfo
+from fdam_ray.features.sites import client_label, client_labels
+from fdam_ray.loop.client import ClientSection
+from fdam_ray.loop.state import ClientInfo
 
 log = logging.getLogger(__name__)
 

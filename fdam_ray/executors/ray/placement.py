@@ -185,7 +185,7 @@ def wait_for_group(group: PlacementGroup, *, what: str, timeout_s: float, grows:
     away, and Ray finding the group infeasible on a cluster without an autoscaler each end the wait at once;
     otherwise a line says what is waited for (again each minute), and ``timeout_s`` ends it. ``what``: the
     group's bundles and strategy, as the messages name them. The caller removes the group on an error."""
-    from fdam_ray.interrupts import RunStopped, stop_requested
+    from fdam_ray.features.interrupts import RunStopped, stop_requested
 
     def check() -> None:
         reason = stop_requested()
@@ -369,7 +369,7 @@ class Placement:
             return
         from ray.util import placement_group_table
 
-        from fdam_ray.interrupts import stop_requested
+        from fdam_ray.features.interrupts import stop_requested
 
         cfg = self.config
         clients = list(clients)

@@ -27,11 +27,11 @@ from typing import Any
 
 import ray
 
-from fdam_ray import interrupts
 from fdam_ray.executors.errors import ClusterConnectionError
 from fdam_ray.executors.ray import compat
-from fdam_ray.interrupts import RunStopped, stop_requested
-from fdam_ray.redact import redact
+from fdam_ray.features import interrupts
+from fdam_ray.features.interrupts import RunStopped, stop_requested
+from fdam_ray.settings.redact import redact
 
 log = logging.getLogger(__name__)
 

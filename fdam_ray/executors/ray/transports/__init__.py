@@ -10,39 +10,38 @@
 
     compiled_actor.py, collective_actor.py  the actors' side of compiled and collective (parts of the actor shell)
 
-Adding a transport is one module with a :class:`Transport` subclass, its
-declaration in :data:`fdam_ray.capabilities.CAPABILITIES` (its
-``name``, the config's ``(transport, reduce)`` pair it serves and what it
-refuses; the config's checks, the refusals and the README's table follow
-from it), the class's ``capabilities`` pointing at it, and one entry in
-:data:`REGISTRY`.
+A transport goes by the config's ``(transport, reduce)`` pair it serves, here
+as everywhere. Adding one is one module with a :class:`Transport` subclass,
+its declaration in :data:`fdam_ray.features.capabilities.CAPABILITIES` (the
+pair it serves and what it refuses; the config's checks, the refusals and the
+README's table follow from it), the class's ``capabilities`` pointing at it,
+and one entry in :data:`REGISTRY`.
 """
 
 from __future__ import annotations
 
-from fdam_ray.capabilities import refused_pairs
 from fdam_ray.executors.ray.transports.base import Round, Transport
 from fdam_ray.executors.ray.transports.collective import CollectiveTransport
 from fdam_ray.executors.ray.transports.compiled import CompiledNodeTransport, CompiledTransport
 from fdam_ray.executors.ray.transports.node import NodeTransport
 from fdam_ray.executors.ray.transports.star import StarTransport
+from fdam_ray.features.capabilities import refused_pairs
 
 __all__ = ["REFUSED", "REGISTRY", "Round", "Transport", "transport_for"]
 
-REGISTRY: dict[str, type[Transport]] = {cls.name: cls for cls in (StarTransport, NodeTransport, CompiledTransport,
-                                                                    CompiledNodeTransport, CollectiveTransport)}
+REGISTRY: dict[tuple[str, str], type[Transport]] = {cls.serves: cls for cls in (
+    StarTransport, NodeTransport, CompiledTransport, CompiledNodeTransport, CollectiveTransport)}
 
 # (transport, reduce) pairs of the config that no transport runs, and why (the config refuses them first)
 REFUSED: dict[tuple[str, str], str] = refused_pairs()
 
 
-def transport_for(transport: str, reduce: str) -> str:
-    """The name of the transport that runs the config's ``transport`` with its ``reduce``; a one-line
-    ValueError for a pair none runs."""
+def transport_for(transport: str, reduce: str) -> type[Transport]:
+    """The transport class that runs the config's ``transport`` with its ``reduce``; a one-line ValueError for a
+    pair none runs."""
     if (transport, reduce) in REFUSED:
         raise ValueError(REFUSED[transport, reduce])
-    for name, cls in REGISTRY.items():
-        if cls.serves == (transport, reduce):
-            return name
+    if (transport, reduce) in REGISTRY:
+        return REGISTRY[transport, reduce]
     served = ", ".join(f"transport={t} reduce={r}" for t, r in (cls.serves for cls in REGISTRY.values()))
     raise ValueError(f"no transport runs transport={transport} with reduce={reduce} (there are: {served})")

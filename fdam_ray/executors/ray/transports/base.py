@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import ray
 
 from fdam_ray.algorithms.server import PartialSum
-from fdam_ray.capabilities import Capabilities
-from fdam_ray.deadlines import Deadline
 from fdam_ray.executors.base import RoundsRun
 from fdam_ray.executors.ray_section import RayExecutorSection
-from fdam_ray.state import ClientInfo, GlobalState, RoundPlan
+from fdam_ray.features.capabilities import Capabilities
+from fdam_ray.features.deadlines import Deadline
+from fdam_ray.loop.state import ClientInfo, GlobalState, RoundPlan
 
 if TYPE_CHECKING:
+    from fdam_ray.algorithms import Algorithm
     from fdam_ray.executors.ray.fleet import Fleet
 
 
@@ -42,7 +43,7 @@ class Round:
         work: actor index -> its clients in this round and those of them that first adopt the global c (asked
             at call time, so a replacement adopts it).
         call: the round as a classic call on one actor (the first such call puts the state in the object store).
-        deadline: the round's deadline (:mod:`fdam_ray.deadlines`), or None to wait for every actor.
+        deadline: the round's deadline (:mod:`fdam_ray.features.deadlines`), or None to wait for every actor.
         late: filled by the transport: actor index -> its call still running when the round was folded without
             it (the executor has the actor roll the round back once that call ends).
     """
@@ -62,25 +63,24 @@ class Transport(abc.ABC):
 
     Class attributes:
         capabilities: what the transport runs and supports, its one declaration: its entry of
-            :data:`~fdam_ray.capabilities.CAPABILITIES` (plain data the config's checks read without Ray).
-        name: the transport's name in the registry (:mod:`fdam_ray.executors.ray.transports`), from ``capabilities``.
-        serves: the config's ``(transport, reduce)`` pair this transport runs, from ``capabilities``.
+            :data:`~fdam_ray.features.capabilities.CAPABILITIES` (plain data the config's checks read without Ray).
+        serves: the config's ``(transport, reduce)`` pair this transport runs, its name (the registry's key,
+            :mod:`fdam_ray.executors.ray.transports`), from ``capabilities``.
     """
 
     capabilities: ClassVar[Capabilities]
-    name: ClassVar[str]
     serves: ClassVar[tuple[str, str]]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls.name, cls.serves = cls.capabilities.name, cls.capabilities.serves
+        cls.serves = cls.capabilities.serves
 
     def __init__(self, fleet: Fleet, config: RayExecutorSection) -> None:
         self.fleet = fleet
         self.config = config
 
-    def started(self, config: Any, infos: list[ClientInfo]) -> None:  # noqa: B027 (optional hook)
-        """Once the actors are set up: the run's whole ``config`` and the clients' infos."""
+    def started(self, algorithm: Algorithm, infos: list[ClientInfo]) -> None:  # noqa: B027 (optional hook)
+        """Once the actors are set up: the federation's algorithm and the clients' infos."""
 
     def rounds_ahead(self) -> int:
         """The most rounds :meth:`run_rounds` takes in one go (1: this transport runs one round at a time)."""
@@ -89,8 +89,8 @@ class Transport(abc.ABC):
     def run_rounds(self, state: GlobalState, plans: Sequence[RoundPlan], chosen: Sequence[set[int]],
                    average: bool) -> RoundsRun:
         """Run ``plans`` back to back (``chosen``: each round's clients), the server step on the actors; see
-        :meth:`~fdam_ray.executors.base.Executor.run_rounds`."""
-        raise NotImplementedError(f"transport {self.name} runs one round at a time")
+        :meth:`~fdam_ray.executors.base.RunsOfRounds.run_rounds`."""
+        raise NotImplementedError(f"{self.capabilities.label} runs one round at a time")
 
     @abc.abstractmethod
     def run_round(self, round: Round) -> None:

@@ -68,22 +68,24 @@ import datetime
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
 
-from fdam_ray.algorithms import AlgorithmSection, build_algorithm
-from fdam_ray.algorithms.server import RoundReducer
-from fdam_ray.capabilities import CAPABILITIES
+from fdam_ray.algorithms.server import ServerStep
 from fdam_ray.executors.base import RoundsRun
 from fdam_ray.executors.errors import ClientError
 from fdam_ray.executors.ray import compat
 from fdam_ray.executors.ray.placement import node_addresses
 from fdam_ray.executors.ray.transports.base import Round, Transport
-from fdam_ray.executors.ray.transports.collective_messages import RoundShare, RunShare, ServerStep, state_key
+from fdam_ray.executors.ray.transports.collective_messages import RoundShare, RunShare, state_key
 from fdam_ray.executors.ray.transports.shared import supported as shared_memory_supported
-from fdam_ray.state import ClientInfo, GlobalState, RoundPlan
+from fdam_ray.features.capabilities import CAPABILITIES
+from fdam_ray.loop.state import ClientInfo, GlobalState, RoundPlan
+
+if TYPE_CHECKING:
+    from fdam_ray.algorithms import Algorithm
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +108,7 @@ class CollectiveTransport(Transport):
         backend: the group's backend (``shm``, ``gloo`` or ``nccl``; '' before the first build).
     """
 
-    capabilities = CAPABILITIES["collective"]
+    capabilities = CAPABILITIES["collective", "star"]
 
     def __init__(self, fleet, config) -> None:
         super().__init__(fleet, config)
@@ -121,18 +123,13 @@ class CollectiveTransport(Transport):
         self._store: Any = None
         self._tries = 0
 
-    def started(self, config: Any, infos: list[ClientInfo]) -> None:
-        """The server step the actors apply: the algorithm's reducer settings, and the clients' total weight
-        (the denominator of a sampled round's control variate). An algorithm with a reducer of its own keeps
-        the server step on the driver: the state is then sent every round."""
-        algorithm = build_algorithm(AlgorithmSection.of(config))
+    def started(self, algorithm: Algorithm, infos: list[ClientInfo]) -> None:
+        """The server step the actors apply (:meth:`~fdam_ray.algorithms.base.Algorithm.server_step`), and the
+        clients' total weight (the denominator of a sampled round's control variate). An algorithm with a reducer
+        of its own keeps the server step on the driver: the state is then sent every round."""
         weights = algorithm.weights([i.num_train for i in infos])
         self.total_weight = float(len(infos) if weights is None else weights.sum())
-        tiny = GlobalState(v=np.zeros(1, np.float32), alpha=np.zeros(1, np.float32),
-                           buffers=np.zeros(0, np.float32), counters=np.zeros(0, np.int64))
-        probe = algorithm.reducer(tiny, weights=weights)
-        self.step = (ServerStep(probe.global_lr, probe.alpha_nonnegative, probe.control_variates)
-                     if type(probe) is RoundReducer else None)
+        self.step = algorithm.server_step()
 
     # -- a round ---------------------------------------------------------------------------
     def rounds_ahead(self) -> int:

@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 import torch
 
-from fdam_ray.algorithms.server import PartialSum
-from fdam_ray.executors.ray.transports.collective_messages import RoundShare, RunShare, ServerStep
+from fdam_ray.algorithms.server import PartialSum, ServerStep
+from fdam_ray.executors.ray.transports.collective_messages import RoundShare, RunShare
 from fdam_ray.executors.ray.transports.group import GroupMember
-from fdam_ray.state import GlobalState, RoundPlan
+from fdam_ray.loop.state import GlobalState, RoundPlan
 
 if TYPE_CHECKING:
-    from fdam_ray.client import Client
-    from fdam_ray.transfer import Broadcast, CompressedSum
+    from fdam_ray.features.transfer import Broadcast, CompressedSum
+    from fdam_ray.loop.client import Client
 
 T = TypeVar("T")
 

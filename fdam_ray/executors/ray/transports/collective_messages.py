@@ -1,7 +1,7 @@
 """What the driver and the members of a collective group exchange (``transport: collective``).
 
-The server step the members apply (:class:`ServerStep`, the driver's
-reducer's settings), the key that tells whether the members hold the
+The server step the members apply is the driver's
+(:class:`~fdam_ray.algorithms.server.ServerStep`); the key that tells whether the members hold the
 driver's state (:func:`state_key`), and what a member returns from a round
 (:class:`RoundShare`) and from a run of rounds (:class:`RunShare`). The
 driver's side is :mod:`.collective`, a member's :mod:`.group` and
@@ -15,8 +15,8 @@ import zlib
 
 import numpy as np
 
-from fdam_ray.algorithms.server import PartialSum, RoundReducer
-from fdam_ray.state import GlobalState, Rule, StepStats, vector_fields
+from fdam_ray.algorithms.server import PartialSum
+from fdam_ray.loop.state import GlobalState, StepStats, vector_fields
 
 KEY_STRIDE = 997  # every this-many-th value of the long vectors enters a state's key (the short ones whole)
 
@@ -38,47 +38,6 @@ def state_key(state: GlobalState, stage: int) -> tuple:
             sample = x if x.size <= 4 * KEY_STRIDE else x[::KEY_STRIDE]
             crc = zlib.crc32(np.ascontiguousarray(sample).tobytes(), crc)
     return state.round, state.iteration, stage, tuple(shapes), crc
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerStep:
-    """The server step the members apply after the all-reduce: the driver's reducer's settings."""
-
-    global_lr: float
-    alpha_nonnegative: bool
-    control_variates: bool
-
-    def apply(self, previous: GlobalState, total: PartialSum, steps: int, partial_total: float | None,
-              into: PartialSum | None = None, in_place: bool = False) -> GlobalState:
-        """The new global state from the round's reduced sums, as the driver's reducer computes it (which folds
-        them into zeros: ``0 + x``, written here into ``into``'s buffers when their shapes match, so a round
-        allocates no state-sized buffer; the returned state's vectors are then those buffers).
-
-        ``in_place``: the state is finished in ``total``'s own buffers, with no ``0 + x`` pass. The same bits:
-        the sums hold no -0.0 (each member's partial sum starts from +0.0 and +0.0 + -0.0 is +0.0; a sum of
-        terms none of which is -0.0 is never -0.0), the one value ``0 + x`` changes."""
-        def reducer(sums: PartialSum | None = None) -> RoundReducer:
-            return RoundReducer(previous, global_lr=self.global_lr, alpha_nonnegative=self.alpha_nonnegative,
-                                control_variates=self.control_variates, partial_total=partial_total, sums=sums)
-
-        if in_place:
-            return reducer(total).finish(steps=steps)
-        if into is None or not same_shapes(into, total):
-            folding = reducer()
-            folding.fold(total)
-            return folding.finish(steps=steps)
-        for f in vector_fields():
-            x, out = getattr(total, f.name), getattr(into, f.name)
-            if x is not None:
-                (np.maximum if f.metadata["rule"] is Rule.MAX else np.add)(x, x.dtype.type(0), out=out)
-        into.weight, into.count, into.bytes_up, into.stats = 0.0 + total.weight, total.count, total.bytes_up, []
-        return reducer(into).finish(steps=steps)  # no zeros made to fold into
-
-
-def same_shapes(a: PartialSum, b: PartialSum) -> bool:
-    return all((x is None and y is None) or (x is not None and y is not None and x.shape == y.shape
-                                             and x.dtype == y.dtype)
-               for x, y in zip(a.vectors().values(), b.vectors().values(), strict=True))
 
 
 @dataclasses.dataclass

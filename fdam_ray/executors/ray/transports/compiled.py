@@ -56,11 +56,11 @@ from typing import Any
 
 import ray
 
-from fdam_ray.capabilities import CAPABILITIES
 from fdam_ray.executors.ray import compat
 from fdam_ray.executors.ray.transports.base import Round, Transport
 from fdam_ray.executors.ray.transports.node import end_reducer, start_reducer
-from fdam_ray.interrupts import interruptible
+from fdam_ray.features.capabilities import CAPABILITIES
+from fdam_ray.features.interrupts import interruptible
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +247,7 @@ class CompiledRounds:
 
     def teardown(self) -> None:
         """End the graph (the actors stay alive and take classic calls and a new graph). Ray waits for the
-        actors' loops to end; a stop signal ends that wait (:func:`fdam_ray.interrupts.interruptible`).
+        actors' loops to end; a stop signal ends that wait (:func:`fdam_ray.features.interrupts.interruptible`).
 
         With ``on_stuck`` set (``reduce: node``: it ends the node reducers, which the next graph starts again),
         a loop still running ``STUCK_AFTER_S`` after the teardown began is ended by it: a reducer's read of an
@@ -286,7 +286,7 @@ class CompiledTransport(Transport):
     """The round as one execution of the compiled graph, its outputs folded in actor order (so a compiled run
     equals a classic ``fold_order: client`` run bit for bit)."""
 
-    capabilities = CAPABILITIES["compiled"]
+    capabilities = CAPABILITIES["compiled", "star"]
 
     def __init__(self, fleet, config) -> None:
         super().__init__(fleet, config)
@@ -385,7 +385,7 @@ class CompiledNodeTransport(CompiledTransport):
     folded per actor at the driver, as the classic node transport does when a reducer fails); a reducer that
     no longer answers then is dropped and, its node being alive, started again with the next graph."""
 
-    capabilities = CAPABILITIES["compiled_node"]
+    capabilities = CAPABILITIES["compiled", "node"]
 
     def __init__(self, fleet, config) -> None:
         super().__init__(fleet, config)

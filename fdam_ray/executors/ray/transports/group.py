@@ -42,10 +42,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from fdam_ray.algorithms.server import PartialSum
-from fdam_ray.executors.ray.transports.collective_messages import RoundShare, ServerStep, same_shapes, state_key
+from fdam_ray.algorithms.server import PartialSum, ServerStep, same_shapes
+from fdam_ray.executors.ray.transports.collective_messages import RoundShare, state_key
 from fdam_ray.executors.ray.transports.shared import SharedBlock, SharedBroken
-from fdam_ray.state import GlobalState, RoundPlan, Rule, vector_fields
+from fdam_ray.loop.state import GlobalState, RoundPlan, Rule, vector_fields
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ lost, or killed) is never reused: its actors' sums are fetched by the driver.
 Failed actors are replaced and their calls re-run after the round
 (:meth:`~fdam_ray.executors.ray.transports.base.Transport.recover`).
 
-With a round deadline (:mod:`fdam_ray.deadlines`) the driver first waits for
+With a round deadline (:mod:`fdam_ray.features.deadlines`) the driver first waits for
 the actors' calls until the deadline, then has the nodes merge those that
 ended in time (a merge then starts once the deadline is known, not while the
 node's last client still steps).
@@ -27,11 +27,11 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from fdam_ray.algorithms.server import PartialSum
-from fdam_ray.capabilities import CAPABILITIES
 from fdam_ray.executors.errors import ClientError
 from fdam_ray.executors.ray.transports.base import Round, Transport
 from fdam_ray.executors.ray_section import RayExecutorSection
-from fdam_ray.transfer import CompressedSum, compress_differences, differences
+from fdam_ray.features.capabilities import CAPABILITIES
+from fdam_ray.features.transfer import CompressedSum, compress_differences, differences
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class NodeTransport(Transport):
     """Classic calls; the actors of a node merged there by its :class:`NodeReducer`, one sum per node to the
     driver (in arrival order, or in node and actor order with ``fold_order: client``)."""
 
-    capabilities = CAPABILITIES["node"]
+    capabilities = CAPABILITIES["classic", "node"]
 
     def __init__(self, fleet, config: RayExecutorSection) -> None:
         super().__init__(fleet, config)

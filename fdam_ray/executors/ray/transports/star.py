@@ -13,7 +13,7 @@ equal to the inline executor's with the same ``clients_per_actor``, at the
 price of waiting for a late low-numbered actor. Failures are recovered inside
 the call (:meth:`~fdam_ray.executors.ray.fleet.Fleet.each`).
 
-With a round deadline (:mod:`fdam_ray.deadlines`) the driver waits for the
+With a round deadline (:mod:`fdam_ray.features.deadlines`) the driver waits for the
 calls until the deadline (:meth:`~fdam_ray.executors.ray.transports.base.Transport.gather`)
 and folds those that ended in time, in actor order with ``fold_order:
 client``, else in arrival order; an actor that failed among them is recovered
@@ -26,9 +26,9 @@ import time
 
 import ray
 
-from fdam_ray.capabilities import CAPABILITIES
 from fdam_ray.executors.errors import ClientError
 from fdam_ray.executors.ray.transports.base import Round, Transport
+from fdam_ray.features.capabilities import CAPABILITIES
 
 _FAILURES = (ray.exceptions.RayError, ClientError)
 
@@ -36,7 +36,7 @@ _FAILURES = (ray.exceptions.RayError, ClientError)
 class StarTransport(Transport):
     """Classic calls; partial sums folded at the driver in arrival order or (``fold_order: client``) actor order."""
 
-    capabilities = CAPABILITIES["star"]
+    capabilities = CAPABILITIES["classic", "star"]
 
     def run_round(self, round: Round) -> None:
         if round.deadline is not None:

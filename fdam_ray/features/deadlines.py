@@ -1,0 +1,374 @@
+"""Straggler-tolerant rounds: a round deadline, the clients that made it, and the record that replays a run.
+
+With ``round_deadline`` a round folds the partial sums that arrived in time
+(at least ``min_clients`` clients' worth: past the deadline the round waits
+until that many have reported) and goes on without the rest. A client that
+misses the deadline does not take part in that round, under the
+partial-participation rule of ALGORITHMS.md s.3b, exactly as a client that
+client sampling left out: its c^k and sampler position stay as they were
+(its actor rolls the round back once the late call ends, and the late result
+is discarded, never folded later), the means of v, alpha and BatchNorm
+statistics renormalise over the clients that made it, and c moves by their
+changes over the total weight of all clients. A round every client was
+asked to run sends c^k as usual (so a deadline no client misses changes
+nothing, bit for bit); when a client misses it, each actor that made it sends
+the weighted sum of its clients' changes of c^k (it kept their states from
+before the round), folded in the order and arithmetic of a sampled round of
+the clients that made it (:func:`as_sampled_round`): under ``reduce: star``
+with ``fold_order: client`` the run equals its replay bit for bit.
+
+Each round whose participants differ from the plan (the sampled set, or every
+client) is recorded (round -> its clients) in the checkpoint and in the next
+evaluation's metrics record. ``participation_record`` (a run folder or its
+``checkpoint.pt``) forces those sets in a new run: a replay waits for every
+client it runs (no deadline), so the run is repeatable from its record.
+
+The record is checked whole against the run that replays it before any
+client starts (:func:`check_record`). A round the record does not name runs
+the replay's own plan, so the sampling rule of s.3b decides what a record
+means: it must come from a run of the same ``num_clients``, the same
+``clients_per_round`` and, when sampling, the same ``seed``, and each
+recorded set must lie inside that round's sample S_r (a client that missed a
+deadline was one the round asked). Ids outside 0..K-1, a client named twice,
+an empty set, a round key that is not a round, a round the recorded run never
+reached, or a record of a run that had no deadline (an empty record: it
+would force nothing) are each one line naming the round and the value.
+Recorded rounds past this run's last round are not replayed, with a warning
+(a shorter replay, to be resumed with more iterations, is a use).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import numbers
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fdam_ray.features.capabilities import no_deadline
+from fdam_ray.settings.redact import short
+from fdam_ray.settings.sections import AT_LEAST_ONE, Section, fail, setting, shared, warn_once
+
+if TYPE_CHECKING:
+    from fdam_ray.algorithms.server import RoundReducer
+    from fdam_ray.executors.base import Executor
+
+log = logging.getLogger(__name__)
+
+MISSED_IN_A_ROW = 3  # a client that misses this many rounds in a row is named in train.log (once per streak)
+
+_FACTOR = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*[xX]\s*")
+_ALLOWED = "seconds > 0 (e.g. 30), a factor of the round's median client time (e.g. '2x', > 1), or null"
+
+
+def deadline_value(name: str, value: Any) -> float | str:
+    """``round_deadline`` coerced: seconds as a float, or a factor as text ``'<f>x'``; one-line error otherwise."""
+    if isinstance(value, str) and _FACTOR.fullmatch(value):
+        factor = float(_FACTOR.fullmatch(value).group(1))  # type: ignore[union-attr]
+        if math.isfinite(factor) and factor > 1:
+            return f"{factor:g}x"
+        raise fail(name, value, _ALLOWED)
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise fail(name, value, _ALLOWED) from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise fail(name, value, _ALLOWED)
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeadlineSection(Section):
+    """Straggler-tolerant rounds (this module's docstring): the deadline, the clients a round waits for, replay."""
+
+    name = "deadline"
+
+    round_deadline: float | str | None = setting(
+        None, "ray executor: a round folds the clients that reported within this many seconds (e.g. 30) or this "
+        "factor of the round's median client time (e.g. '2x'); a client that misses it sits the round out as a "
+        "sampled-out client does (its c^k and sampler unchanged) and its late result is discarded; null = wait "
+        "for every client.", kind="deadline", allowed=_ALLOWED)
+    min_clients: int = setting(1, "With round_deadline: a round waits past the deadline until at least this many "
+                               "clients have reported (refused without round_deadline).", check=AT_LEAST_ONE)
+    participation_record: str | None = setting(
+        None, "A run folder (or its checkpoint.pt) whose recorded participating sets this run forces, round by "
+        "round, without deadline: the run is repeatable from its record (of a run with the same num_clients, "
+        "clients_per_round and seed; checked before any client starts).", kind="str")
+    num_clients: int = shared()
+    clients_per_round: int | None = shared()
+    executor: str = shared()
+    transport: str = shared()
+
+    def check(self) -> None:
+        """min_clients within K and S, and only with a deadline; a deadline needs the Ray executor's classic
+        transport."""
+        if self.min_clients > self.num_clients:
+            raise fail("min_clients", self.min_clients, f"at most num_clients = {self.num_clients}")
+        if self.clients_per_round is not None and self.min_clients > self.clients_per_round:
+            raise fail("min_clients", self.min_clients, f"at most clients_per_round = {self.clients_per_round}")
+        if self.round_deadline is None:
+            if self.min_clients != 1:  # it would be ignored: every round waits for every client it asked
+                why = ("a replay (participation_record) waits for every client it runs"
+                       if self.participation_record is not None else "without a deadline every round waits for "
+                       "every client it asked")
+                raise fail("min_clients", self.min_clients, f"1 without round_deadline: min_clients is how many "
+                           f"clients a round with a deadline waits for, and {why}; set round_deadline or remove "
+                           "min_clients")
+            return
+        if self.executor != "ray":
+            raise fail("round_deadline", self.round_deadline, "null with executor=inline (its clients run one "
+                       "after another in this process: none can be left behind)")
+        refused = no_deadline(self.transport)  # a transport that cannot leave a late client out, as it declares
+        if refused:
+            raise fail("round_deadline", self.round_deadline, f"null with transport={self.transport} ({refused})")
+        if self.participation_record is not None:
+            raise fail("round_deadline", self.round_deadline, "null with participation_record (a replay runs the "
+                       "recorded sets and waits for every client)")
+
+    @property
+    def tolerant(self) -> bool:
+        """Whether a round may run a set of clients other than the plan's (a deadline, or a replayed record)."""
+        return self.round_deadline is not None or self.participation_record is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Deadline:
+    """One round's deadline as a transport applies it.
+
+    Attributes:
+        seconds: a fixed deadline after the round's calls went out, or None.
+        factor: a deadline of this factor times the round's median (lower median) actor time, or None.
+        min_clients: past the deadline, wait until this many clients have reported.
+    """
+
+    seconds: float | None
+    factor: float | None
+    min_clients: int
+
+    @classmethod
+    def of(cls, section: DeadlineSection) -> Deadline | None:
+        value = section.round_deadline
+        if value is None:
+            return None
+        if isinstance(value, str):
+            return cls(None, float(value.rstrip("x")), section.min_clients)
+        return cls(float(value), None, section.min_clients)
+
+    def due(self, arrivals: Sequence[float], expected: int) -> float | None:
+        """Seconds after the round's start when it is due, given the arrival times so far of ``expected`` actors;
+        None while a median-based deadline is not known yet."""
+        if self.seconds is not None:
+            return self.seconds
+        median_at = (expected + 1) // 2
+        if len(arrivals) < median_at:
+            return None
+        return float(self.factor or 1.0) * sorted(arrivals)[median_at - 1]
+
+
+class MissedRounds:
+    """Counts the rounds each client missed in a row; names one in train.log when it reaches ``in_a_row``."""
+
+    def __init__(self, in_a_row: int = MISSED_IN_A_ROW) -> None:
+        self.in_a_row = in_a_row
+        self.streak: dict[int, int] = {}
+
+    def round(self, round_index: int, planned: Sequence[int], took_part: Sequence[int], label: Any = str) -> None:
+        """After a round: ``planned`` clients were asked, ``took_part`` made it."""
+        made = set(took_part)
+        for k in planned:
+            if k in made:
+                self.streak.pop(k, None)
+                continue
+            self.streak[k] = self.streak.get(k, 0) + 1
+            if self.streak[k] == self.in_a_row:
+                log.warning("client %s missed the round deadline %d rounds in a row (rounds %d-%d); it keeps being "
+                            "asked each round", label(k), self.in_a_row, round_index - self.in_a_row + 1,
+                            round_index)
+
+
+def read_record(where: str, config: Any = None) -> dict[int, list[int]]:
+    """The recorded participating sets (round -> sorted clients) of a run folder or its checkpoint file, each entry
+    checked (:func:`parse_record`); with ``config``, the run that replays it, the whole record is checked against
+    that run as well (:func:`check_record`). One line when there is none to read, or when it cannot be replayed."""
+    from fdam_ray.loop.checkpoint import CheckpointError, load_checkpoint  # the checkpoint imports the algorithms
+
+    path = Path(where)
+    if path.is_dir():
+        path = path / "checkpoint.pt"
+    try:
+        checkpoint = load_checkpoint(path)
+    except CheckpointError as exc:
+        raise ValueError(f"config field 'participation_record': {short(where)} holds no record to replay "
+                         f"({exc})") from None
+    record = parse_record(checkpoint.loop.participation, where)
+    if config is not None:
+        recorded = checkpoint.config if isinstance(checkpoint.config, Mapping) else {}
+        check_record(record, config, where=where, recorded=recorded, reached=checkpoint.loop.state.round)
+    return record
+
+
+def _refuse(where: str, why: str) -> ValueError:
+    return ValueError(f"config field 'participation_record': {short(where)} cannot be replayed: {why}")
+
+
+def parse_record(record: Any, where: str = "the record") -> dict[int, list[int]]:
+    """A record as stored (str(round) -> clients) to round -> sorted clients; a record of another shape, a round
+    that is not a number >= 1, a set that is empty, names a client twice or a client that is not an integer is
+    one line naming the round and the value."""
+    if not isinstance(record, Mapping):
+        raise _refuse(where, f"its record is not a mapping of round -> clients (a {type(record).__name__})")
+    out: dict[int, list[int]] = {}
+    for key, clients in record.items():
+        r = _round_number(key)
+        if r is None:
+            raise _refuse(where, f"round key {short(key)} is not a round number (an integer >= 1)")
+        if r in out:
+            raise _refuse(where, f"round {r} is recorded twice")
+        if not isinstance(clients, (list, tuple)):
+            raise _refuse(where, f"round {r}: {short(clients)} is not a list of client ids")
+        if not clients:
+            raise _refuse(where, f"round {r} names no client (a recorded round had at least one: the record is "
+                          "damaged)")
+        seen: set[int] = set()
+        for k in clients:
+            if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+                raise _refuse(where, f"round {r}: {short(k)} is not a client id (an integer)")
+            if int(k) in seen:
+                raise _refuse(where, f"round {r} names client {int(k)} twice")
+            seen.add(int(k))
+        out[r] = sorted(seen)
+    return out
+
+
+def _round_number(key: Any) -> int | None:
+    """A round key as stored (``'3'``) or as a number, or None when it is neither (or below 1)."""
+    if isinstance(key, bool):
+        return None
+    if isinstance(key, numbers.Integral):
+        r = int(key)
+    elif isinstance(key, str) and key.isascii() and key.isdigit():
+        r = int(key)
+    else:
+        return None
+    return r if r >= 1 else None
+
+
+def _sampling(values: Any, num_clients: int) -> Any:
+    """The S a config samples per round (None: every client), from a config or a recorded config's mapping (whose
+    value, when it is not a number, is returned as it is, to be named)."""
+    s = values.get("clients_per_round") if isinstance(values, Mapping) else values.clients_per_round
+    if s is None or isinstance(s, bool) or not isinstance(s, int):
+        return s
+    return None if s >= num_clients else s
+
+
+def _null(value: Any) -> str:
+    return "null" if value is None else str(value)
+
+
+def check_record(record: dict[int, list[int]], config: Any, *, where: str, recorded: Mapping[str, Any],
+                 reached: int | None = None) -> None:
+    """Refuse a record this run cannot replay, in one line naming the round and the value.
+
+    A replayed round runs the recorded set; a round the record does not name runs the run's plan (its sample
+    under ``clients_per_round``, else every client). So the record must come from a run of the same clients
+    and the same sampling (``num_clients``, ``clients_per_round`` and, when sampling, ``seed``, read from the
+    recorded run's config where the checkpoint has one), and each set must be within 0..K-1 and within the
+    round's sample (a client that missed a deadline was one the round asked). A record of a run that had
+    neither a deadline nor a record of its own is empty and would force nothing: refused. ``reached``: the last
+    round the recorded run finished; a round past it was never run. A round past this run's last round is not
+    replayed: said once (a replay may be shorter than its record, e.g. to be resumed with more iterations), as
+    is an empty record of a run with a deadline (no client missed one; the replay runs every round as planned).
+    """
+    k = int(config.num_clients)
+    s = _sampling(config, k)
+    _check_recorded_run(config, k, s, where=where, recorded=recorded)
+    if not record:
+        if recorded and recorded.get("round_deadline") is None and recorded.get("participation_record") is None:
+            raise _refuse(where, "that run ran without round_deadline: every round ran its plan, so it recorded "
+                          "nothing and a replay would force nothing (it is the run itself): remove "
+                          "participation_record")
+        warn_once(log, f"config field 'participation_record': {short(where)} records no round: no client missed a "
+                   "deadline in that run, so it forces nothing and the replay runs every round as planned")
+        return
+    last = planned_rounds(config)
+    past = [r for r, clients in sorted(record.items()) if _check_round(r, clients, config, k, s, where=where,
+                                                                       reached=reached) > last]
+    if past:
+        rounds = ", ".join(map(str, past))
+        warn_once(log, f"config field 'participation_record': {short(where)}: round{'s' if len(past) > 1 else ''} "
+                   f"{rounds} {'are' if len(past) > 1 else 'is'} past this run's last round {last} "
+                   f"(iterations = {config.iterations}): not replayed; a resume with more iterations replays "
+                   f"{'them' if len(past) > 1 else 'it'}")
+
+
+def _check_recorded_run(config: Any, k: int, s: int | None, *, where: str, recorded: Mapping[str, Any]) -> None:
+    """The recorded run had this run's clients and sampling (``num_clients``, ``clients_per_round``, and the
+    ``seed`` when sampling), as far as its checkpoint's config says."""
+    if "num_clients" in recorded and recorded["num_clients"] != k:
+        raise _refuse(where, f"it was recorded with num_clients = {short(recorded['num_clients'])}, this run has "
+                      f"{k} (a record names clients of its own run)")
+    if "clients_per_round" in recorded and isinstance(recorded.get("num_clients", k), int):
+        was = _sampling(recorded, int(recorded.get("num_clients", k)))
+        if was != s:
+            raise _refuse(where, f"it was recorded with clients_per_round = {_null(was)}, this run with "
+                          f"{_null(s)} (a round the record does not name runs the run's own sample)")
+        if s is not None and "seed" in recorded and recorded["seed"] != config.seed:
+            raise _refuse(where, f"it was recorded with seed = {short(recorded['seed'])}, this run has "
+                          f"{config.seed} (the seed draws each round's sample of clients_per_round = {s})")
+
+
+def _check_round(r: int, clients: list[int], config: Any, k: int, s: int | None, *, where: str,
+                 reached: int | None) -> int:
+    """Round ``r``'s recorded set: a round the recorded run finished, clients within 0..K-1 and within the
+    round's sample. Returns ``r``."""
+    if reached is not None and r > reached:
+        raise _refuse(where, f"round {r} is past round {reached}, the last the recorded run finished (the "
+                      "record is damaged)")
+    bad = [c for c in clients if not 0 <= c < k]
+    if bad:
+        raise _refuse(where, f"round {r} names client {bad[0]}, outside 0..{k - 1} (num_clients = {k}: a "
+                      "record of a run with other clients cannot be replayed)")
+    if s is not None:
+        from fdam_ray.algorithms.sampling import sample_clients  # the algorithms import torch
+
+        sample = sample_clients(config.seed, r, k, s) or list(range(k))
+        out = [c for c in clients if c not in sample]
+        if out:
+            raise _refuse(where, f"round {r} names client {out[0]}, not in the round's sample {sample} "
+                          f"(clients_per_round = {s}, seed = {config.seed}): the record is of another run")
+    return r
+
+
+def planned_rounds(config: Any) -> int:
+    """How many rounds a run of ``config``'s schedule has (as :class:`~fdam_ray.loop.schedules.Schedule` plans them)."""
+    from fdam_ray.loop.schedules import geometric_stage
+
+    if config.schedule == "stagewise":
+        return -(-config.iterations // config.local_steps)
+    rounds, done, stage = 0, 0, 1
+    while done < config.iterations:
+        steps, _ = geometric_stage(config.local_steps, config.lr, config.stage_growth, stage)
+        for _ in range(config.rounds_per_stage):
+            if done >= config.iterations:
+                break
+            done, rounds = done + min(steps, config.iterations - done), rounds + 1
+        stage += 1
+    return rounds
+
+
+def as_sampled_round(reducer: RoundReducer, executor: Executor, round_index: int, total_weight: float) -> None:
+    """Make a round every client was asked to run, and that some missed, fold as a sampled round of those that
+    made it (s.3b): the drift correction's rule (:meth:`~fdam_ray.algorithms.drift.ControlVariates.as_sampled`)
+    with the sums of the changes of c^k their actors send
+    (:meth:`~fdam_ray.executors.base.Executor.round_changes`), c moving by them over ``total_weight``
+    (that of all clients). Nothing to do without control variates."""
+    if not reducer.sums.control_variates:
+        return
+    from fdam_ray.algorithms.drift import CONTROL_VARIATES  # the algorithms import torch
+
+    CONTROL_VARIATES.as_sampled(reducer, executor.round_changes(round_index), total_weight)

@@ -1,0 +1,117 @@
+"""What a run reports of its evaluations: the one it selects as its best, and its summary.
+
+With validation (``val_fraction`` > 0) the selected evaluation is the one of the highest validation AUC (the
+first of equal ones, with one warning when several tie), and the driver keeps a copy of the model there
+(``best_model.pt``); without, it is the evaluation of the highest test AUC. The summary (``summary.json``,
+:attr:`~fdam_ray.loop.federation.RunResult.summary`) reports it next to the final evaluation and the run's totals.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from fdam_ray.loop.checkpoint import LoopState
+from fdam_ray.loop.state import GlobalState, Rule, vector_names
+
+log = logging.getLogger(__name__)
+
+
+def keep_best(loop: LoopState, rec: dict) -> None:
+    """Keep the evaluation with the highest validation AUC so far (the first of equal ones): its AUC, its
+    iteration and a copy of the model's state there (the loop's arrays change in later rounds; the control
+    variates are not the model's and are left out)."""
+    val = rec.get("val_auc")
+    if val is None or not math.isfinite(val) or (loop.best_val_auc is not None and val <= loop.best_val_auc):
+        return
+    state, control = loop.state, vector_names(Rule.CONTROL)
+    loop.best_val_auc, loop.best_val_iteration = float(val), rec["iteration"]
+    loop.best_val_state = GlobalState.from_vectors(
+        {k: None if x is None or k in control else x.copy() for k, x in state.vectors().items()},
+        round=state.round, iteration=state.iteration)
+
+
+def selected_evaluation(loop: LoopState, *, validation: bool) -> int:
+    """The index in ``loop.history`` of the evaluation the run reports as its best (see the module's docstring);
+    with validation, one warning when others tie with it."""
+    if not validation:
+        return _best_test(loop.history)
+    best = _selected(loop)
+    _warn_if_tied(loop.history, best)
+    return best
+
+
+def run_summary(loop: LoopState, best: int, *, algorithm: str, validation: bool, started: float,
+                positive_ratio: np.ndarray, client_names: Sequence[str] | None) -> dict:
+    """The run's summary: the final and the selected (``best``) evaluation, the run's totals (iterations,
+    rounds, bytes, wall time since ``started`` plus earlier sessions', samples/s), p and the clients' names;
+    ``run_dir`` is None (an observer that saves the run sets it)."""
+    state, history = loop.state, loop.history
+    return {
+        "algorithm": algorithm,
+        "final_test_auc": history[-1]["test_auc"],
+        "best_test_auc": history[best]["test_auc"],
+        "best_iteration": history[best]["iteration"],
+        **(_validation_summary(history, best) if validation else {}),
+        "iterations": state.iteration,
+        "rounds": state.round,
+        "bytes_up": loop.bytes_up,
+        "bytes_down": loop.bytes_down,
+        "wall_s": round(loop.wall_offset + time.perf_counter() - started, 3),
+        "samples_per_s": round(loop.samples / loop.train_s, 1) if loop.train_s else None,
+        "positive_ratio": [round(float(x), 6) for x in positive_ratio],
+        **({"client_names": list(client_names)} if client_names else {}),
+        "run_dir": None,  # an observer that saves the run sets it
+    }
+
+
+def warn_if_test_set_changed(history: list[dict], rec: dict) -> None:
+    """One warning when the pooled test set is not the one the last evaluation scored: a client dropped from the
+    run (``on_client_failure=drop``) takes its own test split out of a pool made of the clients' splits, and an
+    AUC over other samples cannot be compared with the earlier ones (each record keeps its ``test_samples``)."""
+    before = history[-1].get("test_samples") if history else None
+    now = rec.get("test_samples")
+    if before is not None and now is not None and now != before:
+        log.warning("the pooled test set has %d samples at iteration %d, %d at the evaluation before (the test "
+                    "splits of dropped clients are no longer scored): test AUCs before and after are not comparable, "
+                    "and best_test_auc may come from the larger set (metrics record test_samples per evaluation)",
+                    now, rec["iteration"], before)
+
+
+def _warn_if_tied(history: list[dict], best: int) -> None:
+    """One warning when other evaluations have the selected one's validation AUC (a saturated or small validation
+    set): the selection is then the earliest of them, not one the validation set tells apart."""
+    val = history[best].get("val_auc")
+    if val is None or not math.isfinite(val):
+        return
+    tied = [h["iteration"] for h in history if h.get("val_auc") == val]
+    if len(tied) < 2:
+        return
+    shown = ", ".join(map(str, tied[:5])) + (", ..." if len(tied) > 5 else "")
+    samples = history[best].get("val_samples")
+    log.warning("%d evaluations tied at the best validation AUC %.6g (iterations %s): the validation set%s cannot "
+                "tell them apart, so best_model.pt and best_* are the earliest of them (iteration %d); a larger "
+                "val_fraction (or more data) tells them apart", len(tied), val, shown,
+                "" if samples is None else f" ({samples} samples)", history[best]["iteration"])
+
+
+def _best_test(history: list[dict]) -> int:
+    """Without validation: the evaluation of the highest test AUC (the last one when none is defined)."""
+    aucs = [h["test_auc"] for h in history]
+    return int(np.nanargmax(aucs)) if np.any(np.isfinite(aucs)) else len(history) - 1
+
+
+def _selected(loop: LoopState) -> int:
+    """With validation: the evaluation of the best validation AUC (the last one when none is defined)."""
+    at = [i for i, h in enumerate(loop.history) if h["iteration"] == loop.best_val_iteration]
+    return at[-1] if at else len(loop.history) - 1
+
+
+def _validation_summary(history: list[dict], best: int) -> dict:
+    """The summary's validation fields: best_test_auc and best_iteration are then those of this evaluation."""
+    return {"best_val_auc": history[best]["val_auc"], "final_val_auc": history[-1]["val_auc"],
+            "selected_by": "val_auc"}

@@ -1,0 +1,187 @@
+"""The config fields of differential privacy (``dp``, docs/algorithms.md s.8) and the rules across them.
+
+Two modes, one noise multiplier sigma relative to one L2 bound C:
+
+- ``client``: client-level DP. Each participating client's change of a round
+  is clipped to C as one vector; the server's sum of the clipped changes gets
+  N(0, sigma^2 C^2 I), added once by the server (``dp_noise_at: server``, a
+  trusted aggregator) or as shares N(0, sigma^2 C^2 / m) by each of the m
+  reporting sites (``clients``). One record is one client's whole data.
+- ``sample``: DP-SGD inside each site's local steps: per-sample gradients
+  clipped to C, the batch sum noised. One record is one sample (a patient
+  record) of one site; epsilon is per site.
+
+sigma is given (``dp_noise_multiplier``) or solved from a target epsilon
+(``dp_epsilon``) for the planned run, never both. The guarantee (epsilon,
+delta) does not depend on C: C sets only how much of each change survives,
+so a poorly chosen C costs accuracy, never privacy. That is why ``dp_clip``
+has a default (1.0, the usual default of DP-SGD libraries) while sigma and the
+target have none: they decide the privacy and must be the user's choice.
+
+Every rule refuses (never warns) when the combination would make the reported
+epsilon describe a run other than the one that runs: a dp field set while
+``dp: off`` (a run believed private that is not), a release the accountant
+does not count (a pre-training stage without noise, CODA's closed-form alpha
+from clients' un-noised score sums, weights n_k that scale a clipped change),
+or an accounting that does not match the sampler (Poisson accounting of the
+project's fixed-size client sampler). :func:`check_resume` holds a resumed
+run to the privacy it started with; only ``dp_max_epsilon`` may be raised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from fdam_ray.settings.sections import (
+    FRACTION,
+    NONNEGATIVE,
+    POSITIVE,
+    ConfigError,
+    Section,
+    fail,
+    setting,
+    shared,
+    warn_once,
+)
+
+log = logging.getLogger(__name__)
+
+DP_MODES = ("off", "client", "sample")
+NOISE_AT = ("server", "clients")
+SAMPLINGS = ("fixed", "poisson")
+
+# Fields that must keep their defaults while dp is off, and the field whose default is the mode itself.
+_DP_FIELDS = ("dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_max_epsilon", "dp_noise_at",
+              "dp_sampling", "dp_noise_seed")
+# The one field a resumed run may change (raise only), see check_resume.
+_RESUME_FIXED = ("dp", "dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_noise_at", "dp_sampling")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrivacySection(Section):
+    """Differential privacy (this module's docstring): the mode, C, sigma or a target epsilon, delta, the budget."""
+
+    name = "privacy"
+
+    dp: str = setting("off", "Differential privacy: off; client (each participating client's round change clipped "
+                      "to dp_clip as one vector, Gaussian noise on the sum: protects a client's whole data); sample "
+                      "(DP-SGD in each site's local steps, per-sample clipping: protects one record, epsilon per "
+                      "site).", choices=DP_MODES)
+    dp_clip: float = setting(1.0, "C, L2 bound of a client's change (dp: client) or of a per-sample gradient (dp: "
+                             "sample); epsilon does not depend on it, accuracy does.", check=POSITIVE)
+    dp_noise_multiplier: float | None = setting(
+        None, "sigma, noise std over C (the sum gets N(0, sigma^2 C^2)); give it or dp_epsilon, not both.",
+        check=NONNEGATIVE)
+    dp_epsilon: float | None = setting(
+        None, "Target epsilon of the planned run: sigma is solved for it (at dp_delta); give it or "
+        "dp_noise_multiplier, not both.", check=POSITIVE)
+    dp_delta: float = setting(1e-5, "delta of the (epsilon, delta) guarantee; below 1 / (number of records).",
+                              check=FRACTION)
+    dp_max_epsilon: float | None = setting(
+        None, "Privacy budget: the run stops before the round that would take epsilon past it; null = no stop. "
+        "A resumed run may raise it, never lower it.", check=POSITIVE, resume=True)
+    dp_noise_at: str = setting(
+        "server", "dp: client: who adds the noise: server (once, a trusted aggregator) or clients (each of the m "
+        "reporting sites adds a share N(0, sigma^2 C^2 / m)).", choices=NOISE_AT)
+    dp_sampling: str = setting(
+        "fixed", "How the sampled unit is accounted (clients of a round for dp: client, a step's batch for dp: "
+        "sample): fixed (exactly S of K without replacement, replace-one neighbours) or poisson (each with "
+        "probability S / K).", choices=SAMPLINGS)
+    dp_noise_seed: int | None = setting(
+        None, "Seed of the privacy noise: null = fresh entropy each run (the private choice); an int replays the "
+        "noise bit for bit (tests, audits), and whoever reads it can remove the noise.", check=NONNEGATIVE)
+    num_clients: int = shared()
+    clients_per_round: int | None = shared()
+    client_weighting: str = shared()
+    algorithm: str = shared()
+    positive_ratio: float | None = shared()
+    pretrain_iterations: int = shared()
+
+    @property
+    def enabled(self) -> bool:
+        return self.dp != "off"
+
+    @property
+    def sampled_clients(self) -> int:
+        """S, the clients a round asks (K when every client takes part)."""
+        if self.clients_per_round is None:
+            return self.num_clients
+        return min(self.clients_per_round, self.num_clients)
+
+    def check(self) -> None:
+        """The rules of this module's docstring, each one line naming the field."""
+        if not self.enabled:
+            self._check_off()
+            return
+        self._check_noise()
+        self._check_releases()
+        if self.dp == "client":
+            self._check_client_level()
+        elif self.dp_noise_at != "server":
+            raise fail("dp_noise_at", self.dp_noise_at, "server with dp: sample (each site noises its own "
+                       "batches; shares are for dp: client)")
+        if self.positive_ratio is None:  # a scalar per site, released once; refusing would block bce runs too
+            warn_once(log, "dp: positive_ratio is null, so p is computed from each site's exact positive counts, a "
+                      "release the privacy accountant does not count; set positive_ratio to a public value to "
+                      "close it")
+
+    def _check_off(self) -> None:
+        # refused, not warned: a run believed private that is not cannot be taken back once its model is shared
+        defaults = {f.name: f.default for f in dataclasses.fields(PrivacySection) if f.name in _DP_FIELDS}
+        for name in _DP_FIELDS:
+            if getattr(self, name) != defaults[name]:
+                default = "null" if defaults[name] is None else defaults[name]
+                raise fail(name, getattr(self, name), f"{default} while dp = off (set dp: client or dp: sample for "
+                           f"it to act, or remove {name})")
+
+    def _check_noise(self) -> None:
+        sigma, target = self.dp_noise_multiplier, self.dp_epsilon
+        if sigma is not None and target is not None:
+            raise fail("dp_epsilon", target, f"null when dp_noise_multiplier = {sigma} is given (sigma is either "
+                       "given or solved from the target, not both)")
+        if sigma is None and target is None:
+            raise fail("dp_noise_multiplier", None, f"a value >= 0, or a target dp_epsilon, with dp = {self.dp}")
+        if self.dp_max_epsilon is not None:
+            if target is not None and self.dp_max_epsilon < target:
+                raise fail("dp_max_epsilon", self.dp_max_epsilon, f">= dp_epsilon = {target} (the planned run "
+                           "would stop before its end)")
+            if sigma == 0:
+                raise fail("dp_max_epsilon", self.dp_max_epsilon, "null with dp_noise_multiplier = 0 (without "
+                           "noise epsilon is infinite: no round would run)")
+
+    def _check_releases(self) -> None:
+        """Releases of private data that the accountant would not count."""
+        if self.pretrain_iterations > 0:
+            raise fail("pretrain_iterations", self.pretrain_iterations, f"0 with dp = {self.dp} (the pre-training "
+                       "stage trains without privacy noise and its model is the AUC stage's start)")
+        if self.algorithm == "coda":
+            raise fail("algorithm", self.algorithm, f"another preset with dp = {self.dp} (coda's stage-end alpha is "
+                       "computed in closed form from the clients' un-noised score sums)")
+
+    def _check_client_level(self) -> None:
+        if self.num_clients < 2:
+            raise fail("num_clients", self.num_clients, ">= 2 with dp: client (with one client the noised sum is "
+                       "that client's change alone)")
+        if self.client_weighting != "uniform":
+            raise fail("client_weighting", self.client_weighting, "uniform with dp: client (weights n_k would "
+                       "scale a client's clipped change past C and reveal its size)")
+        if self.dp_sampling == "poisson" and self.sampled_clients < self.num_clients:
+            raise fail("dp_sampling", self.dp_sampling, "fixed with clients_per_round < num_clients (the client "
+                       "sampler draws exactly clients_per_round of num_clients, fdam_ray/algorithms/sampling.py; "
+                       "Poisson accounting would describe a sampler the run does not use)")
+
+
+def check_resume(old: PrivacySection, new: PrivacySection) -> None:
+    """A resumed run keeps the privacy it started with: the same mode, C, sigma or target, delta, noise placement
+    and sampling; ``dp_max_epsilon`` may be raised (or set where there was none), never lowered or removed.
+    Raises :class:`ConfigError` in one line naming the field."""
+    for name in _RESUME_FIXED:
+        before, after = getattr(old, name), getattr(new, name)
+        if before != after:
+            raise ConfigError(f"config field '{name}' cannot change on resume ({before} -> {after}): the run's "
+                              "privacy accounting started under the old value; start a new run instead")
+    before, after = old.dp_max_epsilon, new.dp_max_epsilon
+    if before is not None and (after is None or after < before):
+        raise ConfigError(f"config field 'dp_max_epsilon' may only be raised on resume ({before} -> {after}): a "
+                          "budget once set cannot be lowered or removed by resuming")

@@ -1,0 +1,230 @@
+"""``transport: collective``: the actors all-reduce their partial sums and apply the server step themselves.
+
+Equal to a classic ``fold_order: client`` run to float32 rounding (the all-reduce sums in another order), with
+hosted clients and client sampling; the state goes down only when the actors' copy is stale; failures are
+recovered as under the other transports; ``reduce: node`` is refused in one line.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from oracle import assert_matches, run_oracle
+from raytest import ray_session
+from sample_clients import gaussian_clients
+from test_hosted import BASE, assert_same_state, sized_clients, train
+from test_oracle import CASES as ORACLE_CASES
+from test_oracle import initial_v, uneven_clients
+from test_sampling import CASES as SAMPLING_CASES
+
+import fdam_ray
+from fdam_ray.assembly.recipe import run
+from fdam_ray.config import ConfigError, build_config
+from fdam_ray.data.arrays import ArraysSource
+from fdam_ray.executors.ray.executor import RayExecutor
+from fdam_ray.executors.ray.transports import REFUSED, transport_for
+
+ARRAYS = dict(model="mlp", model_width=8, batch_size="full", eval_every=2, seed=2, lr=0.2, local_steps=2,
+              cpus_per_actor=0.5)
+FIELDS = ("v", "alpha", "buffers", "counters", "c_v", "c_alpha")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def session():
+    with ray_session():
+        yield
+
+
+def arrays_run(cfg: dict, clients, test, executor=None):
+    config = build_config(dict(cfg, dataset="arrays", num_clients=len(clients)))
+    return run(config, source=ArraysSource(clients, test), executor=executor, save=False)
+
+
+def assert_same_run(got, want, atol=1e-6):
+    for name in FIELDS:
+        a, b = getattr(got.state, name), getattr(want.state, name)
+        if b is None:
+            assert a is None, name
+            continue
+        np.testing.assert_allclose(a, b, rtol=0, atol=atol, err_msg=name)
+    assert [h["test_auc"] for h in got.history] == pytest.approx([h["test_auc"] for h in want.history], abs=1e-4)
+
+
+@pytest.mark.parametrize("extra", [
+    dict(algorithm="codasca", global_lr=1.1),
+    dict(algorithm="coda_plus", clients_per_actor=2),
+    pytest.param(dict(algorithm="codasca", clients_per_round=2, client_weighting="samples"),
+                 marks=pytest.mark.slow),  # two Ray runs, 14 s; the oracle test below samples by default
+    # gloo on one node (13 s); the default tier reduces over gloo in test_shared_block's fallback case
+    pytest.param(dict(algorithm="codasca", collective_backend="gloo"), marks=pytest.mark.slow),
+], ids=["codasca", "hosted", "sampled", "gloo"])
+def test_a_collective_run_equals_the_classic_run_in_client_order(extra):
+    """On one node the actors reduce through shared memory, in rank order: the driver's order of folding the
+    actors' sums, so the run is classic's bit for bit; over gloo (the ring's order) to float32 rounding."""
+    clients, test = gaussian_clients(num_clients=4)
+    cfg = dict(ARRAYS, iterations=12, stage_length=6, executor="ray", **extra)
+    classic = arrays_run(dict(cfg, transport="classic", fold_order="client", collective_backend="auto"), clients,
+                         test)
+    executor = RayExecutor()
+    got = arrays_run(dict(cfg, transport="collective"), clients, test, executor=executor)
+    assert got.state.round == classic.state.round == 6
+    gloo = extra.get("collective_backend") == "gloo"
+    assert_same_run(got, classic, atol=1e-6 if gloo else 0.0)
+    transport = executor.transport
+    assert transport.serves == ("collective", "star") and transport.builds == 1
+    assert transport.backend == ("gloo" if gloo else "shm")
+    # the state went down in the first round and at the stage start only; the actors kept their copy otherwise
+    assert transport.rounds_sent == 2
+
+
+RAY = dict(executor="ray", cpus_per_actor=0.5, threads_per_actor=1)
+
+
+@pytest.mark.parametrize("case", [ORACLE_CASES[1], ORACLE_CASES[2], ORACLE_CASES[3], SAMPLING_CASES[1]],
+                         ids=["coda-margin-stages", "codasca-stages", "codasca-keep-c", "sampled-weighted"])
+def test_collective_runs_match_the_numpy_oracle(case):
+    clients, test = uneven_clients()
+    cfg = dict(model="linear", batch_size="full", eval_every=1000, seed=0, transport="collective", **RAY, **case)
+    result = fdam_ray.train_arrays(cfg, clients, test)
+    kwargs = {k: v for k, v in case.items() if k != "algorithm"}
+    codasca = case["algorithm"] == "codasca"
+    v, alpha, c_v, c_a = run_oracle([(X.astype(np.float64), y) for X, y in clients], initial_v(4), **kwargs,
+                                    control_variates=codasca)
+    assert_matches(result, v, alpha, *((c_v, c_a) if codasca else ()))
+    assert result.state.round == -(-case["iterations"] // case["local_steps"])
+
+
+@pytest.mark.slow  # two Ray runs, 11 s
+def test_hosted_sampled_weighted_rounds_over_stage_changes_equal_classic():
+    clients, test = sized_clients()
+    cfg = dict(BASE, clients_per_round=3, clients_per_actor=2, **RAY)
+    classic = train(dict(cfg, fold_order="client"), clients, test)
+    executor = RayExecutor()
+    got = train(dict(cfg, transport="collective"), clients, test, executor=executor)
+    assert_same_state(got, classic, exact=False)
+    assert got.summary["bytes_up"] == classic.summary["bytes_up"]
+    assert got.state.round == 6 and executor.transport.builds == 1
+
+
+def test_reduce_node_is_refused_in_one_line():
+    with pytest.raises(ValueError) as info:
+        transport_for("collective", "node")
+    assert str(info.value) == REFUSED["collective", "node"] and "\n" not in str(info.value)
+    assert transport_for("collective", "star").serves == ("collective", "star")
+    # the config refuses it first (a run or a sweep stops before it starts anything); inline reads neither field
+    with pytest.raises(ConfigError, match=r"^config field 'reduce': 'node' is not allowed \(star: transport="
+                       r"collective reduces") as refused:
+        build_config(dict(transport="collective", reduce="node"))
+    assert "\n" not in str(refused.value)
+    assert build_config(dict(transport="collective", reduce="node", executor="inline")).reduce == "node"
+    assert build_config(dict(transport="compiled", reduce="node")).reduce == "node"
+
+
+def test_the_members_server_step_is_the_drivers_bit_for_bit_in_either_set_of_sums():
+    from fdam_ray.algorithms import AlgorithmSection, build_algorithm
+    from fdam_ray.algorithms.server import PartialSum, ServerStep
+    from fdam_ray.loop.state import GlobalState
+
+    rng = np.random.default_rng(0)
+    n = 5000
+    prev = GlobalState(v=rng.standard_normal(n, dtype=np.float32), alpha=np.array([0.3], np.float32),
+                       buffers=rng.standard_normal(7, dtype=np.float32), counters=np.array([3, 9]),
+                       c_v=rng.standard_normal(n, dtype=np.float32), c_alpha=np.array([0.1], np.float32))
+    total = PartialSum(v=rng.standard_normal(n, dtype=np.float32), alpha=np.array([-0.2], np.float32),
+                       buffers=rng.standard_normal(7, dtype=np.float32), counters=np.array([4, 2]),
+                       c_v=rng.standard_normal(n, dtype=np.float32), c_alpha=np.array([0.05], np.float32),
+                       weight=2.75, count=3, bytes_up=10)
+    total.v[:3], total.buffers[0] = -0.0, -0.0  # the driver folds into zeros: 0 + (-0) is +0
+    algorithm = build_algorithm(AlgorithmSection.of(build_config(dict(algorithm="codasca", global_lr=1.3))))
+    for partial_total in (None, 5.0):
+        reducer = algorithm.reducer(prev, partial_total=partial_total)
+        reducer.fold(total)
+        want = reducer.finish(steps=4)
+        step = ServerStep(reducer.global_lr, reducer.alpha_nonnegative, reducer.control_variates)
+        into = PartialSum.zeros(prev, control_variates=True)
+        into.v[:] = np.nan  # stale values of an earlier round
+        for got in (step.apply(prev, total, 4, partial_total), step.apply(prev, total, 4, partial_total, into)):
+            for name in FIELDS:
+                assert getattr(got, name).tobytes() == getattr(want, name).tobytes(), name
+            assert (got.round, got.iteration) == (want.round, want.iteration)
+        # in place (a run of rounds): the sums a fold makes hold no -0.0, and on those the state is the driver's
+        # bits, written into the sums' own buffers
+        folded = PartialSum.zeros(prev, control_variates=True)
+        folded.merge(total)
+        assert not np.signbit(folded.v[:3]).any()
+        got = step.apply(prev, folded, 4, partial_total, in_place=True)
+        assert got.v is folded.v and got.c_v is folded.c_v
+        for name in FIELDS:
+            assert getattr(got, name).tobytes() == getattr(want, name).tobytes(), name
+
+
+def test_nccl_only_when_every_actor_holds_a_gpu_of_its_own_shared_memory_on_one_node_and_the_store_on_the_loopback():
+    from types import SimpleNamespace
+
+    from fdam_ray.executors.ray.transports import shared
+    from fdam_ray.executors.ray.transports.collective import CollectiveTransport
+
+    assert shared.supported()  # these machines: Linux on x86-64
+
+    def backend(where: dict, choice: str = "auto") -> tuple[str, str]:
+        transport = CollectiveTransport.__new__(CollectiveTransport)
+        transport.fleet = SimpleNamespace(where_of=where)
+        transport.config = SimpleNamespace(collective_backend=choice)
+        return transport._backend(sorted(where)), transport._host(sorted(where))
+
+    gpu = lambda node, ids: {"device": "cuda:0", "gpu_ids": ids, "node_id": node}
+    cpu = lambda node: {"device": "cpu", "gpu_ids": [], "node_id": node}
+    assert backend({0: gpu("n", [0]), 1: gpu("n", [1])}) == ("nccl", "127.0.0.1")
+    assert backend({0: gpu("n", [0]), 1: gpu("m", [0])}, "gloo")[0] == "nccl"
+    # a shared GPU (NCCL takes one rank per GPU) or a CPU actor: shared memory on one node, else gloo
+    assert backend({0: gpu("n", [0]), 1: gpu("n", [0])})[0] == "shm"
+    assert backend({0: gpu("n", [0]), 1: gpu("m", [0]), 2: gpu("m", [0])})[0] == "gloo"
+    assert backend({0: gpu("n", [0]), 1: cpu("n")})[0] == "shm"
+    assert backend({0: cpu("n")}) == ("shm", "127.0.0.1")
+    assert backend({0: cpu("n"), 1: cpu("n")}, "gloo") == ("gloo", "127.0.0.1")
+    assert backend({0: cpu("n"), 1: cpu("m")})[0] == "gloo"
+
+
+def test_a_state_key_changes_with_the_stage_and_with_the_values():
+    from fdam_ray.executors.ray.transports.collective_messages import state_key
+    from fdam_ray.loop.state import GlobalState
+
+    v = np.arange(100_000, dtype=np.float32)
+    state = GlobalState(v=v, alpha=np.array([0.5], np.float32), buffers=np.zeros(3, np.float32),
+                        counters=np.zeros(1, np.int64), round=4, iteration=40)
+    key = state_key(state, 2)
+    assert state_key(state, 2) == key and state_key(state, 3) != key
+    state.alpha[0] = 0.25  # a stage end's new alpha
+    assert state_key(state, 2) != key
+
+
+def _listening(port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp* writes them) of this machine's sockets listening on ``port``."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as fh:
+            for line in fh.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, _, hex_port = local.partition(":")
+                if state == "0A" and int(hex_port, 16) == port:
+                    out.append(address)
+    return out
+
+
+def test_the_groups_store_listens_on_the_given_address_only():
+    """torch's TCPStore server binds every interface; the group's store is handed a socket bound to its host."""
+    import torch
+
+    from fdam_ray.executors.ray.transports.group import GroupMember
+
+    member = GroupMember(torch.device("cpu"))
+    port = member.open("127.0.0.1", 10.0)
+    try:
+        assert _listening(port) == ["0100007F"]  # 127.0.0.1, and nothing on 0.0.0.0 or ::
+        client = torch.distributed.TCPStore("127.0.0.1", port, None, False)
+        client.set("k", "v")
+        assert member.store.get("k") == b"v"
+        del client
+    finally:
+        member.leave()
+    assert _listening(port) == []  # the store closed the socket it was handed

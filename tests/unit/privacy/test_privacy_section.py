@@ -1,0 +1,119 @@
+"""The dp config fields: defaults, each refusal in one line naming its field, the resume rule, no dp_accounting."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from fdam_ray.config import FIELD_BY_NAME, RESUME_MAY_CHANGE, SECTIONS, build_config, describe_fields
+from fdam_ray.privacy.section import PrivacySection, check_resume
+from fdam_ray.settings import sections
+from fdam_ray.settings.sections import ConfigError
+
+CLIENT = {"dp": "client", "dp_noise_multiplier": 1.0, "positive_ratio": 0.2}
+
+
+def test_dp_is_off_by_default_and_a_private_config_builds():
+    assert build_config().dp == "off"
+    config = build_config(CLIENT)
+    section = PrivacySection.of(config)
+    assert (section.dp, section.dp_clip, section.dp_delta, section.dp_noise_at, section.dp_sampling) == (
+        "client", 1.0, 1e-5, "server", "fixed")
+    sample = build_config({"dp": "sample", "dp_epsilon": 4.0, "dp_max_epsilon": 6.0, "positive_ratio": 0.2})
+    assert (sample.dp_epsilon, sample.dp_noise_multiplier) == (4.0, None)
+    assert build_config({**CLIENT, "clients_per_round": 2, "dp_noise_at": "clients"}).sampled_clients == 2
+
+
+def test_the_section_is_listed_and_only_the_budget_may_change_on_resume():
+    assert SECTIONS["privacy"] == ("dp", "dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_max_epsilon",
+                                   "dp_noise_at", "dp_sampling", "dp_noise_seed")
+    assert "dp_noise_multiplier" in describe_fields(["privacy"])
+    assert {n for n in SECTIONS["privacy"] if n in RESUME_MAY_CHANGE} == {"dp_max_epsilon"}
+    assert FIELD_BY_NAME["dp"].choices == ("off", "client", "sample")
+
+
+@pytest.mark.parametrize(("values", "field", "words"), [
+    ({"dp_epsilon": 3.0}, "dp_epsilon", "while dp = off"),
+    ({"dp_clip": 2.0}, "dp_clip", "while dp = off"),
+    ({"dp_noise_at": "clients"}, "dp_noise_at", "while dp = off"),
+    ({"dp_noise_seed": 3}, "dp_noise_seed", "while dp = off"),
+    ({"dp": "client", "positive_ratio": 0.2}, "dp_noise_multiplier", "a target dp_epsilon"),
+    ({**CLIENT, "dp_epsilon": 3.0}, "dp_epsilon", "not both"),
+    ({"dp": "client", "dp_epsilon": 3.0, "dp_max_epsilon": 2.0}, "dp_max_epsilon", ">= dp_epsilon = 3.0"),
+    ({**CLIENT, "dp_noise_multiplier": 0.0, "dp_max_epsilon": 2.0}, "dp_max_epsilon", "infinite"),
+    ({**CLIENT, "num_clients": 1}, "num_clients", ">= 2 with dp: client"),
+    ({**CLIENT, "client_weighting": "samples"}, "client_weighting", "uniform with dp: client"),
+    ({**CLIENT, "clients_per_round": 2, "dp_sampling": "poisson"}, "dp_sampling", "draws exactly"),
+    ({**CLIENT, "dp": "sample", "dp_noise_at": "clients"}, "dp_noise_at", "server with dp: sample"),
+    ({**CLIENT, "algorithm": "coda"}, "algorithm", "un-noised score sums"),
+    ({**CLIENT, "pretrain_iterations": 50}, "pretrain_iterations", "without privacy noise"),
+    ({**CLIENT, "dp_clip": 0.0}, "dp_clip", "> 0"),
+    ({**CLIENT, "dp_delta": 1.0}, "dp_delta", "in (0, 1)"),
+    ({**CLIENT, "dp_noise_multiplier": -1.0}, "dp_noise_multiplier", ">= 0"),
+    ({"dp": "everything"}, "dp", "off, client, sample"),
+])
+def test_each_refusal_is_one_line_naming_its_field(values, field, words):
+    with pytest.raises(ConfigError) as caught:
+        build_config(values)
+    message = str(caught.value)
+    assert "\n" not in message and f"'{field}'" in message and words in message
+
+
+def test_poisson_accounting_is_allowed_when_every_client_takes_part():
+    assert build_config({**CLIENT, "dp_sampling": "poisson"}).dp_sampling == "poisson"
+    assert build_config({**CLIENT, "dp": "sample", "dp_sampling": "poisson", "clients_per_round": 2}).dp == "sample"
+
+
+def test_a_null_positive_ratio_is_named_once_as_an_uncounted_release(caplog, monkeypatch):
+    monkeypatch.setattr(sections, "_WARNED", set())  # named once per process: forget earlier tests' configs
+    with caplog.at_level("WARNING", logger="fdam_ray.privacy.section"):
+        build_config({"dp": "client", "dp_noise_multiplier": 1.0})
+    assert [r.getMessage() for r in caplog.records if "positive_ratio" in r.getMessage()]
+
+
+def _section(**changes) -> PrivacySection:
+    return PrivacySection.of(build_config({**CLIENT, "dp_max_epsilon": 5.0, **changes}))
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"dp": "sample"}, "dp"),
+    ({"dp_clip": 0.5}, "dp_clip"),
+    ({"dp_noise_multiplier": 1.5}, "dp_noise_multiplier"),
+    ({"dp_delta": 1e-6}, "dp_delta"),
+    ({"clients_per_round": 2, "dp_noise_at": "clients"}, "dp_noise_at"),
+    ({"dp_max_epsilon": 4.0}, "dp_max_epsilon"),
+    ({"dp_max_epsilon": None}, "dp_max_epsilon"),
+])
+def test_a_resume_keeps_the_privacy_it_started_with(change, field):
+    with pytest.raises(ConfigError) as caught:
+        check_resume(_section(), _section(**change))
+    assert "\n" not in str(caught.value) and f"'{field}'" in str(caught.value)
+
+
+def test_a_resume_may_raise_or_set_the_budget():
+    check_resume(_section(), _section(dp_max_epsilon=8.0))
+    check_resume(_section(), _section())
+    unset = dataclasses.replace(_section(), dp_max_epsilon=None)
+    check_resume(unset, _section())
+    off = PrivacySection.of(build_config())
+    check_resume(off, off)
+    with pytest.raises(ConfigError, match="'dp'"):
+        check_resume(off, _section())
+
+
+def test_the_package_and_its_config_work_without_dp_accounting():
+    code = ("import sys; sys.modules['dp_accounting'] = None\n"
+            "import fdam_ray.privacy as p\n"
+            "from fdam_ray.privacy.section import PrivacySection\n"
+            "PrivacySection(dp='client', dp_noise_multiplier=1.0, num_clients=4, clients_per_round=None,\n"
+            "               client_weighting='uniform', algorithm='codasca', positive_ratio=0.2,\n"
+            "               pretrain_iterations=0).check()\n"
+            "try:\n"
+            "    p.Accountant(noise_multiplier=1.0, delta=1e-5, population=4, sample_size=4)\n"
+            "except p.AccountingUnavailable as exc:\n"
+            "    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.count("\n") == 1 and "'privacy' extra of fdam-ray" in out.stdout
