@@ -66,6 +66,7 @@ import torch
 from fdam_ray.algorithms import AlgorithmSection, build_algorithm
 from fdam_ray.config import build_config
 from fdam_ray.data import DataSource, Shard, Split
+from fdam_ray.executors.base import ExecutorSetup
 from fdam_ray.executors.ray.compat import loopback_node, start_loopback_ray
 from fdam_ray.executors.ray.executor import RayExecutor
 from fdam_ray.executors.ray.transports.compiled import SPIN_S
@@ -154,7 +155,7 @@ def federation(num_clients: int, state_floats: int, transport: str = "classic", 
                                cpus_per_actor=1.0, transport=transport, channel_wait=channel_wait))
     source = WideSource(num_clients, state_floats - 3)  # w (d), bias, a, b
     executor = RayExecutor()
-    executor.start(config, source)
+    executor.start(ExecutorSetup.for_config(config, executor.section), source)
     replica = Replica(config, source, device=torch.device("cpu"))
     state = replica.flat.initial_state()
     assert state.v.size == state_floats, state.v.size

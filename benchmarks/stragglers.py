@@ -30,6 +30,7 @@ from sample_clients import gaussian_clients
 
 from fdam_ray.config import build_config
 from fdam_ray.data.arrays import ArraysSource
+from fdam_ray.executors.base import ExecutorSetup
 from fdam_ray.executors.ray.executor import RayExecutor
 from fdam_ray.loop.state import RoundPlan
 
@@ -57,7 +58,7 @@ def round_times(clients, test, slow: int | None, deadline, args) -> list[float]:
                                threads_per_actor=1, round_deadline=deadline))
     times = []
     with RayExecutor() as ex:
-        ex.start(config, source)
+        ex.start(ExecutorSetup.for_config(config, ex.section), source)
         state = raytest.first_state(ex, config, source)
         for r in range(1, args.rounds + 2):
             t0 = time.monotonic()

@@ -15,7 +15,11 @@ nothing, bit for bit); when a client misses it, each actor that made it sends
 the weighted sum of its clients' changes of c^k (it kept their states from
 before the round), folded in the order and arithmetic of a sampled round of
 the clients that made it (:func:`as_sampled_round`): under ``reduce: star``
-with ``fold_order: client`` the run equals its replay bit for bit.
+with ``fold_order: client`` and float32 transfers the run equals its replay
+bit for bit. With ``transfer_precision`` bf16/fp16 and control variates it
+does not: the missed round folds the float32 changes of c^k its actors kept,
+while the replay's sampled round sends them rounded to 16 bits (the two
+differ by that rounding, within the 16-bit transfer's own error).
 
 Each round whose participants differ from the plan (the sampled set, or every
 client) is recorded (round -> its clients) in the checkpoint and in the next

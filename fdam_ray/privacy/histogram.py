@@ -34,7 +34,7 @@ scores).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -155,14 +155,7 @@ def _doubled_concordance(neg: np.ndarray, pos: np.ndarray, doubled_pairs: int) -
 def pooled_auc_from_histograms(hist: np.ndarray) -> np.ndarray:
     """Per task, the AUC of the (summed) histogram ``(T, 2, B)``: float64, NaN where a task lacks a positive or a
     negative (as :func:`fdam_ray.metrics.task_aucs`). The quotient of two exact integers, rounded once."""
-    hist = check_histograms(hist)
-    num_pos, num_neg = _class_totals(hist)
-    out = np.full(hist.shape[0], np.nan)
-    for t in range(hist.shape[0]):
-        pairs = int(num_pos[t]) * int(num_neg[t])
-        if pairs:
-            out[t] = _doubled_concordance(hist[t, 0], hist[t, 1], 2 * pairs) / (2 * pairs)
-    return out
+    return _per_task(hist, lambda neg, pos, pairs: _doubled_concordance(neg, pos, 2 * pairs) / (2 * pairs))
 
 
 def pooled_test_auc(hist: np.ndarray) -> float:
@@ -174,12 +167,16 @@ def binning_error_bound(hist: np.ndarray) -> np.ndarray:
     """Per task, the most the histogram AUC can differ from the exact AUC of the same scores:
     ``sum_b pos_b * neg_b / (2 P N)``, the share of positive-negative pairs that share a bin, halved (NaN where
     the AUC is)."""
+    return _per_task(hist, lambda neg, pos, pairs: int(np.dot(neg.astype(object), pos.astype(object))) / (2 * pairs))
+
+
+def _per_task(hist: np.ndarray, of: Callable[[np.ndarray, np.ndarray, int], float]) -> np.ndarray:
+    """``of(negatives, positives, P * N)`` for each task of a checked histogram with both classes, else NaN."""
     hist = check_histograms(hist)
     num_pos, num_neg = _class_totals(hist)
     out = np.full(hist.shape[0], np.nan)
     for t in range(hist.shape[0]):
         pairs = int(num_pos[t]) * int(num_neg[t])
         if pairs:
-            shared = int(np.dot(hist[t, 0].astype(object), hist[t, 1].astype(object)))
-            out[t] = shared / (2 * pairs)
+            out[t] = of(hist[t, 0], hist[t, 1], pairs)
     return out

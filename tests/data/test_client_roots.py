@@ -83,12 +83,18 @@ def test_every_bad_folder_is_named_in_one_line_before_any_client_starts(sites):
 
 def test_folders_on_a_cluster_are_the_nodes_to_check_not_the_driver(sites, monkeypatch):
     config = roots_config(sites, ["site0", "only_on_a_node"], executor="ray", address="10.1.2.3:6379")
-    assert make_source(config).num_clients == 2  # nothing read of the clients' folders here
+
+    def source_of(c):  # as a run's assembly makes it: where the clients run is the config's executor and address
+        return make_source(c, executor=c.executor, address=c.address)
+
+    assert source_of(config).num_clients == 2  # nothing read of the clients' folders here
     monkeypatch.setenv("RAY_ADDRESS", "10.1.2.3:6379")
-    assert make_source(dataclasses.replace(config, address=None)).num_clients == 2
+    assert source_of(dataclasses.replace(config, address=None)).num_clients == 2
     monkeypatch.delenv("RAY_ADDRESS")
     with pytest.raises(ValueError, match=r"client 1: .*only_on_a_node' does not exist"):  # a local Ray: this machine
-        make_source(dataclasses.replace(config, address=None))
+        source_of(dataclasses.replace(config, address=None))
+    with pytest.raises(ValueError, match=r"client 1: .*only_on_a_node' does not exist"):  # a section alone: inline
+        make_source(config)
 
 
 # -- one class numbering across sites -----------------------------------------------------------------------------

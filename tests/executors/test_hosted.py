@@ -20,7 +20,7 @@ from fdam_ray.assembly.recipe import run
 from fdam_ray.cli import main
 from fdam_ray.config import ConfigError, build_config
 from fdam_ray.data.arrays import ArraysSource
-from fdam_ray.executors.base import actor_groups
+from fdam_ray.executors.base import ExecutorSetup, actor_groups
 from fdam_ray.executors.inline import InlineExecutor
 from fdam_ray.loop.state import ClientUpdate, GlobalState, StepStats
 from fdam_ray.tuning.trial import trial_bundles
@@ -150,7 +150,7 @@ def test_the_inline_executor_hosts_every_client_on_one_replica():
     result = train(dict(BASE, iterations=6), clients, test, executor=ex)
     assert result.state.round == 2
     ex = InlineExecutor()
-    ex.start(build_config(dict(BASE, dataset="arrays", num_clients=K, clients_per_actor=2)),
+    ex.start(ExecutorSetup.for_config(build_config(dict(BASE, dataset="arrays", num_clients=K, clients_per_actor=2))),
              ArraysSource(clients, test))
     assert len({id(c.replica) for c in ex.clients}) == 1 and ex.groups == [[0, 1], [2, 3], [4]]
     # each client keeps its own control variate and sampler; the replica's solver steps with the bound one
