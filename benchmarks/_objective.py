@@ -82,10 +82,10 @@ class ObjectiveProbe(Executor):
         self.objective, self.margin = setup.algorithm.objective_name, setup.algorithm.margin
         return infos
 
-    def evaluate(self, state):
+    def evaluate(self, state, split="test", bins=None):
         scores = self.replica.scores_of(state, self.union)
         self.last = primal_objective(scores.scores, scores.labels, self.objective, self.margin)
-        return self.inner.evaluate(state)
+        return self.inner.evaluate(state, split, bins)
 
 
 # Everything else the driver asks of an executor goes to the inner one (whatever methods the interface has).

@@ -61,10 +61,23 @@ def mlp(input_shape: tuple[int, ...], num_tasks: int, width: int) -> nn.Module:
 
 def cnn(input_shape: tuple[int, ...], num_tasks: int, width: int) -> nn.Module:
     """Three conv-BN-ReLU blocks (the last two with stride 2), global average pooling, linear head."""
-    channels = _image_shape("cnn", input_shape)[0]
+    return _conv_net("cnn", input_shape, num_tasks, width, nn.BatchNorm2d)
+
+
+def cnn_gn(input_shape: tuple[int, ...], num_tasks: int, width: int) -> nn.Module:
+    """``cnn`` with GroupNorm in place of BatchNorm: each sample is normalised by its own statistics, so
+    per-sample gradients are one sample's alone (``dp: sample`` refuses BatchNorm). Groups: gcd(32, channels)
+    (32 for the default width, one channel per group). Same seed, same convolution and head weights as ``cnn``
+    (both norms start at weight 1, bias 0 and draw nothing); no buffers."""
+    return _conv_net("cnn_gn", input_shape, num_tasks, width, lambda c: nn.GroupNorm(math.gcd(32, c), c))
+
+
+def _conv_net(name: str, input_shape: tuple[int, ...], num_tasks: int, width: int,
+              norm: Callable[[int], nn.Module]) -> nn.Module:
+    channels = _image_shape(name, input_shape)[0]
 
     def block(c_in: int, c_out: int, stride: int) -> list[nn.Module]:
-        return [nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU()]
+        return [nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False), norm(c_out), nn.ReLU()]
 
     return nn.Sequential(
         *block(channels, width, 1),
@@ -139,8 +152,8 @@ def densenet161(input_shape: tuple[int, ...], num_tasks: int, width: int) -> nn.
     return _densenet("densenet161", input_shape, num_tasks)
 
 
-BUILDERS = {"linear": linear, "mlp": mlp, "cnn": cnn, "resnet20": resnet20, "densenet121": densenet121,
-            "densenet161": densenet161}
+BUILDERS = {"linear": linear, "mlp": mlp, "cnn": cnn, "cnn_gn": cnn_gn, "resnet20": resnet20,
+            "densenet121": densenet121, "densenet161": densenet161}
 MODEL_NAMES = tuple(BUILDERS)
 
 
@@ -153,8 +166,8 @@ class ModelSection(Section):
     model: str = setting("cnn", "Scoring network: a name, or your own factory module:attr called as "
                          "factory(input_shape, num_tasks) -> nn.Module giving (B, T) logits, on the driver and every "
                          "client.", kind="factory", choices=MODEL_NAMES)
-    model_width: int = setting(32, "Width of mlp hidden layers / cnn channels; passed to your own model factory as "
-                               "width= if it has that parameter, else unused.", check=AT_LEAST_ONE)
+    model_width: int = setting(32, "Width of mlp hidden layers / cnn and cnn_gn channels; passed to your own model "
+                               "factory as width= if it has that parameter, else unused.", check=AT_LEAST_ONE)
     model_weights: str | None = setting(None, "Local file of initial network weights (a state_dict saved with "
                                         "torch.save, or a run's model.pt); a classifier head of another size is "
                                         "re-initialised. Never downloaded.")

@@ -236,8 +236,8 @@ MUTATIONS: list[Mutation] = [
              "keep = np.ones(len(labels), dtype=bool)",
              (METRICS, FED), "a task's AUC keeps the samples without a label for it"),
     Mutation("test_auc_mean_of_client_aucs", "fdam_ray/loop/evaluation.py",
-             "elif parts:\n            scores, labels = pooled([(p.scores, p.labels) for p in parts])",
-             "elif parts:\n            scores, labels = parts[0].scores, parts[0].labels",
+             "scores, labels = pooled([(p.scores, p.labels) for p in parts if isinstance(p, Scores)])",
+             "scores, labels = parts[0].scores, parts[0].labels  # type: ignore[union-attr]",
              (FED,), "the test AUC is the first client's AUC, not one AUC over the pooled scores"),
     # -- checkpoints
     Mutation("checkpoint_arrays_come_back_as_tensors", "fdam_ray/loop/checkpoint.py",

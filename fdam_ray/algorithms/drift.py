@@ -44,6 +44,7 @@ import torch
 
 from fdam_ray.loop.flat import FlatModel
 from fdam_ray.loop.state import ClientState, ClientUpdate, GlobalState, Rule, StateVectors, vector_fields, vector_names
+from fdam_ray.privacy.client_level import ClientLevel, private_update
 
 if TYPE_CHECKING:
     from fdam_ray.algorithms.server import RoundReducer
@@ -288,6 +289,30 @@ class ControlVariates(DriftCorrection):
         if state.control is not None:
             state.control = tuple(np.zeros_like(np.asarray(c)) for c in state.control)
         return state
+
+
+class PrivateDrift(DriftCorrection):
+    """``dp: client`` on a client: the drift correction ``inner`` whose updates are clipped (and, with noise at
+    the clients, noised) changes, control variates not sent (:func:`fdam_ray.privacy.client_level.private_update`)."""
+
+    def __init__(self, inner: DriftCorrection, dp: ClientLevel) -> None:
+        self.inner, self.dp = inner, dp
+        self.name, self.control_variates = inner.name, inner.control_variates
+
+    def client(self, flat: FlatModel) -> ClientCorrection:
+        return self.inner.client(flat)
+
+    def init(self, initial: GlobalState) -> None:
+        self.inner.init(initial)
+
+    def end_stage(self, state: GlobalState, *, reset: bool) -> None:
+        self.inner.end_stage(state, reset=reset)
+
+    def transform_update(self, update: ClientUpdate, start: StateVectors) -> ClientUpdate:
+        return private_update(update, start, self.dp)
+
+    def replaced(self, client_id: int, state: StateVectors) -> ClientState:
+        return self.inner.replaced(client_id, state)
 
 
 CONTROL_VARIATES = ControlVariates()

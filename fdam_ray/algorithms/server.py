@@ -31,6 +31,7 @@ import numpy as np
 
 from fdam_ray.algorithms.drift import CONTROL_VARIATES
 from fdam_ray.loop.state import ClientUpdate, GlobalState, Rule, StateVectors, StepStats, vector_fields, vector_names
+from fdam_ray.privacy.client_level import ServerRound, private_finish
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -253,6 +254,7 @@ class RoundReducer:
         self.weights = weights
         self.partial_total = partial_total
         self._finished = False
+        self.privacy: ServerRound | None = None  # dp: client: the sums are clipped changes (privacy/client_level.py)
         self.sums = PartialSum.zeros(previous, control_variates=control_variates) if sums is None else sums
 
     @property
@@ -297,6 +299,11 @@ class RoundReducer:
             raise RuntimeError("this round's reducer has already finished")
         self._finished = True
         sums, prev = self.sums, self.previous
+        if self.privacy is not None:
+            return GlobalState.from_vectors(
+                private_finish(sums, sums.count, prev, self.privacy, global_lr=self.global_lr,
+                               alpha_nonnegative=self.alpha_nonnegative, steps=steps),
+                round=prev.round + 1, iteration=prev.iteration + steps)
         inv = np.float32(1.0 / sums.weight)
         out: dict[str, np.ndarray | None] = {}
         for f in vector_fields():

@@ -69,6 +69,7 @@ from fdam_ray.outputs.records import read_summary
 from fdam_ray.outputs.run_folder import check_new_run_dir
 from fdam_ray.outputs.trackers import check_usable as trackers_usable
 from fdam_ray.outputs.trackers import make_trackers
+from fdam_ray.privacy.section import PrivacySection, check_resume
 
 log = logging.getLogger(__name__)
 
@@ -384,6 +385,7 @@ def _wanted(run_dir: Path, saved: Config, changes: dict | None, *, done: int | N
 def check_may_change(run_dir: Path, saved: Config, wanted: Config, *, done: int | None) -> None:
     """Refuse a resume of ``saved`` as ``wanted`` that changes what the run computes, or that would end it before
     the ``done`` iterations it has trained (its metrics would then go past the ``iterations`` its config says)."""
+    check_resume(PrivacySection.of(saved), PrivacySection.of(wanted))  # dp_max_epsilon: raised only
     before, after = saved.to_dict(), wanted.to_dict()
     differ = [k for k in before if before[k] != after[k] and k not in RESUME_MAY_CHANGE]
     if differ:

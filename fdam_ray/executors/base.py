@@ -24,7 +24,17 @@ from fdam_ray.data import DataSource
 from fdam_ray.features.deadlines import DeadlineSection
 from fdam_ray.features.transfer import Downlink, TransferSection
 from fdam_ray.loop.client import ClientSection
-from fdam_ray.loop.state import ClientInfo, ClientState, GlobalState, RoundPlan, Scores, ScoreSums, StepStats
+from fdam_ray.loop.state import (
+    ClientInfo,
+    ClientState,
+    GlobalState,
+    RoundPlan,
+    ScoreHistogram,
+    Scores,
+    ScoreSums,
+    StepStats,
+)
+from fdam_ray.privacy.histogram import Binning
 from fdam_ray.settings.sections import AT_LEAST_ONE, NONNEGATIVE, Section, setting
 
 if TYPE_CHECKING:
@@ -148,6 +158,9 @@ class Executor(abc.ABC):
     section: ClassVar[type[ExecutorSection]] = ExecutorSection  # what it reads of the config
     downlink: Downlink | None = None  # transfer_precision bf16/fp16: the driver's side of the rounded broadcast
     sent: int | None = None  # bytes one client received in the last round's broadcast (None: the state's)
+    # whether its clients are built from ``ExecutorSetup.client`` (settings the driver resolves, such as the privacy
+    # noise of dp: client, reach them); False for one whose clients are built elsewhere from the plain config
+    clients_from_setup: ClassVar[bool] = True
 
     @abc.abstractmethod
     def start(self, setup: ExecutorSetup, source: DataSource) -> list[ClientInfo]:
@@ -195,9 +208,13 @@ class Executor(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} has no round deadlines (round_deadline needs executor=ray)")
 
     @abc.abstractmethod
-    def evaluate(self, state: GlobalState, split: str = "test") -> list[Scores]:
+    def evaluate(self, state: GlobalState, split: str = "test",
+                 bins: Binning | None = None) -> list[Scores] | list[ScoreHistogram]:
         """Scores of ``state`` on the clients' own test splits, or with ``split="val"`` their validation parts
-        (clients without one are left out)."""
+        (clients without one are left out); with ``bins`` (``test_scores: histogram``) each client's
+        :class:`~fdam_ray.loop.state.ScoreHistogram` instead (``Client.score_histogram``): no per-sample score
+        or label leaves a client. ``bins`` (:class:`~fdam_ray.privacy.histogram.Binning`: the number of bins and,
+        on the driver's second pass, a score range per task) reaches every client unchanged."""
 
     @abc.abstractmethod
     def score_sums(self, state: GlobalState) -> list[ScoreSums]:

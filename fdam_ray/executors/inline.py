@@ -37,7 +37,8 @@ from fdam_ray.executors.base import Executor, ExecutorSection, ExecutorSetup, ac
 from fdam_ray.executors.ray_section import RayExecutorSection, RaySection
 from fdam_ray.features.transfer import Downlink, attach_residual, compress, expand, residual_of, sent_nbytes
 from fdam_ray.loop.client import Client, begin_stage_hosted, host_clients, resolve_device, run_hosted
-from fdam_ray.loop.state import ClientInfo, ClientState, GlobalState, RoundPlan, Scores, ScoreSums
+from fdam_ray.loop.state import ClientInfo, ClientState, GlobalState, RoundPlan, ScoreHistogram, Scores, ScoreSums
+from fdam_ray.privacy.histogram import Binning
 from fdam_ray.settings.sections import owned_fields
 
 if TYPE_CHECKING:
@@ -124,7 +125,10 @@ class InlineExecutor(Executor):
                                 residual=residual)
                 fold(expand(sent, master, sampled=plan.partial))
 
-    def evaluate(self, state: GlobalState, split: str = "test") -> list[Scores]:
+    def evaluate(self, state: GlobalState, split: str = "test",
+                 bins: Binning | None = None) -> list[Scores] | list[ScoreHistogram]:
+        if bins is not None:
+            return [h for h in (c.score_histogram(state, split, bins) for c in self.clients) if h is not None]
         return [s for s in (c.evaluate(state, split) for c in self.clients) if s is not None]
 
     def score_sums(self, state: GlobalState) -> list[ScoreSums]:

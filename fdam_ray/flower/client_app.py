@@ -8,7 +8,8 @@ Message types (the server side is :class:`~fdam_ray.flower.executor.FlowerExecut
 - ``train.round``: one round of local steps from the global state, the update in the clear;
 - ``train``: the same round under SecAgg+ (``secaggplus_mod`` masks what the site sends, see :mod:`.secagg`);
 - ``query.change``: the change of c^k in the site's last round (a round another site dropped out of);
-- ``evaluate``: scores of the global model on the site's own test split;
+- ``evaluate``: scores of the global model on the site's own test split (with a ``bins`` value,
+  ``test_scores: histogram``: its score histogram and own AUC per task instead, no per-sample value);
 - ``query.score_sums``: score sums for CODA's closed-form alpha;
 - ``query.refused``: the server stops the run because of this node (one line: why, and what to do).
 
@@ -176,11 +177,17 @@ def change(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     cfg = msg.content.config_records[records.CONFIG]
     call = open_site(context, cfg)
-    scores = None
-    if _flag(call.node_config, "share-test-scores", True):
-        split = str(cfg.get("split", "test"))  # "val": the site's validation part (val_fraction > 0)
-        scores = build_client(call.site, call.source, call.kept).evaluate(records.global_state_of(msg.content), split)
-    return Message(records.scores_content(scores), reply_to=msg)
+    bins = cfg.get("bins")  # test_scores: histogram: counts of the scores, never the scores
+    if not _flag(call.node_config, "share-test-scores", True):
+        return Message(records.scores_content(None) if bins is None else records.histogram_content(None),
+                       reply_to=msg)
+    split = str(cfg.get("split", "test"))  # "val": the site's validation part (val_fraction > 0)
+    client = build_client(call.site, call.source, call.kept)
+    state = records.global_state_of(msg.content)
+    if bins is not None:
+        found = client.score_histogram(state, split, records.binning_of_header(cfg))
+        return Message(records.histogram_content(found), reply_to=msg)
+    return Message(records.scores_content(client.evaluate(state, split)), reply_to=msg)
 
 
 @app.query("score_sums")

@@ -51,7 +51,17 @@ from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.executors.base import Executor, ExecutorSetup
 from fdam_ray.flower import records
 from fdam_ray.flower.section import FlowerSection
-from fdam_ray.loop.state import ClientInfo, ClientState, ClientUpdate, GlobalState, RoundPlan, Scores, ScoreSums
+from fdam_ray.loop.state import (
+    ClientInfo,
+    ClientState,
+    ClientUpdate,
+    GlobalState,
+    RoundPlan,
+    ScoreHistogram,
+    Scores,
+    ScoreSums,
+)
+from fdam_ray.privacy.histogram import Binning
 
 if TYPE_CHECKING:
     from fdam_ray.data import DataSource
@@ -84,6 +94,8 @@ class FlowerExecutor(Executor):
         run_key: names this run at the sites (their kept state belongs to it).
         num_sites: K; the sites are numbered 0..K-1 by their node config.
     """
+
+    clients_from_setup = False  # each site builds its client from the run's plain config
 
     def __init__(self, grid: Grid, flower: FlowerSection, *, run_key: str, num_sites: int) -> None:
         self.grid = grid
@@ -416,11 +428,17 @@ class FlowerExecutor(Executor):
             for k in updates:
                 setattr(updates[k], name, moved.astype(np.float32))
 
-    def evaluate(self, state: GlobalState, split: str = "test") -> list[Scores]:
-        """Each site's scores of ``state`` on its own test split (or, ``split="val"``, its validation part)."""
+    def evaluate(self, state: GlobalState, split: str = "test",
+                 bins: Binning | None = None) -> list[Scores] | list[ScoreHistogram]:
+        """Each site's scores of ``state`` on its own test split (or, ``split="val"``, its validation part); with
+        ``bins`` its score histogram and own AUC per task instead (each site's histogram reaches the server
+        as it is: it is not summed under SecAgg+)."""
         ready = self.ensure_synced(self.with_tests)  # a site without a test split of its own is not asked
-        replies = self.ask("evaluate", {k: records.global_state_content(state, self.header(k, split=split))
+        more = {"split": split} if bins is None else {"split": split, **records.binning_header(bins)}
+        replies = self.ask("evaluate", {k: records.global_state_content(state, self.header(k, **more))
                                         for k in ready})
+        if bins is not None:
+            return [h for h in (records.histogram_of(replies[k]) for k in sorted(replies)) if h is not None]
         return [s for s in (records.scores_of(replies[k]) for k in sorted(replies)) if s is not None]
 
     def score_sums(self, state: GlobalState) -> list[ScoreSums]:

@@ -18,7 +18,17 @@ from typing import Any, cast
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from fdam_ray.loop.state import ClientInfo, GlobalState, RoundPlan, Scores, ScoreSums, StepStats, vector_names
+from fdam_ray.loop.state import (
+    ClientInfo,
+    GlobalState,
+    RoundPlan,
+    ScoreHistogram,
+    Scores,
+    ScoreSums,
+    StepStats,
+    vector_names,
+)
+from fdam_ray.privacy.histogram import Binning
 
 STATE = "state"
 ARRAYS = "arrays"
@@ -98,6 +108,42 @@ def scores_of(content: RecordDict) -> Scores | None:
         return None
     arr = numpy_of(content.array_records[ARRAYS])
     return Scores(integer(cfg, "client_id"), arr["scores"], arr["labels"])
+
+
+def histogram_content(found: ScoreHistogram | None) -> RecordDict:
+    """A site's score histogram (``test_scores: histogram``): its counts and own AUC per task, no per-sample
+    value."""
+    if found is None:
+        return RecordDict({CONFIG: config({"has_scores": False})})
+    return RecordDict({ARRAYS: arrays({"counts": found.counts, "task_auc": np.asarray(found.task_auc)}),
+                       CONFIG: config({"has_scores": True, "client_id": found.client_id, "samples": found.samples,
+                                       "nan_outputs": found.nan_outputs})})
+
+
+def histogram_of(content: RecordDict) -> ScoreHistogram | None:
+    cfg = content.config_records[CONFIG]
+    if not raw(cfg, "has_scores"):
+        return None
+    arr = numpy_of(content.array_records[ARRAYS])
+    return ScoreHistogram(integer(cfg, "client_id"), arr["counts"], arr["task_auc"], integer(cfg, "samples"),
+                          integer(cfg, "nan_outputs"))
+
+
+def binning_header(binning: Binning) -> dict[str, Any]:
+    """A :class:`Binning` as header values: ``bins``, and on the second pass ``bins_lo``/``bins_hi`` (one float per
+    task, NaN: the fixed layout); the range comes from the summed counts of every site, never one site's scores."""
+    out: dict[str, Any] = {"bins": binning.bins}
+    if binning.lo is not None and binning.hi is not None:
+        out.update(bins_lo=list(binning.lo), bins_hi=list(binning.hi))
+    return out
+
+
+def binning_of_header(cfg: ConfigRecord) -> Binning:
+    """The :class:`Binning` that :func:`binning_header` wrote into ``cfg``."""
+    if "bins_lo" not in cfg:
+        return Binning(integer(cfg, "bins"))
+    return Binning(integer(cfg, "bins"), tuple(float(v) for v in raw(cfg, "bins_lo")),
+                   tuple(float(v) for v in raw(cfg, "bins_hi")))
 
 
 def score_sums_content(m: ScoreSums) -> RecordDict:

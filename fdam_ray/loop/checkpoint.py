@@ -159,6 +159,7 @@ class LoopState:
     # fdam_ray.features.deadlines); written only when it holds one, and older checkpoints read it as empty
     participation: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     transfer: dict | None = None  # transfer_precision bf16/fp16: the broadcast's master and residual (transfer.py)
+    privacy: dict | None = None  # dp: client: the accountant's state (privacy/accountant.py); None = no DP
 
     @property
     def state(self) -> GlobalState:
@@ -216,7 +217,7 @@ _PAYLOAD: dict[str, type] = {"config": dict, "loop": dict, "clients": list, "pos
                              "torch_rng": torch.Tensor}
 _LOOP: dict[str, type] = {"state": dict, "history": list, "position": dict}  # (and, by their fields, the rest)
 # Loop fields added to schema 1 after files of it were written: such a file reads them as None.
-_LOOP_ADDED = ("best_val_auc", "best_val_iteration", "best_val_state", "transfer")
+_LOOP_ADDED = ("best_val_auc", "best_val_iteration", "best_val_state", "transfer", "privacy")
 
 
 def _client_from(values: Any, path: str | Path) -> ClientState | None:

@@ -37,12 +37,23 @@ from fdam_ray.loop.state import (
     ClientUpdate,
     GlobalState,
     RoundPlan,
+    ScoreHistogram,
     Scores,
     ScoreSums,
     StepStats,
     reads_store_arrays,
 )
 from fdam_ray.models import build_model, model_name
+from fdam_ray.privacy.batches import private_sampler
+from fdam_ray.privacy.dpsgd import (
+    PerSampleLoss,
+    SampleNoise,
+    check_private_batch,
+    check_private_replica,
+    per_sample_loss,
+    private_gradient,
+)
+from fdam_ray.privacy.histogram import Binning
 from fdam_ray.settings.sections import AT_LEAST_ONE, Section, setting, shared
 
 reads_store_arrays(__name__)  # control variates and moments from the object store are only copied in
@@ -80,6 +91,11 @@ class ClientSection(Section):
     local_optimizer: str = shared()
     positive_sampling: str = shared()
     positive_share: float = shared()
+    dp: str = shared()
+    dp_clip: float = shared()
+    dp_noise_multiplier: float | None = shared()
+    dp_noise_seed: int | None = shared()
+    dp_sampling: str = shared()
 
 
 def use_deterministic_kernels() -> None:
@@ -198,6 +214,11 @@ class TrainingReplica(Replica):
         self.precision = self.flat.precision
         self.precision.note_training()
         self.bound: Client | None = None
+        self.dp_loss: PerSampleLoss | None = None  # dp: sample: the per-sample loss of DP-SGD (privacy/dpsgd.py)
+        if config.dp == "sample":
+            check_private_replica(self.flat.model, self.precision, positive_sampling=config.positive_sampling,
+                                  noise_multiplier=config.dp_noise_multiplier)
+            self.dp_loss = per_sample_loss(self.objective)
 
     def new_control_variate(self) -> ClientVariate:
         """The client's own drift-correction state for a client hosted here (None without drift correction)."""
@@ -213,8 +234,24 @@ class TrainingReplica(Replica):
     def train_step(self, x: torch.Tensor, y: torch.Tensor, lr: float) -> torch.Tensor:
         """One local step of the bound client under the run's precision; returns the minibatch objective (a
         detached tensor, no device sync). With fp16 the loss is scaled for the backward pass and the step is
-        skipped when a gradient overflowed."""
+        skipped when a gradient overflowed. Under ``dp: sample`` the solver steps on the clipped, noised mean of
+        per-sample gradients (:func:`fdam_ray.privacy.dpsgd.private_gradient`, noise from the bound client's own
+        :class:`~fdam_ray.privacy.dpsgd.SampleNoise`); the loss returned is then the un-noised mean of the
+        per-sample losses, outside the privacy guarantee."""
         solver = self.solver
+        if self.dp_loss is not None:  # dp: sample: clipped per-sample gradients plus noise, then the same step
+            flat, config, noise = self.flat, self.config, self.bound.dp_noise if self.bound is not None else None
+            if noise is None or config.dp_noise_multiplier is None:
+                raise RuntimeError("dp: sample: train_step needs a bound client and a noise multiplier")
+            private = private_gradient(
+                flat.model, flat.a, flat.b, flat.alpha, x, y, self.dp_loss, clip=config.dp_clip,
+                noise_multiplier=config.dp_noise_multiplier, batch_size=config.batch_size or x.shape[0],
+                generator=noise.next_generator(), precision=self.precision)
+            with torch.no_grad():
+                flat.grad.copy_(private.v)
+                flat.alpha_grad.copy_(private.alpha)
+            solver.apply(lr)
+            return private.loss
         loss = solver.loss(x, y)
         self.precision.backward(loss)
         self.precision.step(lambda: solver.apply(lr), solver.scaled_params)
@@ -259,12 +296,20 @@ class Client:
         check_features(self.train, self.label, "training")
         check_features(self.test, self.label, "test")
         check_features(self.val, self.label, "validation")
+        self.dp_noise: SampleNoise | None = None  # dp: sample: this site's own noise, keyed (seed, round, site, step)
+        if config.dp == "sample":
+            check_private_batch(config.batch_size, len(self.train), f"client {self.label}")
+            self.dp_noise = SampleNoise(config.dp_noise_seed, client_id, device=device)
         if config.batch_size > len(self.train):
             log.warning("client %s has %d training samples, fewer than batch_size=%d: each of its batches repeats "
                         "samples", self.label, len(self.train), config.batch_size)
-        self.sampler = make_sampler(self.train, config.batch_size, seed=config.seed * 1_000_003 + client_id,
-                                    device=device, positive_sampling=config.positive_sampling,
-                                    positive_share=config.positive_share, who=f"client {self.label}")
+        if self.dp_noise is not None and config.batch_size > 0:  # dp: sample: each step's own secret draw
+            self.sampler: Any = private_sampler(self.train, config.batch_size, config.dp_sampling, self.dp_noise,
+                                                device=device)
+        else:
+            self.sampler = make_sampler(self.train, config.batch_size, seed=config.seed * 1_000_003 + client_id,
+                                        device=device, positive_sampling=config.positive_sampling,
+                                        positive_share=config.positive_share, who=f"client {self.label}")
         self.cv = self.replica.new_control_variate()  # (c_v^k, c_alpha^k) tensors, or None
         self.moments = self.replica.solver.new_moments()  # the local step's momentum / Adam moments, or None
         weights = client_weights(config.client_weighting, [len(self.train)])
@@ -312,6 +357,8 @@ class Client:
         next call), for a caller that folds or serialises the update at once: one copy of the state fewer.
         """
         solver, replica = self.solver, self.replica
+        if self.dp_noise is not None:  # dp: sample: the round's noise and batch keys, (round, step)
+            self.dp_noise.begin_round(plan.round)
         solver.begin(state)  # client init
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=self.device)
@@ -350,6 +397,28 @@ class Client:
         part = self.val if split == "val" else self.test
         what = "validation part" if split == "val" else "test split"
         return None if part is None else self.replica.scores_of(state, part, self.client_id, what)
+
+    def score_histogram(self, state: GlobalState, split: str, bins: int | Binning) -> ScoreHistogram | None:
+        """``test_scores: histogram``: what this client sends of the part :meth:`evaluate` scores instead of its
+        scores: per task and class the counts of its scores in the intervals of ``bins`` (B: the fixed layout of
+        B bins; a :class:`~fdam_ray.privacy.histogram.Binning`: the driver's pass-2 layout, from summed counts
+        only), and its own exact AUC per task (None if it has no such part). The part is scored afresh on each
+        call. Scores with NaN outputs send no counts, only how many there were."""
+        from fdam_ray.metrics import task_aucs
+        from fdam_ray.privacy.histogram import binning_of, score_histograms
+
+        binning = binning_of(bins)
+        found = self.evaluate(state, split)
+        if found is None:
+            return None
+        scores, labels = found.scores.reshape(len(found.scores), -1), found.labels.reshape(len(found.labels), -1)
+        nan = int(np.isnan(scores).any(axis=1).sum())
+        if nan:
+            tasks = scores.shape[1]
+            return ScoreHistogram(self.client_id, np.zeros((tasks, 2, binning.bins), np.int64),
+                                  np.full(tasks, np.nan), len(scores), nan)
+        return ScoreHistogram(self.client_id, score_histograms(scores, labels, binning), task_aucs(scores, labels),
+                              len(scores))
 
     @torch.no_grad()
     def score_sums(self, state: GlobalState) -> ScoreSums:

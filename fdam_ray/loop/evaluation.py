@@ -20,6 +20,20 @@ validation split). Every evaluation then scores the validation parts as well
 per task) and the test set as before; the run's selection (``best_*`` of the
 summary, ``best_model.pt``, Tune's default metric) uses ``val_auc`` and never
 the test set.
+
+Histograms (``test_scores: histogram``, ``histogram_bins`` = B): the clients
+send :class:`~fdam_ray.loop.state.ScoreHistogram` records instead of scores
+(per-class counts of their scores in B fixed intervals and their own AUC per
+task); the driver sums the counts and reads the pooled AUC off the sum
+(:mod:`fdam_ray.privacy.histogram`), within the binning bound of the exact
+one. Where that bound exceeds ``REFINE_TOLERANCE`` for a task (an untrained
+model, all its scores near 1/2), the driver asks the clients for a second
+histogram of B bins over the range of the summed histogram's occupied bins
+(:func:`~fdam_ray.privacy.histogram.refinement`: an aggregate of all clients'
+counts, no client's own range) and takes per task the pass with the smaller
+bound. ``client_auc`` is each client's own AUC, exact. The global test set is the
+driver's own data (scored here, or in slices by the Ray executor's actors, the
+driver's workers): it is scored exactly in both modes.
 """
 
 from __future__ import annotations
@@ -34,12 +48,22 @@ from fdam_ray.data import AnySplit, DataSource
 from fdam_ray.executors import Executor
 from fdam_ray.features.sites import client_label
 from fdam_ray.loop.client import Replica
-from fdam_ray.loop.state import GlobalState, Scores
+from fdam_ray.loop.state import GlobalState, ScoreHistogram, Scores
 from fdam_ray.metrics import mean_auc, pooled, task_aucs
 from fdam_ray.models import model_name
+from fdam_ray.privacy.histogram import (
+    Binning,
+    check_histograms,
+    finer_aucs,
+    pooled_auc_from_histograms,
+    refinement,
+    sum_histograms,
+)
 from fdam_ray.settings.sections import Section, fail, setting, shared
 
 log = logging.getLogger(__name__)
+
+Part = Scores | ScoreHistogram  # what a client sends of one part of its data
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,11 +94,13 @@ class Evaluator:
 
     ``warn_one_class``: warn on the first evaluation about test sets of one class (off where the caller has
     already, as :func:`fdam_ray.train_arrays` does before the run). ``validation``: score the clients'
-    validation parts too (``val_fraction`` > 0).
+    validation parts too (``val_fraction`` > 0). ``histogram_bins``: B under ``test_scores: histogram`` (the
+    clients send score histograms of B bins, this module's docstring), None: they send their scores.
     """
 
     def __init__(self, replica: Replica, source: DataSource, executor: Executor, *,
-                 warn_one_class: bool = True, validation: bool = False) -> None:
+                 warn_one_class: bool = True, validation: bool = False, histogram_bins: int | None = None) -> None:
+        self.bins = histogram_bins
         self.replica = replica
         self.source = source
         self.task_names = source.task_names
@@ -96,8 +122,14 @@ class Evaluator:
             out.update(self._score_validation(state))
         return out
 
+    def _parts(self, state: GlobalState, split: str) -> Sequence[Part]:
+        """What the clients send of ``split``: their scores, or (``histogram_bins``) their histograms."""
+        if self.bins is not None:
+            return self.executor.evaluate(state, split=split, bins=Binning(self.bins))
+        return self.executor.evaluate(state) if split == "test" else self.executor.evaluate(state, split="val")
+
     def _score_test(self, state: GlobalState) -> dict:
-        parts = self.executor.evaluate(state)
+        parts = self._parts(state, "test")
         s = self.executor.score_test_set(state)
         if s is None:
             test = self._driver_test_set()
@@ -105,82 +137,133 @@ class Evaluator:
                 s = self.replica.scores_of(state, test)
         for p in [*parts, *([s] if s is not None else [])]:
             self._check_outputs(p)
-        if s is not None:
-            scores, labels = s.scores, s.labels
-        elif parts:
-            scores, labels = pooled([(p.scores, p.labels) for p in parts])
-        else:
+        if s is None and not parts:
             raise ValueError("the dataset has neither a test set nor client test splits")
+        aucs, samples, counts = self._pooled(s, parts, state, "test")
         if self._warn_one_class:
             self._warn_one_class = False
             self._warn_if_one_class(("the test set" if s is not None else "the pooled test set (the clients' test "
-                                     "splits)", labels, "the pooled test AUC"), parts, "test split", "AUC")
-        return self._aucs("test", scores, labels, parts)
+                                     "splits)", counts, "the pooled test AUC"), parts, "test split", "AUC")
+        return self._aucs("test", aucs, samples, parts)
+
+    def _pooled(self, own: Scores | None, parts: Sequence[Part], state: GlobalState,
+                split: str) -> tuple[np.ndarray, int, tuple]:
+        """The pooled AUC per task, the samples and the per-class counts (for the one-class warning) of ``own``
+        (the driver's global test set, exact) or else of the clients' parts: pooled scores, or summed
+        histograms (refined by a second pass over ``split`` of ``state`` where pass 1's bound is too wide)."""
+        if own is not None:
+            return task_aucs(own.scores, own.labels), len(own.labels), class_counts(own.labels)
+        if self.bins is None:
+            scores, labels = pooled([(p.scores, p.labels) for p in parts if isinstance(p, Scores)])
+            return task_aucs(scores, labels), len(labels), class_counts(labels)
+        hists = [p for p in parts if isinstance(p, ScoreHistogram)]
+        total = self._summed(hists)
+        aucs = pooled_auc_from_histograms(total)
+        again = refinement(total, self.bins)
+        if again is not None:  # pass 2: the same B bins over the occupied range of the sum, per task
+            second = [p for p in self.executor.evaluate(state, split=split, bins=again)
+                      if isinstance(p, ScoreHistogram)]
+            for p in second:
+                self._check_outputs(p, "validation part" if split == "val" else "test split")
+            aucs = finer_aucs(total, self._summed(second))[0]
+        return aucs, sum(h.samples for h in hists), (total[:, 1].sum(-1), total[:, 0].sum(-1))
+
+    def _summed(self, hists: Sequence[ScoreHistogram]) -> np.ndarray:
+        """The clients' histograms, each checked (B bins, one per task), summed."""
+        tasks = len(self.task_names)
+        return sum_histograms([check_histograms(h.counts, bins=self.bins, tasks=tasks) for h in hists])
 
     def _score_validation(self, state: GlobalState) -> dict:
         """``val_auc`` (pooled over the clients' validation parts), ``val_samples``, ``val_task_auc`` and
         ``val_client_auc``."""
-        parts = self.executor.evaluate(state, split="val")
+        parts = self._parts(state, "val")
         for p in parts:
             self._check_outputs(p, "validation part")
         if not parts:
             raise ValueError("val_fraction > 0 but no client has a validation part")
-        scores, labels = pooled([(p.scores, p.labels) for p in parts])
+        aucs, samples, counts = self._pooled(None, parts, state, "val")
         if self._warn_one_class_val:
             self._warn_one_class_val = False
-            self._warn_if_one_class(("the pooled validation set", labels, "val_auc"), parts, "validation part",
+            self._warn_if_one_class(("the pooled validation set", counts, "val_auc"), parts, "validation part",
                                     "val AUC")
-        return self._aucs("val", scores, labels, parts)
+        return self._aucs("val", aucs, samples, parts)
 
-    def _warn_if_one_class(self, pooled_set: tuple[str, np.ndarray, str], parts: Sequence[Scores], part: str,
+    def _warn_if_one_class(self, pooled_set: tuple[str, tuple, str], parts: Sequence[Part], part: str,
                            auc: str) -> None:
         """One warning naming every set (the pooled one, then each client's ``part``) whose labels hold one class
         for a task, so that its AUC is NaN."""
-        sets = [pooled_set] + [(f"client {self._label(p)}'s {part}", p.labels, f"client {self._label(p)}'s {auc}")
-                               for p in parts]
-        problems = one_class_problems(sets, self.task_names)
+        sets = [pooled_set] + [(f"client {self._label(p)}'s {part}", _counts_of(p), f"client {self._label(p)}'s "
+                                f"{auc}") for p in parts]
+        problems = one_class_lines(sets, self.task_names)
         if problems:
             log.warning("%s (an AUC needs positives and negatives)", "; ".join(problems))
 
-    def _aucs(self, prefix: str, scores: np.ndarray, labels: np.ndarray, parts: Sequence[Scores]) -> dict:
-        """``<prefix>_auc`` (pooled), ``<prefix>_samples``, and where there are several tasks or client parts
-        ``<prefix>_task_auc`` and the per-client AUCs (``client_auc`` for the test splits)."""
-        aucs = task_aucs(scores, labels)
-        out: dict = {f"{prefix}_auc": mean_auc(aucs), f"{prefix}_samples": len(labels)}
+    def _aucs(self, prefix: str, aucs: np.ndarray, samples: int, parts: Sequence[Part]) -> dict:
+        """``<prefix>_auc`` (pooled, from the AUC per task ``aucs``), ``<prefix>_samples``, and where there are
+        several tasks or client parts ``<prefix>_task_auc`` and the per-client AUCs (``client_auc`` for the test
+        splits)."""
+        out: dict = {f"{prefix}_auc": mean_auc(aucs), f"{prefix}_samples": samples}
         if len(aucs) > 1:
             task_key = "task_auc" if prefix == "test" else f"{prefix}_task_auc"
             out[task_key] = {name: _num(a) for name, a in zip(self.task_names, aucs, strict=True)}
         if parts:
             client_key = "client_auc" if prefix == "test" else f"{prefix}_client_auc"
-            out[client_key] = {self._label(p): _num(mean_auc(task_aucs(p.scores, p.labels))) for p in parts}
+            out[client_key] = {self._label(p): _num(mean_auc(_client_aucs(p))) for p in parts}
         return out
 
-    def _label(self, scores: Scores) -> str:
+    def _label(self, scores: Part) -> str:
         """The client that scored ``scores``, as shown (its name, else its index): the key of its AUC."""
         return client_label(scores.client_id, self.replica.config.client_names)
 
-    def _check_outputs(self, scores: Scores, part: str = "test split") -> None:
+    def _check_outputs(self, scores: Part, part: str = "test split") -> None:
         """Refuse NaN outputs of the network (an AUC cannot rank them), naming the model and the samples."""
-        bad = np.isnan(scores.scores).any(axis=tuple(range(1, scores.scores.ndim)))
-        if not bad.any():
-            return
         where = "the test set" if scores.client_id < 0 else f"client {self._label(scores)}'s {part}"
-        raise ValueError(f"model {model_name(self.replica.config.model)!r}: its outputs were NaN for "
-                         f"{int(bad.sum())} of {len(bad)} samples of {where} (first: sample "
-                         f"{int(np.argmax(bad))}) while its weights are finite: its forward makes NaN (log or sqrt "
-                         "of a negative, 0/0, inf - inf); fix the network's forward")
+        if isinstance(scores, ScoreHistogram):  # the client counted them; which samples stays at the client
+            if scores.nan_outputs:
+                raise ValueError(self._nan_refusal(f"{scores.nan_outputs} of {scores.samples} samples of {where}"))
+            return
+        bad = np.isnan(scores.scores).any(axis=tuple(range(1, scores.scores.ndim)))
+        if bad.any():
+            raise ValueError(self._nan_refusal(f"{int(bad.sum())} of {len(bad)} samples of {where} (first: sample "
+                                               f"{int(np.argmax(bad))})"))
+
+    def _nan_refusal(self, samples: str) -> str:
+        return (f"model {model_name(self.replica.config.model)!r}: its outputs were NaN for {samples} while its "
+                "weights are finite: its forward makes NaN (log or sqrt of a negative, 0/0, inf - inf); fix the "
+                "network's forward")
+
+
+def class_counts(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per task, the positives and the negatives among ``labels`` (n, T) (NaN = missing)."""
+    labels = np.asarray(labels, dtype=np.float64).reshape(len(labels), -1)
+    labelled = ~np.isnan(labels)
+    positives = np.where(labelled, labels, 0).sum(0).astype(np.int64)
+    return positives, labelled.sum(0) - positives
+
+
+def _counts_of(part: Part) -> tuple[np.ndarray, np.ndarray]:
+    if isinstance(part, ScoreHistogram):
+        return part.counts[:, 1].sum(-1), part.counts[:, 0].sum(-1)
+    return class_counts(part.labels)
+
+
+def _client_aucs(part: Part) -> np.ndarray:
+    """A client's AUC per task: computed here from its scores, or by the client itself (histograms)."""
+    return np.asarray(part.task_auc) if isinstance(part, ScoreHistogram) else task_aucs(part.scores, part.labels)
 
 
 def one_class_problems(sets: Sequence[tuple[str, np.ndarray, str]], task_names: Sequence[str]) -> list[str]:
     """For each ``(name, labels (n, T), what its AUC is called)`` whose labels hold one class only for a task:
     a phrase saying so and that its AUC is NaN."""
+    return one_class_lines([(name, class_counts(labels), what) for name, labels, what in sets], task_names)
+
+
+def one_class_lines(sets: Sequence[tuple[str, tuple, str]], task_names: Sequence[str]) -> list[str]:
+    """:func:`one_class_problems` of sets given as ``(name, (positives (T,), negatives (T,)), what)``."""
     problems = []
-    for name, labels, what in sets:
-        labels = np.asarray(labels, dtype=np.float64).reshape(len(labels), -1)
+    for name, (pos, neg), what in sets:
         for t, task in enumerate(task_names):
-            column = labels[:, t][~np.isnan(labels[:, t])]
-            positives = int(column.sum())
-            negatives = len(column) - positives
+            positives, negatives = int(pos[t]), int(neg[t])
             if positives == 0 or negatives == 0:
                 if len(task_names) > 1:  # a multi-task AUC is the mean over the tasks that have one
                     problems.append(f"{name} has {positives} positives and {negatives} negatives for task "

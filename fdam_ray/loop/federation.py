@@ -55,6 +55,9 @@ from fdam_ray.loop.summary import keep_best, run_summary, selected_evaluation, w
 from fdam_ray.models import network_record
 from fdam_ray.objectives import global_positive_ratio
 from fdam_ray.outputs import Observer, RunStart, Snapshot
+from fdam_ray.privacy.client_level import ServerRound
+from fdam_ray.privacy.driver import ClientLevelRun, PrivacyRun, private_setup
+from fdam_ray.privacy.section import PrivacySection
 
 if TYPE_CHECKING:
     from fdam_ray.config import Config
@@ -127,15 +130,19 @@ class Federation:
         self.forced = {} if config.participation_record is None else read_record(config.participation_record, config)
         self.missed = MissedRounds()
         self._unrecorded: dict[str, list[int]] = {}  # rounds recorded since the last metrics record
+        self.dp: PrivacyRun | None = None  # dp: the driver's accounting (fdam_ray.privacy.driver), from the start
 
     def _label(self, client_id: int) -> str:
         """How a client is shown: its name (``client_names``), else its index."""
         return client_label(client_id, self.config.client_names)
 
     # -- start -----------------------------------------------------------------------
-    def _start(self) -> GlobalState:
+    def _start(self, privacy_state: dict | None = None) -> GlobalState:
         """Start the clients, fix the global p, and return the initial global state (from the replica)."""
-        infos = self.executor.start(ExecutorSetup.cut(self.config, self.algorithm, self.executor.section), self.source)
+        setup, self.dp = private_setup(ExecutorSetup.cut(self.config, self.algorithm, self.executor.section),
+                                       self.executor, self.config, self.replica.flat, self.schedule, self.source,
+                                       privacy_state)
+        infos = self.executor.start(setup, self.source)
         size = self.replica.flat.state_size
         for info in infos:
             if info.state_size != size:
@@ -149,6 +156,8 @@ class Federation:
              else np.full(self.source.num_tasks, self.positive_ratio_override))
         self.positive_ratio = p
         self.num_clients = len(infos)
+        if self.dp is not None:
+            self.dp.sites_known([i.num_train for i in infos])
         self.client_weights = self.algorithm.weights([i.num_train for i in infos])
         if self.replica.objective.has_auxiliary:
             self.replica.objective.set_positive_ratio(p)
@@ -190,6 +199,8 @@ class Federation:
         if clients is not None:
             total = CONTROL_VARIATES.total_weight(self.num_clients, self.client_weights)
         reducer = self.algorithm.reducer(loop.state, weights=self.client_weights, partial_total=total)
+        if isinstance(self.dp, ClientLevelRun):
+            reducer.privacy = ServerRound(self.dp.settings, plan.round, plan.lr)
 
         def fold(update: PartialSum | ClientUpdate) -> None:
             self._check_updates(plan.round, update.stats if isinstance(update, PartialSum) else [update.stats])
@@ -210,6 +221,9 @@ class Federation:
         if not all_finite([torch.from_numpy(x) for x in (state.v, state.alpha, state.buffers)]):
             raise _state_diverged(plan.round)
         self._count(loop, clients, reducer.count, reducer.bytes_up, reducer.stats)
+        if self.dp is not None:
+            self.dp.step(plan.steps, clients, reducer.count)
+            loop.privacy = self.dp.state()
         loop.train_s += time.perf_counter() - t0
         self.algorithm.after_round(loop.server, state)
 
@@ -275,6 +289,7 @@ class Federation:
             "wall_s": round(loop.wall_offset + time.perf_counter() - started, 3),
             "samples_per_s": round(loop.samples / loop.train_s, 1) if loop.train_s else None,
         }
+        rec.update(self.dp.record() if self.dp is not None else {})  # dp_epsilon, dp_delta
         if self.deadlines.tolerant:  # rounds since the last record that ran other clients than planned
             rec["participation"] = " ".join(f"r{r}={','.join(map(str, ks))}" for r, ks in self._unrecorded.items())
             self._unrecorded = {}
@@ -311,7 +326,7 @@ class Federation:
             return self._run(resume)
 
     def _run(self, resume: Checkpoint | None) -> RunResult:
-        initial = self._start()
+        initial = self._start(None if resume is None else resume.loop.privacy)
         started = time.perf_counter()
         if resume is None:
             loop = LoopState(server=self.algorithm.init(initial), next_eval=self.eval_every)
@@ -337,12 +352,14 @@ class Federation:
                                level=logging.WARNING)
             for line in self.executor.placement_lines():  # where each client runs (Ray)
                 observer.event("%s", line)
-            evaluator = Evaluator(self.replica, self.source, self.executor, validation=self.validation)
+            evaluator = Evaluator(self.replica, self.source, self.executor, validation=self.validation,
+                                  histogram_bins=PrivacySection.of(self.config).histogram_bins)
             if resume is None:
                 observer.record(self._record(loop, evaluator, 0, 1, self.schedule.lr, started), snapshot)
             schedule = Schedule(self.schedule, loop.position)
             plans = schedule.plans()
-            runs = self.executor if isinstance(self.executor, RunsOfRounds) and not self.deadlines.tolerant else None
+            runs = (self.executor if isinstance(self.executor, RunsOfRounds) and not self.deadlines.tolerant
+                    and self.dp is None else None)
             ahead = 1 if runs is None else runs.rounds_ahead()
 
             def pull() -> tuple[RoundPlan, bool, Position] | None:
@@ -362,6 +379,8 @@ class Federation:
             waiting = pull()
             while waiting is not None:
                 plan, starts_stage, position = waiting
+                if self._over_budget(loop, evaluator, plan, started):
+                    break
                 if starts_stage:
                     self._end_stage(loop)
                     observer.event("stage %d began at iteration %d (round %d)", plan.stage, plan.iteration,
@@ -389,6 +408,18 @@ class Federation:
             raise
         finally:
             observer.close(error)
+
+    def _over_budget(self, loop: LoopState, evaluator: Evaluator, plan: RoundPlan, started: float) -> bool:
+        """dp_max_epsilon: stop before round ``plan.round`` if it would pass it (one line; the state evaluated)."""
+        line = None if self.dp is None else self.dp.over_budget(
+            plan.round, plan.steps, self.algorithm.participants(self.config.seed, plan.round, self.num_clients))
+        if line is None:
+            return False
+        self.observer.event("%s", line, level=logging.WARNING)
+        if loop.history and loop.history[-1]["iteration"] != loop.state.iteration:
+            self.observer.record(self._record(loop, evaluator, plan.round - 1, plan.stage, plan.lr, started),
+                                 self._snapshot(loop, started))
+        return True
 
     def _ends_run(self, loop: LoopState, plan: RoundPlan) -> bool:
         """Whether the driver needs the global state after ``plan``: an evaluation, the last round, a checkpoint."""
@@ -425,6 +456,8 @@ class Federation:
         summary = run_summary(loop, best, algorithm=self.algorithm.preset.name, validation=self.validation,
                               started=started, positive_ratio=self.positive_ratio,
                               client_names=self.config.client_names)
+        if self.dp is not None:
+            summary.update(self.dp.summary())
         cv = _control_variates(state)
         self.observer.finish(summary, payload, snapshot)
         run_dir = summary["run_dir"]

@@ -158,6 +158,23 @@ class Scores:
 
 
 @dataclasses.dataclass
+class ScoreHistogram:
+    """What a client sends of its labelled samples under ``test_scores: histogram``, in place of :class:`Scores`:
+    per task and class, how many of its samples scored in each of B fixed score intervals
+    (:func:`fdam_ray.privacy.histogram.score_histograms`), and its own AUC per task, computed at the client. No
+    per-sample score or label is in it; the driver sums the counts of every client into the pooled AUC.
+
+    ``nan_outputs``: samples whose output was NaN (then ``counts`` are zeros and ``task_auc`` NaN: the driver refuses
+    the model, naming it, as it does with scores)."""
+
+    client_id: int
+    counts: np.ndarray  # (T, 2, B) int64: [t, 0] negatives, [t, 1] positives per score bin
+    task_auc: np.ndarray  # (T,) float64, the client's own exact AUC per task (NaN: a task with one class)
+    samples: int  # n, the samples scored (labelled for some task or not)
+    nan_outputs: int = 0
+
+
+@dataclasses.dataclass
 class ScoreSums:
     """Per-task sums of scores over a client's positives and negatives (CODA's alpha round)."""
 

@@ -45,7 +45,8 @@ gradient depends on the others and clipping it no longer bounds one sample's
 effect; its running statistics would also be released without noise. Frozen
 (eval-mode) statistics would make ``cnn`` another network (the normalisation
 of a fresh model is the identity). The built-in ``linear`` and ``mlp`` have no
-BatchNorm; ``cnn``, ``resnet20``, ``densenet121`` and ``densenet161`` do.
+BatchNorm, nor has ``cnn_gn`` (``cnn`` with GroupNorm); ``cnn``, ``resnet20``, ``densenet121`` and
+``densenet161`` do.
 
 Multi-label: the per-sample loss is (1/T) sum over the sample's labelled tasks
 of F_t. With every label present its batch mean is the objective's batch value;
@@ -55,7 +56,12 @@ cannot; tasks are then weighted by their labelled share n_t / B. For every task
 the stationary a, b and alpha are the objective's.
 
 The noise comes from a ``torch.Generator``, which is not a cryptographically
-secure source; the accounting assumes exact Gaussian noise.
+secure source; the accounting assumes exact Gaussian noise. Each step's
+generator is seeded afresh by :class:`SampleNoise` from a NumPy ``SeedSequence``
+keyed by (noise seed, round, site, step), so a fixed ``dp_noise_seed`` replays
+every step's noise bit for bit without checkpointing a generator, and without one
+each site draws 128 bits of OS entropy that never leave it. The run's ``seed`` is
+never used: the server knows it, and whoever knows the seed can subtract the noise.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F_nn
 from torch import nn
@@ -71,8 +78,16 @@ from torch.func import functional_call, grad_and_value, vmap
 from fdam_ray.features.precision import Precision
 from fdam_ray.objectives import Objective, number_argument, whole_argument
 
-__all__ = ["PerSampleLoss", "PrivateGradient", "check_private_model", "noise_std", "per_sample_loss",
-           "private_gradient"]
+__all__ = ["SAMPLE_BATCH_DOMAIN", "SAMPLE_NOISE_DOMAIN", "PerSampleLoss", "PrivateGradient", "SampleNoise",
+           "check_private_batch", "check_private_model", "check_private_replica", "noise_std",
+           "per_sample_loss", "private_gradient"]
+
+# Domain tag of the per-step noise's seed sequences ("DS" in ASCII): apart from the client-level noise's
+# (fdam_ray.privacy.mechanisms.NOISE_DOMAIN) and from every stream seeded by the run's seed.
+SAMPLE_NOISE_DOMAIN = 0x4453
+# Domain tag of the per-step batch draws' seed sequences ("DB"): the batch a step takes is keyed like its noise
+# (same secret entropy, same round, site and step) but from its own stream (fdam_ray/privacy/batches.py).
+SAMPLE_BATCH_DOMAIN = 0x4442
 
 # l(logits (T,), labels (T,) with NaN for missing, a (T,), b (T,), alpha (T,)) -> the sample's loss (a scalar)
 PerSampleLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -119,9 +134,9 @@ def check_private_model(model: nn.Module) -> None:
             raise ValueError(
                 f"dp: sample: layer {name or '(the model)'!r} is a {kind}, which normalises each sample by the "
                 "statistics of its whole batch, so a per-sample gradient is not one sample's alone (and its running "
-                "statistics would be released without noise); use a network without BatchNorm (model=linear or "
-                f"model=mlp) or your own factory with GroupNorm or LayerNorm in its place (e.g. nn.GroupNorm(min(32, "
-                f"c), c) for nn.{kind}(c))")
+                "statistics would be released without noise); use a network without BatchNorm (model=cnn_gn, the cnn "
+                "with GroupNorm; model=linear or model=mlp) or your own factory with GroupNorm or LayerNorm in its "
+                f"place (e.g. nn.GroupNorm(min(32, c), c) for nn.{kind}(c))")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +146,9 @@ class PrivateGradient:
     Attributes:
         v: (num_weights + 2T,) the (w, a, b) part, in :class:`FlatModel`'s layout (its ``grad`` vector): descend.
         alpha: (T,) the alpha part: ascend.
-        loss: the batch mean of the per-sample losses, NOT privatised: for the site's own logs, never to release.
+        loss: the sum of the per-sample losses over the planned B (the batch mean when B samples were drawn;
+            under Poisson sampling an unbiased estimate of the site's mean loss, 0 for an empty draw), NOT
+            privatised: for the site's own logs, never to release.
     """
 
     v: torch.Tensor
@@ -159,7 +176,8 @@ def private_gradient(
     Args:
         model: the network (train mode as it is; no BatchNorm). Its parameters are read, not changed.
         a, b, alpha: (T,) tensors (empty for ``bce``); read, not changed.
-        x, y: the batch, (n, ...) and (n, T) or (n,); n may differ from ``batch_size`` (Poisson sampling).
+        x, y: the batch, (n, ...) and (n, T) or (n,); n may differ from ``batch_size`` (Poisson sampling) and
+            may be 0 (the gradient is then the noise over B).
         loss_fn: the per-sample loss (:func:`per_sample_loss`).
         clip: C > 0, the bound on each sample's gradient norm over (w, a, b, alpha).
         noise_multiplier: sigma >= 0; the noise's standard deviation is sigma * C per coordinate of the sum.
@@ -176,7 +194,6 @@ def private_gradient(
                          "formed without loss scaling, and fp16 ones underflow)")
     check_private_model(model)
     params = {name: p.detach() for name, p in model.named_parameters()}
-    labels = y.reshape(x.shape[0], -1)
 
     def one(params_: dict[str, torch.Tensor], a_: torch.Tensor, b_: torch.Tensor, alpha_: torch.Tensor,
             xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
@@ -187,24 +204,108 @@ def private_gradient(
                 out = functional_call(model, params_, (xi.unsqueeze(0),))
         return loss_fn(out.float().reshape(-1), yi, a_, b_, alpha_)
 
-    per_sample = vmap(grad_and_value(one, argnums=(0, 1, 2, 3)), in_dims=(None, None, None, None, 0, 0),
-                      randomness="different")
-    (g_w, g_a, g_b, g_alpha), losses = per_sample(params, a.detach(), b.detach(), alpha.detach(), x, labels)
-    parts = [*(g_w[name] for name in params), g_a, g_b, g_alpha]
     n = x.shape[0]
-    squares = torch.zeros(n, device=x.device, dtype=torch.float32)
-    for g in parts:
-        squares += g.reshape(n, -1).float().pow(2).sum(1)
-    scale = (clip / squares.sqrt()).clamp(max=1.0)  # a zero gradient gives inf, clamped to 1
-    total = torch.cat([torch.einsum("i,ij->j", scale, g.reshape(n, -1).float()) for g in parts])
+    if n == 0:  # a Poisson draw may take no sample: the step is the noise alone (over the planned B)
+        size = sum(p.numel() for p in params.values()) + a.numel() + b.numel() + alpha.numel()
+        total = torch.zeros(size, device=x.device, dtype=torch.float32)
+        losses = torch.zeros(0, device=x.device, dtype=torch.float32)
+    else:
+        labels = y.reshape(n, -1)
+        per_sample = vmap(grad_and_value(one, argnums=(0, 1, 2, 3)), in_dims=(None, None, None, None, 0, 0),
+                          randomness="different")
+        (g_w, g_a, g_b, g_alpha), losses = per_sample(params, a.detach(), b.detach(), alpha.detach(), x, labels)
+        parts = [*(g_w[name] for name in params), g_a, g_b, g_alpha]
+        squares = torch.zeros(n, device=x.device, dtype=torch.float32)
+        for g in parts:
+            squares += g.reshape(n, -1).float().pow(2).sum(1)
+        scale = (clip / squares.sqrt()).clamp(max=1.0)  # a zero gradient gives inf, clamped to 1
+        total = torch.cat([torch.einsum("i,ij->j", scale, g.reshape(n, -1).float()) for g in parts])
     if sigma > 0:
         noise = torch.randn(total.numel(), generator=generator, device=generator.device, dtype=torch.float32)
         total += noise.to(total.device) * (sigma * clip)
     total /= batch
     split = total.numel() - alpha.numel()
-    return PrivateGradient(v=total[:split], alpha=total[split:], loss=losses.detach().mean())
+    return PrivateGradient(v=total[:split], alpha=total[split:], loss=losses.detach().float().sum() / batch)
 
 
 def noise_std(clip: float, noise_multiplier: float, batch_size: int) -> float:
     """The standard deviation sigma C / B of each coordinate of the noise in the returned mean gradient."""
     return noise_multiplier * clip / batch_size
+
+
+class SampleNoise:
+    """One site's secret randomness of DP-SGD: step t of round r draws its noise from a generator seeded by
+    SeedSequence(entropy=noise seed, spawn_key=(SAMPLE_NOISE_DOMAIN, r, site + 1, t)), and its batch
+    (:mod:`fdam_ray.privacy.batches`) from one seeded with the key (SAMPLE_BATCH_DOMAIN, r, site + 1, t).
+
+    ``seed`` None takes 128 bits of fresh OS entropy, private to this object (never sent, never logged);
+    an int replays (tests, audits). :meth:`begin_round` starts round r at step 0; without it the steps are
+    counted on from the last round started (round 0 until one is), which keeps every key distinct within
+    the object's life but replays after a resume only when the rounds are named. The noise and the batch
+    draws count their steps apart, so drawing a batch never shifts a noise key, nor the reverse.
+    """
+
+    def __init__(self, seed: int | None, site: int, *, device: torch.device) -> None:
+        if seed is not None and seed < 0:
+            raise ValueError(f"dp_noise_seed {seed} must be >= 0")
+        if site < 0:
+            raise ValueError(f"site {site} must be >= 0")
+        self._entropy = np.random.SeedSequence().entropy if seed is None else seed
+        self.site = site
+        self.round = 0
+        self.step = 0
+        self.batch_step = 0
+        self._generator = torch.Generator(device=device)
+        self._batch_generator = torch.Generator()  # index draws on the CPU: the same batches on any device
+
+    def __repr__(self) -> str:  # the entropy is the secret: never shown
+        return f"SampleNoise(site={self.site}, round={self.round}, step={self.step})"
+
+    def begin_round(self, round_index: int) -> None:
+        """Key the next steps by round ``round_index`` (>= 0), from step 0."""
+        if round_index < 0:
+            raise ValueError(f"round {round_index} must be >= 0")
+        self.round, self.step, self.batch_step = round_index, 0, 0
+
+    def _seed(self, domain: int, step: int) -> int:
+        key = (domain, self.round, self.site + 1, step)
+        return int(np.random.SeedSequence(entropy=self._entropy, spawn_key=key).generate_state(1, np.uint64)[0])
+
+    def next_generator(self) -> torch.Generator:
+        """The generator of the next step's noise (seeded for its key; the step counter moves on)."""
+        seed = self._seed(SAMPLE_NOISE_DOMAIN, self.step)
+        self.step += 1
+        return self._generator.manual_seed(seed)
+
+    def next_batch_generator(self) -> torch.Generator:
+        """The CPU generator of the next step's batch draw (seeded for its key; the batch counter moves on)."""
+        seed = self._seed(SAMPLE_BATCH_DOMAIN, self.batch_step)
+        self.batch_step += 1
+        return self._batch_generator.manual_seed(seed)
+
+
+def check_private_replica(model: nn.Module, precision: Precision, *, positive_sampling: str,
+                          noise_multiplier: float | None) -> None:
+    """Refuse, in one line, what breaks the per-site guarantee of ``dp: sample`` before any step: BatchNorm
+    (samples interact), fp16 (loss scaling), batches not drawn uniformly (the accountant's rate B / n_k assumes
+    every sample equally likely), and a noise multiplier that was never resolved."""
+    check_private_model(model)
+    if precision.scaler is not None:
+        raise ValueError(f"dp: sample takes precision fp32 or bf16, not {precision.name} (per-sample gradients "
+                         "are formed without loss scaling, and fp16 ones underflow)")
+    if positive_sampling != "natural":
+        raise ValueError(f"dp: sample needs positive_sampling=natural, not {positive_sampling!r}: batches with a "
+                         "set share of positives draw positives more often than negatives, and the accountant's "
+                         "sampling rate B / n_k holds only for batches drawn uniformly")
+    if noise_multiplier is None:
+        raise ValueError("dp: sample: the client got no dp_noise_multiplier (sigma); give it, or let the driver "
+                         "solve it from dp_epsilon before the clients start")
+
+
+def check_private_batch(batch_size: int, num_samples: int, who: str) -> None:
+    """Refuse a planned batch larger than the site's training set: its batches would repeat a sample, whose
+    contribution to one sum could then reach 2C or more, past the sensitivity C the accountant assumes."""
+    if batch_size > num_samples:
+        raise ValueError(f"dp: sample: {who} has {num_samples} training samples, fewer than batch_size="
+                         f"{batch_size}, so its batches would repeat samples (sensitivity above dp_clip); set "
+                         f"batch_size <= {num_samples} or 'full'")

@@ -29,11 +29,25 @@ at most twice as coarse as the finer of the two. L = 16 is about where a float32
 scores past the top edge are mostly ties in float32 already. The edges are computed once in float64 and the
 scores placed by ``searchsorted``, so the map is monotone by construction (no rounding of a logit can reorder two
 scores).
+
+Two passes (:class:`Binning`, :func:`refinement`): a fixed layout cannot resolve every score distribution; an
+untrained model puts all its scores in a band ~0.005 wide around 1/2, about 10 bins of the default layout (1.1e-2
+off the exact AUC on the default job). So the driver reads the bound of the summed pass-1 histogram and, where it
+exceeds :data:`REFINE_TOLERANCE` for a task, asks the sites for a second histogram of the same B bins, laid over
+the range of that task's occupied pass-1 bins only: ``[lo, hi)``, the lower edge of the lowest occupied bin and the
+upper edge of the highest, cut into B - 2 bins of equal width in logit, plus the two outer bins ``[0, lo)`` and
+``[hi, 1]`` (empty unless a site's scores changed between the calls, or the range reached a pass-1 end bin). The
+range is an aggregate over all sites: it reveals the pooled score range at pass-1 bin resolution, which the summed
+pass-1 histogram already showed; no site's own range and no single score is asked for or sent. Each task's AUC is
+read off the pass whose bound is smaller (both are within their own bound of the exact AUC, so taking the smaller
+never loses; pass 2 is the finer one except for ranges much wider than the band the probability grid resolves).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -43,6 +57,12 @@ from fdam_ray.metrics import mean_auc
 DEFAULT_BINS = 2**12
 MAX_BINS = 2**20
 LOGIT_RANGE = 16.0  # L: the logit grid spans (-L, L)
+# A second pass is asked for a task when pass 1's bound exceeds this: one tenth of the 1e-4 the pooled AUC is held
+# to, since the bound is a worst case that the actual error reaches only when every shared-bin pair is ordered one
+# way (an untrained model's scores come close to that). Below it, pass 2's cost (one more scoring of every test
+# split, one more message) buys nothing visible in an AUC rounded to 6 digits.
+REFINE_TOLERANCE = 1e-5
+_FAR = 1.0 / (1.0 + math.exp(2 * LOGIT_RANGE))  # where pass 2 puts a range's end at 0 (1 - it at 1): sigmoid(-2L)
 
 
 def _check_bins(bins: int) -> int:
@@ -80,20 +100,125 @@ def bin_centres(bins: int = DEFAULT_BINS) -> np.ndarray:
 
 def bin_index(scores: np.ndarray, bins: int = DEFAULT_BINS) -> np.ndarray:
     """The bin (int64, in [0, B)) of each score; scores are sigmoid outputs in [0, 1]."""
+    return _place(scores, bin_edges(bins))
+
+
+def refined_edges(lo: float, hi: float, bins: int) -> np.ndarray:
+    """Pass 2's B - 1 interior edges for one task: ``lo``, B - 3 edges of equal width in logit, ``hi``; the bins
+    are ``[0, lo)``, B - 2 bins over ``[lo, hi)``, ``[hi, 1]``. ``lo`` and ``hi`` are pass-1 edges (or 0 and 1, taken
+    as ``sigmoid(-2L)`` and ``sigmoid(2L)``: the end bins of pass 1 reach to 0 and 1, whose logits are infinite).
+    Non-decreasing (two edges may coincide in float64 in a range of one ulp's order: the bin between is then empty,
+    and the map stays monotone)."""
+    bins = _check_bins(bins)
+    lo, hi = max(float(lo), _FAR), min(float(hi), 1.0 - _FAR)
+    if not lo < hi:
+        raise ValueError(f"refined range [{lo}, {hi}): lo < hi within [0, 1]")
+    z = np.linspace(math.log(lo / (1 - lo)), math.log(hi / (1 - hi)), bins - 1)
+    edges = 1.0 / (1.0 + np.exp(-z))
+    edges[0], edges[-1] = lo, hi
+    edges = np.maximum.accumulate(np.clip(edges, lo, hi))
+    edges.flags.writeable = False
+    return edges
+
+
+@dataclasses.dataclass(frozen=True)
+class Binning:
+    """Which bins a site counts its scores in: the fixed layout of ``bins`` bins (``lo``/``hi`` None: pass 1), or
+    per task t with finite ``lo[t] < hi[t]`` the layout :func:`refined_edges` (pass 2; NaN: the fixed layout for
+    that task). Built by the driver from the summed pass-1 histogram (:func:`refinement`); every executor carries
+    it to the sites unchanged. Floats in tuples so that it compares, hashes and travels as plain values."""
+
+    bins: int = DEFAULT_BINS
+    lo: tuple[float, ...] | None = None
+    hi: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _check_bins(self.bins)
+        if (self.lo is None) != (self.hi is None) or (self.lo is not None and len(self.lo) != len(self.hi or ())):
+            raise ValueError(f"Binning lo={self.lo} hi={self.hi}: both None or one value per task each")
+        for lo, hi in zip(self.lo or (), self.hi or (), strict=True):
+            if not (math.isnan(lo) and math.isnan(hi)) and not 0 <= lo < hi <= 1:
+                raise ValueError(f"Binning range [{lo}, {hi}): 0 <= lo < hi <= 1, or both NaN (the fixed layout)")
+
+    @property
+    def refined(self) -> bool:
+        """Whether some task has a refined layout (pass 2)."""
+        return self.lo is not None and any(not math.isnan(v) for v in self.lo)
+
+    def edges(self, task: int) -> np.ndarray:
+        """Task ``task``'s B - 1 interior edges."""
+        if self.lo is None or self.hi is None:
+            return bin_edges(self.bins)
+        if task >= len(self.lo):
+            raise ValueError(f"Binning has ranges for {len(self.lo)} tasks; task {task} asked")
+        if math.isnan(self.lo[task]):
+            return bin_edges(self.bins)
+        return refined_edges(self.lo[task], self.hi[task], self.bins)
+
+
+def binning_of(spec: int | Binning) -> Binning:
+    """``spec`` as a :class:`Binning` (an int B: the fixed layout of B bins)."""
+    return spec if isinstance(spec, Binning) else Binning(_check_bins(spec))
+
+
+def occupied_range(hist: np.ndarray, binning: int | Binning) -> tuple[np.ndarray, np.ndarray]:
+    """Per task, the lower edge of the lowest and the upper edge of the highest bin of ``hist`` (laid out by
+    ``binning``) holding a count (0 and 1 close the end bins; NaN for a task without counts). Every binned score of
+    the task lies in ``[lo, hi)`` (or at ``hi`` = 1)."""
+    hist, binning = check_histograms(hist), binning_of(binning)
+    lo, hi = np.full(hist.shape[0], np.nan), np.full(hist.shape[0], np.nan)
+    for t in range(hist.shape[0]):
+        occupied = np.flatnonzero(hist[t].sum(axis=0))
+        if occupied.size:
+            edges = np.concatenate(([0.0], binning.edges(t), [1.0]))
+            lo[t], hi[t] = edges[occupied[0]], edges[occupied[-1] + 1]
+    return lo, hi
+
+
+def refinement(total: np.ndarray, bins: int, tolerance: float = REFINE_TOLERANCE) -> Binning | None:
+    """The pass-2 :class:`Binning` the driver asks for after summing pass 1 (``total``, the fixed layout of
+    ``bins``): for each task whose :func:`binning_error_bound` exceeds ``tolerance``, its occupied range; None if no
+    task needs it (NaN bounds, tasks lacking a class, never do). A range of one fixed bin is refined as well: its
+    scores are then spread over B - 2 bins."""
+    bound = binning_error_bound(total)
+    wanted = bound > tolerance  # NaN compares False
+    if not wanted.any():
+        return None
+    lo, hi = occupied_range(total, bins)
+    lo, hi = np.where(wanted, lo, np.nan), np.where(wanted, hi, np.nan)
+    return Binning(bins, tuple(float(v) for v in lo), tuple(float(v) for v in hi))
+
+
+def finer_aucs(first: np.ndarray, second: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per task, the AUC of the pass (summed histograms ``first``, ``second`` of the same scores) with the smaller
+    :func:`binning_error_bound`, and that bound; ties go to ``second`` (for a task not refined it equals ``first``).
+    A task whose class totals differ between the passes (a client missing from one) keeps ``first``."""
+    first, second = check_histograms(first), check_histograms(second, bins=first.shape[2], tasks=first.shape[0])
+    auc1, auc2 = pooled_auc_from_histograms(first), pooled_auc_from_histograms(second)
+    bound1, bound2 = binning_error_bound(first), binning_error_bound(second)
+    same = (first.sum(axis=2) == second.sum(axis=2)).all(axis=1)
+    take_first = (bound1 < bound2) | ~same  # NaN (a task lacking a class): both AUCs are NaN
+    return np.where(take_first, auc1, auc2), np.where(take_first, bound1, bound2)
+
+
+def _place(scores: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """The bin of each score among ``edges`` (interior edges, non-decreasing)."""
     scores = np.asarray(scores)
     if np.isnan(scores).any():
         raise ValueError("scores hold NaN: a histogram cannot place them (the network's forward made NaN)")
     if scores.size and (scores.min() < 0 or scores.max() > 1):
         raise ValueError(f"scores span [{scores.min()}, {scores.max()}]: sigmoid scores in [0, 1] are binned "
                          "(apply the sigmoid to raw outputs first)")
-    return np.searchsorted(bin_edges(bins), scores, side="right").astype(np.int64)
+    return np.searchsorted(edges, scores, side="right").astype(np.int64)
 
 
-def score_histograms(scores: np.ndarray, labels: np.ndarray, bins: int = DEFAULT_BINS) -> np.ndarray:
+def score_histograms(scores: np.ndarray, labels: np.ndarray, bins: int | Binning = DEFAULT_BINS) -> np.ndarray:
     """Per task and class, the counts of the scores in each bin: ``(T, 2, B)`` int64, class 0 the negatives,
     class 1 the positives. ``scores`` and ``labels`` are ``(n, T)`` (or ``(n,)`` for one task) as
-    :func:`fdam_ray.metrics.task_aucs` takes them; samples whose label is NaN for a task are left out of it."""
-    bins = _check_bins(bins)
+    :func:`fdam_ray.metrics.task_aucs` takes them; samples whose label is NaN for a task are left out of it.
+    ``bins``: B (the fixed layout) or a :class:`Binning` (pass 2: per task its refined layout)."""
+    binning = binning_of(bins)
+    bins = binning.bins
     scores = np.asarray(scores)
     scores = scores.reshape(len(scores), -1)
     labels = np.asarray(labels, dtype=np.float64).reshape(scores.shape)
@@ -104,7 +229,7 @@ def score_histograms(scores: np.ndarray, labels: np.ndarray, bins: int = DEFAULT
         if not np.isin(y, (0.0, 1.0)).all():
             raise ValueError(f"labels of task {t} hold {sorted(set(y[~np.isin(y, (0.0, 1.0))].tolist()))[:5]}: "
                              "0, 1 or NaN (missing)")
-        flat = bin_index(scores[keep, t], bins) + bins * y.astype(np.int64)
+        flat = _place(scores[keep, t], binning.edges(t)) + bins * y.astype(np.int64)
         out[t] = np.bincount(flat, minlength=2 * bins).reshape(2, bins)
     return out
 

@@ -26,6 +26,27 @@ from clients' un-noised score sums, weights n_k that scale a clipped change),
 or an accounting that does not match the sampler (Poisson accounting of the
 project's fixed-size client sampler). :func:`check_resume` holds a resumed
 run to the privacy it started with; only ``dp_max_epsilon`` may be raised.
+
+Under ``sample`` each local step draws its own batch as ``dp_sampling`` says
+(:mod:`fdam_ray.privacy.batches`: Poisson with q = B / n_k, or B distinct
+uniformly, keyed by the noise's secret, never shuffled epochs), so the
+per-site accountant describes the batches the run takes. Refused with it, at
+config time: balanced batches (positives drawn more often than B / n_k), fp16
+(no per-sample loss scaling), a built-in network with BatchNorm (cnn,
+resnet20, densenet121, densenet161: use cnn_gn; an own factory is checked when
+its replica is built), and Poisson with the full batch (q = 1: no amplification;
+the full batch is accounted with ``fixed``). The train_loss each site reports
+(StepStats.loss, the round's mean of its steps' un-noised losses) is computed
+from its private data without noise: it is a release outside the guarantee,
+kept because NaN would trip the divergence checks; do not publish it.
+
+``test_scores: histogram`` keeps every per-sample score and label of a
+client's test split (and validation part) at the client: it sends per-class
+counts of its scores in ``test_score_bins`` fixed intervals and its own AUC
+per task (:mod:`fdam_ray.privacy.histogram`); the driver sums the counts into
+the pooled AUC. No noise: the counts are exact (see the histogram module for
+what they still reveal). Both fields may change on resume: they change how
+evaluations are computed and what they send, never the model's trajectory.
 """
 
 from __future__ import annotations
@@ -33,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from fdam_ray.privacy.histogram import DEFAULT_BINS, MAX_BINS
 from fdam_ray.settings.sections import (
     FRACTION,
     NONNEGATIVE,
@@ -46,8 +68,16 @@ from fdam_ray.settings.sections import (
 )
 
 log = logging.getLogger(__name__)
+# The presets whose drift correction is control variates (a test holds this to the presets' declarations; the
+# section cannot import the algorithms, which import the privacy package).
+CONTROL_VARIATE_PRESETS = ("codasca", "scaffold")
+
+
+def _even_bins(bins: object) -> bool:
+    return isinstance(bins, int) and not isinstance(bins, bool) and 2 <= bins <= MAX_BINS and bins % 2 == 0
 
 DP_MODES = ("off", "client", "sample")
+TEST_SCORES = ("exact", "histogram")
 NOISE_AT = ("server", "clients")
 SAMPLINGS = ("fixed", "poisson")
 
@@ -67,7 +97,8 @@ class PrivacySection(Section):
     dp: str = setting("off", "Differential privacy: off; client (each participating client's round change clipped "
                       "to dp_clip as one vector, Gaussian noise on the sum: protects a client's whole data); sample "
                       "(DP-SGD in each site's local steps, per-sample clipping: protects one record, epsilon per "
-                      "site).", choices=DP_MODES)
+                      "site). The train_loss a site reports is computed without noise: it is outside the "
+                      "guarantee.", choices=DP_MODES)
     dp_clip: float = setting(1.0, "C, L2 bound of a client's change (dp: client) or of a per-sample gradient (dp: "
                              "sample); epsilon does not depend on it, accuracy does.", check=POSITIVE)
     dp_noise_multiplier: float | None = setting(
@@ -87,20 +118,40 @@ class PrivacySection(Section):
     dp_sampling: str = setting(
         "fixed", "How the sampled unit is accounted (clients of a round for dp: client, a step's batch for dp: "
         "sample): fixed (exactly S of K without replacement, replace-one neighbours) or poisson (each with "
-        "probability S / K).", choices=SAMPLINGS)
+        "probability S / K). dp: sample draws each step's batch that way, B of n_k, from the noise's secret "
+        "randomness.", choices=SAMPLINGS)
     dp_noise_seed: int | None = setting(
         None, "Seed of the privacy noise: null = fresh entropy each run (the private choice); an int replays the "
         "noise bit for bit (tests, audits), and whoever reads it can remove the noise.", check=NONNEGATIVE)
+    test_scores: str = setting(
+        "exact", "What a client sends of its test split (and validation part) for the pooled AUC: exact (its scores "
+        "and labels; the exact pooled AUC) or histogram (per-class counts of its scores in test_score_bins fixed "
+        "intervals and its own AUC per task, no per-sample value; the pooled AUC then within the binning bound, "
+        "docs/algorithms.md s.8). The driver's own global test set is scored exactly either way.",
+        choices=TEST_SCORES, resume=True)
+    test_score_bins: int = setting(
+        DEFAULT_BINS, "test_scores: histogram: B, score intervals per task and class (fixed by B alone, the same at "
+        "every site); more bins: a tighter AUC, a finer view of a site's score distribution, 16 B bytes per task "
+        "sent.", check=(_even_bins, f"an even integer in [2, {MAX_BINS}]"), resume=True)
     num_clients: int = shared()
     clients_per_round: int | None = shared()
     client_weighting: str = shared()
     algorithm: str = shared()
     positive_ratio: float | None = shared()
     pretrain_iterations: int = shared()
+    batch_size: int = shared()
+    positive_sampling: str = shared()
+    precision: str = shared()
+    model: str = shared()
 
     @property
     def enabled(self) -> bool:
         return self.dp != "off"
+
+    @property
+    def histogram_bins(self) -> int | None:
+        """B when clients send score histograms (``test_scores: histogram``), None when they send scores."""
+        return self.test_score_bins if self.test_scores == "histogram" else None
 
     @property
     def sampled_clients(self) -> int:
@@ -111,6 +162,9 @@ class PrivacySection(Section):
 
     def check(self) -> None:
         """The rules of this module's docstring, each one line naming the field."""
+        if self.test_scores == "exact" and self.test_score_bins != DEFAULT_BINS:
+            raise fail("test_score_bins", self.test_score_bins, f"{DEFAULT_BINS} while test_scores = exact (the "
+                       "clients send their scores; set test_scores: histogram for the bins to act)")
         if not self.enabled:
             self._check_off()
             return
@@ -118,9 +172,8 @@ class PrivacySection(Section):
         self._check_releases()
         if self.dp == "client":
             self._check_client_level()
-        elif self.dp_noise_at != "server":
-            raise fail("dp_noise_at", self.dp_noise_at, "server with dp: sample (each site noises its own "
-                       "batches; shares are for dp: client)")
+        else:
+            self._check_sample_level()
         if self.positive_ratio is None:  # a scalar per site, released once; refusing would block bce runs too
             warn_once(log, "dp: positive_ratio is null, so p is computed from each site's exact positive counts, a "
                       "release the privacy accountant does not count; set positive_ratio to a public value to "
@@ -158,6 +211,31 @@ class PrivacySection(Section):
         if self.algorithm == "coda":
             raise fail("algorithm", self.algorithm, f"another preset with dp = {self.dp} (coda's stage-end alpha is "
                        "computed in closed form from the clients' un-noised score sums)")
+        if self.dp == "client" and self.algorithm in CONTROL_VARIATE_PRESETS:
+            raise fail("algorithm", self.algorithm, "a preset without control variates with dp = client, e.g. "
+                       "coda_plus (the server's c is rebuilt from the noised sum, so each round's noise comes back in "
+                       "every client's next change, which the clip keeps: test AUC 0.47-0.56 against 0.78-0.84 "
+                       "without c, docs/algorithms.md s.9 P3); dp: sample keeps control variates")
+
+    def _check_sample_level(self) -> None:
+        """dp: sample: what the per-sample step cannot take, and batches the accountant would not describe."""
+        if self.dp_noise_at != "server":
+            raise fail("dp_noise_at", self.dp_noise_at, "server with dp: sample (each site noises its own "
+                       "batches; shares are for dp: client)")
+        if self.positive_sampling != "natural":
+            raise fail("positive_sampling", self.positive_sampling, "natural with dp: sample (balanced batches "
+                       "draw positives more often; the accountant's rate B / n_k holds only for uniform draws)")
+        if self.precision == "fp16":
+            raise fail("precision", self.precision, "fp32 or bf16 with dp: sample (per-sample gradients are formed "
+                       "without loss scaling, and fp16 ones underflow)")
+        if isinstance(self.model, str) and self.model in _BATCHNORM_MODELS:
+            raise fail("model", self.model, "cnn_gn (the cnn with GroupNorm), mlp, linear, or your own factory "
+                       f"without BatchNorm with dp: sample ({self.model} has BatchNorm, which mixes the samples "
+                       "of a batch)")
+        if self.batch_size <= 0 and self.dp_sampling == "poisson":
+            raise fail("dp_sampling", self.dp_sampling, "fixed with batch_size 'full' (q = 1: every step takes "
+                       "every sample, no amplification by sampling; it is accounted as the full batch, with "
+                       "dp_sampling: fixed)")
 
     def _check_client_level(self) -> None:
         if self.num_clients < 2:
@@ -170,6 +248,10 @@ class PrivacySection(Section):
             raise fail("dp_sampling", self.dp_sampling, "fixed with clients_per_round < num_clients (the client "
                        "sampler draws exactly clients_per_round of num_clients, fdam_ray/algorithms/sampling.py; "
                        "Poisson accounting would describe a sampler the run does not use)")
+
+
+# The built-in networks with BatchNorm (fdam_ray/models.py): refused by dp: sample before any start.
+_BATCHNORM_MODELS = ("cnn", "resnet20", "densenet121", "densenet161")
 
 
 def check_resume(old: PrivacySection, new: PrivacySection) -> None:

@@ -118,8 +118,8 @@ BAD_PATHS = [
                                  "(ModuleNotFoundError: No module named 'nowhere_pkg')"),
     ("own_fixtures:nothing_here", "module 'own_fixtures' has no attribute 'nothing_here'"),
     ("own_fixtures:NOT_CALLABLE", "'own_fixtures:NOT_CALLABLE' is a int, not a callable factory"),
-    ("own_fixtures.build", "one of linear, mlp, cnn, resnet20, densenet121, densenet161, or your own factory as an "
-                           "import path module:attr"),
+    ("own_fixtures.build", "one of linear, mlp, cnn, cnn_gn, resnet20, densenet121, densenet161, or your own factory "
+                           "as an import path module:attr"),
 ]
 
 

@@ -39,7 +39,8 @@ from fdam_ray.executors.ray.transports.collective_actor import CollectiveActor
 from fdam_ray.executors.ray.transports.compiled_actor import CompiledActor
 from fdam_ray.features.transfer import Broadcast, CompressedSum, Receiver, attach_residual, compress, residual_of
 from fdam_ray.loop.client import Client, ClientSection, TrainingReplica, begin_stage_hosted, run_hosted
-from fdam_ray.loop.state import ClientInfo, ClientState, GlobalState, RoundPlan, Scores, ScoreSums
+from fdam_ray.loop.state import ClientInfo, ClientState, GlobalState, RoundPlan, ScoreHistogram, Scores, ScoreSums
+from fdam_ray.privacy.histogram import Binning
 
 T = TypeVar("T")
 
@@ -239,7 +240,11 @@ class ClientShell(CompiledActor, CollectiveActor):
         return CONTROL_VARIATES.host_changes((self.clients[k].control_variate(), old.control, self.clients[k].weight)
                                              for k, old in before.items())
 
-    def evaluate(self, state: GlobalState, client_ids: Sequence[int], split: str = "test") -> list[Scores | None]:
+    def evaluate(self, state: GlobalState, client_ids: Sequence[int], split: str = "test",
+                 bins: Binning | None = None) -> list[Scores | None] | list[ScoreHistogram | None]:
+        """Each client's scores of ``state`` (None: it has no such part); with ``bins`` its score histogram."""
+        if bins is not None:
+            return self._each("evaluate", client_ids, lambda c: c.score_histogram(state, split, bins))
         return self._each("evaluate", client_ids, lambda c: c.evaluate(state, split))
 
     def score_test_slice(self, state: GlobalState, start: int, stop: int) -> Scores:

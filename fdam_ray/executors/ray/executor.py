@@ -48,7 +48,8 @@ from fdam_ray.executors.ray_section import RayExecutorSection
 from fdam_ray.features.deadlines import Deadline
 from fdam_ray.features.sites import client_label
 from fdam_ray.features.transfer import Downlink, decoding, sent_nbytes
-from fdam_ray.loop.state import ClientInfo, ClientState, GlobalState, RoundPlan, Scores, ScoreSums
+from fdam_ray.loop.state import ClientInfo, ClientState, GlobalState, RoundPlan, ScoreHistogram, Scores, ScoreSums
+from fdam_ray.privacy.histogram import Binning
 
 log = logging.getLogger(__name__)
 
@@ -279,10 +280,15 @@ class RayExecutor(Executor, RunsOfRounds):
         return {k for a in self.late for k in self._fleet.hosted.get(a, ())}
 
     @_between_rounds("evaluate")
-    def evaluate(self, state: GlobalState, split: str = "test") -> list[Scores]:
+    def evaluate(self, state: GlobalState, split: str = "test",
+                 bins: Binning | None = None) -> list[Scores] | list[ScoreHistogram]:
         ref = self._state_ref(state)
         hosted = self._fleet.hosted
-        scores = self._fleet.per_client("evaluate", lambda a, actor: actor.evaluate.remote(ref, hosted[a], split))
+        if bins is None:  # the call as before histograms existed
+            scores = self._fleet.per_client("evaluate", lambda a, actor: actor.evaluate.remote(ref, hosted[a], split))
+        else:
+            scores = self._fleet.per_client("evaluate",
+                                            lambda a, actor: actor.evaluate.remote(ref, hosted[a], split, bins))
         return [s for s in scores if s is not None]
 
     @_between_rounds("score_test_set")

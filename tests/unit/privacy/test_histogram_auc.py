@@ -16,13 +16,19 @@ from fdam_ray.metrics import mean_auc, task_aucs
 from fdam_ray.privacy.histogram import (
     DEFAULT_BINS,
     LOGIT_RANGE,
+    REFINE_TOLERANCE,
+    Binning,
     bin_centres,
     bin_edges,
     bin_index,
     binning_error_bound,
     check_histograms,
+    finer_aucs,
+    occupied_range,
     pooled_auc_from_histograms,
     pooled_test_auc,
+    refined_edges,
+    refinement,
     score_histograms,
     sum_histograms,
 )
@@ -263,3 +269,126 @@ def test_a_site_histogram_of_the_wrong_shape_or_kind_is_refused():
         check_histograms(good - 1)
     with pytest.raises(ValueError, match="no histogram"):
         sum_histograms([])
+
+
+# -- two passes: the driver's refinement over the pooled occupied range ---------------------------------------------
+
+def _band(n: int = 540, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """An untrained model's scores: float32, all in the default job's first-evaluation band [0.4903, 0.4956],
+    labels weakly tied to them (AUC about 0.3, as measured there)."""
+    rng = np.random.default_rng(seed)
+    s = (0.4903 + 0.0053 * rng.random(n)).astype(np.float32)
+    y = (rng.random(n) < 0.5 - 40 * (s - 0.493)).astype(np.float64)
+    return s, y
+
+
+def test_refined_edges_are_equal_steps_in_logit_from_lo_to_hi():
+    lo, hi, bins = 0.4903, 0.4956, 64
+    edges = refined_edges(lo, hi, bins)
+    assert edges.shape == (bins - 1,) and edges[0] == lo and edges[-1] == hi and not edges.flags.writeable
+    z = np.log(edges / (1 - edges))
+    np.testing.assert_allclose(np.diff(z), (math.log(hi / (1 - hi)) - math.log(lo / (1 - lo))) / (bins - 2),
+                               rtol=1e-6)
+    # the ends of [0, 1] (a pass-1 end bin occupied) become sigmoid(-/+2L): finite logits, every edge inside (0, 1)
+    wide = refined_edges(0.0, 1.0, 4096)
+    assert wide[0] == pytest.approx(_sigmoid(np.array(-2 * LOGIT_RANGE)), rel=1e-12) and wide[-1] < 1
+    assert np.all(np.diff(wide) > 0)
+    with pytest.raises(ValueError, match="lo < hi"):
+        refined_edges(0.5, 0.5, 64)
+
+
+def test_a_binning_is_checked_and_names_its_layout_per_task():
+    both = Binning(64, (0.25, math.nan), (0.75, math.nan))
+    assert both.refined and not Binning(64).refined and not Binning(64, (math.nan,), (math.nan,)).refined
+    np.testing.assert_array_equal(both.edges(0), refined_edges(0.25, 0.75, 64))
+    assert both.edges(1) is bin_edges(64)  # NaN: the fixed layout
+    assert Binning(64, (0.25,), (0.75,)) == Binning(64, (0.25,), (0.75,))  # plain values: compares and hashes
+    for lo, hi in [((0.5,), None), ((0.5, 0.1), (0.6,)), ((0.6,), (0.5,)), ((-0.1,), (0.5,)), ((0.5,), (1.5,)),
+                   ((math.nan,), (0.5,))]:
+        with pytest.raises(ValueError):
+            Binning(64, lo, hi)
+    with pytest.raises(ValueError):
+        Binning(3)
+    with pytest.raises(ValueError, match="ranges for 1 tasks"):
+        score_histograms(np.full((4, 2), 0.5), np.zeros((4, 2)), Binning(64, (0.25,), (0.75,)))
+
+
+def test_the_occupied_range_is_the_outer_edges_of_the_lowest_and_highest_counted_bins():
+    bins = 16
+    edges = np.concatenate(([0.0], bin_edges(bins), [1.0]))
+    hist = np.zeros((3, 2, bins), np.int64)
+    hist[0, 0, 5], hist[0, 1, 9] = 2, 1  # task 0: bins 5..9
+    hist[1, 1, 0], hist[1, 0, bins - 1] = 1, 1  # task 1: both end bins
+    lo, hi = occupied_range(hist, bins)
+    assert (lo[0], hi[0]) == (edges[5], edges[10]) and (lo[1], hi[1]) == (0.0, 1.0)
+    assert np.isnan(lo[2]) and np.isnan(hi[2])  # task 2: no counts
+    # every binned score lies in [lo, hi): from real scores
+    s, y = _band()
+    lo, hi = occupied_range(score_histograms(s, y), DEFAULT_BINS)
+    assert lo[0] <= s.min() and s.max() < hi[0] and hi[0] - lo[0] < 0.007
+
+
+def test_a_second_pass_is_asked_only_for_tasks_whose_bound_exceeds_the_tolerance():
+    bins = 16
+    apart = np.zeros((1, 2, bins), np.int64)
+    apart[0, 0, 3], apart[0, 1, 12] = 5, 5  # no pair shares a bin: bound 0
+    assert binning_error_bound(apart)[0] == 0 and refinement(apart, bins) is None
+    shared = apart.copy()
+    shared[0, 1, 3] = 1  # one pair of 30 in a bin: bound 5 / 60
+    two = np.concatenate([apart, shared, np.zeros((1, 2, bins), np.int64)])
+    again = refinement(two, bins)
+    assert again is not None and again.bins == bins and again.refined
+    edges = np.concatenate(([0.0], bin_edges(bins), [1.0]))
+    assert math.isnan(again.lo[0]) and math.isnan(again.lo[2])  # within tolerance / no class: the fixed layout
+    assert (again.lo[1], again.hi[1]) == (edges[3], edges[13])
+    # the tolerance is what decides: a bound just above asks, just below does not
+    bound = binning_error_bound(shared)[0]
+    assert refinement(shared, bins, tolerance=bound * 1.001) is None and refinement(shared, bins, bound * 0.999)
+    assert REFINE_TOLERANCE == 1e-5
+
+
+def test_evaluation_zero_of_an_untrained_model_is_within_1e4_after_the_second_pass():
+    s, y = _band()
+    exact = roc_auc_score(y, s)
+    sites = np.array_split(np.arange(len(s)), 4)  # four sites; only counts are summed
+    first = sum_histograms([score_histograms(s[i], y[i]) for i in sites])
+    assert abs(pooled_auc_from_histograms(first)[0] - exact) > 1e-3  # the fixed layout alone misses
+    again = refinement(first, DEFAULT_BINS)
+    assert again is not None
+    second = sum_histograms([score_histograms(s[i], y[i], again) for i in sites])
+    np.testing.assert_array_equal(second, score_histograms(s, y, again))  # the sum is the pooled histogram
+    assert second[0].sum() == len(s) and second[0, :, 0].sum() == second[0, :, -1].sum() == 0  # outer bins empty
+    auc, bound = finer_aucs(first, second)
+    assert abs(auc[0] - exact) <= bound[0] + 1e-15 and bound[0] < binning_error_bound(first)[0] / 100
+    assert abs(auc[0] - exact) <= 1e-4
+    # pass 2 is the pair count over its own bins (the independent oracle)
+    idx = np.searchsorted(again.edges(0), s, side="right")
+    assert auc[0] == pytest.approx(_pair_count_auc(idx[y == 1], idx[y == 0]), abs=1e-15)
+
+
+def test_the_finer_pass_is_taken_per_task_and_a_pass_missing_a_site_is_not():
+    bins = 16
+    first = np.zeros((2, 2, bins), np.int64)
+    first[:, 0, 4], first[:, 1, 4], first[:, 1, 6] = 2, 1, 1  # bound 2/8 per task
+    second = first.copy()
+    second[0, 1, 4], second[0, 1, 5] = 0, 1  # task 0 resolved: bound 0, AUC 1
+    second[1, 0, 4], second[1, 0, 3], second[1, 0, 5] = 0, 1, 1  # task 1 resolved: bound 0, AUC 3/4
+    auc, bound = finer_aucs(first, second)
+    np.testing.assert_array_equal(auc, [1.0, 0.75])
+    np.testing.assert_array_equal(bound, [0.0, 0.0])
+    worse = first.copy()
+    worse[1, 1, 6], worse[1, 1, 4] = 0, 2  # task 1 coarser in pass 2: pass 1 kept
+    auc, bound = finer_aucs(first, worse)
+    assert auc[1] == pooled_auc_from_histograms(first)[1] and bound[1] == binning_error_bound(first)[1]
+    missing = second.copy()
+    missing[0, 0, 4] = 1  # a negative fewer in pass 2 (a site missing): pass 1 kept for that task
+    auc, _ = finer_aucs(first, missing)
+    assert auc[0] == pooled_auc_from_histograms(first)[0] and auc[1] == pooled_auc_from_histograms(second)[1]
+
+
+def test_a_score_outside_the_range_lands_in_an_outer_bin_and_the_bound_still_holds():
+    s, y = _band(200, seed=3)
+    again = Binning(DEFAULT_BINS, (float(s.min()) + 1e-4,), (float(s.max()) - 1e-4,))  # too narrow on purpose
+    hist = score_histograms(s, y, again)
+    assert hist[0, :, 0].sum() == (s < again.lo[0]).sum() > 0 and hist[0, :, -1].sum() == (s >= again.hi[0]).sum()
+    assert abs(pooled_auc_from_histograms(hist)[0] - roc_auc_score(y, s)) <= binning_error_bound(hist)[0] + 1e-15

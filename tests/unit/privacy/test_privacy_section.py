@@ -13,7 +13,8 @@ from fdam_ray.privacy.section import PrivacySection, check_resume
 from fdam_ray.settings import sections
 from fdam_ray.settings.sections import ConfigError
 
-CLIENT = {"dp": "client", "dp_noise_multiplier": 1.0, "positive_ratio": 0.2}
+CLIENT = {"dp": "client", "dp_noise_multiplier": 1.0, "positive_ratio": 0.2, "algorithm": "coda_plus"}
+SAMPLE = {**CLIENT, "dp": "sample", "model": "cnn_gn"}
 
 
 def test_dp_is_off_by_default_and_a_private_config_builds():
@@ -22,16 +23,18 @@ def test_dp_is_off_by_default_and_a_private_config_builds():
     section = PrivacySection.of(config)
     assert (section.dp, section.dp_clip, section.dp_delta, section.dp_noise_at, section.dp_sampling) == (
         "client", 1.0, 1e-5, "server", "fixed")
-    sample = build_config({"dp": "sample", "dp_epsilon": 4.0, "dp_max_epsilon": 6.0, "positive_ratio": 0.2})
+    sample = build_config({"dp": "sample", "dp_epsilon": 4.0, "dp_max_epsilon": 6.0, "positive_ratio": 0.2,
+                           "model": "cnn_gn"})
     assert (sample.dp_epsilon, sample.dp_noise_multiplier) == (4.0, None)
     assert build_config({**CLIENT, "clients_per_round": 2, "dp_noise_at": "clients"}).sampled_clients == 2
 
 
 def test_the_section_is_listed_and_only_the_budget_may_change_on_resume():
     assert SECTIONS["privacy"] == ("dp", "dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_max_epsilon",
-                                   "dp_noise_at", "dp_sampling", "dp_noise_seed")
+                                   "dp_noise_at", "dp_sampling", "dp_noise_seed", "test_scores", "test_score_bins")
     assert "dp_noise_multiplier" in describe_fields(["privacy"])
-    assert {n for n in SECTIONS["privacy"] if n in RESUME_MAY_CHANGE} == {"dp_max_epsilon"}
+    assert {n for n in SECTIONS["privacy"] if n in RESUME_MAY_CHANGE} == {"dp_max_epsilon", "test_scores",
+                                                                          "test_score_bins"}
     assert FIELD_BY_NAME["dp"].choices == ("off", "client", "sample")
 
 
@@ -47,7 +50,15 @@ def test_the_section_is_listed_and_only_the_budget_may_change_on_resume():
     ({**CLIENT, "num_clients": 1}, "num_clients", ">= 2 with dp: client"),
     ({**CLIENT, "client_weighting": "samples"}, "client_weighting", "uniform with dp: client"),
     ({**CLIENT, "clients_per_round": 2, "dp_sampling": "poisson"}, "dp_sampling", "draws exactly"),
-    ({**CLIENT, "dp": "sample", "dp_noise_at": "clients"}, "dp_noise_at", "server with dp: sample"),
+    ({**SAMPLE, "dp_noise_at": "clients"}, "dp_noise_at", "server with dp: sample"),
+    ({**SAMPLE, "positive_sampling": "balanced"}, "positive_sampling", "natural with dp: sample"),
+    ({**SAMPLE, "precision": "fp16"}, "precision", "fp32 or bf16 with dp: sample"),
+    ({**SAMPLE, "model": "cnn"}, "model", "cnn_gn (the cnn with GroupNorm)"),
+    ({**SAMPLE, "model": "resnet20"}, "model", "resnet20 has BatchNorm"),
+    ({**SAMPLE, "model": "densenet121"}, "model", "densenet121 has BatchNorm"),
+    ({**SAMPLE, "model": "densenet161"}, "model", "densenet161 has BatchNorm"),
+    ({**SAMPLE, "batch_size": "full", "dp_sampling": "poisson"}, "dp_sampling", "no amplification"),
+    ({**SAMPLE, "batch_size": 0, "dp_sampling": "poisson"}, "dp_sampling", "accounted as the full batch"),
     ({**CLIENT, "algorithm": "coda"}, "algorithm", "un-noised score sums"),
     ({**CLIENT, "pretrain_iterations": 50}, "pretrain_iterations", "without privacy noise"),
     ({**CLIENT, "dp_clip": 0.0}, "dp_clip", "> 0"),
@@ -64,13 +75,26 @@ def test_each_refusal_is_one_line_naming_its_field(values, field, words):
 
 def test_poisson_accounting_is_allowed_when_every_client_takes_part():
     assert build_config({**CLIENT, "dp_sampling": "poisson"}).dp_sampling == "poisson"
-    assert build_config({**CLIENT, "dp": "sample", "dp_sampling": "poisson", "clients_per_round": 2}).dp == "sample"
+    assert build_config({**SAMPLE, "dp_sampling": "poisson", "clients_per_round": 2}).dp == "sample"
+
+
+def test_dp_sample_takes_what_its_step_and_accountant_describe():
+    """No refusal: networks without BatchNorm (a user's factory is checked at client start), bf16, the full batch
+    with fixed sampling (q = 1, accounted as the full batch), and every refused value with dp: client or off."""
+    for model in ("cnn_gn", "mlp", "linear", "own_fixtures:same_as_linear"):
+        assert build_config({**SAMPLE, "model": model}).model == model
+    assert build_config({**SAMPLE, "precision": "bf16"}).precision == "bf16"
+    assert build_config({**SAMPLE, "batch_size": "full"}).batch_size == 0
+    assert build_config({**SAMPLE, "batch_size": "full", "dp_sampling": "fixed"}).dp_sampling == "fixed"
+    for values in ({"model": "cnn"}, {"precision": "fp16"}, {"positive_sampling": "balanced"}):
+        assert build_config({**CLIENT, "model": "mlp", **values})
+        assert build_config(values)
 
 
 def test_a_null_positive_ratio_is_named_once_as_an_uncounted_release(caplog, monkeypatch):
     monkeypatch.setattr(sections, "_WARNED", set())  # named once per process: forget earlier tests' configs
     with caplog.at_level("WARNING", logger="fdam_ray.privacy.section"):
-        build_config({"dp": "client", "dp_noise_multiplier": 1.0})
+        build_config({"dp": "client", "dp_noise_multiplier": 1.0, "algorithm": "coda_plus"})
     assert [r.getMessage() for r in caplog.records if "positive_ratio" in r.getMessage()]
 
 
@@ -79,7 +103,7 @@ def _section(**changes) -> PrivacySection:
 
 
 @pytest.mark.parametrize(("change", "field"), [
-    ({"dp": "sample"}, "dp"),
+    ({"dp": "sample", "model": "cnn_gn"}, "dp"),
     ({"dp_clip": 0.5}, "dp_clip"),
     ({"dp_noise_multiplier": 1.5}, "dp_noise_multiplier"),
     ({"dp_delta": 1e-6}, "dp_delta"),
@@ -109,11 +133,26 @@ def test_the_package_and_its_config_work_without_dp_accounting():
             "import fdam_ray.privacy as p\n"
             "from fdam_ray.privacy.section import PrivacySection\n"
             "PrivacySection(dp='client', dp_noise_multiplier=1.0, num_clients=4, clients_per_round=None,\n"
-            "               client_weighting='uniform', algorithm='codasca', positive_ratio=0.2,\n"
-            "               pretrain_iterations=0).check()\n"
+            "               client_weighting='uniform', algorithm='coda_plus', positive_ratio=0.2,\n"
+            "               pretrain_iterations=0, batch_size=32, positive_sampling='natural',\n"
+            "               precision='fp32', model='cnn').check()\n"
             "try:\n"
             "    p.Accountant(noise_multiplier=1.0, delta=1e-5, population=4, sample_size=4)\n"
             "except p.AccountingUnavailable as exc:\n"
             "    print(exc)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.count("\n") == 1 and "'privacy' extra of fdam-ray" in out.stdout
+
+
+def test_client_level_dp_refuses_every_preset_with_control_variates_and_only_those():
+    from fdam_ray.algorithms.presets import PRESETS
+    from fdam_ray.privacy.section import CONTROL_VARIATE_PRESETS
+
+    assert set(CONTROL_VARIATE_PRESETS) == {n for n, p in PRESETS.items() if p.drift == "control_variates"}
+    for name in CONTROL_VARIATE_PRESETS:
+        with pytest.raises(ConfigError, match=rf"^config field 'algorithm': '{name}' is not allowed \(a preset "
+                                              "without control variates with dp = client, e.g. coda_plus"):
+            build_config({**CLIENT, "algorithm": name})
+        assert build_config({"dp": "sample", "dp_noise_multiplier": 1.0, "algorithm": name,
+                             "model": "cnn_gn"}).algorithm == name
+    assert build_config({**CLIENT, "algorithm": "coda_plus"}).algorithm == "coda_plus"

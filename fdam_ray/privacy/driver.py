@@ -1,0 +1,258 @@
+"""The driver's side of differential privacy: sigma, the accountants, the budget stop and what is reported.
+
+:func:`private_setup` is called by the federation before the clients start: it refuses what ``dp: client`` does not
+run (:func:`~fdam_ray.privacy.client_level.check_model`, :func:`~fdam_ray.privacy.client_level.check_transport`),
+resolves sigma (given, or solved for the planned run; a resumed run reads it from its checkpoint, never re-solves)
+and gives the clients what they act by: under ``dp: client`` the client section becomes a
+:class:`PrivateClientSection` (its algorithm's drift correction then clips and noises each update, in every
+executor), under ``dp: sample`` a solved sigma replaces the section's null ``dp_noise_multiplier``.
+
+A :class:`PrivacyRun` then counts each applied round (:meth:`PrivacyRun.step`), says before a round whether it
+would take epsilon past ``dp_max_epsilon`` (:meth:`PrivacyRun.over_budget`), adds ``dp_epsilon`` and ``dp_delta``
+(and under ``dp: sample`` ``dp_epsilon.<site>``) to each metrics record and sigma, the neighbouring relation and
+the sampling to the summary; :meth:`PrivacyRun.state` is the checkpoint's entry (``LoopState.privacy``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from fdam_ray.data import DataSource
+from fdam_ray.data.base import hold_out_validation
+from fdam_ray.executors.base import Executor, ExecutorSetup
+from fdam_ray.features.sites import client_label
+from fdam_ray.loop.client import ClientSection
+from fdam_ray.loop.flat import FlatModel
+from fdam_ray.loop.schedules import Position, Schedule, ScheduleSection
+from fdam_ray.privacy.accountant import Accountant, shares_noise_multiplier, solve_sigma
+from fdam_ray.privacy.client_level import ClientLevel, check_model, check_transport
+from fdam_ray.privacy.section import PrivacySection
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrivateClientSection(ClientSection):
+    """The client section with the resolved ``dp: client`` settings: what travels to a client under dp: client
+    (:func:`~fdam_ray.algorithms.build_algorithm` copies ``client_dp`` into the client's algorithm, whose drift
+    correction then clips)."""
+
+    client_dp: ClientLevel
+
+
+def private_setup(setup: ExecutorSetup, executor: Executor, config: Any, flat: FlatModel, schedule: ScheduleSection,
+                  source: DataSource, state: dict | None) -> tuple[ExecutorSetup, PrivacyRun | None]:
+    """The setup for ``executor`` with what the clients need for the run's dp mode, and the driver's bookkeeping
+    (this module's docstring); ``flat``: the driver's replica (its buffers), ``state``: a resumed run's checkpoint
+    entry. dp: off: ``setup`` as it is, and None (nothing else is read)."""
+    section = PrivacySection.of(config)
+    if not section.enabled:
+        return setup, None
+    if not executor.clients_from_setup and (section.dp == "client" or section.dp_epsilon is not None):
+        raise ValueError(f"dp: {section.dp} runs with executor inline or ray only: this executor "
+                         f"({type(executor).__name__}) builds its clients from the plain config, without the privacy "
+                         "settings the driver resolved")
+    labels = [client_label(k, config.client_names) for k in range(section.num_clients)]
+    if section.dp == "client":
+        initial = flat.initial_state()
+        check_model(initial.buffers, initial.counters)
+        check_transport(config.transport, config.transfer_precision)
+        rounds = sum(1 for _ in Schedule(schedule, Position()).plans())  # the planned run's rounds
+        client_run = ClientLevelRun(section, rounds=rounds, state=None if state is None else state["client"])
+        client = {f.name: getattr(setup.client, f.name) for f in dataclasses.fields(setup.client)}
+        return dataclasses.replace(setup, client=PrivateClientSection(**client, client_dp=client_run.settings)), \
+            client_run
+    sizes = None
+    if state is None and section.dp_noise_multiplier is None:  # n_k before the start: to solve sigma only
+        sizes = [len(hold_out_validation(source.client_shard(k), config.val_fraction, seed=config.seed,
+                                         client_id=k, task_names=tuple(source.task_names)).train)
+                 for k in range(section.num_clients)]
+    sample_run = SampleLevelRun(section, iterations=schedule.iterations, batch_size=config.batch_size,
+                                num_train=sizes, labels=labels, state=state)
+    if config.dp_noise_multiplier is None:
+        setup = dataclasses.replace(setup, client=dataclasses.replace(setup.client,
+                                                                      dp_noise_multiplier=sample_run.sigma))
+    return setup, sample_run
+
+
+class PrivacyRun:
+    """The driver's side of a dp mode: sigma, the accountants, the budget stop before a round, the metrics keys,
+    the summary's entries and the checkpoint's entry (:attr:`~fdam_ray.loop.checkpoint.LoopState.privacy`)."""
+
+    mode = ""
+
+    def __init__(self, section: PrivacySection, sigma: float, relation: str) -> None:
+        self.section = section
+        self.sigma = float(sigma)
+        self.relation = relation
+        self.stopped: str | None = None  # the budget's stop line, when it stopped the run
+
+    def epsilon(self) -> float:
+        raise NotImplementedError
+
+    def epsilon_after(self, steps: int, sites: list[int] | None) -> float:
+        """epsilon (the largest one's, per site) after one more round of ``steps`` local steps run by ``sites``."""
+        raise NotImplementedError
+
+    def step(self, steps: int, sites: list[int] | None, reported: int) -> None:
+        """Count one applied round of ``steps`` local steps, asked of ``sites`` (None: all), ``reported`` of which
+        reached the server."""
+        raise NotImplementedError
+
+    def state(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def sites_known(self, num_train: list[int]) -> None:
+        """The clients have started and report ``num_train`` (n_k by client id)."""
+
+    def over_budget(self, round_index: int, steps: int, sites: list[int] | None) -> str | None:
+        """The log line when round ``round_index`` would take epsilon past ``dp_max_epsilon`` (kept in
+        :attr:`stopped` for the summary), else None."""
+        bound = self.section.dp_max_epsilon
+        if bound is None:
+            return None
+        after = self.epsilon_after(steps, sites)
+        if after <= bound:
+            return None
+        self.stopped = (f"privacy budget: stopping before round {round_index}: epsilon is {self.epsilon():.4g} and "
+                        f"that round would take it to {after:.4g} > dp_max_epsilon {bound:g}")
+        return self.stopped
+
+    def record(self) -> dict[str, float]:
+        return {"dp_epsilon": self.epsilon(), "dp_delta": self.section.dp_delta}
+
+    def summary(self) -> dict[str, Any]:
+        return {"dp": self.mode, "dp_epsilon": self.epsilon(),  # inf (no noise): written null, with a note
+                "dp_delta": self.section.dp_delta, "dp_noise_multiplier": self.sigma, "dp_relation": self.relation,
+                "dp_sampling": self.section.dp_sampling, "dp_stopped": self.stopped}
+
+
+def privacy_run(section: PrivacySection, *, rounds: int, iterations: int, batch_size: int,
+                num_train: list[int] | None, labels: list[str], state: dict | None) -> PrivacyRun | None:
+    """The driver's privacy bookkeeping of a run (None for dp: off). ``rounds``, ``iterations``: the planned run
+    (sigma solved for it when a target is given); ``num_train``: n_k per site (dp: sample; needed before the
+    clients start only to solve sigma); ``state``: a resumed run's checkpoint entry."""
+    if section.dp == "client":
+        return ClientLevelRun(section, rounds=rounds, state=None if state is None else state["client"])
+    if section.dp == "sample":
+        return SampleLevelRun(section, iterations=iterations, batch_size=batch_size, num_train=num_train,
+                              labels=labels, state=state)
+    return None
+
+
+class ClientLevelRun(PrivacyRun):
+    """dp: client on the driver: sigma (given, or solved for the planned rounds) and one accountant over the K
+    clients, one composition a round."""
+
+    mode = "client"
+
+    def __init__(self, section: PrivacySection, *, rounds: int, state: dict | None = None) -> None:
+        k, s = section.num_clients, section.sampled_clients
+        if state is not None:  # a resume: never re-solve (the planned rounds may have changed)
+            self.accountant = Accountant.from_state(state)
+            sigma = self.accountant.noise_multiplier
+        else:
+            sigma = _sigma(section, population=k, sample_size=s, compositions=rounds)
+            self.accountant = Accountant.for_clients(noise_multiplier=sigma, delta=section.dp_delta, num_clients=k,
+                                                     clients_per_round=section.clients_per_round,
+                                                     sampling=section.dp_sampling)
+        super().__init__(section, sigma, self.accountant.relation)
+        self.settings = ClientLevel(clip=section.dp_clip, sigma=float(sigma), noise_at=section.dp_noise_at,
+                                    seed=section.dp_noise_seed, sampled=s, num_clients=k)
+        log.info("dp: client: sigma %.4g, clip %g, noise at %s, %d of %d clients a round, delta %g (%s)", sigma,
+                 section.dp_clip, section.dp_noise_at, s, k, section.dp_delta, self.relation)
+
+    def epsilon(self) -> float:
+        return self.accountant.epsilon()
+
+    def epsilon_after(self, steps: int, sites: list[int] | None) -> float:
+        return self.accountant.epsilon_after(1)
+
+    def step(self, steps: int, sites: list[int] | None, reported: int) -> None:
+        """Count one applied round; with noise shares, only the ``reported`` sites' shares."""
+        s = self.settings.sampled
+        if self.settings.noise_at == "clients" and reported < s:
+            self.accountant.step(1, noise_multiplier=shares_noise_multiplier(self.settings.sigma, s, reported))
+        else:
+            self.accountant.step(1)
+
+    def state(self) -> dict[str, Any]:
+        return {"client": self.accountant.state()}
+
+
+class SampleLevelRun(PrivacyRun):
+    """dp: sample on the driver (the DP-SGD step itself runs on the clients, fdam_ray/privacy/dpsgd.py): one
+    accountant per site k over its n_k samples with batches of B, one composition a local step, stepped by the
+    steps site k was asked to run in each round (a site asked and late still ran them: counted). The run's
+    epsilon is the largest site's; sigma, when solved, is for the smallest site taking part in every round."""
+
+    mode = "sample"
+
+    def __init__(self, section: PrivacySection, *, iterations: int, batch_size: int, num_train: list[int] | None,
+                 labels: list[str], state: dict | None = None) -> None:
+        self.labels = labels
+        self.batch_size = batch_size
+        self.sites: list[Accountant] = []  # by client id, from sites_known (or the resumed checkpoint)
+        if state is not None:
+            self.sites = [Accountant.from_state(s) for s in state["sites"]]
+            sigma = self.sites[0].noise_multiplier
+        elif section.dp_noise_multiplier is not None:
+            sigma = float(section.dp_noise_multiplier)
+        else:
+            if num_train is None:
+                raise ValueError("dp: sample with dp_epsilon needs each site's number of training samples")
+            smallest = min(num_train)
+            batch = smallest if batch_size <= 0 else min(batch_size, smallest)
+            sigma = _sigma(section, population=smallest, sample_size=batch, compositions=iterations)
+        relation = Accountant(noise_multiplier=sigma, delta=section.dp_delta, population=2, sample_size=1,
+                              sampling=section.dp_sampling).relation  # that of a sampled batch
+        super().__init__(section, sigma, relation)
+        log.info("dp: sample: sigma %.4g, clip %g, batch %d, delta %g, per site (%s)", sigma, section.dp_clip,
+                 batch_size, section.dp_delta, self.relation)
+
+    def sites_known(self, num_train: list[int]) -> None:
+        """Start each site's accountant (a new run), or check the resumed ones count the n_k the sites report."""
+        if not self.sites:
+            self.sites = [Accountant.for_site(noise_multiplier=self.sigma, delta=self.section.dp_delta,
+                                              num_samples=n, batch_size=self.batch_size, local_steps=1,
+                                              sampling=self.section.dp_sampling) for n in num_train]
+            self.relation = " / ".join(sorted({a.relation for a in self.sites}))  # a full batch: add or remove
+            return
+        counted = [a.population for a in self.sites]
+        if counted != list(num_train):
+            raise ValueError(f"dp: sample: the sites report {list(num_train)} training samples, the privacy "
+                             f"accountants count {counted}; the data changed since the run started")
+
+    def _asked(self, sites: list[int] | None) -> list[int]:
+        return list(range(len(self.sites))) if sites is None else sites
+
+    def epsilon(self) -> float:
+        return max(a.epsilon() for a in self.sites)
+
+    def epsilon_after(self, steps: int, sites: list[int] | None) -> float:
+        asked = set(self._asked(sites))
+        return max(a.epsilon_after(1, compositions=steps) if k in asked else a.epsilon()
+                   for k, a in enumerate(self.sites))
+
+    def step(self, steps: int, sites: list[int] | None, reported: int) -> None:
+        for k in self._asked(sites):
+            self.sites[k].step(1, compositions=steps)
+
+    def record(self) -> dict[str, float]:
+        per = {f"dp_epsilon.{label}": a.epsilon() for label, a in zip(self.labels, self.sites, strict=True)}
+        return {**super().record(), **per}
+
+    def state(self) -> dict[str, Any]:
+        return {"sites": [a.state() for a in self.sites]}
+
+
+def _sigma(section: PrivacySection, *, population: int, sample_size: int, compositions: int) -> float:
+    """sigma: the given ``dp_noise_multiplier``, else solved for ``dp_epsilon`` over the planned compositions."""
+    if section.dp_noise_multiplier is not None:
+        return float(section.dp_noise_multiplier)
+    if section.dp_epsilon is None:
+        raise ValueError("dp needs dp_noise_multiplier or dp_epsilon")
+    return solve_sigma(section.dp_epsilon, section.dp_delta, population=population, sample_size=sample_size,
+                       sampling=section.dp_sampling, compositions=compositions)
