@@ -46,3 +46,18 @@ def store_reader_filters():
 
     for module in sorted(STORE_READERS):
         reads_store_arrays(module)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_ray_left_running(request):
+    """A test module that starts Ray shuts it down (raytest.ray_session does): one left running makes the next
+    module's own start fail ("ray.init twice") and its store figures wrong, far from the cause. Shut down here and
+    named as an error of the module that left it."""
+    import ray
+
+    running_before = ray.is_initialized()
+    yield
+    if not running_before and ray.is_initialized():
+        ray.shutdown()
+        pytest.fail(f"{request.module.__name__} left Ray running: start it with raytest.ray_session() (which shuts "
+                    "it down), or shut it down in the test", pytrace=False)

@@ -4,7 +4,7 @@ With ``round_deadline`` a round folds the partial sums that arrived in time
 (at least ``min_clients`` clients' worth: past the deadline the round waits
 until that many have reported) and goes on without the rest. A client that
 misses the deadline does not take part in that round, under the
-partial-participation rule of ALGORITHMS.md s.3b, exactly as a client that
+partial-participation rule of docs/algorithms.md s.3b, exactly as a client that
 client sampling left out: its c^k and sampler position stay as they were
 (its actor rolls the round back once the late call ends, and the late result
 is discarded, never folded later), the means of v, alpha and BatchNorm

@@ -30,10 +30,12 @@ one. Where that bound exceeds ``REFINE_TOLERANCE`` for a task (an untrained
 model, all its scores near 1/2), the driver asks the clients for a second
 histogram of B bins over the range of the summed histogram's occupied bins
 (:func:`~fdam_ray.privacy.histogram.refinement`: an aggregate of all clients'
-counts, no client's own range) and takes per task the pass with the smaller
-bound. ``client_auc`` is each client's own AUC, exact. The global test set is the
-driver's own data (scored here, or in slices by the Ray executor's actors, the
-driver's workers): it is scored exactly in both modes.
+counts, no client's own range), again over the last pass's occupied range
+while the bound stays above it and the range shrinks (at most ``MAX_PASSES``
+passes), and takes per task the pass with the smallest bound. ``client_auc``
+is each client's own AUC, exact. The global test set is the driver's own data
+(scored here, or in slices by the Ray executor's actors, the driver's
+workers): it is scored exactly in both modes.
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ from fdam_ray.loop.state import GlobalState, ScoreHistogram, Scores
 from fdam_ray.metrics import mean_auc, pooled, task_aucs
 from fdam_ray.models import model_name
 from fdam_ray.privacy.histogram import (
+    MAX_PASSES,
     Binning,
+    binning_error_bound,
     check_histograms,
     finer_aucs,
     pooled_auc_from_histograms,
@@ -158,14 +162,21 @@ class Evaluator:
             return task_aucs(scores, labels), len(labels), class_counts(labels)
         hists = [p for p in parts if isinstance(p, ScoreHistogram)]
         total = self._summed(hists)
-        aucs = pooled_auc_from_histograms(total)
-        again = refinement(total, self.bins)
-        if again is not None:  # pass 2: the same B bins over the occupied range of the sum, per task
-            second = [p for p in self.executor.evaluate(state, split=split, bins=again)
-                      if isinstance(p, ScoreHistogram)]
-            for p in second:
+        aucs, bound = pooled_auc_from_histograms(total), binning_error_bound(total)
+        best, laid_out = total, Binning(self.bins)
+        for _ in range(MAX_PASSES - 1):  # the same B bins over the occupied range of the last sum, per task
+            again = refinement(best, laid_out)
+            if again is None:
+                break
+            finer = [p for p in self.executor.evaluate(state, split=split, bins=again)
+                     if isinstance(p, ScoreHistogram)]
+            for p in finer:
                 self._check_outputs(p, "validation part" if split == "val" else "test split")
-            aucs = finer_aucs(total, self._summed(second))[0]
+            summed = self._summed(finer)
+            new_aucs, new_bound = finer_aucs(total, summed)
+            better = ~(new_bound > bound)  # NaN (a task lacking a class) keeps its NaN AUC
+            aucs, bound = np.where(better, new_aucs, aucs), np.where(better, new_bound, bound)
+            best, laid_out = summed, again
         return aucs, sum(h.samples for h in hists), (total[:, 1].sum(-1), total[:, 0].sum(-1))
 
     def _summed(self, hists: Sequence[ScoreHistogram]) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Differential privacy (docs/algorithms.md s.8): the config section, the Gaussian mechanism, the accountant.
+"""Differential privacy (docs/algorithms.md s.9): the config section, the Gaussian mechanism, the accountant.
 
 ``section`` holds the ``dp`` fields and their rules; ``mechanisms`` clips and
 noises vectors in NumPy; ``accountant`` counts epsilon with dp_accounting's

@@ -1,6 +1,6 @@
 """Client-level differential privacy (``dp: client``) in the federation: clip, noise, server step, c, accountant.
 
-The rule is docs/algorithms.md s.8 (ALGORITHMS.md s.8). Per round r, with x = (v, alpha) the global state the
+The rule is docs/algorithms.md s.9 P1-P3. Per round r, with x = (v, alpha) the global state the
 round starts from, C = ``dp_clip``, sigma the noise multiplier and S the planned participants:
 
     client k:  D_k = (v^k - v, alpha^k - alpha) as ONE float32 vector;  D~_k = D_k min(1, C / ||D_k||)

@@ -1,4 +1,4 @@
-"""Sample-level DP-SGD for one client's local step (docs/algorithms.md s.8, ``dp: sample``).
+"""Sample-level DP-SGD for one client's local step (docs/algorithms.md s.9, ``dp: sample``).
 
 What it protects: one training sample of a site. Each local step the site
 takes on its own data is a Gaussian mechanism whose sensitivity to one sample
@@ -36,7 +36,7 @@ parameters are views of one flat vector (Opacus wraps the module, hooks its
 layers and keeps its own ``grad_sample`` per parameter, which the flat
 binding and our own update do not use); and a, b and alpha, which are not
 module parameters, enter as arguments of the same per-sample function, so the
-alpha part is clipped together with (w, a, b) in one vector, as s.8 asks,
+alpha part is clipped together with (w, a, b) in one vector, as s.9 P4 says,
 where Opacus clips only what its optimizer holds.
 
 BatchNorm is refused (:func:`check_private_model`): in train mode it

@@ -62,6 +62,7 @@ LOGIT_RANGE = 16.0  # L: the logit grid spans (-L, L)
 # way (an untrained model's scores come close to that). Below it, pass 2's cost (one more scoring of every test
 # split, one more message) buys nothing visible in an AUC rounded to 6 digits.
 REFINE_TOLERANCE = 1e-5
+MAX_PASSES = 4  # pass 1 and at most three refinements (each narrows a task's range to its occupied bins)
 _FAR = 1.0 / (1.0 + math.exp(2 * LOGIT_RANGE))  # where pass 2 puts a range's end at 0 (1 - it at 1): sigmoid(-2L)
 
 
@@ -175,18 +176,27 @@ def occupied_range(hist: np.ndarray, binning: int | Binning) -> tuple[np.ndarray
     return lo, hi
 
 
-def refinement(total: np.ndarray, bins: int, tolerance: float = REFINE_TOLERANCE) -> Binning | None:
-    """The pass-2 :class:`Binning` the driver asks for after summing pass 1 (``total``, the fixed layout of
-    ``bins``): for each task whose :func:`binning_error_bound` exceeds ``tolerance``, its occupied range; None if no
-    task needs it (NaN bounds, tasks lacking a class, never do). A range of one fixed bin is refined as well: its
-    scores are then spread over B - 2 bins."""
+def refinement(total: np.ndarray, binning: int | Binning, tolerance: float = REFINE_TOLERANCE) -> Binning | None:
+    """The next pass's :class:`Binning` the driver asks for after summing a pass (``total``, laid out by
+    ``binning``: the fixed layout of B bins for pass 1): for each task whose :func:`binning_error_bound` exceeds
+    ``tolerance``, its occupied range; None if no task needs it (NaN bounds, tasks lacking a class, never do) or if
+    no wanted task's range is narrower than the one it was counted in (scores that share a float value: further
+    passes cannot split them). A range of one bin is refined as well: its scores are then spread over B - 2
+    bins."""
+    binning = binning_of(binning)
     bound = binning_error_bound(total)
     wanted = bound > tolerance  # NaN compares False
     if not wanted.any():
         return None
-    lo, hi = occupied_range(total, bins)
+    lo, hi = occupied_range(total, binning)
+    if binning.lo is not None:  # a refined pass: go on only where the occupied range shrank
+        was_lo = np.array(binning.lo, dtype=np.float64)
+        was_hi = np.array(binning.hi, dtype=np.float64)
+        wanted &= ~((lo <= was_lo) & (hi >= was_hi))
+        if not wanted.any():
+            return None
     lo, hi = np.where(wanted, lo, np.nan), np.where(wanted, hi, np.nan)
-    return Binning(bins, tuple(float(v) for v in lo), tuple(float(v) for v in hi))
+    return Binning(binning.bins, tuple(float(v) for v in lo), tuple(float(v) for v in hi))
 
 
 def finer_aucs(first: np.ndarray, second: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,4 +1,4 @@
-"""The Gaussian mechanism's two halves in NumPy: clip a vector to an L2 bound, draw the noise (docs/algorithms.md s.8).
+"""The Gaussian mechanism's two halves in NumPy: clip a vector to an L2 bound, draw the noise (docs/algorithms.md s.9).
 
 A client's change D (or one sample's gradient) is clipped as one vector,
 D * min(1, C / ||D||_2), so each contributes at most C to a sum whatever it

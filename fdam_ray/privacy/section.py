@@ -1,4 +1,4 @@
-"""The config fields of differential privacy (``dp``, docs/algorithms.md s.8) and the rules across them.
+"""The config fields of differential privacy (``dp``, docs/algorithms.md s.9) and the rules across them.
 
 Two modes, one noise multiplier sigma relative to one L2 bound C:
 
@@ -127,7 +127,7 @@ class PrivacySection(Section):
         "exact", "What a client sends of its test split (and validation part) for the pooled AUC: exact (its scores "
         "and labels; the exact pooled AUC) or histogram (per-class counts of its scores in test_score_bins fixed "
         "intervals and its own AUC per task, no per-sample value; the pooled AUC then within the binning bound, "
-        "docs/algorithms.md s.8). The driver's own global test set is scored exactly either way.",
+        "docs/algorithms.md s.9). The driver's own global test set is scored exactly either way.",
         choices=TEST_SCORES, resume=True)
     test_score_bins: int = setting(
         DEFAULT_BINS, "test_scores: histogram: B, score intervals per task and class (fixed by B alone, the same at "

@@ -22,8 +22,8 @@ def spy_starts(monkeypatch) -> list[dict]:
     starts = []
     original = Federation._start
 
-    def spy(self):
-        state = original(self)
+    def spy(self, *args):
+        state = original(self, *args)
         starts.append({"algorithm": self.algorithm.preset.name, "num_clients": self.source.num_clients,
                        "model": self.replica.flat.model_state_dict(), "state": state})
         return state

@@ -35,8 +35,8 @@ def test_a_saved_state_dict_loads_and_starts_the_run(tmp_path):
     starts = []
     original = Federation._start
 
-    def spy(self):
-        state = original(self)
+    def spy(self, *args):
+        state = original(self, *args)
         starts.append(self.replica.flat.model_state_dict())
         return state
 

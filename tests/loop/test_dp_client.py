@@ -1,4 +1,4 @@
-"""dp: client in the federation (inline executor): one round against a NumPy model of ALGORITHMS.md s.8, clipping
+"""dp: client in the federation (inline executor): one round against a NumPy model of docs/algorithms.md s.9, clipping
 bounds the step, the budget stops the run. The NumPy model takes each client's unclipped end point (spied at the
 one client-side hook) and recomputes clip, noise (same generators), the fixed-S mean, the server step and c."""
 
@@ -133,8 +133,11 @@ def test_ray_two_actors_equal_inline_under_dp():
     clients, test = gaussian_clients(4, seed=2)
     cfg = dict(BASE, iterations=4, dp_noise_multiplier=0.6, dp_noise_at="clients")
     inline = fdam_ray.train_arrays(cfg, clients, test)
-    ray = fdam_ray.train_arrays(dict(cfg, executor="ray", clients_per_actor=2, cpus_per_actor=0.5,
-                                     threads_per_actor=1), clients, test)
+    from raytest import ray_session
+
+    with ray_session():  # a Ray of this test's own, shut down after it
+        ray = fdam_ray.train_arrays(dict(cfg, executor="ray", clients_per_actor=2, cpus_per_actor=0.5,
+                                         threads_per_actor=1), clients, test)
     for name in ("v", "alpha"):
         np.testing.assert_allclose(getattr(ray.state, name), getattr(inline.state, name), rtol=0, atol=1e-6)
     assert ray.state.c_v is None and inline.state.c_v is None

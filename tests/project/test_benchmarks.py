@@ -682,3 +682,40 @@ def test_node_reduce_precision_rates_are_checked_before_anything_starts(capsys):
             NR.check_precision_rates(parser, Netcluster, rates)
         assert f"--precision-rates: {says}" in capsys.readouterr().err
     assert NR.rate_key("1.5gbit") == "1_5gbit"
+
+
+def test_privacy_independent_epsilon_matches_the_accountant_where_it_is_exact():
+    """benchmarks/privacy.py's recomputation (no dp_accounting) on a few orders: the Gaussian's alpha / 2 sigma^2,
+    sampling without replacement (Thm. 27 and its interpolation) at every order, Poisson at the integer orders,
+    and the improved conversion; at a fractional order the package's Poisson value is never below the exact
+    integral (dp_accounting 0.6.0 sums the series' terms in absolute value: an upper bound)."""
+    pytest.importorskip("dp_accounting")
+    import privacy as P
+
+    from fdam_ray.privacy.accountant import Accountant
+
+    orders = (1.5, 2.0, 3.0, 4.5, 8.0, 20.0)
+    for population, sample, sampling, sigma in ((5, 5, "fixed", 1.3), (40, 8, "fixed", 1.7), (50, 5, "poisson", 1.1)):
+        acc = Accountant(noise_multiplier=sigma, delta=1e-5, population=population, sample_size=sample,
+                         sampling=sampling, orders=orders)
+        acc.step(1, compositions=30)
+        if sampling == "poisson":
+            mine = 30 * P.rdp_poisson(sample / population, sigma, orders)
+        elif sample < population:
+            mine = 30 * P.rdp_wor(sample / population, sigma / 2, orders)
+        else:
+            mine = 30 * np.asarray(orders) / (2 * sigma**2)
+        for a, theirs, ours in zip(orders, acc.rdp(), mine, strict=True):
+            if sampling == "poisson" and not a.is_integer():
+                assert theirs >= ours * (1 - 1e-12)
+            else:
+                assert ours == pytest.approx(theirs, rel=1e-9)
+        if sampling != "poisson":
+            assert P.independent_epsilon(sigma=sigma, population=population, sample_size=sample, sampling=sampling,
+                                         compositions=30, delta=1e-5, orders=orders) == pytest.approx(acc.epsilon(),
+                                                                                                      rel=1e-9)
+    # the conversion by hand at one order: rdp 2 at alpha 8, delta 1e-5
+    assert P.epsilon_from_rdp([8.0], [2.0], 1e-5) == pytest.approx(2 + math.log(7 / 8) - math.log(8e-5) / 7)
+    assert P.epsilon_from_rdp([8.0], [1e-12], 1e-5) == 0.0  # the KL bound
+    # quadrature and binomial sum agree: A_3 from the integral of the fractional path at 3 - 1e-9
+    assert P._log_a_poisson(0.1, 1.1, 3 - 1e-9) == pytest.approx(P._log_a_poisson(0.1, 1.1, 3), rel=1e-6)

@@ -1,5 +1,5 @@
 """The dp: client rule (fdam_ray/privacy/client_level.py) and the driver's accounting (fdam_ray/privacy/driver.py)
-against independent NumPy recomputations of ALGORITHMS.md s.8: the clipped change a client sends, the server
+against independent NumPy recomputations of docs/algorithms.md s.9: the clipped change a client sends, the server
 step with a fixed denominator, c by post-processing in a sampled round, and the per-site accountants of dp: sample.
 """
 

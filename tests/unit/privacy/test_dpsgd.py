@@ -67,7 +67,7 @@ def autograd_gradient(flat: FlatModel, obj: Objective, x: torch.Tensor, y: torch
 
 def numpy_f(name: str, h: np.ndarray, y: np.ndarray, p: np.ndarray, a: np.ndarray, b: np.ndarray,
             alpha: np.ndarray, margin: float) -> np.ndarray:
-    """F of ALGORITHMS.md s.1 per sample and task, in float64, 0 where the label is missing."""
+    """F of docs/algorithms.md s.1 per sample and task, in float64, 0 where the label is missing."""
     pos, neg, valid = (y == 1).astype(float), (y == 0).astype(float), (~np.isnan(y)).astype(float)
     q = p * (1 - p)
     per = (1 - p) * (h - a) ** 2 * pos + p * (h - b) ** 2 * neg

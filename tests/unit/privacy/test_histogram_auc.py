@@ -392,3 +392,30 @@ def test_a_score_outside_the_range_lands_in_an_outer_bin_and_the_bound_still_hol
     hist = score_histograms(s, y, again)
     assert hist[0, :, 0].sum() == (s < again.lo[0]).sum() > 0 and hist[0, :, -1].sum() == (s >= again.hi[0]).sum()
     assert abs(pooled_auc_from_histograms(hist)[0] - roc_auc_score(y, s)) <= binning_error_bound(hist)[0] + 1e-15
+
+
+def test_scores_a_few_ulps_apart_are_split_by_further_passes_and_equal_ones_stop_them():
+    """An untrained network's scores can differ only in their last float32 bits: pass 2 over the one occupied
+    fixed bin still shares bins, pass 3 over pass 2's occupied range splits every distinct value (the AUC is then
+    sklearn's, ties of equal scores included), and a range that no longer shrinks asks for no further pass."""
+    from fdam_ray.privacy.histogram import MAX_PASSES, Binning, finer_aucs
+
+    rng = np.random.default_rng(3)
+    values = np.nextafter(np.float32(0.5), np.float32(1), dtype=np.float32)
+    distinct = [np.float32(0.5)]
+    for _ in range(7):
+        distinct.append(np.nextafter(distinct[-1], np.float32(1)))
+    scores = rng.choice(np.array(distinct, dtype=np.float32), size=300)[:, None]
+    labels = (rng.random(300) < 0.4 + 0.2 * (scores[:, 0] > values)).astype(np.float64)[:, None]
+    want = roc_auc_score(labels[:, 0], scores[:, 0])
+    total = score_histograms(scores, labels, DEFAULT_BINS)
+    last, laid, passes = total, Binning(DEFAULT_BINS), 1
+    auc, bound = pooled_auc_from_histograms(total), binning_error_bound(total)
+    assert bound[0] > 1e-2  # every score in one fixed bin
+    while passes < MAX_PASSES and (again := refinement(last, laid)) is not None:
+        last, laid, passes = score_histograms(scores, labels, again), again, passes + 1
+        new_auc, new_bound = finer_aucs(total, last)
+        auc, bound = np.where(new_bound <= bound, new_auc, auc), np.minimum(bound, new_bound)
+    assert passes >= 3  # pass 2 alone leaves distinct values in one bin
+    assert abs(auc[0] - want) < 1e-12  # the remaining shared bins hold equal scores only: sklearn's ties
+    assert refinement(last, laid) is None  # equal scores: the range no longer shrinks, no pass 5
