@@ -7,10 +7,13 @@ Message types (the server side is :class:`~fdam_ray.flower.executor.FlowerExecut
   with the client's counts (:class:`~fdam_ray.loop.state.ClientInfo`);
 - ``train.round``: one round of local steps from the global state, the update in the clear;
 - ``train``: the same round under SecAgg+ (``secaggplus_mod`` masks what the site sends, see :mod:`.secagg`);
+  with a ``binning`` value, an evaluation's score histogram under SecAgg+ (only its sum reaches the server);
 - ``query.change``: the change of c^k in the site's last round (a round another site dropped out of);
 - ``evaluate``: scores of the global model on the site's own test split (with a ``bins`` value,
   ``test_scores: histogram``: its score histogram and own AUC per task instead, no per-sample value);
 - ``query.score_sums``: score sums for CODA's closed-form alpha;
+- ``query.sizes``: the site's number of training samples under a config (dp: sample solves sigma for them
+  before the start);
 - ``query.refused``: the server stops the run because of this node (one line: why, and what to do).
 
 The site's data come from its node config (:func:`~fdam_ray.flower.site.site_source`); ``state-dir`` names
@@ -24,6 +27,7 @@ from fdam_ray.flower import needs_flower  # noqa: F401 (first: without Flower, s
 
 # isort: split
 import dataclasses
+import json
 import logging
 from typing import Any
 
@@ -32,10 +36,13 @@ from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 
 from fdam_ray.algorithms.drift import CONTROL_VARIATES
+from fdam_ray.config import build_config
 from fdam_ray.flower import records
 from fdam_ray.flower.secagg import secure_round
 from fdam_ray.flower.site import KeptState, SiteStore, build_client, site_source, zero_control_variate
-from fdam_ray.loop.state import ClientUpdate, GlobalState, RoundPlan
+from fdam_ray.loop.state import ClientUpdate, GlobalState, RoundPlan, ScoreHistogram
+from fdam_ray.privacy.driver import train_size
+from fdam_ray.privacy.histogram import Binning
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +163,14 @@ def train_round(msg: Message, context: Context) -> Message:
 
 @app.train(mods=[secaggplus_mod])
 def train_secure(msg: Message, context: Context) -> Message:
-    return secure_round(msg, context, lambda cfg: open_site(context, cfg), local_round)
+    return secure_round(msg, context, lambda cfg: open_site(context, cfg), local_round, site_histogram)
+
+
+def site_histogram(call: SiteCall, state: GlobalState, split: str, bins: Binning) -> ScoreHistogram | None:
+    """The site's score histogram of ``split`` (None: it has no such part, or ``share-test-scores = false``)."""
+    if not _flag(call.node_config, "share-test-scores", True):
+        return None
+    return build_client(call.site, call.source, call.kept).score_histogram(state, split, bins)
 
 
 @app.query("change")
@@ -198,3 +212,14 @@ def score_sums(msg: Message, context: Context) -> Message:
     return Message(records.score_sums_content(client.score_sums(records.global_state_of(msg.content))),
                    reply_to=msg)
 
+
+
+@app.query("sizes")
+def sizes(msg: Message, context: Context) -> Message:
+    """The site's n_k (training samples after the validation hold-out) under the config the server sends: what
+    the driver counts when it holds the data itself (:func:`~fdam_ray.privacy.driver.train_size`)."""
+    cfg = msg.content.config_records[records.CONFIG]
+    call = open_site(context, None, check_run=False)
+    config = build_config(json.loads(str(cfg["config"])))
+    return Message(RecordDict({records.CONFIG: records.config({"num_train": train_size(call.source, call.site,
+                                                                                        config)})}), reply_to=msg)

@@ -61,6 +61,7 @@ from fdam_ray.loop.state import (
     Scores,
     ScoreSums,
 )
+from fdam_ray.privacy.driver import PrivateClientSection
 from fdam_ray.privacy.histogram import Binning
 
 if TYPE_CHECKING:
@@ -95,7 +96,9 @@ class FlowerExecutor(Executor):
         num_sites: K; the sites are numbered 0..K-1 by their node config.
     """
 
-    clients_from_setup = False  # each site builds its client from the run's plain config
+    # each site builds its client from the run config; the driver puts the privacy settings it resolves (sigma)
+    # into that config (fdam_ray/privacy/driver.py), so every dp mode runs here
+    clients_from_setup = False
 
     def __init__(self, grid: Grid, flower: FlowerSection, *, run_key: str, num_sites: int) -> None:
         self.grid = grid
@@ -115,6 +118,7 @@ class FlowerExecutor(Executor):
         self.weights: np.ndarray | None = None  # w_k by site (None: uniform)
         self.shapes: SiteShapes | None = None
         self.secure: Callable[..., PartialSum | None] | None = None  # set by secagg.enable
+        self.secure_histogram: Callable[..., ScoreHistogram | None] | None = None  # set by secagg.enable
         self.replaced: set[int] = set()  # sites that lost their state mid-run (they start from the global c)
         self.with_tests: list[int] = []  # sites holding a test split of their own
         self.unusable: dict[int, str] = {}  # node id -> why it cannot take part (said once, not asked again)
@@ -122,6 +126,7 @@ class FlowerExecutor(Executor):
         self.last_error: dict[int, str] = {}  # site -> its last failure, in one line
         self.dropped: set[int] = set()  # sites dropped under on_client_failure=drop (until their node restarts)
         self.on_failure, self.max_retries = "retry", 2  # the config's on_client_failure, max_client_retries
+        self.private = False  # dp: client: the updates are the sites' clipped (noised) changes, c^k is not sent
 
     # -- finding the sites -----------------------------------------------------------------
     def connect(self) -> SiteShapes:
@@ -313,6 +318,19 @@ class FlowerExecutor(Executor):
         arrays = {"positive_ratio": self.positive_ratio, "reference": self.reference}
         return RecordDict({records.CONFIG: records.config(cfg), records.ARRAYS: records.arrays(arrays)})
 
+    def train_sizes(self, config_json: str) -> list[int]:
+        """Each site's number of training samples under the run config ``config_json`` (before the start: dp:
+        sample solves sigma for them); every site must answer."""
+        self.refresh()
+        replies = self.ask("query.sizes", {k: RecordDict({records.CONFIG: records.config({"config": config_json})})
+                                           for k in range(self.num_sites)})
+        missing = [k for k in range(self.num_sites) if k not in replies]
+        if missing:
+            why = "; ".join(self.last_error.get(k, f"site {k} did not answer") for k in missing)
+            raise RuntimeError(f"sites {missing} did not say their number of training samples ({why})")
+        return [records.integer(replies[k].config_records[records.CONFIG], "num_train")
+                for k in range(self.num_sites)]
+
     def _start_sites(self) -> dict[int, RecordDict]:
         """Give every site the run's setup now (a federation starts with all its sites)."""
         self.version += 1
@@ -336,6 +354,7 @@ class FlowerExecutor(Executor):
     # -- the executor interface ------------------------------------------------------------------
     def start(self, setup: ExecutorSetup, source: DataSource) -> list[ClientInfo]:
         self.config_json = records.to_json(dict(setup.run_config))  # each site builds its client from it
+        self.private = isinstance(setup.client, PrivateClientSection)
         policy = setup.executor
         self.on_failure, self.max_retries = policy.on_client_failure, policy.max_client_retries
         self.run_key = f"{self.run_key}-{hashlib.sha256(self.config_json.encode()).hexdigest()[:12]}"
@@ -378,7 +397,7 @@ class FlowerExecutor(Executor):
                                "asked)")
         updates = {k: self._update_of(k, replies[k]) for k in came}
         left_out = self._note_left_out(plan.round, wanted, came)
-        if left_out and clients is None:
+        if left_out and clients is None and not self.private:  # dp: client: the server's c is post-processing
             self._partial_control(state, plan, updates)
         for k in came:
             part = PartialSum.zeros(state, control_variates=state.c_v is not None)
@@ -431,8 +450,14 @@ class FlowerExecutor(Executor):
     def evaluate(self, state: GlobalState, split: str = "test",
                  bins: Binning | None = None) -> list[Scores] | list[ScoreHistogram]:
         """Each site's scores of ``state`` on its own test split (or, ``split="val"``, its validation part); with
-        ``bins`` its score histogram and own AUC per task instead (each site's histogram reaches the server
-        as it is: it is not summed under SecAgg+)."""
+        ``bins`` its score histogram and own AUC per task instead. Under SecAgg+ with ``bins``: ONE histogram,
+        the exact sum of every site's through the secure sum (client_id -1, no site's AUC; a site without such a
+        part adds zeros), :func:`~fdam_ray.flower.secagg.run_secure_histogram`; no site's own reaches here."""
+        if bins is not None and self.secure_histogram is not None:
+            if not self.with_tests:  # as in the clear: no site holds such a part, none is asked
+                return []
+            summed = self.secure_histogram(self, state, split, bins, self.ensure_synced(range(self.num_sites)))
+            return [] if summed is None else [summed]
         ready = self.ensure_synced(self.with_tests)  # a site without a test split of its own is not asked
         more = {"split": split} if bins is None else {"split": split, **records.binning_header(bins)}
         replies = self.ask("evaluate", {k: records.global_state_content(state, self.header(k, **more))

@@ -22,6 +22,20 @@ clipped silently), and the server stops the run naming the setting. Integer
 buffers (num_batches_tracked, the same on every site) are sent in the clear;
 so is nothing else.
 
+Under ``dp: client`` a site's update is already its clipped change D~_k (with its noise share under
+``dp_noise_at: clients``, added before the masking) and zeros in place of c^k: it is sent as it is, s_k * D~_k,
+and the server's private reducer post-processes the unmasked sum (fdam_ray/privacy/client_level.py), so under
+``dp_noise_at: clients`` no party sees a sum without noise.
+
+Score histograms (``test_scores: histogram``): an evaluation goes through SecAgg+ too, as a round of its own
+(:func:`run_secure_histogram`), so the server learns only the SUM of the sites' counts (no site's histogram, no
+site's own AUC: ``client_auc`` is absent under SecAgg+). Its quantisation is chosen for exactness, not taken from
+the flower section: clipping range 1 and L = min(2**30, 2**31 / (the sites, rounded up to a power of two))
+levels (:func:`histogram_levels`); a site sends each count c (c <= L) as c * 2 / L - 1, which Flower maps to the
+integer c exactly (powers of two only, no rounding; the stochastic rounding of an integer is the integer); the
+masked integers sum modulo 2**32 > sites * L, so the unmasked sum is every count's exact sum, read back with
+``rint``. A site whose count exceeds L refuses (one line).
+
 Every secure round uses the partial-participation form of the control-variate
 step, c <- c + sum_S w_k (change of c^k) / sum_all w, which is the full-round
 mean when every site completes and stays right when SecAgg+ completes a round
@@ -36,7 +50,7 @@ from fdam_ray.flower import needs_flower  # noqa: F401 (first: without Flower, s
 import json
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message, RecordDict
@@ -52,7 +66,9 @@ from fdam_ray.algorithms.drift import CONTROL_VARIATES
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.flower import records
 from fdam_ray.flower.section import FlowerSection
-from fdam_ray.loop.state import GlobalState, RoundPlan, StepStats, vector_names
+from fdam_ray.loop.evaluation import SUMMED
+from fdam_ray.loop.state import GlobalState, RoundPlan, ScoreHistogram, StepStats, vector_names
+from fdam_ray.privacy.histogram import Binning
 
 if TYPE_CHECKING:
     from fdam_ray.flower.executor import FlowerExecutor
@@ -67,10 +83,15 @@ _STATS = 4  # loss, samples * SAMPLES_SCALE, not finite, out of range
 
 # -- site side ------------------------------------------------------------------------------------
 def secure_round(msg: Message, context: Context, open_call: Callable[[ConfigRecord], Any],
-                 local_round: Callable[..., Any]) -> Message:
+                 local_round: Callable[..., Any], score: Callable[..., ScoreHistogram | None] | None = None
+                 ) -> Message:
     """The site's round inside the SecAgg+ protocol: the update as one scaled difference vector."""
     fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     cfg = fitins.config
+    if "binning" in cfg:  # an evaluation's histogram round, not a training round
+        if score is None:
+            raise RuntimeError("this site cannot send a score histogram under secure aggregation")
+        return secure_histogram(msg, context, open_call, score)
     header = records.config({k: cfg[k] for k in ("run_key", "version", "counted")})
     call = open_call(header)
     names = str(cfg["names"]).split(",")
@@ -83,12 +104,13 @@ def secure_round(msg: Message, context: Context, open_call: Callable[[ConfigReco
     own = call_weight(call)
     weight = 1.0 if own is None else own
     scale = weight * float(cfg["scale"])
+    private = call_private(call)  # the update is the clipped change itself
     parts = []
     for name in _SUMMED:
         x = getattr(update, name)
         if x is None:
             continue
-        start = getattr(state, name) if name in _DIFFERENCES else 0.0
+        start = getattr(state, name) if name in _DIFFERENCES and not private else 0.0
         parts.append((np.asarray(x, dtype=np.float64) - start) * scale)
     body = np.concatenate(parts) if parts else np.zeros(0)
     clip = float(cfg["clip"])
@@ -109,6 +131,51 @@ def call_weight(call: Any) -> float | None:
     if config.get("client_weighting", "uniform") == "uniform":
         return None
     return float(len(call.source.client_shard(call.site).train))
+
+
+def call_private(call: Any) -> bool:
+    """Whether the site's run is dp: client (its update is then its clipped change, not its end point)."""
+    return bool(json.loads(call.kept.config).get("dp", "off") == "client")
+
+
+HISTOGRAM_CLIP = 1.0  # the histogram round's clipping range (a power of two: the grid is exact)
+_HIST_STATS = 3  # samples, nan outputs, sites that contributed
+
+
+def histogram_levels(sites: int) -> int:
+    """L, the histogram round's quantisation levels: sites * L <= 2**31 < 2**32, Flower's modulus, which also
+    holds the sum of the sites' factors, sites * L (at 2**32 it would wrap to 0), and L fits an int32."""
+    return min(2**30, 2**31 // (1 << max(sites - 1, 0).bit_length()))
+
+
+def secure_histogram(msg: Message, context: Context, open_call: Callable[[ConfigRecord], Any],
+                     score: Callable[..., ScoreHistogram | None]) -> Message:
+    """The site's score histogram inside SecAgg+: its counts (and samples, NaN outputs) as one vector on the
+    exact grid of :func:`histogram_levels`; nothing in the clear."""
+    fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
+    cfg = fitins.config
+    call = open_call(records.config({k: cfg[k] for k in ("run_key", "version", "counted")}))
+    names = str(cfg["names"]).split(",")
+    vectors: dict[str, np.ndarray | None] = dict.fromkeys(vector_names())
+    vectors.update(zip(names, parameters_to_ndarrays(fitins.parameters), strict=True))
+    state = GlobalState.from_vectors(vectors, round=int(cfg["round"]), iteration=int(cfg["iteration"]))
+    header = json.loads(str(cfg["binning"]))
+    binning = Binning(int(header["bins"])) if "bins_lo" not in header else \
+        Binning(int(header["bins"]), tuple(map(float, header["bins_lo"])), tuple(map(float, header["bins_hi"])))
+    tasks, levels = int(cfg["tasks"]), int(cfg["levels"])
+    found = score(call, state, str(cfg["split"]), binning)
+    counts = np.zeros((tasks, 2, binning.bins), np.int64) if found is None else np.asarray(found.counts, np.int64)
+    if counts.shape != (tasks, 2, binning.bins):
+        raise ValueError(f"site {call.site}: its histogram has shape {counts.shape}, the server asked for "
+                         f"{(tasks, 2, binning.bins)}")
+    extra = [0, 0, 0] if found is None else [found.samples, found.nan_outputs, 1]
+    values = np.concatenate([counts.ravel(), np.asarray(extra, np.int64)])
+    if values.min() < 0 or values.max() > levels:
+        raise ValueError(f"site {call.site}: a count of its score histogram is {int(values.max())}, above the "
+                         f"{levels} the secure sum holds exactly")
+    body = values.astype(np.float64) * (2 * HISTOGRAM_CLIP / levels) - HISTOGRAM_CLIP  # exact: powers of two
+    res = FitRes(Status(Code.OK, "ok"), ndarrays_to_parameters([body]), 1, {})
+    return Message(compat.fitres_to_recorddict(res, keep_input=True), reply_to=msg)
 
 
 # -- server side ----------------------------------------------------------------------------------
@@ -152,7 +219,12 @@ def enable(executor: FlowerExecutor, context: Context) -> None:
                sampled: bool) -> PartialSum | None:
         return run_secure_round(ex, context, flower, state, plan, sites, sampled=sampled)
 
+    def histogram(ex: FlowerExecutor, state: GlobalState, split: str, bins: Binning,
+                  sites: list[int]) -> ScoreHistogram | None:
+        return run_secure_histogram(ex, context, flower, state, split, bins, sites)
+
     executor.secure = secure
+    executor.secure_histogram = histogram
 
 
 def _weight(ex: FlowerExecutor, k: int) -> float:
@@ -174,22 +246,57 @@ def run_secure_round(ex: FlowerExecutor, context: Context, flower: FlowerSection
                "scale": 1.0 / planned, "clip": flower.secagg_clipping_range,
                **{f"plan_{f}": getattr(plan, f) for f in ("round", "stage", "steps", "lr", "iteration")}}
         instructions.append((GridClientProxy(ex.node_of[k], ex.grid, run_id), FitIns(params, cfg)))
-    strategy = _OneRound(instructions)
-    legacy = LegacyContext(Context(run_id=context.run_id, node_id=context.node_id, node_config=context.node_config,
-                                   state=RecordDict(), run_config=context.run_config), strategy=strategy)
-    legacy.state.config_records[MAIN_CONFIGS_RECORD] = records.config({Key.CURRENT_ROUND: plan.round})
-    legacy.state.array_records[MAIN_PARAMS_RECORD] = compat.parameters_to_arrayrecord(Parameters([], ""), True)
-    workflow = SecAggPlusWorkflow(_share(flower.secagg_num_shares), _share(flower.secagg_reconstruction_threshold),
-                                  max_weight=1.0, clipping_range=flower.secagg_clipping_range,
-                                  quantization_range=flower.secagg_quantization_range,
-                                  timeout=flower.round_timeout_s)
-    workflow(ex.grid, legacy)
+    strategy = _workflow(ex, context, flower, instructions, plan.round, flower.secagg_clipping_range,
+                         flower.secagg_quantization_range)
     if strategy.mean is None:
         return None
     done = sorted(ex.site_of[n] for n in strategy.sites_done)
     for k in done:
         ex.counted[k] = plan.round
     return _partial_sum(ex, state, plan, strategy, done, planned, sampled=sampled)
+
+
+def _workflow(ex: FlowerExecutor, context: Context, flower: FlowerSection,
+              instructions: list[tuple[GridClientProxy, FitIns]], round_: int, clip: float, levels: int) -> _OneRound:
+    """Run one SecAggPlusWorkflow over ``instructions`` with the given quantisation; its strategy (the mean)."""
+    strategy = _OneRound(instructions)
+    legacy = LegacyContext(Context(run_id=context.run_id, node_id=context.node_id, node_config=context.node_config,
+                                   state=RecordDict(), run_config=context.run_config), strategy=strategy)
+    legacy.state.config_records[MAIN_CONFIGS_RECORD] = records.config({Key.CURRENT_ROUND: round_})
+    legacy.state.array_records[MAIN_PARAMS_RECORD] = compat.parameters_to_arrayrecord(Parameters([], ""), True)
+    workflow = SecAggPlusWorkflow(_share(flower.secagg_num_shares), _share(flower.secagg_reconstruction_threshold),
+                                  max_weight=1.0, clipping_range=clip, quantization_range=levels,
+                                  timeout=flower.round_timeout_s)
+    workflow(ex.grid, legacy)
+    return strategy
+
+
+def run_secure_histogram(ex: FlowerExecutor, context: Context, flower: FlowerSection, state: GlobalState,
+                         split: str, bins: Binning, sites: list[int]) -> ScoreHistogram | None:
+    """The sum of the sites' score histograms of ``split`` through SecAgg+, exact (the module docstring): one
+    :class:`ScoreHistogram` with client_id ``SUMMED`` and no AUC of any site; None if no site has such a part."""
+    if len(sites) < 2:
+        raise RuntimeError(f"evaluation: secure aggregation needs at least 2 sites, {len(sites)} are ready")
+    if ex.shapes is None:
+        raise RuntimeError("evaluation before the sites connected")
+    tasks, levels = ex.shapes.num_tasks, histogram_levels(len(sites))
+    names = [n for n, x in state.vectors().items() if x is not None]
+    params = ndarrays_to_parameters([x for x in state.vectors().values() if x is not None])
+    binning = json.dumps(records.binning_header(bins))
+    run_id = ex.grid.run.run_id
+    common: dict[str, Any] = {"round": state.round, "iteration": state.iteration, "names": ",".join(names),
+                              "binning": binning, "split": split, "tasks": tasks, "levels": levels}
+    instructions = [(GridClientProxy(ex.node_of[k], ex.grid, run_id),
+                     FitIns(params, {**cast(dict, ex.header(k)), **common})) for k in sites]
+    strategy = _workflow(ex, context, flower, instructions, state.round, HISTOGRAM_CLIP, levels)
+    if strategy.mean is None:
+        raise RuntimeError("evaluation: secure aggregation of the score histograms returned no sum")
+    n = len(strategy.sites_done)
+    total = np.rint((strategy.mean * n + n * HISTOGRAM_CLIP) * (levels / (2 * HISTOGRAM_CLIP))).astype(np.int64)
+    counts, (samples, nan_outputs, contributed) = total[:-_HIST_STATS], total[-_HIST_STATS:]
+    if contributed == 0:
+        return None
+    return ScoreHistogram(SUMMED, counts.reshape(tasks, 2, bins.bins), np.zeros(0), int(samples), int(nan_outputs))
 
 
 def _share(value: float) -> int | float:
@@ -219,7 +326,9 @@ def _partial_sum(ex: FlowerExecutor, state: GlobalState, plan: RoundPlan, strate
             continue
         change = body[offset: offset + ref.size] * planned  # sum_k w_k (x^k - x)
         offset += ref.size
-        if name in _DIFFERENCES:
+        if name in _DIFFERENCES and ex.private:  # dp: client: the sum of the clipped changes, as the reducer takes it
+            out[name] = change.astype(np.float32)
+        elif name in _DIFFERENCES:
             out[name] = (change + weight * ref.astype(np.float64)).astype(np.float32)
         elif sampled:  # the reducer adds c and divides by the total weight itself
             out[name] = change.astype(np.float32)

@@ -13,7 +13,7 @@ from fdam_ray.flower import needs_flower  # noqa: F401 (first: without Flower, s
 # isort: split
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,24 +28,28 @@ from fdam_ray.data import DataSource
 from fdam_ray.data.base import Shard, Split, as_labels
 from fdam_ray.executors.base import ExecutorSection
 from fdam_ray.executors.inline import inline_threads
-from fdam_ray.flower import secagg
+from fdam_ray.flower import records, secagg
 from fdam_ray.flower.executor import FlowerExecutor, SiteShapes
 from fdam_ray.flower.section import split_config
 from fdam_ray.loop.client import resolve_device
 from fdam_ray.loop.federation import Federation, RunResult
 from fdam_ray.loop.schedules import ScheduleSection
 from fdam_ray.outputs import Observer, Observers, RunFolder
+from fdam_ray.privacy.driver import TrainSizesElsewhere
 
 log = logging.getLogger(__name__)
 
 app = ServerApp()
 
 
-class ServerSource(DataSource):
+class ServerSource(DataSource, TrainSizesElsewhere):
     """What the server knows of the data: the sites' sample shape and tasks, and its own test set if it has one.
-    It holds no site's training data."""
+    It holds no site's training data; ``sizes`` asks the sites for their n_k (dp: sample with a dp_epsilon target
+    solves sigma for them before the start)."""
 
-    def __init__(self, num_clients: int, shapes: SiteShapes, test_data: str | None) -> None:
+    def __init__(self, num_clients: int, shapes: SiteShapes, test_data: str | None,
+                 sizes: Callable[[], list[int]] | None = None) -> None:
+        self.sizes = sizes
         self.num_clients = num_clients
         self.input_shape = shapes.input_shape
         self.num_tasks = shapes.num_tasks
@@ -54,6 +58,11 @@ class ServerSource(DataSource):
 
     def client_shard(self, client_id: int) -> Shard:
         raise ValueError("the server holds no site's data")
+
+    def train_sizes(self) -> list[int]:
+        if self.sizes is None:
+            raise ValueError("the server holds no site's data and was given no way to ask the sites' sizes")
+        return self.sizes()
 
     def test_set(self) -> Split | None:
         if self.test_data is None:
@@ -78,7 +87,9 @@ def run_federation(grid: Grid, context: Context, values: Mapping[str, Any], *, s
         torch.set_num_threads(threads)
     outputs: list[Observer] = [RunFolder(config)] if save else []
     try:
-        fed = Federation(source=ServerSource(config.num_clients, shapes, flower.test_data), executor=executor,
+        source = ServerSource(config.num_clients, shapes, flower.test_data,
+                              sizes=lambda: executor.train_sizes(records.to_json(config.to_dict())))
+        fed = Federation(source=source, executor=executor,
                          config=config, algorithm=AlgorithmSection.of(config), schedule=ScheduleSection.of(config),
                          eval_every=config.eval_every, driver_device=resolve_device(config.device),
                          observer=Observers([*outputs, *observers]))

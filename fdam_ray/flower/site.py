@@ -46,8 +46,9 @@ from fdam_ray.data.base import Shard, Split, as_labels
 from fdam_ray.executors.base import ExecutorSection
 from fdam_ray.executors.inline import inline_threads
 from fdam_ray.flower import records
-from fdam_ray.loop.client import Client, ClientSection, resolve_device
+from fdam_ray.loop.client import Client, resolve_device
 from fdam_ray.loop.state import ClientState
+from fdam_ray.privacy.driver import site_client_section
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +264,9 @@ def build_client(site: int, source: DataSource, kept: KeptState) -> Client:
     threads = inline_threads(ExecutorSection.of(config))
     if threads is not None:
         torch.set_num_threads(threads)
-    client = Client(ClientSection.of(config), source, site, device=resolve_device(config.device))
+    # under dp: client the section whose drift correction clips and adds the site's noise share, with the sigma the
+    # server resolved into the config (the driver's own section, fdam_ray/privacy/driver.py)
+    client = Client(site_client_section(config), source, site, device=resolve_device(config.device))
     if kept.positive_ratio is not None and client.replica.objective.has_auxiliary:
         client.configure(kept.positive_ratio)
     if kept.reference is not None:

@@ -33,7 +33,10 @@ histogram of B bins over the range of the summed histogram's occupied bins
 counts, no client's own range), again over the last pass's occupied range
 while the bound stays above it and the range shrinks (at most ``MAX_PASSES``
 passes), and takes per task the pass with the smallest bound. ``client_auc``
-is each client's own AUC, exact. The global test set is the driver's own data
+is each client's own AUC, exact. Under Flower's SecAgg+ (``flower.secagg: true``) the executor returns ONE
+pre-summed histogram (client_id ``SUMMED`` = -1, no per-client AUC: :func:`presummed`): its counts are the
+exact sum of the sites' counts, so ``test_auc`` is the same, and ``client_auc`` is absent from the record (no
+site's own AUC reaches the server). The global test set is the driver's own data
 (scored here, or in slices by the Ray executor's actors, the driver's
 workers): it is scored exactly in both modes.
 """
@@ -68,6 +71,12 @@ from fdam_ray.settings.sections import Section, fail, setting, shared
 log = logging.getLogger(__name__)
 
 Part = Scores | ScoreHistogram  # what a client sends of one part of its data
+SUMMED = -1  # client_id of a histogram already summed over the sites (SecAgg+): no client's own part
+
+
+def presummed(part: Part) -> bool:
+    """Whether ``part`` is the sites' histograms summed before the driver sees them (SecAgg+), not one client's."""
+    return isinstance(part, ScoreHistogram) and part.client_id == SUMMED
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -204,7 +213,7 @@ class Evaluator:
         """One warning naming every set (the pooled one, then each client's ``part``) whose labels hold one class
         for a task, so that its AUC is NaN."""
         sets = [pooled_set] + [(f"client {self._label(p)}'s {part}", _counts_of(p), f"client {self._label(p)}'s "
-                                f"{auc}") for p in parts]
+                                f"{auc}") for p in parts if not presummed(p)]
         problems = one_class_lines(sets, self.task_names)
         if problems:
             log.warning("%s (an AUC needs positives and negatives)", "; ".join(problems))
@@ -217,6 +226,7 @@ class Evaluator:
         if len(aucs) > 1:
             task_key = "task_auc" if prefix == "test" else f"{prefix}_task_auc"
             out[task_key] = {name: _num(a) for name, a in zip(self.task_names, aucs, strict=True)}
+        parts = [p for p in parts if not presummed(p)]  # a pre-summed histogram has no client's AUC
         if parts:
             client_key = "client_auc" if prefix == "test" else f"{prefix}_client_auc"
             out[client_key] = {self._label(p): _num(mean_auc(_client_aucs(p))) for p in parts}
@@ -229,6 +239,8 @@ class Evaluator:
     def _check_outputs(self, scores: Part, part: str = "test split") -> None:
         """Refuse NaN outputs of the network (an AUC cannot rank them), naming the model and the samples."""
         where = "the test set" if scores.client_id < 0 else f"client {self._label(scores)}'s {part}"
+        if presummed(scores):
+            where = f"the sites' {part}s (summed)"
         if isinstance(scores, ScoreHistogram):  # the client counted them; which samples stays at the client
             if scores.nan_outputs:
                 raise ValueError(self._nan_refusal(f"{scores.nan_outputs} of {scores.samples} samples of {where}"))

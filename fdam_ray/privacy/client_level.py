@@ -28,11 +28,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from fdam_ray.loop.state import ClientUpdate, GlobalState, StateVectors
 from fdam_ray.privacy.mechanisms import clip_to_norm, gaussian_noise, noise_generator, noise_share_std, noise_std
+
+if TYPE_CHECKING:
+    from fdam_ray.privacy.section import PrivacySection
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,13 @@ class ClientLevel:
     seed: int | None
     sampled: int  # S, planned participants per round
     num_clients: int  # K
+
+
+def client_level(section: PrivacySection, sigma: float) -> ClientLevel:
+    """The settings clients and server act by under dp: client: ``section``'s C, noise placement, seed, S and K with
+    the resolved ``sigma`` (the driver's, and a Flower site's from the sigma the driver put in its run config)."""
+    return ClientLevel(clip=section.dp_clip, sigma=float(sigma), noise_at=section.dp_noise_at,
+                       seed=section.dp_noise_seed, sampled=section.sampled_clients, num_clients=section.num_clients)
 
 
 def check_model(buffers: np.ndarray, counters: np.ndarray) -> None:

@@ -11,12 +11,21 @@ A :class:`PrivacyRun` then counts each applied round (:meth:`PrivacyRun.step`), 
 would take epsilon past ``dp_max_epsilon`` (:meth:`PrivacyRun.over_budget`), adds ``dp_epsilon`` and ``dp_delta``
 (and under ``dp: sample`` ``dp_epsilon.<site>``) to each metrics record and sigma, the neighbouring relation and
 the sampling to the summary; :meth:`PrivacyRun.state` is the checkpoint's entry (``LoopState.privacy``).
+
+An executor whose clients are built elsewhere from the plain run config (``clients_from_setup = False``: a Flower
+site) receives the resolved sigma in ``ExecutorSetup.run_config`` (``dp_noise_multiplier`` = sigma, ``dp_epsilon``
+null); each site then builds its client section with :func:`site_client_section`, the same
+:class:`PrivateClientSection` the driver builds (:func:`private_client_section`,
+:func:`~fdam_ray.privacy.client_level.client_level`). Its driver has no site's data: a source that is a
+:class:`TrainSizesElsewhere` says the n_k sigma is solved for (asked of the sites).
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from fdam_ray.data import DataSource
@@ -27,7 +36,7 @@ from fdam_ray.loop.client import ClientSection
 from fdam_ray.loop.flat import FlatModel
 from fdam_ray.loop.schedules import Position, Schedule, ScheduleSection
 from fdam_ray.privacy.accountant import Accountant, shares_noise_multiplier, solve_sigma
-from fdam_ray.privacy.client_level import ClientLevel, check_model, check_transport
+from fdam_ray.privacy.client_level import ClientLevel, check_model, check_transport, client_level
 from fdam_ray.privacy.section import PrivacySection
 
 log = logging.getLogger(__name__)
@@ -42,18 +51,60 @@ class PrivateClientSection(ClientSection):
     client_dp: ClientLevel
 
 
+class TrainSizesElsewhere(abc.ABC):
+    """A data source whose sites' data are elsewhere (a Flower server's): it says each site's number of training
+    samples (after the validation hold-out), which dp: sample needs before the start to solve sigma."""
+
+    @abc.abstractmethod
+    def train_sizes(self) -> list[int]:
+        """n_k by client id, each as :func:`train_size` counts it at the site."""
+
+
+def train_size(source: DataSource, client_id: int, config: Any) -> int:
+    """Client ``client_id``'s number of training samples after the validation hold-out (the n_k of its accountant):
+    the driver's count, and a Flower site's of its own data."""
+    return len(hold_out_validation(source.client_shard(client_id), config.val_fraction, seed=config.seed,
+                                   client_id=client_id, task_names=tuple(source.task_names)).train)
+
+
+def private_client_section(client: ClientSection, dp: ClientLevel) -> PrivateClientSection:
+    """``client`` with the resolved dp: client settings ``dp`` (its ``dp_noise_multiplier`` the resolved sigma, as
+    a site's config carries it)."""
+    fields = {f.name: getattr(client, f.name) for f in dataclasses.fields(client)}
+    return PrivateClientSection(**{**fields, "dp_noise_multiplier": dp.sigma}, client_dp=dp)
+
+
+def site_client_section(config: Any) -> ClientSection:
+    """The client section a site builds from the run config it received (the driver resolved sigma into it, see
+    :func:`private_setup`): under dp: client the :class:`PrivateClientSection` the driver builds, else the plain
+    one."""
+    client = ClientSection.of(config)
+    section = PrivacySection.of(config)
+    if section.enabled and section.dp_noise_multiplier is None:
+        raise ValueError(f"dp: {section.dp}: the run config this site received has no resolved "
+                         "dp_noise_multiplier (the server solves sigma from dp_epsilon and sends it)")
+    if section.dp != "client":
+        return client
+    assert section.dp_noise_multiplier is not None
+    return private_client_section(client, client_level(section, section.dp_noise_multiplier))
+
+
+def _with_sigma(setup: ExecutorSetup, sigma: float) -> ExecutorSetup:
+    """``setup`` whose run config carries the resolved sigma (what clients built from it act by)."""
+    run_config: Mapping[str, Any] = {**setup.run_config, "dp_noise_multiplier": float(sigma), "dp_epsilon": None}
+    return dataclasses.replace(setup, run_config=run_config)
+
+
 def private_setup(setup: ExecutorSetup, executor: Executor, config: Any, flat: FlatModel, schedule: ScheduleSection,
                   source: DataSource, state: dict | None) -> tuple[ExecutorSetup, PrivacyRun | None]:
     """The setup for ``executor`` with what the clients need for the run's dp mode, and the driver's bookkeeping
     (this module's docstring); ``flat``: the driver's replica (its buffers), ``state``: a resumed run's checkpoint
-    entry. dp: off: ``setup`` as it is, and None (nothing else is read)."""
+    entry. dp: off: ``setup`` as it is, and None (nothing else is read). For an executor whose clients are built
+    from the run config (``clients_from_setup`` False) a solved sigma is put into ``setup.run_config`` too."""
     section = PrivacySection.of(config)
     if not section.enabled:
         return setup, None
-    if not executor.clients_from_setup and (section.dp == "client" or section.dp_epsilon is not None):
-        raise ValueError(f"dp: {section.dp} runs with executor inline or ray only: this executor "
-                         f"({type(executor).__name__}) builds its clients from the plain config, without the privacy "
-                         "settings the driver resolved")
+    solved = section.dp_epsilon is not None and not executor.clients_from_setup
     labels = [client_label(k, config.client_names) for k in range(section.num_clients)]
     if section.dp == "client":
         initial = flat.initial_state()
@@ -61,20 +112,18 @@ def private_setup(setup: ExecutorSetup, executor: Executor, config: Any, flat: F
         check_transport(config.transport, config.transfer_precision)
         rounds = sum(1 for _ in Schedule(schedule, Position()).plans())  # the planned run's rounds
         client_run = ClientLevelRun(section, rounds=rounds, state=None if state is None else state["client"])
-        client = {f.name: getattr(setup.client, f.name) for f in dataclasses.fields(setup.client)}
-        return dataclasses.replace(setup, client=PrivateClientSection(**client, client_dp=client_run.settings)), \
-            client_run
+        setup = dataclasses.replace(setup, client=private_client_section(setup.client, client_run.settings))
+        return (_with_sigma(setup, client_run.sigma) if solved else setup), client_run
     sizes = None
     if state is None and section.dp_noise_multiplier is None:  # n_k before the start: to solve sigma only
-        sizes = [len(hold_out_validation(source.client_shard(k), config.val_fraction, seed=config.seed,
-                                         client_id=k, task_names=tuple(source.task_names)).train)
-                 for k in range(section.num_clients)]
+        sizes = (source.train_sizes() if isinstance(source, TrainSizesElsewhere)
+                 else [train_size(source, k, config) for k in range(section.num_clients)])
     sample_run = SampleLevelRun(section, iterations=schedule.iterations, batch_size=config.batch_size,
                                 num_train=sizes, labels=labels, state=state)
     if config.dp_noise_multiplier is None:
         setup = dataclasses.replace(setup, client=dataclasses.replace(setup.client,
                                                                       dp_noise_multiplier=sample_run.sigma))
-    return setup, sample_run
+    return (_with_sigma(setup, sample_run.sigma) if solved else setup), sample_run
 
 
 class PrivacyRun:
@@ -159,8 +208,7 @@ class ClientLevelRun(PrivacyRun):
                                                      clients_per_round=section.clients_per_round,
                                                      sampling=section.dp_sampling)
         super().__init__(section, sigma, self.accountant.relation)
-        self.settings = ClientLevel(clip=section.dp_clip, sigma=float(sigma), noise_at=section.dp_noise_at,
-                                    seed=section.dp_noise_seed, sampled=s, num_clients=k)
+        self.settings = client_level(section, sigma)
         log.info("dp: client: sigma %.4g, clip %g, noise at %s, %d of %d clients a round, delta %g (%s)", sigma,
                  section.dp_clip, section.dp_noise_at, s, k, section.dp_delta, self.relation)
 

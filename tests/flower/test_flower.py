@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from flower_helpers import RecordingGrid, write_three_sites
 
 import fdam_ray
 from fdam_ray.config import ConfigError, build_config
@@ -73,26 +74,10 @@ CODASCA = dict(algorithm="codasca", model="linear", batch_size=8, seed=3, execut
                iterations=24, lr=0.2, global_lr=1.3, prox_weight=0.01, stage_length=9, eval_every=6)
 
 
-def three_sites():
-    rng = np.random.default_rng(0)
-
-    def site(n, shift):
-        x = rng.normal(size=(n, 4)).astype(np.float32) + shift
-        y = (x[:, 0] + 0.5 * rng.normal(size=n) > shift).astype(np.float32)
-        return x, y
-
-    return [site(30, 0.0), site(50, 0.3), site(40, -0.2)], site(60, 0.0)
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """The three sites' data and the test set, as arrays and as the .npz files the sites and the server read."""
-    folder = tmp_path_factory.mktemp("flower-data")
-    clients, test = three_sites()
-    for k, (x, y) in enumerate(clients):
-        np.savez(folder / f"site{k}.npz", x=x, y=y)
-    np.savez(folder / "test.npz", x=test[0], y=test[1])
-    return clients, test, folder
+    return write_three_sites(tmp_path_factory.mktemp("flower-data"))
 
 
 def node_configs(folder, state_dir=None, **more):
@@ -131,24 +116,6 @@ def test_a_flower_run_equals_the_inline_run(data, case):
     assert max_difference(inline, flower) <= 1e-6  # in fact bit for bit: the same sums in the same order
     assert [h["test_auc"] for h in flower.history] == [h["test_auc"] for h in inline.history]
     assert flower.summary["bytes_up"] == inline.summary["bytes_up"]
-
-
-class RecordingGrid(InProcessGrid):
-    """Keeps every message type sent and every reply that reached the server."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.sent, self.replies = [], []
-
-    def push_messages(self, messages):
-        messages = list(messages)
-        self.sent += [m.metadata.message_type for m in messages]
-        return super().push_messages(messages)
-
-    def pull_messages(self, message_ids):
-        got = list(super().pull_messages(message_ids))
-        self.replies += got
-        return got
 
 
 # Measured on this data (8 rounds, defaults clip 8 and 2**24 levels): at most 5e-6 on any value of the final

@@ -191,23 +191,42 @@ def test_collective_transport_is_refused_in_one_line():
     assert "\n" not in str(info.value)
 
 
-def test_an_executor_that_builds_clients_from_the_plain_config_is_refused():
+def test_an_executor_that_builds_clients_from_the_plain_config_receives_the_resolved_sigma_in_it():
+    """dp: client with a dp_epsilon target for an executor whose clients are built from the run config (a Flower
+    site): the solved sigma reaches the config (target null, so it validates), and the section a site builds from
+    that config is the driver's own PrivateClientSection (same C, sigma, S, K, seed, placement)."""
+    import torch.nn as nn
+
     from fdam_ray.executors.base import ExecutorSetup
-    from fdam_ray.privacy.driver import private_setup
+    from fdam_ray.loop.flat import FlatModel
+    from fdam_ray.loop.schedules import ScheduleSection
+    from fdam_ray.privacy.driver import PrivateClientSection, private_setup, site_client_section
+    from fdam_ray.privacy.section import PrivacySection
 
     class Elsewhere:  # like the Flower bridge: its clients are built from the plain config at each site
         clients_from_setup = False
 
-    from fdam_ray.flower.executor import FlowerExecutor
-
-    assert FlowerExecutor.clients_from_setup is False
-
-    cfg = build_config(dict(dp="client", dp_noise_multiplier=1.0, model="linear", algorithm="coda_plus"))
+    cfg = build_config(dict(dp="client", dp_epsilon=5.0, dp_noise_seed=4, dp_noise_at="clients", dp_clip=0.5,
+                            model="linear", algorithm="coda_plus", num_clients=4, clients_per_round=3,
+                            iterations=12, local_steps=3))
     setup = ExecutorSetup.for_config(cfg)
-    with pytest.raises(ValueError, match="executor inline or ray only"):
-        private_setup(setup, Elsewhere(), cfg, None, None, None, None)  # type: ignore[arg-type]
+    flat = FlatModel(nn.Linear(3, 1), aux_size=3)
+    out, run = private_setup(setup, Elsewhere(), cfg, flat, ScheduleSection.of(cfg), None, None)  # type: ignore
+    assert run is not None and 0 < run.sigma < float("inf")
+    assert out.run_config["dp_noise_multiplier"] == run.sigma and out.run_config["dp_epsilon"] is None
+    assert setup.run_config["dp_epsilon"] == 5.0  # the federation's own setup is not changed in place
+    at_site = site_client_section(build_config(dict(out.run_config)))
+    assert isinstance(at_site, PrivateClientSection) and at_site == out.client
+    assert at_site.client_dp.sigma == run.sigma and (at_site.client_dp.sampled, at_site.client_dp.num_clients) == (3, 4)
+    assert (at_site.client_dp.clip, at_site.client_dp.seed, at_site.client_dp.noise_at) == (0.5, 4, "clients")
+    with pytest.raises(ValueError, match="no resolved dp_noise_multiplier"):  # the plain config: never unnoised
+        site_client_section(cfg)
+    same, _ = private_setup(setup, type("Here", (), {"clients_from_setup": True})(), cfg, flat,  # type: ignore
+                            ScheduleSection.of(cfg), None, None)
+    assert same.run_config is setup.run_config and same.client == out.client  # inline/Ray: the config unchanged
     off = build_config(dict(model="linear"))
     assert private_setup(setup, Elsewhere(), off, None, None, None, None) == (setup, None)  # type: ignore[arg-type]
+    assert PrivacySection.of(off).enabled is False
 
 
 def test_a_checkpoint_without_dp_is_written_and_read_as_before():
