@@ -474,7 +474,7 @@ identically.
 {len(m['sample']) + len(m['client']) + len(pairs)} runs, {m['run_s'] / 60:.1f} min; the independent \
 recomputation {m['check_s']:.0f} s.
 """
-    C.write_results(out, "What differential privacy costs in test AUC (issue 39)", command, body)
+    C.write_results(out, "What differential privacy costs in test AUC", command, body)
     print(body)
     def mean(xs: Sequence[float]) -> float:
         return float(np.mean(xs))
