@@ -26,7 +26,7 @@ import abc
 import dataclasses
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fdam_ray.data import DataSource
 from fdam_ray.data.base import hold_out_validation
@@ -38,6 +38,9 @@ from fdam_ray.loop.schedules import Position, Schedule, ScheduleSection
 from fdam_ray.privacy.accountant import Accountant, shares_noise_multiplier, solve_sigma
 from fdam_ray.privacy.client_level import ClientLevel, check_model, check_transport, client_level
 from fdam_ray.privacy.section import PrivacySection
+
+if TYPE_CHECKING:
+    from fdam_ray.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +63,7 @@ class TrainSizesElsewhere(abc.ABC):
         """n_k by client id, each as :func:`train_size` counts it at the site."""
 
 
-def train_size(source: DataSource, client_id: int, config: Any) -> int:
+def train_size(source: DataSource, client_id: int, config: Config) -> int:
     """Client ``client_id``'s number of training samples after the validation hold-out (the n_k of its accountant):
     the driver's count, and a Flower site's of its own data."""
     return len(hold_out_validation(source.client_shard(client_id), config.val_fraction, seed=config.seed,
@@ -74,7 +77,7 @@ def private_client_section(client: ClientSection, dp: ClientLevel) -> PrivateCli
     return PrivateClientSection(**{**fields, "dp_noise_multiplier": dp.sigma}, client_dp=dp)
 
 
-def site_client_section(config: Any) -> ClientSection:
+def site_client_section(config: Config) -> ClientSection:
     """The client section a site builds from the run config it received (the driver resolved sigma into it, see
     :func:`private_setup`): under dp: client the :class:`PrivateClientSection` the driver builds, else the plain
     one."""
@@ -95,7 +98,7 @@ def _with_sigma(setup: ExecutorSetup, sigma: float) -> ExecutorSetup:
     return dataclasses.replace(setup, run_config=run_config)
 
 
-def private_setup(setup: ExecutorSetup, executor: Executor, config: Any, flat: FlatModel, schedule: ScheduleSection,
+def private_setup(setup: ExecutorSetup, executor: Executor, config: Config, flat: FlatModel, schedule: ScheduleSection,
                   source: DataSource, state: dict | None) -> tuple[ExecutorSetup, PrivacyRun | None]:
     """The setup for ``executor`` with what the clients need for the run's dp mode, and the driver's bookkeeping
     (this module's docstring); ``flat``: the driver's replica (its buffers), ``state``: a resumed run's checkpoint
@@ -176,19 +179,6 @@ class PrivacyRun:
         return {"dp": self.mode, "dp_epsilon": self.epsilon(),  # inf (no noise): written null, with a note
                 "dp_delta": self.section.dp_delta, "dp_noise_multiplier": self.sigma, "dp_relation": self.relation,
                 "dp_sampling": self.section.dp_sampling, "dp_stopped": self.stopped}
-
-
-def privacy_run(section: PrivacySection, *, rounds: int, iterations: int, batch_size: int,
-                num_train: list[int] | None, labels: list[str], state: dict | None) -> PrivacyRun | None:
-    """The driver's privacy bookkeeping of a run (None for dp: off). ``rounds``, ``iterations``: the planned run
-    (sigma solved for it when a target is given); ``num_train``: n_k per site (dp: sample; needed before the
-    clients start only to solve sigma); ``state``: a resumed run's checkpoint entry."""
-    if section.dp == "client":
-        return ClientLevelRun(section, rounds=rounds, state=None if state is None else state["client"])
-    if section.dp == "sample":
-        return SampleLevelRun(section, iterations=iterations, batch_size=batch_size, num_train=num_train,
-                              labels=labels, state=state)
-    return None
 
 
 class ClientLevelRun(PrivacyRun):
