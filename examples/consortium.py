@@ -6,9 +6,12 @@ study as a simulation (``fdam_ray.train_arrays``: on Ray, or in this process
 with ``--quick``). Then the same config file, plus its ``flower:`` section, runs
 as a consortium on this machine: a SuperLink and one SuperNode per site, each a
 process of its own listening on 127.0.0.1 only, every connection TLS with
-certificates this script makes; ``flwr run`` submits the study. Each site reads
-only its own ``.npz`` file and keeps its state (c^k, sampler position) in a
-file of its own. The script prints both runs' test AUC and the largest
+certificates this script makes, only registered SuperNodes admitted. ``flwr
+run`` submits the study (its config's text travels in the run config) and the
+server writes its run folder (metrics, summary, a checkpoint after every round)
+in ``server-run/``, the guide's layout (docs/how-to/consortium.md). Each site
+reads only its own ``.npz`` file and keeps its state (c^k, sampler position) in
+a file of its own. The script prints both runs' test AUC and the largest
 difference between their final global states (0 without SecAgg+, about 1e-6
 with it: its fixed-point quantisation).
 
@@ -79,13 +82,15 @@ def run(folder: Path, *, quick: bool, secagg: bool, timeout: float = 900.0) -> N
     print("2. the consortium: a SuperLink and 3 SuperNodes on 127.0.0.1 with TLS" + (", SecAgg+" if secagg else ""))
     start = time.perf_counter()
     with Consortium(folder / "consortium", nodes, timeout=timeout) as consortium:
-        consortium.run(write_app(folder / "app"), config, folder / "result.npz")
+        # the study travels in the run config (its text); the server writes its run folder on its own host
+        consortium.run(write_app(folder / "app"), config, folder / "result.npz", run_dir=folder / "server-run")
     result = np.load(folder / "result.npz")
     history = yaml.safe_load(str(result["history"]))
     gap = max(float(np.abs(result[name].astype(np.float64) - getattr(simulated.state, name)).max())
               for name in ("v", "alpha") if result[name].size)
     print(f"   test AUC {history[-1]['test_auc']:.4f} in {time.perf_counter() - start:.0f} s")
     print(f"   largest difference from the simulation's final state: {gap:.2e}")
+    print(f"   the server's run folder (metrics, summary, checkpoint): {folder / 'server-run'}")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ import logging
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -201,6 +202,7 @@ class ChestXraySource(DataSource):
         self.num_workers = section.data_workers
         self.seed = section.seed
         self.input_shape = (3, self.image_size, self.image_size)
+        self.first_client = 0  # the federation's number of client 0 here (its augmentation draws are keyed by it)
         self._cache: dict[str, tuple[SourceTable, np.ndarray]] = {}
 
     def local_problems(self) -> list[str]:
@@ -280,10 +282,31 @@ class ChestXraySource(DataSource):
         table, labels = self.table(self.places[client_id].source)
         if len(train) == 0:
             raise ValueError(f"chest X-ray client {client_id} ({self.places[client_id].source}) has no training images")
-        return Shard(self._split(table, labels, train, split_seed(self.seed, client_id) if self.augment else None),
+        augment_seed = split_seed(self.seed, self.first_client + client_id) if self.augment else None
+        return Shard(self._split(table, labels, train, augment_seed),
                      self._split(table, labels, test, None) if len(test) else None,
                      self._split(table, labels, val, None) if val is not None and len(val) else None,
                      groups=table.patients[train])  # a held-out validation part takes whole patients
 
     def test_set(self) -> None:
         return None
+
+
+def organisation_source(section: ChestXraySection, client_id: int, root: str | Path) -> ChestXraySource:
+    """Client ``client_id`` of a ``chestxray_clients: source`` federation on its own: organisation
+    ``chestxray_sources[client_id]`` read from ``root``, on a machine that holds no other organisation's files (a
+    Flower site). Its shard is the one that client has in the whole federation: the same images, test patients
+    and augmentation draws."""
+    sources = tuple(section.chestxray_sources)
+    if section.chestxray_clients != "source":
+        raise ValueError("a site reading its own organisation's images needs chestxray_clients: source (one client "
+                         f"per organisation), not {section.chestxray_clients!r}")
+    if not 0 <= client_id < len(sources):
+        raise ValueError(f"site {client_id}: chestxray_sources lists {len(sources)} organisations "
+                         f"({', '.join(sources)}), so the sites are 0..{len(sources) - 1}")
+    name = sources[client_id]
+    roots: dict[str, Any] = {f"chestxray_{name}_root": str(root)}
+    own = dataclasses.replace(section, chestxray_sources=(name,), num_clients=1, **roots)
+    source = ChestXraySource(own)
+    source.first_client = client_id
+    return source

@@ -14,11 +14,15 @@ fdam-ray's federation over it:
   sampler position, stage reference), rebuilt for every message from what the
   site keeps in the node's state and in a file of its own (:mod:`.site`);
 - with SecAgg+ (:mod:`.secagg`) the server receives only the sums of the
-  sites' updates.
+  sites' updates;
+- each site number is bound to the public key of the node that took it
+  (:mod:`.identity`), and every node runs the server's fdam-ray version.
 
 Importing this package needs no Flower: its config section (:mod:`.section`) is checked by every fdam-ray run,
-a simulation of the study included. Every other module of it needs Flower (``pip install "fdam-ray[flower]"``)
-and says so when it is missing; the rest of fdam_ray imports only :mod:`.section`.
+a simulation of the study included. Every other module of it needs Flower (fdam-ray's ``flower`` extra,
+:func:`fdam_ray.files.extras.extra_hint` says how to add it) and says so when it is missing; the rest of fdam_ray
+imports only :mod:`.section`. :mod:`.certs` (a consortium's certificates and node keys) needs only
+``cryptography``; sites are bound to their nodes' public keys by :mod:`.identity`.
 """
 
 from __future__ import annotations

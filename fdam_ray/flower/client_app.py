@@ -2,7 +2,7 @@
 
 Message types (the server side is :class:`~fdam_ray.flower.executor.FlowerExecutor`):
 
-- ``query.hello``: which site this node is and what it keeps for the run;
+- ``query.hello``: which site this node is, its fdam-ray version and what it keeps for the run;
 - ``query.sync``: the run's config, the global p, the stage's centre (and the stage's c^k reset); replies
   with the client's counts (:class:`~fdam_ray.loop.state.ClientInfo`);
 - ``train.round``: one round of local steps from the global state, the update in the clear;
@@ -14,7 +14,7 @@ Message types (the server side is :class:`~fdam_ray.flower.executor.FlowerExecut
 - ``query.score_sums``: score sums for CODA's closed-form alpha;
 - ``query.sizes``: the site's number of training samples under a config (dp: sample solves sigma for them
   before the start);
-- ``query.refused``: the server stops the run because of this node (one line: why, and what to do).
+- ``query.refused``: the server refuses this node or stops the run because of it (one line: why, and what to do).
 
 The site's data come from its node config (:func:`~fdam_ray.flower.site.site_source`); ``state-dir`` names
 where it keeps its state file, ``share-test-scores = false`` keeps its test scores and labels at home and
@@ -35,11 +35,12 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 
+import fdam_ray
 from fdam_ray.algorithms.drift import CONTROL_VARIATES
 from fdam_ray.config import build_config
 from fdam_ray.flower import records
 from fdam_ray.flower.secagg import secure_round
-from fdam_ray.flower.site import KeptState, SiteStore, build_client, site_source, zero_control_variate
+from fdam_ray.flower.site import KeptState, SiteStore, build_client, site_source, study_source, zero_control_variate
 from fdam_ray.loop.state import ClientUpdate, GlobalState, RoundPlan, ScoreHistogram
 from fdam_ray.privacy.driver import train_size
 from fdam_ray.privacy.histogram import Binning
@@ -108,8 +109,14 @@ def hello(msg: Message, context: Context) -> Message:
                   "= true) and the server's run has flower.secagg: false, so it can take part in none; set "
                   "flower.secagg: true in the study's config, or require-secagg = false on this node",
                   call.site, context.node_id)
+    server_version = str(cfg.get("fdam_ray_version", "") or "")
+    if server_version and server_version != fdam_ray.__version__:
+        log.error("site %d (node %d) runs fdam-ray %s and the server fdam-ray %s: the server refuses this node; "
+                  "install fdam-ray %s here", call.site, context.node_id, fdam_ray.__version__, server_version,
+                  server_version)
     return Message(RecordDict({records.CONFIG: records.config({
         "site": call.site, "version": call.kept.version if same_run else 0,
+        "fdam_ray_version": fdam_ray.__version__,
         "input_shape": [int(d) for d in src.input_shape], "num_tasks": int(src.num_tasks),
         "task_names": [str(t) for t in src.task_names], "require_secagg": requires,
         "lost_state": call.store.lost})}), reply_to=msg)
@@ -117,9 +124,9 @@ def hello(msg: Message, context: Context) -> Message:
 
 @app.query("refused")
 def refused(msg: Message, context: Context) -> Message:
-    """The server stops the run because of this node: the site's own log says so, in one line."""
+    """The server refuses this node (or stops the run because of it): the site's own log says so, in one line."""
     reason = str(msg.content.config_records[records.CONFIG]["reason"])
-    log.error("site %s (node %d): the server stops the run because of this node: %s",
+    log.error("site %s (node %d): refused by the server: %s",
               context.node_config.get("site", "?"), context.node_id, reason)
     return Message(RecordDict(), reply_to=msg)
 
@@ -221,5 +228,5 @@ def sizes(msg: Message, context: Context) -> Message:
     cfg = msg.content.config_records[records.CONFIG]
     call = open_site(context, None, check_run=False)
     config = build_config(json.loads(str(cfg["config"])))
-    return Message(RecordDict({records.CONFIG: records.config({"num_train": train_size(call.source, call.site,
-                                                                                        config)})}), reply_to=msg)
+    n = train_size(study_source(call.source, config), call.site, config)  # an image site's data under this study
+    return Message(RecordDict({records.CONFIG: records.config({"num_train": n})}), reply_to=msg)

@@ -5,15 +5,18 @@ coordinating centre, a SuperNode at each hospital, ``flwr run`` from a study
 member's laptop), started here as local processes for the example and the
 tests. Every process listens on 127.0.0.1 only and every connection is TLS with
 certificates this module makes (a throw-away certificate authority and a server
-certificate for 127.0.0.1 and localhost). Processes are stopped by their pid.
+certificate for 127.0.0.1 and localhost). Node authentication is on, as a real
+consortium runs it: the SuperLink admits only registered SuperNodes
+(``--enable-supernode-auth``), each site gets its own EC key pair, its public key
+is registered (``flwr supernode register``) and its SuperNode signs with the
+private key (``--auth-supernode-private-key``). Processes are stopped by their
+pid.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import datetime
-import ipaddress
+import json
 import logging
 import math
 import os
@@ -22,10 +25,15 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from fdam_ray.files.extras import extra_hint
+from fdam_ray.flower import certs
+from fdam_ray.flower.certs import Certificates, NodeKey
 
 log = logging.getLogger(__name__)
 
@@ -34,50 +42,11 @@ APP_NAME = "fdam-consortium"
 STOP_GRACE_S = 20.0  # a process stopped with SIGTERM gets this long (or the consortium's timeout if shorter)
 
 
-@dataclasses.dataclass(frozen=True)
-class Certificates:
-    ca: Path
-    server_cert: Path
-    server_key: Path
-
-
 def make_certificates(folder: str | Path) -> Certificates:
-    """A certificate authority and a server certificate (127.0.0.1, localhost) signed by it, valid one day."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.UTC)
-
-    def name(text: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, text)])
-
-    def signed(builder: x509.CertificateBuilder, key: Any) -> x509.Certificate:
-        return builder.sign(key, hashes.SHA256())
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=1)
-    authority = name("fdam consortium CA")
-    ca = signed(x509.CertificateBuilder().subject_name(authority).issuer_name(authority)
-                .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(start).not_valid_after(end)
-                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True), ca_key)
-    key = ec.generate_private_key(ec.SECP256R1())
-    sans = x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address(LOOPBACK))])
-    cert = signed(x509.CertificateBuilder().subject_name(name("fdam superlink")).issuer_name(ca.subject)
-                  .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                  .not_valid_before(start).not_valid_after(end)
-                  .add_extension(sans, critical=False), ca_key)
-    out = Certificates(folder / "ca.crt", folder / "server.pem", folder / "server.key")
-    out.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    out.server_cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    out.server_key.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                serialization.NoEncryption()))
-    out.server_key.chmod(0o600)
-    return out
+    """A new certificate authority and a server certificate for 127.0.0.1 and localhost signed by it, valid one
+    day, in ``folder`` (which must not hold them already; :func:`fdam_ray.flower.certs.make_certificates` makes
+    a real consortium's)."""
+    return certs.make_certificates(folder, dns=["localhost"], ips=[LOOPBACK], days=1)
 
 
 def free_port() -> int:
@@ -111,7 +80,9 @@ serverapp = "fdam_ray.flower.server_app:app"
 clientapp = "fdam_ray.flower.client_app:app"
 
 [tool.flwr.app.config]
+study = ""
 config = ""
+run-dir = ""
 result = ""
 """, encoding="utf-8")
     (folder / "README.md").write_text("fdam-ray's CODASCA / CODA+ as a Flower App.\n", encoding="utf-8")
@@ -139,15 +110,24 @@ class Consortium:
         timeout: seconds; every wait of the consortium comes from it: the SuperLink starting to listen, and a run
             (``flwr run`` submitting it, then the run writing its result; :meth:`run` may give its own). Its expiry
             is one :class:`TimeoutError` line naming it and the logs.
+        node_auth: the SuperLink admits only SuperNodes whose public key was registered (each site's key pair is
+            made here, in ``credentials-*/keys``, and registered when the consortium starts). False: any SuperNode
+            that trusts the certificate authority gets in.
 
     Nothing differs on the nodes with SecAgg+ (the ClientApp always carries the SecAgg+ mod).
     """
 
-    def __init__(self, folder: str | Path, sites: Sequence[Mapping[str, Any]], *, timeout: float = 900.0) -> None:
+    def __init__(self, folder: str | Path, sites: Sequence[Mapping[str, Any]], *, timeout: float = 900.0,
+                 node_auth: bool = True) -> None:
         self.timeout = _seconds(timeout)
         self.folder = Path(folder)
-        self.sites = [dict(s) for s in sites]
-        self.certs = make_certificates(self.folder / "certificates")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.node_auth = node_auth
+        self.credentials = Path(tempfile.mkdtemp(prefix="credentials-", dir=self.folder))  # new ones every time
+        self.certs = make_certificates(self.credentials / "tls")
+        self.sites: list[dict[str, Any]] = []
+        self.keys: list[NodeKey | None] = []
+        self.node_ids: dict[int, int] = {}  # site index -> the node id its registration got
         self.port = free_port()
         self.processes: dict[str, subprocess.Popen] = {}
         self.home = self.folder / "flwr-home"
@@ -156,6 +136,38 @@ class Consortium:
                     "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
         self.env.pop("RAY_ADDRESS", None)
         self._write_connection()
+        for site in sites:
+            self.add_site(site)
+
+    def add_site(self, node_config: Mapping[str, Any]) -> int:
+        """Another SuperNode (its key pair made now, under node authentication); its index for :meth:`register`
+        and :meth:`start_site`."""
+        index = len(self.sites)
+        self.sites.append(dict(node_config))
+        self.keys.append(certs.make_node_key(self.credentials / "keys", f"node{index}") if self.node_auth else None)
+        return index
+
+    def register(self, index: int) -> int:
+        """``flwr supernode register`` the public key of SuperNode ``index`` with the running SuperLink; its node
+        id."""
+        key = self.keys[index]
+        if key is None:
+            raise ValueError("this consortium runs without node authentication: there is nothing to register")
+        try:
+            out = subprocess.run([self._bin("flwr"), "supernode", "register", str(key.public), "consortium",
+                                  "--format", "json"], env=self.env, cwd=self.folder, capture_output=True, text=True,
+                                 timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"flwr supernode register did not answer within the consortium's timeout="
+                               f"{self.timeout:g} s; see {self.folder / 'superlink.log'}") from None
+        try:
+            node = int(json.loads(out.stdout)["node-id"])
+        except (ValueError, KeyError, TypeError):
+            raise RuntimeError(f"flwr supernode register {key.public} failed (exit code {out.returncode}): "
+                               f"{_last_line(out.stderr + out.stdout)}") from None
+        self.node_ids[index] = node
+        log.info("SuperNode %d registered: node %d, key %s", index, node, key.fingerprint)
+        return node
 
     def _write_connection(self) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
@@ -171,7 +183,7 @@ root-certificates = "{self.certs.ca}"
         here = Path(sys.executable).parent / name
         found = str(here) if here.exists() else shutil.which(name)
         if found is None:
-            raise FileNotFoundError(f"'{name}' is not installed (pip install \"fdam-ray[flower]\")")
+            raise FileNotFoundError(f"'{name}' is not installed: {extra_hint('flower', 'flwr')}")
         return found
 
     def _start(self, key: str, args: list[str]) -> subprocess.Popen:
@@ -186,19 +198,24 @@ root-certificates = "{self.certs.ca}"
     def start_superlink(self) -> None:
         self._start("superlink", [self._bin("flower-superlink"), "--host", LOOPBACK, "--port", str(self.port),
                                   "--ssl-ca-certfile", str(self.certs.ca), "--ssl-certfile",
-                                  str(self.certs.server_cert), "--ssl-keyfile", str(self.certs.server_key)])
+                                  str(self.certs.server_cert), "--ssl-keyfile", str(self.certs.server_key),
+                                  *(["--enable-supernode-auth"] if self.node_auth else [])])
         self._wait_port(self.port)
 
-    def start_site(self, index: int) -> None:
-        site = self.sites[index]
-        self._start(f"site{index}", [self._bin("flower-supernode"), "--superlink", f"{LOOPBACK}:{self.port}",
-                                     "--root-certificates", str(self.certs.ca), "--host", LOOPBACK,
-                                     "--port", str(free_port()), "--node-config", node_config_text(site)])
+    def start_site(self, index: int) -> subprocess.Popen:
+        """Start SuperNode ``index`` (with its private key under node authentication; registered or not)."""
+        site, key = self.sites[index], self.keys[index]
+        auth = [] if key is None else ["--auth-supernode-private-key", str(key.private)]
+        return self._start(f"site{index}", [self._bin("flower-supernode"), "--superlink", f"{LOOPBACK}:{self.port}",
+                                            "--root-certificates", str(self.certs.ca), "--host", LOOPBACK,
+                                            "--port", str(free_port()), *auth,
+                                            "--node-config", node_config_text(site)])
 
     def start(self) -> Consortium:
-        self.folder.mkdir(parents=True, exist_ok=True)
         self.start_superlink()
         for i in range(len(self.sites)):
+            if self.node_auth:
+                self.register(i)
             self.start_site(i)
         return self
 
@@ -252,17 +269,21 @@ root-certificates = "{self.certs.ca}"
         raise TimeoutError(f"nothing listens on {LOOPBACK}:{port} within the consortium's timeout={timeout:g} s; see "
                            f"{self.folder / 'superlink.log'} (on a busy machine, give a longer timeout)")
 
-    def run(self, app: str | Path, config: str | Path, result: str | Path, *, timeout: float | None = None) -> None:
-        """``flwr run`` the app with the config file; wait until the result file is written.
+    def run(self, app: str | Path, config: str | Path, result: str | Path, *, timeout: float | None = None,
+            run_dir: str | Path | None = None) -> None:
+        """``flwr run`` the app with the study the config file holds, shipped in the run config (its text, not its
+        path: :func:`write_run_config`); wait until the result file is written. ``run_dir``: the server's run
+        folder (one that holds a checkpoint: the study continues from it).
 
         ``timeout`` (default: the consortium's) bounds the whole run, the submission included: past it, one
         :class:`TimeoutError` line names it and the logs."""
         timeout = self.timeout if timeout is None else _seconds(timeout)
         deadline = time.monotonic() + timeout
-        overrides = f"config='{Path(config).resolve()}' result='{Path(result).resolve()}'"
+        overrides = write_run_config(self.folder / "run-config.toml", config, result=Path(result).resolve(),
+                                     run_dir=None if run_dir is None else Path(run_dir).resolve())
         log_path = self.folder / "flwr-run.log"
         try:
-            out = subprocess.run([self._bin("flwr"), "run", str(app), "consortium", "--run-config", overrides],
+            out = subprocess.run([self._bin("flwr"), "run", str(app), "consortium", "--run-config", str(overrides)],
                                  env=self.env, cwd=self.folder, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as exc:
             log_path.write_text(_text(exc.stdout) + _text(exc.stderr), encoding="utf-8")
@@ -281,6 +302,24 @@ root-certificates = "{self.certs.ca}"
     def _expired(self, timeout: float, where: str) -> str:
         return (f"the consortium's run wrote no result within timeout={timeout:g} s ({where}); see the logs in "
                 f"{self.folder} (on a busy machine, give a longer timeout)")
+
+
+def write_run_config(path: str | Path, config: str | Path, *, result: str | Path | None = None,
+                     run_dir: str | Path | None = None) -> Path:
+    """The run config file ``flwr run --run-config`` reads: the study config's text (``study``), the server's run
+    folder (``run-dir``) and result file (``result``), each a path on the SuperLink host."""
+    import tomli_w  # Flower's own dependency
+
+    try:
+        study = Path(config).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"the study's config file '{config}' cannot be read ({type(exc).__name__}: "
+                         f"{getattr(exc, 'strerror', None) or exc})") from None
+    values = {"study": study, "result": "" if result is None else str(result),
+              "run-dir": "" if run_dir is None else str(run_dir)}
+    path = Path(path)
+    path.write_text(tomli_w.dumps(values, multiline_strings=True), encoding="utf-8")
+    return path
 
 
 def _seconds(value: Any) -> float:

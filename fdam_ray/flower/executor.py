@@ -19,16 +19,13 @@ found again by its site number; it keeps its state if it kept a file of it
 (``state-dir``), else (or when that file is damaged) it starts as a replaced
 client (its c^k set to the global c, a fresh sampler).
 
-A site that can never take part is not left out round after round: a node
-whose ``require-secagg`` the run does not meet, two nodes claiming one site
-number, a node that cannot say which site it is (or names none of this run's)
-while a site is missing, a site's data of another shape, each stops the run
-with one line (:class:`SiteRefused`) naming the site, the node and what to do,
-and the nodes concerned log it too. A site whose messages fail (its code
-raises) follows the config's failure policy over its failures in a row:
-``on_client_failure`` retry or abort stops the run past ``max_client_retries``,
-drop drops it once (it stays in c by the partial-participation rule, and comes
-back when its node restarts).
+Which node is which site, and the nodes that can never take part (another
+fdam-ray version, a site bound to another node's key, ...), is the roster's
+(:mod:`.roster`). A site whose messages fail (its code raises) follows the
+config's failure policy over its failures in a row: ``on_client_failure``
+retry or abort stops the run past ``max_client_retries``, drop drops it once
+(it stays in c by the partial-participation rule, and comes back when its node
+restarts).
 """
 
 from __future__ import annotations
@@ -38,18 +35,22 @@ from fdam_ray.flower import needs_flower  # noqa: F401 (first: without Flower, s
 # isort: split
 import hashlib
 import logging
-import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, NoReturn
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 
 from fdam_ray.algorithms.drift import CONTROL_VARIATES
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.executors.base import Executor, ExecutorSetup
 from fdam_ray.flower import records
+from fdam_ray.flower.identity import NodeIdentity, SiteBindings
+from fdam_ray.flower.roster import SiteRefused, SiteRoster, SiteShapes, _first_line
+
+__all__ = ["FlowerExecutor", "SiteRefused", "SiteShapes"]
 from fdam_ray.flower.section import FlowerSection
 from fdam_ray.loop.state import (
     ClientInfo,
@@ -70,23 +71,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class SiteRefused(RuntimeError):
-    """A site or node that can never take part in this run: one line naming it and what to do; the run stops."""
-
-
-def _first_line(text: object) -> str:
-    lines = [line for line in str(text).splitlines() if line.strip()]
-    return (lines[0] if lines else "no reason given")[:300]
-
-
-class SiteShapes:
-    """What the sites said of their data when they connected (the driver's replica needs it)."""
-
-    def __init__(self, input_shape: tuple[int, ...], num_tasks: int, task_names: tuple[str, ...]) -> None:
-        self.input_shape, self.num_tasks, self.task_names = input_shape, num_tasks, task_names
-
-
-class FlowerExecutor(Executor):
+class FlowerExecutor(SiteRoster, Executor):
     """The K clients of a federation as K Flower sites reached through ``grid``.
 
     Args:
@@ -94,13 +79,16 @@ class FlowerExecutor(Executor):
         flower: the config's Flower section.
         run_key: names this run at the sites (their kept state belongs to it).
         num_sites: K; the sites are numbered 0..K-1 by their node config.
+        bindings_dir: where the binding of sites to their nodes' public keys is kept (``site-bindings.json``), so
+            it outlives this server process; None: it lasts this run.
     """
 
     # each site builds its client from the run config; the driver puts the privacy settings it resolves (sigma)
     # into that config (fdam_ray/privacy/driver.py), so every dp mode runs here
     clients_from_setup = False
 
-    def __init__(self, grid: Grid, flower: FlowerSection, *, run_key: str, num_sites: int) -> None:
+    def __init__(self, grid: Grid, flower: FlowerSection, *, run_key: str, num_sites: int,
+                 bindings_dir: str | Path | None = None) -> None:
         self.grid = grid
         self.flower = flower
         self.run_key = run_key
@@ -127,135 +115,14 @@ class FlowerExecutor(Executor):
         self.dropped: set[int] = set()  # sites dropped under on_client_failure=drop (until their node restarts)
         self.on_failure, self.max_retries = "retry", 2  # the config's on_client_failure, max_client_retries
         self.private = False  # dp: client: the updates are the sites' clipped (noised) changes, c^k is not sent
+        self.bindings = SiteBindings(bindings_dir, flower.site_keys) if flower.bind_sites else None
+        self.identity: dict[int, NodeIdentity] = {}  # node id -> its key's fingerprint, when it was last activated
 
-    # -- finding the sites -----------------------------------------------------------------
-    def connect(self) -> SiteShapes:
-        """Wait until every site 0..K-1 has connected; what their data look like.
-
-        A node that cannot take part (it could not say which site it is, or names none of this run's) while a
-        site is missing stops the run at once, naming it: it is most likely that site, misconfigured."""
-        deadline = time.monotonic() + self.flower.connect_timeout_s
-        while True:
-            self.refresh()
-            missing = [k for k in range(self.num_sites) if k not in self.node_of]
-            if not missing:
-                assert self.shapes is not None
-                return self.shapes
-            if self.unusable:
-                nodes = "; ".join(f"node {n} {why}" for n, why in sorted(self.unusable.items()))
-                self._refuse(f"sites {missing} have not connected and {nodes}: fix that node's config (site = "
-                             f"0..{self.num_sites - 1}, its data) and restart its SuperNode; the run stops")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"sites {missing} did not connect within flower.connect_timeout_s="
-                                   f"{self.flower.connect_timeout_s:g} s ({len(self.node_of)} of {self.num_sites} "
-                                   "did)")
-            time.sleep(0.5)
-
-    def refresh(self) -> None:
-        """Ask nodes not seen before which site they are; forget nodes that left. A site two listed nodes claim,
-        or one that requires what this run does not do, stops the run (:class:`SiteRefused`)."""
-        nodes = set(self.grid.get_node_ids())
-        for node in [n for n in self.site_of if n not in nodes]:
-            site = self.site_of.pop(node)
-            if self.node_of.get(site) == node:
-                del self.node_of[site]
-                log.warning("site %d (node %d) left", site, node)
-        new = sorted(n for n in nodes if n not in self.site_of and n not in self.unusable)
-        if not new:
-            return
-        said = self._hello(new)
-        claims: dict[int, list[int]] = {}
-        for node, record in said.items():
-            site = records.integer(record, "site")
-            if not 0 <= site < self.num_sites:
-                self._unusable(node, f"says it is site {site} (this run has sites 0..{self.num_sites - 1})")
-                continue
-            claims.setdefault(site, []).append(node)
-        # a site already held by a node that is still listed: that node is asked again (a restarted SuperNode's
-        # old node does not answer; a second SuperNode with the same site number does)
-        holders = {self.node_of[k]: k for k in claims if self.node_of.get(k) in nodes}
-        again = self._hello(sorted(holders), quiet=True) if holders else {}
-        for node, record in again.items():
-            if records.integer(record, "site") == holders[node]:
-                claims[holders[node]].append(node)
-        for site, claimants in sorted(claims.items()):
-            if len(claimants) > 1:
-                self._duplicate(site, sorted(claimants))
-        for node in sorted(n for n in said if n not in self.unusable):
-            self._adopt(node, said[node])
-
-    def _hello(self, nodes: list[int], *, quiet: bool = False) -> dict[int, ConfigRecord]:
-        """What each node says of itself (a node that failed to say is unusable, logged once)."""
-        cfg = records.config({"run_key": self.run_key, "secagg": self.flower.secagg})
-        messages = [Message(RecordDict({records.CONFIG: cfg}), dst_node_id=n, message_type="query.hello")
-                    for n in nodes]
-        out: dict[int, ConfigRecord] = {}
-        for reply in self.grid.send_and_receive(messages, timeout=self.flower.round_timeout_s):
-            node = reply.metadata.src_node_id
-            if reply.has_error():
-                if not quiet:
-                    self._unusable(node, f"could not say which site it is ({_first_line(reply.error.reason)})")
-                continue
-            out[node] = reply.content.config_records[records.CONFIG]
-        return out
-
-    def _unusable(self, node: int, why: str) -> None:
-        """A node that cannot take part: said once, and not asked again (a fixed SuperNode comes back as a new
-        node)."""
-        self.unusable[node] = why
-        log.warning("node %d %s: it takes part in no round of this run; fix its config and restart its SuperNode",
-                    node, why)
-
-    def _duplicate(self, site: int, nodes: list[int]) -> None:
-        names = ", ".join(map(str, nodes[:-1])) + f" and {nodes[-1]}"
-        who = f"nodes {names} {'both' if len(nodes) == 2 else 'all'} say they are site {site}"
-        reason = (f"{who}: give each SuperNode its own site number (node config site = 0..{self.num_sites - 1}), "
-                  "stop the extra one, and start the run again")
-        self._refuse(f"the run stops: {reason}", tell=nodes)
-
-    def _refuse(self, line: str, tell: Sequence[int] = ()) -> NoReturn:
-        """Stop the run with one line (logged here, and on the nodes in ``tell``: each site's log names it)."""
-        log.error("%s", line)
-        if tell:
-            try:
-                self.grid.send_and_receive([Message(RecordDict({records.CONFIG: records.config({"reason": line})}),
-                                                    dst_node_id=n, message_type="query.refused") for n in tell],
-                                           timeout=self.flower.round_timeout_s)
-            except Exception as exc:  # the run stops with this line whether or not the nodes heard it
-                log.debug("telling nodes %s failed: %s", list(tell), exc)
-        raise SiteRefused(line)
-
-    def _adopt(self, node: int, said: ConfigRecord) -> None:
-        site = records.integer(said, "site")
-        if bool(said.get("require_secagg", False)) and not self.flower.secagg:
-            self._refuse(f"site {site} (node {node}) takes part only in rounds under secure aggregation (its node "
-                         "config has require-secagg = true) and this run has flower.secagg: false, so it can take "
-                         "part in none: set flower.secagg: true in the config's flower section, or require-secagg "
-                         "= false on that node; the run stops")
-        shapes = SiteShapes(tuple(int(d) for d in records.raw(said, "input_shape")), records.integer(said, "num_tasks"),
-                            tuple(str(t) for t in records.raw(said, "task_names")))
-        if self.shapes is None:
-            self.shapes = shapes
-        elif (shapes.input_shape, shapes.num_tasks) != (self.shapes.input_shape, self.shapes.num_tasks):
-            self._refuse(f"site {site} (node {node})'s samples have shape {shapes.input_shape} and "
-                         f"{shapes.num_tasks} tasks, the other sites' {self.shapes.input_shape} and "
-                         f"{self.shapes.num_tasks}: give that node the study's data; the run stops", tell=[node])
-        old = self.node_of.get(site)
-        if old is not None and old != node:
-            self.site_of.pop(old, None)
-            log.warning("site %d is now node %d (was node %d)", site, node, old)
-        if site in self.dropped and old != node:  # a restarted SuperNode: the site may take part again
-            self.dropped.discard(site)
-            self.failures.pop(site, None)
-        self.node_of[site], self.site_of[node] = node, site
-        self.synced[site] = records.integer(said, "version")
-        lost = str(said.get("lost_state", "") or "")
-        if self.config_json and self.synced[site] == 0:
-            self.replaced.add(site)
-            log.warning("site %d (node %d) kept no state of this run%s: it rejoins as a replaced client (c^k = the "
-                        "global c, a fresh sampler)", site, node, f" ({lost})" if lost else "")
-        elif lost:
-            log.warning("site %d (node %d): %s; it starts this run afresh", site, node, lost)
+    def keep_bindings_in(self, folder: str | Path) -> None:
+        """Keep the sites' binding to their nodes' keys in ``folder`` (``site-bindings.json``) from now on, so that
+        it outlives this server process (a server that restarts in the same folder finds it)."""
+        if self.bindings is not None:
+            self.bindings.keep_in(folder)
 
     # -- one wave of messages ----------------------------------------------------------------
     def header(self, site: int, **more: object) -> dict[str, object]:

@@ -6,5 +6,6 @@ try:
     import flwr  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on the environment
     from fdam_ray.data.base import MissingExtraError
+    from fdam_ray.files.extras import extra_hint
 
-    raise MissingExtraError('fdam_ray.flower needs Flower: pip install "fdam-ray[flower]"') from exc
+    raise MissingExtraError(f"fdam_ray.flower needs Flower: {extra_hint('flower', 'flwr')}") from exc

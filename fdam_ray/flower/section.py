@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -33,6 +34,13 @@ class FlowerSection:
             0.7 of 3 sites is 2: one site may drop out mid-protocol, and no single site can unmask another).
         test_data: an ``.npz`` file (arrays ``x``, ``y``) the server scores the global model on; None: the
             sites' own test splits are the test set.
+        bind_sites: bind each site number to the public key of the node that first takes it; a node with another
+            key claiming that site later is refused (:mod:`fdam_ray.flower.identity`). False: a node is whichever
+            site it says it is.
+        site_keys: site -> the fingerprint (``SHA256:...``, as ``ssh-keygen -lf`` prints it and a refusal's log
+            line names it) of the public key that site's node must hold. It overrides the binding: the operator
+            replaces a site's node this way, or binds every site from the first message on (no first come, first
+            bound). In the config file the site numbers are written as text: ``site_keys: {'1': 'SHA256:...'}``.
     """
 
     connect_timeout_s: float = 120.0
@@ -43,6 +51,8 @@ class FlowerSection:
     secagg_num_shares: float = 1.0
     secagg_reconstruction_threshold: float = 0.7
     test_data: str | None = None
+    bind_sites: bool = True
+    site_keys: Mapping[int, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "round_timeout_s"):
@@ -67,6 +77,9 @@ class FlowerSection:
             raise fail("flower.secagg", self.secagg, "true or false")
         if self.test_data is not None and (not isinstance(self.test_data, str) or not self.test_data):
             raise fail("flower.test_data", self.test_data, "the path of an .npz file, or null")
+        if not isinstance(self.bind_sites, bool):
+            raise fail("flower.bind_sites", self.bind_sites, "true or false")
+        object.__setattr__(self, "site_keys", _site_keys(self.site_keys))
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None) -> FlowerSection:
@@ -84,6 +97,27 @@ def _number(name: str, value: Any, rule: Callable[[float], bool], allowed: str) 
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and rule(value)
     if not ok:
         raise fail(f"flower.{name}", value, allowed)
+
+
+_FINGERPRINT = re.compile(r"SHA256:[A-Za-z0-9+/]{43}")
+
+
+def _site_keys(value: Any) -> dict[int, str]:
+    """``flower.site_keys`` as site -> fingerprint (site numbers >= 0, each a key's SHA256 fingerprint)."""
+    allowed = "a mapping of site number (>= 0) to a public key fingerprint 'SHA256:<43 base64 characters>'"
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise fail("flower.site_keys", value, allowed)
+    out: dict[int, str] = {}
+    for site, key in value.items():
+        number = site if isinstance(site, int) and not isinstance(site, bool) else None
+        if isinstance(site, str) and site.strip().isdigit():
+            number = int(site)
+        if number is None or number < 0 or not isinstance(key, str) or not _FINGERPRINT.fullmatch(key.strip()):
+            raise fail("flower.site_keys", {site: key}, allowed)
+        out[number] = key.strip()
+    return out
 
 
 def split_config(values: Mapping[str, Any]) -> tuple[dict[str, Any], FlowerSection]:

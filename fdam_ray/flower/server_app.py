@@ -1,9 +1,15 @@
 """The consortium's Flower ServerApp: fdam-ray's federation loop, with the sites reached through Flower.
 
-The run config of ``flwr run`` names the config file (``config``), the same
-file a Ray simulation of the study reads, plus its ``flower:`` section
-(:mod:`.section`); ``result`` optionally names an ``.npz`` file the final
-global state and history are written to.
+The run config of ``flwr run`` carries the study:
+
+- ``study``: the config's text (YAML, or JSON), the same config a Ray simulation of the study reads, plus its
+  ``flower:`` section (:mod:`.section`); the server checks it with :func:`~fdam_ray.config.build_config` and never
+  reads a study from its own disk. (``config``, the path of a config file on the SuperLink host, is the form a
+  consortium on one machine may use instead; exactly one of the two.)
+- ``run-dir``: the run folder on the SuperLink host (:mod:`.server_folder`): metrics, summary, model,
+  checkpoints, trackers. When it holds a checkpoint, the study continues from it. Empty: a new folder under the
+  config's ``out_dir`` (named ``run_name`` when set).
+- ``result``: optionally an ``.npz`` file the final global state and history are written to.
 """
 
 from __future__ import annotations
@@ -19,23 +25,26 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fdam_ray.algorithms import AlgorithmSection
-from fdam_ray.config import build_config, load_config_file
+from fdam_ray.config import ConfigError, build_config, load_config_file
 from fdam_ray.data import DataSource
 from fdam_ray.data.base import Shard, Split, as_labels
 from fdam_ray.executors.base import ExecutorSection
 from fdam_ray.executors.inline import inline_threads
-from fdam_ray.flower import records, secagg
-from fdam_ray.flower.executor import FlowerExecutor, SiteShapes
+from fdam_ray.flower import records, secagg, server_folder
+from fdam_ray.flower.executor import SiteShapes
 from fdam_ray.flower.section import split_config
 from fdam_ray.loop.client import resolve_device
 from fdam_ray.loop.federation import Federation, RunResult
 from fdam_ray.loop.schedules import ScheduleSection
-from fdam_ray.outputs import Observer, Observers, RunFolder
+from fdam_ray.outputs import Observer, Observers
+from fdam_ray.outputs.trackers import check_usable as trackers_usable
 from fdam_ray.privacy.driver import TrainSizesElsewhere
+from fdam_ray.settings.yamlio import load_yaml
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +82,26 @@ class ServerSource(DataSource, TrainSizesElsewhere):
 
 
 def run_federation(grid: Grid, context: Context, values: Mapping[str, Any], *, save: bool = False,
-                   observers: tuple[Observer, ...] = ()) -> RunResult:
-    """Run the federation one config mapping describes (fdam-ray fields plus a ``flower:`` section) over ``grid``."""
+                   run_dir: str | Path | None = None, observers: tuple[Observer, ...] = ()) -> RunResult:
+    """Run the federation one config mapping describes (fdam-ray fields plus a ``flower:`` section) over ``grid``.
+
+    ``save`` writes the run folder (``run_dir``, else a new one under the config's ``out_dir``); a ``run_dir``
+    that holds a checkpoint continues its study from it (:mod:`.server_folder`)."""
     fields, flower = split_config(values)
-    config = build_config({**fields, "dataset": "arrays"})
-    executor = FlowerExecutor(grid, flower, run_key=str(context.run_id), num_sites=config.num_clients)
+    config = build_config({"dataset": "arrays", **fields})  # the sites hold the data, whatever the study names
+    folder = None if run_dir in (None, "") else Path(str(run_dir)).expanduser()
+    save = save or folder is not None
+    resume = None if folder is None else server_folder.resume_point(folder, config)
+    if folder is not None and resume is not None:
+        done = server_folder.finished_result(folder, resume, config)
+        if done is not None:
+            return done
+    if save:
+        trackers_usable(config.trackers)  # before any site is asked anything
+    kept = None if resume is None else (resume.loop.transfer or {})[server_folder.SITES_KEY]
+    # the sites' bindings to their nodes' keys live in the run folder: a resumed study keeps them
+    executor = server_folder.ResumableExecutor(grid, flower, run_key=str(context.run_id),
+                                               num_sites=config.num_clients, kept=kept, bindings_dir=folder)
     if flower.secagg:
         secagg.enable(executor, context)
     shapes = executor.connect()
@@ -85,7 +109,7 @@ def run_federation(grid: Grid, context: Context, values: Mapping[str, Any], *, s
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
-    outputs: list[Observer] = [RunFolder(config)] if save else []
+    outputs = server_folder.outputs(config, folder, executor) if save else []
     try:
         source = ServerSource(config.num_clients, shapes, flower.test_data,
                               sizes=lambda: executor.train_sizes(records.to_json(config.to_dict())))
@@ -93,11 +117,30 @@ def run_federation(grid: Grid, context: Context, values: Mapping[str, Any], *, s
                          config=config, algorithm=AlgorithmSection.of(config), schedule=ScheduleSection.of(config),
                          eval_every=config.eval_every, driver_device=resolve_device(config.device),
                          observer=Observers([*outputs, *observers]))
-        result = fed.run()
+        result = fed.run(resume=resume)
     finally:
         torch.set_num_threads(before)
     result.config = config
     return result
+
+
+def study_values(run_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The study the run config carries: ``study`` (the config's text) or ``config`` (a file's path on this
+    host), exactly one; one line (:class:`~fdam_ray.config.ConfigError`) when it is neither or not a mapping."""
+    text, path = str(run_config.get("study", "") or ""), str(run_config.get("config", "") or "")
+    if bool(text.strip()) == bool(path):
+        raise ConfigError("the run config must carry the study: study = its config's text (YAML or JSON), or config "
+                          "= the path of a config file on the SuperLink host (one of the two, not "
+                          f"{'both' if path else 'neither'})")
+    if path:
+        return load_config_file(path)
+    try:
+        values = load_yaml(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"the run config's study is not YAML or JSON ({str(exc).splitlines()[0][:200]})") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"the run config's study must hold a mapping of field: value, not {type(values).__name__}")
+    return values
 
 
 def write_result(result: RunResult, path: str | Path) -> None:
@@ -109,9 +152,9 @@ def write_result(result: RunResult, path: str | Path) -> None:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    path = str(context.run_config["config"])
-    result = run_federation(grid, context, load_config_file(path))
-    log.info("final test AUC %.4f", result.summary["final_test_auc"])
-    out = context.run_config.get("result")
+    run = context.run_config
+    result = run_federation(grid, context, study_values(run), save=True, run_dir=str(run.get("run-dir", "") or ""))
+    log.info("final test AUC %.4f; run folder %s", result.summary["final_test_auc"], result.run_dir)
+    out = run.get("result")
     if out:
         write_result(result, str(out))

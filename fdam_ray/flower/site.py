@@ -17,6 +17,11 @@ kept as *pending* until the server's next message says which round of this site
 it last counted (``counted``). Then the pending state is adopted, or dropped and
 the site goes on from the state it had before that round, as the server's c
 assumes (SCAFFOLD's rule for clients that did not take part).
+
+A site's data come from its node config (:func:`site_source`): an ``.npz`` file, a Python source, or its own
+chest X-rays (:class:`ImageSite`): organisation k of the study's ``chestxray_sources``, read from the site's
+folder in its publisher's layout, with the study's label policies, test patients and augmentation, so that the
+site's shard is the one client k has in the inline run of the study.
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ from fdam_ray.assembly.factories import resolve
 from fdam_ray.config import build_config
 from fdam_ray.data import DataSource
 from fdam_ray.data.base import Shard, Split, as_labels
+from fdam_ray.data.chestxray import DEFAULT_IMAGE_SIZE, organisation_source
+from fdam_ray.data.chestxray_readers import TASKS as CHESTXRAY_TASKS
+from fdam_ray.data.sections import ChestXraySection
 from fdam_ray.executors.base import ExecutorSection
 from fdam_ray.executors.inline import inline_threads
 from fdam_ray.flower import records
@@ -83,13 +91,75 @@ def _split(pair: tuple[Any, Any], what: str) -> Split:
     return Split(torch.from_numpy(x), as_labels(pair[1], what=what))
 
 
+class ImageSite(DataSource):
+    """A site's chest X-rays: organisation ``chestxray_sources[k]`` of the study, read from the site's own folder
+    in its publisher's layout (:mod:`fdam_ray.data.chestxray_readers`), images loaded batch by batch.
+
+    Which organisation it is, the label policies, the test patients, ``image_size`` and the augmentation are the
+    study's (:meth:`for_study`, once the site has the run's config); the folder is the site's alone. Before that it
+    says only the shape of its samples: (3, ``image-size``, ``image-size``) from its node config (default: the
+    loader's 320), which the study's ``image_size`` must match."""
+
+    num_tasks = len(CHESTXRAY_TASKS)
+    task_names = CHESTXRAY_TASKS
+
+    def __init__(self, site: int, root: str, image_size: int = DEFAULT_IMAGE_SIZE) -> None:
+        self.site, self.root, self.image_size = site, root, image_size
+        self.num_clients = site + 1
+        self.input_shape = (3, image_size, image_size)
+
+    def for_study(self, config: Any) -> DataSource:
+        section = ChestXraySection.of(config)
+        size = section.image_size or DEFAULT_IMAGE_SIZE
+        if size != self.image_size:
+            raise ValueError(f"site {self.site} resizes its images to {self.image_size} (node config image-size) but "
+                             f"the study's image_size is {size}: set image-size = {size} in this site's node config")
+        if not Path(self.root).expanduser().is_dir():
+            raise ValueError(f"site {self.site}: its image folder chestxray-root = '{self.root}' is not a folder on "
+                             f"this node ({os.uname().nodename})")
+        return OwnShard(self.site, organisation_source(section, self.site, self.root))
+
+    def client_shard(self, client_id: int) -> Shard:
+        raise ValueError(f"site {self.site} reads its images once it has the study's config (ImageSite.for_study)")
+
+    def test_set(self) -> None:
+        return None
+
+
+class OwnShard(DataSource):
+    """Client ``site`` of the federation, whose shard is client 0 of ``inner`` (a source of this site's data only)."""
+
+    def __init__(self, site: int, inner: DataSource) -> None:
+        self.site, self.inner = site, inner
+        self.num_clients = site + 1
+        self.input_shape, self.num_tasks, self.task_names = inner.input_shape, inner.num_tasks, inner.task_names
+
+    def client_shard(self, client_id: int) -> Shard:
+        if client_id != self.site:
+            raise ValueError(f"site {self.site} holds its own data only, not client {client_id}'s")
+        return self.inner.client_shard(0)
+
+    def test_set(self) -> None:
+        return None
+
+
+def study_source(source: DataSource, config: Any) -> DataSource:
+    """The site's data under the run's config: an :class:`ImageSite`'s organisation, else ``source`` as it is."""
+    return source.for_study(config) if isinstance(source, ImageSite) else source
+
+
 def site_source(node_config: Mapping[str, Any]) -> tuple[int, DataSource]:
     """(k, the site's data) from the SuperNode's ``--node-config``: ``site`` (k), and ``data`` (an ``.npz`` with
-    ``x``, ``y`` and optionally ``x_test``, ``y_test``) or ``source`` (``module:function``, called with k, returning
-    a :class:`~fdam_ray.data.DataSource` that builds client k's shard, or ``((X, y), (X_test, y_test) or None)``)."""
+    ``x``, ``y`` and optionally ``x_test``, ``y_test``), ``chestxray-root`` (the folder of the site's chest X-rays as
+    its publisher ships them, with ``image-size`` when the study's ``image_size`` is not 320: :class:`ImageSite`) or
+    ``source`` (``module:function``, called with k, returning a :class:`~fdam_ray.data.DataSource` that builds
+    client k's shard, or ``((X, y), (X_test, y_test) or None)``)."""
     if "site" not in node_config:
         raise ValueError("node config: 'site' (this site's client number k, 0..K-1) is missing")
     site = int(node_config["site"])
+    if "chestxray-root" in node_config:
+        return site, ImageSite(site, str(node_config["chestxray-root"]),
+                               int(node_config.get("image-size", DEFAULT_IMAGE_SIZE)))
     if "data" in node_config:
         with np.load(str(node_config["data"]), allow_pickle=False) as npz:
             test = (npz["x_test"], npz["y_test"]) if "x_test" in npz else None
@@ -100,8 +170,8 @@ def site_source(node_config: Mapping[str, Any]) -> tuple[int, DataSource]:
             return site, made
         train, test = made
         return site, SiteSource(site, train, test)
-    raise ValueError("node config: give 'data' (an .npz file of x, y[, x_test, y_test]) or 'source' "
-                     "(module:function returning the site's data)")
+    raise ValueError("node config: give 'data' (an .npz file of x, y[, x_test, y_test]), 'chestxray-root' (the "
+                     "folder of the site's chest X-rays) or 'source' (module:function returning the site's data)")
 
 
 @dataclasses.dataclass
@@ -266,7 +336,8 @@ def build_client(site: int, source: DataSource, kept: KeptState) -> Client:
         torch.set_num_threads(threads)
     # under dp: client the section whose drift correction clips and adds the site's noise share, with the sigma the
     # server resolved into the config (the driver's own section, fdam_ray/privacy/driver.py)
-    client = Client(site_client_section(config), source, site, device=resolve_device(config.device))
+    client = Client(site_client_section(config), study_source(source, config), site,
+                    device=resolve_device(config.device))
     if kept.positive_ratio is not None and client.replica.objective.has_auxiliary:
         client.configure(kept.positive_ratio)
     if kept.reference is not None:

@@ -266,7 +266,7 @@ def test_dicom_without_pydicom_or_damaged_says_what_to_do(tmp_path, monkeypatch)
     with pytest.raises(ValueError, match=r"cannot read image '.*\.dicom': InvalidDicomError"):
         read_gray(str(bad), 8)
     monkeypatch.setitem(sys.modules, "pydicom", None)  # as if the dicom extra were not installed
-    with pytest.raises(ValueError, match=r"VinDr-CXR's DICOM images needs pydicom: pip install 'fdam-ray\[dicom\]'"):
+    with pytest.raises(ValueError, match=r"VinDr-CXR's DICOM images needs pydicom: install fdam-ray's 'dicom' extra"):
         ChestXraySource(section({"vindr": root}, ["vindr"])).table("vindr")
 
 

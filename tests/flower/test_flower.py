@@ -1,7 +1,7 @@
 """fdam-ray on Flower (fdam_ray.flower): a Flower run is the inline run, on Flower's message flow and on its
 deployment engine; SecAgg+ within its quantisation; sites that drop out, return or restart.
 
-Without Flower installed (``pip install "fdam-ray[flower]"``) only the first test runs: fdam_ray imports and
+Without Flower installed (fdam-ray's ``flower`` extra) only the first test runs: fdam_ray imports and
 trains without it.
 """
 
@@ -47,7 +47,9 @@ def test_fdam_ray_runs_without_flower_and_the_bridge_says_what_to_install():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert 'refused: fdam_ray.flower needs Flower: pip install "fdam-ray[flower]"' in out.stdout
+    from fdam_ray.files.extras import extra_hint
+
+    assert f"refused: fdam_ray.flower needs Flower: {extra_hint('flower', 'flwr')}" in out.stdout
     assert "checked: config field 'flower.round_timeout_s': nan is not allowed" in out.stdout
 
 
@@ -59,7 +61,7 @@ def test_a_simulation_reads_the_same_config_file_and_ignores_its_flower_section(
 
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"  # before flwr is imported: nothing leaves 127.0.0.0/8
 HAVE_FLOWER = importlib.util.find_spec("flwr") is not None
-needs_flower = pytest.mark.skipif(not HAVE_FLOWER, reason="Flower is not installed (pip install \"fdam-ray[flower]\"): "
+needs_flower = pytest.mark.skipif(not HAVE_FLOWER, reason="Flower is not installed (fdam-ray's flower extra): "
                                                            "the Flower bridge's tests are skipped")
 if HAVE_FLOWER:
     from fdam_ray.flower import split_config

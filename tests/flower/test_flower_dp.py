@@ -19,7 +19,7 @@ from fdam_ray.config import build_config
 from fdam_ray.privacy.accountant import Accountant, shares_noise_multiplier
 from fdam_ray.privacy.section import PrivacySection
 
-pytestmark = pytest.mark.skipif(not HAVE_FLOWER, reason="Flower is not installed (pip install \"fdam-ray[flower]\")")
+pytestmark = pytest.mark.skipif(not HAVE_FLOWER, reason="Flower is not installed (the flower extra)")
 if HAVE_FLOWER:
     from fdam_ray.flower.client_app import app as client_app
     from fdam_ray.flower.inprocess import InProcessGrid, server_context

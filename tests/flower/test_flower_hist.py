@@ -10,7 +10,7 @@ from flower_helpers import HAVE_FLOWER, RecordingGrid
 
 from fdam_ray.loop.state import ScoreHistogram
 
-pytestmark = pytest.mark.skipif(not HAVE_FLOWER, reason="Flower is not installed (pip install \"fdam-ray[flower]\")")
+pytestmark = pytest.mark.skipif(not HAVE_FLOWER, reason="Flower is not installed (the flower extra)")
 if HAVE_FLOWER:
     from flwr.common.secure_aggregation.quantization import dequantize, quantize
 

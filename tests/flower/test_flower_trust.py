@@ -98,6 +98,7 @@ def test_a_consortium_run_waits_as_long_as_its_timeout_says_and_its_expiry_is_on
     from fdam_ray.flower.deployment import Consortium
 
     consortium = Consortium(tmp_path / "c", [])
+    (tmp_path / "study.yaml").write_text("lr: 0.1\n")  # the study travels in the run config: it is read first
     slow = fake_flwr(tmp_path, 30)
     monkeypatch.setattr(consortium, "_bin", lambda name: slow)
     start = time.monotonic()

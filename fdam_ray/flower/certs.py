@@ -1,0 +1,219 @@
+"""A consortium's certificates and SuperNode keys: its own certificate authority, the SuperLink's TLS certificate
+for the host names and addresses it is reached by, and one EC key pair per site for node authentication.
+
+A consortium needs two kinds of credentials. TLS: the SuperLink presents a certificate for the names the sites
+dial (``superlink.example.org``, its IP address), signed by a certificate authority that is the consortium's own,
+whose certificate every SuperNode and ``flwr`` user is given (``--root-certificates``); nothing a public
+authority signs is trusted. Node authentication: each site's SuperNode holds a private key (an EC key on a NIST
+curve, in OpenSSH format, as ``flower-supernode --auth-supernode-private-key`` reads it) whose public key the
+coordinator registers with ``flwr supernode register``; a SuperLink started with ``--enable-supernode-auth``
+lets only registered keys in. A key's fingerprint (``SHA256:...``, the form ``ssh-keygen -lf`` prints) is what
+the server binds a site number to (:mod:`.identity`).
+
+Run as ``python -m fdam_ray.flower.certs --folder consortium-certs --name superlink.example.org --ip 10.0.0.5
+--sites 3``. Private keys are written 0600, and nothing is overwritten: an existing file stops the command
+before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import dataclasses
+import datetime
+import hashlib
+import ipaddress
+import logging
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DAYS = 365
+
+
+@dataclasses.dataclass(frozen=True)
+class Certificates:
+    """The TLS files of a SuperLink: the authority's certificate (for every party) and the server's pair."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeKey:
+    """A site's SuperNode key pair (OpenSSH format) and the public key's fingerprint."""
+
+    private: Path
+    public: Path
+    fingerprint: str
+
+
+def fingerprint(public_key: Any) -> str:
+    """``SHA256:<base64>`` of an EC public key (a key object, or its PEM or OpenSSH bytes): the SHA-256 of the key's
+    OpenSSH wire form, as ``ssh-keygen -lf <key>.pub`` prints it."""
+    from cryptography.hazmat.primitives import serialization
+
+    if isinstance(public_key, (bytes, str)):
+        data = public_key.encode() if isinstance(public_key, str) else public_key
+        public_key = (serialization.load_pem_public_key(data) if data.lstrip().startswith(b"-----")
+                      else serialization.load_ssh_public_key(data))
+    line = public_key.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    blob = base64.b64decode(line.split()[1])
+    return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
+
+
+def _write_new(path: Path, data: bytes, *, private: bool) -> None:
+    """Write a file that must not exist yet (0600 for a private key, 0644 otherwise)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def _refuse_existing(paths: Iterable[Path]) -> None:
+    found = [str(p) for p in paths if p.exists()]
+    if found:
+        raise FileExistsError(f"{found[0]} exists{f' (and {len(found) - 1} more)' if len(found) > 1 else ''}: "
+                              "nothing is overwritten; remove them or choose another folder")
+
+
+def _names(dns: Sequence[str], ips: Sequence[str]) -> list[Any]:
+    from cryptography import x509
+
+    if not dns and not ips:
+        raise ValueError("the SuperLink's certificate needs at least one host name or IP address")
+    out: list[Any] = []
+    for name in dns:
+        if not name or any(c.isspace() for c in name) or "/" in name or ":" in name:
+            raise ValueError(f"host name {name!r} is not a DNS name")
+        out.append(x509.DNSName(name))
+    for ip in ips:
+        try:
+            out.append(x509.IPAddress(ipaddress.ip_address(ip)))
+        except ValueError:
+            raise ValueError(f"IP address {ip!r} is not an IPv4 or IPv6 address") from None
+    return out
+
+
+def make_certificates(folder: str | Path, *, dns: Sequence[str] = ("localhost",), ips: Sequence[str] = ("127.0.0.1",),
+                      days: float = DEFAULT_DAYS, authority: str = "fdam consortium CA") -> Certificates:
+    """A new certificate authority (``ca.crt``, its key ``ca.key``) and a server certificate for ``dns`` and
+    ``ips`` (``server.pem``, ``server.key``) signed by it, both valid ``days`` from now; files already there stop
+    it before anything is written."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    if not isinstance(days, (int, float)) or isinstance(days, bool) or not 0 < days <= 3650:
+        raise ValueError(f"days: {days!r} is not allowed (a number of days in (0, 3650])")
+    sans = x509.SubjectAlternativeName(_names(dns, ips))
+    folder = Path(folder)
+    out = Certificates(folder / "ca.crt", folder / "server.pem", folder / "server.key")
+    ca_key_path = folder / "ca.key"
+    _refuse_existing([out.ca, ca_key_path, out.server_cert, out.server_key])
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def name(text: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, text)])
+
+    now = datetime.datetime.now(datetime.UTC)
+    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (x509.CertificateBuilder().subject_name(name(authority)).issuer_name(name(authority))
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(start).not_valid_after(end)
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                                       data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                                       crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    first = next((n.value for n in sans if isinstance(n, x509.DNSName)), str(next(iter(sans)).value))
+    cert = (x509.CertificateBuilder().subject_name(name(first)).issuer_name(ca.subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(start).not_valid_after(end)
+            .add_extension(sans, critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+
+    def pkcs8(k: Any) -> bytes:
+        return k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                               serialization.NoEncryption())
+
+    _write_new(ca_key_path, pkcs8(ca_key), private=True)
+    _write_new(out.ca, ca.public_bytes(serialization.Encoding.PEM), private=False)
+    _write_new(out.server_key, pkcs8(key), private=True)
+    _write_new(out.server_cert, cert.public_bytes(serialization.Encoding.PEM), private=False)
+    return out
+
+
+def make_node_key(folder: str | Path, name: str) -> NodeKey:
+    """A SuperNode's key pair: ``<name>`` (the private key, OpenSSH format, 0600) and ``<name>.pub``."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    folder = Path(folder)
+    private, public = folder / name, folder / f"{name}.pub"
+    _refuse_existing([private, public])
+    folder.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP256R1())
+    _write_new(private, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                          serialization.NoEncryption()), private=True)
+    pub = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    _write_new(public, pub + f" {name}\n".encode(), private=False)
+    return NodeKey(private, public, fingerprint(key.public_key()))
+
+
+def make_site_keys(folder: str | Path, sites: int) -> list[NodeKey]:
+    """One key pair per site 0..sites-1 (``site0``, ``site0.pub``, ...); an existing one stops it first."""
+    folder = Path(folder)
+    _refuse_existing([folder / f"site{k}{ext}" for k in range(sites) for ext in ("", ".pub")])
+    return [make_node_key(folder, f"site{k}") for k in range(sites)]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fdam_ray.flower.certs", description=(
+        "Make a consortium's certificate authority, the SuperLink's TLS certificate for the names the sites "
+        "reach it by, and one SuperNode key pair per site. Nothing is overwritten; private keys are 0600."))
+    p.add_argument("--folder", required=True, help="where the files go (created; must not hold them already)")
+    p.add_argument("--name", action="append", default=[], metavar="DNS",
+                   help="a DNS name of the SuperLink (repeat for more)")
+    p.add_argument("--ip", action="append", default=[], metavar="ADDRESS",
+                   help="an IP address of the SuperLink (repeat for more)")
+    p.add_argument("--days", type=float, default=DEFAULT_DAYS, help=f"validity in days (default {DEFAULT_DAYS})")
+    p.add_argument("--sites", type=int, default=0, help="how many site key pairs to make (site0 .. site<N-1>)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: writes the files and prints what goes where, with each site key's fingerprint."""
+    args = _parser().parse_args(argv)
+    if args.sites < 0:
+        print("--sites: a count >= 0", file=sys.stderr)
+        return 2
+    folder = Path(args.folder)
+    try:
+        _refuse_existing([folder / "keys" / f"site{k}{e}" for k in range(args.sites) for e in ("", ".pub")])
+        certs = make_certificates(folder, dns=args.name, ips=args.ip, days=args.days)
+        keys = make_site_keys(folder / "keys", args.sites)
+    except (ValueError, FileExistsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"certificate authority: {certs.ca} (give it to every SuperNode and flwr user; keep {folder / 'ca.key'} "
+          "offline)")
+    print(f"SuperLink: --ssl-ca-certfile {certs.ca} --ssl-certfile {certs.server_cert} --ssl-keyfile "
+          f"{certs.server_key} (valid {args.days:g} days for {', '.join([*args.name, *args.ip])})")
+    for k, key in enumerate(keys):
+        print(f"site {k}: --auth-supernode-private-key {key.private}; register {key.public} "
+              f"(fingerprint {key.fingerprint})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
