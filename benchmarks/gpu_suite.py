@@ -18,11 +18,19 @@
    GPU, says so in the table and measures gloo, so both sides use the same backend. On the CPU
    (``--device cpu``) both use gloo.
 
+3. The device block (``fdam_ray/executors/ray/transports/device_block.py``, the reduce of members that share one
+   GPU through CUDA IPC handles): 4 processes on the device each reduce a partial sum of N floats (their slices
+   summed in rank order into a result buffer every member reads) against a bare torch sum of the same 4 tensors
+   in one process on the device (``a + b + c + d``, no processes, no barriers). Measured only on a CUDA
+   device; elsewhere its figures are nan and its CPU equivalent (the same processes on CPU tensors shared
+   through shared memory) runs and is tabled as such.
+
 Writes ``gpu_suite.md`` (the card named, every table) and ``gpu_throughput.md`` into ``--out-dir``
 (default benchmarks/results). Prints the time each part took.
 
 Last line: ``RESULT client_vs_bare_densenet_bf16=... shared_gpu_ratio=... pipeline_ratio=... collective_ms=...
-bare_allreduce_ms=... ratio_collective_bare=... collective_nccl=... bare_nccl=...``
+bare_allreduce_ms=... ratio_collective_bare=... collective_nccl=... bare_nccl=... device_block_ms=... bare_sum_ms=...
+ratio_device_block_bare=...`` (the last three nan without a CUDA device)
 """
 
 from __future__ import annotations
@@ -44,6 +52,8 @@ import torch
 
 from fdam_ray.executors.base import ExecutorSetup
 from fdam_ray.loop.client import resolve_device
+
+log = logging.getLogger(__name__)
 
 COLLECTIVE_TARGET = 1.2  # the collective round at most this times the bare all-reduce among 4 processes
 FULL = {"floats": 7_000_000, "clients": 4, "rounds": 10, "repeats": 3}
@@ -106,6 +116,97 @@ def bare_allreduce(k: int, n: int, rounds: int, backend: str, device: str) -> di
     return {"backend": backend, "ms": 1e3 * statistics.median(value)}
 
 
+def _block_member(rank: int, k: int, n: int, rounds: int, port: int, device: str, results) -> None:
+    """One member of the device block: reduce its partial sum of N floats, per round (after 2 warm-up rounds)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from fdam_ray.executors.ray.transports.device_block import DeviceBlock
+
+    torch.set_num_threads(1)
+    block = DeviceBlock()
+    try:
+        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=120))
+        block.open(store, rank, k, n, device, prefix="bench", timeout_s=120)
+        block.slot.fill_(1e-3 * (rank + 1))
+        times = []
+        for r in range(2 + rounds):
+            block.barrier()  # every member starts the round together
+            t0 = time.perf_counter()
+            block.reduce(block.slot)  # returns once every member's slice is written (device work waited for)
+            if r >= 2:
+                times.append(time.perf_counter() - t0)
+        results.put(("ok", rank, times))
+    except Exception as exc:
+        results.put(("error", rank, f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"))
+    finally:
+        block.close()
+
+
+def device_block_reduce(k: int, n: int, rounds: int, device: str) -> dict:
+    """K spawned processes reduce N floats each through the device block on ``device``: the median over rounds
+    of the slowest member's time (ms), or the error."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=120),
+                          wait_for_workers=False)
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_block_member, args=(r, k, n, rounds, store.port, device, results))
+             for r in range(k)]
+    for proc in procs:
+        proc.start()
+    got = []
+    try:
+        for _ in range(k):
+            got.append(results.get(timeout=300))
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    errors = [g[2] for g in got if g[0] == "error"]
+    if errors:
+        return {"error": errors[0]}
+    slowest = [max(per) for per in zip(*(g[2] for g in got), strict=True)]
+    return {"ms": 1e3 * statistics.median(slowest)}
+
+
+def bare_sum(k: int, n: int, rounds: int, device: str) -> float:
+    """The bare reference of the device block: K tensors of N floats on ``device`` summed in one process
+    (``a + b``, then ``+= c``, ...), median ms over rounds."""
+    parts = [torch.full((n,), 1e-3 * (r + 1), dtype=torch.float32, device=device) for r in range(k)]
+    out = torch.empty(n, dtype=torch.float32, device=device)
+    times = []
+    for r in range(2 + rounds):
+        if device != "cpu":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch.add(parts[0], parts[1], out=out)
+        for p in parts[2:]:
+            out.add_(p)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        if r >= 2:
+            times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def device_block_part(spec: dict, device: torch.device) -> dict:
+    """Part 3: the device block against the bare sum; on a CUDA device its figures, else the CPU equivalent's
+    (``cpu_*``, tabled only) and nan figures."""
+    where = "cuda" if device.type == "cuda" else "cpu"
+    block = device_block_reduce(spec["clients"], spec["floats"], 2 * spec["rounds"], where)
+    bare_ms = bare_sum(spec["clients"], spec["floats"], 2 * spec["rounds"], where)
+    block_ms = block.get("ms", math.nan)
+    out = {"where": where, "block_ms": block_ms, "bare_ms": bare_ms, "error": block.get("error", "")}
+    out["ratio"] = block_ms / bare_ms if bare_ms > 0 else math.nan
+    return out
+
+
 def collective_round(spec: dict, device: torch.device) -> dict:
     """The collective transport's round overhead with K clients sharing the device, median over blocks."""
     import ray
@@ -162,7 +263,7 @@ def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (the test suite's run)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--skip", nargs="*", default=[], choices=("throughput", "collective"),
+    parser.add_argument("--skip", nargs="*", default=[], choices=("throughput", "collective", "device_block"),
                         help="leave parts out (their figures are then nan)")
     parser.add_argument("--out-dir", default=None, help="where the tables go (default benchmarks/results)")
     args = parser.parse_args(argv)
@@ -192,6 +293,27 @@ def main(argv: list[str] | None = None) -> str:
             bare = bare_allreduce(spec["clients"], spec["floats"], spec["rounds"], "gloo", where)
     took["collective"] = time.perf_counter() - t0 - took["throughput"]
     print(f"  collective round done at {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    blk: dict = {"where": "-", "block_ms": nan, "bare_ms": nan, "ratio": nan, "error": ""}
+    if "device_block" not in args.skip:
+        blk = device_block_part(spec, device)
+    took["device_block"] = time.perf_counter() - t0 - took["throughput"] - took["collective"]
+    on_gpu = blk["where"] == "cuda"
+    block_figures = {"device_block_ms": blk["block_ms"] if on_gpu else nan,
+                     "bare_sum_ms": blk["bare_ms"] if on_gpu else nan,
+                     "ratio_device_block_bare": blk["ratio"] if on_gpu else nan}
+    if blk["where"] == "cpu":
+        block_note = ("**The GPU figure is not measured: no CUDA device here.** The rows above are the CPU "
+                      "equivalent (the same processes on CPU tensors in shared memory); they show that the path "
+                      "runs, not what it costs on a GPU (`python benchmarks/gpu_suite.py` on a machine with a CUDA "
+                      "GPU measures it). The RESULT line's device block figures are nan.")
+        log.warning("device block: the GPU figure is not measured (no CUDA device); CPU equivalent %.2f ms "
+                    "against a bare sum %.2f ms", blk["block_ms"], blk["bare_ms"])
+    elif blk["where"] == "cuda":
+        block_note = f"Device block / bare sum: {blk['ratio']:.2f}."
+    else:
+        block_note = "Left out (`--skip device_block`)."
+    if blk["error"]:
+        block_note += f" The device block failed: {blk['error']}."
     ratio = coll["ms"] / bare["ms"] if bare.get("ms") else nan
     card = G.device_name(device)
     note = ("" if device.type == "cuda" else "\n**CPU figures at small sizes, measured where no GPU was available: "
@@ -222,7 +344,21 @@ slowest client's compute, median over blocks (lo..hi). Bare = {spec['clients']} 
 Collective / bare: {ratio:.2f} (target <= {COLLECTIVE_TARGET}: {"met" if ratio <= COLLECTIVE_TARGET else "not met"}). \
 Rounds that sent the state to the actors: {coll['sent']} (the first; the actors keep their copy after it).
 
+## 3. The device block against a bare sum on the device
+
+K = {spec['clients']} processes on the device ({blk['where']}), each reducing a partial sum of \
+{spec['floats']:,} floats through the device block (its slice of the K sums in rank order, two barriers); \
+median over {2 * spec['rounds']} rounds after 2 warm-up rounds of the slowest member's time. Bare = the same K \
+tensors summed on the device in one process.
+
+{C.table(["what", "device", "ms"],
+         [["device block reduce", blk['where'], f"{blk['block_ms']:.3f}"],
+          ["bare torch sum", blk['where'], f"{blk['bare_ms']:.3f}"]])}
+
+{block_note}
+
 Time taken: gpu_throughput {took['throughput']:.0f} s, collective {took['collective']:.0f} s, \
+device block {took['device_block']:.0f} s, \
 total {time.perf_counter() - t0:.0f} s.
 """
     C.write_results(out_dir / "gpu_suite.md", "GPU suite" + ("" if device.type == "cuda" else " (CPU stand-in)"),
@@ -230,7 +366,7 @@ total {time.perf_counter() - t0:.0f} s.
     print(body.strip())
     line = C.result_line(**figures, collective_ms=coll["ms"], bare_allreduce_ms=bare.get("ms", nan),
                          ratio_collective_bare=ratio, collective_nccl=float(coll["backend"] == "nccl"),
-                         bare_nccl=float(bare["backend"] == "nccl"))
+                         bare_nccl=float(bare["backend"] == "nccl"), **block_figures)
     print(line)
     return line
 

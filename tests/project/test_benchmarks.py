@@ -549,9 +549,11 @@ def test_gpu_throughput_script_on_the_cpu(tmp_path):
 def test_gpu_suite_script_on_the_cpu(tmp_path):
     _, values = run_script_process("benchmarks/gpu_suite.py", "--quick", "--device", "cpu", "--out-dir",
                                    str(tmp_path))
+    block = {"device_block_ms", "bare_sum_ms", "ratio_device_block_bare"}
     assert set(values) == {"client_vs_bare_densenet_bf16", "shared_gpu_ratio", "pipeline_ratio", "collective_ms",
-                           "bare_allreduce_ms", "ratio_collective_bare", "collective_nccl", "bare_nccl"}
-    assert all(math.isfinite(v) and v >= 0 for v in values.values())
+                           "bare_allreduce_ms", "ratio_collective_bare", "collective_nccl", "bare_nccl", *block}
+    assert all(math.isfinite(v) and v >= 0 for k, v in values.items() if k not in block)
+    assert all(math.isnan(values[k]) for k in block)  # the GPU figure is not measured on the CPU
     assert values["collective_nccl"] == values["bare_nccl"] == 0  # gloo on the CPU, both sides
     assert values["ratio_collective_bare"] == pytest.approx(values["collective_ms"] / values["bare_allreduce_ms"],
                                                             rel=2e-3)
@@ -559,6 +561,9 @@ def test_gpu_suite_script_on_the_cpu(tmp_path):
     assert "Device: CPU" in suite and "| collective round overhead | gloo |" in suite
     assert "Command: `python benchmarks/gpu_suite.py --quick --device cpu" in suite
     assert "| densenet121 | 32x32 | 2 | bf16 |" in (tmp_path / "gpu_throughput.md").read_text()
+    assert "The GPU figure is not measured" in suite and "| device block reduce | cpu |" in suite
+
+
 @pytest.mark.slow  # three Ray executors of its own: about a minute
 def test_stragglers_script(tmp_path):
     out = tmp_path / "st.md"
@@ -624,37 +629,46 @@ def test_transfer_precision_stage_length_sets_the_stagewise_schedule_and_is_chec
 
 
 def test_node_reduce_precision_rates_fit_splits_the_round_and_needs_netlab(capsys):
-    """The fit of --precision-rates recovers a + b / rate exactly from rounds built that way, and the option
-    without --netlab is refused before anything starts."""
+    """--precision-rates: from rounds built as a + b x per transport and precision, the results block and the
+    RESULT figures give back a and b, the ring bound (336 for 7M floats on 4 nodes), the ratios at 1gbit, a
+    refused setting as refused, the slow node's x_eff, and a collective whose bytes went around the shaping is
+    named; the option without --netlab is refused before anything starts."""
     import argparse
 
+    import _node_reduce_links as L
     import node_reduce as NR
 
-    assert NR.line_fit([(1.0, 5.0), (2.0, 7.0), (4.0, 11.0)]) == pytest.approx((3.0, 2.0))
+    args = argparse.Namespace(precision_rates=["1gbit", "500mbit", "250mbit"], netlab="netlab", nodes=[4],
+                              clients_per_node=4, state_floats=7_000_000, repeats=3, rounds=6, block_seconds=10.0,
+                              rate="1gbit", slow_rate="100mbit", deadline="2x", warmup=1)
+    lines = {("star", "fp32"): (600, 3800), ("star", "bf16"): (700, 1900), ("node", "fp32"): (478, 1104),
+             ("node", "bf16"): (628, 560), ("collective", "fp32"): (400, 420)}
+    x = {"unshaped": 0.0, "1gbit": 1.0, "500mbit": 2.0, "250mbit": 4.0}
+    ips = [f"127.0.0.{i}" for i in range(2, 7)]
 
-    class Netcluster:  # netlab's rate parser, alone
-        @staticmethod
-        def parse_rate(rate):
-            return {"1gbit": 10**9, "500mbit": 5 * 10**8, "250mbit": 25 * 10**7}[rate]
+    def row(ms, mb=None):
+        return {"ms": ms, "lo": ms - 1, "hi": ms + 1, "per_call": 1, "node_mb": mb}
 
-    rates = ["1gbit", "500mbit", "250mbit"]
-    ns = {"1gbit": 1.0, "500mbit": 2.0, "250mbit": 4.0}
-
-    def row(ms):
-        return {"ms": ms, "lo": ms, "hi": ms, "ingress": 0, "objects": 4}
-
-    results = {r: {"fp32": row(400 + 1100 * ns[r]), "bf16": row(600 + 550 * ns[r])} for r in rates}
-    results["unshaped"] = {"fp32": row(500.0), "bf16": row(550.0)}
-    for r in results:
-        results[r]["ratio"] = results[r]["bf16"]["ms"] / results[r]["fp32"]["ms"]
-    results["actors_per_node"] = {"placed": [4, 4, 4, 4]}
-    args = argparse.Namespace(precision_rates=rates, netlab="netlab", nodes=[4], clients_per_node=4,
-                              state_floats=7_000_000, repeats=3, rounds=6, warmup=4)
-    text = NR.precision_body(args, results, Netcluster)
-    assert "| 1gbit | 1500 (1500..1500) | 1150 (1150..1150) | 0.77 |" in text
-    assert "| fp32 | 400 | 1100 |" in text and "| bf16 | 600 | 550 |" in text
-    assert "b (bf16) / b (fp32) = 0.50" in text
-    assert "0.63 of fp32's at 1gbit" in text  # (400 + 550) / 1500
+    links = {link: {L.combo_of(n, p): row(a + b * xv, None if link == "unshaped" else
+                                          {ip: 0.0 if n == "collective" else b / 8 for ip in ips})
+                    for (n, p), (a, b) in lines.items()} for link, xv in x.items()}
+    slow = {L.combo_of("node", "fp32"): row(478 + 1104 * 3), L.combo_of("collective", "fp32"): row(400 + 420 * 10)}
+    results = {"links": links, "x": x, "placed": [4, 4, 4, 4],
+               "refused": {L.combo_of("collective", "bf16"): "config field 'transfer_precision': 'bf16' no"},
+               "straggler": {"slow_node": ips[-1], "x_rate": 1.0, "x_slow": 10.0, "rows": slow, "refused": {}}}
+    text = L.body(args, results, None, None)
+    assert "| 1gbit | 4400 (4399..4401) | 2600 (2599..2601) | 1582 (1581..1583) | 1188 (1187..1189) | 820 " in text
+    assert "| refused |" in text and "collective star bf16_ef: refused (config field" in text
+    assert "| node | fp32 | 478 | 1104 | 3.29 | +0, +0, +0 |" in text and "b_ring = 2 (p - 1) / p x state " in text
+    assert "| node, no deadline | 3790 (3789..3791) | 478 + 1104 x | 1582 | 11518 | 3.00 |" in text
+    assert "Warning: collective fp32: a worker node received 0.0 MB" in text  # 0 MB: around the shaping
+    values = L.values(args, results)
+    assert values["b_ring_fp32"] == pytest.approx(336.0) and values["b_node_fp32"] == pytest.approx(1104.0)
+    assert values["b_collective_fp32"] == pytest.approx(420.0) and math.isnan(values["b_collective_bf16"])
+    assert values["round_ratio_collective_node_1gbit"] == pytest.approx(820 / 1582)
+    assert values["round_ratio_collective_ring_1gbit"] == pytest.approx(820 / (400 + 336))
+    assert values["straggler_x_collective_none"] == pytest.approx(10.0)
+    assert parse_result(C.result_line(**values))["resid_max_star_fp32"] == pytest.approx(0.0, abs=1e-6)
     with pytest.raises(SystemExit):
         NR.main(["--precision-rates", "1gbit", "250mbit"])
     assert "--precision-rates needs --netlab" in capsys.readouterr().err
