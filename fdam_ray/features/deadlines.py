@@ -39,6 +39,28 @@ reached, or a record of a run that had no deadline (an empty record: it
 would force nothing) are each one line naming the round and the value.
 Recorded rounds past this run's last round are not replayed, with a warning
 (a shorter replay, to be resumed with more iterations, is a use).
+
+What a factor deadline tells apart (:meth:`Deadline.due`). ``'<f>x'`` is due
+at f * m, m being the lower median of the times at which the actors' calls
+ended, counted from when the round's calls went out (known once half the
+actors have reported). An actor's time is its download of the state, its
+local steps and its export: t_k = c_k + n_k (steps, the rest). It is left
+out when t_k > f * m, that is when it is later than the median by more than
+(f - 1) * m: the factor is the lateness tolerated, as a share of the median
+round. Where the local steps make up most of every actor's time (slow or
+shared cores: m close to c), a client slowed by its link alone is left out
+only once its link costs (f - 1) times a whole round: with rounds of 1.3 s
+on two shared cores and one node at 100 Mbit/s, ``'2x'`` is due after about
+2.5 s and never leaves the slow node out. No rule on the round's times alone can
+tell that node from an even one: a late link and local steps that ran slow this
+round look the same until the call ends (a classic call reports nothing
+before), so a deadline that left out a client 0.2 s behind the median would
+leave out every even client whose steps varied by 0.2 s. When compute
+dominates, a factor near 1 (``'1.1x'`` tolerates a tenth of the median
+round) fits only where the even clients' times vary by less than that
+(cores of their own); on shared cores, where they vary by a tenth or more
+from round to round, it leaves even clients out: use seconds there (the
+even round's time and the margin tolerated), or accept the wait.
 """
 
 from __future__ import annotations
@@ -93,9 +115,10 @@ class DeadlineSection(Section):
 
     round_deadline: float | str | None = setting(
         None, "ray executor: a round folds the clients that reported within this many seconds (e.g. 30) or this "
-        "factor of the round's median client time (e.g. '2x'); a client that misses it sits the round out as a "
-        "sampled-out client does (its c^k and sampler unchanged) and its late result is discarded; null = wait "
-        "for every client.", kind="deadline", allowed=_ALLOWED)
+        "factor of the round's median client time (e.g. '2x': late once (factor - 1) median times behind the "
+        "median, so where local compute fills the round only seconds or a factor near 1 leave a slow link out); "
+        "a client that misses it sits the round out as a sampled-out client does (its c^k and sampler "
+        "unchanged) and its late result is discarded; null = wait for every client.", kind="deadline", allowed=_ALLOWED)
     min_clients: int = setting(1, "With round_deadline: a round waits past the deadline until at least this many "
                                "clients have reported (refused without round_deadline).", check=AT_LEAST_ONE)
     participation_record: str | None = setting(
@@ -145,7 +168,9 @@ class Deadline:
 
     Attributes:
         seconds: a fixed deadline after the round's calls went out, or None.
-        factor: a deadline of this factor times the round's median (lower median) actor time, or None.
+        factor: a deadline of this factor times the round's median (lower median) actor time, or None: an
+            actor is left out once it is (factor - 1) median times behind the median (the module's docstring:
+            what this tells apart when local compute dominates the round).
         min_clients: past the deadline, wait until this many clients have reported.
     """
 
@@ -164,7 +189,11 @@ class Deadline:
 
     def due(self, arrivals: Sequence[float], expected: int) -> float | None:
         """Seconds after the round's start when it is due, given the arrival times so far of ``expected`` actors;
-        None while a median-based deadline is not known yet."""
+        None while a median-based deadline is not known yet.
+
+        A factor f is due at f * m, m the ((expected + 1) // 2)-th arrival (the lower median of all
+        ``expected``: the earlier half has then reported, whatever the others do); the arrivals are the times
+        the actors' calls ended, their local steps included."""
         if self.seconds is not None:
             return self.seconds
         median_at = (expected + 1) // 2
