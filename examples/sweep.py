@@ -15,7 +15,7 @@ script prints.
 
 ``--trackers`` sets the config field ``trackers`` of ``base``: every trial's
 config and reports go to the experiment tracker through Ray Tune's own logger
-callbacks (``pip install 'fdam-ray[mlflow]'``, ``'fdam-ray[wandb]'``).
+callbacks (the ``mlflow`` or ``wandb`` extra: ``pip install -e ".[mlflow]"`` in the checkout).
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def train(
     """Train a federation on the dataset the config names; see :func:`fdam_ray.assembly.recipe.run`.
 
     ``model`` sets the config's ``model``: a built-in name, an import path ``module:attr``, or your own
-    factory ``(input_shape, num_tasks) -> nn.Module`` (README, "Your own model and data"). A factory that
+    factory ``(input_shape, num_tasks) -> nn.Module`` (docs/tutorials/own-data.md). A factory that
     can be imported by name is recorded by its path; any other (a lambda, a local function, one of the
     ``__main__`` script) travels to the clients by value, and resuming its run needs it given again.
     ``progress``: show the run as ``fdam train`` does (a bar on stderr, a line per evaluation on stdout);

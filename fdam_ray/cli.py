@@ -190,21 +190,21 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_fields(args: argparse.Namespace) -> int:
-    from fdam_ray.config import describe_fields
+    from fdam_ray.settings.catalog import describe_stored
 
-    print(describe_fields(args.terms))
+    print(describe_stored(args.terms))  # the stored table: no torch, Ray or scikit-learn to import
     return 0
 
 
 class _FieldsHelp(argparse.HelpFormatter):
-    """``fdam fields -h``: the section names, read from the config only when that help is shown."""
+    """``fdam fields -h``: the section names, read from the stored field table only when that help is shown."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = super()._get_help_string(action)
         if text and "{sections}" in text:
-            from fdam_ray.config import SECTIONS
+            from fdam_ray.settings.catalog import stored
 
-            text = text.replace("{sections}", ", ".join(SECTIONS))
+            text = text.replace("{sections}", ", ".join(stored()[0]))
         return text
 
 

@@ -19,7 +19,6 @@ import dataclasses
 import difflib
 import functools
 import operator
-import re
 import types
 import typing
 from collections.abc import Mapping
@@ -47,6 +46,7 @@ from fdam_ray.loop.schedules import ScheduleSection
 from fdam_ray.models import MODEL_NAMES, ModelSection
 from fdam_ray.outputs import OutputSection
 from fdam_ray.privacy.section import PrivacySection
+from fdam_ray.settings import catalog
 from fdam_ray.settings.coercion import CommandLineText, Field, coerce, from_text
 from fdam_ray.settings.redact import clip, short
 from fdam_ray.settings.sections import (
@@ -66,7 +66,8 @@ from fdam_ray.settings.yamlio import kind_of, load_yaml, read_yaml_file
 __all__ = ["CHESTXRAY_SOURCES", "DATASET_NAMES", "FIELDS", "FIELD_BY_NAME", "MODEL_NAMES", "RENAMED_PER_ACTOR",
            "RESUME_MAY_CHANGE", "SECTIONS", "SECTION_CLASSES", "CommandLineText", "Config", "ConfigError", "Field",
            "RunSection", "build_config", "describe_fields", "field_type", "load_config_file", "load_yaml",
-           "nearest_field", "parse_overrides", "read_text_value", "read_yaml_file", "select_fields", "typed_value"]
+           "nearest_field", "parse_overrides", "read_text_value", "read_yaml_file", "row_of", "select_fields",
+           "typed_value"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -371,31 +372,19 @@ def load_config_file(path: str) -> dict[str, Any]:
 
 
 def select_fields(terms: list[str] | tuple[str, ...] = ()) -> list[Field]:
-    """The fields ``fdam fields TERM ...`` lists: for each term (case-insensitive), the fields of the section it
-    names (:data:`SECTIONS`), else those with the term in their name or starting a word of their meaning; with
-    several terms, the fields every term selects."""
-    chosen = list(FIELDS)
-    for term in terms:
-        word = term.lower().strip()
-        if word in SECTIONS:
-            chosen = [f for f in chosen if f.section == word]
-            continue
-        pattern = re.compile(rf"(?<![\w-]){re.escape(word)}", re.IGNORECASE)
-        chosen = [f for f in chosen if word in f.name.lower() or pattern.search(f.doc)]
-    return chosen
+    """The fields ``fdam fields TERM ...`` lists (:func:`fdam_ray.settings.catalog.select` over :data:`FIELDS`)."""
+    return catalog.select(FIELDS, list(SECTIONS), terms)
+
+
+def row_of(field: Field) -> catalog.Row:
+    """What ``fdam fields`` shows of ``field``, as text (a row of the stored table ``settings/fields.json``)."""
+    allowed = ", ".join(field.choices) if field.choices else field.allowed
+    if field.kind == "factory":
+        allowed += ", or module:attr"
+    return catalog.Row(field.section, field.name, str(field.default), field.doc, allowed)
 
 
 def describe_fields(terms: list[str] | tuple[str, ...] = ()) -> str:
     """A plain-text table of every field (or those ``terms`` select), its default and its meaning (for `fdam
     fields`); a term that selects nothing is a :class:`ConfigError` naming the sections."""
-    fields = select_fields(terms)
-    if not fields:
-        raise ConfigError(f"no config field matches {short(' '.join(terms))}; give a section ({', '.join(SECTIONS)}) "
-                          "or a word of a field's name or meaning, or nothing for every field")
-    rows = []
-    for f in fields:
-        allowed = ", ".join(f.choices) if f.choices else f.allowed
-        if f.kind == "factory":
-            allowed += ", or module:attr"
-        rows.append(f"{f.name:<24} {f.default!s:<10} {f.doc}" + (f" [{allowed}]" if allowed else ""))
-    return "\n".join(rows)
+    return catalog.describe([row_of(f) for f in FIELDS], list(SECTIONS), terms)

@@ -31,6 +31,7 @@ from fdam_ray.assembly.factories import (
     raised_at,
     resolve,
 )
+from fdam_ray.files.extras import MissingExtraError, extra_hint
 from fdam_ray.settings.redact import short
 from fdam_ray.settings.sections import AT_LEAST_ONE, Section, setting
 
@@ -130,7 +131,10 @@ def resnet20(input_shape: tuple[int, ...], num_tasks: int, width: int) -> nn.Mod
 
 def _densenet(name: str, input_shape: tuple[int, ...], num_tasks: int) -> nn.Module:
     """A torchvision DenseNet (random init, T outputs), first convolution adapted to the input channels."""
-    import torchvision.models
+    try:
+        import torchvision.models
+    except ImportError:
+        raise MissingExtraError(f"model '{name}' is torchvision's: {extra_hint('images', 'torchvision')}") from None
 
     channels, height, width_px = _image_shape(name, input_shape)
     if min(height, width_px) < 32:

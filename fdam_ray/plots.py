@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from fdam_ray.config import read_yaml_file
+from fdam_ray.files.extras import require
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ def _read_metrics(path: Path) -> list[dict]:
 
 
 def _pyplot():
+    require("matplotlib", "plots", "plotting")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -329,6 +331,7 @@ def plot_top_trials(rows: list[dict], path: Path, metric: str, keys: list[str]) 
 
     Each row holds ``_history`` ([(iteration, value), ...]), ``trial`` and the searched ``keys``.
     """
+    require("matplotlib", "plots", "a sweep's figure")
     import matplotlib
 
     matplotlib.use("Agg")

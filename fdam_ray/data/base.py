@@ -21,14 +21,11 @@ import torch
 
 from fdam_ray.data.partition import validation_rows
 from fdam_ray.features.interrupts import ignore_stop_signals
+from fdam_ray.files.extras import MissingExtraError as MissingExtraError  # raised by the data sources
 
 if TYPE_CHECKING:
     from fdam_ray.data.balanced import BalancedIndexStream
     from fdam_ray.data.sections import DataSection
-
-
-class MissingExtraError(ImportError, ValueError):
-    """An optional dependency is not installed (a ValueError too, so the CLI reports it plainly)."""
 
 
 @dataclasses.dataclass

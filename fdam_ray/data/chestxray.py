@@ -51,6 +51,7 @@ from fdam_ray.data.base import DatasetSplit, DataSource, Shard
 from fdam_ray.data.chestxray_readers import READERS, TASKS, SourceTable, files_problem
 from fdam_ray.data.images import IMAGENET_MEAN, IMAGENET_STD, LazyImages, read_gray, split_seed
 from fdam_ray.data.sections import ChestXraySection
+from fdam_ray.files.extras import require
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ def chestxray_transform(*, augment: bool) -> Callable:
     """Grayscale (1, H, W) in [0, 1] -> normalised float32 (3, H, W); with ``augment`` the paper's affine first."""
     if not augment:
         return GrayToImageNet()
+    require("torchvision", "images", "chest X-ray augmentation")
     from torchvision import transforms
 
     affine = transforms.RandomAffine(degrees=(-15, 15), translate=(0.05, 0.1), scale=(0.95, 1.05),

@@ -22,6 +22,7 @@ import pandas as pd
 
 from fdam_ray.data.base import MissingExtraError
 from fdam_ray.data.images import DICOM_SUFFIXES
+from fdam_ray.files.extras import extra_hint
 
 log = logging.getLogger(__name__)
 
@@ -300,8 +301,8 @@ def require_pydicom(what: str) -> None:
     try:
         import pydicom  # noqa: F401
     except ImportError:
-        raise MissingExtraError(f"reading {what} needs pydicom: pip install 'fdam-ray[dicom]' (or convert the files "
-                         f"to PNG with the same names)") from None
+        raise MissingExtraError(f"reading {what} needs pydicom: {extra_hint('dicom', 'pydicom')} (or convert the "
+                                "files to PNG with the same names)") from None
 
 
 def _vindr_image_labels(path: Path) -> tuple[np.ndarray, np.ndarray, tuple[bool, ...]]:

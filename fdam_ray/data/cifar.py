@@ -29,6 +29,7 @@ from fdam_ray.data.base import DatasetSplit
 from fdam_ray.data.images import ArrayImages, cifar_transform, split_seed
 from fdam_ray.data.pooled import ClassPoolSource
 from fdam_ray.data.sections import DataSection
+from fdam_ray.files.extras import require
 
 
 class CifarSource(ClassPoolSource):
@@ -59,6 +60,7 @@ class CifarSource(ClassPoolSource):
         self.num_workers = section.data_workers
 
     def _dataset_class(self):
+        require("torchvision", "images", f"dataset {self.torchvision_class}")
         import torchvision.datasets
 
         return getattr(torchvision.datasets, self.torchvision_class)

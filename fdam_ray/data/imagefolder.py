@@ -29,6 +29,7 @@ from fdam_ray.data.base import DatasetSplit
 from fdam_ray.data.images import FileImages, folder_transform, split_seed
 from fdam_ray.data.pooled import ClassPoolSource
 from fdam_ray.data.sections import DataSection
+from fdam_ray.files.extras import require
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ DEFAULT_IMAGE_SIZE = 224
 
 def _class_folders(folder: str) -> list[str]:
     """The class folder names in ``folder``, sorted (torchvision's rule: every sub-folder is a class)."""
+    require("torchvision", "images", "dataset imagefolder")
     from torchvision.datasets.folder import find_classes
 
     try:
@@ -107,6 +109,7 @@ class ImageFolderSource(ClassPoolSource):
                                  f"{', ...' if n > 4 else ''})")
 
     def _scan(self, part: str) -> tuple[np.ndarray, np.ndarray]:
+        require("torchvision", "images", "dataset imagefolder")
         from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
 
         folder = os.path.join(self.root, part)

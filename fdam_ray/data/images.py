@@ -19,10 +19,22 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from PIL import Image
+
+from fdam_ray.files.extras import require
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+def _pil():  # Pillow comes with the 'images' extra; nothing else of fdam-ray needs it
+    require("PIL", "images", "reading image files", "pillow")
+    from PIL import Image
+
+    return Image
+
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 DICOM_SUFFIXES = (".dicom", ".dcm")
@@ -105,7 +117,8 @@ class FileImages(LazyImages):
 
     def load(self, index: int) -> Image.Image:
         path = os.path.join(self.root, os.fsdecode(self.relpaths[index]))
-        with read_errors(path), Image.open(path) as image:
+        pil = _pil()  # outside read_errors: a missing Pillow is not a bad file
+        with read_errors(path), pil.open(path) as image:
             return image.convert("RGB")
 
 
@@ -120,18 +133,19 @@ def read_gray(path: str, size: int) -> np.ndarray:
     """
     if path.lower().endswith(DICOM_SUFFIXES):
         return _scaled(read_dicom(path), size)
-    with read_errors(path), Image.open(path) as img:
+    pil = _pil()  # outside read_errors: a missing Pillow is not a bad file
+    with read_errors(path), pil.open(path) as img:
         if img.mode in WIDE_MODES:
             return _scaled(np.array(img, dtype=np.float32), size)
         img.draft("L", (size, size))  # JPEG: decode at a reduced scale when the image is much larger
-        small = img.convert("L").resize((size, size), Image.Resampling.BILINEAR)
+        small = img.convert("L").resize((size, size), pil.Resampling.BILINEAR)
         return np.array(small, dtype=np.float32) / 255.0
 
 
 def _scaled(a: np.ndarray, size: int) -> np.ndarray:
     lo, hi = float(a.min()), float(a.max())
     a = (a - lo) / (hi - lo) if hi > lo else np.zeros_like(a)
-    return np.array(Image.fromarray(a).resize((size, size), Image.Resampling.BILINEAR), dtype=np.float32)
+    return np.array(_pil().fromarray(a).resize((size, size), _pil().Resampling.BILINEAR), dtype=np.float32)
 
 
 def read_dicom(path: str) -> np.ndarray:
@@ -158,6 +172,7 @@ def read_dicom(path: str) -> np.ndarray:
 
 def cifar_transform(mean: tuple[float, ...], std: tuple[float, ...], *, augment: bool) -> Callable:
     """uint8 (3, 32, 32) -> normalised float32; with ``augment`` a 4-pixel padded random crop and a flip."""
+    require("torchvision", "images", "CIFAR's transforms")
     from torchvision.transforms import v2
 
     steps = [v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip()] if augment else []
@@ -170,6 +185,7 @@ def folder_transform(size: int, *, augment: bool) -> Callable:
     Evaluation (and training without ``augment``): resize the short side to
     size / 0.875, centre crop. With ``augment``: random resized crop and flip.
     """
+    require("torchvision", "images", "image folders' transforms")
     from torchvision import transforms as T
 
     if augment:

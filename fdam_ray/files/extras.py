@@ -25,3 +25,12 @@ def extra_hint(extra: str, package: str | None = None) -> str:
     return (f"install fdam-ray's '{extra}' extra from the wheel or checkout fdam-ray came from: "
             f"pip install \"./fdam_ray-<version>-py3-none-any.whl[{extra}]\", or pip install -e \".[{extra}]\" "
             f"in the checkout{alone}")
+
+
+def require(module: str, extra: str, what: str, package: str | None = None) -> None:
+    """Raise :class:`MissingExtraError` (one line: ``what`` needs it, and how to install ``extra``) when ``module``
+    cannot be imported; ``package`` is its name on pip when that differs (Pillow's module is PIL)."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise MissingExtraError(f"{what} needs {package or module}: {extra_hint(extra, package or module)}")

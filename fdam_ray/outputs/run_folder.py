@@ -40,7 +40,7 @@ def is_folder_name(name: str) -> bool:
             and not any(c in "/\\" or not c.isprintable() for c in name))  # control, line breaks, invisible
 
 
-TENSORBOARD_ALLOWED = "auto, false, or true where the tensorboard package is installed: pip install tensorboard"
+TENSORBOARD_ALLOWED = "auto, false, or true where the tensorboard package is installed (the 'tensorboard' extra)"
 
 
 def _tensorboard_allowed(value: bool | str) -> bool:
@@ -65,7 +65,7 @@ class OutputSection(Section):
                                       "false.", check=(_tensorboard_allowed, TENSORBOARD_ALLOWED), resume=True)
     trackers: tuple[str, ...] = setting((), "Experiment trackers that get the config, every evaluation and the "
                                         "final model: mlflow, wandb (a list, or names joined by commas; each needs "
-                                        "its extra, pip install 'fdam-ray[mlflow]'); empty = none.",
+                                        "the extra of its name, or 'trackers' for all); empty = none.",
                                         choices=("mlflow", "wandb"), check=EACH_ONCE, allowed="each tracker once",
                                         resume=True)
     tracker_project: str = setting("fdam-ray", "MLflow experiment and W&B project the trackers log to.", resume=True)

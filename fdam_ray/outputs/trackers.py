@@ -62,6 +62,7 @@ import torch
 
 from fdam_ray.config import Config, ConfigError
 from fdam_ray.features.interrupts import RunStopped, interruptible
+from fdam_ray.files.extras import extra_hint
 from fdam_ray.files.versions import VERSIONS_KEY, run_versions
 from fdam_ray.outputs import Observer, RunStart, Snapshot, scalars
 from fdam_ray.settings.redact import redact
@@ -99,8 +100,8 @@ def check_installed(names: Sequence[str]) -> None:
     """Refuse, in one line naming the extra to install, a tracker whose package is missing."""
     for name in names:
         if importlib.util.find_spec(name) is None:
-            raise ConfigError(f"trackers: {name} is not installed; install it with pip install 'fdam-ray[{name}]' "
-                              f"(or pip install {name}), or leave {name} out of trackers")
+            raise ConfigError(f"trackers: {name} is not installed; {extra_hint(name, name)}; or leave {name} out of "
+                              "trackers")
 
 
 def check_usable(names: Sequence[str]) -> None:

@@ -49,7 +49,7 @@ def _tensorboard_writer(path: Path, wanted: bool | str):
             log.debug("tensorboard=auto: TensorBoard cannot be imported (%s); no event files", exc)
             return None
         raise ValueError(f"config field 'tensorboard': true, but TensorBoard cannot be imported ({exc}); reinstall "
-                         "it (pip install tensorboard) or set tensorboard=auto or false") from None
+                         "it (pip install --force-reinstall tensorboard) or set tensorboard=auto or false") from None
     return SummaryWriter(log_dir=str(path))
 
 

@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from fdam_ray.files.extras import extra_hint
+
 SAMPLINGS = ("fixed", "poisson")
 ADD_OR_REMOVE = "add_or_remove_one"
 REPLACE_ONE = "replace_one"
@@ -68,8 +70,8 @@ def _dp() -> Any:
     try:
         import dp_accounting
     except ImportError as exc:
-        raise AccountingUnavailable("the privacy accountant needs dp-accounting: install the 'privacy' extra of "
-                                    "fdam-ray from its source (pip install -e '.[privacy]' in its checkout)") from exc
+        raise AccountingUnavailable("the privacy accountant needs dp-accounting: "
+                                    + extra_hint("privacy", "dp-accounting==0.6.0")) from exc
     return dp_accounting
 
 

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import logging
 import math
 from pathlib import Path
 
 import yaml
 
 from fdam_ray.config import build_config
+from fdam_ray.files.extras import MissingExtraError
 from fdam_ray.files.locations import RemoteFolder, is_uri, output_root
 from fdam_ray.plots import plot_top_trials
 from fdam_ray.settings.redact import redact
 from fdam_ray.tuning.space import Space
+
+log = logging.getLogger(__name__)
 
 ERRORS_FILE = "errors.log"
 LOCAL_COPY = "tune_results"  # where a sweep kept at a storage URI gets a local copy of its results
@@ -78,7 +82,10 @@ def write_sweep_outputs(grid, space: Space) -> SweepOutcome:
         (out / ERRORS_FILE).write_text(redact("\n".join(trials.full_errors)), encoding="utf-8")
     if not unfinished:
         _write_best_config(rows, space, best_file)
-    plot_top_trials(rows[: opts.top_trials], out / "top_trials.png", opts.metric, list(space.search))
+    try:
+        plot_top_trials(rows[: opts.top_trials], out / "top_trials.png", opts.metric, list(space.search))
+    except MissingExtraError as exc:  # the tables and the best config stand without the figure
+        log.warning("top_trials.png not drawn: %s", exc)
     if remote is not None:
         _upload(remote, out, best_file)
     return SweepOutcome(out, max(len(grid), expected_trials(space)), trials.failed, unfinished,

@@ -15,6 +15,7 @@ import yaml
 
 from fdam_ray.config import ConfigError, build_config
 from fdam_ray.features import interrupts
+from fdam_ray.files.extras import extra_hint
 from fdam_ray.files.locations import RemoteFolder, is_uri, join_uri, local_path_of, output_root
 from fdam_ray.files.runlock import RunLock
 from fdam_ray.outputs.trackers import check_usable as check_trackers
@@ -48,7 +49,7 @@ def _searcher(space: Space):
     import importlib.util
 
     if importlib.util.find_spec("optuna") is None:
-        raise ConfigError("tune option 'searcher': optuna needs the optuna package (pip install optuna)")
+        raise ConfigError(f"tune option 'searcher': optuna needs the optuna package: {extra_hint('optuna', 'optuna')}")
     from ray.tune.search.optuna import OptunaSearch
 
     return OptunaSearch()

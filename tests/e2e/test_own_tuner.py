@@ -45,8 +45,8 @@ def test_a_bad_base_metric_or_driver_share_is_one_line_before_any_trial(kwargs, 
 
 
 def test_the_readme_shows_the_tuner_of_the_example_that_the_tests_run():
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Your own Tuner", 1)[1]
+    readme = (ROOT / "docs/tutorials/sweep.md").read_text()
+    section = readme.split("## 3. Your own Tuner", 1)[1]
     snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     example = (ROOT / "examples" / "own_tuner.py").read_text()
     lines = [line.strip() for line in snippet.splitlines() if line.strip()]
@@ -162,7 +162,7 @@ def test_the_own_tuner_example_runs_asha_and_its_callback_over_federations(tmp_p
     from test_examples import load
 
     assert load("own_tuner").main(["--quick", "--out", str(tmp_path / "tune")]) == 0
-    # the Ray it ran on is the one fdam starts (README, "Trust"), not Tune's own start on every interface
+    # the Ray it ran on is the one fdam starts (docs/explanation/trust.md), not Tune's own start on every interface
     assert ray.get_runtime_context().gcs_address.rpartition(":")[0] == "127.0.0.1"
     if Path("/proc/net/tcp").exists():
         listens = _listening_addresses_of_children()

@@ -50,7 +50,7 @@ def test_process_group_sigterm_under_ray_with_data_workers_checkpoints_and_print
 
 @pytest.mark.slow  # a private Ray, about 40 s
 def test_a_second_ctrl_c_under_the_classic_transport_exits_at_once(tmp_path):
-    """The README says a second Ctrl+C exits at once; under the classic transport it used to take 25 s."""
+    """The docs say a second Ctrl+C exits at once; under the classic transport it used to take 25 s."""
     run = tmp_path / "cut"
     log = tmp_path / "cut.log"
     proc = start(["train", f"out_dir={tmp_path}", "run_name=cut", "executor=ray", "cpus_per_actor=0.5",

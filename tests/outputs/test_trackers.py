@@ -19,6 +19,7 @@ import fdam_ray.loop.federation
 from fdam_ray.assembly.recipe import resume, run
 from fdam_ray.cli import main
 from fdam_ray.config import ConfigError, build_config, parse_overrides
+from fdam_ray.files.extras import extra_hint
 from fdam_ray.outputs import scalars
 
 pytest.importorskip("mlflow")  # the dev extra installs both; a plain install has neither
@@ -209,8 +210,8 @@ def test_a_tracker_that_is_not_installed_is_one_line_before_training(tmp_path, m
     rc = main(["train", f"out_dir={out}", "dataset=synthetic", "model=mlp", "executor=inline", "trackers=wandb"])
     captured = capsys.readouterr()
     assert rc == 2
-    assert captured.err == ("fdam: error: trackers: wandb is not installed; install it with pip install "
-                            "'fdam-ray[wandb]' (or pip install wandb), or leave wandb out of trackers\n")
+    assert captured.err == (f"fdam: error: trackers: wandb is not installed; {extra_hint('wandb', 'wandb')}; or leave "
+                            "wandb out of trackers\n")
     assert "test AUC" not in captured.out and not out.exists()
 
 

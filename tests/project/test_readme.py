@@ -1,5 +1,6 @@
-"""Every `fdam` command the README shows: each one's fields are valid, and each one that can run on this machine
-(built-in data, no cluster, no files of the reader's) runs, shortened, to its summary."""
+"""Every `fdam` command the README and the documentation site (docs/) show: each one's fields are valid, and each
+one that can run on this machine (built-in data, no cluster, no files of the reader's) runs, shortened, to its
+summary."""
 
 from __future__ import annotations
 
@@ -18,12 +19,17 @@ ROOT = Path(__file__).resolve().parents[2]
 LOCAL_DATA = ("digits", "synthetic")
 
 
+def pages() -> list[Path]:
+    """The README and every page of the documentation site."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
 def readme_commands() -> list[str]:
-    """The `fdam ...` commands of the README's bash blocks and of its prose (inline code with a key=value, not a
+    """The `fdam ...` commands of the pages' bash blocks and of their prose (inline code with a key=value, not a
     synopsis with [...] or <...>; the bad-input table's rows fail on purpose and are tested elsewhere), one
     string each, comments dropped, continuation lines joined, a leading `VAR=value` or `ray job submit ... --`
     left out."""
-    text = (ROOT / "README.md").read_text()
+    text = "\n".join(page.read_text() for page in pages())
     lines = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         lines += block.replace("\\\n", " ").splitlines()
@@ -50,6 +56,7 @@ COMMANDS = readme_commands()
 
 
 def test_the_readme_shows_the_commands_this_test_reads():
+    assert len(pages()) > 20  # the site's pages are read too
     assert "fdam train" in COMMANDS and "fdam fields ray" in COMMANDS
     assert "fdam train --address 10.0.0.5:6379 dataset=synthetic model=mlp num_clients=16" in COMMANDS
     assert any(c.startswith("fdam train dataset=cifar100 data_root=/data/cifar100") for c in COMMANDS)

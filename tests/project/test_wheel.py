@@ -51,7 +51,8 @@ def test_the_wheel_installs_into_a_fresh_environment_and_runs(tmp_path):
         entry_points = whl.read(f"fdam_ray-{version}.dist-info/entry_points.txt").decode()
     assert {"fdam_ray/__init__.py", "fdam_ray/outputs/trackers.py", "fdam_ray/tuning/sweep.py",
             "fdam_ray/executors/ray/actor.py", "fdam_ray/data/chestxray.py",
-            "fdam_ray/tuning/spaces/small.yaml", "fdam_ray/tuning/spaces/paper_grid.yaml"} <= in_wheel
+            "fdam_ray/tuning/spaces/small.yaml", "fdam_ray/tuning/spaces/paper_grid.yaml",
+            "fdam_ray/settings/fields.json"} <= in_wheel  # the field table `fdam fields` reads without torch
     assert not [n for n in in_wheel if n.startswith(("tests/", "examples/", "benchmarks/"))]
     assert "fdam = fdam_ray.cli:main" in entry_points
     assert "Provides-Extra: mlflow" in metadata and "Provides-Extra: wandb" in metadata
@@ -77,6 +78,7 @@ def test_the_wheel_installs_into_a_fresh_environment_and_runs(tmp_path):
     assert Path(where).is_relative_to(purelib) and not Path(where).is_relative_to(ROOT), where
     fdam = venv / "bin" / "fdam"
     assert run([fdam, "--version"], tmp_path, env) == f"fdam {version}\n"
+    assert "stage_length" in run([fdam, "fields", "schedule"], tmp_path, env)  # from the wheel's field table
     out = run([fdam, "train", "dataset=synthetic", "model=mlp", "num_clients=2", "samples_per_client=100",
                "local_steps=5", "iterations=20", "eval_every=10", "executor=inline", "tensorboard=false",
                f"out_dir={tmp_path / 'runs'}", "run_name=wheel", "--quiet"], tmp_path, env)

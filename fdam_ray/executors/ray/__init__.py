@@ -11,3 +11,7 @@
 The package is named ``ray`` inside ``fdam_ray.executors``; absolute imports
 (``import ray``) still reach Ray itself.
 """
+
+from fdam_ray.executors.ray.compat import check_ray_version
+
+check_ray_version()  # before any module here imports Ray: another Ray version is refused in one line

@@ -10,15 +10,17 @@ in ``tests/executors/test_ray_compat.py``, which checks that every name listed i
 way the code relied on before: a missing probe is skipped, a missing token
 helper falls back to the environment variable.
 
-:data:`SUPPORTED` is the range the package was tested on (Ray 2.60); the
-package's requirement (``ray>=2.40,<3``) is wider, and the private names may
-differ outside this range.
+:data:`SUPPORTED` is the range the package was tested on (Ray 2.60), and
+its requirement in ``setup.cfg`` is the same range: the private names may
+differ outside it. Importing the Ray executor (:mod:`fdam_ray.executors.ray`)
+calls :func:`check_ray_version`, which refuses another Ray in one line.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.metadata
 import math
 import os
 import time
@@ -61,6 +63,27 @@ def version_in_range(version: str, supported: tuple[str, ...] = SUPPORTED) -> bo
         if (op == ">=" and have < key(limit)) or (op == "<" and have >= key(limit)):
             return False
     return True
+
+
+class RayVersionError(ImportError, ValueError):
+    """The installed Ray is outside :data:`SUPPORTED` (a ValueError too, so the CLI reports it in one line)."""
+
+
+def check_ray_version(version: str | None = None) -> str:
+    """The installed Ray's version (or ``version``), checked to be in :data:`SUPPORTED`; raises
+    :class:`RayVersionError` naming it and the range otherwise. Reads the installed metadata: imports no Ray."""
+    wanted = ",".join(SUPPORTED)
+    if version is None:
+        try:
+            version = importlib.metadata.version("ray")
+        except importlib.metadata.PackageNotFoundError:
+            raise RayVersionError(f"the Ray executor needs Ray {wanted}, which is not installed: pip install "
+                                  f"'ray[default,tune]{wanted}' (or use executor=inline)") from None
+    if not version_in_range(version):
+        raise RayVersionError(f"the Ray executor supports Ray {wanted} (the Ray versions it was tested on); Ray "
+                              f"{version} is installed: pip install 'ray[default,tune]{wanted}' (or use "
+                              "executor=inline)")
+    return version
 
 
 def _private(module: str, name: str) -> Any:

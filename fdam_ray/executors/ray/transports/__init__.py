@@ -14,7 +14,7 @@ A transport goes by the config's ``(transport, reduce)`` pair it serves, here
 as everywhere. Adding one is one module with a :class:`Transport` subclass,
 its declaration in :data:`fdam_ray.features.capabilities.CAPABILITIES` (the
 pair it serves and what it refuses; the config's checks, the refusals and the
-README's table follow from it), the class's ``capabilities`` pointing at it,
+transport table of docs/explanation/transports.md follow from it), the class's ``capabilities`` pointing at it,
 and one entry in :data:`REGISTRY`.
 """
 
