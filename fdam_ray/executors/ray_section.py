@@ -72,10 +72,14 @@ class RaySection(Section):
                                      "driver folding every round's reduced sum. A failure inside a run keeps the "
                                      "rounds before it.", check=AT_LEAST_ONE, resume=True)
     collective_backend: str = setting("auto", "transport=collective: how the actors all-reduce: auto (NCCL when "
-                                      "every actor holds a GPU of its own; else, when all the actors run on one "
-                                      "node, through one shared-memory block in /dev/shm, and gloo between nodes) "
-                                      "or gloo (torch.distributed gloo whenever NCCL is not used, on one node too).",
-                                      choices=("auto", "gloo"), resume=True)
+                                      "every actor holds a GPU of its own; else shared memory: one block in "
+                                      "/dev/shm when all the actors run on one node, and across nodes a block per "
+                                      "node with one actor per node all-reducing with the other nodes' over gloo, "
+                                      "16-bit with transfer_precision bf16/fp16), gloo (flat torch.distributed "
+                                      "gloo over every actor whenever NCCL is not used) or device (actors that "
+                                      "share one GPU sum through CUDA IPC handles on it instead of host memory; "
+                                      "else as auto).",
+                                      choices=("auto", "gloo", "device"), resume=True)
     channel_wait: str = setting("sleep", "transport=compiled: how the actors and the driver wait on the graph's "
                                 "channels: sleep (Ray's polling for the first 50 ms of a wait, then sleeps with "
                                 "pauses that grow with the wait: an idle graph costs almost no CPU, and a long wait "

@@ -12,7 +12,7 @@ is derived from these entries, so adding a transport is one entry here:
   (:func:`no_deadline`) and ``transfer_precision`` bf16/fp16
   (:func:`no_16bit`), checked before anything starts;
 - the transports' registry (:func:`fdam_ray.executors.ray.transports.transport_for`);
-- the README's transport table (:func:`markdown_table`, a test holds the README to it).
+- the transport table of docs/explanation/transports.md (:func:`markdown_table`, a test holds the page to it).
 
 A transport supports a feature when its reason to refuse it is empty.
 """
@@ -33,8 +33,8 @@ class Capabilities:
         transport: the config's ``transport`` it runs.
         reduce: the config's ``reduce`` it runs (``star``: the driver folds every actor's partial sum; ``node``:
             the actors of a node folded there first).
-        travels: how a round travels, one line (the README's table).
-        gpu: what GPUs change for it, one line (the README's table).
+        travels: how a round travels, one line (the transport table).
+        gpu: what GPUs change for it, one line (the transport table).
         no_deadline: why it refuses ``round_deadline`` ('' = it runs deadlines).
         no_16bit: why it refuses ``transfer_precision`` bf16/fp16 ('' = it runs them).
         no_node_reduce: why its ``transport`` has no ``reduce: node`` ('' = another entry runs it).
@@ -78,10 +78,9 @@ CAPABILITIES: dict[tuple[str, str], Capabilities] = {c.serves: c for c in (
     Capabilities(transport="collective", reduce="star",
                  travels="the actors all-reduce their partial sums among themselves and apply the server step, "
                  "several rounds a call",
-                 gpu="NCCL when every actor holds a GPU of its own; else shared memory on one node, gloo "
-                 "between nodes",
+                 gpu="NCCL when every actor holds a GPU of its own; else shared memory on one node, and between "
+                 "nodes shared memory in each node and gloo between one actor per node (16-bit with bf16/fp16)",
                  no_deadline="every actor's all-reduce waits for every other",
-                 no_16bit="the actors all-reduce float32 sums among themselves",
                  no_node_reduce="reduces the actors' partial sums among the actors themselves"),
 )}
 
@@ -132,7 +131,7 @@ def no_16bit(transport: str) -> str:
 
 
 def markdown_table() -> str:
-    """The README's transport table: one row per (transport, reduce) pair, run or refused."""
+    """The transport table of docs/explanation/transports.md: one row per (transport, reduce) pair, run or refused."""
 
     def cell(why: str) -> str:
         return f"no: {why}" if why else "yes"

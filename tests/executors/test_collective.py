@@ -176,13 +176,15 @@ def test_nccl_only_when_every_actor_holds_a_gpu_of_its_own_shared_memory_on_one_
     cpu = lambda node: {"device": "cpu", "gpu_ids": [], "node_id": node}
     assert backend({0: gpu("n", [0]), 1: gpu("n", [1])}) == ("nccl", "127.0.0.1")
     assert backend({0: gpu("n", [0]), 1: gpu("m", [0])}, "gloo")[0] == "nccl"
-    # a shared GPU (NCCL takes one rank per GPU) or a CPU actor: shared memory on one node, else gloo
+    # a shared GPU (NCCL takes one rank per GPU) or a CPU actor: shared memory on one node, the hierarchical
+    # all-reduce across nodes (shared memory in each, gloo between them), flat gloo when asked
     assert backend({0: gpu("n", [0]), 1: gpu("n", [0])})[0] == "shm"
-    assert backend({0: gpu("n", [0]), 1: gpu("m", [0]), 2: gpu("m", [0])})[0] == "gloo"
+    assert backend({0: gpu("n", [0]), 1: gpu("m", [0]), 2: gpu("m", [0])})[0] == "hier"
     assert backend({0: gpu("n", [0]), 1: cpu("n")})[0] == "shm"
     assert backend({0: cpu("n")}) == ("shm", "127.0.0.1")
     assert backend({0: cpu("n"), 1: cpu("n")}, "gloo") == ("gloo", "127.0.0.1")
-    assert backend({0: cpu("n"), 1: cpu("m")})[0] == "gloo"
+    assert backend({0: cpu("n"), 1: cpu("m")})[0] == "hier"
+    assert backend({0: cpu("n"), 1: cpu("m")}, "gloo")[0] == "gloo"
 
 
 def test_a_state_key_changes_with_the_stage_and_with_the_values():

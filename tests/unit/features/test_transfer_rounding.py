@@ -197,7 +197,6 @@ def test_resume_with_error_feedback_is_exact(tmp_path):
     (dict(transfer_precision="int8"), "transfer_precision"),
     (dict(error_feedback=True), "error_feedback"),
     (dict(transfer_precision="bf16", transport="compiled"), "transfer_precision"),
-    (dict(transfer_precision="fp16", transport="collective"), "transfer_precision"),
 ])
 def test_bad_values_are_one_line_errors(values, field):
     with pytest.raises(ConfigError) as err:

@@ -23,7 +23,7 @@ from fdam_ray.features.capabilities import (
 )
 from fdam_ray.settings.sections import SETTING, ConfigError
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+README = Path(__file__).resolve().parents[3] / "docs/explanation/transports.md"
 
 
 def test_every_transport_class_declares_the_registry_entry_of_its_name():
@@ -73,7 +73,7 @@ def test_the_configs_refusals_follow_the_declarations(transport):
         with pytest.raises(ConfigError, match=r"^config field 'transfer_precision'") as refused:
             build_config(rounded)
         assert str(refused.value).endswith(f"(fp32 with transport={transport}; bf16/fp16 run with "
-                                           "transport=classic)")
+                                           "transport=classic or collective)")
     else:
         assert build_config(rounded).transfer_precision == "bf16"
     assert build_config(dict(rounded, executor="inline")).transfer_precision == "bf16"  # inline reads neither
@@ -99,5 +99,5 @@ def test_the_table_has_a_row_per_pair_and_says_why_for_each_refusal():
 
 
 def test_the_readmes_transport_table_is_the_declarations():
-    assert markdown_table() in README.read_text(), ("README.md's transport table (under 'Round transport') is not "
+    assert markdown_table() in README.read_text(), ("docs/explanation/transports.md's transport table is not "
                                                      "fdam_ray.features.capabilities.markdown_table()")

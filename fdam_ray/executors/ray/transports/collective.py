@@ -3,7 +3,9 @@
 The fleet's actors form one collective group (``torch.distributed``: NCCL
 when every actor holds a GPU of its own, NCCL taking one rank per GPU; else,
 with ``collective_backend: auto`` and every actor on one node, backend
-``shm``: a shared-memory block, :mod:`.shared`; else gloo), built once per
+``shm``: a shared-memory block, :mod:`.shared`; with the actors on several
+nodes, backend ``hier``: a block per node and one leader per node reducing
+with the other nodes' leaders, :mod:`.hierarchy`; else gloo), built once per
 set of actors and built again when that set changes (a replacement, a
 dropped actor, a lost node). A round is one call per actor: its local round, then
 :meth:`~fdam_ray.executors.ray.transports.group.GroupMember.reduce`: the
@@ -41,7 +43,11 @@ driver sending it. Hosted clients (``clients_per_actor`` > 1) are folded
 into their actor's partial sum first, as under the other transports.
 
 Backend ``shm`` sums in rank order, the driver's order of folding the actors'
-sums, so a run equals a classic ``fold_order: client`` run bit for bit; gloo
+sums, so a run equals a classic ``fold_order: client`` run bit for bit;
+backend ``hier`` sums each node's actors in rank order, then the nodes in
+node order, so a run equals a classic ``reduce: node, fold_order: client``
+run bit for bit (and, with ``transfer_precision`` bf16/fp16, rounds what
+crosses between nodes, :mod:`.hierarchy`); gloo
 and NCCL sum in their own order (equal to float32 rounding, about 1e-7
 relative). ``reduce: node`` is refused: the actors reduce
 among themselves, so there is nothing left for a node's reducer to fold.
@@ -80,6 +86,9 @@ from fdam_ray.executors.ray import compat
 from fdam_ray.executors.ray.placement import node_addresses
 from fdam_ray.executors.ray.transports.base import Round, Transport
 from fdam_ray.executors.ray.transports.collective_messages import RoundShare, RunShare, state_key
+from fdam_ray.executors.ray.transports.device_block import DEVICE, device_block_usable
+from fdam_ray.executors.ray.transports.hierarchy import BACKEND as HIERARCHICAL
+from fdam_ray.executors.ray.transports.hierarchy import spec as hierarchical_spec
 from fdam_ray.executors.ray.transports.shared import supported as shared_memory_supported
 from fdam_ray.features.capabilities import CAPABILITIES
 from fdam_ray.loop.state import ClientInfo, GlobalState, RoundPlan
@@ -105,7 +114,9 @@ class CollectiveTransport(Transport):
         rounds_sent: rounds (or runs of rounds) that sent the global state to the actors (the others used the
             actors' copy).
         runs: the rounds of each run of rounds (``collective_rounds``), in order.
-        backend: the group's backend (``shm``, ``gloo`` or ``nccl``; '' before the first build).
+        backend: the group's backend (``shm``, ``hier``, ``gloo`` or ``nccl``; '' before the first build).
+        transfer: ``(transfer_precision, error_feedback)``: what the nodes' leaders send each other under backend
+            ``hier`` (set by the executor; the other backends sum float32).
     """
 
     capabilities = CAPABILITIES["collective", "star"]
@@ -118,6 +129,7 @@ class CollectiveTransport(Transport):
         self.rounds_sent = 0
         self.runs: list[list[int]] = []  # the rounds of each run of rounds (one call per actor for all of them)
         self.backend = ""
+        self.transfer: tuple[str, bool] = ("fp32", False)
         self.step: ServerStep | None = None
         self.total_weight = 0.0
         self._store: Any = None
@@ -393,7 +405,8 @@ class CollectiveTransport(Transport):
             port = ray.get(fleet.actors[members[0]].open_group.remote(host, wait_s), timeout=fleet.timeout)
         except _FAILURES as exc:
             return {members[0]: exc}
-        refs = {a: fleet.actors[a].join_group.remote(host, port, rank, len(members), backend, fleet.timeout,
+        named = hierarchical_spec(*self.transfer) if backend == HIERARCHICAL else backend
+        refs = {a: fleet.actors[a].join_group.remote(host, port, rank, len(members), named, fleet.timeout,
                                                       self.step) for rank, a in enumerate(members)}
         shares: dict[int, Any] = {}
         failed: dict[int, BaseException] = {}
@@ -418,16 +431,25 @@ class CollectiveTransport(Transport):
 
     def _backend(self, members: list[int]) -> str:
         """NCCL when every member holds a GPU and no two share one (NCCL takes one rank per GPU); else, with
-        ``collective_backend: auto``, ``shm`` when every member is on one node (and the machine supports it:
-        :func:`~fdam_ray.executors.ray.transports.shared.supported`); else gloo."""
+        ``collective_backend: auto``, when the machine supports shared memory
+        (:func:`~fdam_ray.executors.ray.transports.shared.supported`), ``shm`` when every member is on one node and
+        ``hier`` when they span several (:mod:`.hierarchy`); with ``collective_backend: device`` and every member
+        on one GPU, ``device`` (:mod:`.device_block`: CUDA IPC handles, not host memory); else gloo."""
         wheres = [self.fleet.where_of.get(a, {}) for a in members]
         gpus = [(w.get("node_id"), tuple(w.get("gpu_ids") or ())) for w in wheres
                 if str(w.get("device", "cpu")).startswith("cuda") and w.get("gpu_ids")]
         if len(gpus) == len(members) and len(set(gpus)) == len(gpus):
             return "nccl"
         one_node = len({w.get("node_id") for w in wheres}) == 1
-        if self.config.collective_backend == "auto" and one_node and shared_memory_supported():
-            return "shm"
+        if self.config.collective_backend == DEVICE:
+            ids = [f"cuda/{w.get('node_id')}/{tuple(w.get('gpu_ids') or ())}"
+                   if str(w.get("device", "cpu")).startswith("cuda") else f"cpu/{w.get('node_id')}" for w in wheres]
+            if device_block_usable(ids, cuda_available=True):
+                return DEVICE
+            log.warning("collective_backend=device needs every actor on one GPU (they are on %d devices, %s); "
+                        "reducing as with auto", len(set(ids)), "GPUs" if ids[0].startswith("cuda") else "CPUs")
+        if self.config.collective_backend in ("auto", DEVICE) and shared_memory_supported():
+            return "shm" if one_node else HIERARCHICAL
         return "gloo"
 
     def _forget(self) -> None:

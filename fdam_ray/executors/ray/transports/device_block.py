@@ -62,6 +62,9 @@ _CLASSES = {"Tensor": torch.Tensor, "TypedStorage": torch.storage.TypedStorage,
             "UntypedStorage": torch.UntypedStorage}
 
 
+DEVICE = "device"  # the collective backend of this module (collective_backend: device)
+
+
 class DeviceBlockBroken(RuntimeError):
     """A member of the device block died, left it, or did not reach a barrier (or publish its buffers) in time."""
 

@@ -44,6 +44,8 @@ import torch
 
 from fdam_ray.algorithms.server import PartialSum, ServerStep, same_shapes
 from fdam_ray.executors.ray.transports.collective_messages import RoundShare, state_key
+from fdam_ray.executors.ray.transports.device_block import DEVICE, DeviceBlock
+from fdam_ray.executors.ray.transports.hierarchy import BACKEND, Leaders, NodeLink, Place, parse, slice_of
 from fdam_ray.executors.ray.transports.shared import SharedBlock, SharedBroken
 from fdam_ray.loop.state import GlobalState, RoundPlan, Rule, vector_fields
 
@@ -96,6 +98,8 @@ class GroupMember:
         self.shared = False
         self.block: SharedBlock | None = None
         self._blocks = 0  # blocks made in this group (each one's path travels under its own store key)
+        self.nodes: NodeLink | None = None  # backend hier (members on several nodes): the member's place in it
+        self.device_block: DeviceBlock | None = None  # backend device (members on one GPU): its block
         self._slot_partial: PartialSum | None = None  # a run's partial sum over this member's slot
         self._flat = np.empty(0, dtype=np.float32)
         # the server step's sums, two sets used in turn: the state held from the last round lives in one
@@ -132,17 +136,37 @@ class GroupMember:
         elif dist.is_initialized():
             dist.destroy_process_group()
         self._drop_block()
+        self._drop_nodes()
         self.held = None
-        dist.init_process_group("gloo" if backend == "shm" else backend, store=self.store, rank=rank,
+        hier = backend.split("/")[0] == BACKEND
+        if hier:  # where this member runs, for every member to tell the nodes apart (read once all have joined)
+            self.store.set(f"node/{rank}", _where())
+        setup_only = backend in ("shm", DEVICE) or hier  # gloo sets the group up; the sums go another way
+        dist.init_process_group("gloo" if setup_only else backend, store=self.store, rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
-        self.rank, self.world, self.backend, self.step = rank, world, backend, step
-        self.timeout_s, self.shared, self._blocks = timeout_s, backend == "shm", 0
+        self.rank, self.world, self.backend, self.step = rank, world, backend.split("/")[0], step
+        self.timeout_s, self.shared, self._blocks = timeout_s, backend == "shm" or hier, 0
+        if hier:
+            self._join_nodes(backend)
+
+    def _join_nodes(self, backend: str) -> None:
+        """Backend hier: this member's place among the nodes; a node's leader joins the leaders' group, its
+        sockets on the node's own address (:class:`~.hierarchy.Leaders`)."""
+        where = [self.store.get(f"node/{r}").decode().split(" ", 1) for r in range(self.world)]
+        place = Place.of(self.rank, [(node, address) for node, address in where])
+        leaders = None
+        if place.leader and place.nodes > 1:
+            leaders = Leaders(self.store, "leaders/", place.node, place.nodes, place.addresses[place.node],
+                              self.timeout_s)
+        self.nodes = NodeLink(place, leaders, *parse(backend))
 
     def leave(self) -> None:
         """Leave the group (a broken one too): its process group ended, its store dropped, no state held."""
         import torch.distributed as dist
 
         self._drop_block()
+        self._drop_nodes()
+        self._drop_device_block()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -157,6 +181,31 @@ class GroupMember:
             self.block.mark_broken()
             self.block.close()
         self.block, self._slot_partial = None, None
+
+    def _drop_device_block(self) -> None:
+        """Leave the device block (backend ``device``): peers waiting in it are released."""
+        if self.device_block is not None:
+            self.device_block.mark_broken()
+            self.device_block.close()
+        self.device_block = None
+
+    def _device_reduce(self, flat: np.ndarray) -> None:
+        """Backend ``device``: sum ``flat`` over the group in rank order through the members' device block
+        (:mod:`.device_block`: CUDA IPC handles on a shared GPU), in place; the block is made at the first
+        reduce of a size."""
+        block = self.device_block
+        if block is None or block.numel != flat.size:
+            self._drop_device_block()
+            block = self.device_block = DeviceBlock()
+            self._blocks += 1
+            block.open(self.store, self.rank, self.world, flat.size, self.device, prefix=f"device/{self._blocks}",
+                       timeout_s=self.timeout_s)
+        flat[:] = block.reduce(torch.from_numpy(flat).to(self.device)).cpu().numpy()
+
+    def _drop_nodes(self) -> None:
+        if self.nodes is not None:
+            self.nodes.close()
+        self.nodes = None
 
     def state_for(self, given: GlobalState | None) -> GlobalState:
         """The round's starting state: the one sent, else the one this member holds."""
@@ -249,6 +298,11 @@ class GroupMember:
             block.put_row(small)
             block.barrier()
             small = block.sum_rows()
+            summed: np.ndarray | None = None  # backend hier: the sums over every node, in the block
+            if self.nodes is not None:
+                summed = block.result_for(state.v)
+                small = self.nodes.round(block, small, summed, state, layout, world, plan.partial,
+                                         lambda rows: self._goes_on(rows, in_place))
             if small[3 * world:4 * world].any():
                 return RoundShare(mine_stats, broken="a member failed in its local round")
             diverged, stale = bool(small[4 * world:5 * world].any()), bool(small[5 * world:6 * world].any())
@@ -256,8 +310,9 @@ class GroupMember:
             total: PartialSum | None = None
             if apply or not in_place:  # in place with no step: nothing to sum
                 out = block.result_for(state.v)
-                start, stop = self.my_slice(size)
-                block.reduce_slice(out, start, stop)
+                start, stop = self.my_slice(size) if self.nodes is None else self.nodes.my_slice(size)
+                if summed is None:
+                    block.reduce_slice(out, start, stop)
                 total = self._total(out, layout, small, state)
                 if in_place:
                     finished = self._finish_slice(state, total, layout, start, stop, plan.steps, partial_total)
@@ -280,10 +335,18 @@ class GroupMember:
         share.key = state_key(self.held, plan.stage)
         return share
 
+    def _goes_on(self, small: np.ndarray, in_place: bool) -> bool:
+        """Whether a round whose members' rows sum to ``small`` needs its summed vectors (no member failed, and
+        the sums are returned or the step is applied)."""
+        world = self.world
+        if small[3 * world:4 * world].any():
+            return False
+        return not in_place or (self.step is not None and not small[4 * world:6 * world].any())
+
     def _block_for(self, n: int, small: int) -> SharedBlock | None:
         """The group's shared-memory block for states of ``n`` summed floats (made, all members together, when
-        there is none of that size yet); None when the lowest rank could not make one (the group then reduces
-        over gloo)."""
+        there is none of that size yet; backend hier: one block per node, made by its leader); None when a block
+        could not be made (the group then reduces over gloo)."""
         import torch.distributed as dist
 
         block = self.block
@@ -291,28 +354,31 @@ class GroupMember:
             return block
         self._drop_block()
         self._blocks += 1
+        place = None if self.nodes is None else self.nodes.place
+        node, rank, world, nodes = (0, self.rank, self.world, 1) if place is None else \
+            (place.node, place.rank, place.size, place.nodes)
         key = f"shm-block/{self._blocks}"
-        made = ""  # the lowest rank's block, unlinked whatever happens next (the others map it or the group broke)
-        if self.rank == 0:
+        made = ""  # the node's block, unlinked whatever happens next (the others map it or the group broke)
+        if rank == 0:
             try:
-                made = SharedBlock.create(self.world, small, n)
+                made = SharedBlock.create(world, small, n)
             except OSError as exc:
                 log.warning("no shared-memory block of %d floats for the collective group (%s): it reduces over "
                             "gloo", n, exc)
-            self.store.set(key, made)
+            self.store.set(f"{key}/{node}", made)
         try:
             dist.barrier()
-            path = self.store.get(key).decode()
-            if not path:
+            paths = [self.store.get(f"{key}/{i}").decode() for i in range(nodes)]
+            if not all(paths):  # every member falls back together
                 self.shared = False
                 return None
-            block = SharedBlock(path, self.rank, self.world, small, n, self.timeout_s)
+            block = SharedBlock(paths[node], rank, world, small, n, self.timeout_s)
             dist.barrier()  # every member has mapped it and opened its FIFO
             block.connect()
             dist.barrier()  # every member has opened the others' FIFOs: the names can go
         finally:
             if made:
-                SharedBlock.unlink(made, self.world)
+                SharedBlock.unlink(made, world)
         self.block = block
         return block
 
@@ -357,10 +423,7 @@ class GroupMember:
     def my_slice(self, n: int, rank: int | None = None) -> tuple[int, int]:
         """This member's share (or ``rank``'s) of an ``n``-long vector: contiguous, in rank order (the last ones
         one shorter)."""
-        rank = self.rank if rank is None else rank
-        per, extra = divmod(n, self.world)
-        start = rank * per + min(rank, extra)
-        return start, start + per + (rank < extra)
+        return slice_of(n, self.rank if rank is None else rank, self.world)
 
     def slice_finite(self, state: GlobalState) -> bool:
         """Whether this member's slice of v (and, on the lowest rank, alpha and the float buffers) is finite: each
@@ -416,6 +479,11 @@ class GroupMember:
         back to back and waited for together (one hand-over between Python and the backend)."""
         import torch.distributed as dist
 
+        if self.backend == DEVICE:  # the small float64 row over gloo (exact), the float32 sums on the device
+            dist.all_reduce(torch.from_numpy(bufs[0]))
+            for b in bufs[1:]:
+                self._device_reduce(b)
+            return
         if self.backend == "nccl":
             tensors = [torch.from_numpy(b).to(self.device, non_blocking=True) for b in bufs]
         else:
@@ -425,3 +493,10 @@ class GroupMember:
         if self.backend == "nccl":
             for b, t in zip(bufs, tensors, strict=True):
                 b[:] = t.cpu().numpy()
+
+
+def _where() -> str:
+    """This process's node id and the node's address (``id address``)."""
+    import ray
+
+    return f"{ray.get_runtime_context().get_node_id()} {ray.util.get_node_ip_address()}"
