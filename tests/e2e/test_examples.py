@@ -26,8 +26,8 @@ def test_the_examples_readme_lists_every_example():
 def test_every_example_that_uses_ray_starts_it_as_fdam_does():
     """A bare ``ray.init()``, or Ray Tune left to start Ray itself, gives an instance whose servers listen on every
     interface; the examples (and any script in tune/) start Ray through fdam's own start, which joins the cluster
-    named or this user's ``ray start`` cluster, else starts a private one on 127.0.0.1 only (docs/explanation/trust.md), or
-    through an fdam entry point that does (``train_arrays``, ``run_sweep``)."""
+    named or this user's ``ray start`` cluster, else starts a private one on 127.0.0.1 only
+    (docs/explanation/trust.md), or through an fdam entry point that does (``train_arrays``, ``run_sweep``)."""
     scripts = [*EXAMPLES.glob("*.py"), *(EXAMPLES.parent / "tune").glob("**/*.py")]
     assert len(scripts) >= 5
     for path in scripts:

@@ -182,17 +182,15 @@ class GroupMember:
             self.block.close()
         self.block, self._slot_partial = None, None
 
-    def _drop_device_block(self) -> None:
-        """Leave the device block (backend ``device``): peers waiting in it are released."""
+    def _drop_device_block(self) -> None:  # backend device: peers waiting in the block are released
         if self.device_block is not None:
             self.device_block.mark_broken()
             self.device_block.close()
         self.device_block = None
 
     def _device_reduce(self, flat: np.ndarray) -> None:
-        """Backend ``device``: sum ``flat`` over the group in rank order through the members' device block
-        (:mod:`.device_block`: CUDA IPC handles on a shared GPU), in place; the block is made at the first
-        reduce of a size."""
+        """Backend ``device``: ``flat`` summed in rank order through the members' device block (made at the first
+        reduce of a size; :mod:`.device_block`), in place."""
         block = self.device_block
         if block is None or block.numel != flat.size:
             self._drop_device_block()
