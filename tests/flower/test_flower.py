@@ -272,10 +272,16 @@ def test_the_flower_section_is_its_own_section_of_the_same_config():
 @needs_flower
 @pytest.mark.slow
 def test_the_deployment_engine_with_tls_equals_the_inline_run(data, tmp_path):
-    """A SuperLink and 3 SuperNodes on 127.0.0.1 with TLS, started and stopped here by pid; ``flwr run`` submits
-    CODASCA (2 stages, eta_g 1.3), CODA+ and CODASCA under SecAgg+ in turn. Each message starts a ClientApp
-    process, so a run takes minutes on 2 busy cores."""
+    """A SuperLink and 3 SuperNodes on 127.0.0.1 with TLS and node authentication, started and stopped here by
+    pid; ``flwr run`` submits CODASCA (2 stages, eta_g 1.3), CODA+ and CODASCA under SecAgg+ in turn. Two more
+    SuperNodes try to take part: one whose key was never registered (the SuperLink does not let it in) and a
+    registered one claiming site 1, whose key the study's flower.site_keys does not give site 1 (the run refuses
+    it, names it, and goes on with the site's own node). Each message starts a ClientApp process, so a run takes
+    minutes on 2 busy cores."""
+    import re
+
     import yaml
+    from cryptography.hazmat.primitives import serialization
 
     from fdam_ray.flower.deployment import Consortium, _alive, write_app
 
@@ -286,20 +292,41 @@ def test_the_deployment_engine_with_tls_equals_the_inline_run(data, tmp_path):
     app = write_app(tmp_path / "app")
     with Consortium(tmp_path / "consortium", node_configs(folder, tmp_path / "site-state")) as consortium:
         pids = [p.pid for p in consortium.processes.values()]
+        stranger = consortium.add_site(node_configs(folder, tmp_path / "stranger-state")[0])  # never registered
+        impostor = consortium.add_site(node_configs(folder, tmp_path / "impostor-state")[1])
+        impostor_node = consortium.register(impostor)
+        pids += [consortium.start_site(stranger).pid, consortium.start_site(impostor).pid]
+        keys = {str(k): consortium.keys[k].fingerprint for k in range(3)}  # a config's keys are text
         for name, case, flower in cases:
             config = tmp_path / f"{name}.yaml"
             config.write_text(yaml.safe_dump({**case, "num_clients": 3, "flower": {
-                "test_data": str(folder / "test.npz"), "round_timeout_s": 600, **flower}}))
+                "test_data": str(folder / "test.npz"), "round_timeout_s": 600, "site_keys": keys, **flower}}))
             consortium.run(app, config, tmp_path / f"{name}.npz", timeout=1200)
             got = np.load(tmp_path / f"{name}.npz")
             inline = fdam_ray.train_arrays(case, clients, test)
             gap = max(float(np.abs(got[n].astype(np.float64) - x).max())
                       for n, x in inline.state.vectors().items() if x is not None and x.size)
             assert gap <= (SECAGG_TOLERANCE if flower else 1e-6), name
-        log = (tmp_path / "consortium" / "superlink.log").read_text()
-    assert "running on https://127.0.0.1:" in log  # TLS, loopback only
+            if name == "codasca":  # the ServerApp's own log of the first run
+                flwr_run = (tmp_path / "consortium" / "flwr-run.log").read_text(errors="replace")
+                run_id = re.search(r"started run (\d+)", flwr_run).group(1)
+                server = subprocess.run([consortium._bin("flwr"), "log", run_id, "consortium", "--show"],
+                                        env=consortium.env, capture_output=True, text=True, timeout=120).stdout
+        logs = {p.stem: p.read_text(errors="replace") for p in (tmp_path / "consortium").glob("*.log")}
+    assert "running on https://127.0.0.1:" in logs["superlink"]  # TLS, loopback only
     assert not [p for p in pids if _alive(p)]
     assert len(list((tmp_path / "site-state").iterdir())) == 3
+    stranger_key = serialization.load_ssh_public_key(consortium.keys[stranger].public.read_bytes())
+    body = stranger_key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    refused = [line for line in logs["superlink"].splitlines() if "No SuperNode found" in line]
+    assert refused and body.decode().splitlines()[1] in refused[0]  # the SuperLink logs the key's first line
+    assert "SuperNode ID" not in logs[f"site{stranger}"]
+    assert "SuperNode ID" in logs[f"site{impostor}"]  # registered: it got in, and only the run refused it
+    bound = rf"(key {re.escape(keys['1'])}|node \d+ \({re.escape(keys['1'])}\))"
+    impostor_fp = re.escape(consortium.keys[impostor].fingerprint)
+    line = rf"site 1 is bound to {bound}; node {impostor_node} \({impostor_fp}\) claims it and is refused"
+    assert re.search(line, server), server[-3000:]
+    assert re.search(rf"site 1 \(node {impostor_node}\): refused by the server: {line}", logs[f"site{impostor}"])
 
 
 @needs_flower

@@ -1,7 +1,8 @@
 """Who may be a site: each site number bound to its node's public key (a different node claiming it is refused
 and named, unless the operator says so with flower.site_keys), the binding kept in a file that outlives the
-server, every site on the server's fdam-ray version, the consortium's certificates and node keys, and a
-consortium on 127.0.0.1 with node authentication that admits only registered SuperNodes."""
+server, every site on the server's fdam-ray version, and the consortium's certificates and node keys. A real
+consortium with node authentication (an unregistered node kept out, a registered impostor refused) is
+tests/flower/test_flower.py's deployment test."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import logging
 import os
 import re
 import stat
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -351,48 +351,3 @@ def test_the_certificate_tool_makes_a_ca_a_server_certificate_for_its_names_and_
         from fdam_ray.flower.certs import make_certificates
 
         make_certificates(tmp_path / "other", dns=[], ips=["superlink.example"])
-
-
-# -- a consortium with node authentication ----------------------------------------------------------------------
-@pytest.mark.slow
-def test_a_consortium_with_node_auth_runs_and_admits_neither_an_unregistered_node_nor_a_registered_impostor(
-        folder, tmp_path):
-    """A SuperLink with --enable-supernode-auth, two registered sites, a SuperNode whose key was never registered
-    (the SuperLink does not let it in) and a registered one claiming site 1, whose key the study's
-    flower.site_keys does not give site 1 (the run goes on with the site's own node). Every message starts a
-    ClientApp process (torch and fdam_ray imported each time), so even one round takes minutes on 2 busy cores."""
-    import yaml
-    from cryptography.hazmat.primitives import serialization
-
-    from fdam_ray.flower.deployment import Consortium, _alive, write_app
-
-    sites = [dict(node_config(folder, k), **{"state-dir": str(tmp_path / "state")}) for k in range(2)]
-    study = dict(CODASCA, iterations=1, eval_every=1, num_clients=2)
-    with Consortium(tmp_path / "consortium", sites, timeout=900) as consortium:
-        pids = [p.pid for p in consortium.processes.values()]
-        stranger = consortium.add_site(node_config(folder, 0))  # never registered
-        impostor = consortium.add_site(node_config(folder, 1))
-        impostor_node = consortium.register(impostor)
-        pids += [consortium.start_site(stranger).pid, consortium.start_site(impostor).pid]
-        keys = {k: consortium.keys[k].fingerprint for k in range(2)}
-        config = tmp_path / "study.yaml"  # a config's keys are text: site numbers as '0', '1'
-        config.write_text(yaml.safe_dump({**study, "flower": {"site_keys": {str(k): v for k, v in keys.items()},
-                                                              "round_timeout_s": 600}}))
-        consortium.run(write_app(tmp_path / "app"), config, tmp_path / "result.npz", run_dir=tmp_path / "run")
-        logs = {p.stem: p.read_text(errors="replace") for p in (tmp_path / "consortium").glob("*.log")}
-        run_id = re.search(r"started run (\d+)", logs["flwr-run"]).group(1)
-        server = subprocess.run([consortium._bin("flwr"), "log", run_id, "consortium", "--show"], env=consortium.env,
-                                capture_output=True, text=True, timeout=120).stdout  # the ServerApp's own log
-    assert np.load(tmp_path / "result.npz")["v"].size
-    stranger_key = serialization.load_ssh_public_key(consortium.keys[stranger].public.read_bytes())
-    body = pem(stranger_key).decode().splitlines()[1]  # the first line of its key as the SuperLink logs it
-    refused = [line for line in logs["superlink"].splitlines() if "No SuperNode found" in line]
-    assert refused and body in refused[0] and "SuperNode ID" not in logs[f"site{stranger}"]
-    assert "SuperNode ID" in logs[f"site{impostor}"]  # registered: it got in, and only the run refused it
-    bound = rf"(key {re.escape(keys[1])}|node \d+ \({re.escape(keys[1])}\))"
-    impostor_fp = re.escape(consortium.keys[impostor].fingerprint)
-    line = rf"site 1 is bound to {bound}; node {impostor_node} \({impostor_fp}\) claims it and is refused"
-    assert re.search(line, server), server[-3000:]
-    assert re.search(rf"site 1 \(node {impostor_node}\): refused by the server: {line}", logs[f"site{impostor}"])
-    assert json.loads((tmp_path / "run" / "site-bindings.json").read_text())["sites"]["1"]["key"] == keys[1]
-    assert not [p for p in pids if _alive(p)]
