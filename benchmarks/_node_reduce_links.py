@@ -50,8 +50,8 @@ def combo_of(name: str, precision: str, deadline: str | None = None) -> tuple:
     return (transport, reduce, PRECISIONS[precision], deadline)
 
 
-def sweep_combos() -> list[tuple]:
-    return [combo_of(name, p) for name, _, _ in TRANSPORTS for p in PRECISIONS]
+def sweep_combos(names: list[str] | None = None) -> list[tuple]:
+    return [combo_of(name, p) for name, _, _ in TRANSPORTS for p in PRECISIONS if names is None or name in names]
 
 
 class Sizer:
@@ -88,7 +88,7 @@ def row(measured: list) -> dict:
 def measure(netcluster, args: argparse.Namespace) -> dict:
     """The sweep and the slow node, on one netlab cluster with one executor (see the module's docstring)."""
     nodes, per_node = args.nodes[-1], args.clients_per_node
-    combos = sweep_combos()
+    combos = sweep_combos(args.transports)
     refused = {c: why for c in combos if (why := refusal(c))}
     runnable = [c for c in combos if c not in refused]
     sizer = Sizer(args.block_seconds, args.rounds)
@@ -132,7 +132,8 @@ def _bytes_counter(shaping):
 def _straggler(netcluster, nc, args, executor, algorithm, state, kept: dict, started: tuple, sizer: Sizer):
     """The last worker node at ``--slow-rate``, the others at ``--rate``: every transport (fp32) without and
     with ``round_deadline``; (state, {"slow_node", "rows", "refused"})."""
-    combos = [combo_of(name, "fp32", d) for name, _, _ in TRANSPORTS for d in (None, args.deadline)]
+    combos = [combo_of(name, "fp32", d) for name, _, _ in TRANSPORTS for d in (None, args.deadline)
+              if args.transports is None or name in args.transports]
     refused = {c: why for c in combos if (why := refusal(c))}
     slow = nc.ips[-1]
     sizer.x = ns_per_bit(netcluster.parse_rate(args.slow_rate))

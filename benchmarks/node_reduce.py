@@ -332,6 +332,8 @@ def main(argv: list[str] | None = None) -> str:
                              "collective`, each with fp32 and with bf16 + error feedback transfers, unshaped and at "
                              "each of these per-node rates, fit each to a + b x, then one node at --slow-rate "
                              "(results file default node_reduce_collective.md, with its .png)")
+    parser.add_argument("--transports", nargs="+", default=None, choices=("star", "node", "collective"),
+                        help="--precision-rates: only these (default all three)")
     parser.add_argument("--block-seconds", type=float, default=10.0,
                         help="--precision-rates: a block runs as many rounds (2 to --rounds) as this many seconds "
                              "hold at its setting's last round time")
