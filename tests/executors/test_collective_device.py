@@ -10,9 +10,8 @@ import multiprocessing
 import numpy as np
 import pytest
 import torch
-from test_shared_block import STEP, _driver_rounds, _state, _update
+from test_shared_block import STEP, _driver_rounds, _state, _update, in_place_partial
 
-from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.executors.ray.transports import shared
 from fdam_ray.executors.ray.transports.group import GroupMember
 from fdam_ray.loop.state import RoundPlan
@@ -33,9 +32,7 @@ def _member(rank: int, port: int, in_place: bool, out) -> None:
     for r in range(ROUNDS):
         mine = _update(rank, r, state)
         if in_place:
-            flat = PartialSum.zeros(state, control_variates=True, flat=True)
-            flat.merge(mine)
-            mine = flat
+            mine = in_place_partial(member, state, mine)
         plan = RoundPlan(round=state.round + 1, stage=1, steps=3, lr=0.1, iteration=state.iteration)
         share = member.reduce(mine, state, plan, None, "", in_place=in_place)
         if share.broken:

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from test_shared_block import STEP, _leftovers, _state, _update
+from test_shared_block import STEP, _leftovers, _state, _update, in_place_partial
 
 from fdam_ray.algorithms.server import PartialSum, RoundReducer
 from fdam_ray.executors.ray.transports import group, shared
@@ -48,15 +48,7 @@ def _member(rank: int, port: int, rounds: int, in_place: bool, backend: str, out
             os._exit(3)
         mine = _update(rank, r, state)
         if in_place:
-            slot = member.run_partial(state)
-            if slot is not None:
-                slot.reset()
-                slot.merge(mine)
-                mine = slot
-            else:
-                flat = PartialSum.zeros(state, control_variates=True, flat=True)
-                flat.merge(mine)
-                mine = flat
+            mine = in_place_partial(member, state, mine)
         plan = RoundPlan(round=state.round + 1, stage=1, steps=3, lr=0.1, iteration=state.iteration)
         share = member.reduce(mine, state, plan, None, "", in_place=in_place)
         if share.broken:

@@ -55,6 +55,19 @@ def _update(rank: int, round_index: int, like: GlobalState) -> PartialSum:
     return part
 
 
+def in_place_partial(member: GroupMember, state: GlobalState, mine: PartialSum) -> PartialSum:
+    """``mine`` folded as a run of rounds folds it: into the member's slot of the block where it has one (the
+    fold writes straight there), else into a partial sum whose vectors are views of one buffer."""
+    slot = member.run_partial(state)
+    if slot is not None:
+        slot.reset()
+        slot.merge(mine)
+        return slot
+    flat = PartialSum.zeros(state, control_variates=True, flat=True)
+    flat.merge(mine)
+    return flat
+
+
 def _member(rank: int, world: int, port: int, rounds: int, in_place: bool, backend: str, out, die_at: int,
             no_room: bool) -> None:
     torch.set_num_threads(1)
@@ -76,15 +89,7 @@ def _member(rank: int, world: int, port: int, rounds: int, in_place: bool, backe
             os._exit(3)  # a member that dies without a word
         mine = _update(rank, r, state)
         if in_place:
-            slot = member.run_partial(state)
-            if slot is not None:  # the fold writes straight into the member's slot of the block
-                slot.reset()
-                slot.merge(mine)
-                mine = slot
-            else:
-                flat = PartialSum.zeros(state, control_variates=True, flat=True)
-                flat.merge(mine)
-                mine = flat
+            mine = in_place_partial(member, state, mine)
         plan = RoundPlan(round=state.round + 1, stage=1, steps=3, lr=0.1, iteration=state.iteration)
         share = member.reduce(mine, state, plan, None, "", in_place=in_place)
         if share.broken:
