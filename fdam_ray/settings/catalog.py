@@ -6,7 +6,7 @@ building the live table takes seconds. ``fdam fields`` and ``fdam fields -h``
 only show the table, so they read ``fields.json`` (next to this module), which
 holds each field's section, name, default, meaning and allowed values as text.
 The file is written from the live sections by ``python -m
-fdam_ray.settings.catalog`` and a unit test checks that it equals them, so it
+fdam_ray.settings.catalog_writer`` and a unit test checks that it equals them, so it
 cannot drift. Selecting and formatting are the same functions for the live
 table (:func:`fdam_ray.config.describe_fields`) and the stored one.
 """
@@ -16,10 +16,9 @@ from __future__ import annotations
 import json
 import logging
 import re
-import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 from fdam_ray.settings.redact import short
 from fdam_ray.settings.sections import ConfigError
@@ -91,23 +90,3 @@ def describe_stored(terms: Sequence[str] = ()) -> str:
     """:func:`describe` of the stored table: what ``fdam fields`` prints, without importing the sections."""
     sections, rows = stored()
     return describe(rows, sections, terms)
-
-
-def live() -> dict[str, Any]:
-    """The table as the sections declare it now, in the form of ``fields.json`` (imports the whole config)."""
-    from fdam_ray.config import FIELDS, SECTIONS, row_of
-
-    return {"sections": list(SECTIONS), "fields": [list(row_of(f)) for f in FIELDS]}
-
-
-def write(path: Path = STORED) -> None:
-    """Write :func:`live` to ``path`` (one field a line, so a change reads as a one-line difference)."""
-    table = live()
-    lines = ",\n".join("  " + json.dumps(row, ensure_ascii=False) for row in table["fields"])
-    path.write_text(f'{{"sections": {json.dumps(table["sections"])},\n "fields": [\n{lines}\n]}}\n', encoding="utf-8")
-    log.info("wrote %d fields to %s", len(table["fields"]), path)
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    write(Path(sys.argv[1]) if len(sys.argv) > 1 else STORED)
