@@ -10,11 +10,10 @@ import multiprocessing
 import numpy as np
 import pytest
 import torch
-from test_shared_block import STEP, _driver_rounds, _state, _update, in_place_partial
+from test_shared_block import STEP, _driver_rounds, _state, reduce_round
 
 from fdam_ray.executors.ray.transports import shared
 from fdam_ray.executors.ray.transports.group import GroupMember
-from fdam_ray.loop.state import RoundPlan
 
 pytestmark = pytest.mark.skipif(not shared.supported(), reason="device blocks' counters need x86-64 Linux")
 
@@ -30,11 +29,7 @@ def _member(rank: int, port: int, in_place: bool, out) -> None:
     member.join("127.0.0.1", port, rank, WORLD, "device", 20.0, STEP)
     state, got = _state(0), []
     for r in range(ROUNDS):
-        mine = _update(rank, r, state)
-        if in_place:
-            mine = in_place_partial(member, state, mine)
-        plan = RoundPlan(round=state.round + 1, stage=1, steps=3, lr=0.1, iteration=state.iteration)
-        share = member.reduce(mine, state, plan, None, "", in_place=in_place)
+        share = reduce_round(member, rank, r, state, in_place)
         if share.broken:
             got.append(("broken", share.broken))
             break

@@ -19,13 +19,13 @@ import time
 import numpy as np
 import pytest
 import torch
-from test_shared_block import STEP, _leftovers, _state, _update, in_place_partial
+from test_shared_block import STEP, _leftovers, _state, _update, reduce_round
 
 from fdam_ray.algorithms.server import PartialSum, RoundReducer
 from fdam_ray.executors.ray.transports import group, shared
 from fdam_ray.executors.ray.transports.group import GroupMember, _layout
 from fdam_ray.executors.ray.transports.hierarchy import master_times, node_groups, simulate
-from fdam_ray.loop.state import GlobalState, RoundPlan
+from fdam_ray.loop.state import GlobalState
 
 pytestmark = pytest.mark.skipif(not shared.supported(), reason="shared-memory blocks need Linux on x86-64")
 
@@ -46,11 +46,7 @@ def _member(rank: int, port: int, rounds: int, in_place: bool, backend: str, out
     for r in range(rounds):
         if r == die_at and rank == 3:  # the one-member node's only member
             os._exit(3)
-        mine = _update(rank, r, state)
-        if in_place:
-            mine = in_place_partial(member, state, mine)
-        plan = RoundPlan(round=state.round + 1, stage=1, steps=3, lr=0.1, iteration=state.iteration)
-        share = member.reduce(mine, state, plan, None, "", in_place=in_place)
+        share = reduce_round(member, rank, r, state, in_place)
         if share.broken:
             got.append(("broken", share.broken, time.monotonic() - last))
             break

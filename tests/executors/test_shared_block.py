@@ -68,6 +68,16 @@ def in_place_partial(member: GroupMember, state: GlobalState, mine: PartialSum) 
     return flat
 
 
+def reduce_round(member: GroupMember, rank: int, r: int, state: GlobalState, in_place: bool):
+    """Member ``rank``'s round ``r`` from ``state``: its update (folded as a run of rounds folds it when
+    ``in_place``), all-reduced with the group's; the member's share."""
+    mine = _update(rank, r, state)
+    if in_place:
+        mine = in_place_partial(member, state, mine)
+    plan = RoundPlan(round=state.round + 1, stage=1, steps=3, lr=0.1, iteration=state.iteration)
+    return member.reduce(mine, state, plan, None, "", in_place=in_place)
+
+
 def _member(rank: int, world: int, port: int, rounds: int, in_place: bool, backend: str, out, die_at: int,
             no_room: bool) -> None:
     torch.set_num_threads(1)
@@ -87,11 +97,7 @@ def _member(rank: int, world: int, port: int, rounds: int, in_place: bool, backe
     for r in range(rounds):
         if r == die_at and rank == world - 1:
             os._exit(3)  # a member that dies without a word
-        mine = _update(rank, r, state)
-        if in_place:
-            mine = in_place_partial(member, state, mine)
-        plan = RoundPlan(round=state.round + 1, stage=1, steps=3, lr=0.1, iteration=state.iteration)
-        share = member.reduce(mine, state, plan, None, "", in_place=in_place)
+        share = reduce_round(member, rank, r, state, in_place)
         if share.broken:
             got.append(("broken", share.broken, time.monotonic() - last))
             break

@@ -43,7 +43,6 @@ from fdam_ray.executors.ray.fleet import Fleet
 from fdam_ray.executors.ray.placement import Placement
 from fdam_ray.executors.ray.session import ensure_ray
 from fdam_ray.executors.ray.transports import Round, Transport, transport_for
-from fdam_ray.executors.ray.transports.collective import CollectiveTransport
 from fdam_ray.executors.ray.transports.compiled import CompiledRounds, CompiledTransport
 from fdam_ray.executors.ray_section import RayExecutorSection
 from fdam_ray.features.deadlines import Deadline
@@ -163,10 +162,8 @@ class RayExecutor(Executor, RunsOfRounds):
         self.placement = Placement(config, self.timeout)
         self.fleet = self.fleet_type(config, client_section, self.placement, self.timeout)
         self.transport = transport(self.fleet, config)
-        if isinstance(self.transport, CollectiveTransport) and self.downlink is not None:
-            # the members hold the exact state (nothing rounded going down); the nodes' leaders round what they
-            # send each other (fdam_ray/executors/ray/transports/hierarchy.py)
-            self.transport.transfer = (self.downlink.precision, self.downlink.error_feedback)
+        if self.downlink is not None and self.transport.takes_transfer(self.downlink.precision,
+                                                                      self.downlink.error_feedback):
             self.downlink = None
         self.placement.place(groups, local=started_here)
         infos = self.fleet.start(groups, source)

@@ -82,6 +82,12 @@ class Transport(abc.ABC):
     def started(self, algorithm: Algorithm, infos: list[ClientInfo]) -> None:  # noqa: B027 (optional hook)
         """Once the actors are set up: the federation's algorithm and the clients' infos."""
 
+    def takes_transfer(self, precision: str, error_feedback: bool) -> bool:
+        """Whether this transport rounds 16-bit transfers itself (then the executor's downlink does not round
+        the state going down); the default: no, the executor's :class:`~fdam_ray.features.transfer.Downlink`
+        does."""
+        return False
+
     def rounds_ahead(self) -> int:
         """The most rounds :meth:`run_rounds` takes in one go (1: this transport runs one round at a time)."""
         return 1

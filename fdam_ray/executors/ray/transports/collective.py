@@ -429,6 +429,12 @@ class CollectiveTransport(Transport):
             return "127.0.0.1"
         return node_addresses().get(self.fleet.where_of.get(members[0], {}).get("node_id", ""), "") or "127.0.0.1"
 
+    def takes_transfer(self, precision: str, error_feedback: bool) -> bool:
+        """Yes: the members hold the exact state (nothing rounded going down); the nodes' leaders round what
+        they send each other (:mod:`.hierarchy`)."""
+        self.transfer = (precision, error_feedback)
+        return True
+
     def _backend(self, members: list[int]) -> str:
         """NCCL when every member holds a GPU and no two share one (NCCL takes one rank per GPU); else, with
         ``collective_backend: auto``, when the machine supports shared memory
