@@ -48,7 +48,8 @@ class AlgorithmSection(Section):
     num_clients: int = setting(4, "K, number of federated clients.", check=AT_LEAST_ONE,
                                aliases=("clients", "n_clients", "k"))
     clients_per_round: int | None = setting(None, "S, clients sampled (uniformly, without replacement, seeded by "
-                                            "seed and round) to take part in each round; null = all K.",
+                                            "seed and round; under dp by the privacy secret, never seed) to take "
+                                            "part in each round; null = all K.",
                                             check=AT_LEAST_ONE)
     client_weighting: str = setting("uniform", "Weights of the server's means and CODA's alpha: uniform (1/K, the "
                                     "paper) or samples (n_k / n, the objective of the pooled data).",

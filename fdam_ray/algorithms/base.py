@@ -31,7 +31,7 @@ import numpy as np
 
 from fdam_ray.algorithms.drift import DRIFT_CORRECTIONS, DriftCorrection, PrivateDrift
 from fdam_ray.algorithms.local import LocalSolver
-from fdam_ray.algorithms.sampling import client_weights, sample_clients
+from fdam_ray.algorithms.sampling import ClientSampler, client_weights
 from fdam_ray.algorithms.server import RoundReducer, ServerStep
 from fdam_ray.algorithms.stages import ServerState, after_round, after_rounds, coda_alpha, end_stage, init_server_state
 from fdam_ray.loop.flat import FlatModel
@@ -131,9 +131,10 @@ class Algorithm:
         self.drift.init(initial)
         return init_server_state(initial)
 
-    def participants(self, seed: int, round_: int, num_clients: int) -> list[int] | None:
-        """The clients of round ``round_`` (client sampling), or None when every client takes part."""
-        return sample_clients(seed, round_, num_clients, self.clients_per_round)
+    def sampler(self, num_clients: int, key: int, *, secret: bool = False) -> ClientSampler:
+        """Who takes part in each round (client sampling): S of ``num_clients`` drawn by the public seed ``key``,
+        or with ``secret`` by the privacy secret ``key`` (:mod:`.sampling`)."""
+        return ClientSampler(num_clients, self.clients_per_round, key, secret)
 
     def weights(self, num_train: Sequence[int]) -> np.ndarray | None:
         """w_k by client id for the server's means and CODA's alpha (None: uniform)."""

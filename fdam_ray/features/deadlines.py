@@ -366,15 +366,24 @@ def _check_round(r: int, clients: list[int], config: Any, k: int, s: int | None,
     if bad:
         raise _refuse(where, f"round {r} names client {bad[0]}, outside 0..{k - 1} (num_clients = {k}: a "
                       "record of a run with other clients cannot be replayed)")
-    if s is not None:
-        from fdam_ray.algorithms.sampling import sample_clients  # the algorithms import torch
-
-        sample = sample_clients(config.seed, r, k, s) or list(range(k))
+    sample = None if s is None else _round_sample(config, r, k, s)
+    if sample is not None:
         out = [c for c in clients if c not in sample]
         if out:
             raise _refuse(where, f"round {r} names client {out[0]}, not in the round's sample {sample} "
-                          f"(clients_per_round = {s}, seed = {config.seed}): the record is of another run")
+                          f"(clients_per_round = {s}): the record is of another run")
     return r
+
+
+def _round_sample(config: Any, r: int, k: int, s: int) -> list[int] | None:
+    """Round ``r``'s sample as the run draws it: from ``seed``, or under dp from the privacy secret
+    (``dp_noise_seed``; None when that is fresh entropy, which only the recorded run's checkpoint holds)."""
+    from fdam_ray.algorithms.sampling import sample_clients, secret_sample_clients  # the algorithms import torch
+
+    if config.dp == "off":
+        return sample_clients(config.seed, r, k, s)
+    secret = config.dp_noise_seed
+    return None if secret is None else secret_sample_clients(secret, r, k, s)
 
 
 def planned_rounds(config: Any) -> int:

@@ -159,6 +159,8 @@ class Federation:
         if self.dp is not None:
             self.dp.sites_known([i.num_train for i in infos])
         self.client_weights = self.algorithm.weights([i.num_train for i in infos])
+        key, secret = (self.config.seed, False) if self.dp is None else (self.dp.draw_secret, True)
+        self.sampler = self.algorithm.sampler(self.num_clients, key, secret=secret)  # dp: keyed by the secret
         if self.replica.objective.has_auxiliary:
             self.replica.objective.set_positive_ratio(p)
             self.executor.configure(p)
@@ -179,7 +181,7 @@ class Federation:
     def _participants(self, plan: RoundPlan) -> tuple[RoundPlan, list[int] | None, list[int] | None]:
         """The round's plan (marked partial for a sampled round), its sampled clients and the clients it runs (a
         replayed record's set, else the sample; None: every client)."""
-        sampled = self.algorithm.participants(self.config.seed, plan.round, self.num_clients)
+        sampled = self.sampler.draw(plan.round)
         clients = self.forced.get(plan.round, sampled)  # a replayed record's set
         if clients is not None:  # a sampled round: c stays the mean over all clients (s.3b)
             plan = dataclasses.replace(plan, partial=True)
@@ -412,7 +414,7 @@ class Federation:
     def _over_budget(self, loop: LoopState, evaluator: Evaluator, plan: RoundPlan, started: float) -> bool:
         """dp_max_epsilon: stop before round ``plan.round`` if it would pass it (one line; the state evaluated)."""
         line = None if self.dp is None else self.dp.over_budget(
-            plan.round, plan.steps, self.algorithm.participants(self.config.seed, plan.round, self.num_clients))
+            plan.round, plan.steps, self.sampler.draw(plan.round))
         if line is None:
             return False
         self.observer.event("%s", line, level=logging.WARNING)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
+import secrets
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -114,7 +115,7 @@ def private_setup(setup: ExecutorSetup, executor: Executor, config: Config, flat
         check_model(initial.buffers, initial.counters)
         check_transport(config.transport, config.transfer_precision)
         rounds = sum(1 for _ in Schedule(schedule, Position()).plans())  # the planned run's rounds
-        client_run = ClientLevelRun(section, rounds=rounds, state=None if state is None else state["client"])
+        client_run = ClientLevelRun(section, rounds=rounds, state=state)
         setup = dataclasses.replace(setup, client=private_client_section(setup.client, client_run.settings))
         return (_with_sigma(setup, client_run.sigma) if solved else setup), client_run
     sizes = None
@@ -135,11 +136,15 @@ class PrivacyRun:
 
     mode = ""
 
-    def __init__(self, section: PrivacySection, sigma: float, relation: str) -> None:
+    def __init__(self, section: PrivacySection, sigma: float, relation: str, state: dict | None = None) -> None:
         self.section = section
         self.sigma = float(sigma)
         self.relation = relation
         self.stopped: str | None = None  # the budget's stop line, when it stopped the run
+        self.draw_secret = _draw_secret(section, state)
+
+    def _with_secret(self, state: dict[str, Any]) -> dict[str, Any]:
+        return {**state, "draw_secret": self.draw_secret}
 
     def epsilon(self) -> float:
         raise NotImplementedError
@@ -190,14 +195,14 @@ class ClientLevelRun(PrivacyRun):
     def __init__(self, section: PrivacySection, *, rounds: int, state: dict | None = None) -> None:
         k, s = section.num_clients, section.sampled_clients
         if state is not None:  # a resume: never re-solve (the planned rounds may have changed)
-            self.accountant = Accountant.from_state(state)
+            self.accountant = Accountant.from_state(state["client"])
             sigma = self.accountant.noise_multiplier
         else:
             sigma = _sigma(section, population=k, sample_size=s, compositions=rounds)
             self.accountant = Accountant.for_clients(noise_multiplier=sigma, delta=section.dp_delta, num_clients=k,
                                                      clients_per_round=section.clients_per_round,
                                                      sampling=section.dp_sampling)
-        super().__init__(section, sigma, self.accountant.relation)
+        super().__init__(section, sigma, self.accountant.relation, state)
         self.settings = client_level(section, sigma)
         log.info("dp: client: sigma %.4g, clip %g, noise at %s, %d of %d clients a round, delta %g (%s)", sigma,
                  section.dp_clip, section.dp_noise_at, s, k, section.dp_delta, self.relation)
@@ -217,7 +222,7 @@ class ClientLevelRun(PrivacyRun):
             self.accountant.step(1)
 
     def state(self) -> dict[str, Any]:
-        return {"client": self.accountant.state()}
+        return self._with_secret({"client": self.accountant.state()})
 
 
 class SampleLevelRun(PrivacyRun):
@@ -246,7 +251,7 @@ class SampleLevelRun(PrivacyRun):
             sigma = _sigma(section, population=smallest, sample_size=batch, compositions=iterations)
         relation = Accountant(noise_multiplier=sigma, delta=section.dp_delta, population=2, sample_size=1,
                               sampling=section.dp_sampling).relation  # that of a sampled batch
-        super().__init__(section, sigma, relation)
+        super().__init__(section, sigma, relation, state)
         log.info("dp: sample: sigma %.4g, clip %g, batch %d, delta %g, per site (%s)", sigma, section.dp_clip,
                  batch_size, section.dp_delta, self.relation)
 
@@ -283,7 +288,18 @@ class SampleLevelRun(PrivacyRun):
         return {**super().record(), **per}
 
     def state(self) -> dict[str, Any]:
-        return {"sites": [a.state() for a in self.sites]}
+        return self._with_secret({"sites": [a.state() for a in self.sites]})
+
+
+def _draw_secret(section: PrivacySection, state: dict | None) -> int:
+    """The key of the client draw (:class:`~fdam_ray.algorithms.sampling.ClientSampler`): a resumed run's own,
+    else ``dp_noise_seed`` when given (replayable), else 128 bits of fresh OS entropy. Kept in the checkpoint, so a
+    resume draws the sets the run would have drawn; never the public ``seed``."""
+    if state is not None and "draw_secret" in state:
+        return int(state["draw_secret"])
+    if section.dp_noise_seed is not None:
+        return int(section.dp_noise_seed)
+    return secrets.randbits(128)
 
 
 def _sigma(section: PrivacySection, *, population: int, sample_size: int, compositions: int) -> float:

@@ -143,3 +143,62 @@ def test_ray_two_actors_equal_inline_under_dp():
     assert ray.state.c_v is None and inline.state.c_v is None
     assert ray.history[-1]["dp_epsilon"] == inline.history[-1]["dp_epsilon"] > 0
     assert not np.array_equal(inline.state.v, fdam_ray.train_arrays(dict(cfg, dp_noise_seed=8), clients, test).state.v)
+
+
+def spy_sets(monkeypatch):
+    """The clients each round of the inline executor runs, by round."""
+    from fdam_ray.executors.inline import InlineExecutor
+
+    sets: dict[int, list[int] | None] = {}
+    real = InlineExecutor.run_round
+
+    def record(self, state, plan, fold, clients=None):
+        sets[plan.round] = None if clients is None else sorted(clients)
+        return real(self, state, plan, fold, clients)
+
+    monkeypatch.setattr(InlineExecutor, "run_round", record)
+    return sets
+
+
+@pytest.mark.parametrize("mode", ["client", "sample"])
+def test_the_client_draw_is_keyed_by_the_noise_secret_not_the_seed(monkeypatch, mode):
+    from fdam_ray.algorithms.sampling import secret_sample_clients
+
+    clients, test = gaussian_clients(6, seed=0)
+    cfg = dict(BASE, dp=mode, iterations=12, clients_per_round=2, dp_noise_multiplier=1.0, batch_size=8)
+    if mode == "sample":
+        cfg["dp_clip"] = 1.0
+    draws, sets = [], spy_sets(monkeypatch)
+    for seed, secret in ((0, 7), (1, 7), (0, 8)):
+        sets.clear()
+        fdam_ray.train_arrays(dict(cfg, seed=seed, dp_noise_seed=secret), clients, test)
+        draws.append(dict(sets))
+        assert sets == {r: secret_sample_clients(secret, r, 6, 2) for r in range(1, 7)}
+    assert draws[0] == draws[1]  # another public seed, the same secret: the same sets
+    assert draws[0] != draws[2]  # another secret: other sets
+
+
+def test_a_resume_draws_from_the_secret_kept_in_its_checkpoint(tmp_path, monkeypatch):
+    # dp_noise_seed null: the secret is fresh entropy; the checkpoint keeps it, so the resumed rounds draw the sets
+    # the run would have drawn (each round's set is secret_sample_clients(secret, r)), and it is not the seed's
+    from fdam_ray.algorithms.sampling import sample_clients, secret_sample_clients
+    from fdam_ray.cli import main
+    from fdam_ray.loop.checkpoint import load_checkpoint
+    from fdam_ray.privacy.accountant import Accountant
+
+    acc = Accountant.for_clients(noise_multiplier=2.0, delta=1e-5, num_clients=6, clients_per_round=2)
+    eps = []
+    for _ in range(10):
+        acc.step(1)
+        eps.append(acc.epsilon())
+    args = ["dataset=synthetic", "num_clients=6", "clients_per_round=2", "model=linear", "executor=inline",
+            "iterations=20", "eval_every=10", "local_steps=2", "dp=client", "dp_noise_multiplier=2",
+            "positive_ratio=0.5", "algorithm=coda_plus", "--quiet", f"out_dir={tmp_path}", "run_name=r"]
+    sets = spy_sets(monkeypatch)
+    assert main(["train", f"dp_max_epsilon={(eps[3] + eps[4]) / 2}", *args]) == 0  # stops before round 5
+    secret = load_checkpoint(tmp_path / "r" / "checkpoint.pt").loop.privacy["draw_secret"]
+    assert sorted(sets) == [1, 2, 3, 4]
+    assert main(["train", "--resume", str(tmp_path / "r"), f"dp_max_epsilon={eps[-1] * 2}", "--quiet"]) == 0
+    assert sorted(sets) == list(range(1, 11))
+    assert sets == {r: secret_sample_clients(secret, r, 6, 2) for r in range(1, 11)}
+    assert sets != {r: sample_clients(0, r, 6, 2) for r in range(1, 11)}

@@ -134,8 +134,9 @@ def test_client_level_accounting_counts_shares_of_the_sites_that_reported():
     want.step(1, noise_multiplier=shares_noise_multiplier(2.0, 4, 3))
     assert run.epsilon() == want.epsilon()
     assert shares_noise_multiplier(2.0, 4, 3) == pytest.approx(2.0 * np.sqrt(3 / 4))
-    restored = ClientLevelRun(run.section, rounds=99, state=run.state()["client"])
+    restored = ClientLevelRun(run.section, rounds=99, state=run.state())
     assert restored.epsilon() == run.epsilon() and restored.sigma == 2.0
+    assert restored.draw_secret == run.draw_secret  # the client draw's key comes back with the checkpoint
 
 
 def test_client_level_sigma_is_solved_for_the_planned_rounds():
