@@ -27,12 +27,11 @@ send :class:`~fdam_ray.loop.state.ScoreHistogram` records instead of scores
 task); the driver sums the counts and reads the pooled AUC off the sum
 (:mod:`fdam_ray.privacy.histogram`), within the binning bound of the exact
 one. Where that bound exceeds ``REFINE_TOLERANCE`` for a task (an untrained
-model, all its scores near 1/2), the driver asks the clients for a second
-histogram of B bins over the range of the summed histogram's occupied bins
-(:func:`~fdam_ray.privacy.histogram.refinement`: an aggregate of all clients'
-counts, no client's own range), again over the last pass's occupied range
-while the bound stays above it and the range shrinks (at most ``MAX_PASSES``
-passes), and takes per task the pass with the smallest bound. ``client_auc``
+model, all its scores near 1/2), the driver asks the clients for further
+histograms of B bins that cut the summed counts' bins holding both classes
+(:func:`~fdam_ray.privacy.histogram_passes.refined_aucs`: ranges from all
+clients' counts summed, no client's own), at most ``MAX_PASSES`` passes, and
+reads the AUC off every pass's counts together. ``client_auc``
 is each client's own AUC, exact. Under Flower's SecAgg+ (``flower.secagg: true``) the executor returns ONE
 pre-summed histogram (client_id ``SUMMED`` = -1, no per-client AUC: :func:`presummed`): its counts are the
 exact sum of the sites' counts, so ``test_auc`` is the same, and ``client_auc`` is absent from the record (no
@@ -56,16 +55,8 @@ from fdam_ray.loop.client import Replica
 from fdam_ray.loop.state import GlobalState, ScoreHistogram, Scores
 from fdam_ray.metrics import mean_auc, pooled, task_aucs
 from fdam_ray.models import model_name
-from fdam_ray.privacy.histogram import (
-    MAX_PASSES,
-    Binning,
-    binning_error_bound,
-    check_histograms,
-    finer_aucs,
-    pooled_auc_from_histograms,
-    refinement,
-    sum_histograms,
-)
+from fdam_ray.privacy.histogram import Binning, check_histograms, sum_histograms
+from fdam_ray.privacy.histogram_passes import refined_aucs
 from fdam_ray.settings.sections import Section, fail, setting, shared
 
 log = logging.getLogger(__name__)
@@ -163,7 +154,7 @@ class Evaluator:
                 split: str) -> tuple[np.ndarray, int, tuple]:
         """The pooled AUC per task, the samples and the per-class counts (for the one-class warning) of ``own``
         (the driver's global test set, exact) or else of the clients' parts: pooled scores, or summed
-        histograms (refined by a second pass over ``split`` of ``state`` where pass 1's bound is too wide)."""
+        histograms (refined by further passes over ``split`` of ``state`` where pass 1's bound is too wide)."""
         if own is not None:
             return task_aucs(own.scores, own.labels), len(own.labels), class_counts(own.labels)
         if self.bins is None:
@@ -171,21 +162,15 @@ class Evaluator:
             return task_aucs(scores, labels), len(labels), class_counts(labels)
         hists = [p for p in parts if isinstance(p, ScoreHistogram)]
         total = self._summed(hists)
-        aucs, bound = pooled_auc_from_histograms(total), binning_error_bound(total)
-        best, laid_out = total, Binning(self.bins)
-        for _ in range(MAX_PASSES - 1):  # the same B bins over the occupied range of the last sum, per task
-            again = refinement(best, laid_out)
-            if again is None:
-                break
+
+        def ask(again: Binning) -> np.ndarray:  # a refined pass: the clients' histograms of ``again``, summed
             finer = [p for p in self.executor.evaluate(state, split=split, bins=again)
                      if isinstance(p, ScoreHistogram)]
             for p in finer:
                 self._check_outputs(p, "validation part" if split == "val" else "test split")
-            summed = self._summed(finer)
-            new_aucs, new_bound = finer_aucs(total, summed)
-            better = ~(new_bound > bound)  # NaN (a task lacking a class) keeps its NaN AUC
-            aucs, bound = np.where(better, new_aucs, aucs), np.where(better, new_bound, bound)
-            best, laid_out = summed, again
+            return self._summed(finer)
+
+        aucs, _ = refined_aucs(total, self.bins, ask)
         return aucs, sum(h.samples for h in hists), (total[:, 1].sum(-1), total[:, 0].sum(-1))
 
     def _summed(self, hists: Sequence[ScoreHistogram]) -> np.ndarray:

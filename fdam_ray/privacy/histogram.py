@@ -31,17 +31,21 @@ at every score at most twice as coarse as the finer of the two. L = 16 is about 
 float64 and the scores placed by ``searchsorted``, so the map is monotone by construction (no rounding of a logit
 can reorder two scores).
 
-Two passes (:class:`Binning`, :func:`refinement`): a fixed layout cannot resolve every score distribution; an
-untrained model puts all its scores in a band ~0.005 wide around 1/2, about 10 bins of the default layout (1.1e-2
-off the exact AUC on the default job). So the driver reads the bound of the summed pass-1 histogram and, where it
-exceeds :data:`REFINE_TOLERANCE` for a task, asks the sites for a second histogram of the same B bins, laid over
-the range of that task's occupied pass-1 bins only: ``[lo, hi)``, the lower edge of the lowest occupied bin and the
-upper edge of the highest, cut into B - 2 bins of equal width in logit, plus the two outer bins ``[0, lo)`` and
-``[hi, 1]`` (empty unless a site's scores changed between the calls, or the range reached a pass-1 end bin). The
-range is an aggregate over all sites: it reveals the pooled score range at pass-1 bin resolution, which the summed
-pass-1 histogram already showed; no site's own range and no single score is asked for or sent. Each task's AUC is
-read off the pass whose bound is smaller (both are within their own bound of the exact AUC, so taking the smaller
-never loses; pass 2 is the finer one except for ranges much wider than the band the probability grid resolves).
+Refinement passes (:class:`Binning`, :mod:`fdam_ray.privacy.histogram_passes`): a fixed layout cannot resolve
+every score distribution (an untrained model puts all its scores in about 10 bins around 1/2; 10^4 scores spread
+over (0, 1) share bins with a partner of the other class in 2e-4 of the pairs). Only positive-negative pairs that
+share a bin are off, so where the bound of the summed counts exceeds :data:`REFINE_TOLERANCE` for a task, the
+driver asks the sites for another histogram of the same B bins (per task) laid over the runs of adjacent cells that
+hold both classes: each run ``[lo, hi)`` cut into sub-bins of one resolution (:func:`refined_edges`), everything
+else in one coarse outer bin per gap between runs (ordered, so the map stays monotone). The driver keeps every
+pass's counts and reads the AUC off the finest cells they resolve together (between edges two passes share, the
+cells of the pass with fewer shared pairs), with the bound of those cells; the next pass cuts the cells that still
+hold both classes, until the bound is within the tolerance, :data:`MAX_PASSES` passes, or no cell can be cut
+(equal scores of both classes: their share stays in the reported bound). What a site is asked is the runs' ends:
+the pooled histogram's mixed-cell ranges at the previous pass's resolution, computed from the summed counts only
+(no site's own range, no single score, nothing a site did not contribute to); where a pass would go beyond
+(B - 1) / 4 runs, the ones holding the most shared pairs. The sub-bin count of each run follows from the runs'
+ends and B alone, so sites and driver compute the same layout.
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ LOGIT_RANGE = 16.0  # L: the logit grid spans (-L, L)
 # way (an untrained model's scores come close to that). Below it, pass 2's cost (one more scoring of every test
 # split, one more message) buys nothing visible in an AUC rounded to 6 digits.
 REFINE_TOLERANCE = 1e-5
-MAX_PASSES = 4  # pass 1 and at most three refinements (each narrows a task's range to its occupied bins)
+MAX_PASSES = 8  # pass 1 and at most seven refinements (each cuts the cells that hold both classes; about halves the
+# bound where those cells outnumber B / 2: 10^4 scores spread over (0, 1) need six passes at B = 4096)
 _FAR = 1.0 / (1.0 + math.exp(2 * LOGIT_RANGE))  # where pass 2 puts a range's end at 0 (1 - it at 1): sigmoid(-2L)
 
 
@@ -105,30 +110,83 @@ def bin_index(scores: np.ndarray, bins: int = DEFAULT_BINS) -> np.ndarray:
     return _place(scores, bin_edges(bins))
 
 
-def refined_edges(lo: float, hi: float, bins: int) -> np.ndarray:
-    """Pass 2's B - 1 interior edges for one task: ``lo``, B - 3 edges of equal width in logit, ``hi``; the bins
-    are ``[0, lo)``, B - 2 bins over ``[lo, hi)``, ``[hi, 1]``. ``lo`` and ``hi`` are pass-1 edges (or 0 and 1, taken
-    as ``sigmoid(-2L)`` and ``sigmoid(2L)``: the end bins of pass 1 reach to 0 and 1, whose logits are infinite).
-    Non-decreasing (two edges may coincide in float64 in a range of one ulp's order: the bin between is then empty,
-    and the map stays monotone)."""
+def _ends(bins: int) -> np.ndarray:
+    """The logits of the B + 1 bin ends of the fixed layout, the end bins closed at -2L and 2L."""
+    edges = bin_edges(bins)
+    return np.concatenate(([-2 * LOGIT_RANGE], np.log(edges / (1 - edges)), [2 * LOGIT_RANGE]))
+
+
+def to_unit(scores: np.ndarray, bins: int) -> np.ndarray:
+    """The place of each score in units of the fixed layout's bins: b + f for a score in bin b, f in [0, 1] its
+    share of the bin's width in logit (the end bins from ``sigmoid(-2L)`` and to ``sigmoid(2L)``; scores beyond
+    them at 0 and B). Non-decreasing in the score; :func:`from_unit` inverts it."""
+    ends = _ends(bins)
+    x = np.clip(np.asarray(scores, dtype=np.float64), _FAR, 1 - _FAR)
+    z = np.log(x / (1 - x))
+    b = np.clip(np.searchsorted(ends, z, side="right") - 1, 0, bins - 1)
+    return b + np.clip((z - ends[b]) / (ends[b + 1] - ends[b]), 0.0, 1.0)
+
+
+def from_unit(units: np.ndarray, bins: int) -> np.ndarray:
+    """The score at each place of :func:`to_unit` (float64, non-decreasing)."""
+    ends = _ends(bins)
+    u = np.clip(np.asarray(units, dtype=np.float64), 0, bins)
+    b = np.minimum(np.floor(u).astype(np.int64), bins - 1)
+    z = ends[b] + (u - b) * (ends[b + 1] - ends[b])
+    return 1.0 / (1.0 + np.exp(-z))
+
+
+def refined_edges(ranges: Sequence[tuple[float, float]], bins: int) -> np.ndarray:
+    """A refined pass's B - 1 interior edges for one task with the m disjoint ranges ``[lo_i, hi_i)`` (increasing):
+    the m + 1 outer bins ``[0, lo_1)``, ``[hi_1, lo_2)``, ..., ``[hi_m, 1]`` and the B - m - 1 others over the
+    ranges, range i cut into n_i >= 1 sub-bins of equal width in units of the fixed layout's bins (:func:`to_unit`),
+    n_i by the ranges' widths in those units (largest remainders, earlier ranges first on equal ones). So every
+    range gets the same resolution, a function of B and the ranges alone. Non-decreasing (two edges may coincide in
+    float64 in a range of an ulp's order: the bin between is then empty, and the map stays monotone)."""
     bins = _check_bins(bins)
-    lo, hi = max(float(lo), _FAR), min(float(hi), 1.0 - _FAR)
-    if not lo < hi:
-        raise ValueError(f"refined range [{lo}, {hi}): lo < hi within [0, 1]")
-    z = np.linspace(math.log(lo / (1 - lo)), math.log(hi / (1 - hi)), bins - 1)
-    edges = 1.0 / (1.0 + np.exp(-z))
-    edges[0], edges[-1] = lo, hi
-    edges = np.maximum.accumulate(np.clip(edges, lo, hi))
+    lo = np.array([r[0] for r in ranges], dtype=np.float64)
+    hi = np.array([r[1] for r in ranges], dtype=np.float64)
+    m = len(lo)
+    if not m or 2 * m + 1 > bins or not (np.all((0 <= lo) & (lo < hi) & (hi <= 1)) and np.all(hi[:-1] <= lo[1:])):
+        raise ValueError(f"refined ranges {list(zip(lo.tolist(), hi.tolist(), strict=True))[:4]}...: 1 to "
+                         f"{(bins - 1) // 2} disjoint increasing ranges 0 <= lo < hi <= 1 for {bins} bins")
+    u_lo, u_hi = to_unit(lo, bins), to_unit(hi, bins)
+    width = np.maximum(u_hi - u_lo, 0.0)
+    spare = bins - 2 * m - 1  # sub-bins beyond one per range
+    share = width / width.sum() * spare if width.sum() > 0 else np.full(m, spare / m)
+    n = np.floor(share).astype(np.int64)
+    n[np.argsort(-(share - n), kind="stable")[: spare - int(n.sum())]] += 1
+    n += 1
+    parts = []
+    for i in range(m):
+        inner = from_unit(u_lo[i] + (u_hi[i] - u_lo[i]) * np.arange(1, n[i]) / n[i], bins)
+        parts.append(np.concatenate(([lo[i]], np.clip(inner, lo[i], hi[i]), [hi[i]])))
+    edges = np.maximum.accumulate(np.concatenate(parts))
     edges.flags.writeable = False
     return edges
+
+
+def _ranges_of(lo: tuple[float, ...], hi: tuple[float, ...]) -> list[list[tuple[float, float]]]:
+    """Per task its refined ranges, from :class:`Binning`'s flat ``lo``/``hi`` (each task's closed by NaN)."""
+    out: list[list[tuple[float, float]]] = [[]]
+    for a, b in zip(lo, hi, strict=True):
+        if math.isnan(a) != math.isnan(b):
+            raise ValueError(f"Binning lo={a} hi={b}: both NaN (a task's end) or both a range's ends")
+        if math.isnan(a):
+            out.append([])
+        else:
+            out[-1].append((a, b))
+    return out[:-1] if not out[-1] else out
 
 
 @dataclasses.dataclass(frozen=True)
 class Binning:
     """Which bins a site counts its scores in: the fixed layout of ``bins`` bins (``lo``/``hi`` None: pass 1), or
-    per task t with finite ``lo[t] < hi[t]`` the layout :func:`refined_edges` (pass 2; NaN: the fixed layout for
-    that task). Built by the driver from the summed pass-1 histogram (:func:`refinement`); every executor carries
-    it to the sites unchanged. Floats in tuples so that it compares, hashes and travels as plain values."""
+    per task the layout :func:`refined_edges` of its ranges. ``lo``/``hi``: the ranges' lower and upper ends, task
+    after task, each task's closed by a NaN in both (a task with no range, or past the last one given: the fixed
+    layout). Built by the driver from the summed counts of the passes so far
+    (:func:`fdam_ray.privacy.histogram_passes.refined_aucs`); every executor carries it to the sites unchanged.
+    Floats in tuples so that it compares, hashes and travels as plain values."""
 
     bins: int = DEFAULT_BINS
     lo: tuple[float, ...] | None = None
@@ -137,79 +195,37 @@ class Binning:
     def __post_init__(self) -> None:
         _check_bins(self.bins)
         if (self.lo is None) != (self.hi is None) or (self.lo is not None and len(self.lo) != len(self.hi or ())):
-            raise ValueError(f"Binning lo={self.lo} hi={self.hi}: both None or one value per task each")
-        for lo, hi in zip(self.lo or (), self.hi or (), strict=True):
-            if not (math.isnan(lo) and math.isnan(hi)) and not 0 <= lo < hi <= 1:
-                raise ValueError(f"Binning range [{lo}, {hi}): 0 <= lo < hi <= 1, or both NaN (the fixed layout)")
+            raise ValueError(f"Binning lo={self.lo} hi={self.hi}: both None or of one length")
+        for ranges in _ranges_of(self.lo or (), self.hi or ()):
+            if ranges:
+                refined_edges(ranges, self.bins)  # raises on ranges that are not disjoint, increasing, in [0, 1]
+
+    @classmethod
+    def of_ranges(cls, bins: int, ranges: Sequence[Sequence[tuple[float, float]]]) -> Binning:
+        """The layout with ``ranges[t]`` refined for task t (an empty list: the fixed layout)."""
+        lo = tuple(v for task in ranges for v in (*(float(r[0]) for r in task), math.nan))
+        hi = tuple(v for task in ranges for v in (*(float(r[1]) for r in task), math.nan))
+        return cls(bins, lo, hi)
+
+    def ranges(self, task: int) -> list[tuple[float, float]]:
+        """Task ``task``'s refined ranges (empty: the fixed layout)."""
+        per_task = _ranges_of(self.lo or (), self.hi or ())
+        return per_task[task] if task < len(per_task) else []
 
     @property
     def refined(self) -> bool:
-        """Whether some task has a refined layout (pass 2)."""
+        """Whether some task has a refined layout."""
         return self.lo is not None and any(not math.isnan(v) for v in self.lo)
 
     def edges(self, task: int) -> np.ndarray:
         """Task ``task``'s B - 1 interior edges."""
-        if self.lo is None or self.hi is None:
-            return bin_edges(self.bins)
-        if task >= len(self.lo):
-            raise ValueError(f"Binning has ranges for {len(self.lo)} tasks; task {task} asked")
-        if math.isnan(self.lo[task]):
-            return bin_edges(self.bins)
-        return refined_edges(self.lo[task], self.hi[task], self.bins)
+        ranges = self.ranges(task)
+        return refined_edges(ranges, self.bins) if ranges else bin_edges(self.bins)
 
 
 def binning_of(spec: int | Binning) -> Binning:
     """``spec`` as a :class:`Binning` (an int B: the fixed layout of B bins)."""
     return spec if isinstance(spec, Binning) else Binning(_check_bins(spec))
-
-
-def occupied_range(hist: np.ndarray, binning: int | Binning) -> tuple[np.ndarray, np.ndarray]:
-    """Per task, the lower edge of the lowest and the upper edge of the highest bin of ``hist`` (laid out by
-    ``binning``) holding a count (0 and 1 close the end bins; NaN for a task without counts). Every binned score of
-    the task lies in ``[lo, hi)`` (or at ``hi`` = 1)."""
-    hist, binning = check_histograms(hist), binning_of(binning)
-    lo, hi = np.full(hist.shape[0], np.nan), np.full(hist.shape[0], np.nan)
-    for t in range(hist.shape[0]):
-        occupied = np.flatnonzero(hist[t].sum(axis=0))
-        if occupied.size:
-            edges = np.concatenate(([0.0], binning.edges(t), [1.0]))
-            lo[t], hi[t] = edges[occupied[0]], edges[occupied[-1] + 1]
-    return lo, hi
-
-
-def refinement(total: np.ndarray, binning: int | Binning, tolerance: float = REFINE_TOLERANCE) -> Binning | None:
-    """The next pass's :class:`Binning` the driver asks for after summing a pass (``total``, laid out by
-    ``binning``: the fixed layout of B bins for pass 1): for each task whose :func:`binning_error_bound` exceeds
-    ``tolerance``, its occupied range; None if no task needs it (NaN bounds, tasks lacking a class, never do) or if
-    no wanted task's range is narrower than the one it was counted in (scores that share a float value: further
-    passes cannot split them). A range of one bin is refined as well: its scores are then spread over B - 2
-    bins."""
-    binning = binning_of(binning)
-    bound = binning_error_bound(total)
-    wanted = bound > tolerance  # NaN compares False
-    if not wanted.any():
-        return None
-    lo, hi = occupied_range(total, binning)
-    if binning.lo is not None:  # a refined pass: go on only where the occupied range shrank
-        was_lo = np.array(binning.lo, dtype=np.float64)
-        was_hi = np.array(binning.hi, dtype=np.float64)
-        wanted &= ~((lo <= was_lo) & (hi >= was_hi))
-        if not wanted.any():
-            return None
-    lo, hi = np.where(wanted, lo, np.nan), np.where(wanted, hi, np.nan)
-    return Binning(binning.bins, tuple(float(v) for v in lo), tuple(float(v) for v in hi))
-
-
-def finer_aucs(first: np.ndarray, second: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per task, the AUC of the pass (summed histograms ``first``, ``second`` of the same scores) with the smaller
-    :func:`binning_error_bound`, and that bound; ties go to ``second`` (for a task not refined it equals ``first``).
-    A task whose class totals differ between the passes (a client missing from one) keeps ``first``."""
-    first, second = check_histograms(first), check_histograms(second, bins=first.shape[2], tasks=first.shape[0])
-    auc1, auc2 = pooled_auc_from_histograms(first), pooled_auc_from_histograms(second)
-    bound1, bound2 = binning_error_bound(first), binning_error_bound(second)
-    same = (first.sum(axis=2) == second.sum(axis=2)).all(axis=1)
-    take_first = (bound1 < bound2) | ~same  # NaN (a task lacking a class): both AUCs are NaN
-    return np.where(take_first, auc1, auc2), np.where(take_first, bound1, bound2)
 
 
 def _place(scores: np.ndarray, edges: np.ndarray) -> np.ndarray:

@@ -1,7 +1,7 @@
 """``test_scores: histogram`` runs end to end: a run whose clients send score histograms trains the same model, its
 ``client_auc`` are the exact run's and its pooled ``test_auc`` is within the binning bound of the exact one at every
-evaluation (the bound of the pass the driver read it from: the fixed layout, or the second pass over the summed
-histogram's occupied range, asked only where the first pass's bound exceeds the tolerance); two Ray actors give the
+evaluation (the bound of the cells the driver read it from: the fixed layout, or every pass's counts together,
+further passes asked only where the first pass's bound exceeds the tolerance); two Ray actors give the
 inline run's records exactly."""
 
 from __future__ import annotations
@@ -40,22 +40,17 @@ def histogram():
     its AUC from (None where it asked no second pass)."""
     sums: list[np.ndarray] = []
     chosen: list[np.ndarray | None] = []
-    read, finer = evaluation.pooled_auc_from_histograms, evaluation.finer_aucs
+    passes = evaluation.refined_aucs
 
-    def keep(total: np.ndarray) -> np.ndarray:
+    def keep(total: np.ndarray, bins: int, ask) -> tuple[np.ndarray, np.ndarray]:
         sums.append(total.copy())
-        chosen.append(None)
-        return read(total)
-
-    def keep_finer(first: np.ndarray, second: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        assert np.array_equal(first, sums[-1]) and second.shape == first.shape
-        aucs, bound = finer(first, second)
-        chosen[-1] = bound
+        asked: list = []
+        aucs, bound = passes(total, bins, lambda b: asked.append(b) or ask(b))
+        chosen.append(bound if asked else None)
         return aucs, bound
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(evaluation, "pooled_auc_from_histograms", keep)
-        mp.setattr(evaluation, "finer_aucs", keep_finer)
+        mp.setattr(evaluation, "refined_aucs", keep)
         result = scored_run(test_scores="histogram")
     return result, (sums, chosen)
 
@@ -104,22 +99,17 @@ def test_with_validation_parts_only_test_auc_and_val_auc_differ_each_within_its_
     """Every evaluation reads two pooled AUCs off histograms (test, then validation); each is within the bound of
     the pass it was read from, and every other record field is the exact run's."""
     bounds: list[float] = []
-    read, finer = evaluation.pooled_auc_from_histograms, evaluation.finer_aucs
+    passes = evaluation.refined_aucs
 
-    def keep(total: np.ndarray) -> np.ndarray:
-        bounds.append(float(binning_error_bound(total)[0]))
-        return read(total)
-
-    def keep_finer(first: np.ndarray, second: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        aucs, bound = finer(first, second)
-        assert bound[0] <= binning_error_bound(first)[0]
-        bounds[-1] = min(bounds[-1], float(bound[0]))  # the driver keeps the pass with the smallest bound
+    def keep(total: np.ndarray, bins: int, ask) -> tuple[np.ndarray, np.ndarray]:
+        aucs, bound = passes(total, bins, ask)
+        assert bound[0] <= binning_error_bound(total)[0]
+        bounds.append(float(bound[0]))  # of every pass's counts together
         return aucs, bound
 
     exact = scored_run(val_fraction=0.25, iterations=30)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(evaluation, "pooled_auc_from_histograms", keep)
-        mp.setattr(evaluation, "finer_aucs", keep_finer)
+        mp.setattr(evaluation, "refined_aucs", keep)
         result = scored_run(val_fraction=0.25, iterations=30, test_scores="histogram")
     assert len(bounds) == 2 * len(result.history) == 2 * len(exact.history) == 8
     differ = ("test_auc", "val_auc", "wall_s", "samples_per_s")

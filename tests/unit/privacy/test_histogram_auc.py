@@ -16,6 +16,7 @@ from fdam_ray.metrics import mean_auc, task_aucs
 from fdam_ray.privacy.histogram import (
     DEFAULT_BINS,
     LOGIT_RANGE,
+    MAX_PASSES,
     REFINE_TOLERANCE,
     Binning,
     bin_centres,
@@ -23,15 +24,13 @@ from fdam_ray.privacy.histogram import (
     bin_index,
     binning_error_bound,
     check_histograms,
-    finer_aucs,
-    occupied_range,
     pooled_auc_from_histograms,
     pooled_test_auc,
     refined_edges,
-    refinement,
     score_histograms,
     sum_histograms,
 )
+from fdam_ray.privacy.histogram_passes import Pooled
 
 
 def _sigmoid(z: np.ndarray) -> np.ndarray:
@@ -271,151 +270,90 @@ def test_a_site_histogram_of_the_wrong_shape_or_kind_is_refused():
         sum_histograms([])
 
 
-# -- two passes: the driver's refinement over the pooled occupied range ---------------------------------------------
+# -- refinement passes: the driver cuts the pooled cells that hold both classes ----------------------------------
 
-def _band(n: int = 540, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """An untrained model's scores: float32, all in the default job's first-evaluation band [0.4903, 0.4956],
-    labels weakly tied to them (AUC about 0.3, as measured there)."""
-    rng = np.random.default_rng(seed)
-    s = (0.4903 + 0.0053 * rng.random(n)).astype(np.float32)
-    y = (rng.random(n) < 0.5 - 40 * (s - 0.493)).astype(np.float64)
-    return s, y
-
-
-def test_refined_edges_are_equal_steps_in_logit_from_lo_to_hi():
-    lo, hi, bins = 0.4903, 0.4956, 64
-    edges = refined_edges(lo, hi, bins)
-    assert edges.shape == (bins - 1,) and edges[0] == lo and edges[-1] == hi and not edges.flags.writeable
-    z = np.log(edges / (1 - edges))
-    np.testing.assert_allclose(np.diff(z), (math.log(hi / (1 - hi)) - math.log(lo / (1 - lo))) / (bins - 2),
-                               rtol=1e-6)
-    # the ends of [0, 1] (a pass-1 end bin occupied) become sigmoid(-/+2L): finite logits, every edge inside (0, 1)
-    wide = refined_edges(0.0, 1.0, 4096)
-    assert wide[0] == pytest.approx(_sigmoid(np.array(-2 * LOGIT_RANGE)), rel=1e-12) and wide[-1] < 1
-    assert np.all(np.diff(wide) > 0)
-    with pytest.raises(ValueError, match="lo < hi"):
-        refined_edges(0.5, 0.5, 64)
+def _passes(s: np.ndarray, y: np.ndarray, bins: int = DEFAULT_BINS, most: int = MAX_PASSES) -> list[Pooled]:
+    """The driver's passes over the scores ``s`` (labels ``y``) as sites send them: the pooled cells after each."""
+    pooled = [Pooled.first(score_histograms(s, y, bins), bins)]
+    while len(pooled) < most and (again := pooled[-1].refinement()) is not None:
+        pooled.append(pooled[-1].add(score_histograms(s, y, again), again))
+    return pooled
 
 
-def test_a_binning_is_checked_and_names_its_layout_per_task():
-    both = Binning(64, (0.25, math.nan), (0.75, math.nan))
-    assert both.refined and not Binning(64).refined and not Binning(64, (math.nan,), (math.nan,)).refined
-    np.testing.assert_array_equal(both.edges(0), refined_edges(0.25, 0.75, 64))
-    assert both.edges(1) is bin_edges(64)  # NaN: the fixed layout
-    assert Binning(64, (0.25,), (0.75,)) == Binning(64, (0.25,), (0.75,))  # plain values: compares and hashes
-    for lo, hi in [((0.5,), None), ((0.5, 0.1), (0.6,)), ((0.6,), (0.5,)), ((-0.1,), (0.5,)), ((0.5,), (1.5,)),
-                   ((math.nan,), (0.5,))]:
-        with pytest.raises(ValueError):
-            Binning(64, lo, hi)
+def test_a_refined_layout_cuts_only_its_ranges_and_is_monotone():
+    edges = refined_edges([(0.2, 0.3), (0.6, 0.61)], 64)
+    assert edges.shape == (63,) and np.all(np.diff(edges) >= 0)
+    assert edges[0] == 0.2 and edges[-1] == 0.61 and 0.3 in edges and 0.6 in edges  # 3 outer bins
+    assert Binning.of_ranges(64, [[(0.2, 0.3), (0.6, 0.61)], []]).ranges(1) == []
     with pytest.raises(ValueError):
-        Binning(3)
-    with pytest.raises(ValueError, match="ranges for 1 tasks"):
-        score_histograms(np.full((4, 2), 0.5), np.zeros((4, 2)), Binning(64, (0.25,), (0.75,)))
+        refined_edges([(0.3, 0.2)], 64)
 
 
-def test_the_occupied_range_is_the_outer_edges_of_the_lowest_and_highest_counted_bins():
+def test_the_ranges_are_the_runs_of_cells_holding_both_classes():
     bins = 16
+    hist = np.zeros((1, 2, bins), np.int64)
+    hist[0, 0, [2, 3, 4, 9]] = 1
+    hist[0, 1, [3, 4, 7, 9]] = 1  # mixed: 3, 4 (one run) and 9
+    again = Pooled.first(hist, bins).refinement()
     edges = np.concatenate(([0.0], bin_edges(bins), [1.0]))
-    hist = np.zeros((3, 2, bins), np.int64)
-    hist[0, 0, 5], hist[0, 1, 9] = 2, 1  # task 0: bins 5..9
-    hist[1, 1, 0], hist[1, 0, bins - 1] = 1, 1  # task 1: both end bins
-    lo, hi = occupied_range(hist, bins)
-    assert (lo[0], hi[0]) == (edges[5], edges[10]) and (lo[1], hi[1]) == (0.0, 1.0)
-    assert np.isnan(lo[2]) and np.isnan(hi[2])  # task 2: no counts
-    # every binned score lies in [lo, hi): from real scores
-    s, y = _band()
-    lo, hi = occupied_range(score_histograms(s, y), DEFAULT_BINS)
-    assert lo[0] <= s.min() and s.max() < hi[0] and hi[0] - lo[0] < 0.007
+    assert again is not None and again.ranges(0) == [(edges[3], edges[5]), (edges[9], edges[10])]
 
 
-def test_a_second_pass_is_asked_only_for_tasks_whose_bound_exceeds_the_tolerance():
-    bins = 16
-    apart = np.zeros((1, 2, bins), np.int64)
-    apart[0, 0, 3], apart[0, 1, 12] = 5, 5  # no pair shares a bin: bound 0
-    assert binning_error_bound(apart)[0] == 0 and refinement(apart, bins) is None
-    shared = apart.copy()
-    shared[0, 1, 3] = 1  # one pair of 30 in a bin: bound 5 / 60
-    two = np.concatenate([apart, shared, np.zeros((1, 2, bins), np.int64)])
-    again = refinement(two, bins)
-    assert again is not None and again.bins == bins and again.refined
-    edges = np.concatenate(([0.0], bin_edges(bins), [1.0]))
-    assert math.isnan(again.lo[0]) and math.isnan(again.lo[2])  # within tolerance / no class: the fixed layout
-    assert (again.lo[1], again.hi[1]) == (edges[3], edges[13])
-    # the tolerance is what decides: a bound just above asks, just below does not
-    bound = binning_error_bound(shared)[0]
-    assert refinement(shared, bins, tolerance=bound * 1.001) is None and refinement(shared, bins, bound * 0.999)
-    assert REFINE_TOLERANCE == 1e-5
+@pytest.mark.parametrize("seed", range(3))
+def test_scores_spread_over_zero_one_are_within_1e5_after_the_passes(seed):
+    rng = np.random.default_rng(seed)
+    y = (rng.random(10**4) < 0.5).astype(float)
+    s = _sigmoid(rng.normal(0.0, 2.0, y.size) + y).astype(np.float32)  # two normals in logit, overlapping
+    pooled = _passes(s, y)
+    want = roc_auc_score(y, s)
+    assert pooled[0].bounds()[0] > 1e-4  # one pass: 2e-4
+    assert abs(pooled[-1].aucs()[0] - want) <= pooled[-1].bounds()[0] <= REFINE_TOLERANCE
+    assert all(b.bounds()[0] <= a.bounds()[0] for a, b in itertools.pairwise(pooled))
 
 
-def test_evaluation_zero_of_an_untrained_model_is_within_1e4_after_the_second_pass():
-    s, y = _band()
-    exact = roc_auc_score(y, s)
-    sites = np.array_split(np.arange(len(s)), 4)  # four sites; only counts are summed
-    first = sum_histograms([score_histograms(s[i], y[i]) for i in sites])
-    assert abs(pooled_auc_from_histograms(first)[0] - exact) > 1e-3  # the fixed layout alone misses
-    again = refinement(first, DEFAULT_BINS)
+def test_an_untrained_models_band_is_within_1e5():
+    rng = np.random.default_rng(0)
+    y = (rng.random(540) < 0.5).astype(float)
+    s = (0.4903 + 0.0053 * rng.random(540) + 0.0005 * y).astype(np.float32)
+    pooled = _passes(s, y)
+    assert len(pooled) >= 2 and abs(pooled[-1].aucs()[0] - roc_auc_score(y, s)) <= pooled[-1].bounds()[0] <= 1e-5
+
+
+def test_equal_scores_of_both_classes_stop_the_passes_and_keep_their_bound():
+    rng = np.random.default_rng(1)
+    y = (rng.random(2000) < 0.5).astype(float)
+    s = np.where(rng.random(2000) < 0.3, 0.5, 0.49 + 0.02 * rng.random(2000)).astype(np.float32)
+    pooled = _passes(s, y, most=50)
+    assert len(pooled) < MAX_PASSES and pooled[-1].refinement() is None  # stopped, not cut off
+    tied = s == np.float32(0.5)
+    pairs = (y == 1).sum() * (y == 0).sum()
+    share = (y[tied] == 1).sum() * (y[tied] == 0).sum() / (2 * pairs)
+    assert share <= pooled[-1].bounds()[0] < share + 1e-5  # the ties' share, honestly: no pass can split them
+    assert abs(pooled[-1].aucs()[0] - roc_auc_score(y, s)) <= pooled[-1].bounds()[0]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_bound_holds_at_every_pass(seed):
+    rng = np.random.default_rng(seed)
+    n, bins = int(rng.integers(20, 3000)), int(rng.choice([4, 16, 256, 4096]))
+    y = (rng.random(n) < rng.uniform(0.05, 0.95)).astype(float)
+    y[:2] = (0, 1)
+    z = rng.normal(0, rng.uniform(0.01, 5), n) + y * rng.uniform(0, 2)
+    s = _sigmoid(z).astype(rng.choice([np.float32, np.float64]))
+    if seed % 3 == 0:
+        s[rng.random(n) < 0.2] = s[0]  # ties across classes
+    want = roc_auc_score(y, s)
+    for pooled in _passes(s, y, bins):
+        assert abs(pooled.aucs()[0] - want) <= pooled.bounds()[0] + 1e-12
+
+
+def test_a_pass_whose_counts_disagree_is_not_combined():
+    rng = np.random.default_rng(2)
+    y = (rng.random(500) < 0.5).astype(float)
+    s = (0.49 + 0.02 * rng.random(500)).astype(np.float32)
+    first = Pooled.first(score_histograms(s, y), DEFAULT_BINS)
+    again = first.refinement()
     assert again is not None
-    second = sum_histograms([score_histograms(s[i], y[i], again) for i in sites])
-    np.testing.assert_array_equal(second, score_histograms(s, y, again))  # the sum is the pooled histogram
-    assert second[0].sum() == len(s) and second[0, :, 0].sum() == second[0, :, -1].sum() == 0  # outer bins empty
-    auc, bound = finer_aucs(first, second)
-    assert abs(auc[0] - exact) <= bound[0] + 1e-15 and bound[0] < binning_error_bound(first)[0] / 100
-    assert abs(auc[0] - exact) <= 1e-4
-    # pass 2 is the pair count over its own bins (the independent oracle)
-    idx = np.searchsorted(again.edges(0), s, side="right")
-    assert auc[0] == pytest.approx(_pair_count_auc(idx[y == 1], idx[y == 0]), abs=1e-15)
-
-
-def test_the_finer_pass_is_taken_per_task_and_a_pass_missing_a_site_is_not():
-    bins = 16
-    first = np.zeros((2, 2, bins), np.int64)
-    first[:, 0, 4], first[:, 1, 4], first[:, 1, 6] = 2, 1, 1  # bound 2/8 per task
-    second = first.copy()
-    second[0, 1, 4], second[0, 1, 5] = 0, 1  # task 0 resolved: bound 0, AUC 1
-    second[1, 0, 4], second[1, 0, 3], second[1, 0, 5] = 0, 1, 1  # task 1 resolved: bound 0, AUC 3/4
-    auc, bound = finer_aucs(first, second)
-    np.testing.assert_array_equal(auc, [1.0, 0.75])
-    np.testing.assert_array_equal(bound, [0.0, 0.0])
-    worse = first.copy()
-    worse[1, 1, 6], worse[1, 1, 4] = 0, 2  # task 1 coarser in pass 2: pass 1 kept
-    auc, bound = finer_aucs(first, worse)
-    assert auc[1] == pooled_auc_from_histograms(first)[1] and bound[1] == binning_error_bound(first)[1]
-    missing = second.copy()
-    missing[0, 0, 4] = 1  # a negative fewer in pass 2 (a site missing): pass 1 kept for that task
-    auc, _ = finer_aucs(first, missing)
-    assert auc[0] == pooled_auc_from_histograms(first)[0] and auc[1] == pooled_auc_from_histograms(second)[1]
-
-
-def test_a_score_outside_the_range_lands_in_an_outer_bin_and_the_bound_still_holds():
-    s, y = _band(200, seed=3)
-    again = Binning(DEFAULT_BINS, (float(s.min()) + 1e-4,), (float(s.max()) - 1e-4,))  # too narrow on purpose
-    hist = score_histograms(s, y, again)
-    assert hist[0, :, 0].sum() == (s < again.lo[0]).sum() > 0 and hist[0, :, -1].sum() == (s >= again.hi[0]).sum()
-    assert abs(pooled_auc_from_histograms(hist)[0] - roc_auc_score(y, s)) <= binning_error_bound(hist)[0] + 1e-15
-
-
-def test_scores_a_few_ulps_apart_are_split_by_further_passes_and_equal_ones_stop_them():
-    """An untrained network's scores can differ only in their last float32 bits: pass 2 over the one occupied
-    fixed bin still shares bins, pass 3 over pass 2's occupied range splits every distinct value (the AUC is then
-    sklearn's, ties of equal scores included), and a range that no longer shrinks asks for no further pass."""
-    from fdam_ray.privacy.histogram import MAX_PASSES, Binning, finer_aucs
-
-    rng = np.random.default_rng(3)
-    values = np.nextafter(np.float32(0.5), np.float32(1), dtype=np.float32)
-    distinct = [np.float32(0.5)]
-    for _ in range(7):
-        distinct.append(np.nextafter(distinct[-1], np.float32(1)))
-    scores = rng.choice(np.array(distinct, dtype=np.float32), size=300)[:, None]
-    labels = (rng.random(300) < 0.4 + 0.2 * (scores[:, 0] > values)).astype(np.float64)[:, None]
-    want = roc_auc_score(labels[:, 0], scores[:, 0])
-    total = score_histograms(scores, labels, DEFAULT_BINS)
-    last, laid, passes = total, Binning(DEFAULT_BINS), 1
-    auc, bound = pooled_auc_from_histograms(total), binning_error_bound(total)
-    assert bound[0] > 1e-2  # every score in one fixed bin
-    while passes < MAX_PASSES and (again := refinement(last, laid)) is not None:
-        last, laid, passes = score_histograms(scores, labels, again), again, passes + 1
-        new_auc, new_bound = finer_aucs(total, last)
-        auc, bound = np.where(new_bound <= bound, new_auc, auc), np.minimum(bound, new_bound)
-    assert passes >= 3  # pass 2 alone leaves distinct values in one bin
-    assert abs(auc[0] - want) < 1e-12  # the remaining shared bins hold equal scores only: sklearn's ties
-    assert refinement(last, laid) is None  # equal scores: the range no longer shrinks, no pass 5
+    missing = first.add(score_histograms(s[:400], y[:400], again), again)  # a site missing from pass 2
+    assert missing.tasks[0].final and missing.refinement() is None
+    np.testing.assert_array_equal(missing.aucs(), first.aucs())

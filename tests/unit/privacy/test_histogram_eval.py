@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import numpy as np
 import pytest
@@ -24,11 +25,10 @@ from fdam_ray.privacy.histogram import (
     Binning,
     bin_edges,
     binning_error_bound,
-    finer_aucs,
     pooled_auc_from_histograms,
-    refinement,
     sum_histograms,
 )
+from fdam_ray.privacy.histogram_passes import Pooled
 from fdam_ray.privacy.section import PrivacySection
 
 CPU = torch.device("cpu")
@@ -122,8 +122,8 @@ def test_a_clients_histogram_is_the_numpy_count_of_its_scores_and_its_auc_is_skl
 def test_what_crosses_from_the_clients_holds_no_per_sample_array(started):
     _, _, executor, _, state = started
     first = executor.evaluate(state, split="test", bins=Binning(256))
-    again = refinement(sum_histograms([h.counts for h in first]), 256)
-    assert again is not None and again.refined  # pass 2: the driver's range per task, from the summed counts
+    again = Pooled.first(sum_histograms([h.counts for h in first]), 256).refinement()
+    assert again is not None and again.refined  # pass 2: the driver's ranges per task, from the summed counts
     second = executor.evaluate(state, split="test", bins=again)
     for got in (first, second):
         assert [type(h) for h in got] == [ScoreHistogram] * 3
@@ -159,19 +159,14 @@ class Recording:
 
 
 def driver_passes(executor, state, bins: int) -> tuple[list[Binning], np.ndarray, np.ndarray]:
-    """The driver's passes recomputed: pass 1 on the fixed layout, then each over the occupied range of the last
-    sum while the bound is too wide and the range shrinks; (the binnings asked, the AUC and bound per task of the
-    pass with the smallest bound)."""
+    """The driver's passes recomputed: pass 1 on the fixed layout, then each cutting the cells that hold both
+    classes while the bound is too wide; (the binnings asked, the AUC and bound per task of every pass together)."""
     total = sum_histograms([h.counts for h in executor.evaluate(state, bins=Binning(bins))])
-    asked, last, laid = [Binning(bins)], total, Binning(bins)
-    aucs, bound = pooled_auc_from_histograms(total), binning_error_bound(total)
-    while len(asked) < MAX_PASSES and (again := refinement(last, laid)) is not None:
+    asked, pooled = [Binning(bins)], Pooled.first(total, bins)
+    while len(asked) < MAX_PASSES and (again := pooled.refinement()) is not None:
         asked.append(again)
-        last, laid = sum_histograms([h.counts for h in executor.evaluate(state, bins=again)]), again
-        new_aucs, new_bound = finer_aucs(total, last)
-        better = new_bound <= bound
-        aucs, bound = np.where(better, new_aucs, aucs), np.where(better, new_bound, bound)
-    return asked, aucs, bound
+        pooled = pooled.add(sum_histograms([h.counts for h in executor.evaluate(state, bins=again)]), again)
+    return asked, pooled.aucs(), pooled.bounds()
 
 
 @pytest.mark.parametrize("bins", [16, 4096])
@@ -298,8 +293,8 @@ def test_the_driver_asks_a_second_pass_only_when_the_first_ones_bound_exceeds_th
     shared = Sends([histogram(0, [0, 1, 0, 1], [1, 0, 1, 0]), histogram(1, [0, 0, 1, 0], [0, 1, 0, 0])])
     out = Evaluator(replica, source, shared, histogram_bins=4)(replica.flat.initial_state())  # type: ignore
     edges = np.concatenate(([0.0], bin_edges(4), [1.0]))
-    assert shared.asked == [Binning(4), Binning(4, (edges[0],), (edges[4],))]  # bins 0..3 occupied: all of [0, 1]
-    assert out["test_auc"] == 7 / 9  # both passes sent the same counts here: the tie goes to pass 2, equal
+    assert shared.asked[:2] == [Binning(4), Binning(4, (edges[1], math.nan), (edges[3], math.nan))]  # bins 1, 2 mixed
+    assert out["test_auc"] == 7 / 9  # every pass sent the same counts here (all in bin 1 or 2 of the next)
 
 
 def test_an_untrained_models_band_of_scores_is_read_far_closer_after_the_second_pass(started):
