@@ -1,6 +1,10 @@
 """The privacy accountant: epsilon spent so far, epsilon after the next rounds, sigma for a target epsilon.
 
-Built on dp_accounting's Renyi-DP accountant (Mironov 2017; ``RdpAccountant``)
+Two accountings (``accounting``): ``pld`` (the default) is exact where an exact one is known
+(:mod:`fdam_ray.privacy.pld`): the analytic Gaussian for full participation, dp_accounting's privacy loss
+distributions for Poisson sampling; fixed-size sampling has no PLD in dp_accounting, so there ``pld`` counts
+with RDP and says so (:attr:`Accountant.accounting_used`, :attr:`Accountant.accounting_reason`). ``rdp`` is
+dp_accounting's Renyi-DP accountant (Mironov 2017; ``RdpAccountant``)
 over fixed orders (:data:`ORDERS`, those of dp_accounting 0.6.0's default, for the plain Gaussian;
 :data:`INTEGER_ORDERS` for a subsampled release, where the divergence has a closed form; both written out
 here so an upgrade of the library cannot move our numbers), with
@@ -30,7 +34,7 @@ were asked is composed at its smaller sigma (:func:`shares_noise_multiplier`).
 The accountant keeps its history as runs of (sigma, compositions), and its
 Renyi divergence is recomputed from that history, so a resumed run (from
 :meth:`Accountant.state`) and the run it continues report the same epsilon to
-the bit. dp_accounting is an optional extra; without it, building an
+the bit; so with ``pld``. dp_accounting is an optional extra; without it, building an
 accountant raises :class:`AccountingUnavailable` in one line.
 """
 
@@ -42,11 +46,24 @@ from typing import Any
 import numpy as np
 
 from fdam_ray.files.extras import extra_hint
+from fdam_ray.privacy.pld import (
+    PoissonPLD,
+    analytic_gaussian_epsilon,
+    discretized_epsilon,
+    gaussian_epsilon,
+    gaussian_mu,
+)
+
+__all__ = ["ACCOUNTINGS", "ADD_OR_REMOVE", "INTEGER_ORDERS", "ORDERS", "REPLACE_ONE", "SAMPLINGS", "SOLVE_RTOL",
+           "STATE_VERSION", "Accountant", "AccountingUnavailable", "analytic_gaussian_epsilon",
+           "shares_noise_multiplier", "solve_sigma"]
 
 SAMPLINGS = ("fixed", "poisson")
+ACCOUNTINGS = ("pld", "rdp")
 ADD_OR_REMOVE = "add_or_remove_one"
 REPLACE_ONE = "replace_one"
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: with the accounting; a version-1 state (before PLD) is read as rdp
+_CACHED_EPSILONS = 8  # epsilons of the latest histories, so epsilon_after then step then epsilon computes once
 SOLVE_RTOL = 1e-4  # solve_sigma: relative width of the final bracket of sigma
 _SIGMA_MAX = 2.0 ** 20  # solve_sigma gives up above this (a target no noise reaches)
 _SIGMA_MIN = 2.0 ** -20
@@ -88,11 +105,13 @@ class Accountant:
 
     Keyword-only: ``noise_multiplier`` sigma >= 0, ``delta`` in (0, 1), ``population`` n (K clients, or a
     site's n_k samples), ``sample_size`` s in 1..n (S, or B), ``sampling`` fixed | poisson, ``per_round``
-    compositions a round makes by default (1 for dp: client, the local steps I for dp: sample), ``orders``.
+    compositions a round makes by default (1 for dp: client, the local steps I for dp: sample), ``orders`` (of
+    the RDP accounting), ``accounting`` pld | rdp.
     """
 
     def __init__(self, *, noise_multiplier: float, delta: float, population: int, sample_size: int,
-                 sampling: str = "fixed", per_round: int = 1, orders: tuple[float, ...] | None = None) -> None:
+                 sampling: str = "fixed", per_round: int = 1, orders: tuple[float, ...] | None = None,
+                 accounting: str = "pld") -> None:
         if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
             raise ValueError(f"noise_multiplier {noise_multiplier!r} is not allowed (a finite number >= 0)")
         if not 0 < delta < 1:
@@ -103,6 +122,8 @@ class Accountant:
             raise ValueError(f"sampling {sampling!r} is not allowed ({', '.join(SAMPLINGS)})")
         if per_round < 1:
             raise ValueError(f"per_round {per_round} is not allowed (>= 1)")
+        if accounting not in ACCOUNTINGS:
+            raise ValueError(f"accounting {accounting!r} is not allowed ({', '.join(ACCOUNTINGS)})")
         if orders is None:  # the Gaussian's divergence is exact at every order; a subsampled one's at integers
             orders = ORDERS if sample_size == population else INTEGER_ORDERS
         if not orders or min(orders) <= 1:
@@ -115,26 +136,29 @@ class Accountant:
         self.sampling = sampling
         self.per_round = int(per_round)
         self.orders = tuple(float(a) for a in orders)
+        self.accounting = accounting
         self.rounds = 0
         self._history: list[tuple[float, int]] = []  # runs of (sigma, compositions), in order
         self._unit: dict[float, np.ndarray] = {}  # Renyi divergence of one composition, by sigma
+        self._pld: PoissonPLD | None = None  # the Poisson PLDs, made on first use
+        self._epsilons: dict[tuple[str, tuple[tuple[float, int], ...]], float] = {}  # by (accounting, history)
 
     @classmethod
     def for_clients(cls, *, noise_multiplier: float, delta: float, num_clients: int,
-                    clients_per_round: int | None, sampling: str = "fixed") -> Accountant:
+                    clients_per_round: int | None, sampling: str = "fixed", accounting: str = "pld") -> Accountant:
         """dp: client: one composition a round, S = clients_per_round of K = num_clients (None: all K)."""
         sampled = num_clients if clients_per_round is None else min(clients_per_round, num_clients)
         return cls(noise_multiplier=noise_multiplier, delta=delta, population=num_clients, sample_size=sampled,
-                   sampling=sampling)
+                   sampling=sampling, accounting=accounting)
 
     @classmethod
     def for_site(cls, *, noise_multiplier: float, delta: float, num_samples: int, batch_size: int,
-                 local_steps: int, sampling: str = "poisson") -> Accountant:
+                 local_steps: int, sampling: str = "poisson", accounting: str = "pld") -> Accountant:
         """dp: sample, one site: one composition a local step, batches of B = ``batch_size`` of its n_k =
         ``num_samples`` (0 or B >= n_k: the full batch)."""
         batch = num_samples if batch_size <= 0 else min(batch_size, num_samples)
         return cls(noise_multiplier=noise_multiplier, delta=delta, population=num_samples, sample_size=batch,
-                   sampling=sampling, per_round=local_steps)
+                   sampling=sampling, per_round=local_steps, accounting=accounting)
 
     @property
     def sampling_rate(self) -> float:
@@ -148,6 +172,20 @@ class Accountant:
         if self.sampling == "fixed" and self.sample_size < self.population:
             return REPLACE_ONE
         return ADD_OR_REMOVE
+
+    @property
+    def accounting_used(self) -> str:
+        """The accounting the epsilon comes from: :attr:`accounting`, except ``rdp`` for ``pld`` on fixed-size
+        sampling (:attr:`accounting_reason`)."""
+        return "rdp" if self.accounting_reason is not None else self.accounting
+
+    @property
+    def accounting_reason(self) -> str | None:
+        """Why ``pld`` was not used where it was asked for (None where it was, or where rdp was asked for)."""
+        if self.accounting == "pld" and self.relation == REPLACE_ONE:
+            return ("fixed-size sampling without replacement (replace-one) has no privacy loss distribution in "
+                    "dp_accounting: counted with RDP")
+        return None
 
     def event(self, noise_multiplier: float | None = None) -> Any:
         """The dp_accounting event of one composition (at sigma = ``noise_multiplier``, default this
@@ -197,12 +235,29 @@ class Accountant:
             total += count * self._unit_rdp(sigma)  # as RdpAccountant.compose(event, count) adds it
         return total
 
-    def _epsilon_of(self, history: list[tuple[float, int]]) -> float:
+    def _epsilon_of(self, history: list[tuple[float, int]], accounting: str | None = None) -> float:
         if not history:
             return 0.0
+        used = self.accounting_used if accounting is None else accounting
+        key = (used, tuple(history))
+        if key not in self._epsilons:
+            self._epsilons[key] = self._rdp_epsilon(history) if used == "rdp" else self._pld_epsilon(history)
+            while len(self._epsilons) > _CACHED_EPSILONS:
+                del self._epsilons[next(iter(self._epsilons))]  # the oldest
+        return self._epsilons[key]
+
+    def _rdp_epsilon(self, history: list[tuple[float, int]]) -> float:
         # an order at inf (sigma = 0, or an order dp_accounting could not compute) drops out of the minimum
         eps, _ = self._dp.rdp.rdp_privacy_accountant.compute_epsilon(self.orders, self._rdp_of(history), self.delta)
         return float(eps)
+
+    def _pld_epsilon(self, history: list[tuple[float, int]]) -> float:
+        if self.sample_size == self.population:  # one Gaussian: exact
+            return gaussian_epsilon(gaussian_mu(history), self.delta)
+        if self._pld is None:
+            self._pld = PoissonPLD(self._dp, self.sampling_rate)
+        made = self._pld
+        return discretized_epsilon(lambda interval: made.epsilon(history, self.delta, interval))
 
     def rdp(self) -> np.ndarray:
         """The Renyi divergence spent so far, at each of :attr:`orders`."""
@@ -216,8 +271,13 @@ class Accountant:
         self.rounds += rounds
 
     def epsilon(self) -> float:
-        """epsilon at :attr:`delta` of everything counted so far (0 before the first round, inf without noise)."""
+        """epsilon at :attr:`delta` of everything counted so far (0 before the first round, inf without noise), by
+        :attr:`accounting_used`."""
         return self._epsilon_of(self._history)
+
+    def epsilon_rdp(self) -> float:
+        """The RDP epsilon of the same history, whatever the accounting (to compare, in a summary)."""
+        return self._epsilon_of(self._history, "rdp")
 
     def epsilon_after(self, rounds: int = 1, *, compositions: int | None = None,
                       noise_multiplier: float | None = None) -> float:
@@ -230,38 +290,46 @@ class Accountant:
         """The accountant as plain values (ints, floats, the sampling's name, lists of them) for a checkpoint."""
         return {"version": STATE_VERSION, "noise_multiplier": self.noise_multiplier, "delta": self.delta,
                 "population": self.population, "sample_size": self.sample_size, "sampling": self.sampling,
-                "per_round": self.per_round, "orders": list(self.orders), "rounds": self.rounds,
+                "per_round": self.per_round, "orders": list(self.orders), "accounting": self.accounting,
+                "rounds": self.rounds,
                 "history": [[sigma, count] for sigma, count in self._history]}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Accountant:
         """The accountant :meth:`state` described (its sigma included: a resumed run must not solve sigma
-        again)."""
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"privacy accountant state of version {state.get('version')!r} is not readable "
-                             f"(this fdam-ray reads version {STATE_VERSION})")
+        again). A version-1 state, from before the PLD accounting, counts with rdp, as it did."""
+        version = state.get("version")
+        if version not in (1, STATE_VERSION):
+            raise ValueError(f"privacy accountant state of version {version!r} is not readable "
+                             f"(this fdam-ray reads versions 1 and {STATE_VERSION})")
         made = cls(noise_multiplier=state["noise_multiplier"], delta=state["delta"], population=state["population"],
                    sample_size=state["sample_size"], sampling=state["sampling"], per_round=state["per_round"],
-                   orders=tuple(state["orders"]))
+                   orders=tuple(state["orders"]), accounting="rdp" if version == 1 else state["accounting"])
         made.rounds = int(state["rounds"])
         made._history = [(float(sigma), int(count)) for sigma, count in state["history"]]
         return made
 
 
 def solve_sigma(target_epsilon: float, delta: float, *, population: int, sample_size: int, sampling: str = "fixed",
-                compositions: int, orders: tuple[float, ...] | None = None) -> float:
+                compositions: int, orders: tuple[float, ...] | None = None, accounting: str = "pld") -> float:
     """The smallest sigma (to relative tolerance :data:`SOLVE_RTOL`) whose ``compositions`` releases spend at
-    most ``target_epsilon`` at ``delta``; the returned sigma always meets the target (bisection keeps the
-    bracket's upper end). Raises ValueError for a target no sigma up to 2^20 reaches."""
+    most ``target_epsilon`` at ``delta`` by ``accounting``; the returned sigma always meets the target (the
+    bracket's upper end, kept by Brent's method on log sigma, then by bisection). Raises ValueError for a target no
+    sigma up to 2^20 reaches."""
+    from scipy.optimize import brentq
+
     if not (math.isfinite(target_epsilon) and target_epsilon > 0):
         raise ValueError(f"target_epsilon {target_epsilon!r} is not allowed (a finite number > 0)")
     if compositions < 1:
         raise ValueError(f"compositions {compositions} is not allowed (>= 1)")
+    tried: dict[float, float] = {}  # epsilon by sigma
 
     def spent(sigma: float) -> float:
-        made = Accountant(noise_multiplier=sigma, delta=delta, population=population, sample_size=sample_size,
-                          sampling=sampling, orders=orders)
-        return made.epsilon_after(compositions)
+        if sigma not in tried:
+            made = Accountant(noise_multiplier=sigma, delta=delta, population=population, sample_size=sample_size,
+                              sampling=sampling, orders=orders, accounting=accounting)
+            tried[sigma] = made.epsilon_after(compositions)
+        return tried[sigma]
 
     hi = 1.0
     while spent(hi) > target_epsilon:
@@ -274,6 +342,11 @@ def solve_sigma(target_epsilon: float, delta: float, *, population: int, sample_
         if lo < _SIGMA_MIN:
             return lo  # so much budget that (almost) no noise is needed
         hi, lo = lo, lo / 2
+    # spent(lo) > target >= spent(hi): Brent's method narrows the bracket in few evaluations (a PLD's are slow)
+    brentq(lambda x: spent(math.exp(x)) - target_epsilon, math.log(lo), math.log(hi),
+           xtol=math.log1p(SOLVE_RTOL) / 4, maxiter=200)
+    hi = min(sigma for sigma, eps in tried.items() if eps <= target_epsilon)
+    lo = max(sigma for sigma, eps in tried.items() if eps > target_epsilon and sigma < hi)
     while hi / lo > 1 + SOLVE_RTOL:
         mid = math.sqrt(lo * hi)
         if spent(mid) <= target_epsilon:

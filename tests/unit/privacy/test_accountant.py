@@ -74,9 +74,10 @@ def mironov_rdp(q: float, sigma: float, alpha: int) -> float:
         return float(mpmath.log(total) / (alpha - 1))
 
 
-def full(sigma: float, num_clients: int = 4) -> Accountant:
+def full(sigma: float, num_clients: int = 4, accounting: str = "rdp") -> Accountant:
+    """Full participation, by default under the RDP accounting these tests pin (the PLD one: test_accountant_pld)."""
     return Accountant.for_clients(noise_multiplier=sigma, delta=DELTA, num_clients=num_clients,
-                                  clients_per_round=None)
+                                  clients_per_round=None, accounting=accounting)
 
 
 # -- (a) full participation: the Gaussian mechanism composed T times ----------------------------------------------
@@ -121,7 +122,8 @@ def test_poisson_subsampled_gaussian_matches_mironov_at_integer_orders(q, sigma)
 def test_poisson_epsilon_is_below_full_participation_and_grows_with_q():
     eps = []
     for sample in (10, 100, 1000):
-        acc = Accountant(noise_multiplier=1.0, delta=DELTA, population=1000, sample_size=sample, sampling="poisson")
+        acc = Accountant(noise_multiplier=1.0, delta=DELTA, population=1000, sample_size=sample, sampling="poisson",
+                         accounting="rdp")
         acc.step(100)
         eps.append(acc.epsilon())
     assert eps[0] < eps[1] < eps[2]
@@ -153,7 +155,8 @@ def test_fixed_size_sampling_is_wang_et_al_at_order_2_with_replace_one_sensitivi
 
 
 def test_fixed_size_sampling_of_every_client_is_full_participation():
-    every = Accountant.for_clients(noise_multiplier=1.2, delta=DELTA, num_clients=6, clients_per_round=6)
+    every = Accountant.for_clients(noise_multiplier=1.2, delta=DELTA, num_clients=6, clients_per_round=6,
+                                   accounting="rdp")
     none_given = full(1.2, num_clients=6)
     for acc in (every, none_given):
         acc.step(20)
@@ -176,7 +179,7 @@ TF_ORDERS = tuple(1 + x / 10 for x in range(1, 100)) + tuple(float(a) for a in r
 def test_the_tensorflow_privacy_mnist_table(sigma, epochs, published, tolerance):
     steps = epochs * (60000 // 256)
     acc = Accountant(noise_multiplier=sigma, delta=DELTA, population=60000, sample_size=256, sampling="poisson",
-                     orders=TF_ORDERS)
+                     orders=TF_ORDERS, accounting="rdp")
     acc.step(steps)
     assert abs(classic_conversion(TF_ORDERS, acc.rdp(), DELTA) - published) <= tolerance
     assert acc.epsilon() < published  # the improved conversion only lowers it
@@ -191,7 +194,7 @@ def test_a_site_composes_its_local_steps_at_rate_b_over_n():
     assert site.epsilon() == same.epsilon() and site.rounds == 3
     whole = Accountant.for_site(noise_multiplier=1.1, delta=DELTA, num_samples=500, batch_size=0, local_steps=4)
     whole.step(1)
-    reference = full(1.1)
+    reference = full(1.1, accounting="pld")  # the site's accounting
     reference.step(4)
     assert whole.sampling_rate == 1.0 and whole.epsilon() == reference.epsilon()
 
@@ -216,7 +219,7 @@ def test_the_history_composes_as_dp_accounting_does_with_the_same_events():
     import dp_accounting
 
     acc = Accountant.for_clients(noise_multiplier=0.9, delta=DELTA, num_clients=50, clients_per_round=5,
-                                 sampling="poisson")
+                                 sampling="poisson", accounting="rdp")
     acc.step(4)
     acc.step(2, noise_multiplier=shares_noise_multiplier(0.9, 5, 3))
     acc.step(5)
@@ -274,11 +277,11 @@ def test_a_checkpointed_accountant_continues_to_the_bit():
 def test_solved_sigma_meets_the_target_and_is_the_smallest_within_the_tolerance(population, sample, sampling,
                                                                                 compositions, target):
     sigma = solve_sigma(target, DELTA, population=population, sample_size=sample, sampling=sampling,
-                        compositions=compositions)
+                        compositions=compositions, accounting="rdp")
 
     def spent(s: float) -> float:
         acc = Accountant(noise_multiplier=s, delta=DELTA, population=population, sample_size=sample,
-                         sampling=sampling)
+                         sampling=sampling, accounting="rdp")
         acc.step(compositions)
         return acc.epsilon()
 
@@ -289,7 +292,7 @@ def test_solved_sigma_meets_the_target_and_is_the_smallest_within_the_tolerance(
 def test_solve_sigma_matches_the_published_mnist_noise():
     # 2.92 at sigma = 1.12 under the classic conversion; our (improved) conversion needs a little less noise
     sigma = solve_sigma(2.92, DELTA, population=60000, sample_size=256, sampling="poisson", compositions=14040,
-                        orders=TF_ORDERS)
+                        orders=TF_ORDERS, accounting="rdp")
     assert 1.0 < sigma < 1.12
 
 
