@@ -112,7 +112,7 @@ def geometric_stage(local_steps: int, lr: float, growth: float, stage: int) -> t
 class Schedule:
     """Generates the :class:`RoundPlan` of every remaining round from a :class:`Position`."""
 
-    def __init__(self, config: ScheduleSection, position: Position | None = None) -> None:
+    def __init__(self, config: ScheduleSection, position: Position | None = None, *, warn: bool = True) -> None:
         self.kind = config.schedule
         self.iterations = config.iterations
         self.local_steps = config.local_steps
@@ -122,7 +122,8 @@ class Schedule:
         self.growth = config.stage_growth
         self.rounds_per_stage = config.rounds_per_stage
         self.position = dataclasses.replace(position) if position is not None else Position()
-        if self.kind == "stagewise" and self.stage_length % self.local_steps and self.stage_length < self.iterations:
+        if (warn and self.kind == "stagewise" and self.stage_length % self.local_steps
+                and self.stage_length < self.iterations):
             log.warning(
                 "stage_length=%d is not a multiple of local_steps=%d: stage s switches at the first round end "
                 "at or after s x stage_length iterations",
@@ -152,3 +153,9 @@ class Schedule:
             plan = RoundPlan(round=p.round + 1, stage=p.stage, steps=steps, lr=lr, iteration=p.done)
             p.done, p.round, p.stage_rounds = p.done + steps, p.round + 1, p.stage_rounds + 1
             yield plan, starts_stage
+
+
+def planned_rounds(config: ScheduleSection) -> int:
+    """How many rounds a run of ``config`` has, as :meth:`Schedule.plans` plans them (the one count: the privacy
+    accountant's planned rounds, the last round a participation record may name)."""
+    return sum(1 for _ in Schedule(config, warn=False).plans())
