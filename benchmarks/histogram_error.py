@@ -21,7 +21,7 @@ import numpy as np
 from fdam_ray.loop import evaluation
 from fdam_ray.metrics import task_aucs
 from fdam_ray.privacy import histogram
-from fdam_ray.privacy.histogram import score_histograms
+from fdam_ray.scores.histogram import score_histograms
 
 HOSPITALS = {"algorithm": "codasca", "model": "mlp", "model_width": 16, "lr": 0.1, "local_steps": 8,
              "batch_size": 16, "iterations": 800, "stage_length": 400, "eval_every": 200, "positive_ratio": 0.37}

@@ -84,7 +84,6 @@ def build_algorithm(section: AlgorithmSection | ClientSection) -> Algorithm:
     if section.objective is None:
         raise ValueError("the algorithm section has no objective (build the config with build_config)")
     chosen = PRESETS[section.algorithm]
-    values = dataclasses.asdict(section)
-    hyper = {f.name: values[f.name] for f in dataclasses.fields(Algorithm)
-             if f.name not in ("preset", "objective_name") and f.name in values}
+    hyper = {f.name: getattr(section, f.name) for f in dataclasses.fields(Algorithm)
+             if f.name not in ("preset", "objective_name") and hasattr(section, f.name)}
     return chosen.family(chosen, section.objective, **hyper)

@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from fdam_ray.algorithms.drift import DRIFT_CORRECTIONS, DriftCorrection, PrivateDrift
+from fdam_ray.algorithms.drift import DRIFT_CORRECTIONS, DriftCorrection
 from fdam_ray.algorithms.local import LocalSolver
 from fdam_ray.algorithms.sampling import ClientSampler, client_weights
 from fdam_ray.algorithms.server import RoundReducer, ServerStep
@@ -37,7 +37,6 @@ from fdam_ray.algorithms.stages import ServerState, after_round, after_rounds, c
 from fdam_ray.loop.flat import FlatModel
 from fdam_ray.loop.state import GlobalState, ScoreSums
 from fdam_ray.objectives import Objective
-from fdam_ray.privacy.client_level import ClientLevel
 
 AUC_OBJECTIVES = ("auc_square", "auc_margin")
 
@@ -102,15 +101,10 @@ class Algorithm:
     reference_point: str = "average"
     reset_control_variates: bool = True
     clients_per_round: int | None = None
-    client_dp: ClientLevel | dict | None = None  # dp: client on a client (from PrivateClientSection)
 
     @property
     def drift(self) -> DriftCorrection:
-        inner = DRIFT_CORRECTIONS[self.preset.drift]
-        dp = self.client_dp
-        if isinstance(dp, dict):  # build_algorithm reads sections through dataclasses.asdict
-            dp = ClientLevel(**dp)
-        return inner if dp is None else PrivateDrift(inner, dp)
+        return DRIFT_CORRECTIONS[self.preset.drift]
 
     @property
     def control_variates(self) -> bool:

@@ -30,7 +30,8 @@ included (:meth:`~ControlVariates.total_weight`), a late round refolded as a
 sampled one (:meth:`~ControlVariates.as_sampled`), and the state a replaced
 client starts from (:meth:`DriftCorrection.replaced`). A mechanism that
 transforms a client's change before aggregation (differential privacy: clip
-and noise) goes in :meth:`DriftCorrection.transform_update`.
+and noise) is a plug's client face (:mod:`fdam_ray.loop.client_face`), not a
+drift correction.
 """
 
 from __future__ import annotations
@@ -43,8 +44,7 @@ import numpy as np
 import torch
 
 from fdam_ray.loop.flat import FlatModel
-from fdam_ray.loop.state import ClientState, ClientUpdate, GlobalState, Rule, StateVectors, vector_fields, vector_names
-from fdam_ray.privacy.client_level import ClientLevel, private_update
+from fdam_ray.loop.state import ClientState, GlobalState, Rule, StateVectors, vector_fields, vector_names
 
 if TYPE_CHECKING:
     from fdam_ray.algorithms.server import RoundReducer
@@ -167,17 +167,6 @@ class DriftCorrection(abc.ABC):
     def end_stage(self, state: GlobalState, *, reset: bool) -> None:  # noqa: B027
         """A stage ends: zero the global c when ``reset`` (the paper's DSGSCA+ start)."""
 
-    def transform_update(self, update: ClientUpdate, start: StateVectors) -> ClientUpdate:
-        """What a client sends toward aggregation, from the update its round made (``start``: the state the round
-        ran from). The one place for a mechanism that transforms a client's change before it is summed
-        (differential privacy: clip the change v^k - v and, with control variates, that of c^k, then add noise):
-        :meth:`~fdam_ray.loop.client.Client.local_round` returns what this returns, for every executor and bridge.
-        With control variates the update carries c^k new in a round every client was asked to run (its change
-        from ``start``'s c is c^k new - c) and c^k new - c^k old in a sampled round (:meth:`ControlVariates.change`;
-        the sums of a late round, :meth:`ControlVariates.host_changes`, form that change from the kept states and
-        would take the same transform). None yet: the update as it is."""
-        return update
-
     def replaced(self, client_id: int, state: StateVectors) -> ClientState:
         """The state a client rebuilt on a new actor starts from (a replacement after a failure, or on resume a
         client whose actor could not be placed): c^k = the global c of ``state``, a fresh sampler (None keeps
@@ -289,30 +278,6 @@ class ControlVariates(DriftCorrection):
         if state.control is not None:
             state.control = tuple(np.zeros_like(np.asarray(c)) for c in state.control)
         return state
-
-
-class PrivateDrift(DriftCorrection):
-    """``dp: client`` on a client: the drift correction ``inner`` whose updates are clipped (and, with noise at
-    the clients, noised) changes, control variates not sent (:func:`fdam_ray.privacy.client_level.private_update`)."""
-
-    def __init__(self, inner: DriftCorrection, dp: ClientLevel) -> None:
-        self.inner, self.dp = inner, dp
-        self.name, self.control_variates = inner.name, inner.control_variates
-
-    def client(self, flat: FlatModel) -> ClientCorrection:
-        return self.inner.client(flat)
-
-    def init(self, initial: GlobalState) -> None:
-        self.inner.init(initial)
-
-    def end_stage(self, state: GlobalState, *, reset: bool) -> None:
-        self.inner.end_stage(state, reset=reset)
-
-    def transform_update(self, update: ClientUpdate, start: StateVectors) -> ClientUpdate:
-        return private_update(update, start, self.dp)
-
-    def replaced(self, client_id: int, state: StateVectors) -> ClientState:
-        return self.inner.replaced(client_id, state)
 
 
 CONTROL_VARIATES = ControlVariates()

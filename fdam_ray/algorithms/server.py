@@ -31,7 +31,6 @@ import numpy as np
 
 from fdam_ray.algorithms.drift import CONTROL_VARIATES
 from fdam_ray.loop.state import ClientUpdate, GlobalState, Rule, StateVectors, StepStats, vector_fields, vector_names
-from fdam_ray.privacy.client_level import ServerRound, private_finish
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -254,7 +253,6 @@ class RoundReducer:
         self.weights = weights
         self.partial_total = partial_total
         self._finished = False
-        self.privacy: ServerRound | None = None  # dp: client: the sums are clipped changes (privacy/client_level.py)
         self.sums = PartialSum.zeros(previous, control_variates=control_variates) if sums is None else sums
 
     @property
@@ -287,23 +285,22 @@ class RoundReducer:
             mean += prev
         return mean
 
+    def _finishing(self) -> None:
+        """Refuse a round no update reached, or a second finish (the sums became the state in place)."""
+        if self.count == 0:
+            raise RuntimeError("no client update reached the server this round")
+        if self._finished:
+            raise RuntimeError("this round's reducer has already finished")
+        self._finished = True
+
     def finish(self, *, steps: int) -> GlobalState:
         """The global state after this round (``steps`` local steps were taken).
 
         The running sums become the new state in place (no state-sized copies on the driver's critical
         path), so a reducer finishes once.
         """
-        if self.count == 0:
-            raise RuntimeError("no client update reached the server this round")
-        if self._finished:
-            raise RuntimeError("this round's reducer has already finished")
-        self._finished = True
+        self._finishing()
         sums, prev = self.sums, self.previous
-        if self.privacy is not None:
-            return GlobalState.from_vectors(
-                private_finish(sums, sums.count, prev, self.privacy, global_lr=self.global_lr,
-                               alpha_nonnegative=self.alpha_nonnegative, steps=steps),
-                round=prev.round + 1, iteration=prev.iteration + steps)
         inv = np.float32(1.0 / sums.weight)
         out: dict[str, np.ndarray | None] = {}
         for f in vector_fields():

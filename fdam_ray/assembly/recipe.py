@@ -37,6 +37,7 @@ import torch
 
 from fdam_ray.algorithms import AlgorithmSection
 from fdam_ray.assembly.factories import PYTHON_PREFIX
+from fdam_ray.assembly.plugs import run_plug
 from fdam_ray.assembly.pretrain import (
     RECIPE_FILE,
     PretrainProgress,
@@ -150,7 +151,8 @@ def _federate(config: Config, *, source: DataSource | None, executor: Executor |
     with executor:
         fed = Federation(source=source, executor=executor, config=config,
                          algorithm=AlgorithmSection.of(config), schedule=ScheduleSection.of(config),
-                         eval_every=config.eval_every, driver_device=driver_device, observer=Observers(outputs))
+                         eval_every=config.eval_every, driver_device=driver_device, observer=Observers(outputs),
+                         plug=run_plug(config), histogram_bins=PrivacySection.of(config).histogram_bins)
         check_capacity(config, fed.replica.flat.state_size)
         if weights is not None:
             load_weights(fed.replica.flat.model, weights, source=weights_from)

@@ -24,6 +24,7 @@ from fdam_ray.data import DataSource
 from fdam_ray.features.deadlines import DeadlineSection
 from fdam_ray.features.transfer import Downlink, TransferSection
 from fdam_ray.loop.client import ClientSection
+from fdam_ray.loop.client_face import NO_FACE, ClientFace
 from fdam_ray.loop.state import (
     ClientInfo,
     ClientState,
@@ -34,7 +35,7 @@ from fdam_ray.loop.state import (
     ScoreSums,
     StepStats,
 )
-from fdam_ray.privacy.histogram import Binning
+from fdam_ray.scores.histogram import Binning
 from fdam_ray.settings.sections import AT_LEAST_ONE, NONNEGATIVE, Section, setting
 
 if TYPE_CHECKING:
@@ -92,6 +93,8 @@ class ExecutorSetup:
         deadline: the round deadline and the fewest clients a round needs.
         run_config: the config's plain values (YAML types only), for an executor whose clients are built in
             processes of their own from them (a Flower site) and to tell one run from another.
+        face: a plug's client face (:mod:`fdam_ray.loop.client_face`), handed to every client as it is (the
+            plug that does nothing: no face), put here by the plug (:meth:`fdam_ray.loop.plug.Plug.setup`).
     """
 
     algorithm: Algorithm
@@ -100,6 +103,7 @@ class ExecutorSetup:
     transfer: TransferSection
     deadline: DeadlineSection
     run_config: Mapping[str, Any]
+    face: ClientFace = NO_FACE
 
     @classmethod
     def cut(cls, config: Config, algorithm: Algorithm, section: type[ExecutorSection]) -> ExecutorSetup:
@@ -213,7 +217,7 @@ class Executor(abc.ABC):
         """Scores of ``state`` on the clients' own test splits, or with ``split="val"`` their validation parts
         (clients without one are left out); with ``bins`` (``test_scores: histogram``) each client's
         :class:`~fdam_ray.loop.state.ScoreHistogram` instead (``Client.score_histogram``): no per-sample score
-        or label leaves a client. ``bins`` (:class:`~fdam_ray.privacy.histogram.Binning`: the number of bins and,
+        or label leaves a client. ``bins`` (:class:`~fdam_ray.scores.histogram.Binning`: the number of bins and,
         on the driver's second pass, a score range per task) reaches every client unchanged."""
 
     @abc.abstractmethod

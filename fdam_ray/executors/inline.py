@@ -38,7 +38,7 @@ from fdam_ray.executors.ray_section import RayExecutorSection, RaySection
 from fdam_ray.features.transfer import Downlink, attach_residual, compress, expand, residual_of, sent_nbytes
 from fdam_ray.loop.client import Client, begin_stage_hosted, host_clients, resolve_device, run_hosted
 from fdam_ray.loop.state import ClientInfo, ClientState, GlobalState, RoundPlan, ScoreHistogram, Scores, ScoreSums
-from fdam_ray.privacy.histogram import Binning
+from fdam_ray.scores.histogram import Binning
 from fdam_ray.settings.sections import owned_fields
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ class InlineExecutor(Executor):
                 self._threads_before = torch.get_num_threads()
             torch.set_num_threads(threads)
         device = resolve_device(config.device)
-        self.clients = host_clients(setup.client, source, range(source.num_clients), device=device)
+        self.clients = host_clients(setup.client, source, range(source.num_clients), device=device, face=setup.face)
         self.groups = actor_groups(source.num_clients, config.clients_per_actor)
         self.downlink = Downlink.of(setup.transfer)  # bf16/fp16: the rounding a Ray run's transfers take
         self.residuals = {} if self.downlink is not None and self.downlink.error_feedback else None

@@ -43,7 +43,7 @@ from fdam_ray.flower.secagg import secure_round
 from fdam_ray.flower.site import KeptState, SiteStore, build_client, site_source, study_source, zero_control_variate
 from fdam_ray.loop.state import ClientUpdate, GlobalState, RoundPlan, ScoreHistogram
 from fdam_ray.privacy.driver import train_size
-from fdam_ray.privacy.histogram import Binning
+from fdam_ray.scores.histogram import Binning
 
 log = logging.getLogger(__name__)
 
@@ -228,5 +228,6 @@ def sizes(msg: Message, context: Context) -> Message:
     cfg = msg.content.config_records[records.CONFIG]
     call = open_site(context, None, check_run=False)
     config = build_config(json.loads(str(cfg["config"])))
-    n = train_size(study_source(call.source, config), call.site, config)  # an image site's data under this study
+    # an image site's data under this study
+    n = train_size(study_source(call.source, config), call.site, config.val_fraction, config.seed)
     return Message(RecordDict({records.CONFIG: records.config({"num_train": n})}), reply_to=msg)

@@ -62,8 +62,7 @@ from fdam_ray.loop.state import (
     Scores,
     ScoreSums,
 )
-from fdam_ray.privacy.driver import PrivateClientSection
-from fdam_ray.privacy.histogram import Binning
+from fdam_ray.scores.histogram import Binning
 
 if TYPE_CHECKING:
     from fdam_ray.data import DataSource
@@ -221,7 +220,7 @@ class FlowerExecutor(SiteRoster, Executor):
     # -- the executor interface ------------------------------------------------------------------
     def start(self, setup: ExecutorSetup, source: DataSource) -> list[ClientInfo]:
         self.config_json = records.to_json(dict(setup.run_config))  # each site builds its client from it
-        self.private = isinstance(setup.client, PrivateClientSection)
+        self.private = setup.face.sends_changes
         policy = setup.executor
         self.on_failure, self.max_retries = policy.on_client_failure, policy.max_client_retries
         self.run_key = f"{self.run_key}-{hashlib.sha256(self.config_json.encode()).hexdigest()[:12]}"

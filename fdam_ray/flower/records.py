@@ -28,7 +28,7 @@ from fdam_ray.loop.state import (
     StepStats,
     vector_names,
 )
-from fdam_ray.privacy.histogram import Binning
+from fdam_ray.scores.histogram import Binning
 
 STATE = "state"
 ARRAYS = "arrays"

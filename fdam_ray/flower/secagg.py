@@ -68,7 +68,7 @@ from fdam_ray.flower import records
 from fdam_ray.flower.section import FlowerSection
 from fdam_ray.loop.evaluation import SUMMED
 from fdam_ray.loop.state import GlobalState, RoundPlan, ScoreHistogram, StepStats, vector_names
-from fdam_ray.privacy.histogram import Binning
+from fdam_ray.scores.histogram import Binning
 
 if TYPE_CHECKING:
     from fdam_ray.flower.executor import FlowerExecutor

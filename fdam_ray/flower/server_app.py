@@ -30,6 +30,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fdam_ray.algorithms import AlgorithmSection
+from fdam_ray.assembly.plugs import run_plug
 from fdam_ray.config import ConfigError, build_config, load_config_file
 from fdam_ray.data import DataSource
 from fdam_ray.data.base import Shard, Split, as_labels
@@ -44,6 +45,7 @@ from fdam_ray.loop.schedules import ScheduleSection
 from fdam_ray.outputs import Observer, Observers
 from fdam_ray.outputs.trackers import check_usable as trackers_usable
 from fdam_ray.privacy.driver import TrainSizesElsewhere
+from fdam_ray.privacy.section import PrivacySection
 from fdam_ray.settings.yamlio import load_yaml
 
 log = logging.getLogger(__name__)
@@ -116,7 +118,8 @@ def run_federation(grid: Grid, context: Context, values: Mapping[str, Any], *, s
         fed = Federation(source=source, executor=executor,
                          config=config, algorithm=AlgorithmSection.of(config), schedule=ScheduleSection.of(config),
                          eval_every=config.eval_every, driver_device=resolve_device(config.device),
-                         observer=Observers([*outputs, *observers]))
+                         observer=Observers([*outputs, *observers]), plug=run_plug(config),
+                         histogram_bins=PrivacySection.of(config).histogram_bins)
         result = fed.run(resume=resume)
     finally:
         torch.set_num_threads(before)

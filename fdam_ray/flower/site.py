@@ -45,6 +45,7 @@ from flwr.app import RecordDict
 
 from fdam_ray.algorithms.drift import CONTROL_VARIATES
 from fdam_ray.assembly.factories import resolve
+from fdam_ray.assembly.plugs import site_face
 from fdam_ray.config import build_config
 from fdam_ray.data import DataSource
 from fdam_ray.data.base import Shard, Split, as_labels
@@ -54,9 +55,8 @@ from fdam_ray.data.sections import ChestXraySection
 from fdam_ray.executors.base import ExecutorSection
 from fdam_ray.executors.inline import inline_threads
 from fdam_ray.flower import records
-from fdam_ray.loop.client import Client, resolve_device
+from fdam_ray.loop.client import Client, ClientSection, resolve_device
 from fdam_ray.loop.state import ClientState
-from fdam_ray.privacy.driver import site_client_section
 
 log = logging.getLogger(__name__)
 
@@ -334,10 +334,10 @@ def build_client(site: int, source: DataSource, kept: KeptState) -> Client:
     threads = inline_threads(ExecutorSection.of(config))
     if threads is not None:
         torch.set_num_threads(threads)
-    # under dp: client the section whose drift correction clips and adds the site's noise share, with the sigma the
-    # server resolved into the config (the driver's own section, fdam_ray/privacy/driver.py)
-    client = Client(site_client_section(config), study_source(source, config), site,
-                    device=resolve_device(config.device))
+    # the plugs' client face (dp: the clip, the site's noise share, DP-SGD), with the sigma the server resolved
+    # into the config: the face the driver builds
+    client = Client(ClientSection.of(config), study_source(source, config), site,
+                    device=resolve_device(config.device), face=site_face(config))
     if kept.positive_ratio is not None and client.replica.objective.has_auxiliary:
         client.configure(kept.positive_ratio)
     if kept.reference is not None:

@@ -30,6 +30,7 @@ from fdam_ray.data import AnySplit, DataSource, Split, iter_batches, make_sample
 from fdam_ray.data.base import hold_out_validation
 from fdam_ray.features.precision import Precision, PrecisionSection
 from fdam_ray.features.sites import client_label
+from fdam_ray.loop.client_face import NO_FACE, ClientFace
 from fdam_ray.loop.flat import FlatModel
 from fdam_ray.loop.state import (
     ClientInfo,
@@ -44,16 +45,7 @@ from fdam_ray.loop.state import (
     reads_store_arrays,
 )
 from fdam_ray.models import build_model, model_name
-from fdam_ray.privacy.batches import private_sampler
-from fdam_ray.privacy.dpsgd import (
-    PerSampleLoss,
-    SampleNoise,
-    check_private_batch,
-    check_private_replica,
-    per_sample_loss,
-    private_gradient,
-)
-from fdam_ray.privacy.histogram import Binning
+from fdam_ray.scores.histogram import Binning
 from fdam_ray.settings.sections import AT_LEAST_ONE, Section, setting, shared
 
 reads_store_arrays(__name__)  # control variates and moments from the object store are only copied in
@@ -91,11 +83,6 @@ class ClientSection(Section):
     local_optimizer: str = shared()
     positive_sampling: str = shared()
     positive_share: float = shared()
-    dp: str = shared()
-    dp_clip: float = shared()
-    dp_noise_multiplier: float | None = shared()
-    dp_noise_seed: int | None = shared()
-    dp_sampling: str = shared()
 
 
 def use_deterministic_kernels() -> None:
@@ -207,18 +194,16 @@ class TrainingReplica(Replica):
     the algorithm's math only.
     """
 
-    def __init__(self, config: ClientSection, source: DataSource, *, device: torch.device) -> None:
+    def __init__(self, config: ClientSection, source: DataSource, *, device: torch.device,
+                 face: ClientFace = NO_FACE) -> None:
         super().__init__(config, source, device=device)
         self.solver = self.algorithm.solver(self.flat, self.objective)
         self.solver.set_local_step(config.local_optimizer, config.momentum)
         self.precision = self.flat.precision
         self.precision.note_training()
         self.bound: Client | None = None
-        self.dp_loss: PerSampleLoss | None = None  # dp: sample: the per-sample loss of DP-SGD (privacy/dpsgd.py)
-        if config.dp == "sample":
-            check_private_replica(self.flat.model, self.precision, positive_sampling=config.positive_sampling,
-                                  noise_multiplier=config.dp_noise_multiplier)
-            self.dp_loss = per_sample_loss(self.objective)
+        self.face = face  # a plug's client face (fdam_ray/loop/client_face.py): what a mechanism does here
+        face.check_replica(self)
 
     def new_control_variate(self) -> ClientVariate:
         """The client's own drift-correction state for a client hosted here (None without drift correction)."""
@@ -234,24 +219,13 @@ class TrainingReplica(Replica):
     def train_step(self, x: torch.Tensor, y: torch.Tensor, lr: float) -> torch.Tensor:
         """One local step of the bound client under the run's precision; returns the minibatch objective (a
         detached tensor, no device sync). With fp16 the loss is scaled for the backward pass and the step is
-        skipped when a gradient overflowed. Under ``dp: sample`` the solver steps on the clipped, noised mean of
-        per-sample gradients (:func:`fdam_ray.privacy.dpsgd.private_gradient`, noise from the bound client's own
-        :class:`~fdam_ray.privacy.dpsgd.SampleNoise`); the loss returned is then the un-noised mean of the
-        per-sample losses, outside the privacy guarantee."""
+        skipped when a gradient overflowed. The bound client's guard may take the step instead (``dp: sample``:
+        DP-SGD, :mod:`fdam_ray.privacy.faces`)."""
+        if self.bound is not None:
+            taken = self.bound.guard.step(self, x, y, lr)
+            if taken is not None:
+                return taken
         solver = self.solver
-        if self.dp_loss is not None:  # dp: sample: clipped per-sample gradients plus noise, then the same step
-            flat, config, noise = self.flat, self.config, self.bound.dp_noise if self.bound is not None else None
-            if noise is None or config.dp_noise_multiplier is None:
-                raise RuntimeError("dp: sample: train_step needs a bound client and a noise multiplier")
-            private = private_gradient(
-                flat.model, flat.a, flat.b, flat.alpha, x, y, self.dp_loss, clip=config.dp_clip,
-                noise_multiplier=config.dp_noise_multiplier, batch_size=config.batch_size or x.shape[0],
-                generator=noise.next_generator(), precision=self.precision)
-            with torch.no_grad():
-                flat.grad.copy_(private.v)
-                flat.alpha_grad.copy_(private.alpha)
-            solver.apply(lr)
-            return private.loss
         loss = solver.loss(x, y)
         self.precision.backward(loss)
         self.precision.step(lambda: solver.apply(lr), solver.scaled_params)
@@ -280,11 +254,12 @@ class Client:
         client_id: k in 0..K-1.
         device: where its data live (the replica's device).
         replica: the training replica that runs this client (None: a replica of its own).
+        face: a plug's client face, for a replica of its own (a given replica brings its own).
     """
 
     def __init__(self, config: ClientSection, source: DataSource, client_id: int, *, device: torch.device,
-                 replica: TrainingReplica | None = None) -> None:
-        self.replica = replica if replica is not None else TrainingReplica(config, source, device=device)
+                 replica: TrainingReplica | None = None, face: ClientFace = NO_FACE) -> None:
+        self.replica = replica if replica is not None else TrainingReplica(config, source, device=device, face=face)
         self.config = config
         self.device = device
         self.client_id = client_id
@@ -296,20 +271,16 @@ class Client:
         check_features(self.train, self.label, "training")
         check_features(self.test, self.label, "test")
         check_features(self.val, self.label, "validation")
-        self.dp_noise: SampleNoise | None = None  # dp: sample: this site's own noise, keyed (seed, round, site, step)
-        if config.dp == "sample":
-            check_private_batch(config.batch_size, len(self.train), f"client {self.label}")
-            self.dp_noise = SampleNoise(config.dp_noise_seed, client_id, device=device)
+        face = self.replica.face
+        face.check_client(len(self.train), self.label)
+        self.guard = face.guard(client_id, device)  # this client's part of a plug's mechanism
         if config.batch_size > len(self.train):
             log.warning("client %s has %d training samples, fewer than batch_size=%d: each of its batches repeats "
                         "samples", self.label, len(self.train), config.batch_size)
-        if self.dp_noise is not None and config.batch_size > 0:  # dp: sample: each step's own secret draw
-            self.sampler: Any = private_sampler(self.train, config.batch_size, config.dp_sampling, self.dp_noise,
-                                                device=device)
-        else:
-            self.sampler = make_sampler(self.train, config.batch_size, seed=config.seed * 1_000_003 + client_id,
-                                        device=device, positive_sampling=config.positive_sampling,
-                                        positive_share=config.positive_share, who=f"client {self.label}")
+        self.sampler: Any = self.guard.sampler(self.train, lambda: make_sampler(
+            self.train, config.batch_size, seed=config.seed * 1_000_003 + client_id, device=device,
+            positive_sampling=config.positive_sampling, positive_share=config.positive_share,
+            who=f"client {self.label}"))
         self.cv = self.replica.new_control_variate()  # (c_v^k, c_alpha^k) tensors, or None
         self.moments = self.replica.solver.new_moments()  # the local step's momentum / Adam moments, or None
         weights = client_weights(config.client_weighting, [len(self.train)])
@@ -357,8 +328,7 @@ class Client:
         next call), for a caller that folds or serialises the update at once: one copy of the state fewer.
         """
         solver, replica = self.solver, self.replica
-        if self.dp_noise is not None:  # dp: sample: the round's noise and batch keys, (round, step)
-            self.dp_noise.begin_round(plan.round)
+        self.guard.begin_round(plan.round)
         solver.begin(state)  # client init
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=self.device)
@@ -379,7 +349,7 @@ class Client:
         solver.end(plan.steps, plan.lr, partial=plan.partial)  # client final (a sampled round sends the change)
         stats = StepStats(self.client_id, loss, plan.steps, samples, compute_s, finite=self._finite())
         update = ClientUpdate.from_vectors(solver.export(copy=copy), client_id=self.client_id, stats=stats)
-        return replica.algorithm.drift.transform_update(update, state)  # where privacy would act (none yet)
+        return self.guard.update(update, state)  # a plug's mechanism acts on what the client sends
 
     def _finite(self) -> bool:
         """Whether the round's end point and c^k hold no NaN or infinity (one check where they live)."""
@@ -401,11 +371,11 @@ class Client:
     def score_histogram(self, state: GlobalState, split: str, bins: int | Binning) -> ScoreHistogram | None:
         """``test_scores: histogram``: what this client sends of the part :meth:`evaluate` scores instead of its
         scores: per task and class the counts of its scores in the intervals of ``bins`` (B: the fixed layout of
-        B bins; a :class:`~fdam_ray.privacy.histogram.Binning`: the driver's pass-2 layout, from summed counts
+        B bins; a :class:`~fdam_ray.scores.histogram.Binning`: the driver's pass-2 layout, from summed counts
         only), and its own exact AUC per task (None if it has no such part). The part is scored afresh on each
         call. Scores with NaN outputs send no counts, only how many there were."""
         from fdam_ray.metrics import task_aucs
-        from fdam_ray.privacy.histogram import binning_of, score_histograms
+        from fdam_ray.scores.histogram import binning_of, score_histograms
 
         binning = binning_of(bins)
         found = self.evaluate(state, split)
@@ -467,9 +437,10 @@ class Client:
 
 
 def host_clients(config: ClientSection, source: DataSource, client_ids: Sequence[int], *,
-                 device: torch.device) -> list[Client]:
-    """Clients ``client_ids`` hosted by one training replica (built once, shared by all of them)."""
-    replica = TrainingReplica(config, source, device=device)
+                 device: torch.device, face: ClientFace = NO_FACE) -> list[Client]:
+    """Clients ``client_ids`` hosted by one training replica (built once, shared by all of them, with a plug's
+    client ``face``)."""
+    replica = TrainingReplica(config, source, device=device, face=face)
     return [Client(config, source, k, device=device, replica=replica) for k in client_ids]
 
 

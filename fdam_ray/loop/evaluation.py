@@ -25,11 +25,11 @@ Histograms (``test_scores: histogram``, ``histogram_bins`` = B): the clients
 send :class:`~fdam_ray.loop.state.ScoreHistogram` records instead of scores
 (per-class counts of their scores in B fixed intervals and their own AUC per
 task); the driver sums the counts and reads the pooled AUC off the sum
-(:mod:`fdam_ray.privacy.histogram`), within the binning bound of the exact
+(:mod:`fdam_ray.scores.histogram`), within the binning bound of the exact
 one. Where that bound exceeds ``REFINE_TOLERANCE`` for a task (an untrained
 model, all its scores near 1/2), the driver asks the clients for further
 histograms of B bins that cut the summed counts' bins holding both classes
-(:func:`~fdam_ray.privacy.histogram_passes.refined_aucs`: ranges from all
+(:func:`~fdam_ray.scores.histogram_passes.refined_aucs`: ranges from all
 clients' counts summed, no client's own), at most ``MAX_PASSES`` passes, and
 reads the AUC off every pass's counts together. ``client_auc``
 is each client's own AUC, exact. Under Flower's SecAgg+ (``flower.secagg: true``) the executor returns ONE
@@ -55,8 +55,8 @@ from fdam_ray.loop.client import Replica
 from fdam_ray.loop.state import GlobalState, ScoreHistogram, Scores
 from fdam_ray.metrics import mean_auc, pooled, task_aucs
 from fdam_ray.models import model_name
-from fdam_ray.privacy.histogram import Binning, check_histograms, sum_histograms
-from fdam_ray.privacy.histogram_passes import refined_aucs
+from fdam_ray.scores.histogram import Binning, check_histograms, sum_histograms
+from fdam_ray.scores.histogram_passes import refined_aucs
 from fdam_ray.settings.sections import Section, fail, setting, shared
 
 log = logging.getLogger(__name__)

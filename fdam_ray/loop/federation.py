@@ -49,15 +49,13 @@ from fdam_ray.loop.checkpoint import Checkpoint, ClientState, LoopState
 from fdam_ray.loop.client import Replica, all_finite
 from fdam_ray.loop.evaluation import Evaluator
 from fdam_ray.loop.one_at_a_time import one_federation_at_a_time
+from fdam_ray.loop.plug import Plug, PlugStart
 from fdam_ray.loop.schedules import Position, Schedule, ScheduleSection
 from fdam_ray.loop.state import ClientUpdate, GlobalState, RoundPlan, StepStats, reads_store_arrays
 from fdam_ray.loop.summary import keep_best, run_summary, selected_evaluation, warn_if_test_set_changed
 from fdam_ray.models import network_record
 from fdam_ray.objectives import global_positive_ratio
 from fdam_ray.outputs import Observer, RunStart, Snapshot
-from fdam_ray.privacy.client_level import ServerRound
-from fdam_ray.privacy.driver import ClientLevelRun, PrivacyRun, private_setup
-from fdam_ray.privacy.section import PrivacySection
 
 if TYPE_CHECKING:
     from fdam_ray.config import Config
@@ -111,11 +109,15 @@ class Federation:
         eval_every: evaluate every this many iterations (at the first round end after it) and at the end.
         driver_device: where the driver's replica lives (it loads states and, when asked, scores the test set).
         observer: what the run reports to (run folder, progress bar, callbacks, Tune).
+        plug: the mechanisms acting on the run (:mod:`fdam_ray.loop.plug`; differential privacy), called at its
+            hooks; the default does nothing.
+        histogram_bins: B when the clients send score histograms (``test_scores: histogram``), else None.
     """
 
     def __init__(self, *, source: DataSource, executor: Executor, config: Config,
                  algorithm: AlgorithmSection, schedule: ScheduleSection, eval_every: int,
-                 driver_device: torch.device, observer: Observer) -> None:
+                 driver_device: torch.device, observer: Observer, plug: Plug | None = None,
+                 histogram_bins: int | None = None) -> None:
         self.source = source
         self.executor = executor
         self.config = config
@@ -130,18 +132,18 @@ class Federation:
         self.forced = {} if config.participation_record is None else read_record(config.participation_record, config)
         self.missed = MissedRounds()
         self._unrecorded: dict[str, list[int]] = {}  # rounds recorded since the last metrics record
-        self.dp: PrivacyRun | None = None  # dp: the driver's accounting (fdam_ray.privacy.driver), from the start
+        self.plug = Plug() if plug is None else plug
+        self.histogram_bins = histogram_bins
 
     def _label(self, client_id: int) -> str:
         """How a client is shown: its name (``client_names``), else its index."""
         return client_label(client_id, self.config.client_names)
 
     # -- start -----------------------------------------------------------------------
-    def _start(self, privacy_state: dict | None = None) -> GlobalState:
+    def _start(self, plug_state: dict | None = None) -> GlobalState:
         """Start the clients, fix the global p, and return the initial global state (from the replica)."""
-        setup, self.dp = private_setup(ExecutorSetup.cut(self.config, self.algorithm, self.executor.section),
-                                       self.executor, self.config, self.replica.flat, self.schedule, self.source,
-                                       privacy_state)
+        setup = self.plug.setup(ExecutorSetup.cut(self.config, self.algorithm, self.executor.section),
+                                PlugStart(self.executor, self.source, self.replica.flat, plug_state))
         infos = self.executor.start(setup, self.source)
         size = self.replica.flat.state_size
         for info in infos:
@@ -156,11 +158,9 @@ class Federation:
              else np.full(self.source.num_tasks, self.positive_ratio_override))
         self.positive_ratio = p
         self.num_clients = len(infos)
-        if self.dp is not None:
-            self.dp.sites_known([i.num_train for i in infos])
+        self.plug.started([i.num_train for i in infos])
         self.client_weights = self.algorithm.weights([i.num_train for i in infos])
-        key, secret = (self.config.seed, False) if self.dp is None else (self.dp.draw_secret, True)
-        self.sampler = self.algorithm.sampler(self.num_clients, key, secret=secret)  # dp: keyed by the secret
+        self.sampler = self.plug.sampler(self.algorithm.sampler(self.num_clients, self.config.seed))
         if self.replica.objective.has_auxiliary:
             self.replica.objective.set_positive_ratio(p)
             self.executor.configure(p)
@@ -200,9 +200,8 @@ class Federation:
         total = None
         if clients is not None:
             total = CONTROL_VARIATES.total_weight(self.num_clients, self.client_weights)
-        reducer = self.algorithm.reducer(loop.state, weights=self.client_weights, partial_total=total)
-        if isinstance(self.dp, ClientLevelRun):
-            reducer.privacy = ServerRound(self.dp.settings, plan.round, plan.lr)
+        reducer = self.plug.reducer(self.algorithm.reducer(loop.state, weights=self.client_weights,
+                                                           partial_total=total), plan)
 
         def fold(update: PartialSum | ClientUpdate) -> None:
             self._check_updates(plan.round, update.stats if isinstance(update, PartialSum) else [update.stats])
@@ -223,9 +222,8 @@ class Federation:
         if not all_finite([torch.from_numpy(x) for x in (state.v, state.alpha, state.buffers)]):
             raise _state_diverged(plan.round)
         self._count(loop, clients, reducer.count, reducer.bytes_up, reducer.stats)
-        if self.dp is not None:
-            self.dp.step(plan.steps, clients, reducer.count)
-            loop.privacy = self.dp.state()
+        self.plug.after_round(plan, clients, reducer.count)
+        loop.privacy = self.plug.state()
         loop.train_s += time.perf_counter() - t0
         self.algorithm.after_round(loop.server, state)
 
@@ -291,7 +289,7 @@ class Federation:
             "wall_s": round(loop.wall_offset + time.perf_counter() - started, 3),
             "samples_per_s": round(loop.samples / loop.train_s, 1) if loop.train_s else None,
         }
-        rec.update(self.dp.record() if self.dp is not None else {})  # dp_epsilon, dp_delta
+        rec.update(self.plug.record())  # dp: dp_epsilon, dp_delta
         if self.deadlines.tolerant:  # rounds since the last record that ran other clients than planned
             rec["participation"] = " ".join(f"r{r}={','.join(map(str, ks))}" for r, ks in self._unrecorded.items())
             self._unrecorded = {}
@@ -355,13 +353,13 @@ class Federation:
             for line in self.executor.placement_lines():  # where each client runs (Ray)
                 observer.event("%s", line)
             evaluator = Evaluator(self.replica, self.source, self.executor, validation=self.validation,
-                                  histogram_bins=PrivacySection.of(self.config).histogram_bins)
+                                  histogram_bins=self.histogram_bins)
             if resume is None:
                 observer.record(self._record(loop, evaluator, 0, 1, self.schedule.lr, started), snapshot)
             schedule = Schedule(self.schedule, loop.position)
             plans = schedule.plans()
             runs = (self.executor if isinstance(self.executor, RunsOfRounds) and not self.deadlines.tolerant
-                    and self.dp is None else None)
+                    and self.plug.runs_of_rounds else None)
             ahead = 1 if runs is None else runs.rounds_ahead()
 
             def pull() -> tuple[RoundPlan, bool, Position] | None:
@@ -381,7 +379,7 @@ class Federation:
             waiting = pull()
             while waiting is not None:
                 plan, starts_stage, position = waiting
-                if self._over_budget(loop, evaluator, plan, started):
+                if self._stops_before(loop, evaluator, plan, started):
                     break
                 if starts_stage:
                     self._end_stage(loop)
@@ -411,10 +409,9 @@ class Federation:
         finally:
             observer.close(error)
 
-    def _over_budget(self, loop: LoopState, evaluator: Evaluator, plan: RoundPlan, started: float) -> bool:
-        """dp_max_epsilon: stop before round ``plan.round`` if it would pass it (one line; the state evaluated)."""
-        line = None if self.dp is None else self.dp.over_budget(
-            plan.round, plan.steps, self.sampler.draw(plan.round))
+    def _stops_before(self, loop: LoopState, evaluator: Evaluator, plan: RoundPlan, started: float) -> bool:
+        """A plug's stop before round ``plan.round`` (dp_max_epsilon: one line; the state evaluated)."""
+        line = self.plug.before_round(plan, self.sampler.draw(plan.round))
         if line is None:
             return False
         self.observer.event("%s", line, level=logging.WARNING)
@@ -458,8 +455,7 @@ class Federation:
         summary = run_summary(loop, best, algorithm=self.algorithm.preset.name, validation=self.validation,
                               started=started, positive_ratio=self.positive_ratio,
                               client_names=self.config.client_names)
-        if self.dp is not None:
-            summary.update(self.dp.summary())
+        summary.update(self.plug.summary())
         cv = _control_variates(state)
         self.observer.finish(summary, payload, snapshot)
         run_dir = summary["run_dir"]

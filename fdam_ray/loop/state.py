@@ -161,7 +161,7 @@ class Scores:
 class ScoreHistogram:
     """What a client sends of its labelled samples under ``test_scores: histogram``, in place of :class:`Scores`:
     per task and class, how many of its samples scored in each of B fixed score intervals
-    (:func:`fdam_ray.privacy.histogram.score_histograms`), and its own AUC per task, computed at the client. No
+    (:func:`fdam_ray.scores.histogram.score_histograms`), and its own AUC per task, computed at the client. No
     per-sample score or label is in it; the driver sums the counts of every client into the pooled AUC.
 
     ``nan_outputs``: samples whose output was NaN (then ``counts`` are zeros and ``task_auc`` NaN: the driver refuses

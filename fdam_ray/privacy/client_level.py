@@ -16,12 +16,10 @@ post-processing of Z (the sign of the alpha part follows the client rule c^k_new
 / (I eta), ascent). BatchNorm statistics are not in the clipped vector, so a model with buffers is refused
 (:func:`check_model`): they would be released without noise.
 
-Client side: the drift correction's ``transform_update`` (:func:`private_update`), reached through the
-client's :class:`~fdam_ray.algorithms.base.Algorithm` built from a
-:class:`~fdam_ray.loop.federation.PrivateClientSection` (the federation
-hands it to the executor in place of the plain client section, so every executor clips where the clients run).
-Server side: :func:`private_finish`, called by the round's reducer. The driver's bookkeeping (sigma, the
-accountant, the budget stop, the metrics keys) is :mod:`fdam_ray.privacy.driver`.
+Client side: :func:`private_update`, called by the client face (:class:`~fdam_ray.privacy.faces.ClientLevelFace`)
+that the privacy plug puts into every executor's setup, so every executor clips where the clients run. Server
+side: :class:`PrivateReducer` (:func:`private_finish`), the round's reducer as the plug builds it. The driver's
+bookkeeping (sigma, the accountant, the budget stop, the metrics keys) is :mod:`fdam_ray.privacy.driver`.
 """
 
 from __future__ import annotations
@@ -32,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from fdam_ray.algorithms.server import RoundReducer
 from fdam_ray.loop.state import ClientUpdate, GlobalState, StateVectors
 from fdam_ray.privacy.mechanisms import clip_to_norm, gaussian_noise, noise_generator, noise_share_std, noise_std
 
@@ -135,3 +134,25 @@ def private_finish(sums: StateVectors, count: int, prev: GlobalState, private: S
         out["c_alpha"] = (prev.c_alpha + (-count * prev.c_alpha.astype(np.float64) + z[n:] * scale)
                           / dp.num_clients).astype(np.float32)
     return out
+
+
+class PrivateReducer(RoundReducer):
+    """dp: client's server face: the round's reducer (``inner``, before anything is folded) whose sums are the
+    clipped changes; :meth:`finish` is :func:`private_finish` (noise at the server, the planned S as denominator,
+    c by post-processing)."""
+
+    def __init__(self, inner: RoundReducer, private: ServerRound) -> None:
+        if inner.count:
+            raise RuntimeError("a private reducer wraps a round's reducer before any update is folded")
+        super().__init__(inner.previous, global_lr=inner.global_lr, alpha_nonnegative=inner.alpha_nonnegative,
+                         control_variates=inner.control_variates, weights=inner.weights,
+                         partial_total=inner.partial_total, sums=inner.sums)
+        self.private = private
+
+    def finish(self, *, steps: int) -> GlobalState:
+        self._finishing()
+        prev = self.previous
+        return GlobalState.from_vectors(
+            private_finish(self.sums, self.sums.count, prev, self.private, global_lr=self.global_lr,
+                           alpha_nonnegative=self.alpha_nonnegative, steps=steps),
+            round=prev.round + 1, iteration=prev.iteration + steps)

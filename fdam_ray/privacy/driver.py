@@ -1,23 +1,23 @@
-"""The driver's side of differential privacy: sigma, the accountants, the budget stop and what is reported.
+"""The driver's and the server's faces of differential privacy: one plug (:class:`PrivacyPlug`, a
+:class:`~fdam_ray.loop.plug.Plug`) the federation calls at its hooks.
 
-:func:`private_setup` is called by the federation before the clients start: it refuses what ``dp: client`` does not
+:func:`privacy_plug` builds it at the top (``fdam_ray.assembly``) from the ``dp`` section and the few facts of the
+run it reads (:class:`RunFacts`). At the start (:meth:`PrivacyPlug.setup`) it refuses what ``dp: client`` does not
 run (:func:`~fdam_ray.privacy.client_level.check_model`, :func:`~fdam_ray.privacy.client_level.check_transport`),
 resolves sigma (given, or solved for the planned run; a resumed run reads it from its checkpoint, never re-solves)
-and gives the clients what they act by: under ``dp: client`` the client section becomes a
-:class:`PrivateClientSection` (its algorithm's drift correction then clips and noises each update, in every
-executor), under ``dp: sample`` a solved sigma replaces the section's null ``dp_noise_multiplier``.
-
-A :class:`PrivacyRun` then counts each applied round (:meth:`PrivacyRun.step`), says before a round whether it
-would take epsilon past ``dp_max_epsilon`` (:meth:`PrivacyRun.over_budget`), adds ``dp_epsilon`` and ``dp_delta``
-(and under ``dp: sample`` ``dp_epsilon.<site>``) to each metrics record and sigma, the neighbouring relation and
-the sampling to the summary; :meth:`PrivacyRun.state` is the checkpoint's entry (``LoopState.privacy``).
+and puts the mode's client face (:mod:`fdam_ray.privacy.faces`) into the executor's setup, so every executor's
+clients clip, noise and draw their batches the same way. Then a :class:`PrivacyRun` (one per mode) keys the client
+draw by the privacy secret (:attr:`PrivacyRun.draw_secret`), says before a round whether it would take epsilon
+past ``dp_max_epsilon`` (:meth:`PrivacyRun.over_budget`), counts each applied round (:meth:`PrivacyRun.step`),
+adds ``dp_epsilon`` and ``dp_delta`` (and under ``dp: sample`` ``dp_epsilon.<site>``) to each metrics record and
+sigma, the neighbouring relation and the sampling to the summary; :meth:`PrivacyRun.state` is the checkpoint's
+entry (``LoopState.privacy``). Under ``dp: client`` the server face is the round's reducer built wrapped
+(:class:`~fdam_ray.privacy.client_level.PrivateReducer`: the noise, the fixed denominator, c by post-processing).
 
 An executor whose clients are built elsewhere from the plain run config (``clients_from_setup = False``: a Flower
 site) receives the resolved sigma in ``ExecutorSetup.run_config`` (``dp_noise_multiplier`` = sigma, ``dp_epsilon``
-null); each site then builds its client section with :func:`site_client_section`, the same
-:class:`PrivateClientSection` the driver builds (:func:`private_client_section`,
-:func:`~fdam_ray.privacy.client_level.client_level`). Its driver has no site's data: a source that is a
-:class:`TrainSizesElsewhere` says the n_k sigma is solved for (asked of the sites).
+null); each site then builds the same client face from it (:func:`site_face`). Its driver has no site's data: a
+source that is a :class:`TrainSizesElsewhere` says the n_k sigma is solved for (asked of the sites).
 """
 
 from __future__ import annotations
@@ -27,32 +27,43 @@ import dataclasses
 import logging
 import secrets
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fdam_ray.data import DataSource
 from fdam_ray.data.base import hold_out_validation
-from fdam_ray.executors.base import Executor, ExecutorSetup
-from fdam_ray.features.sites import client_label
-from fdam_ray.loop.client import ClientSection
-from fdam_ray.loop.flat import FlatModel
-from fdam_ray.loop.schedules import Position, Schedule, ScheduleSection
+from fdam_ray.executors.base import ExecutorSetup
+from fdam_ray.loop.client_face import NO_FACE, ClientFace
+from fdam_ray.loop.plug import Plug, PlugStart
+from fdam_ray.loop.state import RoundPlan
 from fdam_ray.privacy.accountant import Accountant, shares_noise_multiplier, solve_sigma
-from fdam_ray.privacy.client_level import ClientLevel, check_model, check_transport, client_level
+from fdam_ray.privacy.client_level import PrivateReducer, ServerRound, check_model, check_transport, client_level
+from fdam_ray.privacy.faces import ClientLevelFace, SampleLevelFace
 from fdam_ray.privacy.section import PrivacySection
-
-if TYPE_CHECKING:
-    from fdam_ray.config import Config
 
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PrivateClientSection(ClientSection):
-    """The client section with the resolved ``dp: client`` settings: what travels to a client under dp: client
-    (:func:`~fdam_ray.algorithms.build_algorithm` copies ``client_dp`` into the client's algorithm, whose drift
-    correction then clips)."""
+@dataclasses.dataclass(frozen=True)
+class RunFacts:
+    """What the privacy plug reads of a run beyond its ``dp`` section, cut from the config at the top.
 
-    client_dp: ClientLevel
+    Attributes:
+        planned_rounds: the schedule's rounds (``fdam_ray.loop.schedules.planned_rounds``): dp: client's T.
+        iterations: local steps a site runs in all: dp: sample's compositions.
+        batch_size: B (0: the full batch).
+        transport, transfer_precision: what dp: client refuses (the collective; 16-bit transfers).
+        labels: how each client is shown (``client_names``, else its index).
+        val_fraction, seed: the validation hold-out, so n_k is counted as the sites count it (:func:`train_size`).
+    """
+
+    planned_rounds: int
+    iterations: int
+    batch_size: int
+    transport: str
+    transfer_precision: str
+    labels: tuple[str, ...]
+    val_fraction: float
+    seed: int
 
 
 class TrainSizesElsewhere(abc.ABC):
@@ -64,33 +75,31 @@ class TrainSizesElsewhere(abc.ABC):
         """n_k by client id, each as :func:`train_size` counts it at the site."""
 
 
-def train_size(source: DataSource, client_id: int, config: Config) -> int:
+def train_size(source: DataSource, client_id: int, val_fraction: float, seed: int) -> int:
     """Client ``client_id``'s number of training samples after the validation hold-out (the n_k of its accountant):
     the driver's count, and a Flower site's of its own data."""
-    return len(hold_out_validation(source.client_shard(client_id), config.val_fraction, seed=config.seed,
-                                   client_id=client_id, task_names=tuple(source.task_names)).train)
+    return len(hold_out_validation(source.client_shard(client_id), val_fraction, seed=seed, client_id=client_id,
+                                   task_names=tuple(source.task_names)).train)
 
 
-def private_client_section(client: ClientSection, dp: ClientLevel) -> PrivateClientSection:
-    """``client`` with the resolved dp: client settings ``dp`` (its ``dp_noise_multiplier`` the resolved sigma, as
-    a site's config carries it)."""
-    fields = {f.name: getattr(client, f.name) for f in dataclasses.fields(client)}
-    return PrivateClientSection(**{**fields, "dp_noise_multiplier": dp.sigma}, client_dp=dp)
+def face_of(section: PrivacySection, sigma: float) -> ClientFace:
+    """The client face of ``section``'s dp mode with the resolved ``sigma`` (the driver's, and a site's)."""
+    if section.dp == "client":
+        return ClientLevelFace(client_level(section, sigma))
+    if section.dp == "sample":
+        return SampleLevelFace(clip=section.dp_clip, sigma=float(sigma), seed=section.dp_noise_seed,
+                               sampling=section.dp_sampling, batch_size=section.batch_size,
+                               positive_sampling=section.positive_sampling)
+    return NO_FACE
 
 
-def site_client_section(config: Config) -> ClientSection:
-    """The client section a site builds from the run config it received (the driver resolved sigma into it, see
-    :func:`private_setup`): under dp: client the :class:`PrivateClientSection` the driver builds, else the plain
-    one."""
-    client = ClientSection.of(config)
-    section = PrivacySection.of(config)
+def site_face(section: PrivacySection) -> ClientFace:
+    """The client face a site builds from the run config it received (the driver resolved sigma into it, see
+    :meth:`PrivacyPlug.setup`): the face the driver builds."""
     if section.enabled and section.dp_noise_multiplier is None:
         raise ValueError(f"dp: {section.dp}: the run config this site received has no resolved "
                          "dp_noise_multiplier (the server solves sigma from dp_epsilon and sends it)")
-    if section.dp != "client":
-        return client
-    assert section.dp_noise_multiplier is not None
-    return private_client_section(client, client_level(section, section.dp_noise_multiplier))
+    return face_of(section, section.dp_noise_multiplier or 0.0)
 
 
 def _with_sigma(setup: ExecutorSetup, sigma: float) -> ExecutorSetup:
@@ -99,35 +108,71 @@ def _with_sigma(setup: ExecutorSetup, sigma: float) -> ExecutorSetup:
     return dataclasses.replace(setup, run_config=run_config)
 
 
-def private_setup(setup: ExecutorSetup, executor: Executor, config: Config, flat: FlatModel, schedule: ScheduleSection,
-                  source: DataSource, state: dict | None) -> tuple[ExecutorSetup, PrivacyRun | None]:
-    """The setup for ``executor`` with what the clients need for the run's dp mode, and the driver's bookkeeping
-    (this module's docstring); ``flat``: the driver's replica (its buffers), ``state``: a resumed run's checkpoint
-    entry. dp: off: ``setup`` as it is, and None (nothing else is read). For an executor whose clients are built
-    from the run config (``clients_from_setup`` False) a solved sigma is put into ``setup.run_config`` too."""
-    section = PrivacySection.of(config)
-    if not section.enabled:
-        return setup, None
-    solved = section.dp_epsilon is not None and not executor.clients_from_setup
-    labels = [client_label(k, config.client_names) for k in range(section.num_clients)]
-    if section.dp == "client":
-        initial = flat.initial_state()
-        check_model(initial.buffers, initial.counters)
-        check_transport(config.transport, config.transfer_precision)
-        rounds = sum(1 for _ in Schedule(schedule, Position()).plans())  # the planned run's rounds
-        client_run = ClientLevelRun(section, rounds=rounds, state=state)
-        setup = dataclasses.replace(setup, client=private_client_section(setup.client, client_run.settings))
-        return (_with_sigma(setup, client_run.sigma) if solved else setup), client_run
-    sizes = None
-    if state is None and section.dp_noise_multiplier is None:  # n_k before the start: to solve sigma only
-        sizes = (source.train_sizes() if isinstance(source, TrainSizesElsewhere)
-                 else [train_size(source, k, config) for k in range(section.num_clients)])
-    sample_run = SampleLevelRun(section, iterations=schedule.iterations, batch_size=config.batch_size,
-                                num_train=sizes, labels=labels, state=state)
-    if config.dp_noise_multiplier is None:
-        setup = dataclasses.replace(setup, client=dataclasses.replace(setup.client,
-                                                                      dp_noise_multiplier=sample_run.sigma))
-    return (_with_sigma(setup, sample_run.sigma) if solved else setup), sample_run
+def privacy_plug(section: PrivacySection, facts: RunFacts) -> Plug:
+    """The run's privacy plug: :class:`PrivacyPlug` under a dp mode, the plug that does nothing under dp: off."""
+    return PrivacyPlug(section, facts) if section.enabled else Plug()
+
+
+class PrivacyPlug(Plug):
+    """Differential privacy as one plug (this module's docstring); its accounting is :attr:`run`'s."""
+
+    runs_of_rounds = False  # each round is accounted (and, under dp: client, noised) on the driver
+
+    def __init__(self, section: PrivacySection, facts: RunFacts) -> None:
+        self.section, self.facts = section, facts
+        self._run: PrivacyRun | None = None
+
+    @property
+    def run(self) -> PrivacyRun:
+        if self._run is None:
+            raise RuntimeError("the privacy plug has not been set up (Plug.setup runs at the federation's start)")
+        return self._run
+
+    def setup(self, setup: ExecutorSetup, start: PlugStart) -> ExecutorSetup:
+        section, facts = self.section, self.facts
+        run: PrivacyRun
+        if section.dp == "client":
+            initial = start.flat.initial_state()
+            check_model(initial.buffers, initial.counters)
+            check_transport(facts.transport, facts.transfer_precision)
+            run = ClientLevelRun(section, rounds=facts.planned_rounds, state=start.state)
+        else:
+            sizes = None
+            if start.state is None and section.dp_noise_multiplier is None:  # n_k before the start: to solve sigma
+                source = start.source
+                sizes = (source.train_sizes() if isinstance(source, TrainSizesElsewhere)
+                         else [train_size(source, k, facts.val_fraction, facts.seed)
+                               for k in range(section.num_clients)])
+            run = SampleLevelRun(section, iterations=facts.iterations, batch_size=facts.batch_size,
+                                 num_train=sizes, labels=list(facts.labels), state=start.state)
+        self._run = run
+        setup = dataclasses.replace(setup, face=face_of(section, run.sigma))
+        solved = section.dp_epsilon is not None and not start.executor.clients_from_setup
+        return _with_sigma(setup, run.sigma) if solved else setup
+
+    def started(self, num_train: list[int]) -> None:
+        self.run.sites_known(num_train)
+
+    def sampler(self, default: Any) -> Any:
+        return dataclasses.replace(default, seed=self.run.draw_secret, secret=True)  # never the public seed
+
+    def before_round(self, plan: RoundPlan, clients: list[int] | None) -> str | None:
+        return self.run.over_budget(plan.round, plan.steps, clients)
+
+    def reducer(self, reducer: Any, plan: RoundPlan) -> Any:
+        return self.run.reducer(reducer, plan)
+
+    def after_round(self, plan: RoundPlan, clients: list[int] | None, reported: int) -> None:
+        self.run.step(plan.steps, clients, reported)
+
+    def record(self) -> dict[str, Any]:
+        return self.run.record()
+
+    def state(self) -> dict | None:
+        return self.run.state()
+
+    def summary(self) -> dict[str, Any]:
+        return self.run.summary()
 
 
 class PrivacyRun:
@@ -163,6 +208,10 @@ class PrivacyRun:
 
     def sites_known(self, num_train: list[int]) -> None:
         """The clients have started and report ``num_train`` (n_k by client id)."""
+
+    def reducer(self, reducer: Any, plan: RoundPlan) -> Any:
+        """Round ``plan``'s reducer (the server face): ``reducer`` itself unless the mode acts on the server."""
+        return reducer
 
     def over_budget(self, round_index: int, steps: int, sites: list[int] | None) -> str | None:
         """The log line when round ``round_index`` would take epsilon past ``dp_max_epsilon`` (kept in
@@ -212,6 +261,11 @@ class ClientLevelRun(PrivacyRun):
 
     def epsilon_after(self, steps: int, sites: list[int] | None) -> float:
         return self.accountant.epsilon_after(1)
+
+    def reducer(self, reducer: Any, plan: RoundPlan) -> Any:
+        """The round's reducer built wrapped: the sums are clipped changes; its finish adds the server's noise,
+        divides by the planned S and moves c by post-processing (:class:`PrivateReducer`)."""
+        return PrivateReducer(reducer, ServerRound(self.settings, plan.round, plan.lr))
 
     def step(self, steps: int, sites: list[int] | None, reported: int) -> None:
         """Count one applied round; with noise shares, only the ``reported`` sites' shares."""

@@ -43,7 +43,7 @@ kept because NaN would trip the divergence checks; do not publish it.
 ``test_scores: histogram`` keeps every per-sample score and label of a
 client's test split (and validation part) at the client: it sends per-class
 counts of its scores in ``test_score_bins`` fixed intervals and its own AUC
-per task (:mod:`fdam_ray.privacy.histogram`); the driver sums the counts into
+per task (:mod:`fdam_ray.scores.histogram`); the driver sums the counts into
 the pooled AUC. No noise: the counts are exact (see the histogram module for
 what they still reveal). Both fields may change on resume: they change how
 evaluations are computed and what they send, never the model's trajectory.
@@ -54,7 +54,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from fdam_ray.privacy.histogram import DEFAULT_BINS, MAX_BINS
+from fdam_ray.scores.histogram import DEFAULT_BINS, MAX_BINS
 from fdam_ray.settings.sections import (
     FRACTION,
     NONNEGATIVE,

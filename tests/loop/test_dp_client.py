@@ -9,7 +9,7 @@ import pytest
 from sample_clients import gaussian_clients
 
 import fdam_ray
-import fdam_ray.algorithms.drift as drift
+import fdam_ray.privacy.faces as faces
 from fdam_ray.privacy.mechanisms import gaussian_noise, noise_generator
 
 BASE = dict(model="linear", batch_size="full", eval_every=100, seed=0, lr=0.3, executor="inline",
@@ -18,14 +18,14 @@ BASE = dict(model="linear", batch_size="full", eval_every=100, seed=0, lr=0.3, e
 
 def spy(monkeypatch):
     seen = []
-    real = drift.private_update
+    real = faces.private_update
 
     def record(update, start, dp):
         seen.append((update.client_id, np.array(update.v), np.array(update.alpha), start.v.copy(),
                      start.alpha.copy(), dp))
         return real(update, start, dp)
 
-    monkeypatch.setattr(drift, "private_update", record)
+    monkeypatch.setattr(faces, "private_update", record)
     return seen
 
 

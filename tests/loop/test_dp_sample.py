@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import fdam_ray.loop.client as client_module
+import fdam_ray.privacy.faces as faces
 from fdam_ray.assembly.recipe import run
 from fdam_ray.config import build_config
 from fdam_ray.data import make_source
@@ -76,8 +77,8 @@ def test_no_noise_and_an_unbinding_clip_is_the_plain_run_on_the_same_batches(mon
     (fixed-size draws: a Poisson draw of n samples divides by the planned B, the plain step by n)."""
     sampling = "fixed"
     taken: dict[int, list] = {}
-    draw = client_module.private_sampler
-    monkeypatch.setattr(client_module, "private_sampler", lambda split, b, sampling, keys, device: Recording(
+    draw = faces.private_sampler
+    monkeypatch.setattr(faces, "private_sampler", lambda split, b, sampling, keys, device: Recording(
         draw(split, b, sampling, keys, device=device), taken.setdefault(keys.site, [])))
     private = dp_run(dp="sample", dp_noise_multiplier=0.0, dp_clip=1e30, dp_sampling=sampling)
     sizes = {len(x) for batches in taken.values() for x, _ in batches}

@@ -12,7 +12,7 @@ import pytest
 import fdam_ray.loop.evaluation as evaluation
 from fdam_ray.assembly.recipe import run
 from fdam_ray.config import build_config
-from fdam_ray.privacy.histogram import REFINE_TOLERANCE, binning_error_bound
+from fdam_ray.scores.histogram import REFINE_TOLERANCE, binning_error_bound
 
 # Clients with test splits of their own (synthetic: no global test set), so the clients score the test set.
 BASE = dict(dataset="synthetic", model="mlp", model_width=16, num_clients=4, samples_per_client=200, batch_size=16,

@@ -39,8 +39,9 @@ from fdam_ray.executors.ray.transports.collective_actor import CollectiveActor
 from fdam_ray.executors.ray.transports.compiled_actor import CompiledActor
 from fdam_ray.features.transfer import Broadcast, CompressedSum, Receiver, attach_residual, compress, residual_of
 from fdam_ray.loop.client import Client, ClientSection, TrainingReplica, begin_stage_hosted, run_hosted
+from fdam_ray.loop.client_face import NO_FACE, ClientFace
 from fdam_ray.loop.state import ClientInfo, ClientState, GlobalState, RoundPlan, ScoreHistogram, Scores, ScoreSums
-from fdam_ray.privacy.histogram import Binning
+from fdam_ray.scores.histogram import Binning
 
 T = TypeVar("T")
 
@@ -129,24 +130,27 @@ class ClientShell(CompiledActor, CollectiveActor):
 
     # -- life cycle -----------------------------------------------------------------
     def setup(self, client_ids: Sequence[int], config: ClientSection, sources: Sequence,
-              with_test_set: bool) -> tuple[list[ClientInfo], int]:
+              with_test_set: bool, face: ClientFace = NO_FACE) -> tuple[list[ClientInfo], int]:
         """Build clients ``client_ids``, each from its data source spec in ``sources`` (object refs are read
-        here), on one replica built with the first; and, to score slices of it, the global test set.
+        here), on one replica built with the first (with a plug's client ``face``); and, to score slices of it,
+        the global test set.
 
         Returns the clients' infos and the size of the global test set (0 when not loaded or absent).
         """
         infos = []
         for k, source in zip(client_ids, sources, strict=True):
-            infos.append(self._call("start", functools.partial(self._add, k, config, source, with_test_set), k))
+            infos.append(self._call("start", functools.partial(self._add, k, config, source, with_test_set, face),
+                                    k))
         return infos, 0 if self.test is None else len(self.test)
 
-    def _add(self, client_id: int, config: ClientSection, source, with_test_set: bool) -> ClientInfo:
+    def _add(self, client_id: int, config: ClientSection, source, with_test_set: bool,
+             face: ClientFace) -> ClientInfo:
         if isinstance(source, ray.ObjectRef):  # one copy per object: clients of one recipe share its loaded pool
             if source not in self._sources:
                 self._sources[source] = ray.get(source)
             source = self._sources[source]
         if self.replica is None:
-            self.replica = TrainingReplica(config, source, device=self.device)
+            self.replica = TrainingReplica(config, source, device=self.device, face=face)
         client = Client(config, source, client_id, device=self.device, replica=self.replica)
         self.clients[client_id] = client
         if with_test_set and self.test is None:

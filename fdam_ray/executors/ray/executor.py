@@ -49,7 +49,7 @@ from fdam_ray.features.deadlines import Deadline
 from fdam_ray.features.sites import client_label
 from fdam_ray.features.transfer import Downlink, decoding, sent_nbytes
 from fdam_ray.loop.state import ClientInfo, ClientState, GlobalState, RoundPlan, ScoreHistogram, Scores, ScoreSums
-from fdam_ray.privacy.histogram import Binning
+from fdam_ray.scores.histogram import Binning
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class RayExecutor(Executor, RunsOfRounds):
                         "gpus_per_actor (e.g. %g for %d actors per GPU) to use them, or device=cpu to silence this",
                         gpus, round(1.0 / per_gpu, 4), per_gpu)
         self.placement = Placement(config, self.timeout)
-        self.fleet = self.fleet_type(config, client_section, self.placement, self.timeout)
+        self.fleet = self.fleet_type(config, client_section, self.placement, self.timeout, face=setup.face)
         self.transport = transport(self.fleet, config)
         if self.downlink is not None and self.transport.takes_transfer(self.downlink.precision,
                                                                       self.downlink.error_feedback):

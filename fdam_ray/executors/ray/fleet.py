@@ -39,6 +39,7 @@ from fdam_ray.executors.ray.placement import Placement, node_addresses, node_is_
 from fdam_ray.executors.ray_section import RayExecutorSection
 from fdam_ray.features.sites import client_label, client_labels
 from fdam_ray.loop.client import ClientSection
+from fdam_ray.loop.client_face import NO_FACE, ClientFace
 from fdam_ray.loop.state import ClientInfo
 
 log = logging.getLogger(__name__)
@@ -107,8 +108,9 @@ class Fleet:
     """
 
     def __init__(self, config: RayExecutorSection, client_section: ClientSection, placement: Placement,
-                 timeout_s: float) -> None:
+                 timeout_s: float, *, face: ClientFace = NO_FACE) -> None:
         self.config = config
+        self.face = face  # a plug's client face, handed to every actor as it is
         self.placement = placement
         self.timeout = timeout_s
         self.client_section = client_section  # all an actor receives of the config
@@ -163,7 +165,7 @@ class Fleet:
     def setup_call(self, a: int, actor: Any) -> Any:
         ids = self.hosted[a]
         return actor.setup.remote(ids, self.client_section, [self.source_refs[k] for k in ids],
-                                  self.config.eval_on == "clients")
+                                  self.config.eval_on == "clients", self.face)
 
     # -- where the clients run ----------------------------------------------------------------
     def locate(self, actors: Sequence[int] | None = None) -> None:

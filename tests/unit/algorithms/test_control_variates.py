@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fdam_ray.algorithms.drift import CONTROL_VARIATES, DRIFT_CORRECTIONS
+from fdam_ray.algorithms.drift import CONTROL_VARIATES
 from fdam_ray.algorithms.server import PartialSum, RoundReducer
 from fdam_ray.features.deadlines import as_sampled_round
 from fdam_ray.loop.federation import rebuilt_states
@@ -276,14 +276,6 @@ def test_a_stage_start_zeroes_a_kept_client_state():
     assert CONTROL_VARIATES.zeroed(state) is state
     assert state.control is not None and all(not np.any(c) for c in state.control)
     assert CONTROL_VARIATES.zeroed(ClientState(1)).control is None
-
-
-def test_the_privacy_hook_passes_every_update_on_as_it_is():
-    """Where a mechanism that transforms a client's change before aggregation (DP) goes: no behaviour yet."""
-    state = rng_state(28)
-    sent = update(state, 0, (state.c_v, state.c_alpha))
-    for drift in DRIFT_CORRECTIONS.values():
-        assert drift.transform_update(sent, state) is sent
 
 
 # -- the typed client state and its file layout -------------------------------------------------------------------

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from fdam_ray.assembly.plugs import site_face
 from fdam_ray.config import build_config
 from fdam_ray.data import make_source
 from fdam_ray.data.base import DatasetSplit, IndexStream, Split, TensorSampler
@@ -183,7 +184,7 @@ def client(**kw) -> Client:
     base = dict(dataset="digits", model="cnn_gn", model_width=4, num_clients=2, batch_size=8, algorithm="codasca",
                 local_steps=2, iterations=4, positive_ratio=0.25, executor="inline", tensorboard=False)
     config = build_config({**base, **kw})
-    return Client(ClientSection.of(config), make_source(config), 1, device=CPU)
+    return Client(ClientSection.of(config), make_source(config), 1, device=CPU, face=site_face(config))
 
 
 def test_a_client_draws_private_batches_only_under_dp_sample():
@@ -196,7 +197,7 @@ def test_a_client_draws_private_batches_only_under_dp_sample():
         private = client(dp="sample", dp_noise_multiplier=1.0, dp_noise_seed=3, dp_sampling=sampling)
         assert isinstance(private.sampler, PrivateSampler) and private.sampler.batches.sampling == sampling
         assert private.sampler.batches.rate == 8 / len(private.train)
-        private.dp_noise.begin_round(2)
+        private.guard.begin_round(2)
         expected = PrivateBatches(len(private.train), 8, sampling, keys(3, site=1, round_index=2)).next()
         np.testing.assert_array_equal(private.sampler.next()[0], private.train.x[expected])
     full = client(dp="sample", dp_noise_multiplier=1.0, batch_size="full")  # fixed, q = 1: the whole set

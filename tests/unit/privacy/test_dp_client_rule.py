@@ -194,14 +194,16 @@ def test_collective_transport_is_refused_in_one_line():
 
 def test_an_executor_that_builds_clients_from_the_plain_config_receives_the_resolved_sigma_in_it():
     """dp: client with a dp_epsilon target for an executor whose clients are built from the run config (a Flower
-    site): the solved sigma reaches the config (target null, so it validates), and the section a site builds from
-    that config is the driver's own PrivateClientSection (same C, sigma, S, K, seed, placement)."""
+    site): the solved sigma reaches the config (target null, so it validates), and the client face a site builds
+    from that config is the driver's own (same C, sigma, S, K, seed, placement)."""
     import torch.nn as nn
 
+    from fdam_ray.assembly.plugs import run_plug, site_face
     from fdam_ray.executors.base import ExecutorSetup
+    from fdam_ray.loop.client_face import NO_FACE
     from fdam_ray.loop.flat import FlatModel
-    from fdam_ray.loop.schedules import ScheduleSection
-    from fdam_ray.privacy.driver import PrivateClientSection, private_setup, site_client_section
+    from fdam_ray.loop.plug import Plug, PlugStart
+    from fdam_ray.privacy.faces import ClientLevelFace
     from fdam_ray.privacy.section import PrivacySection
 
     class Elsewhere:  # like the Flower bridge: its clients are built from the plain config at each site
@@ -211,23 +213,27 @@ def test_an_executor_that_builds_clients_from_the_plain_config_receives_the_reso
                             model="linear", algorithm="coda_plus", num_clients=4, clients_per_round=3,
                             iterations=12, local_steps=3))
     setup = ExecutorSetup.for_config(cfg)
+    assert setup.face is NO_FACE
     flat = FlatModel(nn.Linear(3, 1), aux_size=3)
-    out, run = private_setup(setup, Elsewhere(), cfg, flat, ScheduleSection.of(cfg), None, None)  # type: ignore
-    assert run is not None and 0 < run.sigma < float("inf")
-    assert out.run_config["dp_noise_multiplier"] == run.sigma and out.run_config["dp_epsilon"] is None
+    plug = run_plug(cfg)
+    out = plug.setup(setup, PlugStart(Elsewhere(), None, flat, None))  # type: ignore[arg-type]
+    sigma = plug.run.sigma
+    assert 0 < sigma < float("inf")
+    assert out.run_config["dp_noise_multiplier"] == sigma and out.run_config["dp_epsilon"] is None
     assert setup.run_config["dp_epsilon"] == 5.0  # the federation's own setup is not changed in place
-    at_site = site_client_section(build_config(dict(out.run_config)))
-    assert isinstance(at_site, PrivateClientSection) and at_site == out.client
-    assert at_site.client_dp.sigma == run.sigma and (at_site.client_dp.sampled, at_site.client_dp.num_clients) == (3, 4)
-    assert (at_site.client_dp.clip, at_site.client_dp.seed, at_site.client_dp.noise_at) == (0.5, 4, "clients")
+    at_site = site_face(build_config(dict(out.run_config)))
+    assert isinstance(at_site, ClientLevelFace) and at_site == out.face and at_site.sends_changes
+    dp = at_site.settings
+    assert dp.sigma == sigma and (dp.sampled, dp.num_clients) == (3, 4)
+    assert (dp.clip, dp.seed, dp.noise_at) == (0.5, 4, "clients")
     with pytest.raises(ValueError, match="no resolved dp_noise_multiplier"):  # the plain config: never unnoised
-        site_client_section(cfg)
-    same, _ = private_setup(setup, type("Here", (), {"clients_from_setup": True})(), cfg, flat,  # type: ignore
-                            ScheduleSection.of(cfg), None, None)
-    assert same.run_config is setup.run_config and same.client == out.client  # inline/Ray: the config unchanged
+        site_face(cfg)
+    same = run_plug(cfg).setup(setup, PlugStart(type("Here", (), {"clients_from_setup": True})(), None, flat,
+                                                None))  # type: ignore[arg-type]
+    assert same.run_config is setup.run_config and same.face == out.face  # inline/Ray: the config unchanged
     off = build_config(dict(model="linear"))
-    assert private_setup(setup, Elsewhere(), off, None, None, None, None) == (setup, None)  # type: ignore[arg-type]
-    assert PrivacySection.of(off).enabled is False
+    assert type(run_plug(off)) is Plug and run_plug(off).setup(setup, None) is setup  # type: ignore[arg-type]
+    assert site_face(off) is NO_FACE and PrivacySection.of(off).enabled is False
 
 
 def test_a_checkpoint_without_dp_is_written_and_read_as_before():

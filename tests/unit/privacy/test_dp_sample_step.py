@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from fdam_ray.assembly.plugs import site_face
 from fdam_ray.config import build_config
 from fdam_ray.data import make_source
 from fdam_ray.features.precision import Precision
@@ -92,7 +93,7 @@ def digits_config(**kw):
 
 def one_client(config, client_id: int = 0) -> Client:
     source = make_source(config)
-    client = Client(ClientSection.of(config), source, client_id, device=CPU)
+    client = Client(ClientSection.of(config), source, client_id, device=CPU, face=site_face(config))
     client.configure(np.full(source.num_tasks, 0.25))
     client.replica.bind(client)
     client.solver.set_reference(client.flat.v.detach().cpu().numpy())

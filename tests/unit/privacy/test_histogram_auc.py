@@ -1,4 +1,4 @@
-"""The pooled test AUC from summed per-site score histograms (fdam_ray/privacy/histogram.py), held to sklearn's
+"""The pooled test AUC from summed per-site score histograms (fdam_ray/scores/histogram.py), held to sklearn's
 roc_auc_score and to an independent NumPy pair count: exact where scores sit on bin centres, within the stated
 bound |AUC_hist - AUC_exact| <= sum_b pos_b neg_b / (2 P N) elsewhere, and the sites' sum equal to the pooled
 histogram."""
@@ -13,7 +13,7 @@ import pytest
 from sklearn.metrics import roc_auc_score
 
 from fdam_ray.metrics import mean_auc, task_aucs
-from fdam_ray.privacy.histogram import (
+from fdam_ray.scores.histogram import (
     DEFAULT_BINS,
     LOGIT_RANGE,
     MAX_PASSES,
@@ -30,7 +30,7 @@ from fdam_ray.privacy.histogram import (
     score_histograms,
     sum_histograms,
 )
-from fdam_ray.privacy.histogram_passes import Pooled
+from fdam_ray.scores.histogram_passes import Pooled
 
 
 def _sigmoid(z: np.ndarray) -> np.ndarray:

@@ -20,7 +20,8 @@ from fdam_ray.executors.inline import InlineExecutor
 from fdam_ray.loop.client import Client, ClientSection, Replica
 from fdam_ray.loop.evaluation import Evaluator, one_class_lines, one_class_problems
 from fdam_ray.loop.state import GlobalState, ScoreHistogram, Scores
-from fdam_ray.privacy.histogram import (
+from fdam_ray.privacy.section import PrivacySection
+from fdam_ray.scores.histogram import (
     MAX_PASSES,
     Binning,
     bin_edges,
@@ -28,8 +29,7 @@ from fdam_ray.privacy.histogram import (
     pooled_auc_from_histograms,
     sum_histograms,
 )
-from fdam_ray.privacy.histogram_passes import Pooled
-from fdam_ray.privacy.section import PrivacySection
+from fdam_ray.scores.histogram_passes import Pooled
 
 CPU = torch.device("cpu")
 TASKS = 3

@@ -1,4 +1,4 @@
-"""The driver's refinement passes of the histogram AUC (:mod:`fdam_ray.privacy.histogram`'s docstring).
+"""The driver's refinement passes of the histogram AUC (:mod:`fdam_ray.scores.histogram`'s docstring).
 
 The driver keeps, per task, the finest partition of the score axis the passes so far resolve, with the pooled
 counts of each of its cells (:class:`Pooled`): pass 1's B bins, then after each refined pass the cells of either
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from fdam_ray.privacy.histogram import (
+from fdam_ray.scores.histogram import (
     MAX_PASSES,
     REFINE_TOLERANCE,
     Binning,
@@ -161,7 +161,7 @@ class Pooled:
     def refinement(self, tolerance: float = REFINE_TOLERANCE) -> Binning | None:
         """The next pass's :class:`Binning`: for each task whose bound exceeds ``tolerance``, its runs of cells that
         hold both classes (:func:`_ranges`, at most (B - 1) / 4, so that a run gets three sub-bins or more on
-        average), cut into the B bins of :func:`~fdam_ray.privacy.histogram.refined_edges`. None where no task
+        average), cut into the B bins of :func:`~fdam_ray.scores.histogram.refined_edges`. None where no task
         needs one or none has a run a finer layout can split (equal scores of both classes: no pass can)."""
         bounds = self.bounds()
         most = max(min(1, (self.bins - 1) // 2), (self.bins - 1) // 4)

@@ -31,7 +31,7 @@ at every score at most twice as coarse as the finer of the two. L = 16 is about 
 float64 and the scores placed by ``searchsorted``, so the map is monotone by construction (no rounding of a logit
 can reorder two scores).
 
-Refinement passes (:class:`Binning`, :mod:`fdam_ray.privacy.histogram_passes`): a fixed layout cannot resolve
+Refinement passes (:class:`Binning`, :mod:`fdam_ray.scores.histogram_passes`): a fixed layout cannot resolve
 every score distribution (an untrained model puts all its scores in about 10 bins around 1/2; 10^4 scores spread
 over (0, 1) share bins with a partner of the other class in 2e-4 of the pairs). Only positive-negative pairs that
 share a bin are off, so where the bound of the summed counts exceeds :data:`REFINE_TOLERANCE` for a task, the
@@ -185,7 +185,7 @@ class Binning:
     per task the layout :func:`refined_edges` of its ranges. ``lo``/``hi``: the ranges' lower and upper ends, task
     after task, each task's closed by a NaN in both (a task with no range, or past the last one given: the fixed
     layout). Built by the driver from the summed counts of the passes so far
-    (:func:`fdam_ray.privacy.histogram_passes.refined_aucs`); every executor carries it to the sites unchanged.
+    (:func:`fdam_ray.scores.histogram_passes.refined_aucs`); every executor carries it to the sites unchanged.
     Floats in tuples so that it compares, hashes and travels as plain values."""
 
     bins: int = DEFAULT_BINS
