@@ -13,15 +13,16 @@ from typing import Any
 
 from torch import nn
 
-from fdam_ray.assembly.factories import PYTHON_PREFIX, is_import_path
 from fdam_ray.assembly.recipe import run
-from fdam_ray.assembly.weights import is_state_dict, misfits, not_a_state_dict, safe_load, torch_load_failure
+from fdam_ray.assembly.weights import is_state_dict, misfits, not_a_state_dict
 from fdam_ray.config import FIELD_BY_NAME, Config, build_config
 from fdam_ray.data import make_source
 from fdam_ray.data.arrays import ArrayPair, ArraysSource
 from fdam_ray.data.datasets import DatasetsSource, Entry
 from fdam_ray.data.sections import DATASET_NAMES
 from fdam_ray.features.sites import client_label
+from fdam_ray.files.torchload import safe_load, torch_load_failure
+from fdam_ray.files.yamlfile import read_yaml_file
 from fdam_ray.loop.evaluation import one_class_problems
 from fdam_ray.loop.federation import RunResult
 from fdam_ray.models import (
@@ -34,8 +35,8 @@ from fdam_ray.models import (
     read_network_record,
     record_problem,
 )
+from fdam_ray.settings.factories import PYTHON_PREFIX, is_import_path
 from fdam_ray.settings.redact import short
-from fdam_ray.settings.yamlio import read_yaml_file
 
 log = logging.getLogger(__name__)
 

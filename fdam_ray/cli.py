@@ -71,7 +71,7 @@ def _train_or_resume(resume_dir: str | None, values: dict, **how: Any) -> RunRes
 def read_command_config(config_file: str | None, overrides: list[str]) -> dict[str, Any]:
     """The config file's mapping (empty without one), checked for form with light modules only: the file exists
     and is YAML holding a mapping, and every override is ``key=value``. Raises ConfigError in one line."""
-    from fdam_ray.settings.yamlio import read_yaml_file
+    from fdam_ray.files.yamlfile import read_yaml_file
 
     for item in overrides or ():
         key, sep, _ = item.partition("=")

@@ -29,17 +29,17 @@ import yaml
 from fdam_ray.algorithms import AlgorithmSection
 from fdam_ray.algorithms.local import LocalStepSection
 from fdam_ray.algorithms.presets import PRESETS, Preset
-from fdam_ray.assembly.factories import python_name
-from fdam_ray.assembly.pretrain import PretrainSection
+from fdam_ray.assembly.pretrain_section import PretrainSection
 from fdam_ray.data.balanced import SamplingSection
 from fdam_ray.data.sections import CHESTXRAY_SOURCES, DATASET_NAMES, ChestXraySection, DataSection, SyntheticSection
 from fdam_ray.executors.base import ExecutorSection
-from fdam_ray.executors.ray_section import RaySection
-from fdam_ray.features.deadlines import DeadlineSection
+from fdam_ray.executors.ray_section import RaySection, resource_list
+from fdam_ray.features.deadlines import DeadlineSection, deadline_value
 from fdam_ray.features.precision import PrecisionSection
 from fdam_ray.features.sites import SiteSection
 from fdam_ray.features.transfer import TransferSection
 from fdam_ray.files.versions import VERSIONS_KEY
+from fdam_ray.files.yamlfile import read_yaml_file
 from fdam_ray.loop.client import ClientSection
 from fdam_ray.loop.evaluation import ValidationSection
 from fdam_ray.loop.schedules import ScheduleSection
@@ -47,7 +47,8 @@ from fdam_ray.models import MODEL_NAMES, ModelSection
 from fdam_ray.outputs import OutputSection
 from fdam_ray.privacy.section import PrivacySection
 from fdam_ray.settings import catalog
-from fdam_ray.settings.coercion import CommandLineText, Field, coerce, from_text
+from fdam_ray.settings.coercion import CommandLineText, Field, coerce, from_text, register_kind
+from fdam_ray.settings.factories import python_name
 from fdam_ray.settings.redact import clip, short
 from fdam_ray.settings.sections import (
     AT_LEAST_ONE,
@@ -61,7 +62,7 @@ from fdam_ray.settings.sections import (
     setting,
     shared_names,
 )
-from fdam_ray.settings.yamlio import kind_of, load_yaml, read_yaml_file
+from fdam_ray.settings.yamlio import kind_of, load_yaml
 
 __all__ = ["CHESTXRAY_SOURCES", "DATASET_NAMES", "FIELDS", "FIELD_BY_NAME", "MODEL_NAMES", "RENAMED_PER_ACTOR",
            "RESUME_MAY_CHANGE", "SECTIONS", "SECTION_CLASSES", "CommandLineText", "Config", "ConfigError", "Field",
@@ -117,6 +118,10 @@ class Config(AlgorithmSection, ScheduleSection, SyntheticSection, ChestXraySecti
 def _plain(value: Any) -> Any:
     return python_name(value) if callable(value) else value
 
+
+# Kinds whose reading lives with the section that declares them (settings/ imports no part of the package).
+register_kind("resource_list", resource_list)
+register_kind("deadline", deadline_value)
 
 # Kinds read off a field's type; "batch" and "factory" are declared (an int or a str with rules of their own).
 _KIND_OF_TYPE: dict[Any, str] = {int: "int", float: "float", bool: "bool", str: "str", tuple[int, ...]: "int_list",

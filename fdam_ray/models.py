@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fdam_ray.assembly.factories import (
+from fdam_ray.files.extras import MissingExtraError, extra_hint
+from fdam_ray.settings.factories import (
     PYTHON_PREFIX,
     describe_error,
     import_path_of,
@@ -31,7 +32,6 @@ from fdam_ray.assembly.factories import (
     raised_at,
     resolve,
 )
-from fdam_ray.files.extras import MissingExtraError, extra_hint
 from fdam_ray.settings.redact import short
 from fdam_ray.settings.sections import AT_LEAST_ONE, Section, setting
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fdam_ray.config import read_yaml_file
 from fdam_ray.files.extras import require
+from fdam_ray.files.yamlfile import read_yaml_file
 
 log = logging.getLogger(__name__)
 

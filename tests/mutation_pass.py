@@ -244,7 +244,7 @@ MUTATIONS: list[Mutation] = [
              "return obj[_ARRAY].numpy()",
              "return obj[_ARRAY]",
              CKPT, "numpy arrays in a checkpoint come back as torch tensors"),
-    Mutation("checkpoint_unpickles_anything", "fdam_ray/assembly/weights.py",
+    Mutation("checkpoint_unpickles_anything", "fdam_ray/files/torchload.py",
              "return torch.load(path, map_location=\"cpu\", weights_only=True)",
              "return torch.load(path, map_location=\"cpu\", weights_only=False)",
              CKPT, "a checkpoint is read with full unpickling (runs code from the file)"),

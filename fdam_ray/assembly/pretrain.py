@@ -22,7 +22,6 @@ pre-training prints, continues the whole recipe: it finishes stage 1 and runs
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -32,68 +31,20 @@ from typing import Any
 import torch
 import yaml
 
+from fdam_ray.assembly.pretrain_section import PretrainSection as PretrainSection  # the fields of stage 1
 from fdam_ray.assembly.weights import head_keys
 from fdam_ray.data import DataSource
 from fdam_ray.features.deadlines import read_record
+from fdam_ray.files.yamlfile import read_yaml_file
 from fdam_ray.loop.checkpoint import CheckpointError, write_atomically
 from fdam_ray.loop.state import RoundPlan
 from fdam_ray.models import build_model
 from fdam_ray.outputs.observer import Observer, RunStart, Snapshot
-from fdam_ray.settings.sections import NONNEGATIVE, POSITIVE, Section, setting, shared, warn_once
-from fdam_ray.settings.yamlio import read_yaml_file
 
 log = logging.getLogger(__name__)
 
 RECIPE_FILE = "recipe.yaml"  # in stage 1's run folder: the whole run's config, and stage 2's folder
 PROGRESS_EVERY_S = 30.0  # stage 1 logs where it is at most this often between its evaluations
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PretrainSection(Section):
-    """The config fields of stage 1 (what :func:`pretrain_config` reads besides the run's own fields)."""
-
-    name = "pretrain"
-
-    pretrain_iterations: int = setting(0, "Two-stage recipe: iterations of BCE pre-training (fedavg) before the AUC "
-                                       "run, which keeps the pre-trained body and re-initialises the head; 0 = off.",
-                                       check=NONNEGATIVE)
-    pretrain_lr: float | None = setting(None, "Step size of pre-training; null = lr.", check=POSITIVE)
-    pretrain_batch_size: int | None = setting(None, "Minibatch of pre-training; null = batch_size.", kind="batch",
-                                              allowed=">= 0 or 'full'")
-    pretrain_optimizer: str = setting("sgd", "Local step of pre-training: sgd (with the run's momentum) or adam "
-                                      "(the paper's choice, e.g. with pretrain_lr 1e-5).", choices=("sgd", "adam"))
-    pretrain_federated: bool = setting(True, "Pre-train on all clients (fedavg); false = on client 0's data alone "
-                                       "(e.g. the first source).")
-    lr: float = shared()
-    batch_size: int = shared()
-    local_optimizer: str = shared()
-    algorithm: str = shared()
-    num_clients: int = shared()
-
-    def check(self) -> None:
-        """Pre-training fields without pre-training have no effect: one warning (a config that turns pre-training
-        off with pretrain_iterations = 0, e.g. in a sweep, may mean it; more often pretrain_iterations was
-        forgotten)."""
-        if self.pretrain_iterations:
-            return
-        unused = self.unused()
-        if unused:
-            warn_once(log, f"config fields {', '.join(unused)} have no effect: pretrain_iterations = 0 (no "
-                      "pre-training); set pretrain_iterations > 0 to pre-train, or remove them")
-
-    def unused(self) -> list[str]:
-        """The pre-training fields set (``name = value``) to other than what the run itself uses. Stage 1's own
-        config (:func:`pretrain_config`) keeps the fields it was made from, equal to its own, and names none."""
-        out = []
-        if self.pretrain_lr is not None and self.pretrain_lr != self.lr:
-            out.append(f"pretrain_lr = {self.pretrain_lr:g}")
-        if self.pretrain_batch_size is not None and self.pretrain_batch_size != self.batch_size:
-            out.append(f"pretrain_batch_size = {self.pretrain_batch_size or 'full'}")
-        if self.pretrain_optimizer != "sgd" and self.pretrain_optimizer != self.local_optimizer:
-            out.append(f"pretrain_optimizer = {self.pretrain_optimizer}")
-        if not self.pretrain_federated and not (self.algorithm == "centralized" and self.num_clients == 1):
-            out.append("pretrain_federated = false")
-        return out
 
 
 class FirstClientSource(DataSource):

@@ -29,14 +29,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
 from fdam_ray.algorithms import AlgorithmSection
-from fdam_ray.assembly.factories import PYTHON_PREFIX
+from fdam_ray.assembly.capacity import check_capacity
+from fdam_ray.assembly.cuts import tracked_run
 from fdam_ray.assembly.plugs import run_plug
 from fdam_ray.assembly.pretrain import (
     RECIPE_FILE,
@@ -48,7 +48,7 @@ from fdam_ray.assembly.pretrain import (
     read_recipe,
     recipe_record,
 )
-from fdam_ray.assembly.weights import load_weights, read_weights, safe_load
+from fdam_ray.assembly.weights import load_weights, read_weights
 from fdam_ray.config import RENAMED_PER_ACTOR, RESUME_MAY_CHANGE, Config, ConfigError, build_config
 from fdam_ray.data import DataSource, make_source
 from fdam_ray.data.datasets import DatasetsSource, check_shippable, describe_client
@@ -56,8 +56,10 @@ from fdam_ray.data.rooted import check_data_here
 from fdam_ray.executors import Executor, make_executor
 from fdam_ray.executors.errors import PlacementError
 from fdam_ray.executors.inline import InlineExecutor, ignored_fields
+from fdam_ray.executors.ray_section import RayExecutorSection
 from fdam_ray.features.interrupts import RunStopped
 from fdam_ray.files.runlock import check_not_in_use
+from fdam_ray.files.torchload import safe_load
 from fdam_ray.loop.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from fdam_ray.loop.client import resolve_device
 from fdam_ray.loop.federation import Federation, RunResult
@@ -71,6 +73,7 @@ from fdam_ray.outputs.run_folder import check_new_run_dir
 from fdam_ray.outputs.trackers import check_usable as trackers_usable
 from fdam_ray.outputs.trackers import make_trackers
 from fdam_ray.privacy.section import PrivacySection, check_resume
+from fdam_ray.settings.factories import PYTHON_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +129,8 @@ def _federate(config: Config, *, source: DataSource | None, executor: Executor |
     source = source if source is not None else make_source(config, executor=config.executor, address=config.address)
     if source.num_clients != config.num_clients:
         raise ValueError(f"the data has {source.num_clients} clients but num_clients={config.num_clients}")
-    check_data_here(source, config)  # every missing folder or file at once, before Ray or any client starts
+    # every missing folder or file at once, before Ray or any client starts
+    check_data_here(source, config.dataset, executor=config.executor, address=config.address)
     describe_data(source, config, executor)
     if not config.pretrain_iterations or resume is not None:  # a two-stage run's warning comes with stage 1
         warn_ignored(config)
@@ -142,7 +146,8 @@ def _federate(config: Config, *, source: DataSource | None, executor: Executor |
         outputs.append(Progress())
     if on_eval is not None:
         outputs.append(EvalCallback(on_eval))
-    outputs.extend(make_trackers(config, lambda: None if folder is None else folder.dir))  # after the run folder
+    # after the run folder
+    outputs.extend(make_trackers(tracked_run(config), lambda: None if folder is None else folder.dir))
     outputs.extend(observers)
     executor = executor if executor is not None else make_executor(config.executor)
     # Under Ray the driver's replica only loads states and, with eval_on=driver, scores: it stays on the CPU,
@@ -165,7 +170,7 @@ def _federate(config: Config, *, source: DataSource | None, executor: Executor |
 def warn_ignored(config: Config) -> None:
     """One warning naming the Ray executor's fields that ``executor=inline`` ignores, when any is set."""
     if config.executor == "inline":
-        ignored = ignored_fields(config)
+        ignored = ignored_fields(RayExecutorSection.of(config))
         if ignored:
             log.warning("executor=inline ignores %s (fields of the Ray executor, which have no effect on an inline "
                         "run)", ", ".join(ignored))
@@ -226,55 +231,6 @@ def describe_data(source: DataSource, config: Config, executor: Executor | None)
     if isinstance(found, str):
         raise ValueError(found)
     source.set_shapes(*found)
-
-
-# A model replica holds about this many copies of the model state (weights, gradient, proximal centre, round
-# start, update, partial sum), a client one more (its control variate); under a local Ray each actor (one
-# replica, clients_per_actor clients) is a process of its own.
-_STATE_COPIES = 8
-_CLIENT_STATE_COPIES = 1
-_ACTOR_PROCESS_BYTES = 150e6
-
-
-def _available_memory() -> float | None:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def check_capacity(config: Config, state_size: int) -> None:
-    """Refuse, before any client is built, more clients than this machine's memory can hold.
-
-    Counted for clients that run here: ``executor=inline``, or Ray without an address (a local instance).
-    A cluster's own limits are the placement group's to report.
-    """
-    local_ray = config.executor == "ray" and not (config.address and config.address != "local") and not (
-        os.environ.get("RAY_ADDRESS"))
-    if config.executor != "inline" and not local_ray:
-        return
-    available = _available_memory()
-    if available is None:
-        return
-    replicas = 1 if config.executor == "inline" else -(-config.num_clients // config.clients_per_actor)
-    per_replica = state_size * 4 * _STATE_COPIES + (_ACTOR_PROCESS_BYTES if local_ray else 0)
-    per_client = state_size * 4 * _CLIENT_STATE_COPIES
-    if config.dataset == "synthetic":
-        per_client += (config.samples_per_client + max(100, config.samples_per_client // 2)) * (
-            config.num_features + 1) * 4
-    need = replicas * per_replica + config.num_clients * per_client
-    if need > available:
-        where = (f"{replicas} Ray actor processes of {per_replica / 1e6:.3g} MB" if local_ray
-                 else f"a model replica of {per_replica / 1e6:.3g} MB")
-        raise ValueError(
-            f"num_clients={config.num_clients} needs about {need / 1e9:.3g} GB of memory on this machine "
-            f"({where}, {per_client / 1e6:.3g} MB per client) but {available / 1e9:.3g} GB are available; "
-            "lower num_clients, host more clients per actor (clients_per_actor), or run the clients on a cluster "
-            "(--address)")
 
 
 def run(

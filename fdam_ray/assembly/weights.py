@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import logging
 import re
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
+from fdam_ray.files.torchload import safe_load, torch_load_failure
 from fdam_ray.settings.redact import short
 
 log = logging.getLogger(__name__)
@@ -72,23 +71,6 @@ def not_a_state_dict(obj: object) -> str:
         if value.layout != torch.strided or value.is_meta:
             return f"its entry {short(key, 60)} is a {value.layout} tensor on {value.device}, not a dense tensor"
     return "it holds no tensors"
-
-
-def safe_load(path: str | Path) -> Any:
-    """``torch.load(weights_only=True)`` on CPU, without torch's warnings about the pickle protocol of a file it
-    then refuses or reads (the refusal says what matters, in one line)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def torch_load_failure(exc: Exception) -> str:
-    """Why ``torch.load(weights_only=True)`` refused a file, in one line; torch's advice to load the file's
-    foreign objects unchecked (which could run code from the file) is not repeated."""
-    first = str(exc).splitlines()[0] if str(exc) else ""
-    if "Weights only load failed" in first:
-        return "it holds objects other than tensors and plain values, refused (unpickling them could run code)"
-    return f"{type(exc).__name__}: {first[:200]}"
 
 
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from fdam_ray.assembly.factories import is_import_path
 from fdam_ray.data.balanced import make_sampler
 from fdam_ray.data.base import (
     AnySplit,
@@ -18,21 +15,19 @@ from fdam_ray.data.base import (
     iter_batches,
 )
 from fdam_ray.data.sections import ChestXraySection, DataSection, SyntheticSection, data_section, roots_refusal
-
-if TYPE_CHECKING:
-    from fdam_ray.config import Config
+from fdam_ray.settings.factories import is_import_path
 
 __all__ = ["AnySplit", "ChestXraySection", "DataSection", "DataSource", "DatasetSplit", "LoaderSampler", "Shard",
            "Split", "SyntheticSection", "TensorSampler", "as_labels", "data_section", "iter_batches", "make_sampler",
            "make_source", "source_class"]
 
 
-def make_source(config: Config | DataSection, *, executor: str = "inline", address: str | None = None,
+def make_source(config: DataSection, *, executor: str = "inline", address: str | None = None,
                 ) -> DataSource:
     """The data source a config names (``arrays`` is made by :func:`fdam_ray.train_arrays`).
 
-    ``config`` is a :class:`~fdam_ray.config.Config` or a section holding the
-    dataset's fields; the source is given its dataset's section alone (see
+    ``config`` is a section holding the dataset's fields (the run's whole
+    config is one: it holds every section); the source is given its dataset's section alone (see
     :mod:`fdam_ray.data.sections`). With ``client_data_roots`` the folders are
     checked here, on the driver, when the clients run on this machine (every
     bad folder named in one line): ``executor`` and ``address`` are the run's

@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Iterator, Sized
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -24,7 +24,6 @@ from fdam_ray.features.interrupts import ignore_stop_signals
 from fdam_ray.files.extras import MissingExtraError as MissingExtraError  # raised by the data sources
 
 if TYPE_CHECKING:
-    from fdam_ray.data.balanced import BalancedIndexStream
     from fdam_ray.data.sections import DataSection
 
 
@@ -272,6 +271,19 @@ def as_labels(y: np.ndarray | torch.Tensor, *, what: str) -> torch.Tensor:
     return torch.from_numpy(arr.astype(np.float32))
 
 
+class BatchStream(Protocol):
+    """What a sampler draws its batches of indices from: an :class:`IndexStream`, or a stream with its
+    interface (:class:`fdam_ray.data.balanced.BalancedIndexStream`)."""
+
+    batch_size: int
+
+    def next(self) -> torch.Tensor: ...
+
+    def get_state(self) -> dict: ...
+
+    def set_state(self, state: dict) -> None: ...
+
+
 class IndexStream:
     """Batches of sample indices: seeded shuffles of the n samples, epoch after epoch, a batch spanning the
     end of one epoch and the start of the next when n is not a multiple of the batch size (so every batch
@@ -308,7 +320,7 @@ class TensorSampler:
     """Minibatches from a tensor-backed split; ``batch_size`` 0 returns the whole split every time."""
 
     def __init__(self, split: Split, batch_size: int, *, seed: int,
-                 stream: IndexStream | BalancedIndexStream | None = None) -> None:
+                 stream: BatchStream | None = None) -> None:
         self.split = split
         self.stream = IndexStream(len(split), batch_size, seed) if stream is None else stream
 
@@ -330,7 +342,7 @@ class _Batches(torch.utils.data.Sampler):
     batch it hands to the DataLoader, so the state of the first batch not yet consumed is known even while
     the DataLoader's workers read ahead."""
 
-    def __init__(self, stream: IndexStream | BalancedIndexStream) -> None:
+    def __init__(self, stream: BatchStream) -> None:
         self.stream = stream
         self.ahead: collections.deque[dict] = collections.deque()
 
@@ -344,7 +356,7 @@ class LoaderSampler:
     """Minibatches of a :class:`DatasetSplit` read by a DataLoader from an :class:`IndexStream`."""
 
     def __init__(self, split: DatasetSplit, batch_size: int, *, seed: int, device: torch.device,
-                 stream: IndexStream | BalancedIndexStream | None = None) -> None:
+                 stream: BatchStream | None = None) -> None:
         if batch_size == 0:
             raise ValueError("batch_size=0 (full batch) needs in-memory data; this dataset is read from disk")
         self.split, self.device = split, device

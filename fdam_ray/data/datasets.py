@@ -35,9 +35,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from fdam_ray.assembly.factories import describe_error, raised_at, resolve
 from fdam_ray.data.base import DatasetSplit, DataSource, Shard, loader_errors, loader_workers
 from fdam_ray.features.interrupts import ignore_stop_signals
+from fdam_ray.settings.factories import describe_error, raised_at, resolve
 
 Entry = Any  # a torch Dataset, or a callable returning one (or None, for a test split)
 

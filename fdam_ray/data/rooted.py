@@ -16,13 +16,9 @@ import dataclasses
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from fdam_ray.data.base import AnySplit, DataSource, Shard
 from fdam_ray.data.sections import DataSection
-
-if TYPE_CHECKING:
-    from fdam_ray.config import Config
 
 
 class ClientRoot(DataSource):
@@ -98,19 +94,20 @@ def check_roots(cls: type[DataSource], section: DataSection, roots: Sequence[str
                          "run; for a cluster whose nodes hold the folders, give its address)")
 
 
-def check_data_here(source: DataSource, config: Config) -> None:
+def check_data_here(source: DataSource, dataset: str, *, executor: str, address: str | None) -> None:
     """Where the clients run on this machine (:func:`clients_run_here`), check the folders and
     files a source reads before any client (or Ray) starts, and name every one that is missing in one error:
     a wrong ``data_root`` is then found in seconds, not after the actors started and the first client failed
     (and every missing source at once, not one per try). A source says what it lacks through
-    :meth:`~fdam_ray.data.base.DataSource.local_problems` (nothing read)."""
+    :meth:`~fdam_ray.data.base.DataSource.local_problems` (nothing read). ``dataset`` names the source in the
+    error; ``executor`` and ``address`` are the run's."""
 
-    if not clients_run_here(config.executor, config.address):
+    if not clients_run_here(executor, address):
         return
     problems = source.local_problems()
     if problems:
         shown = problems[:8] + ([f"... ({len(problems)} in all)"] if len(problems) > 8 else [])
-        raise ValueError(f"dataset={config.dataset}: {'; '.join(shown)} (checked on this machine, "
+        raise ValueError(f"dataset={dataset}: {'; '.join(shown)} (checked on this machine, "
                          "where the clients run, before starting them)")
 
 

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from fdam_ray.assembly.factories import is_import_path
+from fdam_ray.settings.factories import is_import_path
 from fdam_ray.settings.sections import (
     AT_LEAST_ONE,
     EACH_ONCE,

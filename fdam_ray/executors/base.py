@@ -40,7 +40,6 @@ from fdam_ray.settings.sections import AT_LEAST_ONE, NONNEGATIVE, Section, setti
 
 if TYPE_CHECKING:
     from fdam_ray.algorithms import Algorithm
-    from fdam_ray.config import Config
 
 
 def actor_groups(num_clients: int, clients_per_actor: int) -> list[list[int]]:
@@ -106,13 +105,15 @@ class ExecutorSetup:
     face: ClientFace = NO_FACE
 
     @classmethod
-    def cut(cls, config: Config, algorithm: Algorithm, section: type[ExecutorSection]) -> ExecutorSetup:
+    def cut(cls, config: Section, algorithm: Algorithm, section: type[ExecutorSection]) -> ExecutorSetup:
+        """The setup cut from ``config``, the run's whole config (a section holding every field; its
+        ``to_dict()`` gives the plain values): this module knows only the sections it cuts."""
         return cls(algorithm=algorithm, executor=section.of(config), client=ClientSection.of(config),
                    transfer=TransferSection.of(config), deadline=DeadlineSection.of(config),
                    run_config=config.to_dict())
 
     @classmethod
-    def for_config(cls, config: Config, section: type[ExecutorSection] = ExecutorSection) -> ExecutorSetup:
+    def for_config(cls, config: Section, section: type[ExecutorSection] = ExecutorSection) -> ExecutorSetup:
         """The setup of ``config`` with its algorithm built here (a federation passes the one it built to
         :meth:`cut`): for starting an executor outside a federation (tests, benchmarks)."""
         from fdam_ray.algorithms import AlgorithmSection, build_algorithm

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -41,19 +41,16 @@ from fdam_ray.loop.state import ClientInfo, ClientState, GlobalState, RoundPlan,
 from fdam_ray.scores.histogram import Binning
 from fdam_ray.settings.sections import owned_fields
 
-if TYPE_CHECKING:
-    from fdam_ray.config import Config
-
 # ExecutorSection's fields that only the Ray executor reads (inline has no actors to replace or to score on).
 _RAY_ONLY_EXECUTOR_FIELDS = ("on_client_failure", "max_client_retries")
 
 
-def ignored_fields(config: Config) -> list[str]:
-    """The Ray executor's fields that ``config`` sets to other than their defaults: ``executor=inline`` ignores
-    them (``transport=compiled``, ``client_resources``, ...)."""
+def ignored_fields(section: RayExecutorSection) -> list[str]:
+    """The Ray executor's fields that ``section`` (cut from the config by the caller) sets to other than their
+    defaults: ``executor=inline`` ignores them (``transport=compiled``, ``client_resources``, ...)."""
     fields = [f for f in dataclasses.fields(ExecutorSection) if f.name in _RAY_ONLY_EXECUTOR_FIELDS]
     fields += owned_fields(RaySection)
-    values = dataclasses.asdict(RayExecutorSection.of(config))
+    values = dataclasses.asdict(section)
     return [f"{f.name}={_short(values[f.name])}" for f in fields if values[f.name] != f.default]
 
 

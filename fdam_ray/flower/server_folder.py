@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fdam_ray.assembly.cuts import tracked_run
 from fdam_ray.assembly.recipe import check_may_change, stored_result
 from fdam_ray.config import RESUME_MAY_CHANGE, Config, ConfigError, build_config
 from fdam_ray.files.runlock import check_not_in_use
@@ -140,4 +141,4 @@ def outputs(config: Config, run_dir: Path | None, executor: FlowerExecutor | Non
     ``executor`` and no ``run_dir``, the sites' bindings go into the new folder once it is made."""
     folder = EveryRoundFolder(config, run_dir=run_dir)
     keep: list[Observer] = [KeepBindings(executor, folder)] if executor is not None and run_dir is None else []
-    return [folder, *keep, *make_trackers(config, lambda: folder.dir)]
+    return [folder, *keep, *make_trackers(tracked_run(config), lambda: folder.dir)]

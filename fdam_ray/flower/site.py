@@ -44,7 +44,7 @@ import torch
 from flwr.app import RecordDict
 
 from fdam_ray.algorithms.drift import CONTROL_VARIATES
-from fdam_ray.assembly.factories import resolve
+from fdam_ray.settings.factories import resolve
 from fdam_ray.assembly.plugs import site_face
 from fdam_ray.config import build_config
 from fdam_ray.data import DataSource

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from fdam_ray.algorithms import ServerState
-from fdam_ray.assembly.weights import safe_load, torch_load_failure
+from fdam_ray.files.torchload import safe_load, torch_load_failure
 from fdam_ray.loop.schedules import Position
 from fdam_ray.loop.state import ClientState, GlobalState
 

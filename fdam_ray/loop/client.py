@@ -25,7 +25,7 @@ from fdam_ray.algorithms import LocalSolver, build_algorithm
 from fdam_ray.algorithms.drift import ClientVariate
 from fdam_ray.algorithms.sampling import client_weights
 from fdam_ray.algorithms.server import PartialSum
-from fdam_ray.assembly.factories import describe_error
+from fdam_ray.settings.factories import describe_error
 from fdam_ray.data import AnySplit, DataSource, Split, iter_batches, make_sampler
 from fdam_ray.data.base import hold_out_validation
 from fdam_ray.features.precision import Precision, PrecisionSection

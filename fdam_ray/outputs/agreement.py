@@ -28,11 +28,11 @@ import numpy as np
 import torch
 import yaml
 
-from fdam_ray.assembly.weights import safe_load
+from fdam_ray.files.torchload import safe_load
 from fdam_ray.files.versions import VERSIONS_KEY
+from fdam_ray.files.yamlfile import read_yaml_file
 from fdam_ray.loop.checkpoint import Checkpoint
 from fdam_ray.outputs.records import flatten_record
-from fdam_ray.settings.yamlio import read_yaml_file
 
 CHECKPOINT_FILE = "checkpoint.pt"
 # The numbers of an evaluation record that tell runs apart (timing is left out: two runs of one config differ in it)

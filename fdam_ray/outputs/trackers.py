@@ -44,6 +44,7 @@ parameters and metric names.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -52,7 +53,7 @@ import socket
 import tempfile
 import threading
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -60,12 +61,12 @@ from urllib.parse import urlsplit
 
 import torch
 
-from fdam_ray.config import Config, ConfigError
 from fdam_ray.features.interrupts import RunStopped, interruptible
 from fdam_ray.files.extras import extra_hint
 from fdam_ray.files.versions import VERSIONS_KEY, run_versions
-from fdam_ray.outputs import Observer, RunStart, Snapshot, scalars
+from fdam_ray.outputs import Observer, OutputSection, RunStart, Snapshot, scalars
 from fdam_ray.settings.redact import redact
+from fdam_ray.settings.sections import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +91,27 @@ def tracker_metrics(record: dict) -> dict[str, float]:
     return {k: v for k, v in scalars(record).items() if k != "iteration"}
 
 
-def run_tags(config: Config) -> dict[str, str]:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrackedRun:
+    """What the trackers know of a run, cut from its config by the caller (the assembly): this module knows no
+    config beyond these.
+
+    Attributes:
+        outputs: the run's outputs section (``trackers``, ``tracker_project``, ``run_name``).
+        algorithm: the run's algorithm (a tag, and part of a run name made here).
+        dataset: the run's dataset (the same).
+        params: every config field's plain value (``to_dict()`` of the config), the tracker run's parameters.
+    """
+
+    outputs: OutputSection
+    algorithm: str
+    dataset: str
+    params: Mapping[str, Any]
+
+
+def run_tags(algorithm: str, dataset: str) -> dict[str, str]:
     """The tags of a tracker run (MLflow), for runs of ``fdam train`` and sweep trials alike."""
-    return {"fdam.algorithm": str(config.algorithm), "fdam.dataset": str(config.dataset),
+    return {"fdam.algorithm": str(algorithm), "fdam.dataset": str(dataset),
             **{f"fdam.version.{k}": str(v) for k, v in run_versions().items()}}
 
 
@@ -213,23 +232,23 @@ def check_wandb_login() -> None:
                          "`wandb sync` later")
 
 
-def make_trackers(config: Config, run_dir_of: Callable[[], Path | None] = lambda: None) -> list[Observer]:
-    """The tracker observers ``config.trackers`` names (checked to be installed).
+def make_trackers(run: TrackedRun, run_dir_of: Callable[[], Path | None] = lambda: None) -> list[Observer]:
+    """The tracker observers ``run.outputs.trackers`` names (checked to be installed).
 
     Args:
         run_dir_of: gives the run folder once the run has started (None when the run is not saved): the tracker
             run takes its name, keeps its id there for ``--resume`` and logs its ``model.pt``.
     """
-    check_installed(config.trackers)
+    check_installed(run.outputs.trackers)
     kinds = {"mlflow": MLflowTracker, "wandb": WandbTracker}
-    return [kinds[name](config, run_dir_of) for name in config.trackers]
+    return [kinds[name](run, run_dir_of) for name in run.outputs.trackers]
 
 
-def _run_name(config: Config, run_dir: Path | None) -> str:
+def _run_name(run: TrackedRun, run_dir: Path | None) -> str:
     if run_dir is not None:
         return run_dir.name
-    dataset = str(config.dataset).rpartition(":")[2]  # a factory module:attr: its name, as run folders have it
-    return config.run_name or f"{datetime.now():%Y%m%d-%H%M%S}-{config.algorithm}-{dataset}"
+    dataset = str(run.dataset).rpartition(":")[2]  # a factory module:attr: its name, as run folders have it
+    return run.outputs.run_name or f"{datetime.now():%Y%m%d-%H%M%S}-{run.algorithm}-{dataset}"
 
 
 def _plain(value: Any) -> Any:
@@ -246,8 +265,8 @@ class Tracker(Observer):
 
     name = "tracker"
 
-    def __init__(self, config: Config, run_dir_of: Callable[[], Path | None]) -> None:
-        self.config = config
+    def __init__(self, tracked: TrackedRun, run_dir_of: Callable[[], Path | None]) -> None:
+        self.tracked = tracked
         self.run_dir_of = run_dir_of
         self.active = False
 
@@ -286,7 +305,8 @@ class Tracker(Observer):
 
         with interruptible():  # a tracking server that does not answer: a stop signal ends the wait
             try:
-                run_id = self.open(_run_name(self.config, run_dir), tracker_params(self.config.to_dict()), resume_id)
+                params = tracker_params(dict(self.tracked.params))
+                run_id = self.open(_run_name(self.tracked, run_dir), params, resume_id)
             except Exception as exc:  # not tracked as asked: the run stops before its first round
                 self.active = False
                 raise TrackerError(f"trackers: {self.name} could not start its run ({_first_line(exc)}); fix "
@@ -362,10 +382,11 @@ class MLflowTracker(Tracker):
             self.client.update_run(resume_id, status="RUNNING")
             self.run_id = resume_id
             return resume_id
-        experiment = self.client.get_experiment_by_name(self.config.tracker_project)
+        experiment = self.client.get_experiment_by_name(self.tracked.outputs.tracker_project)
         experiment_id = (experiment.experiment_id if experiment is not None
-                         else self.client.create_experiment(self.config.tracker_project))
-        run = self.client.create_run(experiment_id, run_name=run_name, tags=run_tags(self.config))
+                         else self.client.create_experiment(self.tracked.outputs.tracker_project))
+        tags = run_tags(self.tracked.algorithm, self.tracked.dataset)
+        run = self.client.create_run(experiment_id, run_name=run_name, tags=tags)
         self.run_id = run.info.run_id
         try:
             log_mlflow_params(self.client, self.run_id, params)
@@ -404,7 +425,7 @@ class WandbTracker(Tracker):
         import wandb
 
         kwargs: dict[str, Any] = {"id": resume_id, "resume": "allow"} if resume_id is not None else {}
-        self.run = wandb.init(project=self.config.tracker_project, name=run_name,
+        self.run = wandb.init(project=self.tracked.outputs.tracker_project, name=run_name,
                               config={**params, VERSIONS_KEY: run_versions()},
                               reinit="create_new", **kwargs)
         return self.run.id

@@ -6,7 +6,7 @@ building the live table takes seconds. ``fdam fields`` and ``fdam fields -h``
 only show the table, so they read ``fields.json`` (next to this module), which
 holds each field's section, name, default, meaning and allowed values as text.
 The file is written from the live sections by ``python -m
-fdam_ray.settings.catalog_writer`` and a unit test checks that it equals them, so it
+fdam_ray.catalog_writer`` and a unit test checks that it equals them, so it
 cannot drift. Selecting and formatting are the same functions for the live
 table (:func:`fdam_ray.config.describe_fields`) and the stored one.
 """

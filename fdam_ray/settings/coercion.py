@@ -16,9 +16,7 @@ from typing import Any
 
 import yaml
 
-from fdam_ray.assembly.factories import PYTHON_PREFIX, import_path_of, is_import_path, resolve
-from fdam_ray.executors.ray_section import resource_list
-from fdam_ray.features.deadlines import deadline_value
+from fdam_ray.settings.factories import PYTHON_PREFIX, import_path_of, is_import_path, resolve
 from fdam_ray.settings.redact import short
 from fdam_ray.settings.sections import ConfigError, fail
 from fdam_ray.settings.yamlio import load_yaml
@@ -133,14 +131,6 @@ def _str_list(field: Field, value: Any) -> Any:
     return tuple(value)
 
 
-def _resource_list(field: Field, value: Any) -> Any:
-    return resource_list(field.name, value)
-
-
-def _deadline(field: Field, value: Any) -> Any:
-    return deadline_value(field.name, value)
-
-
 def _factory(field: Field, value: Any) -> Any:
     """A built-in name, an import path ``module:attr`` that resolves here to a callable, or (``model`` in Python)
     the factory itself, kept as its import path when it has one."""
@@ -192,9 +182,22 @@ def _or_auto(plain: Callable[[Field, Any], Any]) -> Callable[[Field, Any], Any]:
 
 COERCERS: dict[str, Callable[[Field, Any], Any]] = {
     "bool": _bool, "int": _int, "float": _float, "str": _str, "batch": _batch, "int_list": _int_list,
-    "str_list": _str_list, "resource_list": _resource_list, "factory": _factory,
-    "deadline": _deadline, "int_auto": _or_auto(_int), "bool_auto": _or_auto(_bool),
+    "str_list": _str_list, "factory": _factory, "int_auto": _or_auto(_int), "bool_auto": _or_auto(_bool),
 }
+
+
+def register_kind(kind: str, read: Callable[[str, Any], Any]) -> None:
+    """Add a kind of field whose reading its owner knows (``read(field_name, value)``, raising a
+    :class:`ConfigError`), so this module imports none of the parts it reads values for: the config, which
+    composes every section, registers the kinds its sections declare (``resource_list``, ``deadline``).
+    Registering the same reader again is a no-op; another reader for a kind already there is refused."""
+    if _READERS.get(kind, read) is not read or (kind in COERCERS and kind not in _READERS):
+        raise ValueError(f"kind '{kind}' is registered already")
+    _READERS[kind] = read
+    COERCERS[kind] = lambda field, value: read(field.name, value)
+
+
+_READERS: dict[str, Callable[[str, Any], Any]] = {}
 
 
 def coerce(field: Field, value: Any) -> Any:

@@ -52,7 +52,8 @@ def _mlflow_callback(base: dict[str, Any], config) -> Any:
 
             log_mlflow_params(MlflowClient(), self._trial_runs[trial], rest)  # Tune's util: one call per field
 
-    return FullConfigMLflow(experiment_name=config.tracker_project, save_artifact=True, tags=run_tags(config))
+    return FullConfigMLflow(experiment_name=config.tracker_project, save_artifact=True,
+                            tags=run_tags(config.algorithm, config.dataset))
 
 
 def _wandb_callback(base: dict[str, Any], project: str) -> Any:

@@ -68,8 +68,8 @@ def test_fdam_finds_a_model_factory_in_the_folder_it_runs_in_inline(tmp_path):
 
 
 def test_a_module_found_in_the_current_folder_is_shipped_to_a_joined_cluster(tmp_path, monkeypatch):
-    from fdam_ray.assembly import factories
     from fdam_ray.executors.ray import session
+    from fdam_ray.settings import factories
 
     (tmp_path / "fh_own_model.py").write_text(MODULE)
     (tmp_path / "fh_own_pkg").mkdir()

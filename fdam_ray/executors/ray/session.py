@@ -208,9 +208,9 @@ def ensure_ray(*, address: str | None, cpus_needed: float) -> bool:
 
 def _shipped() -> dict[str, Any]:
     """``runtime_env`` for a cluster joined by address: the modules of the current folder a ``module:attr``
-    factory was found in (:func:`~fdam_ray.assembly.factories.current_folder_modules`), as Ray's ``py_modules``, so that
+    factory was found in (:func:`~fdam_ray.settings.factories.current_folder_modules`), as Ray's ``py_modules``, so that
     workers on other machines import them as this driver does."""
-    from fdam_ray.assembly.factories import current_folder_modules
+    from fdam_ray.settings.factories import current_folder_modules
 
     modules = current_folder_modules()
     if not modules:

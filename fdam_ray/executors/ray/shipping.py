@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ray import cloudpickle
 
-from fdam_ray.assembly.factories import describe_error
+from fdam_ray.settings.factories import describe_error
 
 
 class _Discard:

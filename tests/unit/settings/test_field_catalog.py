@@ -7,11 +7,12 @@ import json
 
 import pytest
 
+from fdam_ray import catalog_writer
 from fdam_ray.config import FIELDS, SECTIONS, ConfigError, describe_fields
-from fdam_ray.settings import catalog, catalog_writer
+from fdam_ray.settings import catalog
 
 STALE = ("fdam_ray/settings/fields.json differs from the sections: rewrite it with "
-         "python -m fdam_ray.settings.catalog_writer")
+         "python -m fdam_ray.catalog_writer")
 
 
 def test_the_stored_table_is_the_live_one():

@@ -19,9 +19,10 @@ import pytest
 from fdam_ray.cli import main
 from fdam_ray.config import ConfigError, build_config, load_config_file, parse_overrides
 from fdam_ray.files.locations import where
+from fdam_ray.files.yamlfile import read_yaml_file
 from fdam_ray.outputs import RunWriter
 from fdam_ray.settings.redact import MASK, RedactingFilter, clip, redact, short
-from fdam_ray.settings.yamlio import MAX_FILE_BYTES, load_yaml, read_yaml_file
+from fdam_ray.settings.yamlio import MAX_FILE_BYTES, load_yaml
 from fdam_ray.tuning.space import load_space, make_space
 
 SECRET = "SECRETPW42"

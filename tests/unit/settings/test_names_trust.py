@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from fdam_ray.assembly.factories import is_import_path
 from fdam_ray.config import ConfigError
+from fdam_ray.settings.factories import is_import_path
 from fdam_ray.tuning.space import TuneOptions
 
 

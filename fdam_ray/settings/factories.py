@@ -157,7 +157,7 @@ def describe_error(exc: BaseException) -> str:
     return text if len(text) <= MAX_DETAIL else text[: MAX_DETAIL - 3] + "..."
 
 
-_OWN_DIR = os.path.dirname(os.path.abspath(__file__))
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the fdam_ray package
 _LIBRARY_DIRS = tuple({sysconfig.get_path(name) for name in ("stdlib", "purelib", "platlib")} - {None})
 
 

@@ -1,8 +1,10 @@
-"""Write ``fields.json``, the stored field table of :mod:`.catalog`, from the sections as they are declared now.
+"""Write ``fields.json``, the stored field table of :mod:`fdam_ray.settings.catalog`, from the sections as they
+are declared now.
 
-``python -m fdam_ray.settings.catalog_writer`` after a config field changes (a unit test fails, naming this
-command, while the stored table differs from the declarations). Kept apart from :mod:`.catalog`, which
-:mod:`fdam_ray.config` imports: this module imports the whole config.
+``python -m fdam_ray.catalog_writer`` after a config field changes (a unit test fails, naming this
+command, while the stored table differs from the declarations). A tool at the top of the package, apart from
+:mod:`fdam_ray.settings.catalog` (which :mod:`fdam_ray.config` imports, and which stays a leaf): this module
+imports the whole config.
 """
 
 from __future__ import annotations
