@@ -34,10 +34,8 @@ from pathlib import Path
 
 import torch
 
-from fdam_ray.algorithms import AlgorithmSection
 from fdam_ray.assembly.capacity import check_capacity
-from fdam_ray.assembly.cuts import tracked_run
-from fdam_ray.assembly.plugs import run_plug
+from fdam_ray.assembly.cuts import federation, tracked_run
 from fdam_ray.assembly.pretrain import (
     RECIPE_FILE,
     PretrainProgress,
@@ -62,9 +60,8 @@ from fdam_ray.files.runlock import check_not_in_use
 from fdam_ray.files.torchload import safe_load
 from fdam_ray.loop.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from fdam_ray.loop.client import resolve_device
-from fdam_ray.loop.federation import Federation, RunResult
+from fdam_ray.loop.federation import RunResult
 from fdam_ray.loop.one_at_a_time import one_federation_at_a_time
-from fdam_ray.loop.schedules import ScheduleSection
 from fdam_ray.models import model_name
 from fdam_ray.outputs import EvalCallback, Observer, Observers, OutputSection, Progress, RunFolder
 from fdam_ray.outputs.agreement import check_one_run, check_same_config
@@ -154,10 +151,8 @@ def _federate(config: Config, *, source: DataSource | None, executor: Executor |
     # outside Ray's GPU accounting (the clients hold the GPU shares).
     driver_device = resolve_device(config.device) if config.executor == "inline" else torch.device("cpu")
     with executor:
-        fed = Federation(source=source, executor=executor, config=config,
-                         algorithm=AlgorithmSection.of(config), schedule=ScheduleSection.of(config),
-                         eval_every=config.eval_every, driver_device=driver_device, observer=Observers(outputs),
-                         plug=run_plug(config), histogram_bins=PrivacySection.of(config).histogram_bins)
+        fed = federation(config, source=source, executor=executor, driver_device=driver_device,
+                         observer=Observers(outputs))
         check_capacity(config, fed.replica.flat.state_size)
         if weights is not None:
             load_weights(fed.replica.flat.model, weights, source=weights_from)

@@ -29,8 +29,7 @@ import yaml
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fdam_ray.algorithms import AlgorithmSection
-from fdam_ray.assembly.plugs import run_plug
+from fdam_ray.assembly.cuts import federation
 from fdam_ray.config import ConfigError, build_config, load_config_file
 from fdam_ray.data import DataSource
 from fdam_ray.data.base import Shard, Split, as_labels
@@ -40,12 +39,10 @@ from fdam_ray.flower import records, secagg, server_folder
 from fdam_ray.flower.executor import SiteShapes
 from fdam_ray.flower.section import split_config
 from fdam_ray.loop.client import resolve_device
-from fdam_ray.loop.federation import Federation, RunResult
-from fdam_ray.loop.schedules import ScheduleSection
+from fdam_ray.loop.federation import RunResult
 from fdam_ray.outputs import Observer, Observers
 from fdam_ray.outputs.trackers import check_usable as trackers_usable
 from fdam_ray.privacy.driver import TrainSizesElsewhere
-from fdam_ray.privacy.section import PrivacySection
 from fdam_ray.settings.yamlio import load_yaml
 
 log = logging.getLogger(__name__)
@@ -115,11 +112,8 @@ def run_federation(grid: Grid, context: Context, values: Mapping[str, Any], *, s
     try:
         source = ServerSource(config.num_clients, shapes, flower.test_data,
                               sizes=lambda: executor.train_sizes(records.to_json(config.to_dict())))
-        fed = Federation(source=source, executor=executor,
-                         config=config, algorithm=AlgorithmSection.of(config), schedule=ScheduleSection.of(config),
-                         eval_every=config.eval_every, driver_device=resolve_device(config.device),
-                         observer=Observers([*outputs, *observers]), plug=run_plug(config),
-                         histogram_bins=PrivacySection.of(config).histogram_bins)
+        fed = federation(config, source=source, executor=executor, driver_device=resolve_device(config.device),
+                         observer=Observers([*outputs, *observers]))
         result = fed.run(resume=resume)
     finally:
         torch.set_num_threads(before)

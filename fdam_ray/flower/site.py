@@ -44,7 +44,6 @@ import torch
 from flwr.app import RecordDict
 
 from fdam_ray.algorithms.drift import CONTROL_VARIATES
-from fdam_ray.settings.factories import resolve
 from fdam_ray.assembly.plugs import site_face
 from fdam_ray.config import build_config
 from fdam_ray.data import DataSource
@@ -57,6 +56,7 @@ from fdam_ray.executors.inline import inline_threads
 from fdam_ray.flower import records
 from fdam_ray.loop.client import Client, ClientSection, resolve_device
 from fdam_ray.loop.state import ClientState
+from fdam_ray.settings.factories import resolve
 
 log = logging.getLogger(__name__)
 

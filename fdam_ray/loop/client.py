@@ -25,7 +25,6 @@ from fdam_ray.algorithms import LocalSolver, build_algorithm
 from fdam_ray.algorithms.drift import ClientVariate
 from fdam_ray.algorithms.sampling import client_weights
 from fdam_ray.algorithms.server import PartialSum
-from fdam_ray.settings.factories import describe_error
 from fdam_ray.data import AnySplit, DataSource, Split, iter_batches, make_sampler
 from fdam_ray.data.base import hold_out_validation
 from fdam_ray.features.precision import Precision, PrecisionSection
@@ -46,6 +45,7 @@ from fdam_ray.loop.state import (
 )
 from fdam_ray.models import build_model, model_name
 from fdam_ray.scores.histogram import Binning
+from fdam_ray.settings.factories import describe_error
 from fdam_ray.settings.sections import AT_LEAST_ONE, Section, setting, shared
 
 reads_store_arrays(__name__)  # control variates and moments from the object store are only copied in

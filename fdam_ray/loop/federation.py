@@ -29,21 +29,18 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from fdam_ray.algorithms import AlgorithmSection, build_algorithm
 from fdam_ray.algorithms.drift import CONTROL_VARIATES
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.algorithms.stages import score_sums_nbytes
 from fdam_ray.data import DataSource
-from fdam_ray.data.balanced import objective_positive_ratio
 from fdam_ray.executors import Executor
 from fdam_ray.executors.base import ExecutorSetup, RunsOfRounds
 from fdam_ray.executors.errors import PlacementError
-from fdam_ray.features.deadlines import DeadlineSection, MissedRounds, as_sampled_round, read_record
+from fdam_ray.features.deadlines import MissedRounds, as_sampled_round
 from fdam_ray.features.sites import client_label
 from fdam_ray.loop.checkpoint import Checkpoint, ClientState, LoopState
 from fdam_ray.loop.client import Replica, all_finite
@@ -56,9 +53,6 @@ from fdam_ray.loop.summary import keep_best, run_summary, selected_evaluation, w
 from fdam_ray.models import network_record
 from fdam_ray.objectives import global_positive_ratio
 from fdam_ray.outputs import Observer, RunStart, Snapshot
-
-if TYPE_CHECKING:
-    from fdam_ray.config import Config
 
 reads_store_arrays(__name__)  # the driver only checks the states fetched from the store for finiteness
 log = logging.getLogger(__name__)
@@ -103,8 +97,8 @@ class Federation:
     Args:
         source: the data source spec (the driver reads only its test part, and only when clients do not score it).
         executor: how the clients run.
-        config: the run's config (the executor and the driver's replica cut the sections they read).
-        algorithm: the algorithm's section.
+        setup: what the executor runs its clients by (cut from the config at the top): the built algorithm, the
+            client section (the driver's replica is built from it too) and the deadline section.
         schedule: the schedule's section.
         eval_every: evaluate every this many iterations (at the first round end after it) and at the end.
         driver_device: where the driver's replica lives (it loads states and, when asked, scores the test set).
@@ -112,24 +106,28 @@ class Federation:
         plug: the mechanisms acting on the run (:mod:`fdam_ray.loop.plug`; differential privacy), called at its
             hooks; the default does nothing.
         histogram_bins: B when the clients send score histograms (``test_scores: histogram``), else None.
+        forced: a participation record to replay (round -> clients), read and checked at the top.
+        positive_ratio: the objective's p when the config fixes it (``positive_ratio``, or the balanced batches'
+            share), else None (the global ratio from the clients' counts).
     """
 
-    def __init__(self, *, source: DataSource, executor: Executor, config: Config,
-                 algorithm: AlgorithmSection, schedule: ScheduleSection, eval_every: int,
-                 driver_device: torch.device, observer: Observer, plug: Plug | None = None,
-                 histogram_bins: int | None = None) -> None:
+    def __init__(self, *, source: DataSource, executor: Executor, setup: ExecutorSetup, schedule: ScheduleSection,
+                 eval_every: int, driver_device: torch.device, observer: Observer, plug: Plug | None = None,
+                 histogram_bins: int | None = None, forced: dict[int, list[int]] | None = None,
+                 positive_ratio: float | None = None) -> None:
         self.source = source
         self.executor = executor
-        self.config = config
-        self.algorithm = build_algorithm(algorithm)
-        self.positive_ratio_override = objective_positive_ratio(config)  # positive_ratio, or a balanced share
+        self.setup = setup
+        self.client = setup.client
+        self.algorithm = setup.algorithm
+        self.positive_ratio_override = positive_ratio
         self.schedule = schedule
         self.eval_every = eval_every
         self.observer = observer
-        self.replica = Replica(config, source, device=driver_device)
-        self.validation = config.val_fraction > 0  # select on the clients' validation parts, not the test set
-        self.deadlines = DeadlineSection.of(config)
-        self.forced = {} if config.participation_record is None else read_record(config.participation_record, config)
+        self.replica = Replica(setup.client, source, device=driver_device)
+        self.validation = setup.client.val_fraction > 0  # select on the clients' validation parts, not the test set
+        self.deadlines = setup.deadline
+        self.forced = forced or {}
         self.missed = MissedRounds()
         self._unrecorded: dict[str, list[int]] = {}  # rounds recorded since the last metrics record
         self.plug = Plug() if plug is None else plug
@@ -137,13 +135,12 @@ class Federation:
 
     def _label(self, client_id: int) -> str:
         """How a client is shown: its name (``client_names``), else its index."""
-        return client_label(client_id, self.config.client_names)
+        return client_label(client_id, self.client.client_names)
 
     # -- start -----------------------------------------------------------------------
     def _start(self, plug_state: dict | None = None) -> GlobalState:
         """Start the clients, fix the global p, and return the initial global state (from the replica)."""
-        setup = self.plug.setup(ExecutorSetup.cut(self.config, self.algorithm, self.executor.section),
-                                PlugStart(self.executor, self.source, self.replica.flat, plug_state))
+        setup = self.plug.setup(self.setup, PlugStart(self.executor, self.source, self.replica.flat, plug_state))
         infos = self.executor.start(setup, self.source)
         size = self.replica.flat.state_size
         for info in infos:
@@ -160,7 +157,7 @@ class Federation:
         self.num_clients = len(infos)
         self.plug.started([i.num_train for i in infos])
         self.client_weights = self.algorithm.weights([i.num_train for i in infos])
-        self.sampler = self.plug.sampler(self.algorithm.sampler(self.num_clients, self.config.seed))
+        self.sampler = self.plug.sampler(self.algorithm.sampler(self.num_clients, self.client.seed))
         if self.replica.objective.has_auxiliary:
             self.replica.objective.set_positive_ratio(p)
             self.executor.configure(p)
@@ -454,7 +451,7 @@ class Federation:
         model_state, a, b = payload["model"], payload["a"].numpy(), payload["b"].numpy()
         summary = run_summary(loop, best, algorithm=self.algorithm.preset.name, validation=self.validation,
                               started=started, positive_ratio=self.positive_ratio,
-                              client_names=self.config.client_names)
+                              client_names=self.client.client_names)
         summary.update(self.plug.summary())
         cv = _control_variates(state)
         self.observer.finish(summary, payload, snapshot)
@@ -471,7 +468,7 @@ class Federation:
         a, b = state.v[n_w : n_w + m].copy(), state.v[n_w + m : n_w + 2 * m].copy()
         return {"model": flat.model_state_dict(), "a": torch.from_numpy(a), "b": torch.from_numpy(b),
                 "alpha": torch.from_numpy(state.alpha.copy()), "task_names": list(self.source.task_names),
-                "network": network_record(self.config, self.source.input_shape, self.source.num_tasks)}
+                "network": network_record(self.client, self.source.input_shape, self.source.num_tasks)}
 
 
 def _state_diverged(round_index: int) -> DivergenceError:
