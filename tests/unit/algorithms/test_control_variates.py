@@ -2,7 +2,7 @@
 s.3b; s.8, R6, R7, R10).
 
 Everything here goes through the one place that owns the rule, the drift correction
-(:data:`fdam_ray.algorithms.drift.CONTROL_VARIATES`), and through the server's reducer that calls it. The oracle is
+(:data:`fdam_ray.algorithms.drift.CONTROL_VARIATES`), and through the server's reducer (:func:`server_c`). The oracle is
 written out in float64 below: in a round every client was asked to run c = sum_k w_k c^k / sum_k w_k; in a sampled
 or late round c <- c + sum_{k in S} w_k (c^k new - c^k old) / T, T the total weight of all K clients of the run
 (dropped ones included); a replaced client starts from c^k = c.
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from fdam_ray.algorithms.drift import CONTROL_VARIATES, DRIFT_CORRECTIONS
-from fdam_ray.algorithms.server import PartialSum, RoundReducer
+from fdam_ray.algorithms.server import PartialSum, RoundReducer, server_c
 from fdam_ray.features.deadlines import as_sampled_round
 from fdam_ray.loop.federation import rebuilt_states
 from fdam_ray.loop.state import ClientState, ClientUpdate, GlobalState, StepStats, vector_names
@@ -87,11 +87,27 @@ def test_the_server_c_is_the_documented_float32_order():
     rng = np.random.default_rng(3)
     total, prev = rng.normal(size=N).astype(np.float32), rng.normal(size=N).astype(np.float32)
     inv = np.float32(1.0 / 3.0)
-    np.testing.assert_array_equal(CONTROL_VARIATES.server_c(total.copy(), prev, inv, None), total * inv)
+    np.testing.assert_array_equal(server_c(total.copy(), prev, inv, None), total * inv)
     want = (total * np.float32(1.0 / 7.5)) + prev
-    np.testing.assert_array_equal(CONTROL_VARIATES.server_c(total.copy(), prev, inv, 7.5), want)
+    np.testing.assert_array_equal(server_c(total.copy(), prev, inv, 7.5), want)
     with pytest.raises(ValueError, match="previous global control variate"):
-        CONTROL_VARIATES.server_c(total.copy(), None, inv, 7.5)
+        server_c(total.copy(), None, inv, 7.5)
+
+
+def test_without_control_variates_the_rule_finds_nothing_to_do():
+    """The rule is every drift correction's (reached through the algorithm's): without control variates a host
+    has no changes to send, a late round's sums stay as folded, a kept state stays as it is."""
+    none = DRIFT_CORRECTIONS["none"]
+    state = GlobalState(np.ones(N, np.float32), np.ones(M, np.float32), np.zeros(0, np.float32),
+                        np.zeros(0, np.int64))
+    assert none.host_changes([(None, None, None)]) is None
+    assert none.total_weight(K, WEIGHTS["samples"]) == CONTROL_VARIATES.total_weight(K, WEIGHTS["samples"])
+    red = RoundReducer(state, global_lr=1.0, alpha_nonnegative=False, control_variates=False)
+    none.as_sampled(red, [], float(K))
+    assert red.partial_total is None
+    kept = ClientState(2)
+    assert none.zeroed(kept) is kept and kept.control is None
+    assert none.replaced(0, state).control is None
 
 
 @pytest.mark.parametrize("weighting", WEIGHTS)
