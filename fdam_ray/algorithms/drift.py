@@ -17,21 +17,20 @@ replica, torch tensors where the replica computes) and a server half (the
 methods on the strategy itself, numpy). :class:`NoCorrection` leaves every
 term out, so the same solver is CODA+ without it and CODASCA with it.
 
-The partial-participation rule lives here once, on :class:`ControlVariates`
-(:data:`CONTROL_VARIATES`; s.3b and s.8, R6, R7, R10), and every executor and
-bridge calls it: what a client uploads in a full and in a sampled round (the
-client half's :meth:`ClientControlVariates.exported`), the change of c^k
-(:meth:`ControlVariates.change`), a host's sums of its clients' changes when
-another client was late (:meth:`~ControlVariates.host_changes`), how the
-server forms c (:meth:`~ControlVariates.server_c`, the reducer's; and
-:meth:`~ControlVariates.moved_c` for bridges whose server takes a full round's
-mean, Flower and SecAgg+), the total weight T of all clients, dropped ones
-included (:meth:`~ControlVariates.total_weight`), a late round refolded as a
-sampled one (:meth:`~ControlVariates.as_sampled`), and the state a replaced
-client starts from (:meth:`DriftCorrection.replaced`). A mechanism that
-transforms a client's change before aggregation (differential privacy: clip
-and noise) is a plug's client face (:mod:`fdam_ray.loop.client_face`), not a
-drift correction.
+The partial-participation rule lives here once, on :class:`DriftCorrection` (s.3b and s.8, R6, R7,
+R10), and every executor and bridge reaches it through the algorithm's drift correction
+(:attr:`fdam_ray.algorithms.base.Algorithm.drift`), never a module-level object: what a client uploads in
+a full and in a sampled round (the client half's :meth:`ClientControlVariates.exported`), the change of c^k
+(:meth:`DriftCorrection.change`), a host's sums of its clients' changes when another client was late
+(:meth:`~DriftCorrection.host_changes`), :meth:`~DriftCorrection.moved_c` for bridges whose server takes a
+full round's mean (Flower and SecAgg+), the total weight T of all clients, dropped ones included
+(:meth:`~DriftCorrection.total_weight`), a late round refolded as a sampled one
+(:meth:`~DriftCorrection.as_sampled`), a kept c^k zeroed at a stage start (:meth:`~DriftCorrection.zeroed`),
+and the state a replaced client starts from (:meth:`DriftCorrection.replaced`). Each acts on the control
+vectors a state carries, so without them (``none``) it finds nothing to do. How the server forms c from a
+round's sums is the reducer's (:func:`fdam_ray.algorithms.server.server_c`). A mechanism that transforms a
+client's change before aggregation (differential privacy: clip and noise) is a plug's client face
+(:mod:`fdam_ray.loop.client_face`), not a drift correction.
 """
 
 from __future__ import annotations
@@ -167,6 +166,7 @@ class DriftCorrection(abc.ABC):
     def end_stage(self, state: GlobalState, *, reset: bool) -> None:  # noqa: B027
         """A stage ends: zero the global c when ``reset`` (the paper's DSGSCA+ start)."""
 
+
     def replaced(self, client_id: int, state: StateVectors) -> ClientState:
         """The state a client rebuilt on a new actor starts from (a replacement after a failure, or on resume a
         client whose actor could not be placed): c^k = the global c of ``state``, a fresh sampler (None keeps
@@ -174,32 +174,8 @@ class DriftCorrection(abc.ABC):
         control = tuple(getattr(state, name) for name in vector_names(Rule.CONTROL))
         return ClientState(client_id, None if any(c is None for c in control) else control)
 
-
-class NoDriftCorrection(DriftCorrection):
-    name = "none"
-    control_variates = False
-
-    def client(self, flat: FlatModel) -> ClientCorrection:
-        return NoCorrection()
-
-
-class ControlVariates(DriftCorrection):
-    name = "control_variates"
-    control_variates = True
-
-    def client(self, flat: FlatModel) -> ClientCorrection:
-        return ClientControlVariates(flat)
-
-    def init(self, initial: GlobalState) -> None:
-        for f in vector_fields(Rule.CONTROL):
-            setattr(initial, f.name, np.zeros_like(getattr(initial, f.metadata["corrects"])))
-
-    def end_stage(self, state: GlobalState, *, reset: bool) -> None:
-        if reset and state.c_v is not None:
-            for f in vector_fields(Rule.CONTROL):
-                setattr(state, f.name, np.zeros_like(getattr(state, f.name)))
-
-    # -- the partial-participation rule (s.3b; s.8, R6, R7, R10) ----------------------------------------------
+    # -- the partial-participation rule (s.3b; s.8, R6, R7, R10), on the control vectors a state carries ------------
+    # A correction that carries none (``none``) finds nothing to do: no changes (None), its sums and states untouched.
     names = vector_names(Rule.CONTROL)  # the control vectors of a state, in declaration order
 
     @staticmethod
@@ -248,21 +224,6 @@ class ControlVariates(DriftCorrection):
                 np.add(total, part[i], out=total)
         reducer.partial_total = total_weight
 
-    def server_c(self, total: np.ndarray, prev: np.ndarray | None, inv: np.float32,
-                 partial_total: float | None) -> np.ndarray:
-        """The server's c from the round's weighted sum ``total`` of the clients' uploads, in place (R10): their
-        mean S * inv (inv = float32(1 / W)) in a round every client was asked to run, else, ``partial_total``
-        being T, c <- c + sum_k w_k (c^k new - c^k old) / T (SCAFFOLD's rule, s.3b), the sum already holding
-        the changes."""
-        if partial_total is None:
-            total *= inv
-            return total
-        if prev is None:
-            raise ValueError("a partial round needs the previous global control variate")
-        total *= np.float32(1.0 / partial_total)
-        total += prev
-        return total
-
     @staticmethod
     def moved_c(previous: np.ndarray, changes: Iterable[tuple[float, np.ndarray]], total: float) -> np.ndarray:
         """c + sum_k w_k (c^k new - c^k old) / T in float64, the changes given as (w_k, change) and added in
@@ -278,6 +239,31 @@ class ControlVariates(DriftCorrection):
         if state.control is not None:
             state.control = tuple(np.zeros_like(np.asarray(c)) for c in state.control)
         return state
+
+
+class NoDriftCorrection(DriftCorrection):
+    name = "none"
+    control_variates = False
+
+    def client(self, flat: FlatModel) -> ClientCorrection:
+        return NoCorrection()
+
+
+class ControlVariates(DriftCorrection):
+    name = "control_variates"
+    control_variates = True
+
+    def client(self, flat: FlatModel) -> ClientCorrection:
+        return ClientControlVariates(flat)
+
+    def init(self, initial: GlobalState) -> None:
+        for f in vector_fields(Rule.CONTROL):
+            setattr(initial, f.name, np.zeros_like(getattr(initial, f.metadata["corrects"])))
+
+    def end_stage(self, state: GlobalState, *, reset: bool) -> None:
+        if reset and state.c_v is not None:
+            for f in vector_fields(Rule.CONTROL):
+                setattr(state, f.name, np.zeros_like(getattr(state, f.name)))
 
 
 CONTROL_VARIATES = ControlVariates()

@@ -9,9 +9,10 @@ The means are over the clients that took part, with weights w_k (client
 weighting ``samples``: w_k = n_k) renormalised over them; without weights they
 are plain means. When only a sample of the clients took part, c stays the
 weighted mean over all clients (SCAFFOLD's rule): each sampled client sends the
-change of its c^k and c <- c + sum_k w_k (c^k_new - c^k_old) / sum_all w. That
-rule is the drift correction's (:data:`~fdam_ray.algorithms.drift.CONTROL_VARIATES`);
-the reducer calls it.
+change of its c^k and c <- c + sum_k w_k (c^k_new - c^k_old) / sum_all w
+(:func:`server_c`). What a client sends for it (c^k, or its change) is the drift
+correction's (:mod:`fdam_ray.algorithms.drift`); a family whose server forms
+its state otherwise brings its own reducer (:meth:`~fdam_ray.algorithms.base.Algorithm.reducer`).
 
 Updates are folded into sums as they arrive and dropped, so the server holds a
 fixed number of state-sized buffers whatever the number of clients.
@@ -29,7 +30,6 @@ import dataclasses
 
 import numpy as np
 
-from fdam_ray.algorithms.drift import CONTROL_VARIATES
 from fdam_ray.loop.state import ClientUpdate, GlobalState, Rule, StateVectors, StepStats, vector_fields, vector_names
 
 
@@ -226,6 +226,20 @@ _MAX = vector_names(Rule.MAX)
 _ZERO = np.float32(0)
 
 
+def server_c(total: np.ndarray, prev: np.ndarray | None, inv: np.float32, partial_total: float | None) -> np.ndarray:
+    """The server's c from the round's weighted sum ``total`` of the clients' uploads, in place (R10): their mean
+    S * inv (inv = float32(1 / W)) in a round every client was asked to run, else, ``partial_total`` being T,
+    c <- c + sum_k w_k (c^k new - c^k old) / T (SCAFFOLD's rule, s.3b), the sum already holding the changes."""
+    if partial_total is None:
+        total *= inv
+        return total
+    if prev is None:
+        raise ValueError("a partial round needs the previous global control variate")
+    total *= np.float32(1.0 / partial_total)
+    total += prev
+    return total
+
+
 class RoundReducer:
     """Folds client updates (or partial sums of them) of one round into the next global state.
 
@@ -312,7 +326,7 @@ class RoundReducer:
                 if rule is Rule.EXTRAPOLATE:
                     total = self._extrapolate(total, getattr(prev, f.name))
             elif rule is Rule.CONTROL:
-                total = CONTROL_VARIATES.server_c(total, getattr(prev, f.name), inv, self.partial_total)
+                total = server_c(total, getattr(prev, f.name), inv, self.partial_total)
             out[f.name] = total
         if self.alpha_nonnegative:
             alpha = out["alpha"]

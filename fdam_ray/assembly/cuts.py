@@ -14,7 +14,7 @@ from fdam_ray.config import Config
 from fdam_ray.data import DataSource
 from fdam_ray.data.balanced import objective_positive_ratio
 from fdam_ray.executors.base import Executor, ExecutorSetup
-from fdam_ray.features.deadlines import read_record
+from fdam_ray.features.deadlines import ReplaySection, read_record
 from fdam_ray.loop.federation import Federation
 from fdam_ray.loop.schedules import ScheduleSection
 from fdam_ray.outputs import Observer, OutputSection
@@ -37,5 +37,6 @@ def federation(config: Config, *, source: DataSource, executor: Executor, driver
     return Federation(source=source, executor=executor, setup=setup, schedule=ScheduleSection.of(config),
                       eval_every=config.eval_every, driver_device=driver_device, observer=observer,
                       plug=run_plug(config), histogram_bins=PrivacySection.of(config).histogram_bins,
-                      forced=None if record is None else read_record(record, config),
+                      forced=None if record is None else read_record(record, ReplaySection.of(config),
+                                                                     ScheduleSection.of(config)),
                       positive_ratio=objective_positive_ratio(config))

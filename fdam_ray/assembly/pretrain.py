@@ -34,9 +34,10 @@ import yaml
 from fdam_ray.assembly.pretrain_section import PretrainSection as PretrainSection  # the fields of stage 1
 from fdam_ray.assembly.weights import head_keys
 from fdam_ray.data import DataSource
-from fdam_ray.features.deadlines import read_record
+from fdam_ray.features.deadlines import ReplaySection, read_record
 from fdam_ray.files.yamlfile import read_yaml_file
 from fdam_ray.loop.checkpoint import CheckpointError, write_atomically
+from fdam_ray.loop.schedules import ScheduleSection
 from fdam_ray.loop.state import RoundPlan
 from fdam_ray.models import build_model
 from fdam_ray.outputs.observer import Observer, RunStart, Snapshot
@@ -75,7 +76,7 @@ def pretrain_config(config):
     every client, and the record is checked against stage 2 here, before stage 1 starts.
     """
     if config.participation_record is not None:
-        read_record(config.participation_record, config)
+        read_record(config.participation_record, ReplaySection.of(config), ScheduleSection.of(config))
     federated = config.pretrain_federated and config.num_clients > 1
     return config.replace(
         algorithm="fedavg" if federated else "centralized",

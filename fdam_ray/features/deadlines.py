@@ -72,15 +72,25 @@ import numbers
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fdam_ray.features.capabilities import no_deadline
+from fdam_ray.loop.schedules import ScheduleSection, planned_rounds
 from fdam_ray.settings.redact import short
 from fdam_ray.settings.sections import AT_LEAST_ONE, Section, fail, setting, shared, warn_once
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from fdam_ray.algorithms.drift import DriftCorrection
     from fdam_ray.algorithms.server import RoundReducer
-    from fdam_ray.executors.base import Executor
+
+
+class ReportsChanges(Protocol):
+    """What a late round asks of the executor: the sums of the changes of c^k its hosts send
+    (:meth:`fdam_ray.executors.base.Executor.round_changes`)."""
+
+    def round_changes(self, round_index: int) -> list[tuple[np.ndarray, np.ndarray]]: ...
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +172,21 @@ class DeadlineSection(Section):
         return self.round_deadline is not None or self.participation_record is not None
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplaySection(Section):
+    """What a participation record is checked against (:func:`check_record`): the replaying run's clients and how
+    it draws each round's sample (``seed``, or under dp the privacy secret). Its last round is its schedule's
+    (:class:`~fdam_ray.loop.schedules.ScheduleSection`)."""
+
+    name = "replay"
+
+    num_clients: int = shared()
+    clients_per_round: int | None = shared()
+    seed: int = shared()
+    dp: str = shared()
+    dp_noise_seed: int | None = shared()
+
+
 @dataclasses.dataclass(frozen=True)
 class Deadline:
     """One round's deadline as a transport applies it.
@@ -223,10 +248,12 @@ class MissedRounds:
                             round_index)
 
 
-def read_record(where: str, config: Any = None) -> dict[int, list[int]]:
+def read_record(where: str, run: ReplaySection | None = None,
+                schedule: ScheduleSection | None = None) -> dict[int, list[int]]:
     """The recorded participating sets (round -> sorted clients) of a run folder or its checkpoint file, each entry
-    checked (:func:`parse_record`); with ``config``, the run that replays it, the whole record is checked against
-    that run as well (:func:`check_record`). One line when there is none to read, or when it cannot be replayed."""
+    checked (:func:`parse_record`); with ``run`` and ``schedule``, the run that replays it, the whole record is
+    checked against that run as well (:func:`check_record`). One line when there is none to read, or when it
+    cannot be replayed."""
     from fdam_ray.loop.checkpoint import CheckpointError, load_checkpoint  # the checkpoint imports the algorithms
 
     path = Path(where)
@@ -238,9 +265,11 @@ def read_record(where: str, config: Any = None) -> dict[int, list[int]]:
         raise ValueError(f"config field 'participation_record': {short(where)} holds no record to replay "
                          f"({exc})") from None
     record = parse_record(checkpoint.loop.participation, where)
-    if config is not None:
+    if run is not None:
+        if schedule is None:
+            raise TypeError("read_record: a replaying run's ReplaySection needs its ScheduleSection")
         recorded = checkpoint.config if isinstance(checkpoint.config, Mapping) else {}
-        check_record(record, config, where=where, recorded=recorded, reached=checkpoint.loop.state.round)
+        check_record(record, run, schedule, where=where, recorded=recorded, reached=checkpoint.loop.state.round)
     return record
 
 
@@ -290,8 +319,8 @@ def _round_number(key: Any) -> int | None:
     return r if r >= 1 else None
 
 
-def _sampling(values: Any, num_clients: int) -> Any:
-    """The S a config samples per round (None: every client), from a config or a recorded config's mapping (whose
+def _sampling(values: ReplaySection | Mapping[str, Any], num_clients: int) -> Any:
+    """The S a run samples per round (None: every client), from its section or a recorded config's mapping (whose
     value, when it is not a number, is returned as it is, to be named)."""
     s = values.get("clients_per_round") if isinstance(values, Mapping) else values.clients_per_round
     if s is None or isinstance(s, bool) or not isinstance(s, int):
@@ -303,8 +332,8 @@ def _null(value: Any) -> str:
     return "null" if value is None else str(value)
 
 
-def check_record(record: dict[int, list[int]], config: Any, *, where: str, recorded: Mapping[str, Any],
-                 reached: int | None = None) -> None:
+def check_record(record: dict[int, list[int]], run: ReplaySection, schedule: ScheduleSection, *, where: str,
+                 recorded: Mapping[str, Any], reached: int | None = None) -> None:
     """Refuse a record this run cannot replay, in one line naming the round and the value.
 
     A replayed round runs the recorded set; a round the record does not name runs the run's plan (its sample
@@ -317,9 +346,9 @@ def check_record(record: dict[int, list[int]], config: Any, *, where: str, recor
     replayed: said once (a replay may be shorter than its record, e.g. to be resumed with more iterations), as
     is an empty record of a run with a deadline (no client missed one; the replay runs every round as planned).
     """
-    k = int(config.num_clients)
-    s = _sampling(config, k)
-    _check_recorded_run(config, k, s, where=where, recorded=recorded)
+    k = int(run.num_clients)
+    s = _sampling(run, k)
+    _check_recorded_run(run, k, s, where=where, recorded=recorded)
     if not record:
         if recorded and recorded.get("round_deadline") is None and recorded.get("participation_record") is None:
             raise _refuse(where, "that run ran without round_deadline: every round ran its plan, so it recorded "
@@ -328,18 +357,19 @@ def check_record(record: dict[int, list[int]], config: Any, *, where: str, recor
         warn_once(log, f"config field 'participation_record': {short(where)} records no round: no client missed a "
                    "deadline in that run, so it forces nothing and the replay runs every round as planned")
         return
-    last = planned_rounds(config)
-    past = [r for r, clients in sorted(record.items()) if _check_round(r, clients, config, k, s, where=where,
+    last = planned_rounds(schedule)
+    past = [r for r, clients in sorted(record.items()) if _check_round(r, clients, run, k, s, where=where,
                                                                        reached=reached) > last]
     if past:
         rounds = ", ".join(map(str, past))
         warn_once(log, f"config field 'participation_record': {short(where)}: round{'s' if len(past) > 1 else ''} "
                    f"{rounds} {'are' if len(past) > 1 else 'is'} past this run's last round {last} "
-                   f"(iterations = {config.iterations}): not replayed; a resume with more iterations replays "
+                   f"(iterations = {schedule.iterations}): not replayed; a resume with more iterations replays "
                    f"{'them' if len(past) > 1 else 'it'}")
 
 
-def _check_recorded_run(config: Any, k: int, s: int | None, *, where: str, recorded: Mapping[str, Any]) -> None:
+def _check_recorded_run(run: ReplaySection, k: int, s: int | None, *, where: str,
+                        recorded: Mapping[str, Any]) -> None:
     """The recorded run had this run's clients and sampling (``num_clients``, ``clients_per_round``, and the
     ``seed`` when sampling), as far as its checkpoint's config says."""
     if "num_clients" in recorded and recorded["num_clients"] != k:
@@ -350,12 +380,12 @@ def _check_recorded_run(config: Any, k: int, s: int | None, *, where: str, recor
         if was != s:
             raise _refuse(where, f"it was recorded with clients_per_round = {_null(was)}, this run with "
                           f"{_null(s)} (a round the record does not name runs the run's own sample)")
-        if s is not None and "seed" in recorded and recorded["seed"] != config.seed:
+        if s is not None and "seed" in recorded and recorded["seed"] != run.seed:
             raise _refuse(where, f"it was recorded with seed = {short(recorded['seed'])}, this run has "
-                          f"{config.seed} (the seed draws each round's sample of clients_per_round = {s})")
+                          f"{run.seed} (the seed draws each round's sample of clients_per_round = {s})")
 
 
-def _check_round(r: int, clients: list[int], config: Any, k: int, s: int | None, *, where: str,
+def _check_round(r: int, clients: list[int], run: ReplaySection, k: int, s: int | None, *, where: str,
                  reached: int | None) -> int:
     """Round ``r``'s recorded set: a round the recorded run finished, clients within 0..K-1 and within the
     round's sample. Returns ``r``."""
@@ -366,7 +396,7 @@ def _check_round(r: int, clients: list[int], config: Any, k: int, s: int | None,
     if bad:
         raise _refuse(where, f"round {r} names client {bad[0]}, outside 0..{k - 1} (num_clients = {k}: a "
                       "record of a run with other clients cannot be replayed)")
-    sample = None if s is None else _round_sample(config, r, k, s)
+    sample = None if s is None else _round_sample(run, r, k, s)
     if sample is not None:
         out = [c for c in clients if c not in sample]
         if out:
@@ -375,42 +405,24 @@ def _check_round(r: int, clients: list[int], config: Any, k: int, s: int | None,
     return r
 
 
-def _round_sample(config: Any, r: int, k: int, s: int) -> list[int] | None:
+def _round_sample(run: ReplaySection, r: int, k: int, s: int) -> list[int] | None:
     """Round ``r``'s sample as the run draws it: from ``seed``, or under dp from the privacy secret
     (``dp_noise_seed``; None when that is fresh entropy, which only the recorded run's checkpoint holds)."""
     from fdam_ray.algorithms.sampling import sample_clients, secret_sample_clients  # the algorithms import torch
 
-    if config.dp == "off":
-        return sample_clients(config.seed, r, k, s)
-    secret = config.dp_noise_seed
+    if run.dp == "off":
+        return sample_clients(run.seed, r, k, s)
+    secret = run.dp_noise_seed
     return None if secret is None else secret_sample_clients(secret, r, k, s)
 
 
-def planned_rounds(config: Any) -> int:
-    """How many rounds a run of ``config``'s schedule has (as :class:`~fdam_ray.loop.schedules.Schedule` plans them)."""
-    from fdam_ray.loop.schedules import geometric_stage
-
-    if config.schedule == "stagewise":
-        return -(-config.iterations // config.local_steps)
-    rounds, done, stage = 0, 0, 1
-    while done < config.iterations:
-        steps, _ = geometric_stage(config.local_steps, config.lr, config.stage_growth, stage)
-        for _ in range(config.rounds_per_stage):
-            if done >= config.iterations:
-                break
-            done, rounds = done + min(steps, config.iterations - done), rounds + 1
-        stage += 1
-    return rounds
-
-
-def as_sampled_round(reducer: RoundReducer, executor: Executor, round_index: int, total_weight: float) -> None:
+def as_sampled_round(reducer: RoundReducer, executor: ReportsChanges, round_index: int, total_weight: float,
+                     drift: DriftCorrection) -> None:
     """Make a round every client was asked to run, and that some missed, fold as a sampled round of those that
-    made it (s.3b): the drift correction's rule (:meth:`~fdam_ray.algorithms.drift.ControlVariates.as_sampled`)
-    with the sums of the changes of c^k their actors send
-    (:meth:`~fdam_ray.executors.base.Executor.round_changes`), c moving by them over ``total_weight``
-    (that of all clients). Nothing to do without control variates."""
+    made it (s.3b): the rule of ``drift``, the algorithm's drift correction
+    (:meth:`~fdam_ray.algorithms.drift.DriftCorrection.as_sampled`), with the sums of the changes of c^k their
+    actors send (:meth:`~fdam_ray.executors.base.Executor.round_changes`), c moving by them over
+    ``total_weight`` (that of all clients). Nothing to do without control variates."""
     if not reducer.sums.control_variates:
         return
-    from fdam_ray.algorithms.drift import CONTROL_VARIATES  # the algorithms import torch
-
-    CONTROL_VARIATES.as_sampled(reducer, executor.round_changes(round_index), total_weight)
+    drift.as_sampled(reducer, executor.round_changes(round_index), total_weight)

@@ -36,11 +36,18 @@ from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 
 import fdam_ray
-from fdam_ray.algorithms.drift import CONTROL_VARIATES
 from fdam_ray.config import build_config
 from fdam_ray.flower import records
 from fdam_ray.flower.secagg import secure_round
-from fdam_ray.flower.site import KeptState, SiteStore, build_client, site_source, study_source, zero_control_variate
+from fdam_ray.flower.site import (
+    KeptState,
+    SiteStore,
+    build_client,
+    site_drift,
+    site_source,
+    study_source,
+    zero_control_variate,
+)
 from fdam_ray.loop.state import ClientUpdate, GlobalState, RoundPlan, ScoreHistogram
 from fdam_ray.privacy.driver import train_size
 from fdam_ray.scores.histogram import Binning
@@ -147,7 +154,7 @@ def sync(msg: Message, context: Context) -> Message:
     if stage > kept.stage:
         kept.reference = arrays["reference"]
         if cfg["reset"]:
-            zero_control_variate(kept.client)
+            zero_control_variate(kept)
             kept.replaced = False  # the stage starts every c^k at zero
         kept.stage = stage
     kept.version = records.integer(cfg, "version")
@@ -188,8 +195,9 @@ def change(msg: Message, context: Context) -> Message:
     if kept.pending is None or kept.pending_round != wanted or kept.pending_start is None:
         raise RuntimeError(f"site {call.site} holds no update of round {wanted}")
     new, old = kept.pending.control, kept.pending_start.control
-    names = CONTROL_VARIATES.names
-    delta = dict.fromkeys(names) if new is None or old is None else dict(zip(names, CONTROL_VARIATES.change(new, old),
+    drift = site_drift(kept)
+    names = drift.names
+    delta = dict.fromkeys(names) if new is None or old is None else dict(zip(names, drift.change(new, old),
                                                                               strict=True))
     return Message(RecordDict({records.STATE: records.arrays(delta)}), reply_to=msg)
 

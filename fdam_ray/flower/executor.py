@@ -43,7 +43,6 @@ import numpy as np
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 
-from fdam_ray.algorithms.drift import CONTROL_VARIATES
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.executors.base import Executor, ExecutorSetup
 from fdam_ray.flower import records
@@ -221,6 +220,7 @@ class FlowerExecutor(SiteRoster, Executor):
     def start(self, setup: ExecutorSetup, source: DataSource) -> list[ClientInfo]:
         self.config_json = records.to_json(dict(setup.run_config))  # each site builds its client from it
         self.private = setup.face.sends_changes
+        self.drift = setup.algorithm.drift
         policy = setup.executor
         self.on_failure, self.max_retries = policy.on_client_failure, policy.max_client_retries
         self.run_key = f"{self.run_key}-{hashlib.sha256(self.config_json.encode()).hexdigest()[:12]}"
@@ -301,15 +301,15 @@ class FlowerExecutor(SiteRoster, Executor):
                                "variate")
         w = {k: 1.0 if self.weights is None else float(self.weights[k]) for k in updates}
         sent = {k: records.state_vectors(changes[k].array_records[records.STATE]) for k in sorted(updates)}
-        for name in CONTROL_VARIATES.names:
+        for name in self.drift.names:
             weighted: list[tuple[float, np.ndarray]] = []
             for k, vectors in sent.items():
                 change = vectors[name]
                 if change is None:
                     raise RuntimeError(f"round {plan.round}: site {k} sent no change of {name}")
                 weighted.append((w[k], change))
-            moved = CONTROL_VARIATES.moved_c(getattr(state, name), weighted,
-                                             CONTROL_VARIATES.total_weight(self.num_sites, self.weights))
+            moved = self.drift.moved_c(getattr(state, name), weighted,
+                                       self.drift.total_weight(self.num_sites, self.weights))
             for k in updates:
                 setattr(updates[k], name, moved.astype(np.float32))
 

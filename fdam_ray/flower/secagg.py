@@ -62,22 +62,22 @@ from flwr.server.strategy import Strategy
 from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key
 
-from fdam_ray.algorithms.drift import CONTROL_VARIATES
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.flower import records
 from fdam_ray.flower.section import FlowerSection
 from fdam_ray.loop.evaluation import SUMMED
-from fdam_ray.loop.state import GlobalState, RoundPlan, ScoreHistogram, StepStats, vector_names
+from fdam_ray.loop.state import GlobalState, RoundPlan, Rule, ScoreHistogram, StepStats, vector_names
 from fdam_ray.scores.histogram import Binning
 
 if TYPE_CHECKING:
+    from fdam_ray.algorithms.drift import DriftCorrection
     from fdam_ray.flower.executor import FlowerExecutor
 
 log = logging.getLogger(__name__)
 
 SAMPLES_SCALE = 1e-4  # samples enter the secure sum as samples * 1e-4 (inside the clipping range)
 _DIFFERENCES = ("v", "alpha", "buffers")  # sent as x^k - x; the control vectors as the change of c^k
-_SUMMED = (*_DIFFERENCES, *CONTROL_VARIATES.names)
+_SUMMED = (*_DIFFERENCES, *vector_names(Rule.CONTROL))
 _STATS = 4  # loss, samples * SAMPLES_SCALE, not finite, out of range
 
 
@@ -211,13 +211,14 @@ class _OneRound(Strategy):
         return None
 
 
-def enable(executor: FlowerExecutor, context: Context) -> None:
-    """Run every round of ``executor`` under SecAgg+ (the ServerApp's ``context`` hosts the workflow's state)."""
+def enable(executor: FlowerExecutor, context: Context, drift: DriftCorrection) -> None:
+    """Run every round of ``executor`` under SecAgg+ (the ServerApp's ``context`` hosts the workflow's state;
+    ``drift``: the run's drift correction, whose rule moves c from the sites' summed changes)."""
     flower = executor.flower
 
     def secure(ex: FlowerExecutor, state: GlobalState, plan: RoundPlan, sites: list[int], *,
                sampled: bool) -> PartialSum | None:
-        return run_secure_round(ex, context, flower, state, plan, sites, sampled=sampled)
+        return run_secure_round(ex, context, flower, state, plan, sites, sampled=sampled, drift=drift)
 
     def histogram(ex: FlowerExecutor, state: GlobalState, split: str, bins: Binning,
                   sites: list[int]) -> ScoreHistogram | None:
@@ -232,7 +233,7 @@ def _weight(ex: FlowerExecutor, k: int) -> float:
 
 
 def run_secure_round(ex: FlowerExecutor, context: Context, flower: FlowerSection, state: GlobalState,
-                     plan: RoundPlan, sites: list[int], *, sampled: bool) -> PartialSum | None:
+                     plan: RoundPlan, sites: list[int], *, sampled: bool, drift: DriftCorrection) -> PartialSum | None:
     """One round through SecAggPlusWorkflow; the partial sum of the sites that completed it (None: none did)."""
     if len(sites) < 2:
         raise RuntimeError(f"round {plan.round}: secure aggregation needs at least 2 sites, {len(sites)} are ready")
@@ -253,7 +254,7 @@ def run_secure_round(ex: FlowerExecutor, context: Context, flower: FlowerSection
     done = sorted(ex.site_of[n] for n in strategy.sites_done)
     for k in done:
         ex.counted[k] = plan.round
-    return _partial_sum(ex, state, plan, strategy, done, planned, sampled=sampled)
+    return _partial_sum(ex, state, plan, strategy, done, planned, sampled=sampled, drift=drift)
 
 
 def _workflow(ex: FlowerExecutor, context: Context, flower: FlowerSection,
@@ -305,7 +306,7 @@ def _share(value: float) -> int | float:
 
 
 def _partial_sum(ex: FlowerExecutor, state: GlobalState, plan: RoundPlan, strategy: _OneRound, done: list[int],
-                 planned: float, *, sampled: bool) -> PartialSum:
+                 planned: float, *, sampled: bool, drift: DriftCorrection) -> PartialSum:
     """The sites' weighted sums, rebuilt from the unmasked mean of their scaled differences."""
     n = len(done)
     if strategy.mean is None:
@@ -316,7 +317,7 @@ def _partial_sum(ex: FlowerExecutor, state: GlobalState, plan: RoundPlan, strate
         raise ValueError(f"round {plan.round}: an update held values outside flower.secagg_clipping_range="
                          f"{ex.flower.secagg_clipping_range:g}; raise it (the sites' logs name the value)")
     weight = sum(_weight(ex, k) for k in done)
-    total_all = CONTROL_VARIATES.total_weight(ex.num_sites, ex.weights)
+    total_all = drift.total_weight(ex.num_sites, ex.weights)
     out: dict[str, np.ndarray | None] = {}
     offset = 0
     for name in _SUMMED:
@@ -333,7 +334,7 @@ def _partial_sum(ex: FlowerExecutor, state: GlobalState, plan: RoundPlan, strate
         elif sampled:  # the reducer adds c and divides by the total weight itself
             out[name] = change.astype(np.float32)
         else:  # a full round's reducer divides by the weight that came: give it weight * (c + change / all)
-            out[name] = (weight * CONTROL_VARIATES.moved_c(ref, [(1.0, change)], total_all)).astype(np.float32)
+            out[name] = (weight * drift.moved_c(ref, [(1.0, change)], total_all)).astype(np.float32)
     counters = [json.loads(str(m["counters"])) for m in strategy.metrics]
     out["counters"] = np.max(np.asarray(counters, dtype=np.int64), axis=0) if counters and counters[0] else \
         state.counters.copy()

@@ -29,6 +29,7 @@ import yaml
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from fdam_ray.algorithms import AlgorithmSection, build_algorithm
 from fdam_ray.assembly.cuts import federation
 from fdam_ray.config import ConfigError, build_config, load_config_file
 from fdam_ray.data import DataSource
@@ -102,7 +103,7 @@ def run_federation(grid: Grid, context: Context, values: Mapping[str, Any], *, s
     executor = server_folder.ResumableExecutor(grid, flower, run_key=str(context.run_id),
                                                num_sites=config.num_clients, kept=kept, bindings_dir=folder)
     if flower.secagg:
-        secagg.enable(executor, context)
+        secagg.enable(executor, context, build_algorithm(AlgorithmSection.of(config)).drift)
     shapes = executor.connect()
     threads = inline_threads(ExecutorSection.of(config))
     before = torch.get_num_threads()

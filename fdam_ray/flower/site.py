@@ -43,7 +43,8 @@ import numpy as np
 import torch
 from flwr.app import RecordDict
 
-from fdam_ray.algorithms.drift import CONTROL_VARIATES
+from fdam_ray.algorithms import build_algorithm
+from fdam_ray.algorithms.drift import DriftCorrection
 from fdam_ray.assembly.plugs import site_face
 from fdam_ray.config import build_config
 from fdam_ray.data import DataSource
@@ -347,8 +348,15 @@ def build_client(site: int, source: DataSource, kept: KeptState) -> Client:
     return client
 
 
-def zero_control_variate(state: ClientState | None) -> None:
-    """A stage start with reset_control_variates: c^k <- 0 in a kept client state (the drift correction's
-    :meth:`~fdam_ray.algorithms.drift.ControlVariates.zeroed`)."""
-    if state is not None:
-        CONTROL_VARIATES.zeroed(state)
+def site_drift(kept: KeptState) -> DriftCorrection:
+    """The drift correction of the run whose config ``kept`` holds (its algorithm's, as the driver's)."""
+    if not kept.config:
+        raise RuntimeError("the site has not been given the run's config yet")
+    return build_algorithm(ClientSection.of(build_config(json.loads(kept.config)))).drift
+
+
+def zero_control_variate(kept: KeptState) -> None:
+    """A stage start with reset_control_variates: c^k <- 0 in the kept client state (the drift correction's
+    :meth:`~fdam_ray.algorithms.drift.DriftCorrection.zeroed`)."""
+    if kept.client is not None:
+        site_drift(kept).zeroed(kept.client)

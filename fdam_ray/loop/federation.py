@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fdam_ray.algorithms.drift import CONTROL_VARIATES
+from fdam_ray.algorithms.drift import DriftCorrection
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.algorithms.stages import score_sums_nbytes
 from fdam_ray.data import DataSource
@@ -196,7 +196,7 @@ class Federation:
         plan, sampled, clients = self._participants(plan)
         total = None
         if clients is not None:
-            total = CONTROL_VARIATES.total_weight(self.num_clients, self.client_weights)
+            total = self.algorithm.drift.total_weight(self.num_clients, self.client_weights)
         reducer = self.plug.reducer(self.algorithm.reducer(loop.state, weights=self.client_weights,
                                                            partial_total=total), plan)
 
@@ -211,8 +211,9 @@ class Federation:
             self.executor.run_round(loop.state, plan, fold, clients)
         if self.deadlines.round_deadline is not None and not plan.partial and reducer.count < asked:
             # a client missed the deadline of a round every client ran: fold it as a round of those that made it
+            drift = self.algorithm.drift
             as_sampled_round(reducer, self.executor, plan.round,
-                             CONTROL_VARIATES.total_weight(self.num_clients, self.client_weights))
+                             drift.total_weight(self.num_clients, self.client_weights), drift)
         if self.deadlines.tolerant:
             self._note_participants(loop, plan.round, sampled, clients, [st.client_id for st in reducer.stats])
         state = reducer.finish(steps=plan.steps)
@@ -334,7 +335,7 @@ class Federation:
             # change; the checkpoint keeps its own
             self.executor.begin_stage(loop.server.reference, False)
             # the executors take None for a client that starts afresh (annotated list[dict])
-            self.executor.restore_client_states(rebuilt_states(resume.clients, loop.state))
+            self.executor.restore_client_states(rebuilt_states(resume.clients, loop.state, self.algorithm.drift))
             self.executor.restore_transfer_state(loop.transfer)
             torch.set_rng_state(resume.torch_rng)
         snapshot = self._snapshot(loop, started)
@@ -485,9 +486,10 @@ def _control_variates(state: GlobalState) -> tuple[np.ndarray, np.ndarray] | Non
     return state.c_v, state.c_alpha
 
 
-def rebuilt_states(states: list[ClientState | None], state: GlobalState) -> list[ClientState | None]:
+def rebuilt_states(states: list[ClientState | None], state: GlobalState,
+                   drift: DriftCorrection) -> list[ClientState | None]:
     """A checkpoint's client states, where a client marked ``rebuild`` (its actor could not be placed when the
     checkpoint was written) starts as a replaced actor's client does (the drift correction's rule,
     :meth:`~fdam_ray.algorithms.drift.DriftCorrection.replaced`: the global c of ``state``, a fresh sampler)."""
     typed = [None if s is None else ClientState.of(s) for s in states]  # (a mapping in the file's layout is read)
-    return [CONTROL_VARIATES.replaced(k, state) if s is not None and s.rebuild else s for k, s in enumerate(typed)]
+    return [drift.replaced(k, state) if s is not None and s.rebuild else s for k, s in enumerate(typed)]

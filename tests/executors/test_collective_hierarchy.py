@@ -23,7 +23,8 @@ from test_shared_block import STEP, _leftovers, _state, _update, reduce_round
 
 from fdam_ray.algorithms.server import PartialSum, RoundReducer
 from fdam_ray.executors.ray.transports import group, shared
-from fdam_ray.executors.ray.transports.group import GroupMember, _layout
+from fdam_ray.executors.ray.transports.collective_sums import layout
+from fdam_ray.executors.ray.transports.group import GroupMember
 from fdam_ray.executors.ray.transports.hierarchy import master_times, node_groups, simulate
 from fdam_ray.loop.state import GlobalState
 
@@ -105,18 +106,18 @@ def _driver_rounds(rounds: int, precision: str = "fp32") -> list[GlobalState]:
             for s in sums:
                 reducer.fold(s)
         else:
-            layout = _layout(state)
-            flats = [np.concatenate([getattr(s, name).reshape(-1) for name, _ in layout]) for s in sums]
+            order = layout(state)
+            flats = [np.concatenate([getattr(s, name).reshape(-1) for name, _ in order]) for s in sums]
             weights = [s.weight for s in sums]
             total_weight = sum(weights)
             residuals = residuals or [np.zeros(flats[0].size, np.float32) for _ in sums]
-            got = simulate(flats, precision, [master_times(state, layout, w, False) for w in weights],
-                           master_times(state, layout, total_weight, False), residuals)
+            got = simulate(flats, precision, [master_times(state, order, w, False) for w in weights],
+                           master_times(state, order, total_weight, False), residuals)
             whole = sums[0]
             for s in sums[1:]:
                 whole.merge(s)  # counters, weight and counts; the vectors are replaced below
             at = 0
-            for name, n in layout:
+            for name, n in order:
                 getattr(whole, name).reshape(-1)[:] = got[at:at + n]
                 at += n
             reducer.fold(whole)

@@ -20,6 +20,7 @@ from multinode import OBJECT_STORE_BYTES, add_loopback_node, multi_node_cluster,
 from raytest import FoldCounting, SlowClientSource
 from sample_clients import gaussian_clients
 
+from fdam_ray.algorithms.drift import DRIFT_CORRECTIONS
 from fdam_ray.assembly.recipe import federate, resume, run
 from fdam_ray.config import build_config
 from fdam_ray.data import make_source
@@ -337,7 +338,7 @@ def test_a_client_marked_for_a_rebuild_resumes_with_the_global_control_variate_a
     own, kept = payload.clients
     payload.clients[0] = {"client_id": 0, "rebuild": True}
     state = first.state
-    states = rebuilt_states(payload.clients, state)
+    states = rebuilt_states(payload.clients, state, DRIFT_CORRECTIONS["control_variates"])
     np.testing.assert_array_equal(states[0]["c_v"], state.c_v)
     np.testing.assert_array_equal(states[0]["c_alpha"], state.c_alpha)
     assert states[0]["sampler"] is None and states[1] is kept

@@ -29,7 +29,6 @@ import numpy as np
 import ray
 import torch
 
-from fdam_ray.algorithms.drift import CONTROL_VARIATES
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.data import AnySplit, DatasetSplit, Split
 from fdam_ray.data.base import set_host_cpus
@@ -234,15 +233,16 @@ class ClientShell(CompiledActor, CollectiveActor):
 
     def round_changes(self, round_index: int) -> tuple[np.ndarray, ...] | None:
         """The weighted sums over this actor's clients of round ``round_index`` of the change of c^k,
-        sum_k w_k (c^k_new - c^k_old) per control vector (the drift correction's
-        :meth:`~fdam_ray.algorithms.drift.ControlVariates.host_changes`): what the driver folds instead of the sums
-        of c^k when another client missed the deadline of a round that every client was asked to run. None
+        sum_k w_k (c^k_new - c^k_old) per control vector (their algorithm's drift correction's
+        :meth:`~fdam_ray.algorithms.drift.DriftCorrection.host_changes`): what the driver folds instead of the
+        sums of c^k when another client missed the deadline of a round that every client was asked to run. None
         without control variates."""
         kept_round, before = self._before
         if kept_round != round_index or not before:
             return None
-        return CONTROL_VARIATES.host_changes((self.clients[k].control_variate(), old.control, self.clients[k].weight)
-                                             for k, old in before.items())
+        hosted = [(self.clients[k], old) for k, old in before.items()]
+        drift = hosted[0][0].replica.algorithm.drift  # the clients' algorithm (one per run)
+        return drift.host_changes((client.control_variate(), old.control, client.weight) for client, old in hosted)
 
     def evaluate(self, state: GlobalState, client_ids: Sequence[int], split: str = "test",
                  bins: Binning | None = None) -> list[Scores | None] | list[ScoreHistogram | None]:

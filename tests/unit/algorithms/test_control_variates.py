@@ -2,7 +2,7 @@
 s.3b; s.8, R6, R7, R10).
 
 Everything here goes through the one place that owns the rule, the drift correction
-(:data:`fdam_ray.algorithms.drift.CONTROL_VARIATES`), and through the server's reducer that calls it. The oracle is
+(:data:`fdam_ray.algorithms.drift.CONTROL_VARIATES`), and through the server's reducer (:func:`server_c`). The oracle is
 written out in float64 below: in a round every client was asked to run c = sum_k w_k c^k / sum_k w_k; in a sampled
 or late round c <- c + sum_{k in S} w_k (c^k new - c^k old) / T, T the total weight of all K clients of the run
 (dropped ones included); a replaced client starts from c^k = c.
@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fdam_ray.algorithms.drift import CONTROL_VARIATES
-from fdam_ray.algorithms.server import PartialSum, RoundReducer
+from fdam_ray.algorithms.drift import CONTROL_VARIATES, DRIFT_CORRECTIONS
+from fdam_ray.algorithms.server import PartialSum, RoundReducer, server_c
 from fdam_ray.features.deadlines import as_sampled_round
 from fdam_ray.loop.federation import rebuilt_states
 from fdam_ray.loop.state import ClientState, ClientUpdate, GlobalState, StepStats, vector_names
@@ -87,11 +87,27 @@ def test_the_server_c_is_the_documented_float32_order():
     rng = np.random.default_rng(3)
     total, prev = rng.normal(size=N).astype(np.float32), rng.normal(size=N).astype(np.float32)
     inv = np.float32(1.0 / 3.0)
-    np.testing.assert_array_equal(CONTROL_VARIATES.server_c(total.copy(), prev, inv, None), total * inv)
+    np.testing.assert_array_equal(server_c(total.copy(), prev, inv, None), total * inv)
     want = (total * np.float32(1.0 / 7.5)) + prev
-    np.testing.assert_array_equal(CONTROL_VARIATES.server_c(total.copy(), prev, inv, 7.5), want)
+    np.testing.assert_array_equal(server_c(total.copy(), prev, inv, 7.5), want)
     with pytest.raises(ValueError, match="previous global control variate"):
-        CONTROL_VARIATES.server_c(total.copy(), None, inv, 7.5)
+        server_c(total.copy(), None, inv, 7.5)
+
+
+def test_without_control_variates_the_rule_finds_nothing_to_do():
+    """The rule is every drift correction's (reached through the algorithm's): without control variates a host
+    has no changes to send, a late round's sums stay as folded, a kept state stays as it is."""
+    none = DRIFT_CORRECTIONS["none"]
+    state = GlobalState(np.ones(N, np.float32), np.ones(M, np.float32), np.zeros(0, np.float32),
+                        np.zeros(0, np.int64))
+    assert none.host_changes([(None, None, None)]) is None
+    assert none.total_weight(K, WEIGHTS["samples"]) == CONTROL_VARIATES.total_weight(K, WEIGHTS["samples"])
+    red = RoundReducer(state, global_lr=1.0, alpha_nonnegative=False, control_variates=False)
+    none.as_sampled(red, [], float(K))
+    assert red.partial_total is None
+    kept = ClientState(2)
+    assert none.zeroed(kept) is kept and kept.control is None
+    assert none.replaced(0, state).control is None
 
 
 @pytest.mark.parametrize("weighting", WEIGHTS)
@@ -151,7 +167,7 @@ def test_a_late_client_leaves_c_as_a_client_left_out_of_a_sampled_round(weightin
             part.fold(update(state, k, new[k]), None if weights is None else float(weights[k]))
         red.fold(part)
     total = CONTROL_VARIATES.total_weight(K, weights)
-    as_sampled_round(red, Hosts(hosts, new, old, weights), 1, total)
+    as_sampled_round(red, Hosts(hosts, new, old, weights), 1, total, CONTROL_VARIATES)
     assert red.partial_total == total
     made = [k for ids in hosts for k in ids]
     close(red.finish(steps=1), oracle_partial((state.c_v, state.c_alpha), {k: new[k] for k in made},
@@ -183,7 +199,7 @@ def test_a_round_without_control_variates_is_left_as_it_is_when_a_client_is_late
         def round_changes(self, round_index):
             raise AssertionError("not asked without control variates")
 
-    as_sampled_round(red, Refuses(), 1, float(K))
+    as_sampled_round(red, Refuses(), 1, float(K), CONTROL_VARIATES)
     assert red.partial_total is None
 
 
@@ -218,7 +234,7 @@ def test_a_replaced_client_starts_from_the_global_c(sampled):
 def test_a_resumed_client_marked_for_a_rebuild_is_a_replaced_client():
     state = rng_state(20)
     kept = ClientState(1, (np.ones(N, np.float32), np.ones(M, np.float32)), {"pos": 3})
-    states = rebuilt_states([ClientState(0, rebuild=True), kept, None], state)
+    states = rebuilt_states([ClientState(0, rebuild=True), kept, None], state, CONTROL_VARIATES)
     assert states[1] is kept and states[2] is None
     assert states[0] is not None and states[0].sampler is None and not states[0].rebuild
     np.testing.assert_array_equal(states[0]["c_v"], state.c_v)

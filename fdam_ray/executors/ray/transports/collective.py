@@ -83,13 +83,11 @@ from fdam_ray.algorithms.server import ServerStep
 from fdam_ray.executors.base import RoundsRun
 from fdam_ray.executors.errors import ClientError
 from fdam_ray.executors.ray import compat
-from fdam_ray.executors.ray.placement import node_addresses
 from fdam_ray.executors.ray.transports.base import Round, Transport
+from fdam_ray.executors.ray.transports.collective_backend import choose_backend, store_host
 from fdam_ray.executors.ray.transports.collective_messages import RoundShare, RunShare, state_key
-from fdam_ray.executors.ray.transports.device_block import DEVICE, device_block_usable
 from fdam_ray.executors.ray.transports.hierarchy import BACKEND as HIERARCHICAL
 from fdam_ray.executors.ray.transports.hierarchy import spec as hierarchical_spec
-from fdam_ray.executors.ray.transports.shared import supported as shared_memory_supported
 from fdam_ray.features.capabilities import CAPABILITIES
 from fdam_ray.loop.state import ClientInfo, GlobalState, RoundPlan
 
@@ -421,14 +419,6 @@ class CollectiveTransport(Transport):
                   ", ".join(map(str, members)), backend, host, port)
         return {}
 
-    def _host(self, members: list[int]) -> str:
-        """Where the group's store listens: the loopback when every member is on one node, else the lowest
-        rank's node address."""
-        nodes = {self.fleet.where_of.get(a, {}).get("node_id") for a in members}
-        if len(nodes) == 1:
-            return "127.0.0.1"
-        return node_addresses().get(self.fleet.where_of.get(members[0], {}).get("node_id", ""), "") or "127.0.0.1"
-
     def takes_transfer(self, precision: str, error_feedback: bool) -> bool:
         """Yes: the members hold the exact state (nothing rounded going down); the nodes' leaders round what
         they send each other (:mod:`.hierarchy`)."""
@@ -436,27 +426,10 @@ class CollectiveTransport(Transport):
         return True
 
     def _backend(self, members: list[int]) -> str:
-        """NCCL when every member holds a GPU and no two share one (NCCL takes one rank per GPU); else, with
-        ``collective_backend: auto``, when the machine supports shared memory
-        (:func:`~fdam_ray.executors.ray.transports.shared.supported`), ``shm`` when every member is on one node and
-        ``hier`` when they span several (:mod:`.hierarchy`); with ``collective_backend: device`` and every member
-        on one GPU, ``device`` (:mod:`.device_block`: CUDA IPC handles, not host memory); else gloo."""
-        wheres = [self.fleet.where_of.get(a, {}) for a in members]
-        gpus = [(w.get("node_id"), tuple(w.get("gpu_ids") or ())) for w in wheres
-                if str(w.get("device", "cpu")).startswith("cuda") and w.get("gpu_ids")]
-        if len(gpus) == len(members) and len(set(gpus)) == len(gpus):
-            return "nccl"
-        one_node = len({w.get("node_id") for w in wheres}) == 1
-        if self.config.collective_backend == DEVICE:
-            ids = [f"cuda/{w.get('node_id')}/{tuple(w.get('gpu_ids') or ())}"
-                   if str(w.get("device", "cpu")).startswith("cuda") else f"cpu/{w.get('node_id')}" for w in wheres]
-            if device_block_usable(ids, cuda_available=True):
-                return DEVICE
-            log.warning("collective_backend=device needs every actor on one GPU (they are on %d devices, %s); "
-                        "reducing as with auto", len(set(ids)), "GPUs" if ids[0].startswith("cuda") else "CPUs")
-        if self.config.collective_backend in ("auto", DEVICE) and shared_memory_supported():
-            return "shm" if one_node else HIERARCHICAL
-        return "gloo"
+        return choose_backend([self.fleet.where_of.get(a, {}) for a in members], self.config.collective_backend)
+
+    def _host(self, members: list[int]) -> str:
+        return store_host([self.fleet.where_of.get(a, {}) for a in members])
 
     def _forget(self) -> None:
         """Drop the group on the driver's side (the members leave it when they join the next one, or end)."""

@@ -20,7 +20,8 @@ member: a small float64 one in which each member writes its own slot (its
 weight, client count, bytes, a failure flag and its integer buffers; sums of
 one non-zero term per slot, so exact), and one float32 all-reduce of the
 summed vectors (v, alpha, BatchNorm statistics, control variates; every
-vector but those combined by max) laid end to end in one buffer. A round in
+vector but those combined by max) laid end to end in one buffer (both laid
+out by :mod:`.collective_sums`). A round in
 which a member flagged a failure is discarded. The member's own partial sum is copied into that buffer rather than
 reduced in place: a round whose all-reduce breaks is finished from the kept
 partial sums (:meth:`~.collective_actor.CollectiveActor.collective_round`
@@ -44,43 +45,20 @@ import torch
 
 from fdam_ray.algorithms.server import PartialSum, ServerStep, same_shapes
 from fdam_ray.executors.ray.transports.collective_messages import RoundShare, state_key
+from fdam_ray.executors.ray.transports.collective_sums import (
+    finish_slice,
+    is_buffer,
+    layout,
+    member_row,
+    pack,
+    reduced_sums,
+)
 from fdam_ray.executors.ray.transports.device_block import DEVICE, DeviceBlock
 from fdam_ray.executors.ray.transports.hierarchy import BACKEND, Leaders, NodeLink, Place, parse, slice_of
 from fdam_ray.executors.ray.transports.shared import SharedBlock, SharedBroken
-from fdam_ray.loop.state import GlobalState, RoundPlan, Rule, vector_fields
+from fdam_ray.loop.state import GlobalState, RoundPlan
 
 log = logging.getLogger(__name__)
-
-_SLOTS = 6  # float64 slots per member before its integer buffers: weight, count, bytes, failed, diverged
-# (a client's update or loss not finite), stale (the state this round started from is not finite)
-
-
-def _pack(mine: PartialSum, layout: list[tuple[str, int]], into: np.ndarray) -> None:
-    """Copy ``mine``'s summed vectors end to end into ``into``, in ``layout``'s order."""
-    at = 0
-    for name, n in layout:
-        into[at:at + n] = getattr(mine, name).reshape(-1)
-        at += n
-
-
-def _is_buffer(x: np.ndarray | None, buffer: np.ndarray) -> bool:
-    """Whether ``x`` is exactly ``buffer`` (same start, same length)."""
-    return x is not None and x.size == buffer.size and x.ctypes.data == buffer.ctypes.data
-
-
-def _layout(state: GlobalState) -> list[tuple[str, int]]:
-    """The summed vectors of a round from ``state`` (name, length), in the flat buffer's order."""
-    out = []
-    for f in vector_fields():
-        rule = f.metadata["rule"]
-        if rule is Rule.MAX:
-            continue
-        like = getattr(state, f.metadata["corrects"]) if rule is Rule.CONTROL else getattr(state, f.name)
-        if rule is Rule.CONTROL and state.c_v is None:
-            continue
-        out.append((f.name, int(like.size)))
-    return out
-
 
 class GroupMember:
     """One actor in the collective group: rank, process group, the reduce buffers and the held global state."""
@@ -231,25 +209,17 @@ class GroupMember:
         applied)."""
 
         world, rank = self.world, self.rank
-        layout = _layout(state)
-        counters = state.counters.size
-        small = np.zeros(world * (_SLOTS + counters), dtype=np.float64)
+        order = layout(state)
+        small = member_row(mine, rank, world, state.counters.size, stale)
         mine_stats = [] if mine is None else list(mine.stats)
-        if mine is None:
-            small[3 * world + rank] = 1.0
-        else:
-            small[rank], small[world + rank], small[2 * world + rank] = mine.weight, mine.count, mine.bytes_up
-            small[4 * world + rank] = not all(s.finite and math.isfinite(s.loss) for s in mine.stats)
-            small[_SLOTS * world + rank * counters:_SLOTS * world + (rank + 1) * counters] = mine.counters
-        small[5 * world + rank] = stale
-        size = sum(n for _, n in layout)
+        size = sum(n for _, n in order)
         if self.shared:
-            return self._reduce_shared(mine, state, plan, partial_total, token, small, layout, size, in_place)
+            return self._reduce_shared(mine, state, plan, partial_total, token, small, order, size, in_place)
         mine_flat = mine.flat if in_place and mine is not None else None
         own = mine_flat is not None and mine_flat.size == size
         flat = mine_flat if own and mine_flat is not None else self._buffer(size)
         if mine is not None and not own:
-            _pack(mine, layout, flat)
+            pack(mine, order, flat)
         try:
             if token:  # a round at a time: the driver reads who arrived when one is late
                 self.store.set(f"{token}/{rank}", "1")
@@ -261,7 +231,7 @@ class GroupMember:
             log.debug("the all-reduce of round %d broke: %s", plan.round, why)
             self.leave()
             return RoundShare(mine_stats, broken=why)
-        total = self._total(flat, layout, small, state)
+        total = reduced_sums(flat, order, small, state, world)
         diverged, stale = bool(small[4 * world:5 * world].any()), bool(small[5 * world:6 * world].any())
         share = RoundShare(mine_stats, None, total if rank == 0 and not in_place else None, count=total.count,
                            bytes_up=total.bytes_up, diverged=diverged, stale=stale)
@@ -275,7 +245,7 @@ class GroupMember:
         return share
 
     def _reduce_shared(self, mine: PartialSum | None, state: GlobalState, plan: RoundPlan,
-                       partial_total: float | None, token: str, small: np.ndarray, layout: list[tuple[str, int]],
+                       partial_total: float | None, token: str, small: np.ndarray, order: list[tuple[str, int]],
                        size: int, in_place: bool) -> RoundShare:
         """:meth:`reduce` through the group's shared-memory block (backend ``shm``, see :mod:`.shared`): the
         members' sums in rank order, each member's slice finished by it (``in_place``: the new state is then
@@ -291,15 +261,15 @@ class GroupMember:
             block = self._block_for(size, small.size)
             if block is None:  # no room in /dev/shm: this group reduces over gloo from here on
                 return self.reduce(mine, state, plan, partial_total, token, bool(small[5 * world + rank]), in_place)
-            if mine is not None and not _is_buffer(mine.flat, block.slot):
-                _pack(mine, layout, block.slot)
+            if mine is not None and not is_buffer(mine.flat, block.slot):
+                pack(mine, order, block.slot)
             block.put_row(small)
             block.barrier()
             small = block.sum_rows()
             summed: np.ndarray | None = None  # backend hier: the sums over every node, in the block
             if self.nodes is not None:
                 summed = block.result_for(state.v)
-                small = self.nodes.round(block, small, summed, state, layout, world, plan.partial,
+                small = self.nodes.round(block, small, summed, state, order, world, plan.partial,
                                          lambda rows: self._goes_on(rows, in_place))
             if small[3 * world:4 * world].any():
                 return RoundShare(mine_stats, broken="a member failed in its local round")
@@ -311,9 +281,9 @@ class GroupMember:
                 start, stop = self.my_slice(size) if self.nodes is None else self.nodes.my_slice(size)
                 if summed is None:
                     block.reduce_slice(out, start, stop)
-                total = self._total(out, layout, small, state)
+                total = reduced_sums(out, order, small, state, world)
                 if in_place:
-                    finished = self._finish_slice(state, total, layout, start, stop, plan.steps, partial_total)
+                    finished = self._finish_slice(state, total, order, start, stop, plan.steps, partial_total)
                 block.barrier()
         except (SharedBroken, OSError, RuntimeError) as exc:  # a member died, left or is late (gloo's set-up
             # barriers raise RuntimeError on a timeout): the group is broken
@@ -384,7 +354,7 @@ class GroupMember:
         """Backend ``shm``, inside a run of rounds: a flat partial sum over this member's slot of the block, so
         the member's fold writes where the others read (None: no block for states like ``state`` yet)."""
         block = self.block
-        if block is None or sum(n for _, n in _layout(state)) != block.n:
+        if block is None or sum(n for _, n in layout(state)) != block.n:
             return None
         kept = self._slot_partial
         if kept is None or not kept.fits(state):
@@ -392,31 +362,12 @@ class GroupMember:
                                                          buffer=block.slot)
         return kept
 
-    def _finish_slice(self, state: GlobalState, total: PartialSum, layout: list[tuple[str, int]], start: int,
+    def _finish_slice(self, state: GlobalState, total: PartialSum, order: list[tuple[str, int]], start: int,
                       stop: int, steps: int, partial_total: float | None) -> GlobalState:
-        """The server step on this member's slice ``start:stop`` of the summed vectors, in ``total``'s buffers
-        (the step is elementwise; its scalars come from the whole round's weights); the new global state: views
-        of ``total``'s buffers, whole once every member has finished its slice."""
+        """The server step on this member's slice ``start:stop`` of the round's sums, in ``total``'s buffers
+        (:func:`~.collective_sums.finish_slice`)."""
         assert self.step is not None
-        spans, at = {}, 0
-        for name, n in layout:
-            spans[name] = (min(max(start - at, 0), n), min(max(stop - at, 0), n))
-            at += n
-        sums: dict[str, np.ndarray | None] = {}
-        prev: dict[str, np.ndarray | None] = {}
-        for f in vector_fields():
-            x, p = getattr(total, f.name), getattr(state, f.name)
-            if f.name in spans and x is not None:
-                lo, hi = spans[f.name]
-                sums[f.name] = x.reshape(-1)[lo:hi]
-                prev[f.name] = None if p is None else p.reshape(-1)[lo:hi]
-            else:
-                sums[f.name], prev[f.name] = x, p
-        part = PartialSum.from_vectors(sums, weight=total.weight, count=total.count, bytes_up=total.bytes_up)
-        done = self.step.apply(GlobalState.from_vectors(prev, round=state.round, iteration=state.iteration), part,
-                               steps, partial_total, in_place=True)
-        whole = {f.name: None if getattr(done, f.name) is None else getattr(total, f.name) for f in vector_fields()}
-        return GlobalState.from_vectors(whole, round=done.round, iteration=done.iteration)
+        return finish_slice(self.step, state, total, order, start, stop, steps, partial_total)
 
     def my_slice(self, n: int, rank: int | None = None) -> tuple[int, int]:
         """This member's share (or ``rank``'s) of an ``n``-long vector: contiguous, in rank order (the last ones
@@ -435,27 +386,6 @@ class GroupMember:
             if x.size and not math.isfinite(float(np.dot(x, x))) and not np.isfinite(x).all():
                 return False
         return True
-
-    def _total(self, flat: np.ndarray, layout: list[tuple[str, int]], small: np.ndarray,
-               state: GlobalState) -> PartialSum:
-        """The reduced sums as a partial sum (views of ``flat``), weights added in rank order (the driver's
-        order of folding the actors' sums)."""
-        world, counters = self.world, state.counters.size
-        vectors: dict[str, np.ndarray | None] = dict.fromkeys(f.name for f in vector_fields())
-        shaped_as = {f.name: f.metadata["corrects"] or f.name for f in vector_fields()}  # c: as what it corrects
-        at = 0
-        for name, n in layout:
-            like = getattr(state, shaped_as[name])
-            vectors[name] = flat[at:at + n].reshape(like.shape)
-            at += n
-        rows = small[_SLOTS * world:].reshape(world, counters)
-        vectors["counters"] = np.maximum(rows.max(axis=0), 0).astype(np.int64).reshape(state.counters.shape) \
-            if counters else np.zeros_like(state.counters, dtype=np.int64)
-        weight = 0.0
-        for r in range(world):
-            weight += float(small[r])
-        return PartialSum.from_vectors(vectors, weight=weight, count=int(small[world:2 * world].sum()),
-                                       bytes_up=int(small[2 * world:3 * world].sum()), stats=[])
 
     def _server_sums(self, like: PartialSum) -> PartialSum:
         """The next of the two sets of server-step sums (made again when shapes change); never the one whose
