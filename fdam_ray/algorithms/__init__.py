@@ -18,7 +18,7 @@ vectors in :mod:`fdam_ray.loop.state`.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from fdam_ray.algorithms.base import Algorithm, Preset
 from fdam_ray.algorithms.local import LocalSolver
@@ -26,9 +26,6 @@ from fdam_ray.algorithms.presets import PRESETS
 from fdam_ray.algorithms.server import PartialSum, RoundReducer
 from fdam_ray.algorithms.stages import ServerState
 from fdam_ray.settings.sections import AT_LEAST_ONE, FRACTION, NONNEGATIVE, POSITIVE, Section, fail, setting
-
-if TYPE_CHECKING:
-    from fdam_ray.loop.client import ClientSection
 
 __all__ = ["PRESETS", "Algorithm", "AlgorithmSection", "LocalSolver", "PartialSum", "Preset", "RoundReducer",
            "ServerState", "build_algorithm"]
@@ -78,9 +75,20 @@ class AlgorithmSection(Section):
                        f"at most num_clients = {self.num_clients}, or null for all")
 
 
-def build_algorithm(section: AlgorithmSection | ClientSection) -> Algorithm:
-    """The algorithm a config section names, built as its family's class with the hyperparameters the section
-    carries (a client's section has no server fields: those keep their neutral defaults)."""
+class NamesAlgorithm(Protocol):
+    """A section that names an algorithm: the algorithm's own, or a client's (which shares its fields)."""
+
+    @property
+    def algorithm(self) -> str: ...
+
+    @property
+    def objective(self) -> str | None: ...
+
+
+def build_algorithm(section: NamesAlgorithm) -> Algorithm:
+    """The algorithm a config section names (the algorithm's section, or a client's), built as its family's class
+    with the hyperparameters the section carries (a client's section has no server fields: those keep their
+    neutral defaults)."""
     if section.objective is None:
         raise ValueError("the algorithm section has no objective (build the config with build_config)")
     chosen = PRESETS[section.algorithm]

@@ -22,6 +22,14 @@ CFG = dict(model="linear", batch_size="full", eval_every=1000, seed=0, executor=
 
 
 @pytest.fixture(scope="module")
+
+def replayed(where, config):
+    """read_record of ``where`` checked against the run of ``config`` (its two sections cut as the assembly does)."""
+    from fdam_ray.features.deadlines import ReplaySection
+    from fdam_ray.loop.schedules import ScheduleSection
+
+    return read_record(where, ReplaySection.of(config), ScheduleSection.of(config))
+
 def recorded(tmp_path_factory):
     """A saved run of 3 clients, 4 rounds, without a deadline (its checkpoint is forged into each case's record)."""
     out = tmp_path_factory.mktemp("record")
@@ -62,7 +70,7 @@ def this_run(**changes):
 def test_a_damaged_or_foreign_record_is_one_line_naming_the_round(recorded, tmp_path, participation, match):
     where = forge(recorded, tmp_path, participation)
     with pytest.raises(ValueError, match=r"^config field 'participation_record': .*" + match) as info:
-        read_record(where, this_run())
+        replayed(where, this_run())
     assert "\n" not in str(info.value)
 
 
@@ -75,7 +83,7 @@ def test_a_damaged_or_foreign_record_is_one_line_naming_the_round(recorded, tmp_
 def test_a_record_of_other_sampling_or_clients_is_refused(recorded, tmp_path, config, run, match):
     where = forge(recorded, tmp_path, {"2": [0]}, **config)
     with pytest.raises(ValueError, match=r"^config field 'participation_record': .*" + match):
-        read_record(where, this_run(**run))
+        replayed(where, this_run(**run))
 
 
 def test_a_set_outside_the_rounds_sample_is_refused(recorded, tmp_path):
@@ -86,23 +94,23 @@ def test_a_set_outside_the_rounds_sample_is_refused(recorded, tmp_path):
     where = forge(recorded, tmp_path, {"2": [outside]}, clients_per_round=2)
     said = rf"round 2 names client {outside}, not in the round's sample {re.escape(str(sample))}"
     with pytest.raises(ValueError, match=said):
-        read_record(where, this_run(clients_per_round=2))
+        replayed(where, this_run(clients_per_round=2))
     inside = forge(recorded, tmp_path / "ok", {"2": [sample[0]]}, clients_per_round=2)
-    assert read_record(inside, this_run(clients_per_round=2)) == {2: [sample[0]]}
+    assert replayed(inside, this_run(clients_per_round=2)) == {2: [sample[0]]}
 
 
 def test_a_run_without_a_deadline_has_no_record_to_replay(recorded):
     with pytest.raises(ValueError, match=r"^config field 'participation_record': .* ran without round_deadline: "
                                          r"every round ran its plan, so it recorded nothing"):
-        read_record(str(recorded), this_run())
+        replayed(str(recorded), this_run())
 
 
 def test_an_empty_record_of_a_deadline_run_and_rounds_past_this_run_are_said(recorded, tmp_path, caplog):
     empty = forge(recorded, tmp_path, {})
     longer = forge(recorded, tmp_path / "b", {"1": [0, 2], "4": [1]})
     with caplog.at_level(logging.WARNING, logger="fdam_ray.features.deadlines"):
-        assert read_record(empty, this_run()) == {}
-        assert read_record(longer, this_run(iterations=4)) == {1: [0, 2], 4: [1]}  # 2 rounds: round 4 is not run
+        assert replayed(empty, this_run()) == {}
+        assert replayed(longer, this_run(iterations=4)) == {1: [0, 2], 4: [1]}  # 2 rounds: round 4 is not run
     text = caplog.text
     assert "no client missed a deadline" in text and "forces nothing" in text
     assert "round 4 is past this run's last round 2" in text
@@ -110,7 +118,7 @@ def test_an_empty_record_of_a_deadline_run_and_rounds_past_this_run_are_said(rec
 
 def test_a_valid_record_reads_as_before(recorded, tmp_path):
     where = forge(recorded, tmp_path, {"1": [0, 2], "3": [1]})
-    assert read_record(where) == read_record(where, this_run()) == {1: [0, 2], 3: [1]}
+    assert read_record(where) == replayed(where, this_run()) == {1: [0, 2], 3: [1]}
 
 
 @pytest.mark.parametrize("participation, match", [

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
 from fdam_ray.algorithms.server import PartialSum
-from fdam_ray.executors.ray.transports.compiled import patient_reads
+from fdam_ray.executors.ray.transports.patience import patient_reads
 
 if TYPE_CHECKING:
     from fdam_ray.features.transfer import Broadcast, CompressedSum
