@@ -21,8 +21,6 @@ CFG = dict(model="linear", batch_size="full", eval_every=1000, seed=0, executor=
            local_steps=2, dataset="arrays", num_clients=3)  # 4 rounds
 
 
-@pytest.fixture(scope="module")
-
 def replayed(where, config):
     """read_record of ``where`` checked against the run of ``config`` (its two sections cut as the assembly does)."""
     from fdam_ray.features.deadlines import ReplaySection
@@ -30,6 +28,8 @@ def replayed(where, config):
 
     return read_record(where, ReplaySection.of(config), ScheduleSection.of(config))
 
+
+@pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     """A saved run of 3 clients, 4 rounds, without a deadline (its checkpoint is forged into each case's record)."""
     out = tmp_path_factory.mktemp("record")
