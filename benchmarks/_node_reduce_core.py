@@ -29,15 +29,15 @@ from ray.cluster_utils import Cluster
 from round_overhead import WideSource
 
 from fdam_ray.algorithms import AlgorithmSection, build_algorithm
+from fdam_ray.clients.client import Replica
 from fdam_ray.config import build_config
+from fdam_ray.core.state import RoundPlan
 from fdam_ray.executors.base import ExecutorSetup
+from fdam_ray.executors.deadlines import Deadline
 from fdam_ray.executors.ray.compat import loopback_node
 from fdam_ray.executors.ray.executor import RayExecutor
 from fdam_ray.executors.ray.transports import transport_for
-from fdam_ray.features.deadlines import Deadline
-from fdam_ray.features.transfer import Downlink
-from fdam_ray.loop.client import Replica
-from fdam_ray.loop.state import RoundPlan
+from fdam_ray.executors.transfer import Downlink
 from fdam_ray.settings.sections import ConfigError
 
 LOOPBACK = "127.0.0.1"

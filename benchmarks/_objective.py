@@ -14,9 +14,9 @@ import math
 import numpy as np
 import torch
 
+from fdam_ray.clients.client import Replica
 from fdam_ray.data import Split
 from fdam_ray.executors.base import Executor
-from fdam_ray.loop.client import Replica
 from fdam_ray.models import build_model
 
 

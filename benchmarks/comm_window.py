@@ -160,9 +160,9 @@ def pairing_fingerprint(spec: dict) -> dict[str, str]:
     """
     import torch
 
+    from fdam_ray.clients.client import Client, ClientSection
     from fdam_ray.config import build_config
     from fdam_ray.data.base import Split
-    from fdam_ray.loop.client import Client, ClientSection
 
     cfg = build_config({**C.RUN_DEFAULTS, **{k: v for k, v in spec.items() if not k.startswith("_")}})
     source = C._cached_source(cfg)

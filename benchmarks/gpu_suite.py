@@ -50,8 +50,8 @@ import gpu_throughput as G
 import numpy as np
 import torch
 
+from fdam_ray.clients.client import resolve_device
 from fdam_ray.executors.base import ExecutorSetup
-from fdam_ray.loop.client import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -213,10 +213,10 @@ def collective_round(spec: dict, device: torch.device) -> dict:
     from round_overhead import WideSource, executor_rounds
 
     from fdam_ray.algorithms import AlgorithmSection, build_algorithm
+    from fdam_ray.clients.client import Replica
     from fdam_ray.config import build_config
     from fdam_ray.executors.ray.compat import start_loopback_ray
     from fdam_ray.executors.ray.executor import RayExecutor
-    from fdam_ray.loop.client import Replica
 
     k, n = spec["clients"], spec["floats"]
     gpu = device.type == "cuda"

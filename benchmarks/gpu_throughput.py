@@ -43,11 +43,11 @@ from multi_source import _as_text, _fixtures, _labels
 from step_overhead import BareLoop, make_data
 
 import fdam_ray
+from fdam_ray.clients.client import Client, resolve_device
 from fdam_ray.config import build_config
+from fdam_ray.core.state import RoundPlan
 from fdam_ray.data.arrays import ArraysSource
 from fdam_ray.executors.ray.compat import start_loopback_ray
-from fdam_ray.loop.client import Client, resolve_device
-from fdam_ray.loop.state import RoundPlan
 
 LR = 0.05
 TARGETS = {"client_vs_bare": 0.95, "shared_gpu_ratio": 0.9, "pipeline_ratio": 0.9}

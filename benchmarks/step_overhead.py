@@ -26,10 +26,10 @@ import _common as C
 import numpy as np
 import torch
 
+from fdam_ray.clients.client import Client
 from fdam_ray.config import build_config
+from fdam_ray.core.state import RoundPlan
 from fdam_ray.data.arrays import ArraysSource
-from fdam_ray.loop.client import Client
-from fdam_ray.loop.state import RoundPlan
 from fdam_ray.models import build_model
 from fdam_ray.objectives import Objective
 

@@ -29,10 +29,10 @@ import raytest
 from sample_clients import gaussian_clients
 
 from fdam_ray.config import build_config
+from fdam_ray.core.state import RoundPlan
 from fdam_ray.data.arrays import ArraysSource
 from fdam_ray.executors.base import ExecutorSetup
 from fdam_ray.executors.ray.executor import RayExecutor
-from fdam_ray.loop.state import RoundPlan
 
 RESULTS = Path(__file__).resolve().parent / "results" / "stragglers.md"
 

@@ -7,7 +7,7 @@ is trained with ``transfer_precision`` fp32, bf16 and bf16 with
 ``error_feedback``, on paired seeds: a seed fixes the partition, the initial
 weights and every minibatch, so the runs of one seed differ only in the
 rounding of the transfers. The inline executor applies the rounding a Ray run's
-transfers take (fdam_ray/features/transfer.py), so the AUCs are those of a Ray run.
+transfers take (fdam_ray/executors/transfer.py), so the AUCs are those of a Ray run.
 Reported: the final test AUC per variant, and the paired differences
 d_s = AUC(variant, s) - AUC(fp32, s) with their mean, spread (sample std), root mean square and
 largest |d_s|; the bar is |d_s| <= 0.003 on every seed.

@@ -13,7 +13,8 @@ if TYPE_CHECKING:
     from fdam_ray.api import load_model, train, train_arrays, train_datasets
     from fdam_ray.assembly.recipe import resume, run
     from fdam_ray.config import Config, ConfigError, build_config
-    from fdam_ray.loop.federation import DivergenceError, RunResult
+    from fdam_ray.loop.federation import DivergenceError
+    from fdam_ray.loop.summary import RunResult
 
 # The public names, imported when first used: `fdam` reads and checks its command line and config file before
 # torch is imported (seconds on a loaded machine).

@@ -24,7 +24,7 @@ from fdam_ray.features.sites import client_label
 from fdam_ray.files.torchload import safe_load, torch_load_failure
 from fdam_ray.files.yamlfile import read_yaml_file
 from fdam_ray.loop.evaluation import one_class_problems
-from fdam_ray.loop.federation import RunResult
+from fdam_ray.loop.summary import RunResult
 from fdam_ray.models import (
     BUILDERS,
     MAX_TASKS,

@@ -23,7 +23,7 @@ from fdam_ray.settings.sections import ConfigError
 # the config module, whose sections import it) is imported, which takes tens of seconds on a loaded machine.
 
 if TYPE_CHECKING:
-    from fdam_ray.loop.federation import RunResult
+    from fdam_ray.loop.summary import RunResult
 
 
 def _version() -> str:

@@ -29,20 +29,20 @@ import yaml
 from fdam_ray.algorithms import AlgorithmSection
 from fdam_ray.algorithms.local import LocalStepSection
 from fdam_ray.algorithms.presets import PRESETS, Preset
-from fdam_ray.assembly.pretrain_section import PretrainSection
+from fdam_ray.clients.client import ClientSection
+from fdam_ray.core.schedules import ScheduleSection
 from fdam_ray.data.balanced import SamplingSection
 from fdam_ray.data.sections import CHESTXRAY_SOURCES, DATASET_NAMES, ChestXraySection, DataSection, SyntheticSection
 from fdam_ray.executors.base import ExecutorSection
+from fdam_ray.executors.deadlines import DeadlineSection, deadline_value
 from fdam_ray.executors.ray_section import RaySection, resource_list
-from fdam_ray.features.deadlines import DeadlineSection, deadline_value
+from fdam_ray.executors.transfer import TransferSection
 from fdam_ray.features.precision import PrecisionSection
 from fdam_ray.features.sites import SiteSection
-from fdam_ray.features.transfer import TransferSection
 from fdam_ray.files.versions import VERSIONS_KEY
 from fdam_ray.files.yamlfile import read_yaml_file
-from fdam_ray.loop.client import ClientSection
 from fdam_ray.loop.evaluation import ValidationSection
-from fdam_ray.loop.schedules import ScheduleSection
+from fdam_ray.loop.pretrain_section import PretrainSection
 from fdam_ray.models import MODEL_NAMES, ModelSection
 from fdam_ray.outputs import OutputSection
 from fdam_ray.privacy.section import PrivacySection
@@ -293,7 +293,7 @@ def _given(values: Mapping[str, Any] | None, overrides: Mapping[str, Any]) -> di
     # the `flower:` section is read by fdam_ray.flower (a consortium's settings); a simulation of the study checks it
     # (a broken one is the same study's error: one line naming the field) and then ignores it
     if values and "flower" in values:
-        from fdam_ray.flower.section import split_config  # imports no Flower
+        from fdam_ray.executors.flower_section import split_config  # imports no Flower
 
         split_config(values)
     values = {k: v for k, v in (values or {}).items() if k not in (VERSIONS_KEY, "flower")}

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from fdam_ray.loop.schedules import stagewise_lr
+from fdam_ray.core.schedules import stagewise_lr
 from fdam_ray.losses import AUCLoss
 from fdam_ray.objectives import number_argument, whole_argument
 from fdam_ray.settings.redact import short

@@ -41,8 +41,8 @@ def fresh_wandb_settings():
 @pytest.fixture(autouse=True)
 def store_reader_filters():
     """pytest's per-test capture of warnings drops filters set at import: the package's read-only-array filters
-    (fdam_ray.loop.state.reads_store_arrays) are set again for each test, as a run keeps them."""
-    from fdam_ray.loop.state import STORE_READERS, reads_store_arrays
+    (fdam_ray.core.state.reads_store_arrays) are set again for each test, as a run keeps them."""
+    from fdam_ray.core.state import STORE_READERS, reads_store_arrays
 
     for module in sorted(STORE_READERS):
         reads_store_arrays(module)

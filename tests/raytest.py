@@ -26,7 +26,7 @@ NUM_CPUS = 4  # logical CPUs; clients run one torch thread each, so 4 of them sh
 def first_state(executor, config, source):
     """Ready a started executor's clients for round 1 (p = 0.3, a first stage) and return the initial global
     state, with zero control variates."""
-    from fdam_ray.loop.client import Replica
+    from fdam_ray.clients.client import Replica
 
     state = Replica(config, source, device=torch.device("cpu")).flat.initial_state()
     state.c_v, state.c_alpha = np.zeros_like(state.v), np.zeros_like(state.alpha)

@@ -11,8 +11,8 @@
   (stage transitions, s.5), :mod:`.sampling` (client sampling and weights, s.3b).
 
 The objectives and p live in :mod:`fdam_ray.objectives` (s.1), the schedules'
-stage lengths and step sizes in :mod:`fdam_ray.loop.schedules` (s.5), the state
-vectors in :mod:`fdam_ray.loop.state`.
+stage lengths and step sizes in :mod:`fdam_ray.core.schedules` (s.5), the state
+vectors in :mod:`fdam_ray.core.state`.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ and fixed config values). The phases, and where each runs:
 - stage end (:meth:`Algorithm.end_stage`): the next proximal centre, control
   variates reset, and a family's own hook (CODA's closed-form alpha).
 
-What travels is the state vectors of :class:`fdam_ray.loop.state.StateVectors`;
+What travels is the state vectors of :class:`fdam_ray.core.state.StateVectors`;
 the drift correction decides whether the control variates are among them.
 Adding a family is one module that subclasses :class:`Algorithm`, overrides what
 differs and lists its presets, plus its import in :mod:`.presets`.
@@ -34,8 +34,8 @@ from fdam_ray.algorithms.local import LocalSolver
 from fdam_ray.algorithms.sampling import ClientSampler, client_weights
 from fdam_ray.algorithms.server import RoundReducer, ServerStep
 from fdam_ray.algorithms.stages import ServerState, after_round, after_rounds, coda_alpha, end_stage, init_server_state
-from fdam_ray.loop.flat import FlatModel
-from fdam_ray.loop.state import GlobalState, ScoreSums
+from fdam_ray.core.flat import FlatModel
+from fdam_ray.core.state import GlobalState, ScoreSums
 from fdam_ray.objectives import Objective
 
 AUC_OBJECTIVES = ("auc_square", "auc_margin")

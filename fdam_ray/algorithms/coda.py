@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fdam_ray.algorithms.base import AUC_OBJECTIVES, Algorithm, closed_form_stage_alpha, preset
-from fdam_ray.loop.state import ScoreSums
+from fdam_ray.core.state import ScoreSums
 
 
 class Coda(Algorithm):

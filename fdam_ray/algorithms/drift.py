@@ -30,7 +30,7 @@ and the state a replaced client starts from (:meth:`DriftCorrection.replaced`). 
 vectors a state carries, so without them (``none``) it finds nothing to do. How the server forms c from a
 round's sums is the reducer's (:func:`fdam_ray.algorithms.server.server_c`). A mechanism that transforms a
 client's change before aggregation (differential privacy: clip and noise) is a plug's client face
-(:mod:`fdam_ray.loop.client_face`), not a drift correction.
+(:mod:`fdam_ray.clients.face`), not a drift correction.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from fdam_ray.loop.flat import FlatModel
-from fdam_ray.loop.state import ClientState, GlobalState, Rule, StateVectors, vector_fields, vector_names
+from fdam_ray.core.flat import FlatModel
+from fdam_ray.core.state import ClientState, GlobalState, Rule, StateVectors, vector_fields, vector_names
 
 if TYPE_CHECKING:
     from fdam_ray.algorithms.server import RoundReducer

@@ -20,7 +20,7 @@ the stage's reference point (CODA+, CODASCA: ``proximal="stage"``) or the point
 the round started from (FedProx: ``proximal="round"``).
 
 The solver holds the math only: mixed precision and loss scaling wrap it from
-the replica that runs it (:meth:`fdam_ray.loop.client.TrainingReplica.train_step`).
+the replica that runs it (:meth:`fdam_ray.clients.client.TrainingReplica.train_step`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import numpy as np
 import torch
 
 from fdam_ray.algorithms.drift import ClientCorrection, ClientVariate
-from fdam_ray.loop.flat import FlatModel
-from fdam_ray.loop.state import GlobalState, reads_store_arrays, vector_names
+from fdam_ray.core.flat import FlatModel
+from fdam_ray.core.state import GlobalState, reads_store_arrays, vector_names
 from fdam_ray.objectives import Objective
 from fdam_ray.optim import dual_ascent_, heavy_ball_, primal_direction_
 from fdam_ray.settings.sections import Section, fail, setting, shared

@@ -30,7 +30,7 @@ import dataclasses
 
 import numpy as np
 
-from fdam_ray.loop.state import ClientUpdate, GlobalState, Rule, StateVectors, StepStats, vector_fields, vector_names
+from fdam_ray.core.state import ClientUpdate, GlobalState, Rule, StateVectors, StepStats, vector_fields, vector_names
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fdam_ray.loop.state import GlobalState, ScoreSums
+from fdam_ray.core.state import GlobalState, ScoreSums
 
 
 @dataclasses.dataclass

@@ -11,12 +11,12 @@ import torch
 from fdam_ray.algorithms import AlgorithmSection, build_algorithm
 from fdam_ray.assembly.plugs import run_plug
 from fdam_ray.config import Config
+from fdam_ray.core.schedules import ScheduleSection
 from fdam_ray.data import DataSource
 from fdam_ray.data.balanced import objective_positive_ratio
 from fdam_ray.executors.base import Executor, ExecutorSetup
-from fdam_ray.features.deadlines import ReplaySection, read_record
+from fdam_ray.executors.deadlines import ReplaySection, read_record
 from fdam_ray.loop.federation import Federation
-from fdam_ray.loop.schedules import ScheduleSection
 from fdam_ray.outputs import Observer, OutputSection
 from fdam_ray.outputs.trackers import TrackedRun
 from fdam_ray.privacy.section import PrivacySection

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from fdam_ray.clients.face import ClientFace
+from fdam_ray.core.schedules import ScheduleSection, planned_rounds
 from fdam_ray.features.sites import client_label
-from fdam_ray.loop.client_face import ClientFace
 from fdam_ray.loop.plug import Plug
-from fdam_ray.loop.schedules import ScheduleSection, planned_rounds
 from fdam_ray.privacy.driver import RunFacts, privacy_plug
 from fdam_ray.privacy.driver import site_face as privacy_site_face
 from fdam_ray.privacy.section import PrivacySection

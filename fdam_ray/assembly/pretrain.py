@@ -31,14 +31,14 @@ from typing import Any
 import torch
 import yaml
 
-from fdam_ray.assembly.pretrain_section import PretrainSection as PretrainSection  # the fields of stage 1
 from fdam_ray.assembly.weights import head_keys
+from fdam_ray.checkpoint import CheckpointError, write_atomically
+from fdam_ray.core.schedules import ScheduleSection
+from fdam_ray.core.state import RoundPlan
 from fdam_ray.data import DataSource
-from fdam_ray.features.deadlines import ReplaySection, read_record
+from fdam_ray.executors.deadlines import ReplaySection, read_record
 from fdam_ray.files.yamlfile import read_yaml_file
-from fdam_ray.loop.checkpoint import CheckpointError, write_atomically
-from fdam_ray.loop.schedules import ScheduleSection
-from fdam_ray.loop.state import RoundPlan
+from fdam_ray.loop.pretrain_section import PretrainSection as PretrainSection  # the fields of stage 1
 from fdam_ray.models import build_model
 from fdam_ray.outputs.observer import Observer, RunStart, Snapshot
 

@@ -20,7 +20,7 @@ in order:
    per evaluation, the experiment trackers the config names (:mod:`fdam_ray.outputs.trackers`)
    and any observer the caller adds (a Tune trial's reports);
 5. the :class:`~fdam_ray.loop.federation.Federation`, run from the start or from a
-   :class:`~fdam_ray.loop.checkpoint.Checkpoint`, which then holds the whole state:
+   :class:`~fdam_ray.checkpoint.Checkpoint`, which then holds the whole state:
    initial weights and pre-training are skipped.
 """
 
@@ -47,6 +47,8 @@ from fdam_ray.assembly.pretrain import (
     recipe_record,
 )
 from fdam_ray.assembly.weights import load_weights, read_weights
+from fdam_ray.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from fdam_ray.clients.client import resolve_device
 from fdam_ray.config import RENAMED_PER_ACTOR, RESUME_MAY_CHANGE, Config, ConfigError, build_config
 from fdam_ray.data import DataSource, make_source
 from fdam_ray.data.datasets import DatasetsSource, check_shippable, describe_client
@@ -58,10 +60,8 @@ from fdam_ray.executors.ray_section import RayExecutorSection
 from fdam_ray.features.interrupts import RunStopped
 from fdam_ray.files.runlock import check_not_in_use
 from fdam_ray.files.torchload import safe_load
-from fdam_ray.loop.checkpoint import Checkpoint, CheckpointError, load_checkpoint
-from fdam_ray.loop.client import resolve_device
-from fdam_ray.loop.federation import RunResult
 from fdam_ray.loop.one_at_a_time import one_federation_at_a_time
+from fdam_ray.loop.summary import RunResult
 from fdam_ray.models import model_name
 from fdam_ray.outputs import EvalCallback, Observer, Observers, OutputSection, Progress, RunFolder
 from fdam_ray.outputs.agreement import check_one_run, check_same_config
@@ -238,7 +238,7 @@ def run(
     progress: bool = False,
     initial_model_state: dict[str, torch.Tensor] | None = None,
 ) -> RunResult:
-    """Train one federation as ``config`` says and return its :class:`~fdam_ray.loop.federation.RunResult`.
+    """Train one federation as ``config`` says and return its :class:`~fdam_ray.loop.summary.RunResult`.
 
     Args:
         config: a validated :class:`fdam_ray.config.Config`.

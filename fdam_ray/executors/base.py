@@ -20,12 +20,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from fdam_ray.algorithms.server import PartialSum
-from fdam_ray.data import DataSource
-from fdam_ray.features.deadlines import DeadlineSection
-from fdam_ray.features.transfer import Downlink, TransferSection
-from fdam_ray.loop.client import ClientSection
-from fdam_ray.loop.client_face import NO_FACE, ClientFace
-from fdam_ray.loop.state import (
+from fdam_ray.clients.client import ClientSection
+from fdam_ray.clients.face import NO_FACE, ClientFace
+from fdam_ray.core.state import (
     ClientInfo,
     ClientState,
     GlobalState,
@@ -35,6 +32,9 @@ from fdam_ray.loop.state import (
     ScoreSums,
     StepStats,
 )
+from fdam_ray.data import DataSource
+from fdam_ray.executors.deadlines import DeadlineSection
+from fdam_ray.executors.transfer import Downlink, TransferSection
 from fdam_ray.scores.histogram import Binning
 from fdam_ray.settings.sections import AT_LEAST_ONE, NONNEGATIVE, Section, setting
 
@@ -87,12 +87,12 @@ class ExecutorSetup:
     Attributes:
         algorithm: the algorithm the federation built (client weights, the server step's settings).
         executor: the executor's own section (an instance of its class's :attr:`Executor.section`).
-        client: all that travels to a client (:class:`~fdam_ray.loop.client.ClientSection`).
+        client: all that travels to a client (:class:`~fdam_ray.clients.client.ClientSection`).
         transfer: what a transfer rounds (``transfer_precision``, ``error_feedback``).
         deadline: the round deadline and the fewest clients a round needs.
         run_config: the config's plain values (YAML types only), for an executor whose clients are built in
             processes of their own from them (a Flower site) and to tell one run from another.
-        face: a plug's client face (:mod:`fdam_ray.loop.client_face`), handed to every client as it is (the
+        face: a plug's client face (:mod:`fdam_ray.clients.face`), handed to every client as it is (the
             plug that does nothing: no face), put here by the plug (:meth:`fdam_ray.loop.plug.Plug.setup`).
     """
 
@@ -209,7 +209,7 @@ class Executor(abc.ABC):
     def round_changes(self, round_index: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """After a round of ``round_index`` that a client missed by its deadline: the weighted sums of the changes
         of c^k of the hosts that made it, in the order their partial sums were folded
-        (:func:`~fdam_ray.features.deadlines.as_sampled_round`). Only an executor with round deadlines has them."""
+        (:func:`~fdam_ray.executors.deadlines.as_sampled_round`). Only an executor with round deadlines has them."""
         raise NotImplementedError(f"{type(self).__name__} has no round deadlines (round_deadline needs executor=ray)")
 
     @abc.abstractmethod
@@ -217,7 +217,7 @@ class Executor(abc.ABC):
                  bins: Binning | None = None) -> list[Scores] | list[ScoreHistogram]:
         """Scores of ``state`` on the clients' own test splits, or with ``split="val"`` their validation parts
         (clients without one are left out); with ``bins`` (``test_scores: histogram``) each client's
-        :class:`~fdam_ray.loop.state.ScoreHistogram` instead (``Client.score_histogram``): no per-sample score
+        :class:`~fdam_ray.core.state.ScoreHistogram` instead (``Client.score_histogram``): no per-sample score
         or label leaves a client. ``bins`` (:class:`~fdam_ray.scores.histogram.Binning`: the number of bins and,
         on the driver's second pass, a score range per task) reaches every client unchanged."""
 

@@ -5,7 +5,7 @@ client code runs in the caller's process and thread, so ``breakpoint()``, a
 debugger or a profiler work in it. Its results are the reference the Ray
 executor is tested against.
 
-One :class:`~fdam_ray.loop.client.TrainingReplica` runs every client (each keeps its
+One :class:`~fdam_ray.clients.client.TrainingReplica` runs every client (each keeps its
 own shard, sampler position and control variate), so memory grows by a
 client's state, not by a model, per client. Updates are folded in the groups a
 Ray run with the same ``clients_per_actor`` folds them in (clients
@@ -32,12 +32,12 @@ import numpy as np
 import torch
 
 from fdam_ray.algorithms.server import PartialSum
+from fdam_ray.clients.client import Client, begin_stage_hosted, host_clients, resolve_device, run_hosted
+from fdam_ray.core.state import ClientInfo, ClientState, GlobalState, RoundPlan, ScoreHistogram, Scores, ScoreSums
 from fdam_ray.data import DataSource
 from fdam_ray.executors.base import Executor, ExecutorSection, ExecutorSetup, actor_groups
 from fdam_ray.executors.ray_section import RayExecutorSection, RaySection
-from fdam_ray.features.transfer import Downlink, attach_residual, compress, expand, residual_of, sent_nbytes
-from fdam_ray.loop.client import Client, begin_stage_hosted, host_clients, resolve_device, run_hosted
-from fdam_ray.loop.state import ClientInfo, ClientState, GlobalState, RoundPlan, ScoreHistogram, Scores, ScoreSums
+from fdam_ray.executors.transfer import Downlink, attach_residual, compress, expand, residual_of, sent_nbytes
 from fdam_ray.scores.histogram import Binning
 from fdam_ray.settings.sections import owned_fields
 
@@ -108,7 +108,7 @@ class InlineExecutor(Executor):
 
     def _run_rounded(self, state: GlobalState, plan: RoundPlan, fold: Callable[[PartialSum], None],
                      chosen: set[int] | None) -> None:
-        """The round with what a Ray run moves rounded as it rounds it (:mod:`fdam_ray.features.transfer`): the clients
+        """The round with what a Ray run moves rounded as it rounds it (:mod:`fdam_ray.executors.transfer`): the clients
         run from the broadcast master (held here once, as every host would hold it), each group's partial sum
         goes through the rounding of its differences."""
         downlink = cast(Downlink, self.downlink)

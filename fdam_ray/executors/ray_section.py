@@ -2,7 +2,7 @@
 
 These fields mean nothing to the inline executor or to a client, so they sit in
 their own section: a client (a Ray actor) receives
-:class:`~fdam_ray.loop.client.ClientSection` only, and the inline executor reads
+:class:`~fdam_ray.clients.client.ClientSection` only, and the inline executor reads
 :class:`~fdam_ray.executors.base.ExecutorSection`.
 """
 

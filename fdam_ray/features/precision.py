@@ -4,7 +4,7 @@
 ``torch.autocast`` (matrix products and convolutions in 16 bits, reductions
 and normalisations as autocast decides) and hands the objective float32
 logits. Everything else stays float32: the parameters (views of the flat
-vector, :mod:`fdam_ray.loop.flat`), their gradients, a, b and alpha, the objective,
+vector, :mod:`fdam_ray.core.flat`), their gradients, a, b and alpha, the objective,
 the local step, the control variates and every sum the server forms; a
 checkpoint or update holds the same float32 vectors whatever the precision.
 ``fp16`` also scales the loss (``torch.amp.GradScaler``): gradients are

@@ -10,7 +10,7 @@ fdam-ray's federation over it:
   weights of docs/algorithms.md s.3b), given a :class:`FlowerExecutor` that
   moves each round's state and updates as Flower messages instead of Ray calls
   (:mod:`.executor`);
-- the site side is :class:`~fdam_ray.loop.client.Client` (the local solver, c^k,
+- the site side is :class:`~fdam_ray.clients.client.Client` (the local solver, c^k,
   sampler position, stage reference), rebuilt for every message from what the
   site keeps in the node's state and in a file of its own (:mod:`.site`);
 - with SecAgg+ (:mod:`.secagg`) the server receives only the sums of the
@@ -33,6 +33,6 @@ import os
 # consortium's processes talk to its SuperLink only. FLWR_TELEMETRY_ENABLED=1 in the environment turns them on.
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
-from fdam_ray.flower.section import FlowerSection, split_config
+from fdam_ray.executors.flower_section import FlowerSection, split_config
 
 __all__ = ["FlowerSection", "split_config"]

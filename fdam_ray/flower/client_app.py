@@ -4,7 +4,7 @@ Message types (the server side is :class:`~fdam_ray.flower.executor.FlowerExecut
 
 - ``query.hello``: which site this node is, its fdam-ray version and what it keeps for the run;
 - ``query.sync``: the run's config, the global p, the stage's centre (and the stage's c^k reset); replies
-  with the client's counts (:class:`~fdam_ray.loop.state.ClientInfo`);
+  with the client's counts (:class:`~fdam_ray.core.state.ClientInfo`);
 - ``train.round``: one round of local steps from the global state, the update in the clear;
 - ``train``: the same round under SecAgg+ (``secaggplus_mod`` masks what the site sends, see :mod:`.secagg`);
   with a ``binning`` value, an evaluation's score histogram under SecAgg+ (only its sum reaches the server);
@@ -37,6 +37,7 @@ from flwr.clientapp import ClientApp
 
 import fdam_ray
 from fdam_ray.config import build_config
+from fdam_ray.core.state import ClientUpdate, GlobalState, RoundPlan, ScoreHistogram
 from fdam_ray.flower import records
 from fdam_ray.flower.secagg import secure_round
 from fdam_ray.flower.site import (
@@ -48,7 +49,6 @@ from fdam_ray.flower.site import (
     study_source,
     zero_control_variate,
 )
-from fdam_ray.loop.state import ClientUpdate, GlobalState, RoundPlan, ScoreHistogram
 from fdam_ray.privacy.driver import train_size
 from fdam_ray.scores.histogram import Binning
 

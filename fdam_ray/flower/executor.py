@@ -50,8 +50,7 @@ from fdam_ray.flower.identity import NodeIdentity, SiteBindings
 from fdam_ray.flower.roster import SiteRefused, SiteRoster, SiteShapes, _first_line
 
 __all__ = ["FlowerExecutor", "SiteRefused", "SiteShapes"]
-from fdam_ray.flower.section import FlowerSection
-from fdam_ray.loop.state import (
+from fdam_ray.core.state import (
     ClientInfo,
     ClientState,
     ClientUpdate,
@@ -61,6 +60,7 @@ from fdam_ray.loop.state import (
     Scores,
     ScoreSums,
 )
+from fdam_ray.executors.flower_section import FlowerSection
 from fdam_ray.scores.histogram import Binning
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from typing import Any, cast
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from fdam_ray.loop.state import (
+from fdam_ray.core.state import (
     ClientInfo,
     GlobalState,
     RoundPlan,

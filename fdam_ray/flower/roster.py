@@ -30,9 +30,9 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 import fdam_ray
+from fdam_ray.executors.flower_section import FlowerSection
 from fdam_ray.flower import records
 from fdam_ray.flower.identity import NodeIdentity, SiteBindings, node_identities
-from fdam_ray.flower.section import FlowerSection
 
 log = logging.getLogger("fdam_ray.flower.executor")  # one logger for the server side's lines
 

@@ -63,10 +63,10 @@ from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key
 
 from fdam_ray.algorithms.server import PartialSum
+from fdam_ray.core.state import GlobalState, RoundPlan, Rule, ScoreHistogram, StepStats, vector_names
+from fdam_ray.executors.flower_section import FlowerSection
 from fdam_ray.flower import records
-from fdam_ray.flower.section import FlowerSection
 from fdam_ray.loop.evaluation import SUMMED
-from fdam_ray.loop.state import GlobalState, RoundPlan, Rule, ScoreHistogram, StepStats, vector_names
 from fdam_ray.scores.histogram import Binning
 
 if TYPE_CHECKING:

@@ -31,16 +31,16 @@ from flwr.serverapp import Grid, ServerApp
 
 from fdam_ray.algorithms import AlgorithmSection, build_algorithm
 from fdam_ray.assembly.cuts import federation
+from fdam_ray.clients.client import resolve_device
 from fdam_ray.config import ConfigError, build_config, load_config_file
 from fdam_ray.data import DataSource
 from fdam_ray.data.base import Shard, Split, as_labels
 from fdam_ray.executors.base import ExecutorSection
+from fdam_ray.executors.flower_section import split_config
 from fdam_ray.executors.inline import inline_threads
 from fdam_ray.flower import records, secagg, server_folder
 from fdam_ray.flower.executor import SiteShapes
-from fdam_ray.flower.section import split_config
-from fdam_ray.loop.client import resolve_device
-from fdam_ray.loop.federation import RunResult
+from fdam_ray.loop.summary import RunResult
 from fdam_ray.outputs import Observer, Observers
 from fdam_ray.outputs.trackers import check_usable as trackers_usable
 from fdam_ray.privacy.driver import TrainSizesElsewhere

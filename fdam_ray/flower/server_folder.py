@@ -31,12 +31,12 @@ from typing import Any
 
 from fdam_ray.assembly.cuts import tracked_run
 from fdam_ray.assembly.recipe import check_may_change, stored_result
+from fdam_ray.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from fdam_ray.config import RESUME_MAY_CHANGE, Config, ConfigError, build_config
+from fdam_ray.core.state import ClientState
 from fdam_ray.files.runlock import check_not_in_use
 from fdam_ray.flower.executor import FlowerExecutor
-from fdam_ray.loop.checkpoint import Checkpoint, CheckpointError, load_checkpoint
-from fdam_ray.loop.federation import RunResult
-from fdam_ray.loop.state import ClientState
+from fdam_ray.loop.summary import RunResult
 from fdam_ray.outputs import Observer, RunFolder
 from fdam_ray.outputs.agreement import check_one_run
 from fdam_ray.outputs.observer import RunStart

@@ -8,7 +8,7 @@ the run's config) is :class:`KeptState`, stored in the node's state
 own that survives a SuperNode restart (one that cannot be this site's state,
 unreadable or holding anything else, is set aside as ``site-k.pt.damaged`` with
 one line, and the site rejoins as a replaced client). For every message the site rebuilds its
-:class:`~fdam_ray.loop.client.Client` from it: the same solver, sampler and control
+:class:`~fdam_ray.clients.client.Client` from it: the same solver, sampler and control
 variate the inline executor runs, so a round here is the same arithmetic.
 
 An update the server may not have counted (its reply lost, or the site left out
@@ -46,7 +46,9 @@ from flwr.app import RecordDict
 from fdam_ray.algorithms import build_algorithm
 from fdam_ray.algorithms.drift import DriftCorrection
 from fdam_ray.assembly.plugs import site_face
+from fdam_ray.clients.client import Client, ClientSection, resolve_device
 from fdam_ray.config import build_config
+from fdam_ray.core.state import ClientState
 from fdam_ray.data import DataSource
 from fdam_ray.data.base import Shard, Split, as_labels
 from fdam_ray.data.chestxray import DEFAULT_IMAGE_SIZE, organisation_source
@@ -55,8 +57,6 @@ from fdam_ray.data.sections import ChestXraySection
 from fdam_ray.executors.base import ExecutorSection
 from fdam_ray.executors.inline import inline_threads
 from fdam_ray.flower import records
-from fdam_ray.loop.client import Client, ClientSection, resolve_device
-from fdam_ray.loop.state import ClientState
 from fdam_ray.settings.factories import resolve
 
 log = logging.getLogger(__name__)

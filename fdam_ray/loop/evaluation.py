@@ -22,7 +22,7 @@ summary, ``best_model.pt``, Tune's default metric) uses ``val_auc`` and never
 the test set.
 
 Histograms (``test_scores: histogram``, ``histogram_bins`` = B): the clients
-send :class:`~fdam_ray.loop.state.ScoreHistogram` records instead of scores
+send :class:`~fdam_ray.core.state.ScoreHistogram` records instead of scores
 (per-class counts of their scores in B fixed intervals and their own AUC per
 task); the driver sums the counts and reads the pooled AUC off the sum
 (:mod:`fdam_ray.scores.histogram`), within the binning bound of the exact
@@ -48,11 +48,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from fdam_ray.clients.client import Replica
+from fdam_ray.core.state import GlobalState, ScoreHistogram, Scores
 from fdam_ray.data import AnySplit, DataSource
 from fdam_ray.executors import Executor
 from fdam_ray.features.sites import client_label
-from fdam_ray.loop.client import Replica
-from fdam_ray.loop.state import GlobalState, ScoreHistogram, Scores
 from fdam_ray.metrics import mean_auc, pooled, task_aucs
 from fdam_ray.models import model_name
 from fdam_ray.scores.histogram import Binning, check_histograms, sum_histograms

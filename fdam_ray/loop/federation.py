@@ -16,7 +16,7 @@ the clients; what is written, shown or reported hangs off one
 :mod:`fdam_ray.assembly.recipe`'s job.
 
 Everything the loop carries from round to round is in
-:class:`~fdam_ray.loop.checkpoint.LoopState`; a :class:`~fdam_ray.loop.checkpoint.Checkpoint`
+:class:`~fdam_ray.checkpoint.LoopState`; a :class:`~fdam_ray.checkpoint.Checkpoint`
 is that, the clients' states (control variates, sampler positions) and the
 config, so a resumed run continues the same run.
 """
@@ -36,20 +36,30 @@ import torch
 from fdam_ray.algorithms.drift import DriftCorrection
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.algorithms.stages import score_sums_nbytes
+from fdam_ray.checkpoint import Checkpoint, ClientState, LoopState
+from fdam_ray.clients.client import Replica
+from fdam_ray.clients.inputs import all_finite
+from fdam_ray.core.schedules import Position, Schedule, ScheduleSection
+from fdam_ray.core.state import ClientUpdate, GlobalState, RoundPlan, StepStats, reads_store_arrays
 from fdam_ray.data import DataSource
 from fdam_ray.executors import Executor
 from fdam_ray.executors.base import ExecutorSetup, RunsOfRounds
+from fdam_ray.executors.deadlines import MissedRounds, as_sampled_round
 from fdam_ray.executors.errors import PlacementError
-from fdam_ray.features.deadlines import MissedRounds, as_sampled_round
 from fdam_ray.features.sites import client_label
-from fdam_ray.loop.checkpoint import Checkpoint, ClientState, LoopState
-from fdam_ray.loop.client import Replica, all_finite
 from fdam_ray.loop.evaluation import Evaluator
 from fdam_ray.loop.one_at_a_time import one_federation_at_a_time
 from fdam_ray.loop.plug import Plug, PlugStart
-from fdam_ray.loop.schedules import Position, Schedule, ScheduleSection
-from fdam_ray.loop.state import ClientUpdate, GlobalState, RoundPlan, StepStats, reads_store_arrays
-from fdam_ray.loop.summary import keep_best, run_summary, selected_evaluation, warn_if_test_set_changed
+from fdam_ray.loop.summary import (
+    RunResult,
+    control_variates,
+    keep_best,
+    model_payload,
+    run_summary,
+    selected_evaluation,
+    warn_if_test_set_changed,
+)
+from fdam_ray.loop.unplaced import checkpoint_unplaced
 from fdam_ray.models import network_record
 from fdam_ray.objectives import global_positive_ratio
 from fdam_ray.outputs import Observer, RunStart, Snapshot
@@ -60,35 +70,6 @@ log = logging.getLogger(__name__)
 
 class DivergenceError(RuntimeError):
     """The global state, a client's update or its loss became NaN or infinite."""
-
-
-@dataclasses.dataclass
-class RunResult:
-    """What a finished run returns.
-
-    Attributes:
-        config: the run's config.
-        model_state: the global network's ``state_dict`` (BatchNorm statistics included).
-        a, b, alpha: the objective's extra primal and dual variables (empty for bce).
-        control_variates: the global (c_v, c_alpha), or None without drift correction.
-        history: one record per evaluation (iteration, round, stage, lr, losses, AUCs, bytes, time).
-        summary: best and final test AUC, rounds, bytes moved, wall time, samples/s.
-        state: the final global state as flat buffers.
-        run_dir: where outputs were written (None when nothing was saved).
-        pretrain: the BCE pre-training run of the two-stage recipe (``pretrain_iterations`` > 0), else None.
-    """
-
-    config: object
-    model_state: dict[str, torch.Tensor]
-    a: np.ndarray
-    b: np.ndarray
-    alpha: np.ndarray
-    control_variates: tuple[np.ndarray, np.ndarray] | None
-    history: list[dict]
-    summary: dict
-    state: GlobalState
-    run_dir: Path | None
-    pretrain: RunResult | None = None
 
 
 class Federation:
@@ -117,9 +98,7 @@ class Federation:
                  positive_ratio: float | None = None) -> None:
         self.source = source
         self.executor = executor
-        self.setup = setup
-        self.client = setup.client
-        self.algorithm = setup.algorithm
+        self.setup, self.client, self.algorithm = setup, setup.client, setup.algorithm
         self.positive_ratio_override = positive_ratio
         self.schedule = schedule
         self.eval_every = eval_every
@@ -130,8 +109,7 @@ class Federation:
         self.forced = forced or {}
         self.missed = MissedRounds()
         self._unrecorded: dict[str, list[int]] = {}  # rounds recorded since the last metrics record
-        self.plug = Plug() if plug is None else plug
-        self.histogram_bins = histogram_bins
+        self.plug, self.histogram_bins = Plug() if plug is None else plug, histogram_bins
 
     def _label(self, client_id: int) -> str:
         """How a client is shown: its name (``client_names``), else its index."""
@@ -427,21 +405,11 @@ class Federation:
     def _stop_unplaced(self, exc: PlacementError, loop: LoopState, plan: RoundPlan, stage_rounds: int,
                        started: float) -> None:
         """Clients lost mid-round cannot be placed again: checkpoint the state round ``plan.round`` started from
-        (the loop has not changed it; its stage, if the round began one, has begun) with the placed clients'
-        states and the unplaced ones marked for a rebuild, and say so in the error."""
+        (the loop has not changed it; its stage, if the round began one, has begun), see
+        :func:`~fdam_ray.loop.unplaced.checkpoint_unplaced`."""
         at_start = dataclasses.replace(loop, position=Position(done=plan.iteration, round=plan.round - 1,
                                                                stage=plan.stage, stage_rounds=stage_rounds))
-        try:
-            run_dir = self.observer.interrupted(plan.round - 1, self._snapshot(at_start, started))
-        except Exception as again:  # the stop's own reason comes first
-            why = (str(again).strip().splitlines() or [""])[0]
-            exc.args = (f"{exc.args[0]}; round {plan.round} did not finish and its checkpoint could not be written "
-                        f"({type(again).__name__}: {why}); the last checkpoint is kept",)
-            return
-        if run_dir is not None:
-            exc.args = (f"{exc.args[0]}; round {plan.round} did not finish: a checkpoint of the state it started "
-                        f"from was written; once the cluster can hold every client again, continue with: "
-                        f"fdam train --resume {run_dir}",)
+        checkpoint_unplaced(exc, self.observer, plan.round, self._snapshot(at_start, started))
 
     def _finish(self, loop: LoopState, started: float, snapshot: Snapshot) -> RunResult:
         state, history = loop.state, loop.history
@@ -454,36 +422,21 @@ class Federation:
                               started=started, positive_ratio=self.positive_ratio,
                               client_names=self.client.client_names)
         summary.update(self.plug.summary())
-        cv = _control_variates(state)
+        cv = control_variates(state)
         self.observer.finish(summary, payload, snapshot)
         run_dir = summary["run_dir"]
         return RunResult(None, model_state, a, b, state.alpha.copy(), cv, history, summary, state,
                          None if run_dir is None else Path(run_dir))
 
     def _model_payload(self, state: GlobalState) -> dict:
-        """``model.pt``'s payload of ``state`` (loaded into the driver's replica): the network's state_dict,
-        a, b, alpha, the task names and which network it is (:func:`~fdam_ray.models.network_record`)."""
-        flat = self.replica.flat
-        flat.load(state)
-        n_w, m = flat.num_weights, flat.aux_size
-        a, b = state.v[n_w : n_w + m].copy(), state.v[n_w + m : n_w + 2 * m].copy()
-        return {"model": flat.model_state_dict(), "a": torch.from_numpy(a), "b": torch.from_numpy(b),
-                "alpha": torch.from_numpy(state.alpha.copy()), "task_names": list(self.source.task_names),
-                "network": network_record(self.client, self.source.input_shape, self.source.num_tasks)}
+        """``model.pt``'s payload of ``state`` (:func:`~fdam_ray.loop.summary.model_payload`)."""
+        return model_payload(self.replica.flat, state, self.source,
+                             network_record(self.client, self.source.input_shape, self.source.num_tasks))
 
 
 def _state_diverged(round_index: int) -> DivergenceError:
     return DivergenceError(f"round {round_index}: the global state became NaN or infinite after the server step; "
                            "lower lr or global_lr")
-
-
-def _control_variates(state: GlobalState) -> tuple[np.ndarray, np.ndarray] | None:
-    """The final (c_v, c_alpha) of an algorithm with drift correction, else None."""
-    if state.c_v is None:
-        return None
-    if state.c_alpha is None:
-        raise RuntimeError("the final state has a control variate of v but none of alpha")
-    return state.c_v, state.c_alpha
 
 
 def rebuilt_states(states: list[ClientState | None], state: GlobalState,

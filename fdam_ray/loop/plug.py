@@ -1,7 +1,7 @@
 """A plug: a mechanism that acts on a run (differential privacy today), with at most three faces
 (docs/architecture.md, "Plugs").
 
-- the client face (:class:`~fdam_ray.loop.client_face.ClientFace`), which the plug puts into the executor's setup
+- the client face (:class:`~fdam_ray.clients.face.ClientFace`), which the plug puts into the executor's setup
   (:meth:`Plug.setup`) and every executor hands to its clients;
 - the server face (:meth:`Plug.reducer`): the round's reducer, built wrapped by the plug, never patched after;
 - the driver face, called by the federation at its hooks: the start (:meth:`Plug.setup`, :meth:`Plug.started`),
@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from fdam_ray.algorithms.sampling import ClientSampler
     from fdam_ray.algorithms.server import RoundReducer
+    from fdam_ray.core.flat import FlatModel
+    from fdam_ray.core.state import RoundPlan
     from fdam_ray.data import DataSource
     from fdam_ray.executors.base import Executor, ExecutorSetup
-    from fdam_ray.loop.flat import FlatModel
-    from fdam_ray.loop.state import RoundPlan
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,20 +3,25 @@
 With validation (``val_fraction`` > 0) the selected evaluation is the one of the highest validation AUC (the
 first of equal ones, with one warning when several tie), and the driver keeps a copy of the model there
 (``best_model.pt``); without, it is the evaluation of the highest test AUC. The summary (``summary.json``,
-:attr:`~fdam_ray.loop.federation.RunResult.summary`) reports it next to the final evaluation and the run's totals.
+:attr:`~fdam_ray.loop.summary.RunResult.summary`) reports it next to the final evaluation and the run's totals.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
+import torch
 
-from fdam_ray.loop.checkpoint import LoopState
-from fdam_ray.loop.state import GlobalState, Rule, vector_names
+from fdam_ray.checkpoint import LoopState
+from fdam_ray.core.flat import FlatModel
+from fdam_ray.core.state import GlobalState, Rule, vector_names
+from fdam_ray.data import DataSource
 
 log = logging.getLogger(__name__)
 
@@ -115,3 +120,51 @@ def _validation_summary(history: list[dict], best: int) -> dict:
     """The summary's validation fields: best_test_auc and best_iteration are then those of this evaluation."""
     return {"best_val_auc": history[best]["val_auc"], "final_val_auc": history[-1]["val_auc"],
             "selected_by": "val_auc"}
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What a finished run returns.
+
+    Attributes:
+        config: the run's config.
+        model_state: the global network's ``state_dict`` (BatchNorm statistics included).
+        a, b, alpha: the objective's extra primal and dual variables (empty for bce).
+        control_variates: the global (c_v, c_alpha), or None without drift correction.
+        history: one record per evaluation (iteration, round, stage, lr, losses, AUCs, bytes, time).
+        summary: best and final test AUC, rounds, bytes moved, wall time, samples/s.
+        state: the final global state as flat buffers.
+        run_dir: where outputs were written (None when nothing was saved).
+        pretrain: the BCE pre-training run of the two-stage recipe (``pretrain_iterations`` > 0), else None.
+    """
+
+    config: object
+    model_state: dict[str, torch.Tensor]
+    a: np.ndarray
+    b: np.ndarray
+    alpha: np.ndarray
+    control_variates: tuple[np.ndarray, np.ndarray] | None
+    history: list[dict]
+    summary: dict
+    state: GlobalState
+    run_dir: Path | None
+    pretrain: RunResult | None = None
+
+
+def control_variates(state: GlobalState) -> tuple[np.ndarray, np.ndarray] | None:
+    """The final (c_v, c_alpha) of an algorithm with drift correction, else None."""
+    if state.c_v is None:
+        return None
+    if state.c_alpha is None:
+        raise RuntimeError("the final state has a control variate of v but none of alpha")
+    return state.c_v, state.c_alpha
+
+
+def model_payload(flat: FlatModel, state: GlobalState, source: DataSource, network: dict) -> dict:
+    """``model.pt``'s payload of ``state`` (loaded into the driver's replica ``flat``): the network's state_dict,
+    a, b, alpha, the task names and which network it is (``network``, :func:`~fdam_ray.models.network_record`)."""
+    flat.load(state)
+    n_w, m = flat.num_weights, flat.aux_size
+    a, b = state.v[n_w : n_w + m].copy(), state.v[n_w + m : n_w + 2 * m].copy()
+    return {"model": flat.model_state_dict(), "a": torch.from_numpy(a), "b": torch.from_numpy(b),
+            "alpha": torch.from_numpy(state.alpha.copy()), "task_names": list(source.task_names), "network": network}

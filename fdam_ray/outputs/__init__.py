@@ -8,7 +8,7 @@
                      line names are replaced by *** (fdam_ray.settings.redact)
     events/          TensorBoard event files (tensorboard: auto, the default, writes them where the tensorboard
                      package is installed)
-    checkpoint.pt    the latest checkpoint (atomic, versioned; see fdam_ray.loop.checkpoint)
+    checkpoint.pt    the latest checkpoint (atomic, versioned; see fdam_ray.checkpoint)
     model.pt         the final model: {"model": state_dict, "a", "b", "alpha", "task_names"}
     best_model.pt    with val_fraction > 0: the model at the best validation AUC (model.pt's format)
     summary.json     best and final test AUC (with val_fraction > 0: best_* selected by val_auc), rounds, bytes

@@ -28,10 +28,10 @@ import numpy as np
 import torch
 import yaml
 
+from fdam_ray.checkpoint import Checkpoint
 from fdam_ray.files.torchload import safe_load
 from fdam_ray.files.versions import VERSIONS_KEY
 from fdam_ray.files.yamlfile import read_yaml_file
-from fdam_ray.loop.checkpoint import Checkpoint
 from fdam_ray.outputs.records import flatten_record
 
 CHECKPOINT_FILE = "checkpoint.pt"

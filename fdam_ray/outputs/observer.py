@@ -9,8 +9,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from fdam_ray.loop.checkpoint import Checkpoint
-from fdam_ray.loop.state import RoundPlan
+from fdam_ray.checkpoint import Checkpoint
+from fdam_ray.core.state import RoundPlan
 
 # A function that returns the checkpoint of the moment it is called (without the config).
 Snapshot = Callable[[], Checkpoint]

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from fdam_ray.loop.state import RoundPlan
+from fdam_ray.core.state import RoundPlan
 from fdam_ray.outputs.observer import Observer, RunStart, Snapshot
 
 INDENT = "  "  # the start of a wrapped line's continuation

@@ -11,12 +11,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from fdam_ray.core.state import RoundPlan
 from fdam_ray.features.interrupts import RunStopped, stop_requested
 from fdam_ray.files.locations import output_root
 from fdam_ray.files.runlock import RunLock, check_not_in_use
 from fdam_ray.files.versions import VERSIONS_KEY, changed_versions, run_versions
 from fdam_ray.files.yamlfile import read_yaml_file
-from fdam_ray.loop.state import RoundPlan
 from fdam_ray.outputs.observer import Observer, RunStart, Snapshot
 from fdam_ray.outputs.writer import RunWriter, tensorboard_installed
 from fdam_ray.settings.sections import EACH_ONCE, NONNEGATIVE, Section, setting, shared

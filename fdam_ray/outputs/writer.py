@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from fdam_ray.loop.checkpoint import Checkpoint, DiskFullError, disk_full, save_checkpoint, write_atomically
+from fdam_ray.checkpoint import Checkpoint, DiskFullError, disk_full, save_checkpoint, write_atomically
 from fdam_ray.outputs.records import NOTES_KEY, finite_or_null, flatten_record, grouped_scalars, strict_summary
 from fdam_ray.settings.redact import RedactingFilter
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from fdam_ray.algorithms.server import RoundReducer
-from fdam_ray.loop.state import ClientUpdate, GlobalState, StateVectors
+from fdam_ray.core.state import ClientUpdate, GlobalState, StateVectors
 from fdam_ray.privacy.mechanisms import clip_to_norm, gaussian_noise, noise_generator, noise_share_std, noise_std
 
 if TYPE_CHECKING:

@@ -31,7 +31,7 @@ sampling the realised size varies).
 
 Why torch.func and not Opacus: torch.func (``functional_call`` + ``vmap(grad)``)
 is part of torch, so no dependency is added; it takes the parameters as
-arguments, so it works with :class:`fdam_ray.loop.flat.FlatModel`, whose
+arguments, so it works with :class:`fdam_ray.core.flat.FlatModel`, whose
 parameters are views of one flat vector (Opacus wraps the module, hooks its
 layers and keeps its own ``grad_sample`` per parameter, which the flat
 binding and our own update do not use); and a, b and alpha, which are not

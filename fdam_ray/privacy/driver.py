@@ -29,12 +29,12 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
+from fdam_ray.clients.face import NO_FACE, ClientFace
+from fdam_ray.core.state import RoundPlan
 from fdam_ray.data import DataSource
 from fdam_ray.data.base import hold_out_validation
 from fdam_ray.executors.base import ExecutorSetup
-from fdam_ray.loop.client_face import NO_FACE, ClientFace
 from fdam_ray.loop.plug import Plug, PlugStart
-from fdam_ray.loop.state import RoundPlan
 from fdam_ray.privacy.accountant import Accountant, shares_noise_multiplier, solve_sigma
 from fdam_ray.privacy.client_level import PrivateReducer, ServerRound, check_model, check_transport, client_level
 from fdam_ray.privacy.faces import ClientLevelFace, SampleLevelFace
@@ -48,7 +48,7 @@ class RunFacts:
     """What the privacy plug reads of a run beyond its ``dp`` section, cut from the config at the top.
 
     Attributes:
-        planned_rounds: the schedule's rounds (``fdam_ray.loop.schedules.planned_rounds``): dp: client's T.
+        planned_rounds: the schedule's rounds (``fdam_ray.core.schedules.planned_rounds``): dp: client's T.
         iterations: local steps a site runs in all: dp: sample's compositions.
         batch_size: B (0: the full batch).
         transport, transfer_precision: what dp: client refuses (the collective; 16-bit transfers).
@@ -177,7 +177,7 @@ class PrivacyPlug(Plug):
 
 class PrivacyRun:
     """The driver's side of a dp mode: sigma, the accountants, the budget stop before a round, the metrics keys,
-    the summary's entries and the checkpoint's entry (:attr:`~fdam_ray.loop.checkpoint.LoopState.privacy`)."""
+    the summary's entries and the checkpoint's entry (:attr:`~fdam_ray.checkpoint.LoopState.privacy`)."""
 
     mode = ""
 

@@ -1,4 +1,4 @@
-"""The client faces of differential privacy (:class:`~fdam_ray.loop.client_face.ClientFace`): what a client does
+"""The client faces of differential privacy (:class:`~fdam_ray.clients.face.ClientFace`): what a client does
 differently under each ``dp`` mode, in one object that travels to every client.
 
 - :class:`ClientLevelFace` (``dp: client``): each client's change of a round is clipped as one vector and, with
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from fdam_ray.loop.client_face import ClientFace, ClientGuard
-from fdam_ray.loop.state import ClientUpdate, GlobalState
+from fdam_ray.clients.face import ClientFace, ClientGuard
+from fdam_ray.core.state import ClientUpdate, GlobalState
 from fdam_ray.privacy.batches import private_sampler
 from fdam_ray.privacy.client_level import ClientLevel, private_update
 from fdam_ray.privacy.dpsgd import (

@@ -117,7 +117,7 @@ class TuneReport(Observer):
     def record(self, record: dict, snapshot: Snapshot) -> None:
         from ray import tune
 
-        from fdam_ray.loop.checkpoint import save_checkpoint
+        from fdam_ray.checkpoint import save_checkpoint
 
         metrics = reported_metrics(record)
         if self.metric is not None and self.metric not in metrics:
@@ -141,9 +141,9 @@ def federation_trial(params: dict, base: dict, metric: str | None = None) -> Non
     from ray import tune
 
     from fdam_ray.assembly.recipe import federate
+    from fdam_ray.checkpoint import load_checkpoint, scratch_folder
     from fdam_ray.data.base import set_host_cpus
     from fdam_ray.executors.ray.session import assigned_cpus
-    from fdam_ray.loop.checkpoint import load_checkpoint, scratch_folder
 
     set_host_cpus(assigned_cpus())  # inline clients in this trial use the CPUs of its driver bundle
     trial_dir = Path(tune.get_context().get_trial_dir())

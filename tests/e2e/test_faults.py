@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from testpath import TEST_PATH
 
+from fdam_ray.checkpoint import load_checkpoint
 from fdam_ray.cli import main
-from fdam_ray.loop.checkpoint import load_checkpoint
 
 SMALL = ["dataset=synthetic", "model=mlp", "model.width=8", "num_clients=2", "samples_per_client=100",
          "local_steps=2", "stage_length=100000", "eval_every=40", "tensorboard=false"]

@@ -26,7 +26,7 @@ from raytest import pids_using
 
 import fdam_ray
 from fdam_ray.cli import main
-from fdam_ray.loop.state import RoundPlan
+from fdam_ray.core.state import RoundPlan
 from fdam_ray.outputs import progress
 from fdam_ray.outputs.observer import RunStart
 

@@ -71,7 +71,7 @@ def test_a_planned_stop_is_logged_as_info_and_a_real_error_as_error(tmp_path, mo
     assert " INFO run stopped: received SIGTERM: stopped after round" in log
     assert " ERROR " not in log
 
-    from fdam_ray.loop.client import Client
+    from fdam_ray.clients.client import Client
 
     original = Client.local_round
 

@@ -19,9 +19,9 @@ from test_faults import SMALL, records, start_fdam, stop, wait_for
 from test_tune import write_space
 from testpath import TEST_PATH
 
+from fdam_ray.checkpoint import load_checkpoint
 from fdam_ray.cli import main
 from fdam_ray.files.runlock import RunLock
-from fdam_ray.loop.checkpoint import load_checkpoint
 from fdam_ray.tuning.space import SPACE_FILE
 
 TESTS = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ import pytest
 from test_faults import SMALL, _pids_using, records, stop, wait_for
 from test_signals import assert_quiet, fdam_env, start
 
-from fdam_ray.loop.checkpoint import load_checkpoint
+from fdam_ray.checkpoint import load_checkpoint
 
 
 @pytest.mark.slow  # a private Ray each time, about 40 s; three times, since it failed one run in two

@@ -123,7 +123,7 @@ def test_reduce_node_is_refused_in_one_line():
 def test_the_members_server_step_is_the_drivers_bit_for_bit_in_either_set_of_sums():
     from fdam_ray.algorithms import AlgorithmSection, build_algorithm
     from fdam_ray.algorithms.server import PartialSum, ServerStep
-    from fdam_ray.loop.state import GlobalState
+    from fdam_ray.core.state import GlobalState
 
     rng = np.random.default_rng(0)
     n = 5000
@@ -188,8 +188,8 @@ def test_nccl_only_when_every_actor_holds_a_gpu_of_its_own_shared_memory_on_one_
 
 
 def test_a_state_key_changes_with_the_stage_and_with_the_values():
+    from fdam_ray.core.state import GlobalState
     from fdam_ray.executors.ray.transports.collective_messages import state_key
-    from fdam_ray.loop.state import GlobalState
 
     v = np.arange(100_000, dtype=np.float32)
     state = GlobalState(v=v, alpha=np.array([0.5], np.float32), buffers=np.zeros(3, np.float32),

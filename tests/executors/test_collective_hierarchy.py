@@ -22,11 +22,11 @@ import torch
 from test_shared_block import STEP, _leftovers, _state, _update, reduce_round
 
 from fdam_ray.algorithms.server import PartialSum, RoundReducer
+from fdam_ray.core.state import GlobalState
 from fdam_ray.executors.ray.transports import group, shared
 from fdam_ray.executors.ray.transports.collective_sums import layout
 from fdam_ray.executors.ray.transports.group import GroupMember
 from fdam_ray.executors.ray.transports.hierarchy import master_times, node_groups, simulate
-from fdam_ray.loop.state import GlobalState
 
 pytestmark = pytest.mark.skipif(not shared.supported(), reason="shared-memory blocks need Linux on x86-64")
 

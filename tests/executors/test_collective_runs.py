@@ -21,13 +21,13 @@ from sample_clients import gaussian_clients
 
 import fdam_ray
 from fdam_ray.assembly.recipe import run
+from fdam_ray.checkpoint import load_checkpoint
 from fdam_ray.config import ConfigError, build_config
 from fdam_ray.data import DataSource
 from fdam_ray.data.arrays import ArraysSource
 from fdam_ray.executors.base import RoundsRun, RunsOfRounds
 from fdam_ray.executors.inline import InlineExecutor
 from fdam_ray.executors.ray.executor import RayExecutor
-from fdam_ray.loop.checkpoint import load_checkpoint
 
 TIMING = {"wall_s", "samples_per_s"}
 FIELDS = ("v", "alpha", "buffers", "counters", "c_v", "c_alpha")

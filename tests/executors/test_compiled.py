@@ -19,12 +19,12 @@ from test_sampling import CASES as SAMPLING_CASES
 
 import fdam_ray
 from fdam_ray.config import ConfigError, build_config
+from fdam_ray.core.state import RoundPlan
 from fdam_ray.data.arrays import ArraysSource
 from fdam_ray.executors.base import ExecutorSetup
 from fdam_ray.executors.ray.executor import RayExecutor
 from fdam_ray.executors.ray.transports.compiled import REST_RATIO
 from fdam_ray.executors.ray.transports.patience import PAUSE_CAP_S, PAUSE_OF_WAIT, patient_read
-from fdam_ray.loop.state import RoundPlan
 
 RAY = dict(executor="ray", cpus_per_actor=0.5, threads_per_actor=1)
 

@@ -4,7 +4,7 @@ Inline; Ray with classic calls folded at the driver (star); Ray with per-node
 reducers (node: on this one-node Ray every actor shares the node, so all of
 them go through its reducer); Ray with the compiled graph.
 
-The oracle is a set of :class:`fdam_ray.loop.client.Client` objects built in the test
+The oracle is a set of :class:`fdam_ray.clients.client.Client` objects built in the test
 process from the same data source spec: whatever runs the clients, a round
 must fold exactly their updates, once per client, in client order. With one
 client per actor (the default), each partial sum a round hands over is one
@@ -27,12 +27,12 @@ from sample_clients import gaussian_clients
 
 from fdam_ray.algorithms import AlgorithmSection, build_algorithm
 from fdam_ray.algorithms.server import PartialSum
+from fdam_ray.clients.client import Client, Replica
 from fdam_ray.config import build_config
+from fdam_ray.core.state import ClientUpdate, RoundPlan
 from fdam_ray.data.arrays import ArraysSource
 from fdam_ray.executors import make_executor
 from fdam_ray.executors.base import ExecutorSetup
-from fdam_ray.loop.client import Client, Replica
-from fdam_ray.loop.state import ClientUpdate, RoundPlan
 
 K = 3
 CPU = torch.device("cpu")

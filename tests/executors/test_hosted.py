@@ -19,10 +19,10 @@ from fdam_ray.algorithms.server import PartialSum, RoundReducer
 from fdam_ray.assembly.recipe import run
 from fdam_ray.cli import main
 from fdam_ray.config import ConfigError, build_config
+from fdam_ray.core.state import ClientUpdate, GlobalState, StepStats
 from fdam_ray.data.arrays import ArraysSource
 from fdam_ray.executors.base import ExecutorSetup, actor_groups
 from fdam_ray.executors.inline import InlineExecutor
-from fdam_ray.loop.state import ClientUpdate, GlobalState, StepStats
 from fdam_ray.tuning.trial import trial_bundles
 
 K = 5
@@ -159,7 +159,7 @@ def test_the_inline_executor_hosts_every_client_on_one_replica():
 
 
 def test_a_divergence_in_a_hosted_client_names_that_client(monkeypatch):
-    from fdam_ray.loop.client import Client
+    from fdam_ray.clients.client import Client
 
     original = Client.local_round
 

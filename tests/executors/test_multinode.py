@@ -22,6 +22,7 @@ from sample_clients import gaussian_clients
 
 from fdam_ray.algorithms.drift import DRIFT_CORRECTIONS
 from fdam_ray.assembly.recipe import federate, resume, run
+from fdam_ray.checkpoint import load_checkpoint
 from fdam_ray.config import build_config
 from fdam_ray.data import make_source
 from fdam_ray.data.arrays import ArraysSource
@@ -29,7 +30,6 @@ from fdam_ray.executors.base import ExecutorSetup
 from fdam_ray.executors.errors import PlacementError
 from fdam_ray.executors.inline import InlineExecutor
 from fdam_ray.executors.ray.executor import RayExecutor
-from fdam_ray.loop.checkpoint import load_checkpoint
 from fdam_ray.loop.federation import rebuilt_states
 
 SMALL = dict(model="mlp", model_width=8, batch_size="full", seed=2, lr=0.2, local_steps=2, cpus_per_actor=0.5)

@@ -22,7 +22,9 @@ from sample_clients import arrays_in, gaussian_clients
 import fdam_ray
 from fdam_ray.assembly.recipe import run
 from fdam_ray.cli import main
+from fdam_ray.clients.client import ClientSection
 from fdam_ray.config import build_config
+from fdam_ray.core.state import RoundPlan
 from fdam_ray.data import make_source
 from fdam_ray.data.arrays import ArraysSource
 from fdam_ray.executors.base import ExecutorSetup
@@ -33,8 +35,6 @@ from fdam_ray.executors.ray.executor import RayExecutor
 from fdam_ray.executors.ray.fleet import Fleet
 from fdam_ray.executors.ray.placement import Placement
 from fdam_ray.executors.ray.session import check_cluster_access, ensure_ray
-from fdam_ray.loop.client import ClientSection
-from fdam_ray.loop.state import RoundPlan
 
 HALF = dict(cpus_per_client=0.5)  # K clients fit the module's 4 logical CPUs
 ARRAYS = dict(model="mlp", model_width=8, batch_size="full", eval_every=2, seed=2, lr=0.2, local_steps=2, **HALF)

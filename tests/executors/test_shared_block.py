@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from fdam_ray.algorithms.server import PartialSum, RoundReducer, ServerStep
+from fdam_ray.core.state import GlobalState, RoundPlan
 from fdam_ray.executors.ray.transports import shared
 from fdam_ray.executors.ray.transports.group import GroupMember
 from fdam_ray.executors.ray.transports.shared import SharedBlock, SharedBroken
-from fdam_ray.loop.state import GlobalState, RoundPlan
 
 pytestmark = pytest.mark.skipif(not shared.supported(), reason="shared-memory blocks need Linux on x86-64")
 

@@ -1,4 +1,4 @@
-"""Straggler-tolerant rounds (fdam_ray.features.deadlines): a deadline no client misses changes nothing, a late
+"""Straggler-tolerant rounds (fdam_ray.executors.deadlines): a deadline no client misses changes nothing, a late
 client sits the round out as a sampled-out one does, a recorded run replays (and matches the NumPy oracle given
 its sets)."""
 
@@ -16,14 +16,14 @@ from test_oracle import initial_v, uneven_clients
 
 import fdam_ray
 from fdam_ray.assembly.recipe import run
+from fdam_ray.checkpoint import load_checkpoint, save_checkpoint
 from fdam_ray.config import ConfigError, build_config
+from fdam_ray.core.state import RoundPlan
 from fdam_ray.data.arrays import ArraysSource
 from fdam_ray.executors.base import ExecutorSetup
+from fdam_ray.executors.deadlines import Deadline, MissedRounds, read_record
 from fdam_ray.executors.ray.executor import RayExecutor
-from fdam_ray.features.deadlines import Deadline, MissedRounds, read_record
-from fdam_ray.features.transfer import RESIDUAL_KEY
-from fdam_ray.loop.checkpoint import load_checkpoint, save_checkpoint
-from fdam_ray.loop.state import RoundPlan
+from fdam_ray.executors.transfer import RESIDUAL_KEY
 
 SMALL = dict(model="mlp", model_width=8, batch_size="full", eval_every=1000, seed=2, lr=0.2, local_steps=2,
              cpus_per_actor=0.5, threads_per_actor=1, fold_order="client")
@@ -61,7 +61,7 @@ def test_deadline_values_and_the_median_rule():
 
 def test_a_client_that_misses_n_rounds_in_a_row_is_named_once(caplog):
     missed = MissedRounds(3)
-    with caplog.at_level(logging.WARNING, logger="fdam_ray.features.deadlines"):
+    with caplog.at_level(logging.WARNING, logger="fdam_ray.executors.deadlines"):
         for r in range(1, 6):
             missed.round(r, [0, 1, 2], [0, 2])
         missed.round(6, [0, 1, 2], [0, 1, 2])

@@ -13,10 +13,10 @@ from sample_clients import gaussian_clients
 import fdam_ray
 from fdam_ray.algorithms import AlgorithmSection, build_algorithm
 from fdam_ray.config import build_config
+from fdam_ray.core.state import RoundPlan
 from fdam_ray.data.arrays import ArraysSource
 from fdam_ray.executors import make_executor
 from fdam_ray.executors.base import ExecutorSetup
-from fdam_ray.loop.state import RoundPlan
 
 K = 3
 NAMES = ("v", "alpha", "buffers", "counters", "c_v", "c_alpha")

@@ -102,8 +102,8 @@ def keyed_grid(folder, app=None, sites=3):
 
 
 def executor(grid, bindings_dir=None, **flower):
+    from fdam_ray.executors.flower_section import FlowerSection
     from fdam_ray.flower.executor import FlowerExecutor
-    from fdam_ray.flower.section import FlowerSection
 
     return FlowerExecutor(grid, FlowerSection(connect_timeout_s=5, **flower), run_key="r", num_sites=3,
                           bindings_dir=bindings_dir)

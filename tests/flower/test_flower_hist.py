@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flower_helpers import HAVE_FLOWER, RecordingGrid
 
-from fdam_ray.loop.state import ScoreHistogram
+from fdam_ray.core.state import ScoreHistogram
 
 pytestmark = pytest.mark.skipif(not HAVE_FLOWER, reason="Flower is not installed (the flower extra)")
 if HAVE_FLOWER:

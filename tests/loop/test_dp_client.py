@@ -95,8 +95,8 @@ def test_budget_stops_before_the_round_that_would_exceed_it():
 def test_budget_stop_exits_0_with_a_checkpoint_and_a_resume_may_only_raise_it(tmp_path, capsys):
     import json
 
+    from fdam_ray.checkpoint import load_checkpoint
     from fdam_ray.cli import main
-    from fdam_ray.loop.checkpoint import load_checkpoint
     from fdam_ray.privacy.accountant import Accountant
 
     acc = Accountant.for_clients(noise_multiplier=2.0, delta=1e-5, num_clients=4, clients_per_round=None)
@@ -182,8 +182,8 @@ def test_a_resume_draws_from_the_secret_kept_in_its_checkpoint(tmp_path, monkeyp
     # dp_noise_seed null: the secret is fresh entropy; the checkpoint keeps it, so the resumed rounds draw the sets
     # the run would have drawn (each round's set is secret_sample_clients(secret, r)), and it is not the seed's
     from fdam_ray.algorithms.sampling import sample_clients, secret_sample_clients
+    from fdam_ray.checkpoint import load_checkpoint
     from fdam_ray.cli import main
-    from fdam_ray.loop.checkpoint import load_checkpoint
     from fdam_ray.privacy.accountant import Accountant
 
     acc = Accountant.for_clients(noise_multiplier=2.0, delta=1e-5, num_clients=6, clients_per_round=2)

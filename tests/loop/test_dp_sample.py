@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-import fdam_ray.loop.client as client_module
+import fdam_ray.clients.client as client_module
 import fdam_ray.privacy.faces as faces
 from fdam_ray.assembly.recipe import run
+from fdam_ray.clients.client import ClientSection, Replica
 from fdam_ray.config import build_config
 from fdam_ray.data import make_source
-from fdam_ray.loop.client import ClientSection, Replica
 
 BASE = dict(dataset="digits", model="cnn_gn", model_width=4, num_clients=4, batch_size=16, algorithm="codasca",
             local_steps=3, iterations=12, stage_length=6, eval_every=6, positive_ratio=0.1, seed=2,

@@ -144,7 +144,7 @@ def test_deterministic_asks_torch_for_deterministic_kernels(clients_and_test):
 def test_the_finiteness_check_is_exact_even_when_a_sum_overflows():
     import torch
 
-    from fdam_ray.loop.client import all_finite
+    from fdam_ray.clients.inputs import all_finite
 
     big = torch.full((8,), 3e38)  # finite values whose float32 sum overflows
     assert not torch.isfinite(big.sum()) and all_finite([big, torch.zeros(0)])

@@ -14,10 +14,10 @@ from interrupted import crash_in_round
 
 from fdam_ray.assembly.pretrain import pretrain_config
 from fdam_ray.assembly.recipe import resume, run
+from fdam_ray.checkpoint import load_checkpoint
 from fdam_ray.config import ConfigError, build_config
 from fdam_ray.data.balanced import BalancedIndexStream, index_stream, make_sampler
 from fdam_ray.data.base import IndexStream, Split
-from fdam_ray.loop.checkpoint import load_checkpoint
 
 STATE = ("v", "alpha", "buffers", "counters", "c_v", "c_alpha")
 
@@ -141,7 +141,7 @@ def test_adam_pretraining_takes_adams_step_and_resumes_exactly(tmp_path, monkeyp
 def test_the_adam_step_is_torchs_adam():
     from fdam_ray.algorithms.drift import DRIFT_CORRECTIONS
     from fdam_ray.algorithms.local import LocalSolver
-    from fdam_ray.loop.flat import FlatModel
+    from fdam_ray.core.flat import FlatModel
     from fdam_ray.objectives import Objective
 
     torch.manual_seed(0)

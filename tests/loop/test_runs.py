@@ -13,10 +13,10 @@ from sample_clients import arrays_in
 
 import fdam_ray
 from fdam_ray.assembly.recipe import resume, run
+from fdam_ray.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fdam_ray.cli import main
 from fdam_ray.config import build_config
 from fdam_ray.executors.inline import InlineExecutor
-from fdam_ray.loop.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 TIMING = {"wall_s", "samples_per_s"}
 # written by fdam-ray before checkpoints were typed (schema 1); see tests/unit/loop/test_checkpoint.py
@@ -157,7 +157,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 
 
 def test_divergence_names_round_and_client_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
-    from fdam_ray.loop.client import Client
+    from fdam_ray.clients.client import Client
 
     original = Client.local_round
 
@@ -209,7 +209,7 @@ def test_plot_draws_task_bars_for_multilabel_runs(tmp_path):
 
 def test_no_training_sample_crosses_to_the_driver(tmp_path, monkeypatch):
     """Everything a client returns is counts, state-sized buffers, or scores of test data."""
-    from fdam_ray.loop.client import Client
+    from fdam_ray.clients.client import Client
 
     returned = []
     for name in ("info", "local_round", "evaluate", "score_sums", "get_state"):

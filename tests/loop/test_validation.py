@@ -15,14 +15,14 @@ from interrupted import crash_in_round
 
 import fdam_ray
 from fdam_ray.assembly.recipe import resume, run
+from fdam_ray.checkpoint import load_checkpoint
 from fdam_ray.cli import main
 from fdam_ray.config import ConfigError, build_config
+from fdam_ray.core.state import GlobalState
 from fdam_ray.data import DatasetSplit, Shard, Split
 from fdam_ray.data.base import RowsOf, hold_out_validation
 from fdam_ray.data.partition import validation_rows
-from fdam_ray.loop.checkpoint import load_checkpoint
 from fdam_ray.loop.evaluation import Evaluator
-from fdam_ray.loop.state import GlobalState
 from fdam_ray.outputs import grouped_scalars, scalars
 from fdam_ray.tuning.report import write_sweep_outputs
 from fdam_ray.tuning.space import make_space

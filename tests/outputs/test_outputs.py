@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from fdam_ray.loop.state import RoundPlan
+from fdam_ray.core.state import RoundPlan
 from fdam_ray.outputs import Progress, RunStart, grouped_name, grouped_scalars, progress, scalars
 
 RECORD = {"iteration": 40, "round": 4, "stage": 2, "lr": 0.05, "train_loss": 0.25, "test_auc": 0.8,

@@ -2,8 +2,8 @@
 
 It receives, calls the clients and returns; it holds no client logic. An
 actor hosts ``clients_per_actor`` clients (one by default): one
-:class:`~fdam_ray.loop.client.TrainingReplica` (the model, built once) and, per
-client, a :class:`~fdam_ray.loop.client.Client` (its shard, sampler position and
+:class:`~fdam_ray.clients.client.TrainingReplica` (the model, built once) and, per
+client, a :class:`~fdam_ray.clients.client.Client` (its shard, sampler position and
 control variate). A round runs the actor's sampled clients one after another
 and returns their updates folded into one
 :class:`~fdam_ray.algorithms.server.PartialSum`. Every error raised in client
@@ -30,16 +30,16 @@ import ray
 import torch
 
 from fdam_ray.algorithms.server import PartialSum
+from fdam_ray.clients.client import Client, ClientSection, TrainingReplica, begin_stage_hosted, run_hosted
+from fdam_ray.clients.face import NO_FACE, ClientFace
+from fdam_ray.core.state import ClientInfo, ClientState, GlobalState, RoundPlan, ScoreHistogram, Scores, ScoreSums
 from fdam_ray.data import AnySplit, DatasetSplit, Split
 from fdam_ray.data.base import set_host_cpus
 from fdam_ray.executors.errors import client_error
 from fdam_ray.executors.ray.session import assigned_cpus
 from fdam_ray.executors.ray.transports.collective_actor import CollectiveActor
 from fdam_ray.executors.ray.transports.compiled_actor import CompiledActor
-from fdam_ray.features.transfer import Broadcast, CompressedSum, Receiver, attach_residual, compress, residual_of
-from fdam_ray.loop.client import Client, ClientSection, TrainingReplica, begin_stage_hosted, run_hosted
-from fdam_ray.loop.client_face import NO_FACE, ClientFace
-from fdam_ray.loop.state import ClientInfo, ClientState, GlobalState, RoundPlan, ScoreHistogram, Scores, ScoreSums
+from fdam_ray.executors.transfer import Broadcast, CompressedSum, Receiver, attach_residual, compress, residual_of
 from fdam_ray.scores.histogram import Binning
 
 T = TypeVar("T")
@@ -182,7 +182,7 @@ class ClientShell(CompiledActor, CollectiveActor):
         a deadline): each client's own state is kept as it was before the round, so :meth:`discard_round` can
         put it back when the round was folded without this actor. A :class:`Broadcast` (``transfer_precision``
         bf16/fp16) updates this actor's master, the round runs from it, and the sum goes back as rounded
-        differences (:mod:`fdam_ray.features.transfer`).
+        differences (:mod:`fdam_ray.executors.transfer`).
         """
         self.round = plan.round
         self._before = (plan.round, {k: self.clients[k].get_state() for k in client_ids if k in self.clients}

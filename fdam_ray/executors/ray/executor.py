@@ -37,18 +37,18 @@ import numpy as np
 import ray
 
 from fdam_ray.algorithms.server import PartialSum
+from fdam_ray.core.state import ClientInfo, ClientState, GlobalState, RoundPlan, ScoreHistogram, Scores, ScoreSums
 from fdam_ray.data import DataSource
 from fdam_ray.executors.base import Executor, ExecutorSection, ExecutorSetup, RoundsRun, RunsOfRounds, actor_groups
+from fdam_ray.executors.deadlines import Deadline
 from fdam_ray.executors.ray.fleet import Fleet
 from fdam_ray.executors.ray.placement import Placement
 from fdam_ray.executors.ray.session import ensure_ray
 from fdam_ray.executors.ray.transports import Round, Transport, transport_for
 from fdam_ray.executors.ray.transports.compiled import CompiledRounds, CompiledTransport
 from fdam_ray.executors.ray_section import RayExecutorSection
-from fdam_ray.features.deadlines import Deadline
+from fdam_ray.executors.transfer import Downlink, decoding, sent_nbytes
 from fdam_ray.features.sites import client_label
-from fdam_ray.features.transfer import Downlink, decoding, sent_nbytes
-from fdam_ray.loop.state import ClientInfo, ClientState, GlobalState, RoundPlan, ScoreHistogram, Scores, ScoreSums
 from fdam_ray.scores.histogram import Binning
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ class RayExecutor(Executor, RunsOfRounds):
     def start(self, setup: ExecutorSetup, source: DataSource) -> list[ClientInfo]:
         client_section = setup.client
         self.deadline = Deadline.of(setup.deadline)
-        self.downlink = Downlink.of(setup.transfer)  # transfer_precision bf16/fp16 (fdam_ray/features/transfer.py)
+        self.downlink = Downlink.of(setup.transfer)  # transfer_precision bf16/fp16 (fdam_ray/executors/transfer.py)
         self.config = config = cast(RayExecutorSection, setup.executor)
         self.timeout = config.ray_timeout_s
         transport = transport_for(config.transport, config.reduce)

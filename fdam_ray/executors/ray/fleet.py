@@ -32,15 +32,15 @@ import numpy as np
 import ray
 
 from fdam_ray.algorithms.server import PartialSum
+from fdam_ray.clients.client import ClientSection
+from fdam_ray.clients.face import NO_FACE, ClientFace
+from fdam_ray.core.state import ClientInfo
 from fdam_ray.data import DataSource
 from fdam_ray.executors.errors import ClientError, ClientInputError
 from fdam_ray.executors.ray.actor import ClientShell
 from fdam_ray.executors.ray.placement import Placement, node_addresses, node_is_lost
 from fdam_ray.executors.ray_section import RayExecutorSection
 from fdam_ray.features.sites import client_label, client_labels
-from fdam_ray.loop.client import ClientSection
-from fdam_ray.loop.client_face import NO_FACE, ClientFace
-from fdam_ray.loop.state import ClientInfo
 
 log = logging.getLogger(__name__)
 

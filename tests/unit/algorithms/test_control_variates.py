@@ -15,9 +15,9 @@ import pytest
 
 from fdam_ray.algorithms.drift import CONTROL_VARIATES, DRIFT_CORRECTIONS
 from fdam_ray.algorithms.server import PartialSum, RoundReducer, server_c
-from fdam_ray.features.deadlines import as_sampled_round
+from fdam_ray.core.state import ClientState, ClientUpdate, GlobalState, StepStats, vector_names
+from fdam_ray.executors.deadlines import as_sampled_round
 from fdam_ray.loop.federation import rebuilt_states
-from fdam_ray.loop.state import ClientState, ClientUpdate, GlobalState, StepStats, vector_names
 
 K, N, M = 5, 7, 2  # clients, length of v, length of alpha
 NAMES = vector_names()

@@ -12,8 +12,8 @@ from fdam_ray.algorithms.sampling import sample_clients
 from fdam_ray.algorithms.stages import coda_alpha
 from fdam_ray.assembly.recipe import federate
 from fdam_ray.config import ConfigError, build_config
+from fdam_ray.core.state import ScoreSums
 from fdam_ray.data.arrays import ArraysSource
-from fdam_ray.loop.state import ScoreSums
 from fdam_ray.outputs import Observer
 
 BASE = dict(model="linear", batch_size="full", eval_every=1000, seed=0, executor="inline")

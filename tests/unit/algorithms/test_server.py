@@ -7,11 +7,11 @@ import pytest
 
 from fdam_ray.algorithms.server import RoundReducer
 from fdam_ray.config import build_config
+from fdam_ray.core.state import ClientUpdate, GlobalState, RoundPlan, StepStats
 from fdam_ray.data import DataSection
 from fdam_ray.data.digits import DigitsSource
 from fdam_ray.executors.base import ExecutorSetup
 from fdam_ray.executors.inline import InlineExecutor
-from fdam_ray.loop.state import ClientUpdate, GlobalState, RoundPlan, StepStats
 
 
 def random_state(rng, n=7, m=2, nb=3, cv=True):
@@ -60,7 +60,7 @@ def test_a_real_round_averages_batchnorm_statistics_and_counters():
     cfg = build_config(model="cnn", model_width=4, batch_size=16, num_clients=3, algorithm="codasca")
     ex = InlineExecutor()
     ex.start(ExecutorSetup.for_config(cfg, ex.section), DigitsSource(DataSection.of(cfg)))
-    from fdam_ray.loop.client import Replica, resolve_device
+    from fdam_ray.clients.client import Replica, resolve_device
 
     replica = Replica(cfg, DigitsSource(DataSection.of(cfg)), device=resolve_device("cpu"))
     state = replica.flat.initial_state()

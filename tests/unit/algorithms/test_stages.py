@@ -10,9 +10,9 @@ import pytest
 import fdam_ray
 from fdam_ray.algorithms import AlgorithmSection, build_algorithm
 from fdam_ray.algorithms.stages import after_round, coda_alpha, end_stage, init_server_state
+from fdam_ray.checkpoint import load_checkpoint
 from fdam_ray.config import build_config
-from fdam_ray.loop.checkpoint import load_checkpoint
-from fdam_ray.loop.state import GlobalState, ScoreSums
+from fdam_ray.core.state import GlobalState, ScoreSums
 from fdam_ray.outputs import Observer
 
 

@@ -9,7 +9,7 @@ import pytest
 import fdam_ray
 from fdam_ray.assembly.pretrain import pretrain_config
 from fdam_ray.config import build_config
-from fdam_ray.loop.state import RoundPlan
+from fdam_ray.core.state import RoundPlan
 from fdam_ray.outputs.observer import RunStart
 
 SMALL = dict(algorithm="codasca", dataset="synthetic", num_clients=2, samples_per_client=60, num_features=5,

@@ -14,13 +14,13 @@ import torch
 from image_fixtures import accept_checksums, write_cifar, write_image_folder
 
 from fdam_ray.algorithms import AlgorithmSection
+from fdam_ray.clients.client import ClientSection
 from fdam_ray.config import DATASET_NAMES, FIELD_BY_NAME, SECTION_CLASSES, Config, build_config, field_type
+from fdam_ray.core.schedules import ScheduleSection
 from fdam_ray.data import ChestXraySection, DataSection, Split, SyntheticSection, data_section, make_source
 from fdam_ray.data.sections import SECTIONS
 from fdam_ray.executors import ExecutorSection
 from fdam_ray.executors.ray_section import RayExecutorSection
-from fdam_ray.loop.client import ClientSection
-from fdam_ray.loop.schedules import ScheduleSection
 from fdam_ray.outputs import OutputSection
 
 ALL_SECTIONS = [*SECTION_CLASSES, RayExecutorSection]

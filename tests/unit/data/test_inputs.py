@@ -33,11 +33,11 @@ def test_non_finite_client_test_features_are_refused_too():
 
 def test_a_batch_larger_than_a_clients_data_is_pointed_out(caplog):
     clients, test = gaussian_clients(2, n=30)
-    with caplog.at_level(logging.WARNING, logger="fdam_ray.loop.client"):
+    with caplog.at_level(logging.WARNING, logger="fdam_ray.clients.client"):
         fdam_ray.train_arrays(dict(BASE, batch_size=50), clients, test)
     assert "client 0 has 30 training samples, fewer than batch_size=50" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="fdam_ray.loop.client"):
+    with caplog.at_level(logging.WARNING, logger="fdam_ray.clients.client"):
         fdam_ray.train_arrays(dict(BASE, batch_size=30), clients, test)
     assert "fewer than batch_size" not in caplog.text
 

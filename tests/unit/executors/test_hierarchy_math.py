@@ -19,6 +19,7 @@ import socket
 import numpy as np
 import pytest
 
+from fdam_ray.core.state import GlobalState
 from fdam_ray.executors.ray.transports.hierarchy import (
     Leaders,
     Place,
@@ -33,7 +34,6 @@ from fdam_ray.executors.ray.transports.hierarchy import (
     spec,
     wire_bytes,
 )
-from fdam_ray.loop.state import GlobalState
 
 
 def _bf16(x: np.ndarray) -> np.ndarray:

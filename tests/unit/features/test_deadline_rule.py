@@ -1,4 +1,4 @@
-"""The round deadline's rule in closed form (fdam_ray.features.deadlines.Deadline.due), from given arrival times:
+"""The round deadline's rule in closed form (fdam_ray.executors.deadlines.Deadline.due), from given arrival times:
 seconds are due at once; a factor f is due at f times the lower median arrival, which leaves an actor out only when
 it is more than (f - 1) median times behind the median. Rounds whose local steps dominate every actor's time are
 therefore cut only with a factor near 1 (the module's docstring says why no rule on the round's times can do
@@ -11,7 +11,7 @@ import random
 import pytest
 
 from fdam_ray.config import ConfigError, build_config
-from fdam_ray.features.deadlines import Deadline
+from fdam_ray.executors.deadlines import Deadline
 
 
 def _left_out(deadline: Deadline, times: list[float]) -> list[float]:

@@ -12,10 +12,10 @@ from sample_clients import gaussian_clients
 
 import fdam_ray
 from fdam_ray.assembly.pretrain import pretrain_config
+from fdam_ray.checkpoint import load_checkpoint, save_checkpoint
 from fdam_ray.config import ConfigError, build_config
+from fdam_ray.executors.deadlines import read_record
 from fdam_ray.executors.inline import InlineExecutor
-from fdam_ray.features.deadlines import read_record
-from fdam_ray.loop.checkpoint import load_checkpoint, save_checkpoint
 
 CFG = dict(model="linear", batch_size="full", eval_every=1000, seed=0, executor="inline", iterations=8,
            local_steps=2, dataset="arrays", num_clients=3)  # 4 rounds
@@ -23,8 +23,8 @@ CFG = dict(model="linear", batch_size="full", eval_every=1000, seed=0, executor=
 
 def replayed(where, config):
     """read_record of ``where`` checked against the run of ``config`` (its two sections cut as the assembly does)."""
-    from fdam_ray.features.deadlines import ReplaySection
-    from fdam_ray.loop.schedules import ScheduleSection
+    from fdam_ray.core.schedules import ScheduleSection
+    from fdam_ray.executors.deadlines import ReplaySection
 
     return read_record(where, ReplaySection.of(config), ScheduleSection.of(config))
 
@@ -108,7 +108,7 @@ def test_a_run_without_a_deadline_has_no_record_to_replay(recorded):
 def test_an_empty_record_of_a_deadline_run_and_rounds_past_this_run_are_said(recorded, tmp_path, caplog):
     empty = forge(recorded, tmp_path, {})
     longer = forge(recorded, tmp_path / "b", {"1": [0, 2], "4": [1]})
-    with caplog.at_level(logging.WARNING, logger="fdam_ray.features.deadlines"):
+    with caplog.at_level(logging.WARNING, logger="fdam_ray.executors.deadlines"):
         assert replayed(empty, this_run()) == {}
         assert replayed(longer, this_run(iterations=4)) == {1: [0, 2], 4: [1]}  # 2 rounds: round 4 is not run
     text = caplog.text

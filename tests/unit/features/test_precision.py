@@ -7,14 +7,14 @@ import pytest
 import torch
 
 import fdam_ray
+from fdam_ray.clients.client import Client
 from fdam_ray.config import ConfigError, build_config
+from fdam_ray.core.flat import HostLink
+from fdam_ray.core.state import RoundPlan
 from fdam_ray.data import DatasetSplit, make_source
 from fdam_ray.data import base as data_base
 from fdam_ray.data.base import MAX_AUTO_WORKERS, LoaderSampler, loader_workers
 from fdam_ray.features.precision import Precision, PrecisionSection, wants_channels_last
-from fdam_ray.loop.client import Client
-from fdam_ray.loop.flat import HostLink
-from fdam_ray.loop.state import RoundPlan
 from fdam_ray.models import build_model
 
 CPU = torch.device("cpu")

@@ -1,7 +1,7 @@
 """transfer_precision bf16/fp16 without Ray: the rounding, the masters, error feedback, bytes and resume.
 
 The oracle rounds with torch (round to nearest, ties to even) and is written here apart from
-fdam_ray.features.transfer: it wraps an fp32 inline executor, keeps its own master, and rounds each round's
+fdam_ray.executors.transfer: it wraps an fp32 inline executor, keeps its own master, and rounds each round's
 change of the global state and each client's difference from that master.
 """
 
@@ -18,12 +18,12 @@ from sample_clients import gaussian_clients
 import fdam_ray
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.assembly.recipe import federate, resume
+from fdam_ray.checkpoint import load_checkpoint
 from fdam_ray.config import ConfigError, build_config
+from fdam_ray.core.state import GlobalState, StepStats
 from fdam_ray.data.arrays import ArraysSource
 from fdam_ray.executors.inline import InlineExecutor
-from fdam_ray.features.transfer import Downlink, Receiver, compress, decode, encode, expand
-from fdam_ray.loop.checkpoint import load_checkpoint
-from fdam_ray.loop.state import GlobalState, StepStats
+from fdam_ray.executors.transfer import Downlink, Receiver, compress, decode, encode, expand
 
 TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16}
 FLOATS = ("v", "alpha", "buffers", "c_v", "c_alpha")
@@ -209,7 +209,7 @@ def test_decoding_read_only_bits_warns_nothing():
     import subprocess
     import sys
 
-    script = ("import numpy as np; from fdam_ray.features.transfer import encode, decode\n"
+    script = ("import numpy as np; from fdam_ray.executors.transfer import encode, decode\n"
               "for p in ('bf16', 'fp16'):\n"
               "    x = np.linspace(-2, 2, 11, dtype=np.float32); x.flags.writeable = False\n"
               "    bits = encode(x, p); bits.flags.writeable = False\n"

@@ -80,8 +80,8 @@ def test_the_configs_refusals_follow_the_declarations(transport):
 
 
 def test_the_config_reads_the_declarations_without_importing_ray():
-    code = ("import sys, fdam_ray.config, fdam_ray.features.capabilities, fdam_ray.features.deadlines, "
-            "fdam_ray.features.transfer; "
+    code = ("import sys, fdam_ray.config, fdam_ray.features.capabilities, fdam_ray.executors.deadlines, "
+            "fdam_ray.executors.transfer; "
             "print('ray' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -2,7 +2,7 @@
 that layout, and a file of another schema, or with state this fdam-ray does not know, is one line naming it.
 
 ``fixtures/checkpoint_v1.pt`` was written by ``fdam_ray.outputs.RunWriter.checkpoint`` as it was before
-:class:`fdam_ray.loop.checkpoint.Checkpoint` existed (an untyped payload): the run of its config (synthetic data, mlp of
+:class:`fdam_ray.checkpoint.Checkpoint` existed (an untyped payload): the run of its config (synthetic data, mlp of
 width 8, 3 clients, codasca, 30 iterations, stages of 12, checkpoints every 4 rounds) stopped in round 7, so it holds
 the state after round 4.
 """
@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from fdam_ray.assembly.recipe import resume, run
+from fdam_ray.checkpoint import FORMAT, SCHEMA, CheckpointError, load_checkpoint, save_checkpoint
 from fdam_ray.cli import main
 from fdam_ray.config import build_config
-from fdam_ray.loop.checkpoint import FORMAT, SCHEMA, CheckpointError, load_checkpoint, save_checkpoint
-from fdam_ray.loop.state import GlobalState
+from fdam_ray.core.state import GlobalState
 
 OLD_CHECKPOINT = Path(__file__).parents[2] / "fixtures" / "checkpoint_v1.pt"
 TIMING = {"wall_s", "samples_per_s"}
@@ -158,7 +158,7 @@ def test_a_full_disk_is_found_behind_torchs_error_and_the_old_file_stays(tmp_pat
     import errno
     import io
 
-    from fdam_ray.loop.checkpoint import DiskFullError, disk_full, write_atomically
+    from fdam_ray.checkpoint import DiskFullError, disk_full, write_atomically
 
     class Full(io.BufferedIOBase):
         writes = 0
@@ -219,7 +219,7 @@ def test_under_a_scratch_folder_no_temporary_file_appears_in_the_written_folder(
     """Ray Tune copies a trial's folder while the trial writes it; a temporary file listed there and renamed
     before the copy reads it fails that copy. Under a scratch folder the written folder only ever holds whole
     files."""
-    from fdam_ray.loop.checkpoint import scratch_folder, write_atomically
+    from fdam_ray.checkpoint import scratch_folder, write_atomically
 
     run, scratch = tmp_path / "driver_artifacts" / "trial" / "run", tmp_path / ".scratch" / "trial"
     run.mkdir(parents=True)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-READERS = ("fdam_ray.loop.flat", "fdam_ray.loop.client", "fdam_ray.algorithms.local", "fdam_ray.features.transfer",
+READERS = ("fdam_ray.core.flat", "fdam_ray.clients.client", "fdam_ray.algorithms.local", "fdam_ray.executors.transfer",
            "fdam_ray.loop.federation")
 
 
@@ -29,7 +29,7 @@ def test_loading_a_read_only_state_into_the_model_is_silent_and_each_reading_mod
     a module registers its filter once, when imported)."""
     done = _run(PREAMBLE + f"""
     import importlib, warnings
-    from fdam_ray.loop.flat import HostLink
+    from fdam_ray.core.flat import HostLink
     t = torch.zeros(4)
     HostLink(torch.device("cpu")).upload([(x, t)])
     assert t.tolist() == [0.0, 1.0, 2.0, 3.0]
@@ -46,7 +46,7 @@ def test_loading_a_read_only_state_into_the_model_is_silent_and_each_reading_mod
 def test_the_warning_is_still_raised_outside_those_modules():
     """The premise: without the module's filter, the same wrap warns (here an error)."""
     done = _run(PREAMBLE + """
-    import fdam_ray.loop.flat
+    import fdam_ray.core.flat
     torch.from_numpy(x)
     """)
     assert done.returncode != 0 and "The given NumPy array is not writable" in done.stderr

@@ -5,7 +5,7 @@ import logging
 import pytest
 
 from fdam_ray.config import build_config
-from fdam_ray.loop.schedules import Schedule, last_stage
+from fdam_ray.core.schedules import Schedule, last_stage
 
 
 def plans(**kw):

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from fdam_ray.assembly.plugs import site_face
+from fdam_ray.clients.client import Client, ClientSection
 from fdam_ray.config import build_config
 from fdam_ray.data import make_source
 from fdam_ray.data.base import DatasetSplit, IndexStream, Split, TensorSampler
-from fdam_ray.loop.client import Client, ClientSection
 from fdam_ray.objectives import Objective
 from fdam_ray.privacy.batches import PrivateBatches, PrivateSampler, private_sampler
 from fdam_ray.privacy.dpsgd import SAMPLE_BATCH_DOMAIN, SampleNoise, per_sample_loss, private_gradient

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fdam_ray.config import build_config
-from fdam_ray.loop.state import ClientUpdate, GlobalState, StepStats
+from fdam_ray.core.state import ClientUpdate, GlobalState, StepStats
 from fdam_ray.privacy.accountant import Accountant, shares_noise_multiplier
 from fdam_ray.privacy.client_level import (
     ClientLevel,
@@ -199,9 +199,9 @@ def test_an_executor_that_builds_clients_from_the_plain_config_receives_the_reso
     import torch.nn as nn
 
     from fdam_ray.assembly.plugs import run_plug, site_face
+    from fdam_ray.clients.face import NO_FACE
+    from fdam_ray.core.flat import FlatModel
     from fdam_ray.executors.base import ExecutorSetup
-    from fdam_ray.loop.client_face import NO_FACE
-    from fdam_ray.loop.flat import FlatModel
     from fdam_ray.loop.plug import Plug, PlugStart
     from fdam_ray.privacy.faces import ClientLevelFace
     from fdam_ray.privacy.section import PrivacySection
@@ -238,7 +238,7 @@ def test_an_executor_that_builds_clients_from_the_plain_config_receives_the_reso
 
 def test_a_checkpoint_without_dp_is_written_and_read_as_before():
     from fdam_ray.algorithms.stages import init_server_state
-    from fdam_ray.loop.checkpoint import LoopState, _loop_from, _loop_payload
+    from fdam_ray.checkpoint import LoopState, _loop_from, _loop_payload
 
     loop = LoopState(server=init_server_state(state(np.random.default_rng(0), c=False)))
     payload = _loop_payload(loop)

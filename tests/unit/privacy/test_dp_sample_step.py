@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from fdam_ray.assembly.plugs import site_face
+from fdam_ray.clients.client import Client, ClientSection
 from fdam_ray.config import build_config
 from fdam_ray.data import make_source
 from fdam_ray.features.precision import Precision
-from fdam_ray.loop.client import Client, ClientSection
 from fdam_ray.models import build_model
 from fdam_ray.privacy.dpsgd import SAMPLE_NOISE_DOMAIN, SampleNoise, check_private_batch, check_private_replica
 

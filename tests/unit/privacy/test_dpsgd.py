@@ -14,8 +14,8 @@ from torch.func import vmap
 
 from fdam_ray.algorithms.drift import NoCorrection
 from fdam_ray.algorithms.local import LocalSolver
+from fdam_ray.core.flat import FlatModel
 from fdam_ray.features.precision import Precision
-from fdam_ray.loop.flat import FlatModel
 from fdam_ray.models import build_model
 from fdam_ray.objectives import Objective
 from fdam_ray.privacy.dpsgd import check_private_model, noise_std, per_sample_loss, private_gradient

@@ -12,14 +12,14 @@ import pytest
 import torch
 from sklearn.metrics import roc_auc_score
 
+from fdam_ray.clients.client import Client, ClientSection, Replica
 from fdam_ray.config import ConfigError, build_config
+from fdam_ray.core.state import GlobalState, ScoreHistogram, Scores
 from fdam_ray.data import make_source
 from fdam_ray.data.arrays import ArraysSource
 from fdam_ray.executors.base import ExecutorSetup
 from fdam_ray.executors.inline import InlineExecutor
-from fdam_ray.loop.client import Client, ClientSection, Replica
 from fdam_ray.loop.evaluation import Evaluator, one_class_lines, one_class_problems
-from fdam_ray.loop.state import GlobalState, ScoreHistogram, Scores
 from fdam_ray.privacy.section import PrivacySection
 from fdam_ray.scores.histogram import (
     MAX_PASSES,

@@ -13,7 +13,8 @@ from fdam_ray.executors.base import Executor, ExecutorSetup, RunsOfRounds
 from fdam_ray.executors.inline import InlineExecutor
 
 PACKAGE = Path(fdam_ray.__file__).resolve().parent
-USERS = [PACKAGE / "loop" / "federation.py", PACKAGE / "features" / "deadlines.py", PACKAGE / "loop" / "evaluation.py"]
+USERS = [PACKAGE / "loop" / "federation.py", PACKAGE / "executors" / "deadlines.py", PACKAGE / "loop" / "evaluation.py",
+         PACKAGE / "assembly" / "cuts.py"]
 PROBED = ("config", "cfg", "executor", "whole")  # names of objects that are typed, never probed
 SECTION_CUT = (PACKAGE / "settings" / "sections.py", "of")  # the one typed projection of declared fields
 

@@ -1,5 +1,6 @@
-"""Limits the package holds, as tests: no module of ``fdam_ray/`` over 500 lines and no function over cyclomatic
-complexity 25, except where ``ALLOWED`` says why.
+"""Limits the package holds, as tests: no module of ``fdam_ray/`` over 450 lines (headroom under 500: a file that
+must grow to fix a bug need not be split in the same change) and no function over cyclomatic complexity 25, except
+where ``ALLOWED`` says why.
 
 The complexity is counted as radon counts it (``radon cc``; radon is not a dependency, so the count is made
 here with :mod:`ast`): 1, plus one for each ``if``/``elif``, conditional expression, ``for``/``while`` (one more
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[3] / "fdam_ray"
-MAX_LINES = 500
+MAX_LINES = 450
 MAX_COMPLEXITY = 25
 
 # "module path (under fdam_ray/)" or "module path::function's qualified name" -> why it may stay over the limit.
@@ -143,7 +144,7 @@ def _over_limits() -> dict[str, str]:
     return over
 
 
-def test_no_module_passes_500_lines_and_no_function_complexity_25():
+def test_no_module_passes_450_lines_and_no_function_complexity_25():
     over = {k: v for k, v in _over_limits().items() if k not in ALLOWED}
     assert over == {}, ("over the limits (split the module at a seam, or the function into named steps; only if "
                         f"neither helps, add it to ALLOWED with why): {over}")

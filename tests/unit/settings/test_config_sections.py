@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from fdam_ray.algorithms import AlgorithmSection, build_algorithm
+from fdam_ray.clients.client import Client, ClientSection, resolve_device
 from fdam_ray.config import (
     FIELD_BY_NAME,
     FIELDS,
@@ -24,12 +25,11 @@ from fdam_ray.config import (
     build_config,
     load_yaml,
 )
+from fdam_ray.core.state import RoundPlan
 from fdam_ray.data import DataSection
 from fdam_ray.data.digits import DigitsSource
 from fdam_ray.executors.base import ExecutorSection
 from fdam_ray.executors.ray_section import RayExecutorSection, RaySection
-from fdam_ray.loop.client import Client, ClientSection, resolve_device
-from fdam_ray.loop.state import RoundPlan
 from fdam_ray.settings.coercion import COERCERS
 from fdam_ray.settings.sections import SETTING, Section, owned_fields, setting, shared, shared_names
 

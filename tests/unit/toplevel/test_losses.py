@@ -10,8 +10,8 @@ import torch
 
 from fdam_ray.algorithms.drift import DRIFT_CORRECTIONS
 from fdam_ray.algorithms.local import LocalSolver
+from fdam_ray.core.flat import FlatModel
 from fdam_ray.features.precision import Precision
-from fdam_ray.loop.flat import FlatModel
 from fdam_ray.losses import AUCMLoss, AUCSquareLoss, positive_ratio
 from fdam_ray.objectives import Objective
 from fdam_ray.optim import PrimalDualSGD

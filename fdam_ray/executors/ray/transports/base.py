@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import ray
 
 from fdam_ray.algorithms.server import PartialSum
+from fdam_ray.core.state import ClientInfo, GlobalState, RoundPlan
 from fdam_ray.executors.base import RoundsRun
+from fdam_ray.executors.deadlines import Deadline
 from fdam_ray.executors.ray_section import RayExecutorSection
 from fdam_ray.features.capabilities import Capabilities
-from fdam_ray.features.deadlines import Deadline
-from fdam_ray.loop.state import ClientInfo, GlobalState, RoundPlan
 
 if TYPE_CHECKING:
     from fdam_ray.algorithms import Algorithm
@@ -43,7 +43,7 @@ class Round:
         work: actor index -> its clients in this round and those of them that first adopt the global c (asked
             at call time, so a replacement adopts it).
         call: the round as a classic call on one actor (the first such call puts the state in the object store).
-        deadline: the round's deadline (:mod:`fdam_ray.features.deadlines`), or None to wait for every actor.
+        deadline: the round's deadline (:mod:`fdam_ray.executors.deadlines`), or None to wait for every actor.
         late: filled by the transport: actor index -> its call still running when the round was folded without
             it (the executor has the actor roll the round back once that call ends).
     """
@@ -84,7 +84,7 @@ class Transport(abc.ABC):
 
     def takes_transfer(self, precision: str, error_feedback: bool) -> bool:
         """Whether this transport rounds 16-bit transfers itself (then the executor's downlink does not round
-        the state going down); the default: no, the executor's :class:`~fdam_ray.features.transfer.Downlink`
+        the state going down); the default: no, the executor's :class:`~fdam_ray.executors.transfer.Downlink`
         does."""
         return False
 

@@ -80,6 +80,7 @@ import numpy as np
 import ray
 
 from fdam_ray.algorithms.server import ServerStep
+from fdam_ray.core.state import ClientInfo, GlobalState, RoundPlan
 from fdam_ray.executors.base import RoundsRun
 from fdam_ray.executors.errors import ClientError
 from fdam_ray.executors.ray import compat
@@ -89,7 +90,6 @@ from fdam_ray.executors.ray.transports.collective_messages import RoundShare, Ru
 from fdam_ray.executors.ray.transports.hierarchy import BACKEND as HIERARCHICAL
 from fdam_ray.executors.ray.transports.hierarchy import spec as hierarchical_spec
 from fdam_ray.features.capabilities import CAPABILITIES
-from fdam_ray.loop.state import ClientInfo, GlobalState, RoundPlan
 
 if TYPE_CHECKING:
     from fdam_ray.algorithms import Algorithm

@@ -19,13 +19,13 @@ import numpy as np
 import torch
 
 from fdam_ray.algorithms.server import PartialSum, ServerStep
+from fdam_ray.core.state import GlobalState, RoundPlan
 from fdam_ray.executors.ray.transports.collective_messages import RoundShare, RunShare
 from fdam_ray.executors.ray.transports.group import GroupMember
-from fdam_ray.loop.state import GlobalState, RoundPlan
 
 if TYPE_CHECKING:
-    from fdam_ray.features.transfer import Broadcast, CompressedSum
-    from fdam_ray.loop.client import Client
+    from fdam_ray.clients.client import Client
+    from fdam_ray.executors.transfer import Broadcast, CompressedSum
 
 T = TypeVar("T")
 

@@ -16,7 +16,7 @@ import zlib
 import numpy as np
 
 from fdam_ray.algorithms.server import PartialSum
-from fdam_ray.loop.state import GlobalState, StepStats, vector_fields
+from fdam_ray.core.state import GlobalState, StepStats, vector_fields
 
 KEY_STRIDE = 997  # every this-many-th value of the long vectors enters a state's key (the short ones whole)
 

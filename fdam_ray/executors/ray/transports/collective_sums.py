@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from fdam_ray.algorithms.server import PartialSum, ServerStep
-from fdam_ray.loop.state import GlobalState, Rule, vector_fields
+from fdam_ray.core.state import GlobalState, Rule, vector_fields
 
 SLOTS = 6  # float64 slots per member before its integer buffers: weight, count, bytes, failed, diverged
 # (a client's update or loss not finite), stale (the state this round started from is not finite)

@@ -18,8 +18,8 @@ from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.executors.ray.transports.patience import patient_reads
 
 if TYPE_CHECKING:
-    from fdam_ray.features.transfer import Broadcast, CompressedSum
-    from fdam_ray.loop.state import GlobalState, RoundPlan
+    from fdam_ray.core.state import GlobalState, RoundPlan
+    from fdam_ray.executors.transfer import Broadcast, CompressedSum
 
 
 class CompiledActor:

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from fdam_ray.algorithms.server import PartialSum, ServerStep, same_shapes
+from fdam_ray.core.state import GlobalState, RoundPlan
 from fdam_ray.executors.ray.transports.collective_messages import RoundShare, state_key
 from fdam_ray.executors.ray.transports.collective_sums import (
     finish_slice,
@@ -56,7 +57,6 @@ from fdam_ray.executors.ray.transports.collective_sums import (
 from fdam_ray.executors.ray.transports.device_block import DEVICE, DeviceBlock
 from fdam_ray.executors.ray.transports.hierarchy import BACKEND, Leaders, NodeLink, Place, parse, slice_of
 from fdam_ray.executors.ray.transports.shared import SharedBlock, SharedBroken
-from fdam_ray.loop.state import GlobalState, RoundPlan
 
 log = logging.getLogger(__name__)
 

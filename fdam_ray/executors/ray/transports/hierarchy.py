@@ -51,9 +51,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from fdam_ray.core.state import GlobalState, Rule, vector_fields
 from fdam_ray.executors.ray.transports.shared import SharedBlock, SharedBroken
-from fdam_ray.features.transfer import decode, encode
-from fdam_ray.loop.state import GlobalState, Rule, vector_fields
+from fdam_ray.executors.transfer import decode, encode
 
 BACKEND = "hier"  # the backend's name (the driver's and the members')
 

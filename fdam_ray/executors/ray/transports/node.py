@@ -9,7 +9,7 @@ lost, or killed) is never reused: its actors' sums are fetched by the driver.
 Failed actors are replaced and their calls re-run after the round
 (:meth:`~fdam_ray.executors.ray.transports.base.Transport.recover`).
 
-With a round deadline (:mod:`fdam_ray.features.deadlines`) the driver first waits for
+With a round deadline (:mod:`fdam_ray.executors.deadlines`) the driver first waits for
 the actors' calls until the deadline, then has the nodes merge those that
 ended in time (a merge then starts once the deadline is known, not while the
 node's last client still steps).
@@ -30,8 +30,8 @@ from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.executors.errors import ClientError
 from fdam_ray.executors.ray.transports.base import Round, Transport
 from fdam_ray.executors.ray_section import RayExecutorSection
+from fdam_ray.executors.transfer import CompressedSum, compress_differences, differences
 from fdam_ray.features.capabilities import CAPABILITIES
-from fdam_ray.features.transfer import CompressedSum, compress_differences, differences
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ equal to the inline executor's with the same ``clients_per_actor``, at the
 price of waiting for a late low-numbered actor. Failures are recovered inside
 the call (:meth:`~fdam_ray.executors.ray.fleet.Fleet.each`).
 
-With a round deadline (:mod:`fdam_ray.features.deadlines`) the driver waits for the
+With a round deadline (:mod:`fdam_ray.executors.deadlines`) the driver waits for the
 calls until the deadline (:meth:`~fdam_ray.executors.ray.transports.base.Transport.gather`)
 and folds those that ended in time, in actor order with ``fold_order:
 client``, else in arrival order; an actor that failed among them is recovered

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from fdam_ray.loop.state import ClientUpdate, GlobalState
+    from fdam_ray.core.state import ClientUpdate, GlobalState
 
 
 class ClientGuard:
@@ -33,7 +33,7 @@ class ClientGuard:
         return default()
 
     def step(self, replica: Any, x: torch.Tensor, y: torch.Tensor, lr: float) -> torch.Tensor | None:
-        """One local step on the batch ``(x, y)`` of ``replica`` (a :class:`~fdam_ray.loop.client.TrainingReplica`)
+        """One local step on the batch ``(x, y)`` of ``replica`` (a :class:`~fdam_ray.clients.client.TrainingReplica`)
         done by the mechanism, returning the minibatch loss; None: the replica's own step runs."""
         return None
 

@@ -41,8 +41,8 @@ import numpy as np
 import torch
 
 from fdam_ray.algorithms.server import PartialSum
+from fdam_ray.core.state import ClientState, GlobalState, Rule, StepStats, reads_store_arrays, vector_fields
 from fdam_ray.features.capabilities import no_16bit
-from fdam_ray.loop.state import ClientState, GlobalState, Rule, StepStats, reads_store_arrays, vector_fields
 from fdam_ray.settings.sections import Section, fail, setting, shared
 
 PRECISIONS = ("fp32", "bf16", "fp16")

@@ -15,7 +15,7 @@ goes to a temporary file in the same folder, is flushed to disk, then renamed
 over the old file, so a crash mid-write leaves the previous checkpoint intact.
 
 The global state's vectors, the server's and the loop's fields are written and
-read by their dataclass fields, so a field added to :class:`~fdam_ray.loop.state.GlobalState`
+read by their dataclass fields, so a field added to :class:`~fdam_ray.core.state.GlobalState`
 (or to the server or loop state) needs no change here; a state vector added
 with a default reads from older files as that default (any other field missing
 from a file means a damaged file). A change of the layout itself
@@ -42,9 +42,9 @@ import numpy as np
 import torch
 
 from fdam_ray.algorithms import ServerState
+from fdam_ray.core.schedules import Position
+from fdam_ray.core.state import ClientState, GlobalState
 from fdam_ray.files.torchload import safe_load, torch_load_failure
-from fdam_ray.loop.schedules import Position
-from fdam_ray.loop.state import ClientState, GlobalState
 
 SCHEMA = 1  # the schema this fdam-ray writes
 _PREFIX = "fdam-ray-checkpoint/"
@@ -156,7 +156,7 @@ class LoopState:
     best_val_iteration: int | None = None
     best_val_state: GlobalState | None = None
     # str(round) -> its clients, for each round whose participants were not the plan's (a missed round deadline,
-    # fdam_ray.features.deadlines); written only when it holds one, and older checkpoints read it as empty
+    # fdam_ray.executors.deadlines); written only when it holds one, and older checkpoints read it as empty
     participation: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     transfer: dict | None = None  # transfer_precision bf16/fp16: the broadcast's master and residual (transfer.py)
     privacy: dict | None = None  # dp: client: the accountant's state (privacy/accountant.py); None = no DP
@@ -172,7 +172,7 @@ class Checkpoint:
 
     Attributes:
         loop: the driver loop's state (global state, reference point, running sum, counters, history, position).
-        clients: every client's own state (:class:`~fdam_ray.loop.state.ClientState`), in client order: None for a
+        clients: every client's own state (:class:`~fdam_ray.core.state.ClientState`), in client order: None for a
             dropped client, a ``rebuild`` marker for one that could not be placed when it was written. In the
             file each is the plain mapping :meth:`ClientState.to_dict` gives (the layout of every schema-1 file).
         positive_ratio: the global p, one per task.

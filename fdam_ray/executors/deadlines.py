@@ -74,8 +74,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from fdam_ray.core.schedules import ScheduleSection, planned_rounds
 from fdam_ray.features.capabilities import no_deadline
-from fdam_ray.loop.schedules import ScheduleSection, planned_rounds
 from fdam_ray.settings.redact import short
 from fdam_ray.settings.sections import AT_LEAST_ONE, Section, fail, setting, shared, warn_once
 
@@ -176,7 +176,7 @@ class DeadlineSection(Section):
 class ReplaySection(Section):
     """What a participation record is checked against (:func:`check_record`): the replaying run's clients and how
     it draws each round's sample (``seed``, or under dp the privacy secret). Its last round is its schedule's
-    (:class:`~fdam_ray.loop.schedules.ScheduleSection`)."""
+    (:class:`~fdam_ray.core.schedules.ScheduleSection`)."""
 
     name = "replay"
 
@@ -254,7 +254,7 @@ def read_record(where: str, run: ReplaySection | None = None,
     checked (:func:`parse_record`); with ``run`` and ``schedule``, the run that replays it, the whole record is
     checked against that run as well (:func:`check_record`). One line when there is none to read, or when it
     cannot be replayed."""
-    from fdam_ray.loop.checkpoint import CheckpointError, load_checkpoint  # the checkpoint imports the algorithms
+    from fdam_ray.checkpoint import CheckpointError, load_checkpoint  # the checkpoint imports the algorithms
 
     path = Path(where)
     if path.is_dir():

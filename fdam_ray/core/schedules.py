@@ -21,7 +21,7 @@ import logging
 import math
 from collections.abc import Iterator
 
-from fdam_ray.loop.state import RoundPlan
+from fdam_ray.core.state import RoundPlan
 from fdam_ray.settings.sections import AT_LEAST_ONE, POSITIVE, ConfigError, Section, setting
 
 log = logging.getLogger(__name__)

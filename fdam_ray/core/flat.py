@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from fdam_ray.core.state import GlobalState, reads_store_arrays
 from fdam_ray.features.precision import Precision
-from fdam_ray.loop.state import GlobalState, reads_store_arrays
 
 reads_store_arrays(__name__)  # states from the object store are only copied into the model
 

@@ -6,7 +6,7 @@ flat storage, the objective and the local solver, and on a GPU its CUDA
 context): one per process serves every client hosted there, one after
 another. The same classes run in the driver process (inline executor) and
 inside a Ray actor; they import no Ray. Everything they receive and return is
-numpy buffers or small dataclasses (:mod:`fdam_ray.loop.state`).
+numpy buffers or small dataclasses (:mod:`fdam_ray.core.state`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,13 +25,10 @@ from fdam_ray.algorithms import LocalSolver, build_algorithm
 from fdam_ray.algorithms.drift import ClientVariate
 from fdam_ray.algorithms.sampling import client_weights
 from fdam_ray.algorithms.server import PartialSum
-from fdam_ray.data import AnySplit, DataSource, Split, iter_batches, make_sampler
-from fdam_ray.data.base import hold_out_validation
-from fdam_ray.features.precision import Precision, PrecisionSection
-from fdam_ray.features.sites import client_label
-from fdam_ray.loop.client_face import NO_FACE, ClientFace
-from fdam_ray.loop.flat import FlatModel
-from fdam_ray.loop.state import (
+from fdam_ray.clients.face import NO_FACE, ClientFace
+from fdam_ray.clients.inputs import all_finite, check_features, features_refused
+from fdam_ray.core.flat import FlatModel
+from fdam_ray.core.state import (
     ClientInfo,
     ClientState,
     ClientUpdate,
@@ -43,9 +40,12 @@ from fdam_ray.loop.state import (
     StepStats,
     reads_store_arrays,
 )
-from fdam_ray.models import build_model, model_name
+from fdam_ray.data import AnySplit, DataSource, iter_batches, make_sampler
+from fdam_ray.data.base import hold_out_validation
+from fdam_ray.features.precision import Precision, PrecisionSection
+from fdam_ray.features.sites import client_label
+from fdam_ray.models import build_model
 from fdam_ray.scores.histogram import Binning
-from fdam_ray.settings.factories import describe_error
 from fdam_ray.settings.sections import AT_LEAST_ONE, Section, setting, shared
 
 reads_store_arrays(__name__)  # control variates and moments from the object store are only copied in
@@ -90,44 +90,6 @@ def use_deterministic_kernels() -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
-
-
-@torch.no_grad()
-def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether no value of ``tensors`` is NaN or infinite.
-
-    A sum is finite only if every term is (NaN and infinity propagate), and it
-    costs a twentieth of an element-wise test; only a non-finite sum, which may
-    also come from large finite terms overflowing, takes the element-wise test.
-    """
-    if bool(torch.isfinite(torch.stack([t.sum() for t in tensors])).all()):
-        return True
-    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
-
-
-def check_features(split: AnySplit | None, client: int | str, what: str) -> None:
-    """Refuse features holding NaN or infinity before training (they would only show later as a divergence).
-
-    Tensors held in memory are checked whole; images read from disk are decoded into finite pixels.
-    """
-    if not isinstance(split, Split) or len(split) == 0 or all_finite([split.x]):
-        return
-    sample, column = (int(i) for i in (~torch.isfinite(split.x.reshape(len(split), -1))).nonzero()[0])
-    raise ValueError(f"client {client}: its {what} features hold NaN or infinite values (first at sample "
-                     f"{sample}, feature column {column}); clean or impute them before training")
-
-
-def features_refused(exc: RuntimeError, x: torch.Tensor | None, model: str | Callable,
-                     what: str) -> ValueError | None:
-    """The one-line error for ``exc``, raised while the network ran on the batch ``x`` of ``what``, when the
-    features are not floating point (integers, bool): what they are and what to change. None for any other
-    error (raised as it was)."""
-    if x is None or x.is_floating_point():
-        return None
-    return ValueError(f"{what}: the features are {x.dtype} and model {model_name(model)!r} cannot take them "
-                      f"({describe_error(exc)}); give float features (convert x in the Dataset, e.g. x.float(), "
-                      "or for uint8 images torchvision's ToDtype(torch.float32, scale=True)) or a model whose "
-                      f"forward takes {x.dtype}")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -202,7 +164,7 @@ class TrainingReplica(Replica):
         self.precision = self.flat.precision
         self.precision.note_training()
         self.bound: Client | None = None
-        self.face = face  # a plug's client face (fdam_ray/loop/client_face.py): what a mechanism does here
+        self.face = face  # a plug's client face (fdam_ray/clients/face.py): what a mechanism does here
         face.check_replica(self)
 
     def new_control_variate(self) -> ClientVariate:
