@@ -102,7 +102,7 @@ def run_variant(spec: dict, make_source: Any = None) -> dict:
     """One run (:func:`_common.run_one`); the ``exact`` variant with transfer.encode/decode passing float32
     values through whole, so its transfers take bf16's path (differences from the masters, sums shifted by
     W M) with nothing rounded."""
-    from fdam_ray.features import transfer
+    from fdam_ray.executors import transfer
 
     if spec["_variant"] != "exact":
         return C.run_one(spec, make_source)

@@ -229,10 +229,18 @@ class PrivacyRun:
     def record(self) -> dict[str, float]:
         return {"dp_epsilon": self.epsilon(), "dp_delta": self.section.dp_delta}
 
+    def accountants(self) -> list[Accountant]:
+        raise NotImplementedError
+
     def summary(self) -> dict[str, Any]:
+        counted = self.accountants()
+        used = sorted({a.accounting_used for a in counted}) or [self.section.dp_accountant]
+        reasons = sorted({a.accounting_reason for a in counted if a.accounting_reason})
         return {"dp": self.mode, "dp_epsilon": self.epsilon(),  # inf (no noise): written null, with a note
                 "dp_delta": self.section.dp_delta, "dp_noise_multiplier": self.sigma, "dp_relation": self.relation,
-                "dp_sampling": self.section.dp_sampling, "dp_stopped": self.stopped}
+                "dp_sampling": self.section.dp_sampling, "dp_stopped": self.stopped,
+                "dp_accountant": " / ".join(used), "dp_accountant_note": reasons[0] if reasons else None,
+                "dp_epsilon_rdp": max((a.epsilon_rdp() for a in counted), default=0.0)}
 
 
 class ClientLevelRun(PrivacyRun):
@@ -250,7 +258,7 @@ class ClientLevelRun(PrivacyRun):
             sigma = _sigma(section, population=k, sample_size=s, compositions=rounds)
             self.accountant = Accountant.for_clients(noise_multiplier=sigma, delta=section.dp_delta, num_clients=k,
                                                      clients_per_round=section.clients_per_round,
-                                                     sampling=section.dp_sampling)
+                                                     sampling=section.dp_sampling, accounting=section.dp_accountant)
         super().__init__(section, sigma, self.accountant.relation, state)
         self.settings = client_level(section, sigma)
         log.info("dp: client: sigma %.4g, clip %g, noise at %s, %d of %d clients a round, delta %g (%s)", sigma,
@@ -258,6 +266,9 @@ class ClientLevelRun(PrivacyRun):
 
     def epsilon(self) -> float:
         return self.accountant.epsilon()
+
+    def accountants(self) -> list[Accountant]:
+        return [self.accountant]
 
     def epsilon_after(self, steps: int, sites: list[int] | None) -> float:
         return self.accountant.epsilon_after(1)
@@ -314,7 +325,8 @@ class SampleLevelRun(PrivacyRun):
         if not self.sites:
             self.sites = [Accountant.for_site(noise_multiplier=self.sigma, delta=self.section.dp_delta,
                                               num_samples=n, batch_size=self.batch_size, local_steps=1,
-                                              sampling=self.section.dp_sampling) for n in num_train]
+                                              sampling=self.section.dp_sampling,
+                                              accounting=self.section.dp_accountant) for n in num_train]
             self.relation = " / ".join(sorted({a.relation for a in self.sites}))  # a full batch: add or remove
             return
         counted = [a.population for a in self.sites]
@@ -327,6 +339,9 @@ class SampleLevelRun(PrivacyRun):
 
     def epsilon(self) -> float:
         return max(a.epsilon() for a in self.sites)
+
+    def accountants(self) -> list[Accountant]:
+        return list(self.sites)
 
     def epsilon_after(self, steps: int, sites: list[int] | None) -> float:
         asked = set(self._asked(sites))
@@ -363,4 +378,4 @@ def _sigma(section: PrivacySection, *, population: int, sample_size: int, compos
     if section.dp_epsilon is None:
         raise ValueError("dp needs dp_noise_multiplier or dp_epsilon")
     return solve_sigma(section.dp_epsilon, section.dp_delta, population=population, sample_size=sample_size,
-                       sampling=section.dp_sampling, compositions=compositions)
+                       sampling=section.dp_sampling, compositions=compositions, accounting=section.dp_accountant)

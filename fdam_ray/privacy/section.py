@@ -80,12 +80,14 @@ DP_MODES = ("off", "client", "sample")
 TEST_SCORES = ("exact", "histogram")
 NOISE_AT = ("server", "clients")
 SAMPLINGS = ("fixed", "poisson")
+ACCOUNTANTS = ("pld", "rdp")
 
 # Fields that must keep their defaults while dp is off, and the field whose default is the mode itself.
 _DP_FIELDS = ("dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_max_epsilon", "dp_noise_at",
-              "dp_sampling", "dp_noise_seed")
+              "dp_sampling", "dp_noise_seed", "dp_accountant")
 # The one field a resumed run may change (raise only), see check_resume.
-_RESUME_FIXED = ("dp", "dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_noise_at", "dp_sampling")
+_RESUME_FIXED = ("dp", "dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_noise_at", "dp_sampling",
+                 "dp_accountant")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -120,6 +122,12 @@ class PrivacySection(Section):
         "sample): fixed (exactly S of K without replacement, replace-one neighbours) or poisson (each with "
         "probability S / K). dp: sample draws each step's batch that way, B of n_k, from the noise's secret "
         "randomness.", choices=SAMPLINGS)
+    dp_accountant: str = setting(
+        "pld", "How epsilon is counted (the reported epsilon, the sigma solved for dp_epsilon, the dp_max_epsilon "
+        "stop): pld (exact: the privacy loss distribution; the analytic Gaussian for full participation; the "
+        "fixed-size sampler, which has none, falls back to rdp and the summary says so) or rdp (Renyi DP, looser: "
+        "5-15% higher epsilon; kept to compare, and reported beside pld in summary.json as dp_epsilon_rdp).",
+        choices=ACCOUNTANTS)
     dp_noise_seed: int | None = setting(
         None, "Seed of the privacy noise: null = fresh entropy each run (the private choice); an int replays the "
         "noise bit for bit (tests, audits), and whoever reads it can remove the noise.", check=NONNEGATIVE)

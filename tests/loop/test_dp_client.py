@@ -202,3 +202,31 @@ def test_a_resume_draws_from_the_secret_kept_in_its_checkpoint(tmp_path, monkeyp
     assert sorted(sets) == list(range(1, 11))
     assert sets == {r: secret_sample_clients(secret, r, 6, 2) for r in range(1, 11)}
     assert sets != {r: sample_clients(0, r, 6, 2) for r in range(1, 11)}
+
+
+def test_the_reported_epsilon_is_the_exact_one_and_rdp_is_kept_beside_it():
+    # full participation: each round is one Gaussian of sigma, so T rounds are the analytic Gaussian (Balle and Wang
+    # 2018) of sigma / sqrt(T), recomputed here with scipy; dp_accountant: rdp reports the looser RDP number
+    from scipy.optimize import brentq
+    from scipy.stats import norm
+
+    from fdam_ray.privacy.accountant import Accountant
+
+    clients, test = gaussian_clients(4, seed=0)
+    cfg = dict(BASE, iterations=8, dp_noise_multiplier=1.5)
+    exact = fdam_ray.train_arrays(cfg, clients, test)
+    s = 1.5 / np.sqrt(4)  # 4 rounds, sensitivity 1
+
+    def delta(eps):
+        return norm.cdf(1 / (2 * s) - eps * s) - np.exp(eps) * norm.cdf(-1 / (2 * s) - eps * s) - 1e-5
+
+    want = brentq(delta, 1e-9, 200, xtol=1e-14, rtol=1e-14)
+    assert exact.summary["dp_epsilon"] == pytest.approx(want, rel=1e-6)
+    assert exact.summary["dp_accountant"] == "pld" and exact.summary["dp_accountant_note"] is None
+    rdp = Accountant.for_clients(noise_multiplier=1.5, delta=1e-5, num_clients=4, clients_per_round=None,
+                                 accounting="rdp")
+    rdp.step(4)
+    assert exact.summary["dp_epsilon_rdp"] == rdp.epsilon() > exact.summary["dp_epsilon"]
+    looser = fdam_ray.train_arrays(dict(cfg, dp_accountant="rdp"), clients, test)
+    assert looser.summary["dp_epsilon"] == rdp.epsilon() and looser.summary["dp_accountant"] == "rdp"
+    np.testing.assert_array_equal(looser.state.v, exact.state.v)  # the accounting changes no step of the run

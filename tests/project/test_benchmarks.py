@@ -602,7 +602,7 @@ def test_transfer_precision_exact_variant_sends_float32_through_the_rounded_path
     module's rounding is back in place after the run."""
     import transfer_precision as TP
 
-    from fdam_ray.features import transfer
+    from fdam_ray.executors import transfer
 
     args = TP.parse_args(["--dataset", "digits", "--clients", "2", "--iterations", "32", "--algorithms", "codasca"])
     encode = transfer.encode
@@ -711,7 +711,7 @@ def test_privacy_independent_epsilon_matches_the_accountant_where_it_is_exact():
     orders = (1.5, 2.0, 3.0, 4.5, 8.0, 20.0)
     for population, sample, sampling, sigma in ((5, 5, "fixed", 1.3), (40, 8, "fixed", 1.7), (50, 5, "poisson", 1.1)):
         acc = Accountant(noise_multiplier=sigma, delta=1e-5, population=population, sample_size=sample,
-                         sampling=sampling, orders=orders)
+                         sampling=sampling, orders=orders, accounting="rdp")
         acc.step(1, compositions=30)
         if sampling == "poisson":
             mine = 30 * P.rdp_poisson(sample / population, sigma, orders)

@@ -31,11 +31,13 @@ def test_dp_is_off_by_default_and_a_private_config_builds():
 
 def test_the_section_is_listed_and_only_the_budget_may_change_on_resume():
     assert SECTIONS["privacy"] == ("dp", "dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_max_epsilon",
-                                   "dp_noise_at", "dp_sampling", "dp_noise_seed", "test_scores", "test_score_bins")
+                                   "dp_noise_at", "dp_sampling", "dp_accountant", "dp_noise_seed", "test_scores",
+                                   "test_score_bins")
     assert "dp_noise_multiplier" in describe_fields(["privacy"])
     assert {n for n in SECTIONS["privacy"] if n in RESUME_MAY_CHANGE} == {"dp_max_epsilon", "test_scores",
                                                                           "test_score_bins"}
     assert FIELD_BY_NAME["dp"].choices == ("off", "client", "sample")
+    assert FIELD_BY_NAME["dp_accountant"].choices == ("pld", "rdp") and build_config(CLIENT).dp_accountant == "pld"
 
 
 @pytest.mark.parametrize(("values", "field", "words"), [
@@ -43,6 +45,7 @@ def test_the_section_is_listed_and_only_the_budget_may_change_on_resume():
     ({"dp_clip": 2.0}, "dp_clip", "while dp = off"),
     ({"dp_noise_at": "clients"}, "dp_noise_at", "while dp = off"),
     ({"dp_noise_seed": 3}, "dp_noise_seed", "while dp = off"),
+    ({"dp_accountant": "rdp"}, "dp_accountant", "while dp = off"),
     ({"dp": "client", "positive_ratio": 0.2}, "dp_noise_multiplier", "a target dp_epsilon"),
     ({**CLIENT, "dp_epsilon": 3.0}, "dp_epsilon", "not both"),
     ({"dp": "client", "dp_epsilon": 3.0, "dp_max_epsilon": 2.0}, "dp_max_epsilon", ">= dp_epsilon = 3.0"),
@@ -108,6 +111,7 @@ def _section(**changes) -> PrivacySection:
     ({"dp_noise_multiplier": 1.5}, "dp_noise_multiplier"),
     ({"dp_delta": 1e-6}, "dp_delta"),
     ({"clients_per_round": 2, "dp_noise_at": "clients"}, "dp_noise_at"),
+    ({"dp_accountant": "rdp"}, "dp_accountant"),
     ({"dp_max_epsilon": 4.0}, "dp_max_epsilon"),
     ({"dp_max_epsilon": None}, "dp_max_epsilon"),
 ])
