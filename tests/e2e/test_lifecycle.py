@@ -17,12 +17,12 @@ import torch
 from own_fixtures import PairDataset, client_arrays
 
 import fdam_ray
+from fdam_ray import checkpoint as checkpoint_module
 from fdam_ray.assembly.recipe import resume, run
 from fdam_ray.checkpoint import DiskFullError, load_checkpoint
 from fdam_ray.cli import main
 from fdam_ray.config import FIELDS, RESUME_MAY_CHANGE, build_config
 from fdam_ray.executors.inline import InlineExecutor
-from fdam_ray import checkpoint as checkpoint_module
 from fdam_ray.loop.evaluation import Evaluator
 from fdam_ray.outputs import RunStopped, clear_stop_request, request_stop
 from fdam_ray.plots import plot_runs
