@@ -16,11 +16,12 @@ import argparse
 import sys
 from pathlib import Path
 
+import _common as C
 import numpy as np
 
 from fdam_ray.loop import evaluation
 from fdam_ray.metrics import task_aucs
-from fdam_ray.privacy import histogram
+from fdam_ray.scores import histogram
 from fdam_ray.scores.histogram import score_histograms
 
 HOSPITALS = {"algorithm": "codasca", "model": "mlp", "model_width": 16, "lr": 0.1, "local_steps": 8,
@@ -92,10 +93,13 @@ def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--job", choices=("digits", "hospitals", "both"), default="both")
     parser.add_argument("--iterations", type=int, default=None, help="shorter runs (default: each job's own)")
+    parser.add_argument("--out", default="benchmarks/results/histogram_error.md",
+                        help="where the table is written (none: --out '')")
     args = parser.parse_args(argv)
     extra = {} if args.iterations is None else {"iterations": args.iterations,
                                                 "eval_every": max(1, args.iterations // 4)}
     result = {}
+    table = ["| job | evaluation | exact AUC | histogram AUC | abs error | passes |", "|---|---|---|---|---|---|"]
     for name, job in (("digits", digits), ("hospitals", hospitals)):
         if args.job not in (name, "both"):
             continue
@@ -103,10 +107,17 @@ def main(argv: list[str] | None = None) -> str:
         for i, r in enumerate(rows):
             print(f"{name} eval {i:2d}: exact {np.nanmean(r['exact']):.6f} hist {np.nanmean(r['hist']):.6f} "
                   f"|err| {r['err']:.2e} passes {r['passes']}")
+            table.append(f"| {name} | {i} | {np.nanmean(r['exact']):.6f} | {np.nanmean(r['hist']):.6f} | "
+                         f"{r['err']:.2e} | {r['passes']} |")
         result[f"{name}_max_err"] = max(r["err"] for r in rows)
         result[f"{name}_eval0_err"] = rows[0]["err"]
     line = "RESULT " + " ".join(f"{k}={v:.2e}" for k, v in result.items())
     print(f"tolerance {histogram.REFINE_TOLERANCE:g}, passes at most {histogram.MAX_PASSES}")
+    if args.out:
+        command = "python benchmarks/histogram_error.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        C.write_results(Path(args.out), "Histogram AUC against the exact pooled AUC, every evaluation",
+                        command.strip(), f"Tolerance {histogram.REFINE_TOLERANCE:g}, at most {histogram.MAX_PASSES} "
+                        f"passes, B = {histogram.DEFAULT_BINS} bins.\n\n" + "\n".join(table) + f"\n\n{line}")
     print(line)
     return line
 
