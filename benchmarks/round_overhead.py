@@ -71,7 +71,7 @@ from fdam_ray.data import DataSource, Shard, Split
 from fdam_ray.executors.base import ExecutorSetup
 from fdam_ray.executors.ray.compat import loopback_node, start_loopback_ray
 from fdam_ray.executors.ray.executor import RayExecutor
-from fdam_ray.executors.ray.transports.compiled import SPIN_S
+from fdam_ray.executors.ray.transports.patience import SPIN_S
 
 TARGET_RATIO = 1.5  # classic round overhead at most this times the plain-Ray pattern's (same K, N and run)
 GLOO_TARGET = 1.0  # compiled round overhead at most this times the gloo all-reduce round (every N)
