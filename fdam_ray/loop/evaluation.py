@@ -42,9 +42,9 @@ workers): it is scored exactly in both modes.
 Every split's pooled counts pass the plug's evaluation hook (:meth:`~fdam_ray.loop.plug.Plug.evaluation`) before
 an AUC is read off them. The plug that does nothing releases them unchanged (the above, bit for bit); private
 evaluation (``dp_eval: on``, :mod:`fdam_ray.privacy.evaluation`) releases them noised, and then the AUCs (pooled,
-per task), ``<split>_samples`` and the one-class warning come from the noised counts only: the driver's own test set
-is binned too (:attr:`~fdam_ray.loop.plug.Plug.counts_only`), no refinement pass is asked and no per-site AUC is
-recorded.
+per task) and the one-class warning come from the noised counts only (``<split>_samples`` is not recorded): the
+driver's own test set is binned too (:attr:`~fdam_ray.loop.plug.Plug.counts_only`), no refinement pass is asked
+and no per-site AUC is recorded.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ class Evaluator:
         return self._aucs("test", aucs, samples, parts)
 
     def _pooled(self, own: Scores | None, parts: Sequence[Part], state: GlobalState,
-                split: str) -> tuple[np.ndarray, int, tuple]:
+                split: str) -> tuple[np.ndarray, int | None, tuple]:
         """The pooled AUC per task, the samples and the per-class counts (for the one-class warning) of ``own``
         (the driver's global test set, exact) or else of the clients' parts: pooled scores, or summed
         histograms (refined by further passes over ``split`` of ``state`` where pass 1's bound is too wide)."""
@@ -203,16 +203,16 @@ class Evaluator:
         aucs, _ = refined_aucs(total, self.bins, ask)
         return aucs, sum(h.samples for h in hists), (total[:, 1].sum(-1), total[:, 0].sum(-1))
 
-    def _released(self, split: str, total: np.ndarray, released: Released | None) -> tuple[np.ndarray, int, tuple]:
+    def _released(self, split: str, total: np.ndarray,
+                  released: Released | None) -> tuple[np.ndarray, int | None, tuple]:
         """:meth:`_pooled`'s triple read off what the plug releases of ``split``'s summed counts ``total`` (asked
-        here when ``released`` is None): the AUCs, the samples (the largest task's released total, rounded) and the
-        per-class totals, nothing else of ``total``."""
+        here when ``released`` is None): the AUCs, no sample count (None: the clipped noised counts' total is biased
+        up by the empty bins, so none is recorded) and the per-class totals, nothing else of ``total``."""
         released = self.plug.evaluation(split, total) if released is None else released
         self._per_site = released.per_site
         counts = np.asarray(released.counts, dtype=np.float64)
         positives, negatives = counts[:, 1].sum(-1), counts[:, 0].sum(-1)
-        samples = int(round(float((positives + negatives).max()))) if counts.size else 0
-        return auc_of_counts(counts), samples, (np.rint(positives), np.rint(negatives))
+        return auc_of_counts(counts), None, (np.rint(positives), np.rint(negatives))
 
     def _summed(self, hists: Sequence[ScoreHistogram]) -> np.ndarray:
         """The clients' histograms, each checked (B bins, one per task), summed."""
@@ -246,11 +246,13 @@ class Evaluator:
         if problems:
             log.warning("%s (an AUC needs positives and negatives)", "; ".join(problems))
 
-    def _aucs(self, prefix: str, aucs: np.ndarray, samples: int, parts: Sequence[Part]) -> dict:
-        """``<prefix>_auc`` (pooled, from the AUC per task ``aucs``), ``<prefix>_samples``, and where there are
-        several tasks or client parts ``<prefix>_task_auc`` and the per-client AUCs (``client_auc`` for the test
-        splits)."""
-        out: dict = {f"{prefix}_auc": mean_auc(aucs), f"{prefix}_samples": samples}
+    def _aucs(self, prefix: str, aucs: np.ndarray, samples: int | None, parts: Sequence[Part]) -> dict:
+        """``<prefix>_auc`` (pooled, from the AUC per task ``aucs``), ``<prefix>_samples`` (unless None), and where
+        there are several tasks or client parts ``<prefix>_task_auc`` and the per-client AUCs (``client_auc`` for the
+        test splits)."""
+        out: dict = {f"{prefix}_auc": mean_auc(aucs)}
+        if samples is not None:
+            out[f"{prefix}_samples"] = samples
         if len(aucs) > 1:
             task_key = "task_auc" if prefix == "test" else f"{prefix}_task_auc"
             out[task_key] = {name: _num(a) for name, a in zip(self.task_names, aucs, strict=True)}
