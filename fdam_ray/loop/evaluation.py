@@ -176,9 +176,9 @@ class Evaluator:
         (the driver's global test set, exact) or else of the clients' parts: pooled scores, or summed
         histograms (refined by further passes over ``split`` of ``state`` where pass 1's bound is too wide)."""
         self._per_site = True
-        if own is not None and self.plug.counts_only:
-            if self.bins is None:
-                raise ValueError("a plug releasing counts only needs test_scores: histogram (histogram_bins)")
+        if self.plug.counts_only and self.bins is None:  # config refuses it (dp_eval needs test_scores: histogram)
+            raise ValueError("a plug releasing counts only needs test_scores: histogram (histogram_bins)")
+        if own is not None and self.plug.counts_only and self.bins is not None:
             return self._released(split, score_histograms(own.scores, own.labels, self.bins), None)
         if own is not None:
             return task_aucs(own.scores, own.labels), len(own.labels), class_counts(own.labels)

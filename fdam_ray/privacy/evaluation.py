@@ -142,7 +142,7 @@ class EvaluationPlug(Plug):
     def __init__(self, inner: Plug, *, noise: float | None, target: float | None, delta: float, seed: int | None,
                  planned: int) -> None:
         self.inner = inner
-        self._settings = dict(noise=noise, target=target, delta=delta, seed=seed, planned=planned)
+        self.noise, self.target, self.delta, self.seed, self.planned = noise, target, delta, seed, planned
         self._eval: PrivateEvaluation | None = None
 
     @property
@@ -158,7 +158,8 @@ class EvaluationPlug(Plug):
     def setup(self, setup: Any, start: PlugStart) -> Any:
         state = dict(start.state) if start.state is not None else {}
         own = state.pop("evaluation", None)
-        self._eval = PrivateEvaluation(**self._settings, tasks=len(start.source.task_names), state=own)
+        self._eval = PrivateEvaluation(noise=self.noise, target=self.target, delta=self.delta, seed=self.seed,
+                                       tasks=len(start.source.task_names), planned=self.planned, state=own)
         return self.inner.setup(setup, dataclasses.replace(start, state=state or None))
 
     def started(self, num_train: list[int]) -> None:

@@ -190,3 +190,36 @@ def test_the_evaluator_releases_the_noised_pooled_counts_and_no_per_site_auc():
     assert out["test_auc"] == mean_auc(auc_of_counts(released))
     assert "test_samples" not in out  # the clipped counts' total is biased: not recorded
     assert "client_auc" not in out
+
+
+def test_the_drivers_own_test_set_is_binned_and_released_the_same_way():
+    from fdam_ray.core.state import Scores
+    from fdam_ray.loop.evaluation import Evaluator
+
+    rng = np.random.default_rng(2)
+    labels = rng.integers(0, 2, (300, 2)).astype(np.float32)
+    own = Scores(client_id=-1, scores=np.clip(rng.normal(0.4 + 0.2 * labels, 0.15), 0, 1).astype(np.float32),
+                 labels=labels)
+
+    class Exec:
+        def evaluate(self, state, split="test", bins=None):
+            return []
+
+        def score_test_set(self, state):
+            return own
+
+    def evaluator(plug):
+        source = type("Src", (), {"task_names": ("a", "b"), "test_set": lambda self: None})()
+        replica = type("R", (), {"config": type("C", (), {"client_names": None})()})()
+        return Evaluator(replica, source, Exec(), warn_one_class=False, histogram_bins=16, plug=plug)
+
+    plug = EvaluationPlug(NO_PLUG, noise=1.0, target=None, delta=1e-5, seed=8, planned=3)
+    plug.setup(None, PlugStart(_Executor(), _Source(), None, None))
+    out = evaluator(plug)(None)
+    expected = PrivateEvaluation(noise=1.0, target=None, delta=1e-5, seed=8, tasks=2, planned=3)
+    released = expected.release("test", score_histograms(own.scores, own.labels, 16))
+    assert out["test_auc"] == mean_auc(auc_of_counts(released))
+    assert out["task_auc"] == {n: round(float(a), 6) for n, a in zip(("a", "b"), auc_of_counts(released))}
+    assert "test_samples" not in out
+    plain = evaluator(NO_PLUG)(None)  # without the plug: the exact scores, as before
+    assert plain["test_samples"] == 300 and plain["test_auc"] != out["test_auc"]
