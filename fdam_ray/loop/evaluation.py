@@ -38,6 +38,13 @@ exact sum of the sites' counts, so ``test_auc`` is the same, and ``client_auc`` 
 site's own AUC reaches the server). The global test set is the driver's own data
 (scored here, or in slices by the Ray executor's actors, the driver's
 workers): it is scored exactly in both modes.
+
+Every split's pooled counts pass the plug's evaluation hook (:meth:`~fdam_ray.loop.plug.Plug.evaluation`) before
+an AUC is read off them. The plug that does nothing releases them unchanged (the above, bit for bit); private
+evaluation (``dp_eval: on``, :mod:`fdam_ray.privacy.evaluation`) releases them noised, and then the AUCs (pooled,
+per task) and the one-class warning come from the noised counts only (``<split>_samples`` is not recorded): the
+driver's own test set is binned too (:attr:`~fdam_ray.loop.plug.Plug.counts_only`), no refinement pass is asked
+and no per-site AUC is recorded.
 """
 
 from __future__ import annotations
@@ -53,9 +60,16 @@ from fdam_ray.core.state import GlobalState, ScoreHistogram, Scores
 from fdam_ray.data import AnySplit, DataSource
 from fdam_ray.executors import Executor
 from fdam_ray.features.sites import client_label
+from fdam_ray.loop.plug import NO_PLUG, Plug, Released
 from fdam_ray.metrics import mean_auc, pooled, task_aucs
 from fdam_ray.models import model_name
-from fdam_ray.scores.histogram import Binning, check_histograms, sum_histograms
+from fdam_ray.scores.histogram import (
+    Binning,
+    auc_of_counts,
+    check_histograms,
+    score_histograms,
+    sum_histograms,
+)
 from fdam_ray.scores.histogram_passes import refined_aucs
 from fdam_ray.settings.sections import Section, fail, setting, shared
 
@@ -99,12 +113,16 @@ class Evaluator:
     ``warn_one_class``: warn on the first evaluation about test sets of one class (off where the caller has
     already, as :func:`fdam_ray.train_arrays` does before the run). ``validation``: score the clients'
     validation parts too (``val_fraction`` > 0). ``histogram_bins``: B under ``test_scores: histogram`` (the
-    clients send score histograms of B bins, this module's docstring), None: they send their scores.
+    clients send score histograms of B bins, this module's docstring), None: they send their scores. ``plug``:
+    whose evaluation hook releases the pooled counts (the default releases them unchanged).
     """
 
     def __init__(self, replica: Replica, source: DataSource, executor: Executor, *,
-                 warn_one_class: bool = True, validation: bool = False, histogram_bins: int | None = None) -> None:
+                 warn_one_class: bool = True, validation: bool = False, histogram_bins: int | None = None,
+                 plug: Plug = NO_PLUG) -> None:
         self.bins = histogram_bins
+        self.plug = plug
+        self._per_site = True  # whether the last pooled split's per-site AUCs may be recorded (the plug's say)
         self.replica = replica
         self.source = source
         self.task_names = source.task_names
@@ -144,6 +162,8 @@ class Evaluator:
         if s is None and not parts:
             raise ValueError("the dataset has neither a test set nor client test splits")
         aucs, samples, counts = self._pooled(s, parts, state, "test")
+        if not self._per_site:  # the plug releases the pooled counts only: no site's own figure
+            parts = []
         if self._warn_one_class:
             self._warn_one_class = False
             self._warn_if_one_class(("the test set" if s is not None else "the pooled test set (the clients' test "
@@ -151,10 +171,15 @@ class Evaluator:
         return self._aucs("test", aucs, samples, parts)
 
     def _pooled(self, own: Scores | None, parts: Sequence[Part], state: GlobalState,
-                split: str) -> tuple[np.ndarray, int, tuple]:
+                split: str) -> tuple[np.ndarray, int | None, tuple]:
         """The pooled AUC per task, the samples and the per-class counts (for the one-class warning) of ``own``
         (the driver's global test set, exact) or else of the clients' parts: pooled scores, or summed
         histograms (refined by further passes over ``split`` of ``state`` where pass 1's bound is too wide)."""
+        self._per_site = True
+        if self.plug.counts_only and self.bins is None:  # config refuses it (dp_eval needs test_scores: histogram)
+            raise ValueError("a plug releasing counts only needs test_scores: histogram (histogram_bins)")
+        if own is not None and self.plug.counts_only and self.bins is not None:
+            return self._released(split, score_histograms(own.scores, own.labels, self.bins), None)
         if own is not None:
             return task_aucs(own.scores, own.labels), len(own.labels), class_counts(own.labels)
         if self.bins is None:
@@ -162,6 +187,11 @@ class Evaluator:
             return task_aucs(scores, labels), len(labels), class_counts(labels)
         hists = [p for p in parts if isinstance(p, ScoreHistogram)]
         total = self._summed(hists)
+        if self.plug.counts_only:
+            return self._released(split, total, None)
+        released = self.plug.evaluation(split, total)
+        if not released.refine or released.counts is not total:
+            return self._released(split, total, released)
 
         def ask(again: Binning) -> np.ndarray:  # a refined pass: the clients' histograms of ``again``, summed
             finer = [p for p in self.executor.evaluate(state, split=split, bins=again)
@@ -172,6 +202,17 @@ class Evaluator:
 
         aucs, _ = refined_aucs(total, self.bins, ask)
         return aucs, sum(h.samples for h in hists), (total[:, 1].sum(-1), total[:, 0].sum(-1))
+
+    def _released(self, split: str, total: np.ndarray,
+                  released: Released | None) -> tuple[np.ndarray, int | None, tuple]:
+        """:meth:`_pooled`'s triple read off what the plug releases of ``split``'s summed counts ``total`` (asked
+        here when ``released`` is None): the AUCs, no sample count (None: the clipped noised counts' total is biased
+        up by the empty bins, so none is recorded) and the per-class totals, nothing else of ``total``."""
+        released = self.plug.evaluation(split, total) if released is None else released
+        self._per_site = released.per_site
+        counts = np.asarray(released.counts, dtype=np.float64)
+        positives, negatives = counts[:, 1].sum(-1), counts[:, 0].sum(-1)
+        return auc_of_counts(counts), None, (np.rint(positives), np.rint(negatives))
 
     def _summed(self, hists: Sequence[ScoreHistogram]) -> np.ndarray:
         """The clients' histograms, each checked (B bins, one per task), summed."""
@@ -187,6 +228,8 @@ class Evaluator:
         if not parts:
             raise ValueError("val_fraction > 0 but no client has a validation part")
         aucs, samples, counts = self._pooled(None, parts, state, "val")
+        if not self._per_site:
+            parts = []
         if self._warn_one_class_val:
             self._warn_one_class_val = False
             self._warn_if_one_class(("the pooled validation set", counts, "val_auc"), parts, "validation part",
@@ -203,11 +246,13 @@ class Evaluator:
         if problems:
             log.warning("%s (an AUC needs positives and negatives)", "; ".join(problems))
 
-    def _aucs(self, prefix: str, aucs: np.ndarray, samples: int, parts: Sequence[Part]) -> dict:
-        """``<prefix>_auc`` (pooled, from the AUC per task ``aucs``), ``<prefix>_samples``, and where there are
-        several tasks or client parts ``<prefix>_task_auc`` and the per-client AUCs (``client_auc`` for the test
-        splits)."""
-        out: dict = {f"{prefix}_auc": mean_auc(aucs), f"{prefix}_samples": samples}
+    def _aucs(self, prefix: str, aucs: np.ndarray, samples: int | None, parts: Sequence[Part]) -> dict:
+        """``<prefix>_auc`` (pooled, from the AUC per task ``aucs``), ``<prefix>_samples`` (unless None), and where
+        there are several tasks or client parts ``<prefix>_task_auc`` and the per-client AUCs (``client_auc`` for the
+        test splits)."""
+        out: dict = {f"{prefix}_auc": mean_auc(aucs)}
+        if samples is not None:
+            out[f"{prefix}_samples"] = samples
         if len(aucs) > 1:
             task_key = "task_auc" if prefix == "test" else f"{prefix}_task_auc"
             out[task_key] = {name: _num(a) for name, a in zip(self.task_names, aucs, strict=True)}

@@ -266,6 +266,7 @@ class Federation:
             "samples_per_s": round(loop.samples / loop.train_s, 1) if loop.train_s else None,
         }
         rec.update(self.plug.record())  # dp: dp_epsilon, dp_delta
+        loop.privacy = self.plug.state()  # an evaluation may have counted releases (dp_eval)
         if self.deadlines.tolerant:  # rounds since the last record that ran other clients than planned
             rec["participation"] = " ".join(f"r{r}={','.join(map(str, ks))}" for r, ks in self._unrecorded.items())
             self._unrecorded = {}
@@ -329,7 +330,7 @@ class Federation:
             for line in self.executor.placement_lines():  # where each client runs (Ray)
                 observer.event("%s", line)
             evaluator = Evaluator(self.replica, self.source, self.executor, validation=self.validation,
-                                  histogram_bins=self.histogram_bins)
+                                  histogram_bins=self.histogram_bins, plug=self.plug)
             if resume is None:
                 observer.record(self._record(loop, evaluator, 0, 1, self.schedule.lr, started), snapshot)
             schedule = Schedule(self.schedule, loop.position)

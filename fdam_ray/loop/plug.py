@@ -6,7 +6,8 @@
 - the server face (:meth:`Plug.reducer`): the round's reducer, built wrapped by the plug, never patched after;
 - the driver face, called by the federation at its hooks: the start (:meth:`Plug.setup`, :meth:`Plug.started`),
   who takes part in a round (:meth:`Plug.sampler`), before a round (:meth:`Plug.before_round`: a stop), after it
-  (:meth:`Plug.after_round`), at an evaluation (:meth:`Plug.record`), at a checkpoint (:meth:`Plug.state`) and
+  (:meth:`Plug.after_round`), at an evaluation (:meth:`Plug.evaluation`: what of the pooled counts is released;
+  :meth:`Plug.record`), at a checkpoint (:meth:`Plug.state`) and
   at the end (:meth:`Plug.summary`).
 
 :class:`Plug` is the plug that does nothing: the federation calls every hook of whatever plug it was built with,
@@ -20,6 +21,8 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from fdam_ray.algorithms.sampling import ClientSampler
     from fdam_ray.algorithms.server import RoundReducer
     from fdam_ray.core.flat import FlatModel
@@ -40,12 +43,27 @@ class PlugStart:
     state: dict | None
 
 
+@dataclasses.dataclass(frozen=True)
+class Released:
+    """What an evaluation releases of one split's pooled counts (:meth:`Plug.evaluation`): ``counts`` ``(T, 2, B)``
+    to read the AUC off (the summed int64 counts unchanged, or float64 ones a plug noised), whether the per-site
+    AUCs may be recorded (``per_site``), and whether the driver may ask the sites for refinement passes
+    (``refine``; each pass would be a further release of the same records)."""
+
+    counts: np.ndarray
+    per_site: bool = True
+    refine: bool = True
+
+
 class Plug:
     """The plug that does nothing (the module's docstring). Subclasses override the hooks they act at."""
 
     # whether the executor may run several rounds in one call (the collective's runs of rounds apply the server
     # step where the clients are, so a plug with a server face or a per-round hook must say no)
     runs_of_rounds: bool = True
+    # whether an evaluation is released as pooled counts only (:meth:`evaluation`): the driver's own test set is then
+    # binned too, not scored exactly
+    counts_only: bool = False
 
     # -- the start ---------------------------------------------------------------------
     def setup(self, setup: ExecutorSetup, start: PlugStart) -> ExecutorSetup:
@@ -73,7 +91,12 @@ class Plug:
         """Round ``plan.round`` was applied: asked of ``clients`` (None: all), ``reported`` of them reached the
         server."""
 
-    # -- records, checkpoints, the end --------------------------------------------------
+    # -- evaluations, records, checkpoints, the end ---------------------------------------
+    def evaluation(self, split: str, counts: np.ndarray) -> Released:
+        """What is released of ``split``'s (``test`` or ``val``) per-class score counts summed over its records,
+        ``(T, 2, B)`` int64, at an evaluation: by default the counts themselves, per-site AUCs and refinement."""
+        return Released(counts)
+
     def record(self) -> dict[str, Any]:
         """Keys added to each evaluation's metrics record."""
         return {}

@@ -47,6 +47,13 @@ per task (:mod:`fdam_ray.scores.histogram`); the driver sums the counts into
 the pooled AUC. No noise: the counts are exact (see the histogram module for
 what they still reveal). Both fields may change on resume: they change how
 evaluations are computed and what they send, never the model's trajectory.
+
+``dp_eval: on`` (:mod:`fdam_ray.privacy.evaluation`) noises the pooled counts
+of every evaluation for the test and validation records' own guarantee
+(sigma_e given as ``dp_eval_noise`` or solved for ``dp_eval_epsilon``, one of
+the two). It needs ``test_scores: histogram``, may be on with ``dp: off``
+(then ``dp_delta`` and ``dp_noise_seed`` act for it), and cannot change on
+resume.
 """
 
 from __future__ import annotations
@@ -81,13 +88,16 @@ TEST_SCORES = ("exact", "histogram")
 NOISE_AT = ("server", "clients")
 SAMPLINGS = ("fixed", "poisson")
 ACCOUNTANTS = ("pld", "rdp")
+EVAL_MODES = ("off", "on")
 
 # Fields that must keep their defaults while dp is off, and the field whose default is the mode itself.
 _DP_FIELDS = ("dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_max_epsilon", "dp_noise_at",
               "dp_sampling", "dp_noise_seed", "dp_accountant")
 # The one field a resumed run may change (raise only), see check_resume.
 _RESUME_FIXED = ("dp", "dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_noise_at", "dp_sampling",
-                 "dp_accountant")
+                 "dp_accountant", "dp_eval", "dp_eval_noise", "dp_eval_epsilon")
+# dp fields that private evaluation also reads (dp_eval: on with dp: off): delta and the noise's secret.
+_EVAL_READS = ("dp_delta", "dp_noise_seed")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -141,6 +151,18 @@ class PrivacySection(Section):
         DEFAULT_BINS, "test_scores: histogram: B, score intervals per task and class (fixed by B alone, the same at "
         "every site); more bins: a tighter AUC, a finer view of a site's score distribution, 16 B bytes per task "
         "sent.", check=(_even_bins, f"an even integer in [2, {MAX_BINS}]"), resume=True)
+    # -- private evaluation (fdam_ray/privacy/evaluation.py) --
+    dp_eval: str = setting(
+        "off", "Private evaluation: on = the pooled per-class score counts of each evaluation (test and validation) "
+        "get N(0, dp_eval_noise^2) per count on the driver before the AUC, per-site AUCs are not recorded and the "
+        "refinement passes are off; the test records' epsilon (dp_eval_epsilon) is reported beside the training "
+        "one. Needs test_scores: histogram; allowed with any dp mode, also dp: off.", choices=EVAL_MODES)
+    dp_eval_noise: float | None = setting(
+        None, "dp_eval: on: sigma_e, the std of each count's noise; give it or dp_eval_epsilon, not both.",
+        check=POSITIVE)
+    dp_eval_epsilon: float | None = setting(
+        None, "dp_eval: on: target epsilon of the test records over the planned evaluations (at dp_delta): sigma_e "
+        "is solved for it; give it or dp_eval_noise, not both.", check=POSITIVE)
     num_clients: int = shared()
     clients_per_round: int | None = shared()
     client_weighting: str = shared()
@@ -173,6 +195,7 @@ class PrivacySection(Section):
         if self.test_scores == "exact" and self.test_score_bins != DEFAULT_BINS:
             raise fail("test_score_bins", self.test_score_bins, f"{DEFAULT_BINS} while test_scores = exact (the "
                        "clients send their scores; set test_scores: histogram for the bins to act)")
+        self._check_eval()
         if not self.enabled:
             self._check_off()
             return
@@ -191,10 +214,31 @@ class PrivacySection(Section):
         # refused, not warned: a run believed private that is not cannot be taken back once its model is shared
         defaults = {f.name: f.default for f in dataclasses.fields(PrivacySection) if f.name in _DP_FIELDS}
         for name in _DP_FIELDS:
+            if self.dp_eval == "on" and name in _EVAL_READS:
+                continue
             if getattr(self, name) != defaults[name]:
                 default = "null" if defaults[name] is None else defaults[name]
                 raise fail(name, getattr(self, name), f"{default} while dp = off (set dp: client or dp: sample for "
                            f"it to act, or remove {name})")
+
+    def _check_eval(self) -> None:
+        """dp_eval: one of sigma_e and its target, and histograms (exact scores leave the sites)."""
+        if self.dp_eval == "off":
+            for name in ("dp_eval_noise", "dp_eval_epsilon"):
+                if getattr(self, name) is not None:
+                    raise fail(name, getattr(self, name), "null while dp_eval = off (set dp_eval: on for it to act)")
+            return
+        if self.test_scores != "histogram":
+            raise fail("test_scores", self.test_scores, "histogram with dp_eval: on (exact sends per-sample scores "
+                       "and labels off the sites, which no noise on the counts protects)")
+        if (self.dp_eval_noise is None) == (self.dp_eval_epsilon is None):
+            raise fail("dp_eval_noise", self.dp_eval_noise, "a value > 0, or null with a target dp_eval_epsilon "
+                       "(one of the two) with dp_eval: on")
+        if self.test_score_bins > 64:  # each bin's noise adds up, and clipping empty bins at 0 pulls AUC to 1/2
+            warn_once(log, f"dp_eval with test_score_bins = {self.test_score_bins}: every bin gets its own noise "
+                      "and the empty ones, clipped at 0, pull the AUC toward 1/2 (mean error 0.35 at 4096 bins, 0.14 "
+                      "at 32, epsilon 1 over 21 evaluations of 1700 records: benchmarks/results/private_eval.md); "
+                      "take test_score_bins 16 to 32")
 
     def _check_noise(self) -> None:
         sigma, target = self.dp_noise_multiplier, self.dp_epsilon

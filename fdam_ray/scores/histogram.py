@@ -310,6 +310,22 @@ def pooled_auc_from_histograms(hist: np.ndarray) -> np.ndarray:
     return _per_task(hist, lambda neg, pos, pairs: _doubled_concordance(neg, pos, 2 * pairs) / (2 * pairs))
 
 
+def auc_of_counts(counts: np.ndarray) -> np.ndarray:
+    """Per task, the AUC of real-valued counts ``(T, 2, B)`` >= 0 (noised ones, clipped at 0:
+    :mod:`fdam_ray.privacy.evaluation`) by the same rule, ``sum_b pos_b (neg_below_b + neg_b / 2) / (P N)`` with P, N
+    their sums, in float64; NaN where P or N is 0. On integer counts it equals
+    :func:`pooled_auc_from_histograms` to rounding."""
+    counts = np.asarray(counts, dtype=np.float64)
+    if counts.ndim != 3 or counts.shape[1] != 2 or (counts.size and counts.min() < 0):
+        raise ValueError(f"counts of shape {counts.shape}: (tasks, 2, bins), every count >= 0")
+    neg, pos = counts[:, 0], counts[:, 1]
+    below = np.cumsum(neg, axis=1) - neg
+    pairs = pos.sum(axis=1) * neg.sum(axis=1)
+    concordant = (pos * (below + neg / 2)).sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(pairs > 0, concordant / np.where(pairs > 0, pairs, 1.0), np.nan)
+
+
 def pooled_test_auc(hist: np.ndarray) -> float:
     """The pooled test AUC as :mod:`fdam_ray.metrics` reports it: the mean over the tasks whose AUC is defined."""
     return mean_auc(pooled_auc_from_histograms(hist))
