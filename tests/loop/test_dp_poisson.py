@@ -5,7 +5,6 @@ noise generator) and is accounted, epsilon is the Poisson PLD's, full participat
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from sample_clients import gaussian_clients
 
 import fdam_ray

@@ -1,4 +1,4 @@
-"""The Poisson client draw of dp: client (docs/algorithms.md s.8b): client k joins round r iff u_{k,r} < q = S / K,
+"""The Poisson client draw of dp: client (docs/algorithms.md s.9 P2b): client k joins round r iff u_{k,r} < q = S / K,
 u drawn from the privacy secret (never the public seed); the default of dp_sampling; the empty round's server step;
 the warning when the fixed-size draw costs more than full participation."""
 
