@@ -117,3 +117,22 @@ def test_ray_runs_an_empty_round_as_inline_does():
     for name in ("v", "alpha"):
         np.testing.assert_allclose(getattr(ray.state, name), getattr(inline.state, name), rtol=0, atol=1e-6)
     assert ray.state.round == 3 and ray.summary["dp_epsilon"] == inline.summary["dp_epsilon"]
+
+
+def test_a_resume_draws_the_poisson_sets_of_the_secret_kept_in_its_checkpoint(tmp_path, monkeypatch):
+    # dp_noise_seed null: fresh entropy, kept in the checkpoint; the resumed rounds draw what the run would have
+    from fdam_ray.checkpoint import load_checkpoint
+    from fdam_ray.cli import main
+
+    eps = [poisson_epsilon(t, k=6, s=2, sigma=2.0) for t in range(1, 11)]
+    args = ["dataset=synthetic", "num_clients=6", "clients_per_round=2", "model=linear", "executor=inline",
+            "iterations=20", "eval_every=10", "local_steps=2", "dp=client", "dp_noise_multiplier=2",
+            "positive_ratio=0.5", "algorithm=coda_plus", "--quiet", f"out_dir={tmp_path}", "run_name=r"]
+    seen = spy_rounds(monkeypatch)
+    assert main(["train", f"dp_max_epsilon={(eps[3] + eps[4]) / 2}", *args]) == 0  # stops before round 5
+    secret = load_checkpoint(tmp_path / "r" / "checkpoint.pt").loop.privacy["draw_secret"]
+    assert sorted(seen) == [1, 2, 3, 4]
+    assert main(["train", "--resume", str(tmp_path / "r"), f"dp_max_epsilon={eps[-1] * 2}", "--quiet"]) == 0
+    assert {r: got[0] for r, got in seen.items()} == {r: poisson_sample_clients(secret, r, 6, 2) for r in range(1, 11)}
+    summary = load_checkpoint(tmp_path / "r" / "checkpoint.pt").loop.history[-1]
+    assert summary["round"] == 10 and summary["dp_epsilon"] == eps[-1]
