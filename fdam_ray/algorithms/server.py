@@ -299,9 +299,10 @@ class RoundReducer:
             mean += prev
         return mean
 
-    def _finishing(self) -> None:
-        """Refuse a round no update reached, or a second finish (the sums became the state in place)."""
-        if self.count == 0:
+    def _finishing(self, empty: bool = False) -> None:
+        """Refuse a round no update reached (unless ``empty`` may finish: dp: client's noise-only round), or a
+        second finish (the sums became the state in place)."""
+        if self.count == 0 and not empty:
             raise RuntimeError("no client update reached the server this round")
         if self._finished:
             raise RuntimeError("this round's reducer has already finished")

@@ -185,6 +185,8 @@ class ReplaySection(Section):
     seed: int = shared()
     dp: str = shared()
     dp_noise_seed: int | None = shared()
+    dp_sampling: str | None = shared()
+    dp_noise_at: str = shared()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,13 +409,18 @@ def _check_round(r: int, clients: list[int], run: ReplaySection, k: int, s: int 
 
 def _round_sample(run: ReplaySection, r: int, k: int, s: int) -> list[int] | None:
     """Round ``r``'s sample as the run draws it: from ``seed``, or under dp from the privacy secret
-    (``dp_noise_seed``; None when that is fresh entropy, which only the recorded run's checkpoint holds)."""
-    from fdam_ray.algorithms.sampling import sample_clients, secret_sample_clients  # the algorithms import torch
+    (``dp_noise_seed``; None when that is fresh entropy, which only the recorded run's checkpoint holds), Poisson
+    where the run's client draw is (:attr:`~fdam_ray.privacy.section.PrivacySection.sampling`)."""
+    from fdam_ray.algorithms.sampling import poisson_sample_clients, sample_clients, secret_sample_clients
+    from fdam_ray.privacy.section import client_draw_is_poisson  # the algorithms import torch
 
     if run.dp == "off":
         return sample_clients(run.seed, r, k, s)
     secret = run.dp_noise_seed
-    return None if secret is None else secret_sample_clients(secret, r, k, s)
+    if secret is None:
+        return None
+    poisson = client_draw_is_poisson(run.dp, run.dp_sampling, k, s, run.dp_noise_at)
+    return (poisson_sample_clients if poisson else secret_sample_clients)(secret, r, k, s)
 
 
 def as_sampled_round(reducer: RoundReducer, executor: ReportsChanges, round_index: int, total_weight: float,

@@ -246,6 +246,8 @@ class FlowerExecutor(SiteRoster, Executor):
     def run_round(self, state: GlobalState, plan: RoundPlan, fold: Callable[[PartialSum], None],
                   clients: Sequence[int] | None = None) -> None:
         wanted = list(range(self.num_sites)) if clients is None else sorted(clients)
+        if not wanted:  # an empty Poisson draw (dp: client): no site is asked, the reducer applies the noise alone
+            return
         ready = self.ensure_synced(wanted)
         if self.secure is not None:
             total = self.secure(self, state, plan, ready, sampled=clients is not None)

@@ -211,8 +211,9 @@ class Federation:
         loop.bytes_down += (self.executor.active_clients if clients is None else count) * sent
         loop.bytes_up += bytes_up
         loop.samples += sum(st.samples for st in stats)
-        loop.loss_sum += float(np.mean([st.loss for st in stats]))
-        loop.loss_rounds += 1
+        if stats:  # a noise-only round (an empty Poisson draw under dp: client) has no loss to average
+            loop.loss_sum += float(np.mean([st.loss for st in stats]))
+            loop.loss_rounds += 1
 
     def _rounds(self, executor: RunsOfRounds, loop: LoopState, run: list[tuple[RoundPlan, Position]],
                 done: Callable[[RoundPlan, Position, bool], None]) -> int:

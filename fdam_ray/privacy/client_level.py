@@ -150,7 +150,7 @@ class PrivateReducer(RoundReducer):
         self.private = private
 
     def finish(self, *, steps: int) -> GlobalState:
-        self._finishing()
+        self._finishing(empty=self.private.dp.noise_at == "server")  # no client (a Poisson draw): the noise alone
         prev = self.previous
         return GlobalState.from_vectors(
             private_finish(self.sums, self.sums.count, prev, self.private, global_lr=self.global_lr,

@@ -7,12 +7,14 @@ run (:func:`~fdam_ray.privacy.client_level.check_model`, :func:`~fdam_ray.privac
 resolves sigma (given, or solved for the planned run; a resumed run reads it from its checkpoint, never re-solves)
 and puts the mode's client face (:mod:`fdam_ray.privacy.faces`) into the executor's setup, so every executor's
 clients clip, noise and draw their batches the same way. Then a :class:`PrivacyRun` (one per mode) keys the client
-draw by the privacy secret (:attr:`PrivacyRun.draw_secret`), says before a round whether it would take epsilon
-past ``dp_max_epsilon`` (:meth:`PrivacyRun.over_budget`), counts each applied round (:meth:`PrivacyRun.step`),
-adds ``dp_epsilon`` and ``dp_delta`` (and under ``dp: sample`` ``dp_epsilon.<site>``) to each metrics record and
-sigma, the neighbouring relation and the sampling to the summary; :meth:`PrivacyRun.state` is the checkpoint's
-entry (``LoopState.privacy``). Under ``dp: client`` the server face is the round's reducer built wrapped
-(:class:`~fdam_ray.privacy.client_level.PrivateReducer`: the noise, the fixed denominator, c by post-processing).
+draw by the privacy secret (:attr:`PrivacyRun.draw_secret`; a Poisson draw under dp: client with ``dp_sampling``
+poisson, whose empty rounds apply the server's noise alone and are accounted like any other), says before a
+round whether it would take epsilon past ``dp_max_epsilon`` (:meth:`PrivacyRun.over_budget`), counts each applied
+round (:meth:`PrivacyRun.step`), adds ``dp_epsilon`` and ``dp_delta`` (and under ``dp: sample``
+``dp_epsilon.<site>``) to each metrics record and sigma, the neighbouring relation and the sampling to the summary;
+:meth:`PrivacyRun.state` is the checkpoint's entry (``LoopState.privacy``). Under ``dp: client`` the server face
+is the round's reducer built wrapped (:class:`~fdam_ray.privacy.client_level.PrivateReducer`: the noise, the fixed
+denominator, c by post-processing).
 
 An executor whose clients are built elsewhere from the plain run config (``clients_from_setup = False``: a Flower
 site) receives the resolved sigma in ``ExecutorSetup.run_config`` (``dp_noise_multiplier`` = sigma, ``dp_epsilon``
@@ -35,7 +37,7 @@ from fdam_ray.data import DataSource
 from fdam_ray.data.base import hold_out_validation
 from fdam_ray.executors.base import ExecutorSetup
 from fdam_ray.loop.plug import Plug, PlugStart
-from fdam_ray.privacy.accountant import Accountant, shares_noise_multiplier, solve_sigma
+from fdam_ray.privacy.accountant import REPLACE_ONE, Accountant, shares_noise_multiplier, solve_sigma
 from fdam_ray.privacy.client_level import PrivateReducer, ServerRound, check_model, check_transport, client_level
 from fdam_ray.privacy.faces import ClientLevelFace, SampleLevelFace
 from fdam_ray.privacy.section import PrivacySection
@@ -88,7 +90,7 @@ def face_of(section: PrivacySection, sigma: float) -> ClientFace:
         return ClientLevelFace(client_level(section, sigma))
     if section.dp == "sample":
         return SampleLevelFace(clip=section.dp_clip, sigma=float(sigma), seed=section.dp_noise_seed,
-                               sampling=section.dp_sampling, batch_size=section.batch_size,
+                               sampling=section.sampling, batch_size=section.batch_size,
                                positive_sampling=section.positive_sampling)
     return NO_FACE
 
@@ -154,7 +156,10 @@ class PrivacyPlug(Plug):
         self.run.sites_known(num_train)
 
     def sampler(self, default: Any) -> Any:
-        return dataclasses.replace(default, seed=self.run.draw_secret, secret=True)  # never the public seed
+        """The client draw keyed by the secret (never the public seed): Poisson under dp: client when the
+        accountant counts the Poisson-subsampled Gaussian (``dp_sampling`` poisson, S < K), else S of K."""
+        return dataclasses.replace(default, seed=self.run.draw_secret, secret=True,
+                                   poisson=self.section.poisson_clients)
 
     def before_round(self, plan: RoundPlan, clients: list[int] | None) -> str | None:
         return self.run.over_budget(plan.round, plan.steps, clients)
@@ -238,7 +243,7 @@ class PrivacyRun:
         reasons = sorted({a.accounting_reason for a in counted if a.accounting_reason})
         return {"dp": self.mode, "dp_epsilon": self.epsilon(),  # inf (no noise): written null, with a note
                 "dp_delta": self.section.dp_delta, "dp_noise_multiplier": self.sigma, "dp_relation": self.relation,
-                "dp_sampling": self.section.dp_sampling, "dp_stopped": self.stopped,
+                "dp_sampling": self.section.sampling, "dp_stopped": self.stopped,
                 "dp_accountant": " / ".join(used), "dp_accountant_note": reasons[0] if reasons else None,
                 "dp_epsilon_rdp": max((a.epsilon_rdp() for a in counted), default=0.0)}
 
@@ -258,11 +263,12 @@ class ClientLevelRun(PrivacyRun):
             sigma = _sigma(section, population=k, sample_size=s, compositions=rounds)
             self.accountant = Accountant.for_clients(noise_multiplier=sigma, delta=section.dp_delta, num_clients=k,
                                                      clients_per_round=section.clients_per_round,
-                                                     sampling=section.dp_sampling, accounting=section.dp_accountant)
+                                                     sampling=section.sampling, accounting=section.dp_accountant)
+            _warn_if_fixed_costs_more(section, self.accountant, rounds)
         super().__init__(section, sigma, self.accountant.relation, state)
         self.settings = client_level(section, sigma)
-        log.info("dp: client: sigma %.4g, clip %g, noise at %s, %d of %d clients a round, delta %g (%s)", sigma,
-                 section.dp_clip, section.dp_noise_at, s, k, section.dp_delta, self.relation)
+        log.info("dp: client: sigma %.4g, clip %g, noise at %s, %d of %d clients a round (%s), delta %g (%s)",
+                 sigma, section.dp_clip, section.dp_noise_at, s, k, section.sampling, section.dp_delta, self.relation)
 
     def epsilon(self) -> float:
         return self.accountant.epsilon()
@@ -315,7 +321,7 @@ class SampleLevelRun(PrivacyRun):
             batch = smallest if batch_size <= 0 else min(batch_size, smallest)
             sigma = _sigma(section, population=smallest, sample_size=batch, compositions=iterations)
         relation = Accountant(noise_multiplier=sigma, delta=section.dp_delta, population=2, sample_size=1,
-                              sampling=section.dp_sampling).relation  # that of a sampled batch
+                              sampling=section.sampling).relation  # that of a sampled batch
         super().__init__(section, sigma, relation, state)
         log.info("dp: sample: sigma %.4g, clip %g, batch %d, delta %g, per site (%s)", sigma, section.dp_clip,
                  batch_size, section.dp_delta, self.relation)
@@ -325,7 +331,7 @@ class SampleLevelRun(PrivacyRun):
         if not self.sites:
             self.sites = [Accountant.for_site(noise_multiplier=self.sigma, delta=self.section.dp_delta,
                                               num_samples=n, batch_size=self.batch_size, local_steps=1,
-                                              sampling=self.section.dp_sampling,
+                                              sampling=self.section.sampling,
                                               accounting=self.section.dp_accountant) for n in num_train]
             self.relation = " / ".join(sorted({a.relation for a in self.sites}))  # a full batch: add or remove
             return
@@ -360,6 +366,23 @@ class SampleLevelRun(PrivacyRun):
         return self._with_secret({"sites": [a.state() for a in self.sites]})
 
 
+def _warn_if_fixed_costs_more(section: PrivacySection, accountant: Accountant, rounds: int) -> None:
+    """One warning line when the fixed-size client draw (S of K, replace-one) spends more epsilon over the planned
+    ``rounds`` than every client taking part each round would at the same sigma, both by ``dp_accountant``."""
+    if accountant.relation != REPLACE_ONE or rounds < 1:
+        return
+    fixed = accountant.epsilon_after(rounds)
+    full = Accountant.for_clients(noise_multiplier=accountant.noise_multiplier, delta=section.dp_delta,
+                                  num_clients=section.num_clients, clients_per_round=None,
+                                  accounting=section.dp_accountant).epsilon_after(rounds)
+    if fixed > full:
+        poisson = ("" if section.dp_noise_at == "server" else ", with dp_noise_at: server")
+        log.warning("dp: client: dp_sampling: fixed (%d of %d clients a round, replace-one) spends epsilon %.4g over "
+                    "the %d planned rounds, more than full participation's %.4g at the same sigma %.4g: set "
+                    "dp_sampling: poisson%s (or clients_per_round: null)", section.sampled_clients,
+                    section.num_clients, fixed, rounds, full, accountant.noise_multiplier, poisson)
+
+
 def _draw_secret(section: PrivacySection, state: dict | None) -> int:
     """The key of the client draw (:class:`~fdam_ray.algorithms.sampling.ClientSampler`): a resumed run's own,
     else ``dp_noise_seed`` when given (replayable), else 128 bits of fresh OS entropy. Kept in the checkpoint, so a
@@ -378,4 +401,4 @@ def _sigma(section: PrivacySection, *, population: int, sample_size: int, compos
     if section.dp_epsilon is None:
         raise ValueError("dp needs dp_noise_multiplier or dp_epsilon")
     return solve_sigma(section.dp_epsilon, section.dp_delta, population=population, sample_size=sample_size,
-                       sampling=section.dp_sampling, compositions=compositions, accounting=section.dp_accountant)
+                       sampling=section.sampling, compositions=compositions, accounting=section.dp_accountant)

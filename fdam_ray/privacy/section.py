@@ -23,9 +23,20 @@ epsilon describe a run other than the one that runs: a dp field set while
 ``dp: off`` (a run believed private that is not), a release the accountant
 does not count (a pre-training stage without noise, CODA's closed-form alpha
 from clients' un-noised score sums, weights n_k that scale a clipped change),
-or an accounting that does not match the sampler (Poisson accounting of the
-project's fixed-size client sampler). :func:`check_resume` holds a resumed
-run to the privacy it started with; only ``dp_max_epsilon`` may be raised.
+or a mechanism the accountant's event does not describe (Poisson clients with
+noise shares). :func:`check_resume` holds a resumed run to the privacy it
+started with; only ``dp_max_epsilon`` may be raised.
+
+``dp_sampling`` null (the default) is :attr:`PrivacySection.sampling`:
+``poisson`` under ``dp: client`` with clients_per_round < num_clients and the
+noise at the server (each client joins a round with probability S / K, drawn
+from the secret: the Poisson-subsampled Gaussian, add-or-remove neighbours,
+which the exact PLD accountant counts), ``fixed`` otherwise (dp: sample's
+batches, full participation). Poisson is refused with ``dp_noise_at: clients``
+and S < K: each drawn site adds a share N(0, sigma^2 C^2 / S), so a round's
+noise would scale with the realised draw, the site's own presence included (a
+round that drew one site would carry that site's change under a 1/S share of
+the noise), which no Poisson-subsampled Gaussian describes.
 
 Under ``sample`` each local step draws its own batch as ``dp_sampling`` says
 (:mod:`fdam_ray.privacy.batches`: Poisson with q = B / n_k, or B distinct
@@ -93,6 +104,8 @@ EVAL_MODES = ("off", "on")
 # Fields that must keep their defaults while dp is off, and the field whose default is the mode itself.
 _DP_FIELDS = ("dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_max_epsilon", "dp_noise_at",
               "dp_sampling", "dp_noise_seed", "dp_accountant")
+# dp_sampling's default before null (what a run's config.yaml of then records, dp: off included): still read.
+_OLD_DEFAULT = ("dp_sampling", "fixed")
 # The one field a resumed run may change (raise only), see check_resume.
 _RESUME_FIXED = ("dp", "dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_noise_at", "dp_sampling",
                  "dp_accountant", "dp_eval", "dp_eval_noise", "dp_eval_epsilon")
@@ -127,11 +140,13 @@ class PrivacySection(Section):
     dp_noise_at: str = setting(
         "server", "dp: client: who adds the noise: server (once, a trusted aggregator) or clients (each of the m "
         "reporting sites adds a share N(0, sigma^2 C^2 / m)).", choices=NOISE_AT)
-    dp_sampling: str = setting(
-        "fixed", "How the sampled unit is accounted (clients of a round for dp: client, a step's batch for dp: "
-        "sample): fixed (exactly S of K without replacement, replace-one neighbours) or poisson (each with "
-        "probability S / K). dp: sample draws each step's batch that way, B of n_k, from the noise's secret "
-        "randomness.", choices=SAMPLINGS)
+    dp_sampling: str | None = setting(
+        None, "How the sampled unit is drawn and accounted (clients of a round for dp: client, a step's batch for "
+        "dp: sample), from the noise's secret randomness: fixed (exactly S of K, or B of n_k, without replacement; "
+        "replace-one neighbours) or poisson (each with probability S / K, or B / n_k; add-or-remove neighbours; a "
+        "round may draw no client and then applies the noise alone). null: poisson for dp: client with "
+        "clients_per_round < num_clients and dp_noise_at: server (fixed-size can cost more epsilon than full "
+        "participation), fixed otherwise.", choices=SAMPLINGS)
     dp_accountant: str = setting(
         "pld", "How epsilon is counted (the reported epsilon, the sigma solved for dp_epsilon, the dp_max_epsilon "
         "stop): pld (exact: the privacy loss distribution; the analytic Gaussian for full participation; the "
@@ -190,6 +205,20 @@ class PrivacySection(Section):
             return self.num_clients
         return min(self.clients_per_round, self.num_clients)
 
+    @property
+    def sampling(self) -> str:
+        """``dp_sampling`` in force: the given one, else (null) poisson for dp: client with S < K and the noise at
+        the server, fixed otherwise (this module's docstring)."""
+        if self.dp_sampling is not None:
+            return self.dp_sampling
+        return "poisson" if self.poisson_clients else "fixed"
+
+    @property
+    def poisson_clients(self) -> bool:
+        """Whether each round's clients are a Poisson draw (:func:`client_draw_is_poisson`)."""
+        return client_draw_is_poisson(self.dp, self.dp_sampling, self.num_clients, self.clients_per_round,
+                                      self.dp_noise_at)
+
     def check(self) -> None:
         """The rules of this module's docstring, each one line naming the field."""
         if self.test_scores == "exact" and self.test_score_bins != DEFAULT_BINS:
@@ -216,7 +245,7 @@ class PrivacySection(Section):
         for name in _DP_FIELDS:
             if self.dp_eval == "on" and name in _EVAL_READS:
                 continue
-            if getattr(self, name) != defaults[name]:
+            if getattr(self, name) != defaults[name] and (name, getattr(self, name)) != _OLD_DEFAULT:
                 default = "null" if defaults[name] is None else defaults[name]
                 raise fail(name, getattr(self, name), f"{default} while dp = off (set dp: client or dp: sample for "
                            f"it to act, or remove {name})")
@@ -284,7 +313,7 @@ class PrivacySection(Section):
             raise fail("model", self.model, "cnn_gn (the cnn with GroupNorm), mlp, linear, or your own factory "
                        f"without BatchNorm with dp: sample ({self.model} has BatchNorm, which mixes the samples "
                        "of a batch)")
-        if self.batch_size <= 0 and self.dp_sampling == "poisson":
+        if self.batch_size <= 0 and self.sampling == "poisson":
             raise fail("dp_sampling", self.dp_sampling, "fixed with batch_size 'full' (q = 1: every step takes "
                        "every sample, no amplification by sampling; it is accounted as the full batch, with "
                        "dp_sampling: fixed)")
@@ -296,10 +325,20 @@ class PrivacySection(Section):
         if self.client_weighting != "uniform":
             raise fail("client_weighting", self.client_weighting, "uniform with dp: client (weights n_k would "
                        "scale a client's clipped change past C and reveal its size)")
-        if self.dp_sampling == "poisson" and self.sampled_clients < self.num_clients:
-            raise fail("dp_sampling", self.dp_sampling, "fixed with clients_per_round < num_clients (the client "
-                       "sampler draws exactly clients_per_round of num_clients, fdam_ray/algorithms/sampling.py; "
-                       "Poisson accounting would describe a sampler the run does not use)")
+        if self.sampling == "poisson" and self.sampled_clients < self.num_clients and self.dp_noise_at != "server":
+            raise fail("dp_sampling", self.dp_sampling, f"fixed (or null) with dp_noise_at: {self.dp_noise_at} and "
+                       "clients_per_round < num_clients (each drawn site adds a 1/S share of the noise, so a Poisson "
+                       "round's noise would shrink with its realised draw, the site's own presence included, which "
+                       "the Poisson-subsampled Gaussian does not describe); or dp_noise_at: server")
+
+
+def client_draw_is_poisson(dp: str, dp_sampling: str | None, num_clients: int, clients_per_round: int | None,
+                           dp_noise_at: str) -> bool:
+    """Whether a run draws each round's clients by Poisson (each with probability S / K): dp: client with S < K and
+    ``dp_sampling`` poisson, or null with the noise at the server (this module's docstring)."""
+    if dp != "client" or clients_per_round is None or clients_per_round >= num_clients:
+        return False
+    return dp_sampling == "poisson" or (dp_sampling is None and dp_noise_at == "server")
 
 
 # The built-in networks with BatchNorm (fdam_ray/models.py): refused by dp: sample before any start.

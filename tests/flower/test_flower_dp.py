@@ -123,7 +123,7 @@ def test_under_secagg_a_dropped_sites_noise_share_is_missing_and_the_accountant_
     assert "round 4: sites [2] sent no update" in caplog.text
     section = PrivacySection.of(build_config(case))
     expected = Accountant.for_clients(noise_multiplier=1.0, delta=section.dp_delta, num_clients=3,
-                                      clients_per_round=None, sampling=section.dp_sampling)
+                                      clients_per_round=None, sampling=section.sampling)
     for r in range(1, 9):
         if r == 4:
             expected.step(1, noise_multiplier=shares_noise_multiplier(1.0, 3, 2))
@@ -132,6 +132,6 @@ def test_under_secagg_a_dropped_sites_noise_share_is_missing_and_the_accountant_
     assert shares_noise_multiplier(1.0, 3, 2) == pytest.approx(math.sqrt(2 / 3))
     assert run.summary["dp_epsilon"] == pytest.approx(expected.epsilon(), rel=1e-12)
     full = Accountant.for_clients(noise_multiplier=1.0, delta=section.dp_delta, num_clients=3,
-                                  clients_per_round=None, sampling=section.dp_sampling)
+                                  clients_per_round=None, sampling=section.sampling)
     full.step(8)
     assert run.summary["dp_epsilon"] > full.epsilon()  # the missing share costs privacy, and it is counted

@@ -165,7 +165,8 @@ def test_the_client_draw_is_keyed_by_the_noise_secret_not_the_seed(monkeypatch, 
     from fdam_ray.algorithms.sampling import secret_sample_clients
 
     clients, test = gaussian_clients(6, seed=0)
-    cfg = dict(BASE, dp=mode, iterations=12, clients_per_round=2, dp_noise_multiplier=1.0, batch_size=8)
+    cfg = dict(BASE, dp=mode, iterations=12, clients_per_round=2, dp_noise_multiplier=1.0, batch_size=8,
+               dp_sampling="fixed")  # the S-of-K draw (dp: client's Poisson draw: tests/loop/test_dp_poisson.py)
     if mode == "sample":
         cfg["dp_clip"] = 1.0
     draws, sets = [], spy_sets(monkeypatch)
@@ -193,7 +194,8 @@ def test_a_resume_draws_from_the_secret_kept_in_its_checkpoint(tmp_path, monkeyp
         eps.append(acc.epsilon())
     args = ["dataset=synthetic", "num_clients=6", "clients_per_round=2", "model=linear", "executor=inline",
             "iterations=20", "eval_every=10", "local_steps=2", "dp=client", "dp_noise_multiplier=2",
-            "positive_ratio=0.5", "algorithm=coda_plus", "--quiet", f"out_dir={tmp_path}", "run_name=r"]
+            "dp_sampling=fixed", "positive_ratio=0.5", "algorithm=coda_plus", "--quiet", f"out_dir={tmp_path}",
+            "run_name=r"]
     sets = spy_sets(monkeypatch)
     assert main(["train", f"dp_max_epsilon={(eps[3] + eps[4]) / 2}", *args]) == 0  # stops before round 5
     secret = load_checkpoint(tmp_path / "r" / "checkpoint.pt").loop.privacy["draw_secret"]

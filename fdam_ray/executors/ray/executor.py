@@ -232,6 +232,8 @@ class RayExecutor(Executor, RunsOfRounds):
         targets = [a for a in fleet.actors if any(k in chosen for k in fleet.hosted.get(a, ()))]
         assert self.transport is not None
         self.fold_order = []
+        if not targets:  # no client to run (an empty Poisson draw: the reducer applies the noise alone)
+            return
         if self.deadline is not None:  # which actors' sums were folded, for round_changes
             owner = {k: a for a, ids in fleet.hosted.items() for k in ids}
             unnoted = fold

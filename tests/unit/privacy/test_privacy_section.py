@@ -22,7 +22,8 @@ def test_dp_is_off_by_default_and_a_private_config_builds():
     config = build_config(CLIENT)
     section = PrivacySection.of(config)
     assert (section.dp, section.dp_clip, section.dp_delta, section.dp_noise_at, section.dp_sampling) == (
-        "client", 1.0, 1e-5, "server", "fixed")
+        "client", 1.0, 1e-5, "server", None)
+    assert section.sampling == "fixed"  # every client takes part: nothing is sampled
     sample = build_config({"dp": "sample", "dp_epsilon": 4.0, "dp_max_epsilon": 6.0, "positive_ratio": 0.2,
                            "model": "cnn_gn"})
     assert (sample.dp_epsilon, sample.dp_noise_multiplier) == (4.0, None)
@@ -52,7 +53,9 @@ def test_the_section_is_listed_and_only_the_budget_may_change_on_resume():
     ({**CLIENT, "dp_noise_multiplier": 0.0, "dp_max_epsilon": 2.0}, "dp_max_epsilon", "infinite"),
     ({**CLIENT, "num_clients": 1}, "num_clients", ">= 2 with dp: client"),
     ({**CLIENT, "client_weighting": "samples"}, "client_weighting", "uniform with dp: client"),
-    ({**CLIENT, "clients_per_round": 2, "dp_sampling": "poisson"}, "dp_sampling", "draws exactly"),
+    ({**CLIENT, "clients_per_round": 2, "dp_sampling": "poisson", "dp_noise_at": "clients"}, "dp_sampling",
+     "dp_noise_at: clients and clients_per_round < num_clients"),
+    ({"dp_sampling": "poisson"}, "dp_sampling", "while dp = off"),
     ({**SAMPLE, "dp_noise_at": "clients"}, "dp_noise_at", "server with dp: sample"),
     ({**SAMPLE, "positive_sampling": "balanced"}, "positive_sampling", "natural with dp: sample"),
     ({**SAMPLE, "precision": "fp16"}, "precision", "fp32 or bf16 with dp: sample"),
