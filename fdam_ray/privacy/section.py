@@ -31,8 +31,9 @@ started with; only ``dp_max_epsilon`` may be raised.
 ``poisson`` under ``dp: client`` with clients_per_round < num_clients and the
 noise at the server (each client joins a round with probability S / K, drawn
 from the secret: the Poisson-subsampled Gaussian, add-or-remove neighbours,
-which the exact PLD accountant counts), ``fixed`` otherwise (dp: sample's
-batches, full participation). Poisson is refused with ``dp_noise_at: clients``
+which the exact PLD accountant counts) and under ``dp: sample`` with batches
+(each step takes every sample with probability B / n_k), ``fixed`` otherwise
+(a full batch, full participation, noise shares). Poisson is refused with ``dp_noise_at: clients``
 and S < K: each drawn site adds a share N(0, sigma^2 C^2 / S), so a round's
 noise would scale with the realised draw, the site's own presence included (a
 round that drew one site would carry that site's change under a 1/S share of
@@ -146,7 +147,7 @@ class PrivacySection(Section):
         "replace-one neighbours) or poisson (each with probability S / K, or B / n_k; add-or-remove neighbours; a "
         "round may draw no client and then applies the noise alone). null: poisson for dp: client with "
         "clients_per_round < num_clients and dp_noise_at: server (fixed-size can cost more epsilon than full "
-        "participation), fixed otherwise.", choices=SAMPLINGS)
+        "participation) and for dp: sample with batch_size > 0, fixed otherwise.", choices=SAMPLINGS)
     dp_accountant: str = setting(
         "pld", "How epsilon is counted (the reported epsilon, the sigma solved for dp_epsilon, the dp_max_epsilon "
         "stop): pld (exact: the privacy loss distribution; the analytic Gaussian for full participation; the "
@@ -208,9 +209,11 @@ class PrivacySection(Section):
     @property
     def sampling(self) -> str:
         """``dp_sampling`` in force: the given one, else (null) poisson for dp: client with S < K and the noise at
-        the server, fixed otherwise (this module's docstring)."""
+        the server and for dp: sample with batches (batch_size > 0), fixed otherwise (this module's docstring)."""
         if self.dp_sampling is not None:
             return self.dp_sampling
+        if self.dp == "sample" and self.batch_size > 0:
+            return "poisson"
         return "poisson" if self.poisson_clients else "fixed"
 
     @property

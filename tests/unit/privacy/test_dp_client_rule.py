@@ -156,9 +156,10 @@ def test_sample_level_accounting_is_per_site_and_the_run_reports_the_largest():
     rec = run.record()
     for k, (label, n, steps) in enumerate(zip("abc", (40, 80, 160), (10, 5, 10), strict=True)):
         want = Accountant.for_site(noise_multiplier=1.1, delta=1e-5, num_samples=n, batch_size=8, local_steps=1,
-                                   sampling="fixed")
+                                   sampling="poisson")  # dp_sampling null: poisson batches under dp: sample
         want.step(1, compositions=steps)
         assert rec[f"dp_epsilon.{label}"] == want.epsilon(), k
+    assert run.section.sampling == "poisson" and run.summary()["dp_relation"] == "add_or_remove_one"
     assert rec["dp_epsilon"] == max(rec[f"dp_epsilon.{x}"] for x in "abc") == rec["dp_epsilon.a"]
     with pytest.raises(ValueError, match="data changed"):
         SampleLevelRun(run.section, iterations=100, batch_size=8, num_train=None, labels=list("abc"),

@@ -87,7 +87,8 @@ def test_dp_sampling_null_is_poisson_under_dp_client_with_s_below_k_and_server_n
     assert sampling(clients_per_round=None) == (None, "fixed", False)  # full participation: nothing drawn
     assert sampling(clients_per_round=None, dp_sampling="poisson") == ("poisson", "poisson", False)
     assert sampling(dp_noise_at="clients") == (None, "fixed", False)  # shares: the fixed-size draw
-    assert sampling(dp="sample", model="cnn_gn", batch_size=8) == (None, "fixed", False)  # dp: sample's batches
+    assert sampling(dp="sample", model="cnn_gn", batch_size=8) == (None, "poisson", False)  # dp: sample's batches
+    assert sampling(dp="sample", model="cnn_gn", batch_size="full") == (None, "fixed", False)  # nothing to sample
     with pytest.raises(ConfigError, match=r"'dp_sampling': 'poisson' .*dp_noise_at: clients"):
         build_config({**CLIENT, "dp_sampling": "poisson", "dp_noise_at": "clients"})
     assert build_config({"dp_sampling": "fixed"}).dp == "off"  # the old default, which old config.yaml files hold

@@ -219,7 +219,7 @@ def test_the_drivers_own_test_set_is_binned_and_released_the_same_way():
     expected = PrivateEvaluation(noise=1.0, target=None, delta=1e-5, seed=8, tasks=2, planned=3)
     released = expected.release("test", score_histograms(own.scores, own.labels, 16))
     assert out["test_auc"] == mean_auc(auc_of_counts(released))
-    assert out["task_auc"] == {n: round(float(a), 6) for n, a in zip(("a", "b"), auc_of_counts(released))}
+    assert out["task_auc"] == {n: round(float(a), 6) for n, a in zip(("a", "b"), auc_of_counts(released), strict=True)}
     assert "test_samples" not in out
     plain = evaluator(NO_PLUG)(None)  # without the plug: the exact scores, as before
     assert plain["test_samples"] == 300 and plain["test_auc"] != out["test_auc"]
