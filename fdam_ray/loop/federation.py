@@ -172,6 +172,7 @@ class Federation:
     def _round(self, loop: LoopState, plan: RoundPlan) -> None:
         t0 = time.perf_counter()
         plan, sampled, clients = self._participants(plan)
+        plan = self.plug.round_plan(plan)
         total = None
         if clients is not None:
             total = self.algorithm.drift.total_weight(self.num_clients, self.client_weights)
