@@ -117,11 +117,13 @@ def private_update(update: ClientUpdate, start: StateVectors, dp: ClientLevel) -
         share = gaussian_noise(clipped.size, noise_share_std(dp.update_sigma, dp.clip, dp.sampled),
                                noise_generator(dp.seed, round_index, site=update.client_id))
         clipped = clipped + share
+    stats = update.stats  # adaptive clipping: with the bit 1[||D_k|| <= C_r] the server counts
+    if dp.adaptive is not None:
+        stats = dataclasses.replace(stats, within_clip=norm <= dp.clip)
     control = {name: None if getattr(update, name) is None else np.zeros_like(getattr(update, name))
                for name in ("c_v", "c_alpha")}
     return ClientUpdate(v=np.array(clipped[:n]), alpha=np.array(clipped[n:]), buffers=update.buffers,
-                        counters=update.counters, **control, client_id=update.client_id,
-                        stats=dataclasses.replace(update.stats, within_clip=norm <= dp.clip))
+                        counters=update.counters, **control, client_id=update.client_id, stats=stats)
 
 
 @dataclasses.dataclass
