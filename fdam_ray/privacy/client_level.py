@@ -10,6 +10,10 @@ round starts from, C = ``dp_clip``, sigma the noise multiplier and S the planned
                c_v     <- c_v     + (1/K) (-|S_r| c_v     - Z_v     / (I eta))
                c_alpha <- c_alpha + (1/K) (-|S_r| c_alpha + Z_alpha / (I eta))
 
+Under adaptive clipping (:mod:`fdam_ray.privacy.adaptive`) C is the round's C_r, each client's stats carry its bit
+1[||D_k|| <= C_r], the reducer releases the noised fraction within the clip (:attr:`PrivateReducer.fraction`) and
+the update's noise multiplier is sigma_z (:attr:`ClientLevel.update_sigma`).
+
 S is the planned number (the expected one), never the realised count, so the denominator leaks nothing. The
 clients' control variates are not sent (their update carries zeros in their place); the server moves c by
 post-processing of Z (the sign of the alpha part follows the client rule c^k_new - c^k = -c + (alpha^k - alpha)

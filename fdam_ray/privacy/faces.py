@@ -3,7 +3,9 @@ differently under each ``dp`` mode, in one object that travels to every client.
 
 - :class:`ClientLevelFace` (``dp: client``): each client's change of a round is clipped as one vector and, with
   ``dp_noise_at: clients``, gets its noise share (:func:`~fdam_ray.privacy.client_level.private_update`); its
-  control variate is not sent. The server's half is the private reducer (:mod:`fdam_ray.privacy.driver`).
+  control variate is not sent. The server's half is the private reducer (:mod:`fdam_ray.privacy.driver`). Under
+  adaptive clipping (:mod:`fdam_ray.privacy.adaptive`) the round's clip C_r arrives in the round's plan and the
+  client adds its bit 1[||D_k|| <= C_r] to its stats.
 - :class:`SampleLevelFace` (``dp: sample``): each local step is DP-SGD (per-sample gradients clipped, the batch
   sum noised, :func:`~fdam_ray.privacy.dpsgd.private_gradient`), each step's batch drawn the way the site's
   accountant counts it (:mod:`fdam_ray.privacy.batches`), both keyed by the site's own secret
