@@ -1,7 +1,7 @@
 """Adaptive clipping in the federation (inline executor): the clip the clients use each round is the driver's C_r,
 and the C sequence equals a NumPy recomputation from the clients' unclipped norms (spied at the one client-side
 hook) and the count noise's own generator; the clip moves; a resumed run continues the same sequence; a fixed clip
-leaves the round's plan as it was."""
+leaves the round's plan as it was; Ray actors clip to the same sequence; the Flower executor is refused."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import math
 
 import numpy as np
+import pytest
 from sample_clients import gaussian_clients
 
 import fdam_ray
@@ -92,3 +93,47 @@ def test_a_resume_continues_the_clip_sequence(tmp_path):
     assert len(set(whole.values())) > 2 and {k: resumed[k] for k in whole} == whole  # the cut one adds round 5
     summaries = [json.loads((run / "summary.json").read_text()) for run in (tmp_path / "whole", cut)]
     assert summaries[0]["dp_clip_final"] == summaries[1]["dp_clip_final"] == whole[10]
+
+
+def test_ray_actors_clip_to_the_drivers_clip_as_inline():
+    # the round's plan travels to the actors with C_r; their clients' bits reach the driver in the partial sums'
+    # stats: the same clip sequence as inline (bits are exact; the sums differ in float32 order only)
+    clients, test = gaussian_clients(4, seed=2)
+    cfg = dict(BASE, iterations=8, dp_clip_quantile=0.6, dp_clip_count_noise=0.6)
+    inline = fdam_ray.train_arrays(cfg, clients, test)
+    from raytest import ray_session
+
+    with ray_session():
+        ray = fdam_ray.train_arrays(dict(cfg, executor="ray", clients_per_actor=2, cpus_per_actor=0.5,
+                                         threads_per_actor=1), clients, test)
+    assert [h["dp_clip"] for h in ray.history] == [h["dp_clip"] for h in inline.history]
+    assert len({h["dp_clip"] for h in inline.history}) > 2
+    np.testing.assert_allclose(ray.state.v, inline.state.v, rtol=0, atol=1e-6)
+
+
+def test_the_flower_executor_is_refused_in_one_line():
+    import dataclasses
+
+    from fdam_ray.config import build_config
+    from fdam_ray.loop.plug import PlugStart
+    from fdam_ray.privacy.driver import PrivacyPlug, RunFacts
+    from fdam_ray.privacy.section import PrivacySection
+
+    section = PrivacySection.of(build_config({"dp": "client", "dp_noise_multiplier": 1.0, "positive_ratio": 0.2,
+                                              "algorithm": "coda_plus", "model": "linear",
+                                              "dp_clip_quantile": 0.5, "dp_clip_count_noise": 1.0}))
+    facts = RunFacts(planned_rounds=4, iterations=8, batch_size=0, transport="default", transfer_precision="fp32",
+                     labels=("0", "1", "2", "3"), val_fraction=0.0, seed=0)
+
+    @dataclasses.dataclass
+    class Flat:
+        def initial_state(self):
+            e = np.empty(0, np.float32)
+            return type("S", (), {"buffers": e, "counters": np.empty(0, np.int64)})()
+
+    class Elsewhere:  # an executor whose clients are built from the run config (a Flower site)
+        clients_from_setup = False
+
+    with pytest.raises(ValueError) as caught:
+        PrivacyPlug(section, facts).setup(None, PlugStart(Elsewhere(), None, Flat(), None))
+    assert "\n" not in str(caught.value) and "dp_clip_quantile" in str(caught.value) and "flower" in str(caught.value)
