@@ -305,6 +305,7 @@ class ClientLevelRun(PrivacyRun):
         adaptive = self.settings.adaptive
         if adaptive is not None and self._reducer is not None and self._reducer.fraction is not None:
             self.clip.update(self._reducer.fraction, adaptive)
+        self._reducer = None  # the round's sums are not kept past it
         s = self.settings.sampled
         if self.settings.noise_at == "clients" and reported < s:
             self.accountant.step(1, noise_multiplier=shares_noise_multiplier(self.settings.sigma, s, reported))
