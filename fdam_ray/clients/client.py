@@ -290,7 +290,7 @@ class Client:
         next call), for a caller that folds or serialises the update at once: one copy of the state fewer.
         """
         solver, replica = self.solver, self.replica
-        self.guard.begin_round(plan.round)
+        self.guard.begin_round(plan.round, plan)
         solver.begin(state)  # client init
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=self.device)

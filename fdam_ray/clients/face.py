@@ -18,14 +18,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from fdam_ray.core.state import ClientUpdate, GlobalState
+    from fdam_ray.core.state import ClientUpdate, GlobalState, RoundPlan
 
 
 class ClientGuard:
     """One client's part of the mechanism (the default: nothing)."""
 
-    def begin_round(self, round_index: int) -> None:
-        """Round ``round_index`` starts on this client."""
+    def begin_round(self, round_index: int, plan: RoundPlan | None = None) -> None:
+        """Round ``round_index`` starts on this client, asked by ``plan`` (what a plug set in it for the round,
+        :meth:`~fdam_ray.loop.plug.Plug.round_plan`: adaptive clipping's C_r)."""
 
     def sampler(self, split: Any, default: Callable[[], Any]) -> Any:
         """The client's batch sampler of its training ``split``: ``default()`` unless the mechanism draws its own

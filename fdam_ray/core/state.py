@@ -105,6 +105,8 @@ class RoundPlan:
         iteration: iterations done before this round.
         partial: only some clients take part (client sampling): each returns the change of its
             control variate, c^k_new - c^k_old, instead of c^k_new (docs/algorithms.md s.3b).
+        clip: the round's clip bound C_r when a plug adapts it (adaptive clipping, set by ``Plug.round_plan``);
+            0: none (the mechanism's own bound).
     """
 
     round: int
@@ -113,6 +115,7 @@ class RoundPlan:
     lr: float
     iteration: int
     partial: bool = False
+    clip: float = 0.0
 
 
 @dataclasses.dataclass
@@ -125,6 +128,7 @@ class StepStats:
     samples: int
     compute_s: float  # seconds of the local steps (loading the state and exporting the update excluded)
     finite: bool = True  # every value of the update (v, alpha, buffers, c^k) is finite
+    within_clip: bool = True  # dp: client: the change's norm was within the round's clip (adaptive clipping's bit)
 
 
 @dataclasses.dataclass(kw_only=True)

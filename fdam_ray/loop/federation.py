@@ -154,13 +154,13 @@ class Federation:
         loop.bytes_down += self.executor.active_clients * loop.server.reference.nbytes
 
     def _participants(self, plan: RoundPlan) -> tuple[RoundPlan, list[int] | None, list[int] | None]:
-        """The round's plan (marked partial for a sampled round), its sampled clients and the clients it runs (a
-        replayed record's set, else the sample; None: every client)."""
+        """The round's plan (marked partial for a sampled round, with what the plug carries to the clients), its
+        sampled clients and the clients it runs (a replayed record's set, else the sample; None: every client)."""
         sampled = self.sampler.draw(plan.round)
         clients = self.forced.get(plan.round, sampled)  # a replayed record's set
         if clients is not None:  # a sampled round: c stays the mean over all clients (s.3b)
             plan = dataclasses.replace(plan, partial=True)
-        return plan, sampled, clients
+        return self.plug.round_plan(plan), sampled, clients
 
     def _check_updates(self, round_index: int, stats: list[StepStats]) -> None:
         """Each client checks its own update (in parallel, where its buffers live); the driver reads the flag."""

@@ -5,7 +5,8 @@
   (:meth:`Plug.setup`) and every executor hands to its clients;
 - the server face (:meth:`Plug.reducer`): the round's reducer, built wrapped by the plug, never patched after;
 - the driver face, called by the federation at its hooks: the start (:meth:`Plug.setup`, :meth:`Plug.started`),
-  who takes part in a round (:meth:`Plug.sampler`), before a round (:meth:`Plug.before_round`: a stop), after it
+  who takes part in a round (:meth:`Plug.sampler`), what a round's plan carries to the clients
+  (:meth:`Plug.round_plan`), before a round (:meth:`Plug.before_round`: a stop), after it
   (:meth:`Plug.after_round`), at an evaluation (:meth:`Plug.evaluation`: what of the pooled counts is released;
   :meth:`Plug.record`), at a checkpoint (:meth:`Plug.state`) and
   at the end (:meth:`Plug.summary`).
@@ -78,6 +79,11 @@ class Plug:
         return default
 
     # -- a round -----------------------------------------------------------------------
+    def round_plan(self, plan: RoundPlan) -> RoundPlan:
+        """Round ``plan.round``'s plan as the clients receive it: ``plan`` itself, or one carrying the plug's value
+        of the round (``RoundPlan.clip``: adaptive clipping's C_r), a function of released values only."""
+        return plan
+
     def before_round(self, plan: RoundPlan, clients: list[int] | None) -> str | None:
         """A line saying why the run stops before round ``plan.round`` (asked of ``clients``, None: all), or
         None to run it."""

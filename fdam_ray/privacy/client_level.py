@@ -10,6 +10,10 @@ round starts from, C = ``dp_clip``, sigma the noise multiplier and S the planned
                c_v     <- c_v     + (1/K) (-|S_r| c_v     - Z_v     / (I eta))
                c_alpha <- c_alpha + (1/K) (-|S_r| c_alpha + Z_alpha / (I eta))
 
+Under adaptive clipping (:mod:`fdam_ray.privacy.adaptive`) C is the round's C_r, each client's stats carry its bit
+1[||D_k|| <= C_r], the reducer releases the noised fraction within the clip (:attr:`PrivateReducer.fraction`) and
+the update's noise multiplier is sigma_z (:attr:`ClientLevel.update_sigma`).
+
 S is the planned number (the expected one), never the realised count, so the denominator leaks nothing. The
 clients' control variates are not sent (their update carries zeros in their place); the server moves c by
 post-processing of Z (the sign of the alpha part follows the client rule c^k_new - c^k = -c + (alpha^k - alpha)
@@ -32,6 +36,13 @@ import numpy as np
 
 from fdam_ray.algorithms.server import RoundReducer
 from fdam_ray.core.state import ClientUpdate, GlobalState, StateVectors
+from fdam_ray.privacy.adaptive import (
+    AdaptiveClip,
+    count_generator,
+    default_count_noise,
+    noised_fraction,
+    update_noise_multiplier,
+)
 from fdam_ray.privacy.mechanisms import clip_to_norm, gaussian_noise, noise_generator, noise_share_std, noise_std
 
 if TYPE_CHECKING:
@@ -51,13 +62,30 @@ class ClientLevel:
     seed: int | None
     sampled: int  # S, planned participants per round
     num_clients: int  # K
+    adaptive: AdaptiveClip | None = None  # adaptive clipping (clip is then the round's C_r), None: a fixed clip
+
+    @property
+    def update_sigma(self) -> float:
+        """The update noise's multiplier: sigma, or sigma_z under adaptive clipping (the count takes the rest,
+        :mod:`fdam_ray.privacy.adaptive`)."""
+        if self.adaptive is None:
+            return self.sigma
+        return update_noise_multiplier(self.sigma, self.adaptive.count_noise)
 
 
 def client_level(section: PrivacySection, sigma: float) -> ClientLevel:
     """The settings clients and server act by under dp: client: ``section``'s C, noise placement, seed, S and K with
     the resolved ``sigma`` (the driver's, and a Flower site's from the sigma the driver put in its run config)."""
+    adaptive = None
+    if section.dp_clip_quantile is not None:
+        count_noise = section.dp_clip_count_noise
+        adaptive = AdaptiveClip(quantile=section.dp_clip_quantile, lr=section.dp_clip_lr,
+                                count_noise=default_count_noise(section.sampled_clients) if count_noise is None
+                                else float(count_noise))
+        update_noise_multiplier(float(sigma), adaptive.count_noise)  # refuses sigma_b <= sigma / 2, one line
     return ClientLevel(clip=section.dp_clip, sigma=float(sigma), noise_at=section.dp_noise_at,
-                       seed=section.dp_noise_seed, sampled=section.sampled_clients, num_clients=section.num_clients)
+                       seed=section.dp_noise_seed, sampled=section.sampled_clients, num_clients=section.num_clients,
+                       adaptive=adaptive)
 
 
 def check_model(buffers: np.ndarray, counters: np.ndarray) -> None:
@@ -87,16 +115,19 @@ def private_update(update: ClientUpdate, start: StateVectors, dp: ClientLevel) -
     n = update.v.size
     change = np.concatenate([np.subtract(update.v, start.v, dtype=np.float32),
                              np.subtract(update.alpha, start.alpha, dtype=np.float32)])
-    clipped, _ = clip_to_norm(change, dp.clip)
+    clipped, norm = clip_to_norm(change, dp.clip)
     if dp.noise_at == "clients":
         round_index = int(getattr(start, "round", 0)) + 1
-        share = gaussian_noise(clipped.size, noise_share_std(dp.sigma, dp.clip, dp.sampled),
+        share = gaussian_noise(clipped.size, noise_share_std(dp.update_sigma, dp.clip, dp.sampled),
                                noise_generator(dp.seed, round_index, site=update.client_id))
         clipped = clipped + share
+    stats = update.stats  # adaptive clipping: with the bit 1[||D_k|| <= C_r] the server counts
+    if dp.adaptive is not None:
+        stats = dataclasses.replace(stats, within_clip=norm <= dp.clip)
     control = {name: None if getattr(update, name) is None else np.zeros_like(getattr(update, name))
                for name in ("c_v", "c_alpha")}
     return ClientUpdate(v=np.array(clipped[:n]), alpha=np.array(clipped[n:]), buffers=update.buffers,
-                        counters=update.counters, **control, client_id=update.client_id, stats=update.stats)
+                        counters=update.counters, **control, client_id=update.client_id, stats=stats)
 
 
 @dataclasses.dataclass
@@ -116,8 +147,8 @@ def private_finish(sums: StateVectors, count: int, prev: GlobalState, private: S
     n = prev.v.size
     total = np.concatenate([np.asarray(sums.v, dtype=np.float32), np.asarray(sums.alpha, dtype=np.float32)])
     if dp.noise_at == "server":
-        total = total + gaussian_noise(total.size, noise_std(dp.sigma, dp.clip), noise_generator(dp.seed,
-                                                                                                 private.round))
+        total = total + gaussian_noise(total.size, noise_std(dp.update_sigma, dp.clip),
+                                       noise_generator(dp.seed, private.round))
     mean = total * np.float32(1.0 / dp.sampled)
     step = mean * np.float32(global_lr)
     v = prev.v + step[:n]
@@ -148,10 +179,16 @@ class PrivateReducer(RoundReducer):
                          control_variates=inner.control_variates, weights=inner.weights,
                          partial_total=inner.partial_total, sums=inner.sums)
         self.private = private
+        self.fraction: float | None = None  # adaptive clipping: b_r, the released fraction within the clip
 
     def finish(self, *, steps: int) -> GlobalState:
         self._finishing(empty=self.private.dp.noise_at == "server")  # no client (a Poisson draw): the noise alone
         prev = self.previous
+        adaptive = self.private.dp.adaptive
+        if adaptive is not None:
+            dp = self.private.dp
+            self.fraction = noised_fraction([st.within_clip for st in self.stats], dp.sampled, adaptive.count_noise,
+                                            count_generator(dp.seed, self.private.round))
         return GlobalState.from_vectors(
             private_finish(self.sums, self.sums.count, prev, self.private, global_lr=self.global_lr,
                            alpha_nonnegative=self.alpha_nonnegative, steps=steps),

@@ -38,6 +38,7 @@ from fdam_ray.data.base import hold_out_validation
 from fdam_ray.executors.base import ExecutorSetup
 from fdam_ray.loop.plug import Plug, PlugStart
 from fdam_ray.privacy.accountant import REPLACE_ONE, Accountant, shares_noise_multiplier, solve_sigma
+from fdam_ray.privacy.adaptive import AdaptiveClipState
 from fdam_ray.privacy.client_level import PrivateReducer, ServerRound, check_model, check_transport, client_level
 from fdam_ray.privacy.faces import ClientLevelFace, SampleLevelFace
 from fdam_ray.privacy.section import PrivacySection
@@ -137,6 +138,9 @@ class PrivacyPlug(Plug):
             initial = start.flat.initial_state()
             check_model(initial.buffers, initial.counters)
             check_transport(facts.transport, facts.transfer_precision)
+            if section.dp_clip_quantile is not None and not start.executor.clients_from_setup:
+                raise ValueError("dp_clip_quantile (adaptive clipping) runs on the inline and ray executors, not "
+                                 "on flower (its sites do not receive the round's clip); set dp_clip_quantile: null")
             run = ClientLevelRun(section, rounds=facts.planned_rounds, state=start.state)
         else:
             sizes = None
@@ -163,6 +167,9 @@ class PrivacyPlug(Plug):
 
     def before_round(self, plan: RoundPlan, clients: list[int] | None) -> str | None:
         return self.run.over_budget(plan.round, plan.steps, clients)
+
+    def round_plan(self, plan: RoundPlan) -> RoundPlan:
+        return self.run.round_plan(plan)
 
     def reducer(self, reducer: Any, plan: RoundPlan) -> Any:
         return self.run.reducer(reducer, plan)
@@ -218,6 +225,10 @@ class PrivacyRun:
         """Round ``plan``'s reducer (the server face): ``reducer`` itself unless the mode acts on the server."""
         return reducer
 
+    def round_plan(self, plan: RoundPlan) -> RoundPlan:
+        """Round ``plan``'s plan as the clients receive it (adaptive clipping's C_r), else ``plan``."""
+        return plan
+
     def over_budget(self, round_index: int, steps: int, sites: list[int] | None) -> str | None:
         """The log line when round ``round_index`` would take epsilon past ``dp_max_epsilon`` (kept in
         :attr:`stopped` for the summary), else None."""
@@ -267,6 +278,8 @@ class ClientLevelRun(PrivacyRun):
             _warn_if_fixed_costs_more(section, self.accountant, rounds)
         super().__init__(section, sigma, self.accountant.relation, state)
         self.settings = client_level(section, sigma)
+        self.clip = AdaptiveClipState(section.dp_clip, state)  # C_r: the next round's clip
+        self._reducer: PrivateReducer | None = None
         log.info("dp: client: sigma %.4g, clip %g, noise at %s, %d of %d clients a round (%s), delta %g (%s)",
                  sigma, section.dp_clip, section.dp_noise_at, s, k, section.sampling, section.dp_delta, self.relation)
 
@@ -282,10 +295,23 @@ class ClientLevelRun(PrivacyRun):
     def reducer(self, reducer: Any, plan: RoundPlan) -> Any:
         """The round's reducer built wrapped: the sums are clipped changes; its finish adds the server's noise,
         divides by the planned S and moves c by post-processing (:class:`PrivateReducer`)."""
-        return PrivateReducer(reducer, ServerRound(self.settings, plan.round, plan.lr))
+        settings = self.settings
+        if settings.adaptive is not None:
+            settings = dataclasses.replace(settings, clip=plan.clip)
+        self._reducer = PrivateReducer(reducer, ServerRound(settings, plan.round, plan.lr))
+        return self._reducer
+
+    def round_plan(self, plan: RoundPlan) -> RoundPlan:
+        adaptive = self.settings.adaptive is not None
+        return dataclasses.replace(plan, clip=self.clip.value) if adaptive else plan
 
     def step(self, steps: int, sites: list[int] | None, reported: int) -> None:
-        """Count one applied round; with noise shares, only the ``reported`` sites' shares."""
+        """Count one applied round; with noise shares, only the ``reported`` sites' shares. Under adaptive
+        clipping, move C by the round's released fraction."""
+        adaptive = self.settings.adaptive
+        if adaptive is not None and self._reducer is not None and self._reducer.fraction is not None:
+            self.clip.update(self._reducer.fraction, adaptive)
+        self._reducer = None  # the round's sums are not kept past it
         s = self.settings.sampled
         if self.settings.noise_at == "clients" and reported < s:
             self.accountant.step(1, noise_multiplier=shares_noise_multiplier(self.settings.sigma, s, reported))
@@ -293,7 +319,13 @@ class ClientLevelRun(PrivacyRun):
             self.accountant.step(1)
 
     def state(self) -> dict[str, Any]:
-        return self._with_secret({"client": self.accountant.state()})
+        return self._with_secret({"client": self.accountant.state(), **self.clip.state()})
+
+    def record(self) -> dict[str, float]:
+        return {**super().record(), **self.clip.record(self.settings.adaptive is not None)}
+
+    def summary(self) -> dict[str, Any]:
+        return {**super().summary(), **self.clip.summary(self.settings)}
 
 
 class SampleLevelRun(PrivacyRun):

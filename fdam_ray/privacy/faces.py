@@ -3,7 +3,9 @@ differently under each ``dp`` mode, in one object that travels to every client.
 
 - :class:`ClientLevelFace` (``dp: client``): each client's change of a round is clipped as one vector and, with
   ``dp_noise_at: clients``, gets its noise share (:func:`~fdam_ray.privacy.client_level.private_update`); its
-  control variate is not sent. The server's half is the private reducer (:mod:`fdam_ray.privacy.driver`).
+  control variate is not sent. The server's half is the private reducer (:mod:`fdam_ray.privacy.driver`). Under
+  adaptive clipping (:mod:`fdam_ray.privacy.adaptive`) the round's clip C_r arrives in the round's plan and the
+  client adds its bit 1[||D_k|| <= C_r] to its stats.
 - :class:`SampleLevelFace` (``dp: sample``): each local step is DP-SGD (per-sample gradients clipped, the batch
   sum noised, :func:`~fdam_ray.privacy.dpsgd.private_gradient`), each step's batch drawn the way the site's
   accountant counts it (:mod:`fdam_ray.privacy.batches`), both keyed by the site's own secret
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 
 from fdam_ray.clients.face import ClientFace, ClientGuard
-from fdam_ray.core.state import ClientUpdate, GlobalState
+from fdam_ray.core.state import ClientUpdate, GlobalState, RoundPlan
 from fdam_ray.privacy.batches import private_sampler
 from fdam_ray.privacy.client_level import ClientLevel, private_update
 from fdam_ray.privacy.dpsgd import (
@@ -46,11 +48,23 @@ class ClientLevelFace(ClientFace):
 
 
 class _ClippedChange(ClientGuard):
+    """One client's clip; under adaptive clipping the round's C_r comes in the round's plan (the driver's, a
+    function of released values only)."""
+
     def __init__(self, settings: ClientLevel) -> None:
         self.settings = settings
+        self.round_settings = settings
+
+    def begin_round(self, round_index: int, plan: RoundPlan | None = None) -> None:
+        if self.settings.adaptive is None:
+            return
+        if plan is None or not plan.clip > 0:
+            raise RuntimeError(f"round {round_index}: adaptive clipping needs the round's clip in its plan (the "
+                               "executor did not pass the plan the driver set)")
+        self.round_settings = dataclasses.replace(self.settings, clip=float(plan.clip))
 
     def update(self, update: ClientUpdate, start: GlobalState) -> ClientUpdate:
-        return private_update(update, start, self.settings)
+        return private_update(update, start, self.round_settings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +105,7 @@ class _PrivateSteps(ClientGuard):
         self.face, self.noise, self.device = face, noise, device
         self._losses: dict[int, Any] = {}  # the per-sample loss of each replica's objective
 
-    def begin_round(self, round_index: int) -> None:
+    def begin_round(self, round_index: int, plan: RoundPlan | None = None) -> None:
         self.noise.begin_round(round_index)
 
     def sampler(self, split: Any, default: Callable[[], Any]) -> Any:

@@ -104,12 +104,14 @@ EVAL_MODES = ("off", "on")
 
 # Fields that must keep their defaults while dp is off, and the field whose default is the mode itself.
 _DP_FIELDS = ("dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_max_epsilon", "dp_noise_at",
-              "dp_sampling", "dp_noise_seed", "dp_accountant")
+              "dp_sampling", "dp_noise_seed", "dp_accountant", "dp_clip_quantile", "dp_clip_lr",
+              "dp_clip_count_noise")
 # dp_sampling's default before null (what a run's config.yaml of then records, dp: off included): still read.
 _OLD_DEFAULT = ("dp_sampling", "fixed")
 # The one field a resumed run may change (raise only), see check_resume.
 _RESUME_FIXED = ("dp", "dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_noise_at", "dp_sampling",
-                 "dp_accountant", "dp_eval", "dp_eval_noise", "dp_eval_epsilon")
+                 "dp_accountant", "dp_eval", "dp_eval_noise", "dp_eval_epsilon", "dp_clip_quantile", "dp_clip_lr",
+                 "dp_clip_count_noise")
 # dp fields that private evaluation also reads (dp_eval: on with dp: off): delta and the noise's secret.
 _EVAL_READS = ("dp_delta", "dp_noise_seed")
 
@@ -157,6 +159,18 @@ class PrivacySection(Section):
     dp_noise_seed: int | None = setting(
         None, "Seed of the privacy noise: null = fresh entropy each run (the private choice); an int replays the "
         "noise bit for bit (tests, audits), and whoever reads it can remove the noise.", check=NONNEGATIVE)
+    # adaptive clipping (dp: client; fdam_ray/privacy/adaptive.py)
+    dp_clip_quantile: float | None = setting(
+        None, "dp: client: gamma, the target quantile of the clients' change norms that the clip tracks (adaptive "
+        "clipping, Andrew et al. 2021: C_{r+1} = C_r exp(-dp_clip_lr (b_r - gamma)), b_r the noised fraction of "
+        "clients within C_r; dp_clip is C_1); null = the fixed clip dp_clip.", check=FRACTION)
+    dp_clip_lr: float = setting(0.2, "eta_C, the step of adaptive clipping's geometric update (with "
+                                "dp_clip_quantile).", check=POSITIVE)
+    dp_clip_count_noise: float | None = setting(
+        None, "sigma_b, the std of the noise on adaptive clipping's count of clients within the clip (with "
+        "dp_clip_quantile); null = S / 20 (S the clients a round asks). Must be > sigma / 2: the update's noise "
+        "multiplier becomes (sigma^-2 - (2 sigma_b)^-2)^(-1/2), so the round stays one Gaussian of sigma.",
+        check=POSITIVE)
     test_scores: str = setting(
         "exact", "What a client sends of its test split (and validation part) for the pooled AUC: exact (its scores "
         "and labels; the exact pooled AUC) or histogram (per-class counts of its scores in test_score_bins fixed "
@@ -237,6 +251,7 @@ class PrivacySection(Section):
             self._check_client_level()
         else:
             self._check_sample_level()
+        self._check_adaptive_clip()
         if self.positive_ratio is None:  # a scalar per site, released once; refusing would block bce runs too
             warn_once(log, "dp: positive_ratio is null, so p is computed from each site's exact positive counts, a "
                       "release the privacy accountant does not count; set positive_ratio to a public value to "
@@ -333,6 +348,28 @@ class PrivacySection(Section):
                        "clients_per_round < num_clients (each drawn site adds a 1/S share of the noise, so a Poisson "
                        "round's noise would shrink with its realised draw, the site's own presence included, which "
                        "the Poisson-subsampled Gaussian does not describe); or dp_noise_at: server")
+
+    def _check_adaptive_clip(self) -> None:
+        if self.dp_clip_quantile is None:
+            for name, default in (("dp_clip_lr", 0.2), ("dp_clip_count_noise", None)):
+                if getattr(self, name) != default:
+                    raise fail(name, getattr(self, name), f"{'null' if default is None else default} while "
+                               "dp_clip_quantile is null (set dp_clip_quantile for adaptive clipping to act)")
+            return
+        if self.dp != "client":
+            raise fail("dp_clip_quantile", self.dp_clip_quantile, f"null with dp: {self.dp} (adaptive clipping "
+                       "is client level: it tracks a quantile of the clients' change norms)")
+        if self.dp_noise_at != "server":
+            raise fail("dp_noise_at", self.dp_noise_at, "server with dp_clip_quantile (adaptive clipping's count "
+                       "is noised once by the server; shares of it are not supported)")
+        sigma = self.dp_noise_multiplier
+        if sigma is not None and sigma > 0:
+            count = self.dp_clip_count_noise
+            sigma_b = self.sampled_clients / 20.0 if count is None else count
+            if sigma_b <= sigma / 2:
+                raise fail("dp_clip_count_noise", count, f"> dp_noise_multiplier / 2 = {sigma / 2:g} "
+                           f"(now {sigma_b:g}; the count's noise takes part of sigma's budget: sigma^-2 - "
+                           "(2 sigma_b)^-2 must be > 0)")
 
 
 def client_draw_is_poisson(dp: str, dp_sampling: str | None, num_clients: int, clients_per_round: int | None,

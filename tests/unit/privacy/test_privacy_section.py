@@ -32,8 +32,9 @@ def test_dp_is_off_by_default_and_a_private_config_builds():
 
 def test_the_section_is_listed_and_only_the_budget_may_change_on_resume():
     assert SECTIONS["privacy"] == ("dp", "dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_max_epsilon",
-                                   "dp_noise_at", "dp_sampling", "dp_accountant", "dp_noise_seed", "test_scores",
-                                   "test_score_bins", "dp_eval", "dp_eval_noise", "dp_eval_epsilon")
+                                   "dp_noise_at", "dp_sampling", "dp_accountant", "dp_noise_seed", "dp_clip_quantile",
+                                   "dp_clip_lr", "dp_clip_count_noise", "test_scores", "test_score_bins", "dp_eval",
+                                   "dp_eval_noise", "dp_eval_epsilon")
     assert "dp_noise_multiplier" in describe_fields(["privacy"])
     assert {n for n in SECTIONS["privacy"] if n in RESUME_MAY_CHANGE} == {"dp_max_epsilon", "test_scores",
                                                                           "test_score_bins"}
