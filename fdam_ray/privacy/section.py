@@ -130,16 +130,23 @@ class PrivacySection(Section):
     dp_clip: float = setting(1.0, "C, L2 bound of a client's change (dp: client) or of a per-sample gradient (dp: "
                              "sample); epsilon does not depend on it, accuracy does.", check=POSITIVE)
     dp_noise_multiplier: float | None = setting(
-        None, "sigma, noise std over C (the sum gets N(0, sigma^2 C^2)); give it or dp_epsilon, not both.",
+        None, "sigma, noise std over C. dp: client: the round's sum of clipped changes gets N(0, sigma^2 C^2) "
+        "(shares N(0, sigma^2 C^2 / m) with dp_noise_at: clients; with dp_clip_quantile the update's part is "
+        "raised to pay for the count). dp: sample: each step's sum of clipped per-sample gradients gets "
+        "N(0, sigma^2 C^2). Give it or dp_epsilon, not both.",
         check=NONNEGATIVE)
     dp_epsilon: float | None = setting(
-        None, "Target epsilon of the planned run: sigma is solved for it (at dp_delta); give it or "
-        "dp_noise_multiplier, not both.", check=POSITIVE)
-    dp_delta: float = setting(1e-5, "delta of the (epsilon, delta) guarantee; below 1 / (number of records).",
-                              check=FRACTION)
+        None, "Target epsilon of the planned run, by dp_accountant: sigma is solved for it (at dp_delta). dp: "
+        "client: for one client's whole data over the planned rounds (Poisson or S of K a round); dp: sample: for "
+        "one record at the smallest site over the planned steps (each site has its own epsilon; the run reports "
+        "the largest). Give it or dp_noise_multiplier, not both.", check=POSITIVE)
+    dp_delta: float = setting(1e-5, "delta of the (epsilon, delta) guarantee, below 1 / (number of protected "
+                              "units): dp: client, 1 / num_clients; dp: sample, 1 / n_k of the largest site; "
+                              "dp_eval, 1 / (test records) (it reads this delta too).", check=FRACTION)
     dp_max_epsilon: float | None = setting(
-        None, "Privacy budget: the run stops before the round that would take epsilon past it; null = no stop. "
-        "A resumed run may raise it, never lower it.", check=POSITIVE, resume=True)
+        None, "Privacy budget: the run stops before the round that would take epsilon past it (dp: sample: the "
+        "largest site's; not dp_eval's epsilon); null = no stop. A resumed run may raise it, never lower it.",
+        check=POSITIVE, resume=True)
     dp_noise_at: str = setting(
         "server", "dp: client: who adds the noise: server (once, a trusted aggregator) or clients (each of the m "
         "reporting sites adds a share N(0, sigma^2 C^2 / m)).", choices=NOISE_AT)
@@ -157,8 +164,10 @@ class PrivacySection(Section):
         "5-15% higher epsilon; kept to compare, and reported beside pld in summary.json as dp_epsilon_rdp).",
         choices=ACCOUNTANTS)
     dp_noise_seed: int | None = setting(
-        None, "Seed of the privacy noise: null = fresh entropy each run (the private choice); an int replays the "
-        "noise bit for bit (tests, audits), and whoever reads it can remove the noise.", check=NONNEGATIVE)
+        None, "Secret of the privacy randomness (the noise, the client draw, dp: sample's batches, dp_eval's "
+        "noise): null = fresh entropy each run, kept in the checkpoint for a resume (the private choice); an int "
+        "replays it bit for bit (tests, audits), and whoever reads it can remove the noise. Never sent to "
+        "trackers.", check=NONNEGATIVE)
     # adaptive clipping (dp: client; fdam_ray/privacy/adaptive.py)
     dp_clip_quantile: float | None = setting(
         None, "dp: client: gamma, the target quantile of the clients' change norms that the clip tracks (adaptive "
