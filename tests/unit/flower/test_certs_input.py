@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("cryptography")
 
-from fdam_ray.flower.certs import main  # noqa: E402
+from fdam_ray.flower.certs import main
 
 
 def _files(root):
