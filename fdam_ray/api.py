@@ -167,8 +167,10 @@ def train_datasets(
 
 
 def names_a_run_folder(config: Config) -> bool:
-    """Whether ``config`` says where a run folder goes (a ``run_name``, or an ``out_dir`` of its own)."""
-    return config.run_name is not None or config.out_dir != FIELD_BY_NAME["out_dir"].default
+    """Whether ``config`` says where a run folder goes: it names ``run_name`` or ``out_dir`` (given explicitly,
+    whatever the value, the default's included), or holds values other than their defaults."""
+    return (any(config.names(f) for f in ("run_name", "out_dir")) or config.run_name is not None
+            or config.out_dir != FIELD_BY_NAME["out_dir"].default)
 
 
 def load_model(run_dir: str | Path, *, best: bool = False, model: str | Callable | None = None) -> nn.Module:

@@ -106,8 +106,18 @@ class Config(AlgorithmSection, ScheduleSection, SyntheticSection, ChestXraySecti
         return {f.name: _plain(values[f.name]) for f in FIELDS}
 
     def replace(self, **changes: Any) -> Config:
-        """A new config with ``changes``, validated as :func:`build_config` validates any."""
-        return build_config({**dataclasses.asdict(self), **changes})
+        """A new config with ``changes``, validated as :func:`build_config` validates any; the fields the user
+        named (:meth:`names`) are this config's and those changed."""
+        new = build_config({**dataclasses.asdict(self), **changes})
+        object.__setattr__(new, "_named", self._named_fields() | new._named_fields() & set(changes))
+        return new
+
+    def names(self, field: str) -> bool:
+        """Whether the user named ``field`` (given it a value, the default's included) rather than left it out."""
+        return field in self._named_fields()
+
+    def _named_fields(self) -> frozenset[str]:
+        return self.__dict__.get("_named", frozenset())
 
     def check(self) -> None:
         """Every section's rules across its fields, in the order of :data:`SECTION_CLASSES`."""
@@ -284,6 +294,7 @@ def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> C
         merged[name] = value
     config = Config(**merged)
     config.check()
+    object.__setattr__(config, "_named", frozenset(given))  # not a field: what the user named, for Config.names
     return config
 
 
