@@ -1,5 +1,5 @@
 """Whether ``train_datasets`` writes a run folder: the config names one (``run_name`` or ``out_dir``, whatever
-value, the default's included, at the top or in its section) or ``save=True`` (fdam_ray.api)."""
+value, the default's included) or ``save=True`` (fdam_ray.api)."""
 
 from __future__ import annotations
 
