@@ -21,7 +21,7 @@ from fdam_ray.data.arrays import ArrayPair, ArraysSource
 from fdam_ray.data.datasets import DatasetsSource, Entry
 from fdam_ray.data.sections import DATASET_NAMES
 from fdam_ray.features.sites import client_label
-from fdam_ray.files.torchload import safe_load, torch_load_failure
+from fdam_ray.files.torchload import safe_load, torch_load_failure, value_problems
 from fdam_ray.files.yamlfile import read_yaml_file
 from fdam_ray.loop.evaluation import one_class_problems
 from fdam_ray.loop.summary import RunResult
@@ -224,6 +224,9 @@ def load_model(run_dir: str | Path, *, best: bool = False, model: str | Callable
                           seed=record.seed)
     except ValueError as exc:
         raise ValueError(f"load_model: '{file}': {exc}") from None
+    if bad := value_problems(net.state_dict(), state):
+        raise ValueError(f"load_model: '{file}' holds entries of the wrong kind or not finite: " + "; ".join(bad[:8])
+                         + (f" and {len(bad) - 8} more" if len(bad) > 8 else ""))
     try:
         net.load_state_dict(state)
     except (RuntimeError, KeyError, TypeError, ValueError) as exc:

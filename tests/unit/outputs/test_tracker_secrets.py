@@ -12,7 +12,8 @@ SEED = 918273645
 
 
 def _config():
-    return build_config(algorithm="coda_plus", dp="client", dp_noise_multiplier=1.0, dp_noise_seed=SEED, trackers=["mlflow"])
+    return build_config(algorithm="coda_plus", dp="client", dp_noise_multiplier=1.0, dp_noise_seed=SEED,
+                        trackers=["mlflow"])
 
 
 def test_the_noise_seed_is_a_secret_field_and_every_secret_field_is_a_field():
