@@ -294,6 +294,10 @@ def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> C
         merged[name] = value
     config = Config(**merged)
     config.check()
+    if values and "flower" in values:  # the sites it names are the study's
+        from fdam_ray.executors.flower_section import split_config  # imports no Flower
+
+        split_config(values)[1].check_sites(config.num_clients)
     object.__setattr__(config, "_named", frozenset(given))  # not a field: what the user named, for Config.names
     return config
 

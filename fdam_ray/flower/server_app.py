@@ -89,6 +89,7 @@ def run_federation(grid: Grid, context: Context, values: Mapping[str, Any], *, s
     that holds a checkpoint continues its study from it (:mod:`.server_folder`)."""
     fields, flower = split_config(values)
     config = build_config({"dataset": "arrays", **fields})  # the sites hold the data, whatever the study names
+    flower.check_sites(config.num_clients)
     folder = None if run_dir in (None, "") else Path(str(run_dir)).expanduser()
     save = save or folder is not None
     resume = None if folder is None else server_folder.resume_point(folder, config)
