@@ -88,8 +88,22 @@ def read_command_config(config_file: str | None, overrides: list[str]) -> dict[s
     return data
 
 
+def check_field_names(values: dict[str, Any], overrides: list[str] | None) -> None:
+    """Every key of the config file and the command line names a field, and the command line names each once,
+    checked against the stored field table (no torch): the one-line error :func:`fdam_ray.config.build_config`
+    would give, in a second rather than after the imports."""
+    from fdam_ray.settings.catalog import stored_names
+    from fdam_ray.settings.names import check_keys, once_each
+
+    names = stored_names()
+    once_each(overrides or (), names)
+    check_keys(values, names)
+    check_keys({item.partition("=")[0].strip(): None for item in overrides or ()}, names)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     values = read_command_config(args.config, args.overrides)  # before torch: a config error in a second
+    check_field_names(values, args.overrides)
 
     from fdam_ray.config import parse_overrides
     from fdam_ray.executors.errors import ClientError, PlacementError
