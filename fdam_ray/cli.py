@@ -48,7 +48,9 @@ def _print(text: str) -> None:
 def _summary(summary: dict) -> str:
     mb = (summary["bytes_up"] + summary["bytes_down"]) / 1e6
     best = (f"best {summary['best_test_auc']:.4f}" if "best_val_auc" not in summary else
-            f"selected by val AUC {summary['best_val_auc']:.4f}: test {summary['best_test_auc']:.4f}")
+            f"selected by val AUC {summary['best_val_auc']:.4f}: test {summary['best_test_auc']:.4f}"
+            if summary.get("selected_by") == "val_auc" else
+            f"no val AUC defined, none selected: last test {summary['best_test_auc']:.4f}")
     return (f"final test AUC {summary['final_test_auc']:.4f} ({best} at iteration "
             f"{summary['best_iteration']}); {summary['rounds']} rounds, {summary['iterations']} iterations, "
             f"{mb:.1f} MB moved, {summary['wall_s']:.1f} s, {summary['samples_per_s']} samples/s")
