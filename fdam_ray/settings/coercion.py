@@ -18,7 +18,7 @@ import yaml
 
 from fdam_ray.settings.factories import PYTHON_PREFIX, import_path_of, is_import_path, resolve
 from fdam_ray.settings.redact import short
-from fdam_ray.settings.sections import ConfigError, fail
+from fdam_ray.settings.sections import ENTROPY_FIELDS, ConfigError, fail
 from fdam_ray.settings.yamlio import load_yaml
 
 
@@ -60,6 +60,7 @@ def from_text(field: Field, text: CommandLineText) -> Any:
 
 
 INT_BOUND = 2**63  # an integer field's values lie in [-INT_BOUND, INT_BOUND - 1]
+ENTROPY_BOUND = 2**128  # ... but those of ENTROPY_FIELDS, which lie below this
 
 
 def _with_allowed(what: str, field: Field) -> str:
@@ -79,7 +80,10 @@ def _int(field: Field, value: Any) -> Any:
         value = int(value)
     if not isinstance(value, int):
         raise fail(field.name, value, _with_allowed("an integer", field))
-    if not -INT_BOUND <= value < INT_BOUND:  # torch, NumPy and the files keep 64-bit integers
+    if field.name in ENTROPY_FIELDS:  # a seed's entropy: any size up to 128 bits
+        if not -ENTROPY_BOUND < value < ENTROPY_BOUND:
+            raise fail(field.name, value, _with_allowed("an integer below 2**128", field))
+    elif not -INT_BOUND <= value < INT_BOUND:  # torch, NumPy and the files keep 64-bit integers
         raise fail(field.name, value, _with_allowed("an integer in [-2**63, 2**63 - 1]", field))
     return value
 

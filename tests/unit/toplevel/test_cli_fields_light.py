@@ -65,3 +65,11 @@ def test_an_integer_beyond_64_bits_is_refused_naming_the_field(value, capsys):
     assert main(["train", f"seed={value}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"fdam: error: config field 'seed': {value} is not allowed") and err.count("\n") == 1
+
+
+def test_the_privacy_seed_keeps_128_bits_of_entropy():
+    base = {"algorithm": "coda_plus", "dp": "client", "dp_noise_multiplier": 1.0}
+    assert build_config({**base, "dp_noise_seed": 2**128 - 1}).dp_noise_seed == 2**128 - 1
+    with pytest.raises(ConfigError, match=r"^config field 'dp_noise_seed': \d+ is not allowed \(an integer below "
+                                          r"2\*\*128"):
+        build_config({**base, "dp_noise_seed": 2**128})
