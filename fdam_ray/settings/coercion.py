@@ -82,9 +82,11 @@ def _int(field: Field, value: Any) -> Any:
         raise fail(field.name, value, _with_allowed("an integer", field))
     if field.name in ENTROPY_FIELDS:  # a seed's entropy: any size up to 128 bits
         if not -ENTROPY_BOUND < value < ENTROPY_BOUND:
-            raise fail(field.name, value, _with_allowed("an integer below 2**128", field))
+            raise fail(field.name, value, f"an integer {field.allowed} and below 2**128" if field.allowed
+                       else "an integer in (-2**128, 2**128)")
     elif not -INT_BOUND <= value < INT_BOUND:  # torch, NumPy and the files keep 64-bit integers
-        raise fail(field.name, value, _with_allowed("an integer in [-2**63, 2**63 - 1]", field))
+        raise fail(field.name, value, f"an integer {field.allowed} and below 2**63" if field.allowed
+                   else "an integer in [-2**63, 2**63 - 1]")
     return value
 
 
