@@ -99,8 +99,14 @@ def _float(field: Field, value: Any) -> Any:
     return value
 
 
+# YAML 1.1 (PyYAML) reads a bare off/on (and no/yes) as false/true: a field whose choices hold the word takes it
+_SWITCH_WORDS = {False: "off", True: "on"}
+
+
 def _str(field: Field, value: Any) -> Any:
     choices = field.choices
+    if isinstance(value, bool) and choices and _SWITCH_WORDS[value] in choices:
+        return _SWITCH_WORDS[value]  # `dp: off`, `dp_eval: on` in a file or on the command line
     if not isinstance(value, str):
         raise fail(field.name, value, "a string" + (f", one of {', '.join(choices)}" if choices else ""))
     if choices and value not in choices:
