@@ -193,3 +193,25 @@ def read_out(counts: np.ndarray, *, max_fpr: float = 0.1, min_tpr: float | None 
         out[f"sens_at_spec_{s:g}"] = sensitivity_at_specificity(counts, s)
         out[f"spec_at_sens_{s:g}"] = specificity_at_sensitivity(counts, s)
     return out
+
+
+# Figures whose mean over the tasks a record reports for several tasks (as test_auc is the mean of the tasks' AUCs);
+# the AUC's SE and interval are one task's (the tasks' AUCs share samples, their covariance is not in the counts).
+_MEANS = ("pauc", "pauc_mcclish", "tpauc", "sens_at_spec_", "spec_at_sens_")
+
+
+# The pooled test figures of a record (``clinical: on``), which summary.json repeats as ``final_<key>``.
+CLINICAL_KEYS = ("test_auc_se", "test_auc_ci_", "test_pauc", "test_tpauc", "test_sens_at_spec_", "test_spec_at_sens_")
+
+
+def set_fields(figures: dict[str, np.ndarray]) -> dict[str, float | None]:
+    """One set's scalars of :func:`read_out`'s ``figures`` (rounded to 6 digits, None for NaN), the AUC itself
+    left out: every figure for one task; for several, the mean over the tasks of the pAUCs and operating points."""
+    tasks = len(figures["auc"])
+    out: dict[str, float | None] = {}
+    for key, values in figures.items():
+        if key == "auc" or (tasks > 1 and not key.startswith(_MEANS)):
+            continue
+        defined = values[~np.isnan(values)]
+        out[key] = round(float(defined.mean()), 6) if defined.size else None
+    return out
