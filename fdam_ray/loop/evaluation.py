@@ -134,6 +134,17 @@ class ValidationSection(Section):
                        "official validation split is kept out of training only to validate on")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClinicalRead(Section):
+    """The clinical read-out's fields (:class:`ValidationSection` declares them) as the :class:`Evaluator` reads
+    them off its replica's config."""
+
+    clinical: str = shared()
+    pauc_max_fpr: float = shared()
+    pauc_min_tpr: float | None = shared()
+    operating_points: tuple[float, ...] = shared()
+
+
 class Evaluator:
     """Scores the global model; the driver loads the global test set only if the clients do not score it.
 
@@ -151,7 +162,7 @@ class Evaluator:
         self.plug = plug
         self._per_site = True  # whether the last pooled split's per-site AUCs may be recorded (the plug's say)
         self._counts: np.ndarray | None = None  # the last pooled split's counts (T, 2, K) for the clinical read-out
-        section = ValidationSection.of(replica.config)
+        section = ClinicalRead.of(replica.config)
         self.clinical = section if section.clinical == "on" else None
         self.replica = replica
         self.source = source
@@ -208,7 +219,8 @@ class Evaluator:
         site's own part (its scores, exact; or its pass-1 histogram of B bins); ``task_<figure>`` per task where
         there are several."""
         cfg = self.clinical
-        assert cfg is not None and self._counts is not None
+        if cfg is None or self._counts is None:
+            return {}
 
         def read(counts: np.ndarray) -> dict:
             return clinic.read_out(counts, max_fpr=cfg.pauc_max_fpr, min_tpr=cfg.pauc_min_tpr,

@@ -99,7 +99,8 @@ def evaluation_fields(rec: dict) -> list[tuple[str, str]]:
     loss = rec.get("train_loss")
     loss_s = f"{loss:9.4f}" if loss is not None else "        -"
     return [("", f"iter {rec['iteration']:>7}"), ("  ", f"round {rec['round']:>5}"), ("  ", f"stage {rec['stage']:>2}"),
-            ("  ", f"lr {rec['lr']:<8.4g}"), (" ", f"loss {loss_s}"), ("  ", f"test AUC {rec['test_auc']:.4f}{_interval(rec)}"),
+            ("  ", f"lr {rec['lr']:<8.4g}"), (" ", f"loss {loss_s}"),
+            ("  ", f"test AUC {rec['test_auc']:.4f}{_interval(rec)}"),
             *([] if "val_auc" not in rec else [("  ", f"val AUC {rec['val_auc']:.4f}")]),
             ("  ", f"[{rec['wall_s']:.1f} s]")]
 

@@ -56,7 +56,7 @@ def test_the_intervals():
     assert l_low == pytest.approx(1 / (1 + np.exp(-(logit - half)))) and l_low < auc < l_high
     # near 1 the Wald interval leaves [0, 1], the logit one does not
     a, v = np.array([0.995, 1.0]), np.array([0.004**2, 0.0])
-    w_low, w_high = clinic.interval(a, v)
+    _, w_high = clinic.interval(a, v)
     g_low, g_high = clinic.interval(a, v, logit=True)
     assert w_high[0] > 1 and 0 < g_low[0] < 0.995 < g_high[0] < 1 and g_low[1] == g_high[1] == 1.0
 
