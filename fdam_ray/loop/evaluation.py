@@ -162,8 +162,11 @@ class Evaluator:
         self.plug = plug
         self._per_site = True  # whether the last pooled split's per-site AUCs may be recorded (the plug's say)
         self._counts: np.ndarray | None = None  # the last pooled split's counts (T, 2, K) for the clinical read-out
-        section = ClinicalRead.of(replica.config)
-        self.clinical = section if section.clinical == "on" else None
+        try:
+            section: ClinicalRead | None = ClinicalRead.of(replica.config)
+        except AttributeError:  # a stand-in replica whose config lacks the clinical fields: the read-out is off
+            section = None
+        self.clinical = section if section is not None and section.clinical == "on" else None
         self.replica = replica
         self.source = source
         self.task_names = source.task_names
