@@ -112,7 +112,7 @@ class ValidationSection(Section):
                             "and per site where sites' figures are kept): the AUC's DeLong SE and 95% interval "
                             "(Wald and logit), the pAUC at FPR <= pauc_max_fpr (raw and McClish), the two-way pAUC "
                             "(pauc_min_tpr) and the sensitivity/specificity at operating_points; docs/algorithms.md "
-                            "s.9.", choices=("off", "on"), resume=True)
+                            "s.6.", choices=("off", "on"), resume=True)
     pauc_max_fpr: float = setting(0.1, "clinical: on: beta, the largest false positive rate of the partial AUC.",
                                   check=(lambda v: 0 < v <= 1, "in (0, 1]"), resume=True)
     pauc_min_tpr: float | None = setting(None, "clinical: on: alpha, the smallest true positive rate of the two-way "

@@ -1,4 +1,4 @@
-"""The clinical read-out of an evaluation from per-class bin counts (docs/algorithms.md, "What a clinician reads").
+"""The clinical read-out of an evaluation from per-class bin counts (``clinical: on``; docs/algorithms.md s.6).
 
 Everything is read off counts ``(T, 2, K)`` (per task: negatives, positives in K bins ordered as the scores are;
 ties within a bin count 1/2): the summed score histograms of ``test_scores: histogram`` (after the refinement
