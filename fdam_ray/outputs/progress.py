@@ -106,8 +106,9 @@ def evaluation_fields(rec: dict) -> list[tuple[str, str]]:
 
 
 def _interval(rec: dict) -> str:
-    """`` [low, high]``, the test AUC's 95 % interval where the record has one (``clinical: on``), else ''."""
-    low, high = rec.get("test_auc_ci_low"), rec.get("test_auc_ci_high")
+    """`` [low, high]``, the test AUC's 95 % interval on the logit scale (inside [0, 1]) where the record has one
+    (``clinical: on``), else ''."""
+    low, high = rec.get("test_auc_ci_logit_low"), rec.get("test_auc_ci_logit_high")
     return "" if low is None or high is None else f" [{low:.4f}, {high:.4f}]"
 
 

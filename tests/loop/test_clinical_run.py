@@ -52,7 +52,8 @@ def test_exact_scores(plain):
                                                          if k.startswith("final_test_") and k != "final_test_auc"}
     assert not any(k.startswith("final_test_") and k != "final_test_auc" for k in plain.summary)
     shown = [text for _, text in evaluation_fields(last) if text.startswith("test AUC")]
-    assert shown == [f"test AUC {last['test_auc']:.4f} [{last['test_auc_ci_low']:.4f}, {last['test_auc_ci_high']:.4f}]"]
+    low, high = last["test_auc_ci_logit_low"], last["test_auc_ci_logit_high"]
+    assert shown == [f"test AUC {last['test_auc']:.4f} [{low:.4f}, {high:.4f}]"]
     off = plain.history[-1]
     shown = [text for _, text in evaluation_fields(off) if text.startswith("test AUC")]
     assert shown == [f"test AUC {off['test_auc']:.4f}"]
