@@ -45,6 +45,12 @@ evaluation (``dp_eval: on``, :mod:`fdam_ray.privacy.evaluation`) releases them n
 per task) and the one-class warning come from the noised counts only (``<split>_samples`` is not recorded): the
 driver's own test set is binned too (:attr:`~fdam_ray.loop.plug.Plug.counts_only`), no refinement pass is asked
 and no per-site AUC is recorded.
+
+Clinical read-out (``clinical: on``, :mod:`fdam_ray.scores.clinic`): the test record adds the AUC's DeLong SE and
+95 % intervals, the one- and two-way pAUC and the operating points, read off the pooled counts the AUC came from
+(exact scores: one bin per distinct score; histograms: the finest cells of the refinement passes, replayed from
+the passes' summed counts; a plug's released counts, never the raw ones), and per site (``client_<figure>``) off
+each site's own scores or first-pass histogram where per-site AUCs are recorded.
 """
 
 from __future__ import annotations

@@ -85,3 +85,43 @@ def test_private_evaluation_reads_the_released_counts(monkeypatch):
         assert not any(k.startswith("client_") for k in rec)  # no site's own figure
         want = clinic.set_fields(clinic.read_out(released, max_fpr=0.2, min_tpr=0.5, points=(0.8, 0.9)))
         assert {f"test_{k}": v for k, v in want.items()} == {k: rec[k] for k in POOLED}
+
+
+def test_several_tasks_and_sites_with_a_stand_in_executor():
+    """Two tasks, two sites sending their scores: pooled means over the tasks, every figure per task, the SE and
+    intervals per task only, per-site figures from each site's own scores."""
+    from fdam_ray.core.state import Scores
+    from fdam_ray.loop.evaluation import ClinicalRead, Evaluator
+
+    rng = np.random.default_rng(4)
+
+    def site(k: int) -> Scores:
+        labels = rng.integers(0, 2, (150, 2)).astype(np.float32)
+        labels[::9, 1] = np.nan
+        scores = np.clip(rng.normal(0.4 + 0.2 * np.nan_to_num(labels), 0.15), 0, 1).astype(np.float32)
+        return Scores(client_id=k, scores=scores, labels=labels)
+
+    parts = [site(0), site(1)]
+
+    class Exec:
+        def evaluate(self, state, split="test", bins=None):
+            return parts
+
+        def score_test_set(self, state):
+            return None
+
+    source = type("Src", (), {"task_names": ("a", "b"), "test_set": lambda self: None})()
+    config = ClinicalRead(clinical="on", pauc_max_fpr=0.3, pauc_min_tpr=None, operating_points=(0.9,))
+    config = type("C", (), {**vars(config), "client_names": ("north", "south")})()
+    out = Evaluator(type("R", (), {"config": config})(), source, Exec(), warn_one_class=False)(None)
+    scores = np.concatenate([p.scores for p in parts])
+    labels = np.concatenate([p.labels for p in parts])
+    figures = clinic.read_out(clinic.exact_counts(scores, labels), max_fpr=0.3, points=(0.9,))
+    assert "test_auc_se" not in out and "test_auc_ci_low" not in out and "test_tpauc" not in out
+    assert out["test_pauc_mcclish"] == round(float(figures["pauc_mcclish"].mean()), 6)
+    assert out["test_sens_at_spec_0.9"] == round(float(figures["sens_at_spec_0.9"].mean()), 6)
+    assert out["task_auc_ci_low"] == {t: round(float(x), 6) for t, x in zip("ab", figures["auc_ci_low"], strict=True)}
+    assert out["task_auc_se"]["b"] == round(float(figures["auc_se"][1]), 6)
+    assert set(out["client_pauc_mcclish"]) == {"north", "south"} and "client_auc_se" not in out
+    south = clinic.read_out(clinic.exact_counts(parts[1].scores, parts[1].labels), max_fpr=0.3, points=(0.9,))
+    assert out["client_pauc_mcclish"]["south"] == round(float(south["pauc_mcclish"].mean()), 6)
