@@ -22,6 +22,7 @@ from fdam_ray.checkpoint import LoopState
 from fdam_ray.core.flat import FlatModel
 from fdam_ray.core.state import GlobalState, Rule, vector_names
 from fdam_ray.data import DataSource
+from fdam_ray.scores.clinic import CLINICAL_KEYS
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ def run_summary(loop: LoopState, best: int, *, algorithm: str, validation: bool,
         "best_test_auc": history[best]["test_auc"],
         "best_iteration": history[best]["iteration"],
         **(_validation_summary(history, best, selected=loop.best_val_iteration is not None) if validation else {}),
+        **{f"final_{k}": v for k, v in history[-1].items() if k.startswith(CLINICAL_KEYS)},  # clinical: on
         "iterations": state.iteration,
         "rounds": state.round,
         "bytes_up": loop.bytes_up,
