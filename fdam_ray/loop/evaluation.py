@@ -79,7 +79,7 @@ from fdam_ray.scores.histogram import (
 )
 from fdam_ray.scores.histogram_passes import Pooled, refined_aucs
 from fdam_ray.settings.coercion import register_kind
-from fdam_ray.settings.sections import Section, fail, setting, shared
+from fdam_ray.settings.sections import Section, fail, setting, shared, warn_once
 
 log = logging.getLogger(__name__)
 
@@ -256,6 +256,10 @@ class Evaluator:
         if own is not None and self.plug.counts_only and self.bins is not None:
             return self._released(split, score_histograms(own.scores, own.labels, self.bins), None)
         if own is not None:
+            if self.bins is not None:
+                warn_once(log, "test_scores: histogram acts on the clients' test splits; this dataset's test set is "
+                          "the driver's own, scored exactly (no site sends scores for it); set dp_eval: on to release "
+                          "it as noised counts, or keep test_scores: exact")
             self._counts = clinic.exact_counts(own.scores, own.labels) if self.clinical is not None else None
             return task_aucs(own.scores, own.labels), len(own.labels), class_counts(own.labels)
         if self.bins is None:

@@ -12,7 +12,7 @@ SEED = 918273645
 
 
 def _config():
-    return build_config(algorithm="coda_plus", dp="client", dp_noise_multiplier=1.0, dp_noise_seed=SEED,
+    return build_config(algorithm="coda_plus", dp="client", model="mlp", dp_noise_multiplier=1.0, dp_noise_seed=SEED,
                         trackers=["mlflow"])
 
 
@@ -34,7 +34,7 @@ def test_a_sweep_trials_parameters_leave_the_secret_out_too():
     pytest.importorskip("ray")
     from fdam_ray.tuning.callbacks import trial_params
 
-    base = {"algorithm": "coda_plus", "dp": "client", "dp_noise_multiplier": 1.0, "dp_noise_seed": SEED}
+    base = {"algorithm": "coda_plus", "dp": "client", "model": "mlp", "dp_noise_multiplier": 1.0, "dp_noise_seed": SEED}
     params = trial_params(base, {"lr": 0.05})
     assert params["lr"] == 0.05 and "dp_noise_seed" not in params and str(SEED) not in repr(params)
 

@@ -68,7 +68,7 @@ def test_an_integer_beyond_64_bits_is_refused_naming_the_field(value, capsys):
 
 
 def test_the_privacy_seed_keeps_128_bits_of_entropy():
-    base = {"algorithm": "coda_plus", "dp": "client", "dp_noise_multiplier": 1.0}
+    base = {"algorithm": "coda_plus", "dp": "client", "model": "mlp", "dp_noise_multiplier": 1.0}
     assert build_config({**base, "dp_noise_seed": 2**128 - 1}).dp_noise_seed == 2**128 - 1
     with pytest.raises(ConfigError, match=r"^config field 'dp_noise_seed': \d+ is not allowed \(an integer >= 0 and "
                                           r"below 2\*\*128\)$"):
