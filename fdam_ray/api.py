@@ -21,7 +21,7 @@ from fdam_ray.data.arrays import ArrayPair, ArraysSource
 from fdam_ray.data.datasets import DatasetsSource, Entry
 from fdam_ray.data.sections import DATASET_NAMES
 from fdam_ray.features.sites import client_label
-from fdam_ray.files.torchload import safe_load, torch_load_failure
+from fdam_ray.files.torchload import safe_load, torch_load_failure, value_problems
 from fdam_ray.files.yamlfile import read_yaml_file
 from fdam_ray.loop.evaluation import one_class_problems
 from fdam_ray.loop.summary import RunResult
@@ -167,8 +167,10 @@ def train_datasets(
 
 
 def names_a_run_folder(config: Config) -> bool:
-    """Whether ``config`` says where a run folder goes (a ``run_name``, or an ``out_dir`` of its own)."""
-    return config.run_name is not None or config.out_dir != FIELD_BY_NAME["out_dir"].default
+    """Whether ``config`` says where a run folder goes: it names ``run_name`` or ``out_dir`` (given explicitly,
+    whatever the value, the default's included), or holds values other than their defaults."""
+    return (any(config.names(f) for f in ("run_name", "out_dir")) or config.run_name is not None
+            or config.out_dir != FIELD_BY_NAME["out_dir"].default)
 
 
 def load_model(run_dir: str | Path, *, best: bool = False, model: str | Callable | None = None) -> nn.Module:
@@ -222,6 +224,9 @@ def load_model(run_dir: str | Path, *, best: bool = False, model: str | Callable
                           seed=record.seed)
     except ValueError as exc:
         raise ValueError(f"load_model: '{file}': {exc}") from None
+    if bad := value_problems(net.state_dict(), state):
+        raise ValueError(f"load_model: '{file}' holds entries of the wrong kind or not finite: " + "; ".join(bad[:8])
+                         + (f" and {len(bad) - 8} more" if len(bad) > 8 else ""))
     try:
         net.load_state_dict(state)
     except (RuntimeError, KeyError, TypeError, ValueError) as exc:

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fdam_ray.config import FIELDS, SECTIONS, row_of
+from fdam_ray.config import FIELDS, NAMES, SECTIONS, row_of
 from fdam_ray.settings.catalog import STORED
 
 log = logging.getLogger(__name__)
@@ -23,14 +23,17 @@ log = logging.getLogger(__name__)
 
 def live() -> dict[str, Any]:
     """The table as the sections declare it now, in the form of ``fields.json``."""
-    return {"sections": list(SECTIONS), "fields": [list(row_of(f)) for f in FIELDS]}
+    return {"sections": list(SECTIONS), "fields": [list(row_of(f)) for f in FIELDS],
+            "names": {"aliases": dict(sorted(NAMES.aliases.items())), "renamed": sorted(NAMES.renamed),
+                      "records": sorted(NAMES.records)}}
 
 
 def write(path: Path = STORED) -> None:
     """Write :func:`live` to ``path`` (one field a line, so a change reads as a one-line difference)."""
     table = live()
     lines = ",\n".join("  " + json.dumps(row, ensure_ascii=False) for row in table["fields"])
-    path.write_text(f'{{"sections": {json.dumps(table["sections"])},\n "fields": [\n{lines}\n]}}\n', encoding="utf-8")
+    path.write_text(f'{{"sections": {json.dumps(table["sections"])},\n "names": {json.dumps(table["names"])},\n'
+                    f' "fields": [\n{lines}\n]}}\n', encoding="utf-8")
     log.info("wrote %d fields to %s", len(table["fields"]), path)
 
 

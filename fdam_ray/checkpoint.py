@@ -370,3 +370,35 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         raise
     except (TypeError, ValueError, KeyError, AttributeError) as exc:  # a value of the wrong kind deep inside
         raise CheckpointError(f"checkpoint '{path}' is damaged: {type(exc).__name__}: {exc}") from None
+
+
+
+def check_fits(checkpoint: Checkpoint, path: str | Path, fresh: GlobalState) -> None:
+    """Every state vector of ``checkpoint`` has the size and kind of this run's model (``fresh``, its initial
+    global state): the global state, the stage's centre and running sum, the best validation state and each
+    client's control variates; else a :class:`CheckpointError` naming the entry (torch would fail mid-resume, or
+    an entry of another kind would resume silently)."""
+    want = {name: value for name, value in fresh.vectors().items() if value is not None}
+    want.update({name: want[corrected] for name, corrected in _CORRECTS.items() if corrected in want})
+    loop = checkpoint.loop
+    entries: list[tuple[str, str, Any, np.ndarray, np.dtype]] = []  # (whose, entry, value, like, dtype)
+    for state, whose in [(loop.state, "global state"), (loop.best_val_state, "best validation state")]:
+        vectors = {} if state is None else state.vectors()
+        entries += [(whose, name, value, want[name], want[name].dtype) for name, value in vectors.items()
+                    if value is not None and name in want]
+    entries += [("server state", "reference", loop.server.reference, want["v"], want["v"].dtype),
+                ("server state", "ref_sum", loop.server.ref_sum, want["v"], np.dtype(np.float64))]
+    for k, client in enumerate(checkpoint.clients):
+        control = None if client is None else ClientState.of(client).control
+        entries += [(f"client {k}'s state", name, value, want[name], want[name].dtype)
+                    for name, value in zip(_CORRECTS, control or (), strict=False)
+                    if value is not None and name in want]
+    for whose, name, value, like, dtype in entries:
+        if not isinstance(value, np.ndarray) or value.shape != like.shape or value.dtype != dtype:
+            shown = f"{value.dtype} of shape {value.shape}" if isinstance(value, np.ndarray) else type(value).__name__
+            raise CheckpointError(f"checkpoint '{path}' is damaged: its {whose}'s '{name}' entry is {shown}; this "
+                                  f"run's model needs {dtype} of shape {like.shape}")
+
+
+# a control variate has the size and kind of the vector it corrects (control vectors in declaration order)
+_CORRECTS = {f.name: f.metadata["corrects"] for f in dataclasses.fields(GlobalState) if f.metadata.get("corrects")}

@@ -48,7 +48,9 @@ def _print(text: str) -> None:
 def _summary(summary: dict) -> str:
     mb = (summary["bytes_up"] + summary["bytes_down"]) / 1e6
     best = (f"best {summary['best_test_auc']:.4f}" if "best_val_auc" not in summary else
-            f"selected by val AUC {summary['best_val_auc']:.4f}: test {summary['best_test_auc']:.4f}")
+            f"selected by val AUC {summary['best_val_auc']:.4f}: test {summary['best_test_auc']:.4f}"
+            if summary.get("selected_by") == "val_auc" else
+            f"no val AUC defined, none selected: last test {summary['best_test_auc']:.4f}")
     return (f"final test AUC {summary['final_test_auc']:.4f} ({best} at iteration "
             f"{summary['best_iteration']}); {summary['rounds']} rounds, {summary['iterations']} iterations, "
             f"{mb:.1f} MB moved, {summary['wall_s']:.1f} s, {summary['samples_per_s']} samples/s")
@@ -88,8 +90,22 @@ def read_command_config(config_file: str | None, overrides: list[str]) -> dict[s
     return data
 
 
+def check_field_names(values: dict[str, Any], overrides: list[str] | None) -> None:
+    """Every key of the config file and the command line names a field, and the command line names each once,
+    checked against the stored field table (no torch): the one-line error :func:`fdam_ray.config.build_config`
+    would give, in a second rather than after the imports."""
+    from fdam_ray.settings.catalog import stored_names
+    from fdam_ray.settings.names import check_keys, once_each
+
+    names = stored_names()
+    once_each(overrides or (), names)
+    check_keys(values, names)
+    check_keys({item.partition("=")[0].strip(): None for item in overrides or ()}, names)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     values = read_command_config(args.config, args.overrides)  # before torch: a config error in a second
+    check_field_names(values, args.overrides)
 
     from fdam_ray.config import parse_overrides
     from fdam_ray.executors.errors import ClientError, PlacementError

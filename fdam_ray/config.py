@@ -16,7 +16,6 @@ the field, the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import operator
 import types
@@ -49,6 +48,8 @@ from fdam_ray.privacy.section import PrivacySection
 from fdam_ray.settings import catalog
 from fdam_ray.settings.coercion import CommandLineText, Field, coerce, from_text, register_kind
 from fdam_ray.settings.factories import python_name
+from fdam_ray.settings.names import Names, flatten_sections, once_each, unknown_key
+from fdam_ray.settings.names import nearest_field as names_nearest
 from fdam_ray.settings.redact import clip, short
 from fdam_ray.settings.sections import (
     AT_LEAST_ONE,
@@ -62,7 +63,7 @@ from fdam_ray.settings.sections import (
     setting,
     shared_names,
 )
-from fdam_ray.settings.yamlio import kind_of, load_yaml
+from fdam_ray.settings.yamlio import load_yaml
 
 __all__ = ["CHESTXRAY_SOURCES", "DATASET_NAMES", "FIELDS", "FIELD_BY_NAME", "MODEL_NAMES", "RENAMED_PER_ACTOR",
            "RESUME_MAY_CHANGE", "SECTIONS", "SECTION_CLASSES", "CommandLineText", "Config", "ConfigError", "Field",
@@ -106,8 +107,18 @@ class Config(AlgorithmSection, ScheduleSection, SyntheticSection, ChestXraySecti
         return {f.name: _plain(values[f.name]) for f in FIELDS}
 
     def replace(self, **changes: Any) -> Config:
-        """A new config with ``changes``, validated as :func:`build_config` validates any."""
-        return build_config({**dataclasses.asdict(self), **changes})
+        """A new config with ``changes``, validated as :func:`build_config` validates any; the fields the user
+        named (:meth:`names`) are this config's and those changed."""
+        new = build_config({**dataclasses.asdict(self), **changes})
+        object.__setattr__(new, "_named", self._named_fields() | new._named_fields() & set(changes))
+        return new
+
+    def names(self, field: str) -> bool:
+        """Whether the user named ``field`` (given it a value, the default's included) rather than left it out."""
+        return field in self._named_fields()
+
+    def _named_fields(self) -> frozenset[str]:
+        return self.__dict__.get("_named", frozenset())
 
     def check(self) -> None:
         """Every section's rules across its fields, in the order of :data:`SECTION_CLASSES`."""
@@ -187,82 +198,19 @@ RENAMED_PER_ACTOR = {"cpus_per_client": "cpus_per_actor", "gpus_per_client": "gp
 
 # Names people reach for, and the paper's symbols, mapped to the field they mean (only for suggestions).
 _OTHER_NAMES = {alias: f.name for f in FIELDS for alias in f.aliases}
-
-
-# Keys whose mapping is a section of fields (``model: {name: cnn, width: 16}`` -> model, model_width): the names
-# that start other fields' names (``model``, ``lr``, ``pretrain``, ``client_data``).
-_SECTION_KEYS = frozenset("_".join(parts[:i]) for f in FIELDS for parts in [f.name.split("_")]
-                         for i in range(1, len(parts)))
+# What reading keys knows of the fields (fdam_ray.settings.names; `fdam train` reads the same from fields.json).
+NAMES = Names(frozenset(FIELD_BY_NAME), _OTHER_NAMES, frozenset(RENAMED_PER_ACTOR), frozenset({VERSIONS_KEY, "flower"}))
+_SECTION_KEYS = NAMES.section_keys
 
 
 def _flatten_sections(values: Mapping[str, Any], spelled: dict[str, tuple[str, str]] | None = None) -> dict[str, Any]:
-    """Sections to flat names: ``model: {name: cnn, weights: W}`` or ``model.weights=W`` -> ``model_weights``.
-
-    A section's ``name`` key sets the field named like the section (``model``). A mapping given to a field that
-    starts no other field's name (``model_width: {width: 16}``, from an alias or an anchor) is that field's
-    value, refused by the field in one line naming it, not read as fields ``model_width_width``.
-    ``spelled`` gets, for each name made from a section and one of its keys, how the user wrote them.
-    """
-    out: dict[str, Any] = {}
-    for key, value in values.items():
-        _check_name(key)
-        if isinstance(value, Mapping) and (key in _SECTION_KEYS or key not in FIELD_BY_NAME or set(value) == {"name"}):
-            for sub, v in value.items():
-                _check_name(sub, key)
-                out[_joined(key, sub, spelled)] = v
-        elif "." in key:
-            section, _, sub = key.partition(".")
-            if section in FIELD_BY_NAME and section not in _SECTION_KEYS and sub != "name":
-                raise ConfigError(f"config key '{clip(key, 80)}': '{section}' is a field, not a section; give "
-                                  f"{section}=VALUE (see `fdam fields {section}`)")
-            out[_joined(section, sub, spelled)] = value
-        else:
-            out[key] = value
-    return out
-
-
-def _joined(section: str, sub: str, spelled: dict[str, tuple[str, str]] | None) -> str:
-    """The flat name of key ``sub`` of section ``section`` (``name``: the section's own field)."""
-    if sub == "name":
-        return section
-    flat = f"{section}_{sub}"
-    if spelled is not None:
-        spelled[flat] = (section, sub)
-    return flat
-
-
-def _unknown_key(key: str, spelled: Mapping[str, tuple[str, str]]) -> ConfigError:
-    """The error of a key that is no field, naming it as the user wrote it (a section's key: the section too)."""
-    section, sub = spelled.get(key, ("", ""))
-    if sub in FIELD_BY_NAME:  # model: {model_width: 16}
-        inside = sub[len(section) + 1:] if sub.startswith(f"{section}_") else ""
-        return ConfigError(f"config key '{clip(sub, 80)}' under '{clip(section, 80)}' is a field of its own, not a "
-                           f"key of section '{clip(section, 80)}': give it at the top level"
-                           + (f", or as '{inside}' under '{section}'" if inside else ""))
-    hint = nearest_field(key)
-    extra = f"; did you mean '{hint}'?" if hint else ""
-    where = "" if not section else f" (key '{clip(sub, 80)}' under '{clip(section, 80)}'" + (
-        ")" if section in _SECTION_KEYS else ", which is no section of fields)")
-    return ConfigError(f"unknown config field '{clip(key, 80)}'{where}{extra} (see `fdam fields` for the list)")
-
-
-def _check_name(key: Any, section: str = "") -> None:
-    """A config key is text (a field or section name); ``1: 2`` or ``null: x`` is one line naming it."""
-    if not isinstance(key, str):
-        where = f" in section '{clip(section, 80)}'" if section else ""
-        raise ConfigError(f"config key {short(key, 60)}{where} is {kind_of(key)}, not a field name; keys "
-                          "are field names, written as text (see `fdam fields`)")
+    """:func:`fdam_ray.settings.names.flatten_sections` with this fdam-ray's fields."""
+    return flatten_sections(values, NAMES, spelled)
 
 
 def nearest_field(key: str) -> str | None:
     """The field an unknown key most likely means (a near spelling of a field or of a common other name)."""
-    if len(key) > 100:  # no field is named so long; difflib would take seconds on a huge key
-        return None
-    lowered = key.lower()
-    if lowered in _OTHER_NAMES:
-        return _OTHER_NAMES[lowered]
-    hint = difflib.get_close_matches(lowered, [*FIELD_BY_NAME, *_OTHER_NAMES], n=1)
-    return None if not hint else _OTHER_NAMES.get(hint[0], hint[0])
+    return names_nearest(key, NAMES)
 
 
 def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> Config:
@@ -284,6 +232,11 @@ def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> C
         merged[name] = value
     config = Config(**merged)
     config.check()
+    if values and "flower" in values:  # the sites it names are the study's
+        from fdam_ray.executors.flower_section import split_config  # imports no Flower
+
+        split_config(values)[1].check_sites(config.num_clients)
+    object.__setattr__(config, "_named", frozenset(given))  # not a field: what the user named, for Config.names
     return config
 
 
@@ -296,14 +249,14 @@ def _given(values: Mapping[str, Any] | None, overrides: Mapping[str, Any]) -> di
         from fdam_ray.executors.flower_section import split_config  # imports no Flower
 
         split_config(values)
-    values = {k: v for k, v in (values or {}).items() if k not in (VERSIONS_KEY, "flower")}
+    values = {k: v for k, v in (values or {}).items() if k not in NAMES.records}
     spelled: dict[str, tuple[str, str]] = {}
     given = _flatten_sections(values, spelled)
     given.update(_flatten_sections(overrides, spelled))
     given = _read_renamed(given)
     for key in given:
         if key not in FIELD_BY_NAME:
-            raise _unknown_key(key, spelled)
+            raise unknown_key(key, spelled, NAMES)
     return given
 
 
@@ -339,6 +292,7 @@ def _read_renamed(given: dict[str, Any]) -> dict[str, Any]:
 def parse_overrides(items: list[str]) -> dict[str, Any]:
     """``["lr=0.1", "run_name=007"]`` -> ``{"lr": "0.1", "run_name": "007"}`` as :class:`CommandLineText`;
     :func:`build_config` reads each by its field's type (``lr`` -> 0.1, ``run_name`` -> "007")."""
+    once_each(items, NAMES)
     out: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")

@@ -32,6 +32,7 @@ from torch import nn
 
 from fdam_ray.objectives import (
     auc_objective,
+    check_batch,
     check_label_layout,
     global_positive_ratio,
     number_argument,
@@ -157,6 +158,7 @@ class AUCLoss(nn.Module):
             layout = "(B,) or (B, 1)" if t == 1 else f"(B, {t})"
             raise ValueError(f"predictions: shape {tuple(predictions.shape)} is not allowed ({layout} scores for "
                              f"num_tasks={t})")
+        check_batch(predictions, "predictions")
         given = _label_tensor(labels)
         check_label_layout(given, predictions.shape, t)
         h = predictions.reshape(predictions.shape[0], -1)
@@ -164,6 +166,10 @@ class AUCLoss(nn.Module):
             row, task = (int(i) for i in (~torch.isfinite(h)).nonzero()[0])
             raise ValueError(f"predictions: {float(h[row, task])!r} at row {row}, task {task} is not a finite "
                              "score (the model's output holds NaN or infinity: it diverged, or its input holds one)")
+        if not self.from_logits and not bool(((h >= 0) & (h <= 1)).all()):  # raw logits would train on nonsense
+            row, task = (int(i) for i in ((h < 0) | (h > 1)).nonzero()[0])
+            raise ValueError(f"predictions: {float(h[row, task])!r} at row {row}, task {task} is not a score in "
+                             "[0, 1] (give the model's raw outputs with from_logits=True, or its sigmoid)")
         y = _as_label_matrix(given, t).to(h.device)
         if self.estimate_p and self.training:
             self._update_estimate(y)

@@ -55,6 +55,14 @@ def whole_argument(name: str, value: object, ok: Callable[[int], bool], allowed:
     return whole
 
 
+def check_batch(scores: torch.Tensor, name: str) -> None:
+    """A batch holds at least one sample (an empty one has no AUC pair, and a reshape of it fails in torch's
+    words); else one line naming ``name``."""
+    if scores.ndim == 0 or scores.shape[0] == 0 or scores.numel() == 0:
+        raise ValueError(f"{name}: shape {tuple(scores.shape)} is an empty batch, not allowed (at least one "
+                         "sample)")
+
+
 def check_label_layout(labels: torch.Tensor, scores_shape: torch.Size, num_tasks: int, *,
                        scores_name: str = "predictions") -> None:
     """Labels must come in the scores' layout: (B, T), or (B,) / (B, 1) when T = 1 (never (T, B) or a flat
@@ -120,6 +128,7 @@ class Objective:
         b: torch.Tensor,
         alpha: torch.Tensor,
     ) -> torch.Tensor:
+        check_batch(logits, "logits")
         logits = logits.reshape(logits.shape[0], -1)
         check_label_layout(labels, logits.shape, logits.shape[1], scores_name="logits")
         labels = labels.reshape(logits.shape)

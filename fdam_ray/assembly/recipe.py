@@ -47,7 +47,7 @@ from fdam_ray.assembly.pretrain import (
     recipe_record,
 )
 from fdam_ray.assembly.weights import load_weights, read_weights
-from fdam_ray.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from fdam_ray.checkpoint import Checkpoint, CheckpointError, check_fits, load_checkpoint
 from fdam_ray.clients.client import resolve_device
 from fdam_ray.config import RENAMED_PER_ACTOR, RESUME_MAY_CHANGE, Config, ConfigError, build_config
 from fdam_ray.data import DataSource, make_source
@@ -154,6 +154,9 @@ def _federate(config: Config, *, source: DataSource | None, executor: Executor |
         fed = federation(config, source=source, executor=executor, driver_device=driver_device,
                          observer=Observers(outputs))
         check_capacity(config, fed.replica.flat.state_size)
+        if resume is not None:  # before a client is started: an entry of another size or kind is a damaged file
+            check_fits(resume, "checkpoint.pt" if run_dir is None else run_dir / "checkpoint.pt",
+                       fed.replica.flat.initial_state())
         if weights is not None:
             load_weights(fed.replica.flat.model, weights, source=weights_from)
         result = fed.run(resume=resume)

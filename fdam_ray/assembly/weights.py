@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fdam_ray.files.torchload import safe_load, torch_load_failure
+from fdam_ray.files.torchload import safe_load, torch_load_failure, value_problems
 from fdam_ray.settings.redact import short
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,8 @@ def load_weights(model: nn.Module, state: Mapping[str, torch.Tensor], *, source:
         fresh_head = sorted(head)  # weight and bias together
         unexpected = [k for k in unexpected if not _same_module(k, head)]
     problems = _misfits(own, state, head, missing=missing, mismatched=mismatched, unexpected=unexpected)
+    if bad := value_problems({k: v for k, v in own.items() if k not in fresh_head}, state):
+        problems.append("entries of the wrong kind or not finite: " + _names(bad))
     if problems:
         raise ValueError(f"{source} do not fit model {type(model).__name__}: " + "; ".join(problems))
     with torch.no_grad():

@@ -83,6 +83,10 @@ class ClientSection(Section):
     local_optimizer: str = shared()
     positive_sampling: str = shared()
     positive_share: float = shared()
+    clinical: str = shared()  # the driver's Evaluator reads these four off its replica's config
+    pauc_max_fpr: float = shared()
+    pauc_min_tpr: float | None = shared()
+    operating_points: tuple[float, ...] = shared()
 
 
 def use_deterministic_kernels() -> None:

@@ -81,6 +81,13 @@ class FlowerSection:
             raise fail("flower.bind_sites", self.bind_sites, "true or false")
         object.__setattr__(self, "site_keys", _site_keys(self.site_keys))
 
+    def check_sites(self, num_clients: int) -> None:
+        """Every site ``site_keys`` names is one of the study's (0 .. num_clients - 1); else one line."""
+        outside = sorted(k for k in self.site_keys if k >= num_clients)
+        if outside:
+            raise fail("flower.site_keys", {k: self.site_keys[k] for k in outside},
+                       f"site numbers of the study, 0 .. {num_clients - 1} (num_clients = {num_clients})")
+
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None) -> FlowerSection:
         values = dict(values or {})
@@ -116,6 +123,11 @@ def _site_keys(value: Any) -> dict[int, str]:
             number = int(site)
         if number is None or number < 0 or not isinstance(key, str) or not _FINGERPRINT.fullmatch(key.strip()):
             raise fail("flower.site_keys", {site: key}, allowed)
+        if key.strip() in out.values():  # one key is one node: two sites on it would be one site counted twice
+            other = next(k for k, v in out.items() if v == key.strip())
+            raise fail("flower.site_keys", {other: out[other], site: key},
+                       f"one key per site: sites {min(other, number)} and {max(other, number)} name the same "
+                       "fingerprint")
         out[number] = key.strip()
     return out
 

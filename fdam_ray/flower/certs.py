@@ -25,6 +25,7 @@ import hashlib
 import ipaddress
 import logging
 import os
+import re
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -33,6 +34,9 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 DEFAULT_DAYS = 365
+MAX_SITES = 10_000  # a consortium's site count; more is a slip of the keyboard (each key takes milliseconds)
+MAX_NAME = 64  # characters of a host name on the certificate (the common name's limit in RFC 5280)
+_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +71,21 @@ def fingerprint(public_key: Any) -> str:
     return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
 
 
+def _make_folder(folder: Path) -> list[Path]:
+    """Create ``folder`` and its missing parents, each 0700 whatever the umask; the folders made, outermost first."""
+    missing = []
+    for level in [folder, *folder.parents]:
+        if level.exists():
+            break
+        missing.append(level)
+    made = []
+    for level in reversed(missing):
+        os.mkdir(level, 0o700)
+        made.append(level)
+        os.chmod(level, 0o700)
+    return made
+
+
 def _write_new(path: Path, data: bytes, *, private: bool) -> None:
     """Write a file that must not exist yet (0600 for a private key, 0644 otherwise)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o644)
@@ -88,15 +107,43 @@ def _names(dns: Sequence[str], ips: Sequence[str]) -> list[Any]:
         raise ValueError("the SuperLink's certificate needs at least one host name or IP address")
     out: list[Any] = []
     for name in dns:
-        if not name or any(c.isspace() for c in name) or "/" in name or ":" in name:
-            raise ValueError(f"host name {name!r} is not a DNS name")
+        check_host_name(name)
         out.append(x509.DNSName(name))
     for ip in ips:
-        try:
-            out.append(x509.IPAddress(ipaddress.ip_address(ip)))
-        except ValueError:
-            raise ValueError(f"IP address {ip!r} is not an IPv4 or IPv6 address") from None
+        out.append(x509.IPAddress(check_address(ip)))
     return out
+
+
+def check_host_name(name: Any) -> None:
+    """A DNS name a certificate can hold: ASCII letters, digits and hyphens in dot-separated labels (a label
+    neither starts nor ends with a hyphen), at most :data:`MAX_NAME` characters; else a one-line ValueError."""
+    ok = (isinstance(name, str) and 0 < len(name) <= MAX_NAME and name.isascii()
+          and all(_LABEL.fullmatch(label) for label in name.removesuffix(".").split(".")))
+    if not ok:
+        shown = repr(name) if not isinstance(name, str) or len(name) <= 80 else repr(name[:40] + "...") + \
+            f" ({len(name)} characters)"
+        raise ValueError(f"--name {shown} is not allowed (a DNS name of at most {MAX_NAME} characters: ASCII "
+                         "letters, digits and hyphens in labels separated by dots)")
+
+
+def check_address(ip: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An IP address a server is reached at: IPv4 or IPv6, neither unspecified (``0.0.0.0``, ``::``) nor
+    multicast; else a one-line ValueError."""
+    try:
+        address = ipaddress.ip_address(ip)
+    except ValueError:
+        raise ValueError(f"IP address {ip!r} is not an IPv4 or IPv6 address") from None
+    if address.is_unspecified or address.is_multicast:
+        kind = "unspecified" if address.is_unspecified else "multicast"
+        raise ValueError(f"--ip {ip!r} is not allowed ({kind}: no client reaches a server there; give the address "
+                         "the sites dial)")
+    return address
+
+
+def check_sites(sites: Any) -> None:
+    """A count of site key pairs: a whole number in [0, :data:`MAX_SITES`]; else a one-line ValueError."""
+    if not isinstance(sites, int) or isinstance(sites, bool) or not 0 <= sites <= MAX_SITES:
+        raise ValueError(f"--sites {sites!r} is not allowed (a count of sites in [0, {MAX_SITES}])")
 
 
 def make_certificates(folder: str | Path, *, dns: Sequence[str] = ("localhost",), ips: Sequence[str] = ("127.0.0.1",),
@@ -116,7 +163,7 @@ def make_certificates(folder: str | Path, *, dns: Sequence[str] = ("localhost",)
     out = Certificates(folder / "ca.crt", folder / "server.pem", folder / "server.key")
     ca_key_path = folder / "ca.key"
     _refuse_existing([out.ca, ca_key_path, out.server_cert, out.server_key])
-    folder.mkdir(parents=True, exist_ok=True)
+    _make_folder(folder)
 
     def name(text: str) -> x509.Name:
         return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, text)])
@@ -161,7 +208,7 @@ def make_node_key(folder: str | Path, name: str) -> NodeKey:
     folder = Path(folder)
     private, public = folder / name, folder / f"{name}.pub"
     _refuse_existing([private, public])
-    folder.mkdir(parents=True, exist_ok=True)
+    _make_folder(folder)
     key = ec.generate_private_key(ec.SECP256R1())
     _write_new(private, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
                                           serialization.NoEncryption()), private=True)
@@ -172,6 +219,7 @@ def make_node_key(folder: str | Path, name: str) -> NodeKey:
 
 def make_site_keys(folder: str | Path, sites: int) -> list[NodeKey]:
     """One key pair per site 0..sites-1 (``site0``, ``site0.pub``, ...); an existing one stops it first."""
+    check_sites(sites)
     folder = Path(folder)
     _refuse_existing([folder / f"site{k}{ext}" for k in range(sites) for ext in ("", ".pub")])
     return [make_node_key(folder, f"site{k}") for k in range(sites)]
@@ -191,19 +239,41 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _undo(folder: Path, made: Sequence[Path], sites: int) -> None:
+    """Remove what a failed run wrote (every file it writes, then the folders it made); nothing else is there,
+    since an existing file stops it before anything is written."""
+    keys = folder / "keys"
+    names = ["ca.key", "ca.crt", "server.key", "server.pem"]
+    for path in [*(folder / n for n in names), *(keys / f"site{k}{e}" for k in range(sites) for e in ("", ".pub"))]:
+        try:
+            path.unlink()
+        except OSError:
+            pass
+    for level in [keys, *reversed(made)]:
+        try:
+            level.rmdir()
+        except OSError:
+            pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line: writes the files and prints what goes where, with each site key's fingerprint."""
     args = _parser().parse_args(argv)
-    if args.sites < 0:
-        print("--sites: a count >= 0", file=sys.stderr)
-        return 2
     folder = Path(args.folder)
+    made: list[Path] = []
     try:
+        check_sites(args.sites)  # before a path is formed: a huge count would take minutes and memory
+        _names(args.name, args.ip)
         _refuse_existing([folder / "keys" / f"site{k}{e}" for k in range(args.sites) for e in ("", ".pub")])
+        made = _make_folder(folder)
         certs = make_certificates(folder, dns=args.name, ips=args.ip, days=args.days)
         keys = make_site_keys(folder / "keys", args.sites)
     except (ValueError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # permission, a file where a folder goes, a full disk: what was written goes again
+        _undo(folder, made, args.sites)
+        print(f"error: {exc.filename or folder}: {exc.strerror or exc} (nothing was written)", file=sys.stderr)
         return 2
     print(f"certificate authority: {certs.ca} (give it to every SuperNode and flwr user; keep {folder / 'ca.key'} "
           "offline)")

@@ -31,6 +31,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fdam_ray.algorithms import AlgorithmSection, build_algorithm
 from fdam_ray.assembly.cuts import federation
+from fdam_ray.checkpoint import check_fits
 from fdam_ray.clients.client import resolve_device
 from fdam_ray.config import ConfigError, build_config, load_config_file
 from fdam_ray.data import DataSource
@@ -89,6 +90,7 @@ def run_federation(grid: Grid, context: Context, values: Mapping[str, Any], *, s
     that holds a checkpoint continues its study from it (:mod:`.server_folder`)."""
     fields, flower = split_config(values)
     config = build_config({"dataset": "arrays", **fields})  # the sites hold the data, whatever the study names
+    flower.check_sites(config.num_clients)
     folder = None if run_dir in (None, "") else Path(str(run_dir)).expanduser()
     save = save or folder is not None
     resume = None if folder is None else server_folder.resume_point(folder, config)
@@ -115,6 +117,8 @@ def run_federation(grid: Grid, context: Context, values: Mapping[str, Any], *, s
                               sizes=lambda: executor.train_sizes(records.to_json(config.to_dict())))
         fed = federation(config, source=source, executor=executor, driver_device=resolve_device(config.device),
                          observer=Observers([*outputs, *observers]))
+        if resume is not None and folder is not None:  # an entry of another size or kind: a damaged file
+            check_fits(resume, folder / "checkpoint.pt", fed.replica.flat.initial_state())
         result = fed.run(resume=resume)
     finally:
         torch.set_num_threads(before)

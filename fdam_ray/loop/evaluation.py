@@ -45,6 +45,12 @@ evaluation (``dp_eval: on``, :mod:`fdam_ray.privacy.evaluation`) releases them n
 per task) and the one-class warning come from the noised counts only (``<split>_samples`` is not recorded): the
 driver's own test set is binned too (:attr:`~fdam_ray.loop.plug.Plug.counts_only`), no refinement pass is asked
 and no per-site AUC is recorded.
+
+Clinical read-out (``clinical: on``, :mod:`fdam_ray.scores.clinic`): the test record adds the AUC's DeLong SE and
+95 % intervals, the one- and two-way pAUC and the operating points, read off the pooled counts the AUC came from
+(exact scores: one bin per distinct score; histograms: the finest cells of the refinement passes, replayed from
+the passes' summed counts; a plug's released counts, never the raw ones), and per site (``client_<figure>``) off
+each site's own scores or first-pass histogram where per-site AUCs are recorded.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ from fdam_ray.features.sites import client_label
 from fdam_ray.loop.plug import NO_PLUG, Plug, Released
 from fdam_ray.metrics import mean_auc, pooled, task_aucs
 from fdam_ray.models import model_name
+from fdam_ray.scores import clinic
 from fdam_ray.scores.histogram import (
     Binning,
     auc_of_counts,
@@ -70,8 +77,9 @@ from fdam_ray.scores.histogram import (
     score_histograms,
     sum_histograms,
 )
-from fdam_ray.scores.histogram_passes import refined_aucs
-from fdam_ray.settings.sections import Section, fail, setting, shared
+from fdam_ray.scores.histogram_passes import Pooled, refined_aucs
+from fdam_ray.settings.coercion import register_kind
+from fdam_ray.settings.sections import Section, fail, setting, shared, warn_once
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +92,20 @@ def presummed(part: Part) -> bool:
     return isinstance(part, ScoreHistogram) and part.client_id == SUMMED
 
 
+def _fractions(name: str, value: object) -> tuple[float, ...]:
+    """``operating_points``: a list of numbers in (0, 1)."""
+    if (not isinstance(value, (list, tuple)) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                        and 0 < v < 1 for v in value)):
+        raise fail(name, value, "a list of numbers in (0, 1)")
+    return tuple(float(v) for v in value)
+
+
+register_kind("fraction_list", _fractions)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ValidationSection(Section):
-    """The validation split and what selects on it."""
+    """The validation split and what selects on it; what an evaluation reports beyond the AUC (clinical)."""
 
     name = "validation"
 
@@ -95,6 +114,20 @@ class ValidationSection(Section):
                                   "one); best_*, best_model.pt and Tune's default metric then select on val_auc and "
                                   "the test set is only reported; 0 = no validation, selection on test_auc.",
                                   check=(lambda v: 0 <= v < 1, "in [0, 1)"))
+    clinical: str = setting("off", "on = every evaluation record adds the clinical read-out of the test set (pooled, "
+                            "and per site where sites' figures are kept): the AUC's DeLong SE and 95% interval "
+                            "(Wald and logit), the pAUC at FPR <= pauc_max_fpr (raw and McClish), the two-way pAUC "
+                            "(pauc_min_tpr) and the sensitivity/specificity at operating_points; docs/algorithms.md "
+                            "s.6.", choices=("off", "on"), resume=True)
+    pauc_max_fpr: float = setting(0.1, "clinical: on: beta, the largest false positive rate of the partial AUC.",
+                                  check=(lambda v: 0 < v <= 1, "in (0, 1]"), resume=True)
+    pauc_min_tpr: float | None = setting(None, "clinical: on: alpha, the smallest true positive rate of the two-way "
+                                         "partial AUC (TPR >= alpha, FPR <= pauc_max_fpr); null = not reported.",
+                                         check=(lambda v: 0 <= v < 1, "in [0, 1)"), resume=True)
+    operating_points: tuple[float, ...] = setting(
+        (0.9, 0.95), "clinical: on: the specificities at which the sensitivity is reported (test_sens_at_spec_<s>) "
+        "and the sensitivities at which the specificity is (test_spec_at_sens_<s>).", kind="fraction_list",
+        resume=True)
     augment: bool = shared()
     chestxray_val_split: str = shared()
 
@@ -105,6 +138,17 @@ class ValidationSection(Section):
         if self.val_fraction == 0 and self.chestxray_val_split == "official":
             raise fail("chestxray_val_split", self.chestxray_val_split, "holdout unless val_fraction > 0: the "
                        "official validation split is kept out of training only to validate on")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClinicalRead(Section):
+    """The clinical read-out's fields (:class:`ValidationSection` declares them) as the :class:`Evaluator` reads
+    them off its replica's config."""
+
+    clinical: str = shared()
+    pauc_max_fpr: float = shared()
+    pauc_min_tpr: float | None = shared()
+    operating_points: tuple[float, ...] = shared()
 
 
 class Evaluator:
@@ -123,6 +167,12 @@ class Evaluator:
         self.bins = histogram_bins
         self.plug = plug
         self._per_site = True  # whether the last pooled split's per-site AUCs may be recorded (the plug's say)
+        self._counts: np.ndarray | None = None  # the last pooled split's counts (T, 2, K) for the clinical read-out
+        try:
+            section: ClinicalRead | None = ClinicalRead.of(replica.config)
+        except AttributeError:  # a stand-in replica whose config lacks the clinical fields: the read-out is off
+            section = None
+        self.clinical = section if section is not None and section.clinical == "on" else None
         self.replica = replica
         self.source = source
         self.task_names = source.task_names
@@ -168,7 +218,32 @@ class Evaluator:
             self._warn_one_class = False
             self._warn_if_one_class(("the test set" if s is not None else "the pooled test set (the clients' test "
                                      "splits)", counts, "the pooled test AUC"), parts, "test split", "AUC")
-        return self._aucs("test", aucs, samples, parts)
+        out = self._aucs("test", aucs, samples, parts)
+        if self.clinical is not None:
+            out.update(self._clinical_fields(parts))
+        return out
+
+    def _clinical_fields(self, parts: Sequence[Part]) -> dict:
+        """The clinical read-out (``clinical: on``) of the pooled test counts and, as ``client_<figure>``, of each
+        site's own part (its scores, exact; or its pass-1 histogram of B bins); ``task_<figure>`` per task where
+        there are several."""
+        cfg = self.clinical
+        if cfg is None or self._counts is None:
+            return {}
+
+        def read(counts: np.ndarray) -> dict:
+            return clinic.read_out(counts, max_fpr=cfg.pauc_max_fpr, min_tpr=cfg.pauc_min_tpr,
+                                   points=cfg.operating_points)
+
+        pooled_figures = read(self._counts)
+        out: dict = {f"test_{k}": v for k, v in clinic.set_fields(pooled_figures).items()}
+        if len(self.task_names) > 1:
+            out.update({f"task_{k}": {t: _num(x) for t, x in zip(self.task_names, v, strict=True)}
+                        for k, v in pooled_figures.items() if k != "auc"})
+        sites = {self._label(p): clinic.set_fields(read(_part_counts(p))) for p in parts if not presummed(p)}
+        for key in next(iter(sites.values()), {}):
+            out[f"client_{key}"] = {site: figures[key] for site, figures in sites.items()}
+        return out
 
     def _pooled(self, own: Scores | None, parts: Sequence[Part], state: GlobalState,
                 split: str) -> tuple[np.ndarray, int | None, tuple]:
@@ -181,9 +256,15 @@ class Evaluator:
         if own is not None and self.plug.counts_only and self.bins is not None:
             return self._released(split, score_histograms(own.scores, own.labels, self.bins), None)
         if own is not None:
+            if self.bins is not None:
+                warn_once(log, "test_scores: histogram acts on the clients' test splits; this dataset's test set is "
+                          "the driver's own, scored exactly (no site sends scores for it); set dp_eval: on to release "
+                          "it as noised counts, or keep test_scores: exact")
+            self._counts = clinic.exact_counts(own.scores, own.labels) if self.clinical is not None else None
             return task_aucs(own.scores, own.labels), len(own.labels), class_counts(own.labels)
         if self.bins is None:
             scores, labels = pooled([(p.scores, p.labels) for p in parts if isinstance(p, Scores)])
+            self._counts = clinic.exact_counts(scores, labels) if self.clinical is not None else None
             return task_aucs(scores, labels), len(labels), class_counts(labels)
         hists = [p for p in parts if isinstance(p, ScoreHistogram)]
         total = self._summed(hists)
@@ -200,7 +281,18 @@ class Evaluator:
                 self._check_outputs(p, "validation part" if split == "val" else "test split")
             return self._summed(finer)
 
-        aucs, _ = refined_aucs(total, self.bins, ask)
+        passes: list[tuple[Binning, np.ndarray]] = []
+
+        def kept(again: Binning) -> np.ndarray:
+            passes.append((again, ask(again)))
+            return passes[-1][1]
+
+        aucs, _ = refined_aucs(total, self.bins, kept)
+        if self.clinical is not None:  # the finest cells the passes resolve, the passes' counts laid as refined_aucs
+            cells = Pooled.first(total, self.bins)
+            for again, summed in passes:
+                cells = cells.add(summed, again)
+            self._counts = clinic.padded([c.counts for c in cells.tasks])
         return aucs, sum(h.samples for h in hists), (total[:, 1].sum(-1), total[:, 0].sum(-1))
 
     def _released(self, split: str, total: np.ndarray,
@@ -211,6 +303,7 @@ class Evaluator:
         released = self.plug.evaluation(split, total) if released is None else released
         self._per_site = released.per_site
         counts = np.asarray(released.counts, dtype=np.float64)
+        self._counts = counts  # the clinical read-out too comes from what the plug releases, never from ``total``
         positives, negatives = counts[:, 1].sum(-1), counts[:, 0].sum(-1)
         return auc_of_counts(counts), None, (np.rint(positives), np.rint(negatives))
 
@@ -298,6 +391,12 @@ def _counts_of(part: Part) -> tuple[np.ndarray, np.ndarray]:
     if isinstance(part, ScoreHistogram):
         return part.counts[:, 1].sum(-1), part.counts[:, 0].sum(-1)
     return class_counts(part.labels)
+
+
+def _part_counts(part: Part) -> np.ndarray:
+    """A site's own counts ``(T, 2, K)``: of its scores, one bin per distinct score; or its histogram's."""
+    return np.asarray(part.counts, np.float64) if isinstance(part, ScoreHistogram) else clinic.exact_counts(
+        part.scores, part.labels)
 
 
 def _client_aucs(part: Part) -> np.ndarray:

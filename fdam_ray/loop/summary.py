@@ -22,6 +22,7 @@ from fdam_ray.checkpoint import LoopState
 from fdam_ray.core.flat import FlatModel
 from fdam_ray.core.state import GlobalState, Rule, vector_names
 from fdam_ray.data import DataSource
+from fdam_ray.scores.clinic import CLINICAL_KEYS
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,8 @@ def run_summary(loop: LoopState, best: int, *, algorithm: str, validation: bool,
         "final_test_auc": history[-1]["test_auc"],
         "best_test_auc": history[best]["test_auc"],
         "best_iteration": history[best]["iteration"],
-        **(_validation_summary(history, best) if validation else {}),
+        **(_validation_summary(history, best, selected=loop.best_val_iteration is not None) if validation else {}),
+        **{f"final_{k}": v for k, v in history[-1].items() if k.startswith(CLINICAL_KEYS)},  # clinical: on
         "iterations": state.iteration,
         "rounds": state.round,
         "bytes_up": loop.bytes_up,
@@ -116,10 +118,20 @@ def _selected(loop: LoopState) -> int:
     return at[-1] if at else len(loop.history) - 1
 
 
-def _validation_summary(history: list[dict], best: int) -> dict:
-    """The summary's validation fields: best_test_auc and best_iteration are then those of this evaluation."""
-    return {"best_val_auc": history[best]["val_auc"], "final_val_auc": history[-1]["val_auc"],
-            "selected_by": "val_auc"}
+NOT_SELECTED = ("no model was selected: no evaluation had a defined validation AUC (the validation part holds one "
+                "class in every task, so it has no positive-negative pair); best_* are the last evaluation's, and "
+                "no best_model.pt is written")
+
+
+def _validation_summary(history: list[dict], best: int, *, selected: bool) -> dict:
+    """The summary's validation fields: best_test_auc and best_iteration are then those of this evaluation,
+    ``selected_by: val_auc``; when no validation AUC was ever defined, ``selected_by: last`` and why."""
+    out = {"best_val_auc": history[best]["val_auc"], "final_val_auc": history[-1]["val_auc"],
+           "selected_by": "val_auc" if selected else "last"}
+    if not selected:
+        log.warning("%s", NOT_SELECTED)
+        out["selection"] = NOT_SELECTED
+    return out
 
 
 @dataclasses.dataclass

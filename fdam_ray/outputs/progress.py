@@ -99,9 +99,17 @@ def evaluation_fields(rec: dict) -> list[tuple[str, str]]:
     loss = rec.get("train_loss")
     loss_s = f"{loss:9.4f}" if loss is not None else "        -"
     return [("", f"iter {rec['iteration']:>7}"), ("  ", f"round {rec['round']:>5}"), ("  ", f"stage {rec['stage']:>2}"),
-            ("  ", f"lr {rec['lr']:<8.4g}"), (" ", f"loss {loss_s}"), ("  ", f"test AUC {rec['test_auc']:.4f}"),
+            ("  ", f"lr {rec['lr']:<8.4g}"), (" ", f"loss {loss_s}"),
+            ("  ", f"test AUC {rec['test_auc']:.4f}{_interval(rec)}"),
             *([] if "val_auc" not in rec else [("  ", f"val AUC {rec['val_auc']:.4f}")]),
             ("  ", f"[{rec['wall_s']:.1f} s]")]
+
+
+def _interval(rec: dict) -> str:
+    """`` [low, high]``, the test AUC's 95 % interval on the logit scale (inside [0, 1]) where the record has one
+    (``clinical: on``), else ''."""
+    low, high = rec.get("test_auc_ci_logit_low"), rec.get("test_auc_ci_logit_high")
+    return "" if low is None or high is None else f" [{low:.4f}, {high:.4f}]"
 
 
 def evaluation_lines(rec: dict, width: int | None) -> list[str]:

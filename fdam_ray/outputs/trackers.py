@@ -66,7 +66,7 @@ from fdam_ray.files.extras import extra_hint
 from fdam_ray.files.versions import VERSIONS_KEY, run_versions
 from fdam_ray.outputs import Observer, OutputSection, RunStart, Snapshot, scalars
 from fdam_ray.settings.redact import redact
-from fdam_ray.settings.sections import ConfigError
+from fdam_ray.settings.sections import SECRET_FIELDS, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +80,10 @@ class TrackerError(ConfigError):
 
 
 def tracker_params(config_dict: dict[str, Any]) -> dict[str, Any]:
-    """Every config field as a tracker records it (credentials of any URI in a text replaced by ``***``); the
+    """Every config field as a tracker records it (credentials of any URI in a text replaced by ``***``), the
+    secret ones (:data:`~fdam_ray.settings.sections.SECRET_FIELDS`) left out: they stay in the run folder; the
     same for a run of ``fdam train`` and for a sweep trial (its base config with its searched values)."""
-    return {k: _param(v) for k, v in config_dict.items()}
+    return {k: _param(v) for k, v in config_dict.items() if k not in SECRET_FIELDS}
 
 
 def tracker_metrics(record: dict) -> dict[str, float]:

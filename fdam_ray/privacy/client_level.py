@@ -94,7 +94,7 @@ def check_model(buffers: np.ndarray, counters: np.ndarray) -> None:
     if buffers.size or counters.size:
         raise ValueError(f"dp: client needs a model without BatchNorm buffers (this one has {buffers.size} float "
                          f"and {counters.size} integer buffer values, which would be released without noise); use "
-                         "model: mlp or linear")
+                         "model: cnn_gn, mlp or linear")
 
 
 def check_transport(transport: str, transfer_precision: str) -> None:

@@ -152,6 +152,8 @@ class PrivacyPlug(Plug):
             run = SampleLevelRun(section, iterations=facts.iterations, batch_size=facts.batch_size,
                                  num_train=sizes, labels=list(facts.labels), state=start.state)
         self._run = run
+        if (line := section.only_noise(run.sigma)) is not None:
+            log.warning("%s", line)
         setup = dataclasses.replace(setup, face=face_of(section, run.sigma))
         solved = section.dp_epsilon is not None and not start.executor.clients_from_setup
         return _with_sigma(setup, run.sigma) if solved else setup

@@ -245,6 +245,21 @@ class PrivacySection(Section):
         return client_draw_is_poisson(self.dp, self.dp_sampling, self.num_clients, self.clients_per_round,
                                       self.dp_noise_at)
 
+    def only_noise(self, sigma: float) -> str | None:
+        """A warning line when the noise's std, sigma C, exceeds the largest sum it is added to (S clipped changes,
+        or B clipped gradients, each at most C): each step is then mostly noise (a dp_epsilon too small)."""
+        if self.dp == "client":
+            unit, what, fix = self.sampled_clients, "clients a round", "clients_per_round"
+        elif self.dp == "sample" and self.batch_size > 0:
+            unit, what, fix = self.batch_size, "samples a batch", "batch_size"
+        else:
+            return None
+        if sigma <= unit:
+            return None
+        return (f"dp: {self.dp}: sigma {sigma:.4g} is above the {unit} {what}: the noise (std sigma x dp_clip) is "
+                "larger than the largest sum it is added to, so each step is mostly noise and the model will barely "
+                f"learn; raise dp_epsilon or {fix}")
+
     def check(self) -> None:
         """The rules of this module's docstring, each one line naming the field."""
         if self.test_scores == "exact" and self.test_score_bins != DEFAULT_BINS:
@@ -303,6 +318,13 @@ class PrivacySection(Section):
                        "given or solved from the target, not both)")
         if sigma is None and target is None:
             raise fail("dp_noise_multiplier", None, f"a value >= 0, or a target dp_epsilon, with dp = {self.dp}")
+        if self.dp_clip > MAX_CLIP:  # the noise's std is sigma x dp_clip: no model trains under 1e30
+            raise fail("dp_clip", self.dp_clip, f"at most {MAX_CLIP:g} (the noise's std is sigma x dp_clip, which a "
+                       "clip this large makes swamp any model; take a clip near the norm of a change (dp: client) or "
+                       "of a per-sample gradient (dp: sample), or dp_clip_quantile)")
+        if sigma == 0:
+            warn_once(log, f"dp: {self.dp} with dp_noise_multiplier 0: no noise is added, epsilon is infinite and "
+                      "this run gives no privacy (a setting for tests)")
         if self.dp_max_epsilon is not None:
             if target is not None and self.dp_max_epsilon < target:
                 raise fail("dp_max_epsilon", self.dp_max_epsilon, f">= dp_epsilon = {target} (the planned run "
@@ -349,6 +371,10 @@ class PrivacySection(Section):
         if self.num_clients < 2:
             raise fail("num_clients", self.num_clients, ">= 2 with dp: client (with one client the noised sum is "
                        "that client's change alone)")
+        if isinstance(self.model, str) and self.model in _BATCHNORM_MODELS:
+            raise fail("model", self.model, "cnn_gn (the cnn with GroupNorm), mlp, linear, or your own factory "
+                       f"without BatchNorm with dp: client ({self.model}'s running statistics would leave the sites "
+                       "without clip or noise)")
         if self.client_weighting != "uniform":
             raise fail("client_weighting", self.client_weighting, "uniform with dp: client (weights n_k would "
                        "scale a client's clipped change past C and reveal its size)")
@@ -390,7 +416,9 @@ def client_draw_is_poisson(dp: str, dp_sampling: str | None, num_clients: int, c
     return dp_sampling == "poisson" or (dp_sampling is None and dp_noise_at == "server")
 
 
-# The built-in networks with BatchNorm (fdam_ray/models.py): refused by dp: sample before any start.
+# The largest dp_clip taken: the noise's std is sigma x dp_clip (changes and gradients have norms far below it).
+MAX_CLIP = 1e6
+# The built-in networks with BatchNorm (fdam_ray/models.py): refused by dp: client and dp: sample before any start.
 _BATCHNORM_MODELS = ("cnn", "resnet20", "densenet121", "densenet161")
 
 

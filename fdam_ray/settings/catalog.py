@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import NamedTuple, Protocol, TypeVar
 
+from fdam_ray.settings.names import Names
 from fdam_ray.settings.redact import short
 from fdam_ray.settings.sections import ConfigError
 
@@ -84,6 +85,15 @@ def stored() -> tuple[list[str], list[Row]]:
     """(the section names in order, the rows) of ``fields.json``."""
     data = json.loads(STORED.read_text(encoding="utf-8"))
     return list(data["sections"]), [Row(*row) for row in data["fields"]]
+
+
+def stored_names() -> Names:
+    """What reading config keys needs (:class:`~fdam_ray.settings.names.Names`), from ``fields.json``: ``fdam
+    train`` checks every key's name with it before torch is imported."""
+    data = json.loads(STORED.read_text(encoding="utf-8"))
+    names = data["names"]
+    return Names(frozenset(row[1] for row in data["fields"]), dict(names["aliases"]), frozenset(names["renamed"]),
+                 frozenset(names["records"]))
 
 
 def describe_stored(terms: Sequence[str] = ()) -> str:

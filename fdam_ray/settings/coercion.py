@@ -18,7 +18,7 @@ import yaml
 
 from fdam_ray.settings.factories import PYTHON_PREFIX, import_path_of, is_import_path, resolve
 from fdam_ray.settings.redact import short
-from fdam_ray.settings.sections import ConfigError, fail
+from fdam_ray.settings.sections import ENTROPY_FIELDS, ConfigError, fail
 from fdam_ray.settings.yamlio import load_yaml
 
 
@@ -59,6 +59,10 @@ def from_text(field: Field, text: CommandLineText) -> Any:
         return str(text)
 
 
+INT_BOUND = 2**63  # an integer field's values lie in [-INT_BOUND, INT_BOUND - 1]
+ENTROPY_BOUND = 2**128  # ... but those of ENTROPY_FIELDS, which lie below this
+
+
 def _with_allowed(what: str, field: Field) -> str:
     return what + (f" {field.allowed}" if field.allowed else "")
 
@@ -76,6 +80,13 @@ def _int(field: Field, value: Any) -> Any:
         value = int(value)
     if not isinstance(value, int):
         raise fail(field.name, value, _with_allowed("an integer", field))
+    if field.name in ENTROPY_FIELDS:  # a seed's entropy: any size up to 128 bits
+        if not -ENTROPY_BOUND < value < ENTROPY_BOUND:
+            raise fail(field.name, value, f"an integer {field.allowed} and below 2**128" if field.allowed
+                       else "an integer in (-2**128, 2**128)")
+    elif not -INT_BOUND <= value < INT_BOUND:  # torch, NumPy and the files keep 64-bit integers
+        raise fail(field.name, value, f"an integer {field.allowed} and below 2**63" if field.allowed
+                   else "an integer in [-2**63, 2**63 - 1]")
     return value
 
 
@@ -88,8 +99,14 @@ def _float(field: Field, value: Any) -> Any:
     return value
 
 
+# YAML 1.1 (PyYAML) reads a bare off/on (and no/yes) as false/true: a field whose choices hold the word takes it
+_SWITCH_WORDS = {False: "off", True: "on"}
+
+
 def _str(field: Field, value: Any) -> Any:
     choices = field.choices
+    if isinstance(value, bool) and choices and _SWITCH_WORDS[value] in choices:
+        return _SWITCH_WORDS[value]  # `dp: off`, `dp_eval: on` in a file or on the command line
     if not isinstance(value, str):
         raise fail(field.name, value, "a string" + (f", one of {', '.join(choices)}" if choices else ""))
     if choices and value not in choices:
@@ -107,14 +124,15 @@ def _did_you_mean(value: str, names: tuple[str, ...]) -> str:
 def _batch(field: Field, value: Any) -> Any:
     if value == "full":
         return 0
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < INT_BOUND:
         raise fail(field.name, value, field.allowed)
     return value
 
 
 def _int_list(field: Field, value: Any) -> Any:
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise fail(field.name, value, "a list of integers")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool)
+                                                        and -INT_BOUND <= v < INT_BOUND for v in value):
+        raise fail(field.name, value, "a list of integers in [-2**63, 2**63 - 1]")
     return tuple(value)
 
 

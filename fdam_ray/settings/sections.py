@@ -23,6 +23,12 @@ from typing import Any, ClassVar, Self
 from fdam_ray.settings.redact import short
 
 SETTING = "fdam_ray.setting"  # metadata key of a field a section owns
+# Fields whose value undoes a protection (the privacy noise's seed removes the noise): kept in the run folder only
+# (config.yaml is the owner's, 0600), never sent to an experiment tracker or uploaded with an artifact.
+SECRET_FIELDS = frozenset({"dp_noise_seed"})
+# Integer fields read as NumPy SeedSequence entropy (any size; the fresh privacy secret is 128 bits): bounded by
+# 2**128, not by the 64 bits of every other integer field.
+ENTROPY_FIELDS = frozenset({"dp_noise_seed"})
 
 
 class ConfigError(ValueError):

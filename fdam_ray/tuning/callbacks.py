@@ -9,12 +9,16 @@ config instead (the base with the searched values), as ``fdam train`` does, and 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from fdam_ray.config import build_config
 from fdam_ray.outputs.trackers import check_usable, log_mlflow_params, run_tags, tracker_params
+from fdam_ray.settings.sections import SECRET_FIELDS
+
+log = logging.getLogger(__name__)
 
 
 def trial_params(base: Mapping[str, Any], searched: Mapping[str, Any]) -> dict[str, Any]:
@@ -52,7 +56,12 @@ def _mlflow_callback(base: dict[str, Any], config) -> Any:
 
             log_mlflow_params(MlflowClient(), self._trial_runs[trial], rest)  # Tune's util: one call per field
 
-    return FullConfigMLflow(experiment_name=config.tracker_project, save_artifact=True,
+    # the trial folder holds config.yaml: with a secret field set, it stays on this machine
+    secret = sorted(k for k in SECRET_FIELDS if config.to_dict().get(k) is not None)
+    if secret:
+        log.warning("mlflow: the trial folders are not uploaded as artifacts (their config.yaml holds %s, which "
+                    "stays in the run folder)", ", ".join(secret))
+    return FullConfigMLflow(experiment_name=config.tracker_project, save_artifact=not secret,
                             tags=run_tags(config.algorithm, config.dataset))
 
 

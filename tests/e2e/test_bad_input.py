@@ -67,6 +67,10 @@ def truncate_checkpoint(run: Path) -> None:
 CASES = [
     ("unknown key", lambda t: ["lern_rate=0.1"], "unknown config field 'lern_rate'; did you mean 'lr'?", True),
     ("wrong type", lambda t: ["local_steps=many"], "config field 'local_steps': 'many' is not allowed", True),
+    ("key given twice", lambda t: ["seed=1", "seed=2"],
+     "config field 'seed' is given twice on the command line (seed=1, seed=2): give it once", True),
+    ("integer beyond 64 bits", lambda t: ["seed=18446744073709551616"],
+     "config field 'seed': 18446744073709551616 is not allowed (an integer >= 0 and below 2**63)", True),
     ("lr not positive", lambda t: ["lr=0"], "config field 'lr': 0.0 is not allowed (> 0)", True),
     ("imratio out of range", lambda t: ["imratio=0.7"], "'imratio': 0.7 is not allowed (in (0, 0.5])", True),
     ("unknown algorithm", lambda t: ["algorithm=fedadam"], "'algorithm': 'fedadam' is not allowed (one of", True),

@@ -6,6 +6,8 @@ import importlib.util
 import re
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 # examples/sweep.py runs in tests/tuning/test_tune.py, which has a Ray session for its sweeps
 
@@ -53,3 +55,26 @@ def test_hospitals_splits_real_imbalanced_data_and_reports_pooled_and_per_site_a
     rows = re.findall(r"^(general|screening|referral)\s+([\d.]+)\s+([\d.]+)$", out, re.M)
     assert [r[0] for r in rows] == ["general", "screening", "referral"]
     assert all(0.7 < float(r[1]) <= 1 and 0 < float(r[2]) <= 1 for r in rows)
+
+
+def test_hospitals_with_the_privacy_guides_config_reports_both_epsilons_and_no_site_auc(capsys, tmp_path):
+    """docs/how-to/privacy.md's config block, given to the study with --config: each site's training records at
+    the target epsilon, the test records at theirs, and no per-site AUC (dp_eval releases pooled counts only)."""
+    page = (EXAMPLES.parent / "docs" / "how-to" / "privacy.md").read_text()
+    block = re.search(r"```yaml\n(# private\.yaml\n.*?)```", page, re.S).group(1)
+    config = tmp_path / "private.yaml"
+    config.write_text(block)
+    assert load("hospitals").main(["--quick", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"training records: epsilon (3\.99\d|4\.000) \(the largest site's\), delta 1e-05", out), out
+    assert re.search(r"test records: epsilon (7\.99\d|8\.000), delta 1e-05", out), out
+    assert 0 <= float(re.search(r"pooled test AUC: ([\d.]+)", out).group(1)) <= 1
+    rows = re.findall(r"^(general|screening|referral)\s+(\S+)\s+([\d.]+)$", out, re.M)
+    assert [r[1] for r in rows] == ["-", "-", "-"]
+
+
+def test_hospitals_refuses_a_config_file_that_is_not_a_mapping(tmp_path):
+    config = tmp_path / "list.yaml"
+    config.write_text("- dp\n- sample\n")
+    with pytest.raises(SystemExit):
+        load("hospitals").main(["--quick", "--config", str(config)])

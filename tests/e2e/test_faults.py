@@ -27,6 +27,11 @@ SMALL = ["dataset=synthetic", "model=mlp", "model.width=8", "num_clients=2", "sa
          "local_steps=2", "stage_length=100000", "eval_every=40", "tensorboard=false"]
 
 
+def but(items: list[str], *keys: str) -> list[str]:
+    """``items`` without the overrides of ``keys`` (a key is given once on the command line)."""
+    return [item for item in items if item.partition("=")[0] not in keys]
+
+
 def start_fdam(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
     env = {**os.environ, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, "-m", "fdam_ray", *args], cwd=cwd, env=env, stdout=log.open("w"),
@@ -158,8 +163,8 @@ def _pids_using(folder: Path) -> list[int]:
 @pytest.mark.slow  # about a minute: a Ray head, two drivers
 def test_a_ray_start_cluster_of_this_machine_is_joined_and_address_local_starts_a_private_one(ray_head, tmp_path):
     env, address = ray_head.env, ray_head.address
-    args = [sys.executable, "-m", "fdam_ray", "train", "executor=ray", *SMALL, "iterations=10", "local_steps=5",
-            f"out_dir={tmp_path}", "--quiet"]
+    args = [sys.executable, "-m", "fdam_ray", "train", "executor=ray", *but(SMALL, "local_steps"), "iterations=10",
+            "local_steps=5", f"out_dir={tmp_path}", "--quiet"]
     joined = subprocess.run(args, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert joined.returncode == 0, joined.stderr[-3000:]
     assert f"joining the Ray cluster already running on this machine at {address}" in joined.stderr
@@ -222,7 +227,8 @@ def test_a_web_server_at_the_address_is_named_as_one():
         server.server_close()
 
 
-STOPPABLE = [*SMALL, "iterations=2000", "eval_every=250", "checkpoint_every=100000"]  # no periodic checkpoint
+# no periodic checkpoint
+STOPPABLE = [*but(SMALL, "eval_every"), "iterations=2000", "eval_every=250", "checkpoint_every=100000"]
 
 
 def stop_with_sigterm_and_resume(tmp_path: Path, executor: list[str]) -> None:
@@ -275,7 +281,7 @@ def test_sigint_stops_a_run_and_resume_from_its_last_checkpoint_ends_bit_identic
     import numpy as np
     import torch
 
-    steps = [*SMALL, "iterations=2000", "eval_every=250", "checkpoint_every=20"]
+    steps = [*but(SMALL, "eval_every"), "iterations=2000", "eval_every=250", "checkpoint_every=20"]
     assert main(["train", f"out_dir={tmp_path}", "run_name=whole", "executor=inline", *steps, "--quiet"]) == 0
     run = tmp_path / "cut"
     proc = start_fdam(["train", f"out_dir={tmp_path}", "run_name=cut", "executor=inline", *steps], tmp_path,

@@ -20,7 +20,8 @@ FAST = ["dataset=synthetic", "model=mlp", "model_width=8", "num_clients=2", "sam
 
 
 def cfg(tmp_path, *overrides):
-    return build_config(parse_overrides([*FAST, f"out_dir={tmp_path}", "run_name=run", *overrides]))
+    items = {item.partition("=")[0]: item for item in [*FAST, f"out_dir={tmp_path}", "run_name=run", *overrides]}
+    return build_config(parse_overrides(list(items.values())))  # an override replaces the default here
 
 
 @pytest.fixture

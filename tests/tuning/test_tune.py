@@ -350,7 +350,7 @@ def test_a_relative_out_dir_inside_a_ray_job_lands_in_the_home_folder_and_says_w
     monkeypatch.setenv(JOB_CONFIG_VARIABLE, json.dumps({"runtime_env": {"working_dir": "gcs://_ray_pkg_0123.zip"}}))
     assert output_root("/shared/runs", "out_dir") == __import__("pathlib").Path("/shared/runs")  # absolute: kept
     rc = main(["train", "executor=inline", "iterations=4", "eval_every=2", "run_name=job", "--quiet",
-               *[f"{k}={v}" for k, v in BASE.items() if k not in ("iterations", "eval_every")]])
+               *[f"{k}={v}" for k, v in BASE.items() if k not in ("iterations", "eval_every", "executor")]])
     assert rc == 0
     assert (home / "runs" / "job" / "metrics.jsonl").is_file() and not (package / "runs").exists()
     out = capsys.readouterr().out

@@ -29,7 +29,7 @@ from fdam_ray.settings.sections import ConfigError
 
 E = np.empty(0, dtype=np.float32)
 CNT = np.empty(0, dtype=np.int64)
-CLIENT = {"dp": "client", "dp_noise_multiplier": 1.0, "positive_ratio": 0.2, "algorithm": "coda_plus"}
+CLIENT = {"dp": "client", "model": "mlp", "dp_noise_multiplier": 1.0, "positive_ratio": 0.2, "algorithm": "coda_plus"}
 
 
 # -- sigma_z and the composition -------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ from fdam_ray.privacy.section import PrivacySection, check_resume
 from fdam_ray.settings import sections
 from fdam_ray.settings.sections import ConfigError
 
-CLIENT = {"dp": "client", "dp_noise_multiplier": 1.0, "positive_ratio": 0.2, "algorithm": "coda_plus"}
+CLIENT = {"dp": "client", "dp_noise_multiplier": 1.0, "positive_ratio": 0.2, "algorithm": "coda_plus",
+          "model": "mlp"}
 SAMPLE = {**CLIENT, "dp": "sample", "model": "cnn_gn"}
 
 
@@ -61,6 +62,10 @@ def test_the_section_is_listed_and_only_the_budget_may_change_on_resume():
     ({**SAMPLE, "positive_sampling": "balanced"}, "positive_sampling", "natural with dp: sample"),
     ({**SAMPLE, "precision": "fp16"}, "precision", "fp32 or bf16 with dp: sample"),
     ({**SAMPLE, "model": "cnn"}, "model", "cnn_gn (the cnn with GroupNorm)"),
+    ({**CLIENT, "model": "cnn"}, "model", "cnn_gn (the cnn with GroupNorm), mlp, linear"),
+    ({**CLIENT, "model": "resnet20"}, "model", "with dp: client"),
+    ({**CLIENT, "dp_clip": 1e30}, "dp_clip", "at most 1e+06"),
+    ({**SAMPLE, "dp_clip": 2e6}, "dp_clip", "sigma x dp_clip"),
     ({**SAMPLE, "model": "resnet20"}, "model", "resnet20 has BatchNorm"),
     ({**SAMPLE, "model": "densenet121"}, "model", "densenet121 has BatchNorm"),
     ({**SAMPLE, "model": "densenet161"}, "model", "densenet161 has BatchNorm"),
@@ -93,15 +98,30 @@ def test_dp_sample_takes_what_its_step_and_accountant_describe():
     assert build_config({**SAMPLE, "precision": "bf16"}).precision == "bf16"
     assert build_config({**SAMPLE, "batch_size": "full"}).batch_size == 0
     assert build_config({**SAMPLE, "batch_size": "full", "dp_sampling": "fixed"}).dp_sampling == "fixed"
-    for values in ({"model": "cnn"}, {"precision": "fp16"}, {"positive_sampling": "balanced"}):
+    for values in ({"precision": "fp16"}, {"positive_sampling": "balanced"}):
         assert build_config({**CLIENT, "model": "mlp", **values})
         assert build_config(values)
+    assert build_config({"model": "cnn"})  # dp off: BatchNorm is the default job's
+
+
+def test_no_noise_is_said_on_the_console_and_noise_above_the_sum_is_named(caplog, monkeypatch):
+    monkeypatch.setattr(sections, "_WARNED", set())
+    with caplog.at_level("WARNING", logger="fdam_ray.privacy.section"):
+        build_config({**CLIENT, "dp_noise_multiplier": 0.0})
+    assert any("no privacy" in r.getMessage() and "dp_noise_multiplier 0" in r.getMessage() for r in caplog.records)
+    client = PrivacySection.of(build_config({**CLIENT, "num_clients": 8, "clients_per_round": 4}))
+    assert client.only_noise(4.0) is None  # sigma C at most the largest sum S C
+    line = client.only_noise(414815.0)
+    assert "above the 4 clients a round" in line and "raise dp_epsilon or clients_per_round" in line
+    sample = PrivacySection.of(build_config({**SAMPLE, "batch_size": 16}))
+    assert sample.only_noise(16.0) is None and "16 samples a batch" in sample.only_noise(16.5)
+    assert PrivacySection.of(build_config({**SAMPLE, "batch_size": "full"})).only_noise(1e6) is None
 
 
 def test_a_null_positive_ratio_is_named_once_as_an_uncounted_release(caplog, monkeypatch):
     monkeypatch.setattr(sections, "_WARNED", set())  # named once per process: forget earlier tests' configs
     with caplog.at_level("WARNING", logger="fdam_ray.privacy.section"):
-        build_config({"dp": "client", "dp_noise_multiplier": 1.0, "algorithm": "coda_plus"})
+        build_config({"dp": "client", "model": "mlp", "dp_noise_multiplier": 1.0, "algorithm": "coda_plus"})
     assert [r.getMessage() for r in caplog.records if "positive_ratio" in r.getMessage()]
 
 
@@ -143,7 +163,7 @@ def test_the_package_and_its_config_work_without_dp_accounting():
             "PrivacySection(dp='client', dp_noise_multiplier=1.0, num_clients=4, clients_per_round=None,\n"
             "               client_weighting='uniform', algorithm='coda_plus', positive_ratio=0.2,\n"
             "               pretrain_iterations=0, batch_size=32, positive_sampling='natural',\n"
-            "               precision='fp32', model='cnn').check()\n"
+            "               precision='fp32', model='mlp').check()\n"
             "try:\n"
             "    p.Accountant(noise_multiplier=1.0, delta=1e-5, population=4, sample_size=4)\n"
             "except p.AccountingUnavailable as exc:\n"

@@ -39,8 +39,12 @@ def test_a_mapping_given_to_a_field_names_that_field_once(tmp_path, text):
 def test_the_section_forms_that_worked_still_work():
     config = build_config(load_yaml("model: {name: cnn, width: 16}\ndataset: {name: synthetic}\nlr: {decay: 2}\n"))
     assert (config.model, config.model_width, config.dataset, config.lr_decay) == ("cnn", 16, "synthetic", 2)
-    config = build_config(parse_overrides(["model.width=8", "model_width.name=9", "model.name=mlp"]))
+    config = build_config(parse_overrides(["model_width.name=9", "model.name=mlp"]))
     assert (config.model, config.model_width) == ("mlp", 9)
+    assert build_config(parse_overrides(["model.width=8"])).model_width == 8
+    with pytest.raises(ConfigError, match=r"^config field 'model_width' is given twice on the command line "
+                                          r"\(model\.width=8, model_width\.name=9\): give it once$"):
+        parse_overrides(["model.width=8", "model_width.name=9"])  # two spellings of one field: not the last wins
 
 
 @pytest.mark.parametrize("key", ["model_width.width", "lr_decay.x", "seed.name.x"])

@@ -43,4 +43,4 @@ def test_written_table_reads_back_as_the_live_one(tmp_path):
     path = tmp_path / "fields.json"
     catalog_writer.write(path)
     assert json.loads(path.read_text(encoding="utf-8")) == catalog_writer.live()
-    assert len(path.read_text(encoding="utf-8").splitlines()) == len(FIELDS) + 3  # one field a line
+    assert len(path.read_text(encoding="utf-8").splitlines()) == len(FIELDS) + 4  # one field a line

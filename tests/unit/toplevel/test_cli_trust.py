@@ -3,11 +3,14 @@ on a loaded machine): a config error comes back in a second."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).resolve().parents[3]
 RUN = """
 import sys
 from fdam_ray.cli import main
@@ -20,7 +23,9 @@ print(f"rc={rc} torch={'torch' in sys.modules} ray={'ray' in sys.modules}", file
 
 
 def fdam(*args: str, cwd) -> tuple[int, list[str]]:
-    got = subprocess.run([sys.executable, "-c", RUN, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's fdam_ray, whatever the working folder
+    got = subprocess.run([sys.executable, "-c", RUN, *args], cwd=cwd, capture_output=True, text=True, timeout=120,
+                         env=env)
     return got.returncode, got.stderr.strip().splitlines()
 
 
