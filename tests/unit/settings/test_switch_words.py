@@ -14,7 +14,7 @@ def test_off_and_on_read_as_the_choices_they_spell():
 
 
 def test_a_true_or_false_where_no_choice_is_on_or_off_is_still_refused():
-    with pytest.raises(ValueError, match="'dp'.*one of off, client, sample"):
+    with pytest.raises(ValueError, match=r"'dp'.*one of off, client, sample"):
         build_config(load_yaml("dp: on"))  # dp has no 'on': True stays an error naming the field
     with pytest.raises(ValueError, match="'algorithm'"):
         build_config({"algorithm": False})
