@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_faults import SMALL, records, start_fdam, stop, wait_for
+from test_faults import SMALL, but, records, start_fdam, stop, wait_for
 from test_tune import write_space
 from testpath import TEST_PATH
 
@@ -81,7 +81,7 @@ def test_a_second_ctrl_c_exits_at_once_quietly_and_the_first_ones_checkpoint_res
     """The second Ctrl+C lands while Ray shuts down at exit: it used to print Ray's KeyboardInterrupt traceback
     and, with the compiled transport, crash the process (rc 139)."""
     run = tmp_path / "cut"
-    steps = [*SMALL, "iterations=2000", "eval_every=250", "checkpoint_every=20"]
+    steps = [*but(SMALL, "eval_every"), "iterations=2000", "eval_every=250", "checkpoint_every=20"]
     proc = start_fdam(["train", f"out_dir={tmp_path}", "run_name=cut", "executor=ray", "cpus_per_actor=0.5",
                        f"transport={transport}", *steps], tmp_path, tmp_path / "cut.log")
     try:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_faults import SMALL, _pids_using, records, stop, wait_for
+from test_faults import SMALL, _pids_using, but, records, stop, wait_for
 from test_signals import assert_quiet, fdam_env, start
 
 from fdam_ray.checkpoint import load_checkpoint
@@ -54,7 +54,8 @@ def test_a_second_ctrl_c_under_the_classic_transport_exits_at_once(tmp_path):
     run = tmp_path / "cut"
     log = tmp_path / "cut.log"
     proc = start(["train", f"out_dir={tmp_path}", "run_name=cut", "executor=ray", "cpus_per_actor=0.5",
-                  "transport=classic", *SMALL, "iterations=100000", "eval_every=10", "checkpoint_every=10"],
+                  "transport=classic", *but(SMALL, "eval_every"), "iterations=100000", "eval_every=10",
+                  "checkpoint_every=10"],
                  tmp_path, log, fdam_env())
     try:
         wait_for(lambda: len(records(run)) >= 2, proc, log, timeout_s=240)
