@@ -27,7 +27,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
-import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,6 +40,7 @@ from fdam_ray.privacy.accountant import REPLACE_ONE, Accountant, shares_noise_mu
 from fdam_ray.privacy.adaptive import AdaptiveClipState
 from fdam_ray.privacy.client_level import PrivateReducer, ServerRound, check_model, check_transport, client_level
 from fdam_ray.privacy.faces import ClientLevelFace, SampleLevelFace
+from fdam_ray.privacy.mechanisms import run_secret
 from fdam_ray.privacy.section import PrivacySection
 
 log = logging.getLogger(__name__)
@@ -418,14 +418,10 @@ def _warn_if_fixed_costs_more(section: PrivacySection, accountant: Accountant, r
 
 
 def _draw_secret(section: PrivacySection, state: dict | None) -> int:
-    """The key of the client draw (:class:`~fdam_ray.algorithms.sampling.ClientSampler`): a resumed run's own,
-    else ``dp_noise_seed`` when given (replayable), else 128 bits of fresh OS entropy. Kept in the checkpoint, so a
-    resume draws the sets the run would have drawn; never the public ``seed``."""
-    if state is not None and "draw_secret" in state:
-        return int(state["draw_secret"])
-    if section.dp_noise_seed is not None:
-        return int(section.dp_noise_seed)
-    return secrets.randbits(128)
+    """The key of the client draw (:class:`~fdam_ray.algorithms.sampling.ClientSampler`): a resumed run's own, else
+    :func:`~fdam_ray.privacy.mechanisms.run_secret`. Kept in the checkpoint, so a resume draws the sets the run
+    would have drawn."""
+    return run_secret(None if state is None else state.get("draw_secret"), section.dp_noise_seed)
 
 
 def _sigma(section: PrivacySection, *, population: int, sample_size: int, compositions: int) -> float:

@@ -33,12 +33,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import secrets
 from typing import Any
 
 import numpy as np
 
 from fdam_ray.loop.plug import Plug, PlugStart, Released
+from fdam_ray.privacy.mechanisms import run_secret
 from fdam_ray.privacy.pld import analytic_gaussian_epsilon
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class PrivateEvaluation:
         else:
             raise ValueError("dp_eval: on needs dp_eval_noise or dp_eval_epsilon")
         self.releases = {split: 0 for split in SPLITS}
-        self.secret = int(seed) if seed is not None else secrets.randbits(128)
+        self.secret = run_secret(None, seed)
         log.info("dp_eval: sigma_e %.4g per count, %d tasks, %d planned evaluations, delta %g", self.sigma, tasks,
                  planned, delta)
 

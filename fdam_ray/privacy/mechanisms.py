@@ -22,6 +22,7 @@ run draws from fresh entropy (``dp_noise_seed: null``, seed None here).
 from __future__ import annotations
 
 import math
+import secrets
 
 import numpy as np
 
@@ -84,3 +85,13 @@ def noise_share_std(sigma: float, clip: float, reporting_sites: int) -> float:
     if reporting_sites < 1:
         raise ValueError(f"reporting_sites {reporting_sites} must be >= 1")
     return sigma * clip / math.sqrt(reporting_sites)
+
+
+def run_secret(kept: int | None, given: int | None) -> int:
+    """A run's privacy secret: the one its checkpoint kept (a resume), else ``dp_noise_seed`` when given
+    (replayable), else 128 bits of fresh OS entropy; never the public ``seed``."""
+    if kept is not None:
+        return int(kept)
+    if given is not None:
+        return int(given)
+    return secrets.randbits(128)

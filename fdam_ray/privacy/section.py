@@ -73,6 +73,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from fdam_ray.privacy.adaptive import default_count_noise
 from fdam_ray.scores.histogram import DEFAULT_BINS, MAX_BINS
 from fdam_ray.settings.sections import (
     FRACTION,
@@ -400,7 +401,7 @@ class PrivacySection(Section):
         sigma = self.dp_noise_multiplier
         if sigma is not None and sigma > 0:
             count = self.dp_clip_count_noise
-            sigma_b = self.sampled_clients / 20.0 if count is None else count
+            sigma_b = default_count_noise(self.sampled_clients) if count is None else count
             if sigma_b <= sigma / 2:
                 raise fail("dp_clip_count_noise", count, f"> dp_noise_multiplier / 2 = {sigma / 2:g} "
                            f"(now {sigma_b:g}; the count's noise takes part of sigma's budget: sigma^-2 - "
