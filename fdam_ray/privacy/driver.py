@@ -42,6 +42,7 @@ from fdam_ray.privacy.client_level import PrivateReducer, ServerRound, check_mod
 from fdam_ray.privacy.faces import ClientLevelFace, SampleLevelFace
 from fdam_ray.privacy.mechanisms import run_secret
 from fdam_ray.privacy.section import PrivacySection
+from fdam_ray.settings.sections import fail
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,7 @@ class PrivacyPlug(Plug):
     def __init__(self, section: PrivacySection, facts: RunFacts) -> None:
         self.section, self.facts = section, facts
         self._run: PrivacyRun | None = None
+        self._fresh = self._applied = False  # a new run (not a resume), and whether a round has been counted
 
     @property
     def run(self) -> PrivacyRun:
@@ -151,7 +153,7 @@ class PrivacyPlug(Plug):
                                for k in range(section.num_clients)])
             run = SampleLevelRun(section, iterations=facts.iterations, batch_size=facts.batch_size,
                                  num_train=sizes, labels=list(facts.labels), state=start.state)
-        self._run = run
+        self._run, self._fresh = run, start.state is None
         if (line := section.only_noise(run.sigma)) is not None:
             log.warning("%s", line)
         setup = dataclasses.replace(setup, face=face_of(section, run.sigma))
@@ -168,7 +170,12 @@ class PrivacyPlug(Plug):
                                    poisson=self.section.poisson_clients)
 
     def before_round(self, plan: RoundPlan, clients: list[int] | None) -> str | None:
-        return self.run.over_budget(plan.round, plan.steps, clients)
+        line = self.run.over_budget(plan.round, plan.steps, clients)
+        if line is not None and self._fresh and not self._applied:  # (dp: sample's n_k are known only now)
+            first = self.run.epsilon_after(plan.steps, clients)
+            raise fail("dp_max_epsilon", self.section.dp_max_epsilon, f">= {first:.4g}, the epsilon of the first "
+                       "round alone: no round would run; raise it or the noise")
+        return line
 
     def round_plan(self, plan: RoundPlan) -> RoundPlan:
         return self.run.round_plan(plan)
@@ -177,6 +184,7 @@ class PrivacyPlug(Plug):
         return self.run.reducer(reducer, plan)
 
     def after_round(self, plan: RoundPlan, clients: list[int] | None, reported: int) -> None:
+        self._applied = True
         self.run.step(plan.steps, clients, reported)
 
     def record(self) -> dict[str, Any]:

@@ -333,6 +333,17 @@ class PrivacySection(Section):
             if sigma == 0:
                 raise fail("dp_max_epsilon", self.dp_max_epsilon, "null with dp_noise_multiplier = 0 (without "
                            "noise epsilon is infinite: no round would run)")
+            if sigma is not None and sigma > 0 and self.dp == "client":  # dp: sample's n_k: the plug's check
+                from fdam_ray.privacy.accountant import Accountant  # numpy only
+
+                first = Accountant.for_clients(noise_multiplier=float(sigma), delta=self.dp_delta,
+                                               num_clients=self.num_clients, clients_per_round=self.clients_per_round,
+                                               sampling=self.sampling, accounting=self.dp_accountant).epsilon_after(1)
+                if self.dp_max_epsilon < first:
+                    raise fail("dp_max_epsilon", self.dp_max_epsilon, f">= {first:.4g}, the epsilon of the first "
+                               f"round alone at dp_noise_multiplier {sigma:g} ({self.sampled_clients} of "
+                               f"{self.num_clients} clients, {self.sampling}): no round would run; raise it or "
+                               "the noise")
 
     def _check_releases(self) -> None:
         """Releases of private data that the accountant would not count."""

@@ -133,3 +133,25 @@ def test_two_ray_actors_run_the_inline_run_exactly(seeded):
                         cpus_per_actor=0.5)
     for name in ("v", "alpha", "buffers", "c_v", "c_alpha"):
         np.testing.assert_array_equal(getattr(remote.state, name), getattr(seeded.state, name), err_msg=name)
+
+
+def test_a_budget_below_the_first_rounds_epsilon_is_refused_in_one_line_and_leaves_no_folder(tmp_path, capsys):
+    # dp: sample's first-round epsilon needs the sites' n_k, so the refusal comes when the first round is planned;
+    # the run's folder is removed (a fresh run that ends before its first round leaves none). The epsilon it names
+    # is the one a round spends: a budget just above it runs that round and stops before the second.
+    import json
+
+    from fdam_ray.cli import main
+
+    args = ["train", "dataset=digits", "model=linear", "num_clients=4", "batch_size=16", "algorithm=coda_plus",
+            "dp=sample", "dp_noise_multiplier=1", "positive_ratio=0.2", "executor=inline", "local_steps=2",
+            "iterations=8", f"out_dir={tmp_path}", "--quiet"]
+    assert main([*args, "run_name=r", "dp_max_epsilon=0.01"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'dp_max_epsilon': 0.01 is not allowed (>= " in err[0] and "first round" in err[0]
+    assert not (tmp_path / "r").exists()
+    first = float(err[0].split(">= ")[1].split(",")[0])
+    assert main([*args, "run_name=s", f"dp_max_epsilon={first * 1.001}"]) == 0
+    summary = json.loads((tmp_path / "s" / "summary.json").read_text())
+    assert summary["rounds"] == 1 and summary["dp_epsilon"] == pytest.approx(first, rel=1e-3)
+    assert "before round 2" in summary["dp_stopped"]

@@ -6,6 +6,7 @@ import dataclasses
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from fdam_ray.config import FIELD_BY_NAME, RESUME_MAY_CHANGE, SECTIONS, build_config, describe_fields
@@ -85,6 +86,26 @@ def test_each_refusal_is_one_line_naming_its_field(values, field, words):
     assert "\n" not in message and f"'{field}'" in message and words in message
 
 
+def test_a_budget_below_the_first_rounds_epsilon_is_refused_with_that_epsilon():
+    # every client takes part: one round is the Gaussian mechanism of sigma (sensitivity 1), whose exact epsilon is
+    # the analytic Gaussian's (Balle and Wang 2018), recomputed here with scipy
+    from scipy.optimize import brentq
+    from scipy.stats import norm
+
+    def delta(eps: float, s: float = 1.0) -> float:
+        return norm.cdf(1 / (2 * s) - eps * s) - np.exp(eps) * norm.cdf(-1 / (2 * s) - eps * s) - 1e-5
+
+    first = brentq(delta, 1e-9, 200, xtol=1e-14, rtol=1e-14)
+    assert build_config({**CLIENT, "dp_max_epsilon": first * 1.001}).dp_max_epsilon == first * 1.001
+    with pytest.raises(ConfigError) as caught:
+        build_config({**CLIENT, "dp_max_epsilon": first * 0.999})
+    message = str(caught.value)
+    assert "\n" not in message and "'dp_max_epsilon'" in message and f">= {first:.4g}, the epsilon of the first round" \
+        in message
+    # 2 of 4 clients drawn by Poisson (the null default with the noise at the server) spend less in a round
+    assert build_config({**CLIENT, "clients_per_round": 2, "dp_max_epsilon": first * 0.999}).sampling == "poisson"
+
+
 def test_poisson_accounting_is_allowed_when_every_client_takes_part():
     assert build_config({**CLIENT, "dp_sampling": "poisson"}).dp_sampling == "poisson"
     assert build_config({**SAMPLE, "dp_sampling": "poisson", "clients_per_round": 2}).dp == "sample"
@@ -126,7 +147,7 @@ def test_a_null_positive_ratio_is_named_once_as_an_uncounted_release(caplog, mon
 
 
 def _section(**changes) -> PrivacySection:
-    return PrivacySection.of(build_config({**CLIENT, "dp_max_epsilon": 5.0, **changes}))
+    return PrivacySection.of(build_config({**CLIENT, "dp_max_epsilon": 15.0, **changes}))  # a round: 4.4 to 10.1
 
 
 @pytest.mark.parametrize(("change", "field"), [
@@ -136,7 +157,7 @@ def _section(**changes) -> PrivacySection:
     ({"dp_delta": 1e-6}, "dp_delta"),
     ({"clients_per_round": 2, "dp_noise_at": "clients"}, "dp_noise_at"),
     ({"dp_accountant": "rdp"}, "dp_accountant"),
-    ({"dp_max_epsilon": 4.0}, "dp_max_epsilon"),
+    ({"dp_max_epsilon": 14.0}, "dp_max_epsilon"),
     ({"dp_max_epsilon": None}, "dp_max_epsilon"),
 ])
 def test_a_resume_keeps_the_privacy_it_started_with(change, field):
@@ -146,7 +167,7 @@ def test_a_resume_keeps_the_privacy_it_started_with(change, field):
 
 
 def test_a_resume_may_raise_or_set_the_budget():
-    check_resume(_section(), _section(dp_max_epsilon=8.0))
+    check_resume(_section(), _section(dp_max_epsilon=18.0))
     check_resume(_section(), _section())
     unset = dataclasses.replace(_section(), dp_max_epsilon=None)
     check_resume(unset, _section())
