@@ -203,6 +203,10 @@ _MEANS = ("pauc", "pauc_mcclish", "tpauc", "sens_at_spec_", "spec_at_sens_")
 # The pooled test figures of a record (``clinical: on``), which summary.json repeats as ``final_<key>`` (and as
 # ``best_<key>``, the selected evaluation's).
 CLINICAL_KEYS = ("test_auc_se", "test_auc_ci_", "test_pauc", "test_tpauc", "test_sens_at_spec_", "test_spec_at_sens_")
+# summary.json's clinical fields: the final and the selected evaluation's pooled test figures, and with select_by:
+# val_pauc or val_tpauc the selecting figure's best and final value.
+SUMMARY_PREFIXES = (*(f"{when}_{k}" for when in ("final", "best") for k in CLINICAL_KEYS), "best_val_pauc",
+                    "final_val_pauc", "best_val_tpauc", "final_val_tpauc")
 
 
 def set_fields(figures: dict[str, np.ndarray]) -> dict[str, float | None]:
