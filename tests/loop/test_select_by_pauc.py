@@ -163,3 +163,26 @@ def test_under_histograms_the_validation_read_out_is_within_the_bins_of_the_exac
         assert rec["val_auc_se"] == pytest.approx(ref["val_auc_se"], rel=2e-2)
         assert rec["val_client_pauc"].keys() == ref["val_client_pauc"].keys()
     assert hist.summary["selected_by"] == "val_pauc"
+
+
+def test_a_resumed_run_keeps_the_pauc_selection_and_refuses_another_select_by(tmp_path, monkeypatch):
+    from interrupted import crash_in_round
+
+    from fdam_ray.assembly.recipe import resume
+    from fdam_ray.checkpoint import load_checkpoint
+
+    def saved(folder):
+        return dict(BASE, **PAUC, out_dir=str(tmp_path / folder), run_name="run", checkpoint_every=2)
+
+    full = run(build_config(saved("a")))
+    with crash_in_round(monkeypatch, 19):  # after the selected evaluation: the checkpoint must carry it
+        run(build_config(saved("b")))
+    kept = load_checkpoint(tmp_path / "b" / "run" / "checkpoint.pt").loop
+    assert kept.best_val_iteration == full.summary["best_iteration"] < 19 * 3
+    assert kept.best_val_auc == full.summary["best_val_pauc"]  # the selecting figure's best value
+    with pytest.raises(ConfigError, match="select_by"):
+        resume(tmp_path / "b" / "run", {"select_by": "val_auc"})
+    resumed = resume(tmp_path / "b" / "run")
+    for key in ("selected_by", "best_iteration", "best_val_pauc", "best_test_pauc", "final_val_pauc"):
+        assert resumed.summary[key] == full.summary[key], key
+    assert (resumed.run_dir / "best_model.pt").read_bytes() == (full.run_dir / "best_model.pt").read_bytes()
