@@ -186,3 +186,26 @@ def test_a_resumed_run_keeps_the_pauc_selection_and_refuses_another_select_by(tm
     for key in ("selected_by", "best_iteration", "best_val_pauc", "best_test_pauc", "final_val_pauc"):
         assert resumed.summary[key] == full.summary[key], key
     assert (resumed.run_dir / "best_model.pt").read_bytes() == (full.run_dir / "best_model.pt").read_bytes()
+
+
+def test_under_private_evaluation_the_validation_read_out_is_the_released_counts_and_no_sites(monkeypatch):
+    from fdam_ray.privacy import evaluation as private_evaluation
+
+    seen: list[tuple[str, np.ndarray]] = []
+    release = private_evaluation.PrivateEvaluation.release
+
+    def spy(self, split, counts):
+        out = release(self, split, counts)
+        seen.append((split, np.asarray(out, np.float64)))
+        return out
+
+    monkeypatch.setattr(private_evaluation.PrivateEvaluation, "release", spy)
+    result = run(build_config(dict(BASE, **PAUC, iterations=12, test_scores="histogram", test_score_bins=256,
+                                   dp_eval="on", dp_eval_noise=4.0, dp_noise_seed=11)), save=False)
+    released = [counts for split, counts in seen if split == "val"]
+    assert len(released) == len(result.history)
+    for rec, counts in zip(result.history, released, strict=True):
+        assert not any(k.startswith(("client_", "val_client_")) for k in rec)  # no site's own figure
+        want = clinic.set_fields(clinic.read_out(counts, max_fpr=0.2, min_tpr=None, points=(0.9, 0.95)))
+        assert {k: rec[f"val_{k}"] for k in want} == want
+    assert result.summary["selected_by"] == "val_pauc"
