@@ -13,7 +13,7 @@ from sample_clients import arrays_in, gaussian_clients
 from fdam_ray.assembly.recipe import run
 from fdam_ray.clients.client import Client
 from fdam_ray.config import build_config
-from fdam_ray.core.state import Scores, ScoreHistogram
+from fdam_ray.core.state import ScoreHistogram, Scores
 from fdam_ray.data.arrays import ArraysSource
 from fdam_ray.executors.ray.executor import RayExecutor
 from fdam_ray.executors.ray.fleet import Fleet
