@@ -50,6 +50,8 @@ def _summary(summary: dict) -> str:
     best = (f"best {summary['best_test_auc']:.4f}" if "best_val_auc" not in summary else
             f"selected by val AUC {summary['best_val_auc']:.4f}: test {summary['best_test_auc']:.4f}"
             if summary.get("selected_by") == "val_auc" else
+            f"selected by {summary['selected_by']} {summary['best_' + summary['selected_by']]:.4f}: test "
+            f"{summary['best_test_auc']:.4f}" if summary.get("selected_by", "last") != "last" else
             f"no val AUC defined, none selected: last test {summary['best_test_auc']:.4f}")
     return (f"final test AUC {summary['final_test_auc']:.4f} ({best} at iteration "
             f"{summary['best_iteration']}); {summary['rounds']} rounds, {summary['iterations']} iterations, "

@@ -1,12 +1,15 @@
 """Figures of one or several run folders (``fdam plot``).
 
     auc_vs_iterations.png   test AUC against iterations, one curve per run (the paper's top-row figure); the
-                            y-axis is zoomed to where the runs differ, past the first 10% of each run
+                            y-axis is zoomed to where the runs differ, past the first 10% of each run; a run
+                            with ``clinical: on`` also its 95% interval as a band (DeLong, logit scale)
     auc_vs_local_steps.png  final test AUC against I, CODA+ and CODASCA side by side (its bottom row);
                             runs that differ only in their seed give a mean with a min-max band, runs that
                             differ in another field (lr, ...) a curve each
     auc_vs_bytes.png        test AUC against megabytes communicated
     task_auc.png            final per-task AUC bars (multi-label runs only)
+    site_auc.png            final AUC of the pool and of each site with its 95% interval (runs with
+                            ``clinical: on`` whose sites' figures are kept: their own test splits)
 
 A run's legend is its algorithm and I followed by the config fields in which the plotted runs differ
 (``codasca I=4 lr=0.1``), so runs of a sweep are told apart by what the sweep varied. A sweep folder (of
@@ -223,11 +226,13 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     plt = _pyplot()
     labelled = list(zip(runs, _labels(runs), strict=True))
-    zoom = auc_limits([(run.series("iteration"), run.series("test_auc")) for run in runs])
+    zoom = auc_limits([(run.series("iteration"), run.series(key)) for run in runs  # the interval bands shown too
+                       for key in ("test_auc", "test_auc_ci_logit_low", "test_auc_ci_logit_high")])
     figures = [_auc_vs_iterations(plt, labelled, zoom, out / "auc_vs_iterations.png"),
                _auc_vs_bytes(plt, labelled, zoom, out / "auc_vs_bytes.png"),
                _auc_vs_local_steps(plt, runs, out / "auc_vs_local_steps.png"),
-               _task_auc(plt, labelled, out / "task_auc.png")]
+               _task_auc(plt, labelled, out / "task_auc.png"),
+               _site_auc(plt, labelled, out / "site_auc.png")]
     return [path for path in figures if path is not None]
 
 
@@ -237,9 +242,16 @@ Zoom = tuple[float, float] | None
 def _auc_vs_iterations(plt, labelled: list[tuple[Run, str]], zoom: Zoom, path: Path) -> Path:
     """Test AUC against iterations, one curve per run (the paper's top row)."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    banded = False
     for run, label in labelled:
-        ax.plot(run.series("iteration"), run.series("test_auc"), marker=".", label=label)
-    ax.set(xlabel="iteration", ylabel="test AUC (pooled)", title="Test AUC during training")
+        xs = run.series("iteration")
+        line, = ax.plot(xs, run.series("test_auc"), marker=".", label=label)
+        low, high = (run.series(f"test_auc_ci_logit_{end}") for end in ("low", "high"))
+        if np.isfinite(low).any():  # clinical: on: the 95 % interval as a band, where it is defined
+            ax.fill_between(xs, low, high, color=line.get_color(), alpha=0.15, linewidth=0)
+            banded = True
+    ax.set(xlabel="iteration", ylabel="test AUC (pooled)" + (", 95% CI band" if banded else ""),
+           title="Test AUC during training")
     if zoom is not None:  # the untrained start (and the climb after it) may lie below the axis
         ax.set_ylim(*zoom)
     ax.grid(alpha=0.3)
@@ -317,6 +329,41 @@ def _task_auc(plt, labelled: list[tuple[Run, str]], path: Path) -> Path | None:
     ax.set_ylim(max(0.0, min(finite, default=0.05) - 0.05), 1.0)
     ax.legend(fontsize=8)
     return _save(fig, path, plt)
+
+
+def _site_auc(plt, labelled: list[tuple[Run, str]], path: Path) -> Path | None:
+    """The final AUC of the pool and of each site, with its 95 % interval (logit scale) as an error bar, one bar
+    group per run with ``clinical: on`` whose last record has the sites' intervals; None without one."""
+    shown = [(r, lab) for r, lab in labelled if r.history[-1].get("client_auc_ci_logit_low")]
+    if not shown:
+        return None
+    sites = list(dict.fromkeys(s for r, _ in shown for s in r.history[-1]["client_auc_ci_logit_low"]))
+    names = ["pooled", *sites]
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(names) * len(shown)), 4.5))
+    width, x = 0.8 / len(shown), np.arange(len(names))
+    for i, (run, label) in enumerate(shown):
+        last = run.history[-1]
+        auc, low, high = site_intervals(last, sites)
+        err = np.abs(np.array([auc - low, high - auc]))
+        ax.bar(x + i * width - 0.4 + width / 2, auc, width, yerr=err, capsize=3, label=label)
+    ax.set_xticks(x, names, rotation=20)
+    ax.set(ylabel="final test AUC, 95% CI", title="AUC per site")
+    finite = [v for r, _ in shown for v in site_intervals(r.history[-1], sites)[1] if math.isfinite(v)]
+    ax.set_ylim(max(0.0, min(finite, default=0.05) - 0.05), 1.0)
+    ax.legend(fontsize=8)
+    return _save(fig, path, plt)
+
+
+def site_intervals(rec: dict, sites: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(AUC, low, high) of the pool, then of each of ``sites`` (NaN where a site has none), from a record with
+    ``clinical: on``: the logit-scale 95 % interval."""
+    def of(key: str, pooled: str) -> np.ndarray:
+        per_site = rec.get(key) or {}
+        values = [rec.get(pooled), *(per_site.get(s) for s in sites)]
+        return np.array([np.nan if v is None else v for v in values], dtype=float)
+
+    return (of("client_auc", "test_auc"), of("client_auc_ci_logit_low", "test_auc_ci_logit_low"),
+            of("client_auc_ci_logit_high", "test_auc_ci_logit_high"))
 
 
 def _save(fig, path: Path, plt) -> Path:

@@ -39,4 +39,4 @@ def federation(config: Config, *, source: DataSource, executor: Executor, driver
                       plug=run_plug(config), histogram_bins=PrivacySection.of(config).histogram_bins,
                       forced=None if record is None else read_record(record, ReplaySection.of(config),
                                                                      ScheduleSection.of(config)),
-                      positive_ratio=objective_positive_ratio(config))
+                      positive_ratio=objective_positive_ratio(config), select_by=config.select_by)

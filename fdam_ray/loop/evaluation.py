@@ -50,7 +50,8 @@ Clinical read-out (``clinical: on``, :mod:`fdam_ray.scores.clinic`): the test re
 95 % intervals, the one- and two-way pAUC and the operating points, read off the pooled counts the AUC came from
 (exact scores: one bin per distinct score; histograms: the finest cells of the refinement passes, replayed from
 the passes' summed counts; a plug's released counts, never the raw ones), and per site (``client_<figure>``) off
-each site's own scores or first-pass histogram where per-site AUCs are recorded.
+each site's own scores or first-pass histogram where per-site AUCs are recorded; the validation record likewise
+(``val_<figure>``, ``val_client_<figure>``), which ``select_by: val_pauc`` selects on.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def _fractions(name: str, value: object) -> tuple[float, ...]:
 
 
 register_kind("fraction_list", _fractions)
+SELECT_BY = ("val_auc", "val_pauc", "val_tpauc")  # what may select the best evaluation (select_by)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -111,14 +113,14 @@ class ValidationSection(Section):
 
     val_fraction: float = setting(0.0, "Share of each client's training shard held out as its validation part "
                                   "(seeded, stratified by label; a dataset's own validation split where it has "
-                                  "one); best_*, best_model.pt and Tune's default metric then select on val_auc and "
-                                  "the test set is only reported; 0 = no validation, selection on test_auc.",
-                                  check=(lambda v: 0 <= v < 1, "in [0, 1)"))
-    clinical: str = setting("off", "on = every evaluation record adds the clinical read-out of the test set (pooled, "
-                            "and per site where sites' figures are kept): the AUC's DeLong SE and 95% interval "
-                            "(Wald and logit), the pAUC at FPR <= pauc_max_fpr (raw and McClish), the two-way pAUC "
-                            "(pauc_min_tpr) and the sensitivity/specificity at operating_points; docs/algorithms.md "
-                            "s.6.", choices=("off", "on"), resume=True)
+                                  "one); best_* and best_model.pt then select on select_by (val_auc), Tune's default "
+                                  "metric on val_auc, and the test set is only reported; 0 = no validation, "
+                                  "selection on test_auc.", check=(lambda v: 0 <= v < 1, "in [0, 1)"))
+    clinical: str = setting("off", "on = every evaluation record adds the clinical read-out of the test set and of the "
+                            "validation parts (val_<figure>), pooled and per site where sites' figures are kept: the "
+                            "AUC's DeLong SE and 95% interval (Wald and logit), the pAUC at FPR <= pauc_max_fpr (raw "
+                            "and McClish), the two-way pAUC (pauc_min_tpr) and the sensitivity/specificity at "
+                            "operating_points; docs/algorithms.md s.6.", choices=("off", "on"), resume=True)
     pauc_max_fpr: float = setting(0.1, "clinical: on: beta, the largest false positive rate of the partial AUC.",
                                   check=(lambda v: 0 < v <= 1, "in (0, 1]"), resume=True)
     pauc_min_tpr: float | None = setting(None, "clinical: on: alpha, the smallest true positive rate of the two-way "
@@ -128,10 +130,20 @@ class ValidationSection(Section):
         (0.9, 0.95), "clinical: on: the specificities at which the sensitivity is reported (test_sens_at_spec_<s>) "
         "and the sensitivities at which the specificity is (test_spec_at_sens_<s>).", kind="fraction_list",
         resume=True)
+    select_by: str = setting("val_auc", "With val_fraction > 0, the validation figure that selects the run's best "
+                             "evaluation (best_*, best_model.pt): val_auc, val_pauc (pAUC at FPR <= pauc_max_fpr) or "
+                             "val_tpauc (two-way pAUC, needs pauc_min_tpr); the pAUCs need clinical: on.",
+                             choices=SELECT_BY)
     augment: bool = shared()
     chestxray_val_split: str = shared()
 
     def check(self) -> None:
+        if self.select_by != "val_auc" and (self.val_fraction == 0 or self.clinical == "off"):
+            raise fail("select_by", self.select_by, "val_auc unless val_fraction > 0 and clinical: on: a pAUC "
+                       "selects on the validation parts' clinical read-out")
+        if self.select_by == "val_tpauc" and self.pauc_min_tpr is None:
+            raise fail("select_by", self.select_by, "val_auc or val_pauc while pauc_min_tpr is null (the two-way "
+                       "pAUC needs it)")
         if self.val_fraction > 0 and self.augment:
             raise fail("val_fraction", self.val_fraction, "0 with augment=true: the validation part is cut from "
                        "training data, whose images are augmented; set augment=false or val_fraction=0")
@@ -223,27 +235,15 @@ class Evaluator:
             out.update(self._clinical_fields(parts))
         return out
 
-    def _clinical_fields(self, parts: Sequence[Part]) -> dict:
-        """The clinical read-out (``clinical: on``) of the pooled test counts and, as ``client_<figure>``, of each
-        site's own part (its scores, exact; or its pass-1 histogram of B bins); ``task_<figure>`` per task where
-        there are several."""
+    def _clinical_fields(self, parts: Sequence[Part], split: str = "test") -> dict:
+        """The clinical read-out (``clinical: on``) of ``split``'s pooled counts and of each site's own part (its
+        scores, exact; or its pass-1 histogram of B bins): :func:`~fdam_ray.scores.clinic.record_fields`."""
         cfg = self.clinical
         if cfg is None or self._counts is None:
             return {}
-
-        def read(counts: np.ndarray) -> dict:
-            return clinic.read_out(counts, max_fpr=cfg.pauc_max_fpr, min_tpr=cfg.pauc_min_tpr,
-                                   points=cfg.operating_points)
-
-        pooled_figures = read(self._counts)
-        out: dict = {f"test_{k}": v for k, v in clinic.set_fields(pooled_figures).items()}
-        if len(self.task_names) > 1:
-            out.update({f"task_{k}": {t: _num(x) for t, x in zip(self.task_names, v, strict=True)}
-                        for k, v in pooled_figures.items() if k != "auc"})
-        sites = {self._label(p): clinic.set_fields(read(_part_counts(p))) for p in parts if not presummed(p)}
-        for key in next(iter(sites.values()), {}):
-            out[f"client_{key}"] = {site: figures[key] for site, figures in sites.items()}
-        return out
+        sites = {self._label(p): _part_counts(p) for p in parts if not presummed(p)}
+        return clinic.record_fields(self._counts, sites, split=split, task_names=self.task_names,
+                                    max_fpr=cfg.pauc_max_fpr, min_tpr=cfg.pauc_min_tpr, points=cfg.operating_points)
 
     def _pooled(self, own: Scores | None, parts: Sequence[Part], state: GlobalState,
                 split: str) -> tuple[np.ndarray, int | None, tuple]:
@@ -314,7 +314,8 @@ class Evaluator:
 
     def _score_validation(self, state: GlobalState) -> dict:
         """``val_auc`` (pooled over the clients' validation parts), ``val_samples``, ``val_task_auc`` and
-        ``val_client_auc``."""
+        ``val_client_auc``; with ``clinical: on`` the read-out as ``val_<figure>``, ``val_task_<figure>`` and
+        ``val_client_<figure>``."""
         parts = self._parts(state, "val")
         for p in parts:
             self._check_outputs(p, "validation part")
@@ -327,7 +328,10 @@ class Evaluator:
             self._warn_one_class_val = False
             self._warn_if_one_class(("the pooled validation set", counts, "val_auc"), parts, "validation part",
                                     "val AUC")
-        return self._aucs("val", aucs, samples, parts)
+        out = self._aucs("val", aucs, samples, parts)
+        if self.clinical is not None:
+            out.update(self._clinical_fields(parts, "val"))
+        return out
 
     def _warn_if_one_class(self, pooled_set: tuple[str, tuple, str], parts: Sequence[Part], part: str,
                            auc: str) -> None:

@@ -88,14 +88,14 @@ class Federation:
             hooks; the default does nothing.
         histogram_bins: B when the clients send score histograms (``test_scores: histogram``), else None.
         forced: a participation record to replay (round -> clients), read and checked at the top.
-        positive_ratio: the objective's p when the config fixes it (``positive_ratio``, or the balanced batches'
-            share), else None (the global ratio from the clients' counts).
+        positive_ratio: the objective's p where the config fixes it, else None (the global p from the clients').
+        select_by: the validation figure selecting the best evaluation (``val_auc``, ``val_pauc``, ``val_tpauc``).
     """
 
     def __init__(self, *, source: DataSource, executor: Executor, setup: ExecutorSetup, schedule: ScheduleSection,
                  eval_every: int, driver_device: torch.device, observer: Observer, plug: Plug | None = None,
                  histogram_bins: int | None = None, forced: dict[int, list[int]] | None = None,
-                 positive_ratio: float | None = None) -> None:
+                 positive_ratio: float | None = None, select_by: str = "val_auc") -> None:
         self.source = source
         self.executor = executor
         self.setup, self.client, self.algorithm = setup, setup.client, setup.algorithm
@@ -104,7 +104,7 @@ class Federation:
         self.eval_every = eval_every
         self.observer = observer
         self.replica = Replica(setup.client, source, device=driver_device)
-        self.validation = setup.client.val_fraction > 0  # select on the clients' validation parts, not the test set
+        self.validation, self.select_by = setup.client.val_fraction > 0, select_by  # select on validation parts
         self.deadlines = setup.deadline
         self.forced = forced or {}
         self.missed = MissedRounds()
@@ -275,7 +275,7 @@ class Federation:
         warn_if_test_set_changed(loop.history, rec)
         loop.history.append(rec)
         if self.validation:
-            keep_best(loop, rec)
+            keep_best(loop, rec, self.select_by)
             log.info("iteration %d round %d stage %d: val AUC %.4f, test AUC %.4f", rec["iteration"], plan_round,
                      stage, rec["val_auc"], rec["test_auc"])
         else:
@@ -415,14 +415,14 @@ class Federation:
 
     def _finish(self, loop: LoopState, started: float, snapshot: Snapshot) -> RunResult:
         state, history = loop.state, loop.history
-        best = selected_evaluation(loop, validation=self.validation)
+        best = selected_evaluation(loop, validation=self.validation, by=self.select_by)
         if self.validation and loop.best_val_state is not None:
             self.observer.best_model(self._model_payload(loop.best_val_state), history[best])
         payload = self._model_payload(state)  # the final state, loaded last: the replica holds it
         model_state, a, b = payload["model"], payload["a"].numpy(), payload["b"].numpy()
         summary = run_summary(loop, best, algorithm=self.algorithm.preset.name, validation=self.validation,
                               started=started, positive_ratio=self.positive_ratio,
-                              client_names=self.client.client_names)
+                              client_names=self.client.client_names, by=self.select_by)
         summary.update(self.plug.summary())
         cv = control_variates(state)
         self.observer.finish(summary, payload, snapshot)

@@ -1,8 +1,10 @@
 """What a run reports of its evaluations: the one it selects as its best, and its summary.
 
-With validation (``val_fraction`` > 0) the selected evaluation is the one of the highest validation AUC (the
-first of equal ones, with one warning when several tie), and the driver keeps a copy of the model there
-(``best_model.pt``); without, it is the evaluation of the highest test AUC. The summary (``summary.json``,
+With validation (``val_fraction`` > 0) the selected evaluation is the one of the highest validation figure
+``select_by`` names (``val_auc``; or, with ``clinical: on``, the validation parts' pooled pAUC ``val_pauc`` or
+two-way pAUC ``val_tpauc``), the first of equal ones, with one warning when several tie, and the driver keeps a copy
+of the model there (``best_model.pt``); without, it is the evaluation of the highest test AUC. The checkpoint's
+``best_val_auc`` holds the best value of that figure. The summary (``summary.json``,
 :attr:`~fdam_ray.loop.summary.RunResult.summary`) reports it next to the final evaluation and the run's totals.
 """
 
@@ -27,11 +29,11 @@ from fdam_ray.scores.clinic import CLINICAL_KEYS
 log = logging.getLogger(__name__)
 
 
-def keep_best(loop: LoopState, rec: dict) -> None:
-    """Keep the evaluation with the highest validation AUC so far (the first of equal ones): its AUC, its
-    iteration and a copy of the model's state there (the loop's arrays change in later rounds; the control
+def keep_best(loop: LoopState, rec: dict, by: str = "val_auc") -> None:
+    """Keep the evaluation with the highest validation figure ``by`` so far (the first of equal ones): its value,
+    its iteration and a copy of the model's state there (the loop's arrays change in later rounds; the control
     variates are not the model's and are left out)."""
-    val = rec.get("val_auc")
+    val = rec.get(by)
     if val is None or not math.isfinite(val) or (loop.best_val_auc is not None and val <= loop.best_val_auc):
         return
     state, control = loop.state, vector_names(Rule.CONTROL)
@@ -41,29 +43,33 @@ def keep_best(loop: LoopState, rec: dict) -> None:
         round=state.round, iteration=state.iteration)
 
 
-def selected_evaluation(loop: LoopState, *, validation: bool) -> int:
+def selected_evaluation(loop: LoopState, *, validation: bool, by: str = "val_auc") -> int:
     """The index in ``loop.history`` of the evaluation the run reports as its best (see the module's docstring);
-    with validation, one warning when others tie with it."""
+    with validation, one warning when others tie with it in ``by``."""
     if not validation:
         return _best_test(loop.history)
     best = _selected(loop)
-    _warn_if_tied(loop.history, best)
+    _warn_if_tied(loop.history, best, by)
     return best
 
 
 def run_summary(loop: LoopState, best: int, *, algorithm: str, validation: bool, started: float,
-                positive_ratio: np.ndarray, client_names: Sequence[str] | None) -> dict:
-    """The run's summary: the final and the selected (``best``) evaluation, the run's totals (iterations,
-    rounds, bytes, wall time since ``started`` plus earlier sessions', samples/s), p and the clients' names;
-    ``run_dir`` is None (an observer that saves the run sets it)."""
+                positive_ratio: np.ndarray, client_names: Sequence[str] | None, by: str = "val_auc") -> dict:
+    """The run's summary: the final and the selected (``best``, by ``by`` with validation) evaluation, the run's
+    totals (iterations, rounds, bytes, wall time since ``started`` plus earlier sessions', samples/s), p and the
+    clients' names; with ``clinical: on`` the final and the selected evaluation's pooled test figures
+    (``final_test_auc_ci_low``, ``best_test_pauc``, ...); ``run_dir`` is None (an observer that saves the run sets
+    it)."""
     state, history = loop.state, loop.history
     return {
         "algorithm": algorithm,
         "final_test_auc": history[-1]["test_auc"],
         "best_test_auc": history[best]["test_auc"],
         "best_iteration": history[best]["iteration"],
-        **(_validation_summary(history, best, selected=loop.best_val_iteration is not None) if validation else {}),
+        **(_validation_summary(history, best, selected=loop.best_val_iteration is not None, by=by)
+           if validation else {}),
         **{f"final_{k}": v for k, v in history[-1].items() if k.startswith(CLINICAL_KEYS)},  # clinical: on
+        **{f"best_{k}": v for k, v in history[best].items() if k.startswith(CLINICAL_KEYS)},
         "iterations": state.iteration,
         "rounds": state.round,
         "bytes_up": loop.bytes_up,
@@ -89,20 +95,20 @@ def warn_if_test_set_changed(history: list[dict], rec: dict) -> None:
                     now, rec["iteration"], before)
 
 
-def _warn_if_tied(history: list[dict], best: int) -> None:
-    """One warning when other evaluations have the selected one's validation AUC (a saturated or small validation
-    set): the selection is then the earliest of them, not one the validation set tells apart."""
-    val = history[best].get("val_auc")
+def _warn_if_tied(history: list[dict], best: int, by: str = "val_auc") -> None:
+    """One warning when other evaluations have the selected one's validation figure ``by`` (a saturated or small
+    validation set): the selection is then the earliest of them, not one the validation set tells apart."""
+    val = history[best].get(by)
     if val is None or not math.isfinite(val):
         return
-    tied = [h["iteration"] for h in history if h.get("val_auc") == val]
+    tied = [h["iteration"] for h in history if h.get(by) == val]
     if len(tied) < 2:
         return
     shown = ", ".join(map(str, tied[:5])) + (", ..." if len(tied) > 5 else "")
     samples = history[best].get("val_samples")
-    log.warning("%d evaluations tied at the best validation AUC %.6g (iterations %s): the validation set%s cannot "
+    log.warning("%d evaluations tied at the best %s %.6g (iterations %s): the validation set%s cannot "
                 "tell them apart, so best_model.pt and best_* are the earliest of them (iteration %d); a larger "
-                "val_fraction (or more data) tells them apart", len(tied), val, shown,
+                "val_fraction (or more data) tells them apart", len(tied), _named(by), val, shown,
                 "" if samples is None else f" ({samples} samples)", history[best]["iteration"])
 
 
@@ -123,14 +129,23 @@ NOT_SELECTED = ("no model was selected: no evaluation had a defined validation A
                 "no best_model.pt is written")
 
 
-def _validation_summary(history: list[dict], best: int, *, selected: bool) -> dict:
+def _named(by: str) -> str:
+    """How a selecting figure is said: ``validation AUC``, ``validation pAUC``, ``validation two-way pAUC``."""
+    return {"val_auc": "validation AUC", "val_pauc": "validation pAUC"}.get(by, "validation two-way pAUC")
+
+
+def _validation_summary(history: list[dict], best: int, *, selected: bool, by: str = "val_auc") -> dict:
     """The summary's validation fields: best_test_auc and best_iteration are then those of this evaluation,
-    ``selected_by: val_auc``; when no validation AUC was ever defined, ``selected_by: last`` and why."""
+    ``selected_by: <by>`` (with a pAUC also its ``best_<by>`` and ``final_<by>``); when ``by`` was never defined,
+    ``selected_by: last`` and why."""
     out = {"best_val_auc": history[best]["val_auc"], "final_val_auc": history[-1]["val_auc"],
-           "selected_by": "val_auc" if selected else "last"}
+           "selected_by": by if selected else "last"}
+    if by != "val_auc":
+        out.update({f"best_{by}": history[best].get(by), f"final_{by}": history[-1].get(by)})
     if not selected:
-        log.warning("%s", NOT_SELECTED)
-        out["selection"] = NOT_SELECTED
+        why = NOT_SELECTED.replace("validation AUC", _named(by))
+        log.warning("%s", why)
+        out["selection"] = why
     return out
 
 

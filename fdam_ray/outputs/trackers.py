@@ -6,8 +6,8 @@ parameters (every field, :func:`tracker_params`); at every evaluation it logs
 the record's numbers as metrics at step = iteration, under their ``metrics.csv``
 names (:func:`tracker_metrics`: ``test_auc``, ``task_auc.<task>``,
 ``client_auc.<id>``, ``worst_client_auc``, ``bytes_up``, ``train_loss``, ``lr``,
-...); at the end it logs the summary and the final model (``model.pt``, as the
-run folder holds it) as an artifact.
+``test_auc_ci_low``, ``val_pauc``, ... with ``clinical: on``); at the end it logs the
+summary (:func:`summary_metrics`) and the final model (``model.pt``) as an artifact.
 
 One naming scheme for every tracker run, of ``fdam train`` and of ``fdam tune``
 alike: the names of ``metrics.csv``, which are also what a sweep's trials report
@@ -65,6 +65,7 @@ from fdam_ray.features.interrupts import RunStopped, interruptible
 from fdam_ray.files.extras import extra_hint
 from fdam_ray.files.versions import VERSIONS_KEY, run_versions
 from fdam_ray.outputs import Observer, OutputSection, RunStart, Snapshot, scalars
+from fdam_ray.scores.clinic import SUMMARY_PREFIXES
 from fdam_ray.settings.redact import redact
 from fdam_ray.settings.sections import SECRET_FIELDS, ConfigError
 
@@ -252,13 +253,9 @@ def _run_name(run: TrackedRun, run_dir: Path | None) -> str:
     return run.outputs.run_name or f"{datetime.now():%Y%m%d-%H%M%S}-{run.algorithm}-{dataset}"
 
 
-def _plain(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
-
-
 def _param(value: Any) -> Any:
-    """A config value as the tracker records it: a text without the credentials of any URI in it."""
-    return redact(value) if isinstance(value, str) else _plain(value)
+    """A config value as the tracker records it: a text without the credentials of any URI in it, a tuple a list."""
+    return redact(value) if isinstance(value, str) else list(value) if isinstance(value, tuple) else value
 
 
 class Tracker(Observer):
@@ -360,6 +357,13 @@ SUMMARY_KEYS = ("final_test_auc", "best_test_auc", "best_iteration", "best_val_a
                 "iterations", "bytes_up", "bytes_down", "wall_s", "samples_per_s")
 
 
+def summary_metrics(summary: dict) -> dict[str, float]:
+    """The summary's numbers a tracker logs at the end: :data:`SUMMARY_KEYS` and the clinical ones
+    (:data:`~fdam_ray.scores.clinic.SUMMARY_PREFIXES`: ``final_test_auc_ci_low``, ``best_val_pauc``, ...)."""
+    return {k: v for k, v in summary.items() if (k in SUMMARY_KEYS or k.startswith(SUMMARY_PREFIXES))
+            and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 def log_mlflow_params(client: Any, run_id: str, params: dict[str, Any]) -> None:
     """Log ``params`` (:func:`tracker_params`) to an MLflow run in batches: a list as JSON, any other value as
     text."""
@@ -410,8 +414,7 @@ class MLflowTracker(Tracker):
     def log_end(self, summary: dict, model_file: Path) -> None:
         self.client.log_artifact(self.run_id, str(model_file))
         step = int(summary.get("iterations") or 0)
-        self.log_metrics({f"summary.{k}": summary[k] for k in SUMMARY_KEYS
-                          if isinstance(summary.get(k), (int, float))}, step)
+        self.log_metrics({f"summary.{k}": v for k, v in summary_metrics(summary).items()}, step)
 
     def end(self, status: str) -> None:
         self.client.set_terminated(self.run_id, {"finished": "FINISHED", "killed": "KILLED"}.get(status, "FAILED"))
@@ -440,7 +443,7 @@ class WandbTracker(Tracker):
         artifact = wandb.Artifact(f"model-{self.run.id}", type="model")
         artifact.add_file(str(model_file), name="model.pt")
         self.run.log_artifact(artifact)
-        self.run.summary.update({k: summary[k] for k in SUMMARY_KEYS if summary.get(k) is not None})
+        self.run.summary.update(summary_metrics(summary))
 
     def end(self, status: str) -> None:
         self.run.finish(exit_code=0 if status == "finished" else 1)

@@ -25,7 +25,7 @@ line, never an exception.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -200,8 +200,13 @@ def read_out(counts: np.ndarray, *, max_fpr: float = 0.1, min_tpr: float | None 
 _MEANS = ("pauc", "pauc_mcclish", "tpauc", "sens_at_spec_", "spec_at_sens_")
 
 
-# The pooled test figures of a record (``clinical: on``), which summary.json repeats as ``final_<key>``.
+# The pooled test figures of a record (``clinical: on``), which summary.json repeats as ``final_<key>`` (and as
+# ``best_<key>``, the selected evaluation's).
 CLINICAL_KEYS = ("test_auc_se", "test_auc_ci_", "test_pauc", "test_tpauc", "test_sens_at_spec_", "test_spec_at_sens_")
+# summary.json's clinical fields: the final and the selected evaluation's pooled test figures, and with select_by:
+# val_pauc or val_tpauc the selecting figure's best and final value.
+SUMMARY_PREFIXES = (*(f"{when}_{k}" for when in ("final", "best") for k in CLINICAL_KEYS), "best_val_pauc",
+                    "final_val_pauc", "best_val_tpauc", "final_val_tpauc")
 
 
 def set_fields(figures: dict[str, np.ndarray]) -> dict[str, float | None]:
@@ -215,3 +220,29 @@ def set_fields(figures: dict[str, np.ndarray]) -> dict[str, float | None]:
         defined = values[~np.isnan(values)]
         out[key] = round(float(defined.mean()), 6) if defined.size else None
     return out
+
+
+def record_fields(pooled: np.ndarray, sites: Mapping[str, np.ndarray], *, split: str, task_names: Sequence[str],
+                  max_fpr: float, min_tpr: float | None, points: Sequence[float]) -> dict:
+    """A record's clinical fields of one split (``test`` or ``val``) from its pooled counts and each site's own
+    (``sites``: name -> counts ``(T, 2, K)``): ``<split>_<figure>`` pooled (:func:`set_fields`), per task
+    ``task_<figure>`` (test) or ``val_task_<figure>`` where there are several tasks (the AUC itself left out: it has
+    its own field), per site ``client_<figure>`` or ``val_client_<figure>``, as ``task_auc`` and ``client_auc`` are
+    named."""
+    def read(counts: np.ndarray) -> dict[str, np.ndarray]:
+        return read_out(counts, max_fpr=max_fpr, min_tpr=min_tpr, points=points)
+
+    head = "" if split == "test" else f"{split}_"
+    figures = read(pooled)
+    out: dict = {f"{split}_{k}": v for k, v in set_fields(figures).items()}
+    if len(task_names) > 1:
+        out.update({f"{head}task_{k}": {t: _num(x) for t, x in zip(task_names, v, strict=True)}
+                    for k, v in figures.items() if k != "auc"})
+    per_site = {site: set_fields(read(counts)) for site, counts in sites.items()}
+    for key in next(iter(per_site.values()), {}):
+        out[f"{head}client_{key}"] = {site: values[key] for site, values in per_site.items()}
+    return out
+
+
+def _num(x: float) -> float | None:
+    return None if np.isnan(x) else round(float(x), 6)

@@ -8,7 +8,8 @@ training config's own field names:
                      | {loguniform: [lo, hi]} | {randint: [lo, hi]}
     tune:   metric (test_auc, train_loss, ..., task_auc.<task>, client_auc.<id>, worst_task_auc,
             worst_client_auc; val_auc, val_task_auc.<task>, val_client_auc.<id>, worst_val_client_auc with
-            val_fraction > 0, where val_auc is the default), mode, searcher (grid | random | optuna),
+            val_fraction > 0, where the trials' select_by, val_auc, is the default; with clinical: on test_pauc,
+            val_pauc, test_auc_ci_low, ...), mode, searcher (grid | random | optuna),
             num_samples, scheduler (fifo | asha), grace_period, reduction_factor, max_concurrent_trials,
             driver_cpus, name, storage_path
 """
@@ -44,7 +45,10 @@ REPORTED = ("iteration", "round", "stage", "test_auc", "val_auc", "train_loss", 
 # task and each client under the metrics.csv names, and the lowest of each.
 REPORTED_PATTERNS = (re.compile(r"task_auc\..+"), re.compile(r"client_auc\..+"), re.compile(r"worst_task_auc"),
                      re.compile(r"worst_client_auc"), re.compile(r"lr|samples_per_s|test_samples"),
-                     re.compile(r"val_task_auc\..+|val_client_auc\..+|worst_val_client_auc|val_samples"))
+                     re.compile(r"val_task_auc\..+|val_client_auc\..+|worst_val_client_auc|val_samples"),
+                     # clinical: on: the pooled read-out of the test and the validation parts (val_pauc, ...)
+                     re.compile(r"(test|val)_(auc_se|auc_ci_(logit_)?(low|high)|pauc|pauc_mcclish|tpauc"
+                                r"|(sens_at_spec|spec_at_sens)_[0-9.]+)"))
 
 
 def is_reported(metric: str) -> bool:
@@ -203,7 +207,8 @@ def make_space(data: dict[str, Any], overrides: dict[str, Any] | None = None, *,
         _check_spec(name, spec)
     configs = [build_config({**base, **combo}) for combo in _candidates(search)]
     if "metric" not in opts and configs and all(c.val_fraction > 0 for c in configs):
-        opts["metric"] = "val_auc"  # select on validation, never on the test set
+        selecting = {c.select_by for c in configs}  # select on validation, never on the test set
+        opts["metric"] = selecting.pop() if len(selecting) == 1 else "val_auc"
     options = TuneOptions(**opts)
     _check_validation_metric(options.metric, configs)
     if options.searcher == "grid" and any(k not in ("grid", "choice") for s in search.values() for k in s):
