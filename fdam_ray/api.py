@@ -231,6 +231,9 @@ def load_model(run_dir: str | Path, *, best: bool = False, model: str | Callable
         model: the model factory of a run that was given one (the callable, or its import path ``module:attr``;
             it must have the name the run recorded), or the built-in name the run recorded.
 
+    Returns:
+        The network, on CPU in eval mode, with the run's weights loaded.
+
     Raises:
         ValueError: one line naming the folder or file and what is wrong (not a finished run, no best model,
             a file that is not a regular file, a damaged record naming its key, a factory not given or that

@@ -254,6 +254,9 @@ def run(
             ``model_weights`` file if set, else the seeded initialisation). With
             ``pretrain_iterations`` > 0 they start the pre-training run (`fdam_ray.assembly.pretrain`),
             and this run starts from its body with a fresh classifier head.
+
+    Returns:
+        The finished run: the final model, the history of evaluations, the summary and the run folder.
     """
     return federate(config, source=source, executor=executor, save=save, on_eval=on_eval, progress=progress,
                     initial_model_state=initial_model_state)
