@@ -72,11 +72,18 @@ def cli_reference() -> str:
 
     from fdam_ray.cli import build_parser
 
+    columns = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = "100"  # argparse wraps to the terminal's width: fix it for a stable page
-    parser = build_parser()
-    out = ["## `fdam`", "", "```text", parser.format_help().rstrip(), "```", ""]
-    for name, sub in _subparsers(parser).items():
-        out += [f"## `fdam {name}`", "", "```text", sub.format_help().rstrip(), "```", ""]
+    try:
+        parser = build_parser()
+        out = ["## `fdam`", "", "```text", parser.format_help().rstrip(), "```", ""]
+        for name, sub in _subparsers(parser).items():
+            out += [f"## `fdam {name}`", "", "```text", sub.format_help().rstrip(), "```", ""]
+    finally:  # the process's own width as it was (a test session calls this too)
+        if columns is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = columns
     return "\n".join(out)
 
 

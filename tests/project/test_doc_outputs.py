@@ -120,7 +120,7 @@ RUNS: dict[str, str] = {}
 def produced(block, folder: Path) -> str:
     key = block.text if block.lang == "python" else last_command(block)
     if key not in RUNS:
-        cwd = os.getcwd()
+        cwd, columns = os.getcwd(), os.environ.pop("COLUMNS", None)  # output to a pipe: lines not fitted to a width
         os.chdir(folder)  # a block's relative run folders land here
         try:
             if block.lang == "python":
@@ -133,6 +133,8 @@ def produced(block, folder: Path) -> str:
                 pytest.fail(f"{block.page}:{block.line}: no runner for the output of {key}")
         finally:
             os.chdir(cwd)
+            if columns is not None:
+                os.environ["COLUMNS"] = columns
     return RUNS[key]
 
 
