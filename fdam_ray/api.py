@@ -1,5 +1,6 @@
-"""The Python entry points: :func:`train` (a dataset by name), :func:`train_arrays` (your own arrays) and
-:func:`train_datasets` (your own torch Datasets)."""
+"""The Python entry points: [`train`][fdam_ray.api.train] (a dataset by name),
+[`train_arrays`][fdam_ray.api.train_arrays] (your own arrays) and [`train_datasets`][fdam_ray.api.train_datasets] (your
+own torch Datasets)."""
 
 from __future__ import annotations
 
@@ -90,14 +91,27 @@ def train(
     on_eval: Callable[[dict], None] | None = None,
     progress: bool | None = None,
 ) -> RunResult:
-    """Train a federation on the dataset the config names; see :func:`fdam_ray.assembly.recipe.run`.
+    """Train a federation on the dataset the config names; see
+    [`fdam_ray.assembly.recipe.run`][fdam_ray.assembly.recipe.run].
 
-    ``model`` sets the config's ``model``: a built-in name, an import path ``module:attr``, or your own
-    factory ``(input_shape, num_tasks) -> nn.Module`` (docs/tutorials/own-data.md). A factory that
-    can be imported by name is recorded by its path; any other (a lambda, a local function, one of the
-    ``__main__`` script) travels to the clients by value, and resuming its run needs it given again.
-    ``progress``: show the run as ``fdam train`` does (a bar on stderr, a line per evaluation on stdout);
-    None (the default) shows it when stderr is a terminal.
+    Args:
+        config: a [`Config`][fdam_ray.config.Config], or a mapping of field names to values (validated by
+            [`build_config`][fdam_ray.config.build_config]); None: every default (the ``fdam train`` job).
+        model: sets the config's ``model``: a built-in name, an import path ``module:attr``, or your own
+            factory ``(input_shape, num_tasks) -> nn.Module`` (docs/tutorials/own-data.md). A factory that
+            can be imported by name is recorded by its path; any other (a lambda, a local function, one of the
+            ``__main__`` script) travels to the clients by value, and resuming its run needs it given again.
+        save: write a run folder under the config's ``out_dir``.
+        on_eval: called with every evaluation record as it is made.
+        progress: show the run as ``fdam train`` does (a bar on stderr, a line per evaluation on stdout);
+            None (the default) shows it when stderr is a terminal.
+
+    Returns:
+        The finished run: its final model, history and summary, and its run folder.
+
+    Raises:
+        ValueError: one line naming a bad field or value (a [`ConfigError`][fdam_ray.config.ConfigError]), or
+            data that cannot be trained on, before anything is written.
     """
     return run(_config(config, **_with_model({}, model)), save=save, **_shown(progress, on_eval))
 
@@ -118,12 +132,23 @@ def train_arrays(
     ``y`` holds 0 (negative), 1 (positive) or NaN (missing), of shape (n,) or
     (n, T) for T tasks. ``num_clients`` is taken from ``len(clients)``. Set
     ``batch_size`` to 0 (or "full") for full-batch, sampling-free, deterministic
-    gradients. ``client_tests`` adds each client's own test split and a
-    per-client AUC to the history. ``model`` and ``progress`` as for :func:`train`.
+    gradients. A run saved with ``save=True`` resumes from Python with the same arrays:
+    ``fdam_ray.resume(run_dir, source=ArraysSource(clients, test, client_tests))``
+    (``fdam_ray.data.arrays``).
+
+    Args:
+        config: the run's fields, as for [`train`][fdam_ray.api.train].
+        clients: one ``(X_k, y_k)`` pair of arrays per client.
+        test: the pooled test set ``(X, y)``, or None when ``client_tests`` are the test set.
+        client_tests: each client's own test split, which adds a per-client AUC to the history.
+        model: as for [`train`][fdam_ray.api.train].
+        save: write a run folder under the config's ``out_dir`` (off by default).
+        on_eval: called with every evaluation record as it is made.
+        progress: as for [`train`][fdam_ray.api.train].
 
     Returns:
-        :class:`RunResult` with the final ``model_state`` (a ``state_dict``), ``a``,
-        ``b``, ``alpha``, the global ``control_variates`` (or None) and ``history``.
+        The final ``model_state`` (a ``state_dict``), ``a``, ``b``, ``alpha``, the global
+        ``control_variates`` (or None), ``history`` and ``summary``.
     """
     source = ArraysSource(clients, test, client_tests)
     cfg = _config(config, **_with_model({"dataset": "arrays", "num_clients": len(clients)}, model))
@@ -144,21 +169,30 @@ def train_datasets(
 ) -> RunResult:
     """Train on your own torch Datasets: one entry per client and a test set.
 
-    Each entry of ``clients`` is a ``torch.utils.data.Dataset`` or a picklable
-    callable ``() -> Dataset`` that builds the client's Dataset where the client
-    runs (under Ray on its own actor, so the driver never reads that site's
-    data). ``test`` (and each of ``client_tests``, which adds per-client test
-    splits and AUCs) is a Dataset, such a callable, or None. Items are ``(x, y)``
-    with ``x`` a tensor or array and ``y`` 0, 1 or NaN (missing), of shape () or
+    Items are ``(x, y)`` with ``x`` a tensor or array and ``y`` 0, 1 or NaN (missing), of shape () or
     (T,) for T tasks; each client reads and checks its labels in one pass over
     its Dataset. Batches are read by a DataLoader with ``data_workers``
     processes; ``batch_size`` 0 (full batch) is not available. ``num_clients``
-    is taken from ``len(clients)``; ``model`` and ``progress`` as for :func:`train`. ``save``:
-    write a run folder, as :func:`train` does; None (the default) writes one
-    when the config names where (``run_name`` or ``out_dir``), else none.
+    is taken from ``len(clients)``. A saved run resumes from Python with the same Datasets:
+    ``fdam_ray.resume(run_dir, source=DatasetsSource(clients, test, client_tests))``
+    (``fdam_ray.data.datasets``).
+
+    Args:
+        config: the run's fields, as for [`train`][fdam_ray.api.train].
+        clients: one entry per client: a ``torch.utils.data.Dataset`` or a picklable callable
+            ``() -> Dataset`` that builds the client's Dataset where the client runs (under Ray on its own
+            actor, so the driver never reads that site's data).
+        test: the pooled test set: a Dataset, such a callable, or None.
+        client_tests: each client's own test split (a Dataset, a callable, or None), which adds per-client
+            AUCs.
+        model: as for [`train`][fdam_ray.api.train].
+        save: write a run folder, as [`train`][fdam_ray.api.train] does; None (the default) writes one
+            when the config names where (``run_name`` or ``out_dir``), else none.
+        on_eval: called with every evaluation record as it is made.
+        progress: as for [`train`][fdam_ray.api.train].
 
     Returns:
-        :class:`RunResult`, as :func:`train_arrays`.
+        The finished run, as [`train_arrays`][fdam_ray.api.train_arrays] returns it.
     """
     cfg = _config(config, **_with_model({"dataset": "datasets", "num_clients": len(clients)}, model))
     source = DatasetsSource(clients, test, client_tests, data_workers=cfg.data_workers)
@@ -186,7 +220,7 @@ def load_model(run_dir: str | Path, *, best: bool = False, model: str | Callable
     ``model``, either the factory itself or its import path ``module:attr`` (which is then imported), and only
     when that is the name the run recorded. A file that records any other name imports and calls nothing. Nor
     does it choose sizes: the record is checked before anything is built (integers; an input of 1 to
-    :data:`~fdam_ray.models.MAX_INPUT_DIMS` dimensions and at most :data:`~fdam_ray.models.MAX_INPUT_VALUES`
+    `MAX_INPUT_DIMS` dimensions and at most `MAX_INPUT_VALUES`
     values, ``model_width`` and ``num_tasks`` at most 65536), and a built-in network is first laid out
     without memory (torch's meta device) and must match the file's weights key for key and shape for shape,
     so what is built is never larger than the weights the file holds.
@@ -196,6 +230,9 @@ def load_model(run_dir: str | Path, *, best: bool = False, model: str | Callable
         best: load ``best_model.pt`` (the model a validation split selected) instead of ``model.pt``.
         model: the model factory of a run that was given one (the callable, or its import path ``module:attr``;
             it must have the name the run recorded), or the built-in name the run recorded.
+
+    Returns:
+        The network, on CPU in eval mode, with the run's weights loaded.
 
     Raises:
         ValueError: one line naming the folder or file and what is wrong (not a finished run, no best model,

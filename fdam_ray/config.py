@@ -1,15 +1,15 @@
 """Run configuration: one flat set of plain names shared by YAML files, the CLI and Tune.
 
 Each field is declared once, in the section class of the code that reads it
-(:func:`fdam_ray.settings.sections.setting`: type, default, meaning with the paper's
-symbol, allowed values). :class:`Config` inherits every section, so a type
-checker sees each field; the field table :data:`FIELDS`, ``fdam fields``, the
+(`fdam_ray.settings.sections.setting`: type, default, meaning with the paper's
+symbol, allowed values). [`Config`][fdam_ray.config.Config] inherits every section, so a type
+checker sees each field; the field table [`FIELDS`][fdam_ray.config.FIELDS], ``fdam fields``, the
 CLI's ``key=value`` keys and Tune's search-space keys are generated from the
-sections (:data:`SECTION_CLASSES`). :func:`build_config` is the only way to make
-a :class:`Config`: it rejects unknown keys, coerces types
-(:mod:`fdam_ray.settings.coercion`), applies the chosen algorithm's preset defaults for
+sections (`SECTION_CLASSES`). [`build_config`][fdam_ray.config.build_config] is the only way to make
+a [`Config`][fdam_ray.config.Config]: it rejects unknown keys, coerces types
+(`fdam_ray.settings.coercion`), applies the chosen algorithm's preset defaults for
 fields the user left unset, checks every value and then each section's rules
-across its fields, raising :class:`ConfigError` (a ``ValueError``) that names
+across its fields, raising [`ConfigError`][fdam_ray.config.ConfigError] (a ``ValueError``) that names
 the field, the value and what is allowed.
 """
 
@@ -96,19 +96,20 @@ class Config(AlgorithmSection, ScheduleSection, SyntheticSection, ChestXraySecti
              ClientSection, LocalStepSection, SamplingSection, PrecisionSection, RunSection, ValidationSection,
              ExecutorSection, RaySection, DeadlineSection, TransferSection, OutputSection, SiteSection,
              PrivacySection):
-    """A validated run configuration (every section's fields); build it with :func:`build_config`."""
+    """A validated run configuration (every section's fields); build it with
+    [`build_config`][fdam_ray.config.build_config]."""
 
     name = "config"
 
     def to_dict(self) -> dict[str, Any]:
-        """The values as data, in the order of :data:`FIELDS`; a factory given in Python is recorded by its name
-        (``python:module.name``)."""
+        """The values as data, in the order of [`FIELDS`][fdam_ray.config.FIELDS]; a factory given in Python is recorded
+        by its name (``python:module.name``)."""
         values = dataclasses.asdict(self)
         return {f.name: _plain(values[f.name]) for f in FIELDS}
 
     def replace(self, **changes: Any) -> Config:
-        """A new config with ``changes``, validated as :func:`build_config` validates any; the fields the user
-        named (:meth:`names`) are this config's and those changed."""
+        """A new config with ``changes``, validated as [`build_config`][fdam_ray.config.build_config] validates any; the
+        fields the user named ([`names`][fdam_ray.config.Config.names]) are this config's and those changed."""
         new = build_config({**dataclasses.asdict(self), **changes})
         object.__setattr__(new, "_named", self._named_fields() | new._named_fields() & set(changes))
         return new
@@ -121,7 +122,7 @@ class Config(AlgorithmSection, ScheduleSection, SyntheticSection, ChestXraySecti
         return self.__dict__.get("_named", frozenset())
 
     def check(self) -> None:
-        """Every section's rules across its fields, in the order of :data:`SECTION_CLASSES`."""
+        """Every section's rules across its fields, in the order of `SECTION_CLASSES`."""
         for cls in SECTION_CLASSES:
             cls.of(self).check()
 
@@ -214,13 +215,13 @@ def nearest_field(key: str) -> str | None:
 
 
 def build_config(values: Mapping[str, Any] | None = None, **overrides: Any) -> Config:
-    """Make a validated :class:`Config` from a mapping (and keyword overrides).
+    """Make a validated [`Config`][fdam_ray.config.Config] from a mapping (and keyword overrides).
 
     Fields the user does not set take the algorithm preset's default, then the
     field's own default. Nested sections are accepted and flattened (see
-    :func:`_flatten_sections`). Each section's rules across its fields
-    (:meth:`~fdam_ray.settings.sections.Section.check`) run last. Raises
-    :class:`ConfigError` on the first bad value.
+    `_flatten_sections`). Each section's rules across its fields
+    (`check`) run last. Raises
+    [`ConfigError`][fdam_ray.config.ConfigError] on the first bad value.
     """
     given = _given(values, overrides)
     algorithm = coerce(FIELD_BY_NAME["algorithm"], given.get("algorithm", FIELD_BY_NAME["algorithm"].default))
@@ -290,8 +291,9 @@ def _read_renamed(given: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``["lr=0.1", "run_name=007"]`` -> ``{"lr": "0.1", "run_name": "007"}`` as :class:`CommandLineText`;
-    :func:`build_config` reads each by its field's type (``lr`` -> 0.1, ``run_name`` -> "007")."""
+    """``["lr=0.1", "run_name=007"]`` -> ``{"lr": "0.1", "run_name": "007"}`` as `CommandLineText`;
+    [`build_config`][fdam_ray.config.build_config] reads each by its field's type (``lr`` -> 0.1, ``run_name`` ->
+    "007")."""
     once_each(items, NAMES)
     out: dict[str, Any] = {}
     for item in items:
@@ -321,7 +323,7 @@ def read_text_value(value: Any) -> Any:
 
 
 def load_config_file(path: str) -> dict[str, Any]:
-    """Read a YAML config file into a mapping (validated later by :func:`build_config`)."""
+    """Read a YAML config file into a mapping (validated later by [`build_config`][fdam_ray.config.build_config])."""
     data = read_yaml_file(path, "config file")
     if data is None:
         return {}
@@ -345,5 +347,5 @@ def row_of(field: Field) -> catalog.Row:
 
 def describe_fields(terms: list[str] | tuple[str, ...] = ()) -> str:
     """A plain-text table of every field (or those ``terms`` select), its default and its meaning (for `fdam
-    fields`); a term that selects nothing is a :class:`ConfigError` naming the sections."""
+    fields`); a term that selects nothing is a [`ConfigError`][fdam_ray.config.ConfigError] naming the sections."""
     return catalog.describe([row_of(f) for f in FIELDS], list(SECTIONS), terms)

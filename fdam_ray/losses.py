@@ -1,7 +1,7 @@
 """AUC losses for your own PyTorch loop: AUC-square and AUC-M, one task or many with missing labels.
 
 The same objectives the federation optimises (docs/algorithms.md s.1; Yuan et
-al. 2021, eq. 2 and AUC-M), as :class:`torch.nn.Module` losses that hold their
+al. 2021, eq. 2 and AUC-M), as `torch.nn.Module` losses that hold their
 own a, b (minimised) and alpha (maximised), as LibAUC's ``AUCMLoss`` does. With
 P = [y = 1], N = [y = 0] and score h in [0, 1] the per-sample objective is
 
@@ -9,7 +9,7 @@ P = [y = 1], N = [y = 0] and score h in [0, 1] the per-sample objective is
     AUCMLoss:       (1-p)(h-a)^2 P + p(h-b)^2 N + 2 alpha (p(1-p) m + p h N - (1-p) h P) - p(1-p) alpha^2
 
 where p is the positive ratio (``imratio``) and m the margin; alpha >= 0 for
-AUC-M (:class:`fdam_ray.optim.PrimalDualSGD` projects it). The loss of a batch
+AUC-M ([`fdam_ray.optim.PrimalDualSGD`][fdam_ray.optim.PrimalDualSGD] projects it). The loss of a batch
 is the mean of F over the samples, per task, then the mean over the tasks that
 have a labelled sample in the batch. With ``num_tasks`` T > 1 the model gives
 T scores, a, b, alpha and p are length-T vectors, and a label of -1 or NaN is
@@ -17,7 +17,7 @@ missing: that sample is left out of that task only. Labels come in the scores'
 layout, one row per sample; a loss is never computed from NaN or infinite
 scores (a ValueError says where, rather than a NaN written into the model).
 
-The arithmetic is :func:`fdam_ray.objectives.auc_objective`, the one the
+The arithmetic is [`fdam_ray.objectives.auc_objective`][fdam_ray.objectives.auc_objective], the one the
 federation's clients call, so a loss here and a federated run agree to the bit.
 """
 

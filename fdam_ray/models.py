@@ -6,7 +6,7 @@ Besides the built-in names, ``model`` may name your own factory by import path
 (``my_pkg.models:build``) or, in Python, be the factory itself: a callable
 ``factory(input_shape, num_tasks)`` (plus ``width=model_width`` when it has a
 parameter named ``width``) returning an ``nn.Module`` whose output for a batch of
-B samples is (B, T) logits ((B,) is accepted when T = 1). :func:`check_model`
+B samples is (B, T) logits ((B,) is accepted when T = 1). [`check_model`][fdam_ray.models.check_model]
 says what such a network may hold.
 """
 
@@ -186,8 +186,8 @@ def model_name(model: str | Callable) -> str:
 
 def network_record(config: Any, input_shape: tuple[int, ...], num_tasks: int) -> dict[str, Any]:
     """Which network a saved model holds (the ``network`` entry of a run's ``model.pt``): the config's model
-    fields and the input shape and task count it was built for, all :func:`fdam_ray.load_model` needs to build
-    it again."""
+    fields and the input shape and task count it was built for, all [`fdam_ray.load_model`][fdam_ray.api.load_model]
+    needs to build it again."""
     return {"model": model_name(config.model), "model_width": int(config.model_width), "seed": int(config.seed),
             "input_shape": [int(d) for d in input_shape], "num_tasks": int(num_tasks)}
 
@@ -205,7 +205,7 @@ MAX_MODEL_NAME = 1000  # characters of a model name or import path
 
 @dataclasses.dataclass(frozen=True)
 class NetworkRecord:
-    """Which network a saved model holds, checked (:func:`read_network_record`)."""
+    """Which network a saved model holds, checked ([`read_network_record`][fdam_ray.models.read_network_record])."""
 
     model: str
     model_width: int

@@ -160,8 +160,8 @@ def auc_objective(
 ) -> torch.Tensor:
     """The minibatch AUC objective of the module docstring on (B, T) scores h in [0, 1] and labels (0, 1, NaN).
 
-    The one implementation of F: the federation's :class:`Objective` and the public losses
-    (:mod:`fdam_ray.losses`) both call it.
+    The one implementation of F: the federation's [`Objective`][fdam_ray.objectives.Objective] and the public losses
+    ([`fdam_ray.losses`][fdam_ray.losses]) both call it.
     """
     valid = ~torch.isnan(labels)
     pos = (labels == 1).to(h.dtype)

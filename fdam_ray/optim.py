@@ -1,9 +1,9 @@
 """The primal-dual step for your own PyTorch loop (docs/algorithms.md s.2, s.5), with optional momentum.
 
-:class:`PrimalDualSGD` is the local step the federation's clients take
-(:class:`fdam_ray.algorithms.LocalSolver`), as a :class:`torch.optim.Optimizer`:
+[`PrimalDualSGD`][fdam_ray.optim.PrimalDualSGD] is the local step the federation's clients take
+(`fdam_ray.algorithms.LocalSolver`), as a `torch.optim.Optimizer`:
 LibAUC's PESG in shape. With g the gradients of an AUC loss
-(:mod:`fdam_ray.losses`) at (v, alpha), v = (w, a, b):
+([`fdam_ray.losses`][fdam_ray.losses]) at (v, alpha), v = (w, a, b):
 
     d_v      = clip(g_w), g_a, g_b  +  gamma (v - v_ref)  +  wd v
     u        = mu u + d_v         (heavy-ball momentum, u = 0 at the start; mu = 0: u = d_v)
@@ -14,7 +14,7 @@ The stagewise schedule of the paper's experiments: at a stage end eta is
 divided by ``lr_decay`` and the proximal centre v_ref moves to the average of
 the stage's iterates (``reference_point="average"``) or to the last one. Stage
 1's centre is the starting point. Stages end every ``stage_length`` steps when
-it is given, or when you call :meth:`PrimalDualSGD.end_stage` (LibAUC's
+it is given, or when you call [`PrimalDualSGD.end_stage`][fdam_ray.optim.PrimalDualSGD.end_stage] (LibAUC's
 ``update_regularizer``). The momentum buffer is kept across stages.
 
 The vector operations are the functions below, which the federation's local
@@ -131,8 +131,8 @@ class PrimalDualSGD(torch.optim.Optimizer):
 
     Args:
         params: the model's parameters (``model.parameters()``); the loss's own are added from ``loss_fn``.
-        loss_fn: the AUC loss (:class:`fdam_ray.losses.AUCSquareLoss` or :class:`~fdam_ray.losses.AUCMLoss`)
-            whose a, b are descended and whose alpha is ascended.
+        loss_fn: the AUC loss ([`AUCSquareLoss`][fdam_ray.losses.AUCSquareLoss] or
+            [`AUCMLoss`][fdam_ray.losses.AUCMLoss]) whose a, b are descended and whose alpha is ascended.
         lr: eta of stage 1.
         momentum: mu, heavy-ball momentum of the primal step (0 = plain SGD).
         weight_decay: wd, L2 decay of v.
@@ -140,7 +140,8 @@ class PrimalDualSGD(torch.optim.Optimizer):
             1/1000; 0 = off).
         grad_clip: element-wise clip of the model's gradient to [-clip, clip] (None = off; a, b not clipped).
         lr_decay: divisor of eta at each stage end.
-        stage_length: T0, steps per stage (None: stages end only when :meth:`end_stage` is called).
+        stage_length: T0, steps per stage (None: stages end only when
+            [`end_stage`][fdam_ray.optim.PrimalDualSGD.end_stage] is called).
         reference_point: the next stage's centre: ``average`` of the stage's iterates, or the ``last``.
     """
 
@@ -240,7 +241,7 @@ class PrimalDualSGD(torch.optim.Optimizer):
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a :meth:`state_dict` of a PrimalDualSGD over parameters of the same shapes (the same model and
+        """Load a `state_dict` of a PrimalDualSGD over parameters of the same shapes (the same model and
         ``num_tasks``). Anything else (another optimizer's state, other shapes, a damaged entry) is refused with a
         ValueError naming what differs, and nothing is changed."""
         self._check_loadable(state_dict)

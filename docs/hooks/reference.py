@@ -6,7 +6,11 @@ neither page can drift from the code. A page asks for a table with a marker line
 
 - ``<!-- fdam:config-fields -->``: every config field, section by section (name, default, allowed values,
   whether a resume may change it, meaning);
-- ``<!-- fdam:cli -->``: the ``--help`` text of ``fdam`` and of each of its commands.
+- ``<!-- fdam:cli -->``: the ``--help`` text of ``fdam`` and of each of its commands;
+- ``<!-- fdam:changelog -->``: CHANGELOG.md as it stands (the changelog page).
+
+The figures the benchmarks draw (``benchmarks/results/*.png``) are added to the site as ``results/<name>.png``
+(the results page shows them), read from where the benchmarks write them rather than copied into docs/.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from typing import Any
 
 CONFIG_MARKER = "<!-- fdam:config-fields -->"
 CLI_MARKER = "<!-- fdam:cli -->"
+CHANGELOG_MARKER = "<!-- fdam:changelog -->"
+FIGURES = "benchmarks/results"  # the benchmarks' figures, served as results/<name>.png
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -66,12 +72,38 @@ def cli_reference() -> str:
 
     from fdam_ray.cli import build_parser
 
+    columns = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = "100"  # argparse wraps to the terminal's width: fix it for a stable page
-    parser = build_parser()
-    out = ["## `fdam`", "", "```text", parser.format_help().rstrip(), "```", ""]
-    for name, sub in _subparsers(parser).items():
-        out += [f"## `fdam {name}`", "", "```text", sub.format_help().rstrip(), "```", ""]
+    try:
+        parser = build_parser()
+        out = ["## `fdam`", "", "```text", parser.format_help().rstrip(), "```", ""]
+        for name, sub in _subparsers(parser).items():
+            out += [f"## `fdam {name}`", "", "```text", sub.format_help().rstrip(), "```", ""]
+    finally:  # the process's own width as it was (a test session calls this too)
+        if columns is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = columns
     return "\n".join(out)
+
+
+def changelog() -> str:
+    """CHANGELOG.md, for the changelog page."""
+    return (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+
+
+def figures() -> list[Path]:
+    """The benchmarks' figures the site serves."""
+    return sorted((ROOT / FIGURES).glob("*.png"))
+
+
+def on_files(files: Any, config: Any, **kwargs: Any) -> Any:
+    """Add the benchmarks' figures to the site, as ``results/<name>.png``."""
+    from mkdocs.structure.files import File
+
+    for figure in figures():
+        files.append(File.generated(config, f"results/{figure.name}", abs_src_path=str(figure)))
+    return files
 
 
 def on_page_markdown(markdown: str, **kwargs: Any) -> str:
@@ -82,4 +114,6 @@ def on_page_markdown(markdown: str, **kwargs: Any) -> str:
         markdown = markdown.replace(CONFIG_MARKER, config_reference())
     if CLI_MARKER in markdown:
         markdown = markdown.replace(CLI_MARKER, cli_reference())
+    if CHANGELOG_MARKER in markdown:
+        markdown = markdown.replace(CHANGELOG_MARKER, changelog())
     return markdown

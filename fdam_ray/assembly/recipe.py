@@ -1,26 +1,26 @@
 """The one way a config becomes a running federation.
 
 Every entry point assembles its federation here: ``fdam train`` and
-:func:`fdam_ray.train` (:func:`run`), :func:`fdam_ray.train_arrays` (:func:`run`
-with in-memory data), ``fdam train --resume`` (:func:`resume`), every Ray Tune
-trial (:mod:`fdam_ray.tuning.trial`) and the benchmarks. :func:`federate` does,
-in order:
+[`fdam_ray.train`][fdam_ray.api.train] ([`run`][fdam_ray.assembly.recipe.run]),
+[`fdam_ray.train_arrays`][fdam_ray.api.train_arrays] ([`run`][fdam_ray.assembly.recipe.run] with in-memory data), ``fdam
+train --resume`` ([`resume`][fdam_ray.assembly.recipe.resume]), every Ray Tune trial (`fdam_ray.tuning.trial`) and the
+benchmarks. `federate` does, in order:
 
 1. the data source (the config's dataset, or the one given); for your own
    Datasets, the sample shape and number of tasks the network is built for,
    read where client 0 runs when the driver holds none of the data
-   (:func:`describe_data`);
+   (`describe_data`);
 2. the initial network weights, for a run that does not resume: the weights
    given, else the ``model_weights`` file, else the seeded initialisation; then,
    with ``pretrain_iterations`` > 0, stage 1 of the two-stage recipe (a BCE
-   federation assembled by this same function, :mod:`fdam_ray.assembly.pretrain`), whose
+   federation assembled by this same function, `fdam_ray.assembly.pretrain`), whose
    body with a fresh head becomes the initial weights;
 3. the executor (the config's, or the one given);
 4. the outputs, as one observer: the run folder, the progress bar, a callback
-   per evaluation, the experiment trackers the config names (:mod:`fdam_ray.outputs.trackers`)
+   per evaluation, the experiment trackers the config names (`fdam_ray.outputs.trackers`)
    and any observer the caller adds (a Tune trial's reports);
-5. the :class:`~fdam_ray.loop.federation.Federation`, run from the start or from a
-   :class:`~fdam_ray.checkpoint.Checkpoint`, which then holds the whole state:
+5. the `Federation`, run from the start or from a
+   `Checkpoint`, which then holds the whole state:
    initial weights and pre-training are skipped.
 """
 
@@ -241,19 +241,22 @@ def run(
     progress: bool = False,
     initial_model_state: dict[str, torch.Tensor] | None = None,
 ) -> RunResult:
-    """Train one federation as ``config`` says and return its :class:`~fdam_ray.loop.summary.RunResult`.
+    """Train one federation as ``config`` says and return its `RunResult`.
 
     Args:
-        config: a validated :class:`fdam_ray.config.Config`.
+        config: a validated [`fdam_ray.config.Config`][fdam_ray.config.Config].
         source: the data (default: the dataset the config names).
         executor: how clients run (default: the config's ``executor``).
-        save: write a run folder (see :mod:`fdam_ray.outputs`) under ``config.out_dir``.
+        save: write a run folder (see `fdam_ray.outputs`) under ``config.out_dir``.
         on_eval: called with every evaluation record as it is made.
         progress: show a progress bar over iterations.
         initial_model_state: network weights to start from (a ``state_dict``; default: the
             ``model_weights`` file if set, else the seeded initialisation). With
-            ``pretrain_iterations`` > 0 they start the pre-training run (:mod:`fdam_ray.assembly.pretrain`),
+            ``pretrain_iterations`` > 0 they start the pre-training run (`fdam_ray.assembly.pretrain`),
             and this run starts from its body with a fresh classifier head.
+
+    Returns:
+        The finished run: the final model, the history of evaluations, the summary and the run folder.
     """
     return federate(config, source=source, executor=executor, save=save, on_eval=on_eval, progress=progress,
                     initial_model_state=initial_model_state)
@@ -270,18 +273,31 @@ def resume(
 ) -> RunResult:
     """Continue the run in ``run_dir`` from its last checkpoint.
 
-    ``changes`` may alter only fields in :data:`fdam_ray.config.RESUME_MAY_CHANGE`
-    (how the run executes, or a longer ``iterations``); anything else means a
-    different run and is refused, and so is an ``iterations`` short of where the
-    run is already (its record would no longer match its metrics). A run that is finished is not
-    trained again: its stored result is returned and nothing in its folder is
-    rewritten. Stage 1's folder of a two-stage run (:mod:`fdam_ray.assembly.pretrain`)
-    continues the whole recipe: stage 1 to its end, then stage 2. ``model``: the
-    model factory of a run that was given one in Python which cannot be imported
-    by name (its run folder records only its name, ``python:module.name``); it
-    must have that same name. ``source``: the data of a run made by
-    :func:`fdam_ray.train_arrays` or :func:`fdam_ray.train_datasets` (given as a
-    source, as those build it).
+    A run that is finished is not trained again: its stored result is returned and nothing in its folder is
+    rewritten. Stage 1's folder of a two-stage run (`fdam_ray.assembly.pretrain`)
+    continues the whole recipe: stage 1 to its end, then stage 2.
+
+    Args:
+        run_dir: the run folder.
+        changes: fields to change, only those in
+            [`RESUME_MAY_CHANGE`][fdam_ray.config.RESUME_MAY_CHANGE] (how the run executes, or a longer
+            ``iterations``); anything else means a different run and is refused, and so is an ``iterations``
+            short of where the run is already (its record would no longer match its metrics).
+        source: the data of a run made by [`train_arrays`][fdam_ray.api.train_arrays] or
+            [`train_datasets`][fdam_ray.api.train_datasets], the same data given again as those build it:
+            ``ArraysSource(clients, test, client_tests)`` (``fdam_ray.data.arrays``) or
+            ``DatasetsSource(clients, test, client_tests)`` (``fdam_ray.data.datasets``).
+        on_eval: called with every evaluation record as it is made.
+        progress: show a progress bar over iterations.
+        model: the model factory of a run that was given one in Python which cannot be imported by name (its
+            run folder records only its name, ``python:module.name``); it must have that same name.
+
+    Returns:
+        The finished run, as [`run`][fdam_ray.assembly.recipe.run] returns it.
+
+    Raises:
+        ValueError: one line, before anything in the folder is written: not a run folder, a change that is
+            not allowed, a run of your own data without ``source``, a damaged checkpoint.
     """
     with one_federation_at_a_time():  # (a finished run's resume sets the process's torch RNG as the run left it)
         return _resume(Path(run_dir), changes, source=source, on_eval=on_eval, progress=progress, model=model)

@@ -35,10 +35,13 @@ def make_source(config: DataSection, *, executor: str = "inline", address: str |
     config's).
     """
     if config.dataset == "arrays":
-        raise ValueError("dataset 'arrays' takes in-memory data: call fdam_ray.train_arrays(config, clients, test)")
+        raise ValueError("dataset 'arrays' takes in-memory data: train with fdam_ray.train_arrays(config, clients, "
+                         "test); resume such a run from Python with the same arrays, fdam_ray.resume(run_dir, "
+                         "source=fdam_ray.data.arrays.ArraysSource(clients, test, client_tests))")
     if config.dataset == "datasets":
-        raise ValueError("dataset 'datasets' takes your own Datasets: call fdam_ray.train_datasets(config, clients, "
-                         "test)")
+        raise ValueError("dataset 'datasets' takes your own Datasets: train with fdam_ray.train_datasets(config, "
+                         "clients, test); resume such a run from Python with the same Datasets, fdam_ray.resume("
+                         "run_dir, source=fdam_ray.data.datasets.DatasetsSource(clients, test, client_tests))")
     section = data_section(config)
     roots = section.client_data_roots
     if roots:

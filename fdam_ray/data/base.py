@@ -1,6 +1,6 @@
 """Data sources, client shards and minibatch samplers.
 
-A :class:`DataSource` is a small picklable *spec*: given a client index it
+A [`DataSource`][fdam_ray.data.base.DataSource] is a small picklable *spec*: given a client index it
 builds that client's shard itself (so under Ray an actor loads its own data and
 the driver never holds training samples). Labels are float32 arrays of shape
 (n, T), 1 = positive, 0 = negative, NaN = missing for that task.
@@ -158,7 +158,7 @@ def iter_batches(split: AnySplit, batch_size: int, device: torch.device):
 @dataclasses.dataclass
 class Shard:
     """One client's data: its training samples and, where it has one, its own test split; ``val``: a validation
-    split of the dataset's own, if it has one (else :func:`hold_out_validation` makes one when asked)."""
+    split of the dataset's own, if it has one (else `hold_out_validation` makes one when asked)."""
 
     train: AnySplit
     test: AnySplit | None = None
@@ -247,7 +247,7 @@ class DataSource(abc.ABC):
 
     def local_problems(self) -> list[str]:
         """What this source lacks on this machine (missing folders or files, one line each, nothing read), for the
-        driver's check before any client starts (:func:`~fdam_ray.data.rooted.check_data_here`); none by default
+        driver's check before any client starts (`check_data_here`); none by default
         (a source that reads no files, or checks them itself)."""
         return []
 

@@ -1,12 +1,12 @@
 """How the K clients of a federation run: the interface every executor implements.
 
-The driver loop (:mod:`fdam_ray.loop.federation`) talks only to this interface; the
+The driver loop (`fdam_ray.loop.federation`) talks only to this interface; the
 algorithms never see it. An executor owns the clients, hands each round's
 global state to all of them and passes every client update to the
 driver's ``fold`` callback as soon as it has it (so nothing holds K updates at
 once). The clients are hosted ``clients_per_actor`` to a model replica (an actor
 under Ray); each host returns its round's updates already folded into one
-:class:`~fdam_ray.algorithms.server.PartialSum`, so ``fold`` receives one
+`PartialSum`, so ``fold`` receives one
 partial sum per host.
 """
 
@@ -82,18 +82,18 @@ class ExecutorSection(Section):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExecutorSetup:
     """Everything an executor runs its clients by, cut from the config once, by the federation
-    (:meth:`ExecutorSetup.cut`): no executor reads the config itself.
+    ([`ExecutorSetup.cut`][fdam_ray.executors.base.ExecutorSetup.cut]): no executor reads the config itself.
 
     Attributes:
         algorithm: the algorithm the federation built (client weights, the server step's settings).
-        executor: the executor's own section (an instance of its class's :attr:`Executor.section`).
-        client: all that travels to a client (:class:`~fdam_ray.clients.client.ClientSection`).
+        executor: the executor's own section (an instance of its class's `Executor.section`).
+        client: all that travels to a client (`ClientSection`).
         transfer: what a transfer rounds (``transfer_precision``, ``error_feedback``).
         deadline: the round deadline and the fewest clients a round needs.
         run_config: the config's plain values (YAML types only), for an executor whose clients are built in
             processes of their own from them (a Flower site) and to tell one run from another.
-        face: a plug's client face (:mod:`fdam_ray.clients.face`), handed to every client as it is (the
-            plug that does nothing: no face), put here by the plug (:meth:`fdam_ray.loop.plug.Plug.setup`).
+        face: a plug's client face (`fdam_ray.clients.face`), handed to every client as it is (the
+            plug that does nothing: no face), put here by the plug (`fdam_ray.loop.plug.Plug.setup`).
     """
 
     algorithm: Algorithm
@@ -115,7 +115,8 @@ class ExecutorSetup:
     @classmethod
     def for_config(cls, config: Section, section: type[ExecutorSection] = ExecutorSection) -> ExecutorSetup:
         """The setup of ``config`` with its algorithm built here (a federation passes the one it built to
-        :meth:`cut`): for starting an executor outside a federation (tests, benchmarks)."""
+        [`cut`][fdam_ray.executors.base.ExecutorSetup.cut]): for starting an executor outside a federation (tests,
+        benchmarks)."""
         from fdam_ray.algorithms import AlgorithmSection, build_algorithm
 
         return cls.cut(config, build_algorithm(AlgorithmSection.of(config)), section)
@@ -123,8 +124,9 @@ class ExecutorSetup:
 
 @dataclasses.dataclass
 class RoundsRun:
-    """What :meth:`RunsOfRounds.run_rounds` returns: the rounds of a run that were applied, in order, and why it
-    stopped early, if it did (an applied round's server step was applied where the clients are).
+    """What [`RunsOfRounds.run_rounds`][fdam_ray.executors.base.RunsOfRounds.run_rounds] returns: the rounds of a run
+    that were applied, in order, and why it stopped early, if it did (an applied round's server step was applied where
+    the clients are).
 
     Attributes:
         stats: per applied round, its clients' step statistics (in actor order); then, when the run stopped on
@@ -136,7 +138,8 @@ class RoundsRun:
         stop: '' (every round was applied), ``diverged`` (the round after the applied ones had a non-finite
             client update; it was not applied), ``stale`` (the state after the last applied round is not
             finite) or ``failed`` (an actor failed in the run: it was undone, no round of it applied, the failure
-            policy has run, and its rounds are to be run again one at a time, by :meth:`Executor.run_round`).
+            policy has run, and its rounds are to be run again one at a time, by
+            [`Executor.run_round`][fdam_ray.executors.base.Executor.run_round]).
     """
 
     stats: list[list[StepStats]]
@@ -157,7 +160,7 @@ class Executor(abc.ABC):
     The abstract members are what every executor implements; the others have defaults an executor overrides
     when it has more to say (bytes its broadcast moved, transfer state to checkpoint, where its clients run, the
     changes of c^k a deadline round needs). Running several rounds in one call is a second interface,
-    :class:`RunsOfRounds`, that an executor adds when it can.
+    [`RunsOfRounds`][fdam_ray.executors.base.RunsOfRounds], that an executor adds when it can.
     """
 
     section: ClassVar[type[ExecutorSection]] = ExecutorSection  # what it reads of the config
@@ -198,7 +201,7 @@ class Executor(abc.ABC):
         return None if self.downlink is None else self.downlink.state_dict()
 
     def restore_transfer_state(self, state: dict | None) -> None:
-        """Take back what :meth:`transfer_state` returned (a resume)."""
+        """Take back what [`transfer_state`][fdam_ray.executors.base.Executor.transfer_state] returned (a resume)."""
         if self.downlink is not None:
             self.downlink.load_state_dict(state)
 
@@ -209,7 +212,7 @@ class Executor(abc.ABC):
     def round_changes(self, round_index: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """After a round of ``round_index`` that a client missed by its deadline: the weighted sums of the changes
         of c^k of the hosts that made it, in the order their partial sums were folded
-        (:func:`~fdam_ray.executors.deadlines.as_sampled_round`). Only an executor with round deadlines has them."""
+        (`as_sampled_round`). Only an executor with round deadlines has them."""
         raise NotImplementedError(f"{type(self).__name__} has no round deadlines (round_deadline needs executor=ray)")
 
     @abc.abstractmethod
@@ -217,8 +220,8 @@ class Executor(abc.ABC):
                  bins: Binning | None = None) -> list[Scores] | list[ScoreHistogram]:
         """Scores of ``state`` on the clients' own test splits, or with ``split="val"`` their validation parts
         (clients without one are left out); with ``bins`` (``test_scores: histogram``) each client's
-        :class:`~fdam_ray.core.state.ScoreHistogram` instead (``Client.score_histogram``): no per-sample score
-        or label leaves a client. ``bins`` (:class:`~fdam_ray.scores.histogram.Binning`: the number of bins and,
+        `ScoreHistogram` instead (``Client.score_histogram``): no per-sample score
+        or label leaves a client. ``bins`` (`Binning`: the number of bins and,
         on the driver's second pass, a score range per task) reaches every client unchanged."""
 
     @abc.abstractmethod
@@ -232,7 +235,8 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def restore_client_states(self, states: list[ClientState | None]) -> None:
-        """Give every client back the state :meth:`client_states` returned (``Client.set_state``)."""
+        """Give every client back the state [`client_states`][fdam_ray.executors.base.Executor.client_states] returned
+        (``Client.set_state``)."""
 
     @property
     @abc.abstractmethod
@@ -260,12 +264,14 @@ class RunsOfRounds(abc.ABC):
 
     @abc.abstractmethod
     def rounds_ahead(self) -> int:
-        """The most rounds :meth:`run_rounds` takes in one go now; 1: one round at a time (the federation then
-        calls :meth:`Executor.run_round` for every round)."""
+        """The most rounds [`run_rounds`][fdam_ray.executors.base.RunsOfRounds.run_rounds] takes in one go now; 1: one
+        round at a time (the federation then calls [`Executor.run_round`][fdam_ray.executors.base.Executor.run_round]
+        for every round)."""
 
     @abc.abstractmethod
     def run_rounds(self, state: GlobalState, plans: Sequence[tuple[RoundPlan, Sequence[int] | None]],
                    average: bool) -> RoundsRun:
         """Run ``plans`` (each with its sampled clients, or None for every client) back to back from ``state``,
         the server step applied where the clients are, without handing the driver each round's state; for at
-        most :meth:`rounds_ahead` plans. ``average``: also return the sum of v over the rounds."""
+        most [`rounds_ahead`][fdam_ray.executors.base.RunsOfRounds.rounds_ahead] plans. ``average``: also return the sum
+        of v over the rounds."""

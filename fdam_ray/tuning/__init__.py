@@ -3,11 +3,12 @@
     space.py   the search-space file: sections, validation, Ray Tune's distributions
     trial.py   one trial: a federation assembled by fdam_ray.assembly.recipe, reporting to Tune with checkpoints
     sweep.py   the sweep: Tune's searcher, scheduler and per-trial placement groups; resume
-
-For a ``ray.tune.Tuner`` of your own (any searcher, scheduler, callback): :func:`trainable` (whole federations
-as trials, each in its placement group) and :func:`tracker_callbacks` (the config's trackers as Tune callbacks).
     report.py  the results: table, best config, figure
     callbacks.py  Ray Tune's MLflow and W&B logger callbacks for the sweep's trackers
+
+For a ``ray.tune.Tuner`` of your own (any searcher, scheduler, callback): [`trainable`][fdam_ray.tuning.trainable]
+(whole federations as trials, each in its placement group) and [`tracker_callbacks`][fdam_ray.tuning.tracker_callbacks]
+(the config's trackers as Tune callbacks).
 """
 
 from __future__ import annotations

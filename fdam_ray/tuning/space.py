@@ -186,7 +186,7 @@ def _candidates(search: dict[str, dict]) -> list[dict]:
 
 
 def load_space(path: str, overrides: dict[str, Any] | None = None) -> Space:
-    """Read and validate a search-space file (or an example space by name: :func:`space_path`); ``overrides`` set
+    """Read and validate a search-space file (or an example space by name: `space_path`); ``overrides`` set
     base fields (``tune.X`` keys set options)."""
     path = space_path(path)
     return make_space(load_config_file(path), overrides, where=f"search space '{clip(path)}'")
@@ -195,7 +195,7 @@ def load_space(path: str, overrides: dict[str, Any] | None = None) -> Space:
 def make_space(data: dict[str, Any], overrides: dict[str, Any] | None = None, *,
                where: str = "search space") -> Space:
     """Validate a search space given as a mapping with the sections of a space file (``base``, ``search``,
-    ``tune``), as :func:`load_space` does for a file: a sweep from Python,
+    ``tune``), as [`load_space`][fdam_ray.tuning.load_space] does for a file: a sweep from Python,
     ``run_sweep(make_space({"base": {...}, "search": {"lr": {"grid": [0.1, 0.01]}}, "tune": {...}}))``."""
     _check_sections(data, where)
     base, search, opts = _with_overrides(data, overrides or {})

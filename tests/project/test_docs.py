@@ -1,8 +1,10 @@
 """The README and the documentation site (docs/): every fenced code block is run by a test or marked as a fragment,
 the references are generated from the code, and the site builds with ``mkdocs build --strict``.
 
-A block is a fragment when the line before its fence is ``<!-- fragment -->`` (an excerpt with names the reader fills
-in). Any other block is claimed here: its ``fdam`` commands run in tests/project/test_readme.py, its example scripts
+A block is a fragment when the line before its fence is a visible mark, a line in italics that begins with
+``Excerpt`` (``*Excerpt: ...*``: a block with names the reader fills in, or one shown for reading). A ``text`` block
+right after a run block is that block's output, checked in tests/project/test_doc_outputs.py. Any other block is
+claimed here: its ``fdam`` commands run in tests/project/test_readme.py, its example scripts
 in the tests that run them with the same arguments, its set-up commands are the ones .ci/run runs, its YAML is
 loaded as a config or a search space, and its Python runs (the README's) or is run by the test named for its page.
 """
@@ -27,9 +29,10 @@ from fdam_ray.config import FIELDS, SECTIONS, build_config, load_config_file
 from fdam_ray.tuning import load_space
 
 ROOT = Path(__file__).resolve().parents[2]
-FRAGMENT = "<!-- fragment -->"
+FRAGMENT = re.compile(r"^\*Excerpt\b[^*]*\*$")  # the visible mark of a fragment
 # Python blocks of a page that a test elsewhere runs: the page, and the test that reads it and runs its block.
-PYTHON_RUN_ELSEWHERE = {"docs/tutorials/own-loop.md": "tests/loop/test_optim_choice.py"}
+PYTHON_RUN_ELSEWHERE = {"docs/tutorials/own-loop.md": "tests/loop/test_optim_choice.py",
+                        "docs/how-to/resume.md": "tests/project/test_doc_outputs.py"}
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ def blocks_of(path: Path) -> list[Block]:
         opening = re.match(r"```(\w*)\s*$", lines[i])
         if opening:
             end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
-            fragment = i > 0 and lines[i - 1].strip() == FRAGMENT
+            fragment = i > 0 and bool(FRAGMENT.match(lines[i - 1].strip()))
             found.append(Block(str(path.relative_to(ROOT)), i + 1, opening.group(1), "\n".join(lines[i + 1 : end]),
                                fragment))
             i = end
@@ -68,7 +71,7 @@ def blocks_of(path: Path) -> list[Block]:
 
 
 BLOCKS = [b for page in pages() for b in blocks_of(page)]
-RUN = [b for b in BLOCKS if not b.fragment]
+RUN = [b for b in BLOCKS if not b.fragment and b.lang != "text"]  # text blocks: outputs (test_doc_outputs.py)
 
 
 def commands_of(block: Block) -> list[str]:
@@ -84,6 +87,7 @@ def ci_lines() -> list[str]:
 def test_the_pages_have_blocks_and_each_is_a_fragment_or_a_known_kind():
     assert len(pages()) > 20 and len(RUN) > 20
     assert {b.lang for b in RUN} <= {"bash", "python", "yaml"}, {(b.page, b.line, b.lang) for b in RUN}
+    assert not any("<!-- fragment -->" in page.read_text() for page in pages())  # the old, invisible mark
 
 
 def example_run_by_a_test(script: str, args: list[str]) -> bool:
@@ -204,3 +208,47 @@ def test_the_site_builds_strict(tmp_path):
     assert all(f"<code>{f.name}</code>" in config for f in FIELDS)
     api = (tmp_path / "reference" / "api" / "index.html").read_text()
     assert 'id="fdam_ray.api.train_arrays"' in api and 'id="fdam_ray.optim.PrimalDualSGD"' in api
+    assert not re.search(r":(func|class|meth|attr|mod|data|exc|obj):", api)  # no Sphinx role shown raw
+    assert 'href="#fdam_ray.api.train"' in api and "Parameters:" in api  # cross-references, parameter tables
+    assert (tmp_path / "results" / "privacy.png").is_file() and (tmp_path / "images" / "consortium.svg").is_file()
+    assert "Unreleased" in (tmp_path / "changelog" / "index.html").read_text()
+
+
+def test_the_changelog_page_is_changelog_md_and_the_results_page_shows_the_benchmarks_figures():
+    hook = load_by_path("docs_reference_hook_pages", ROOT / "docs/hooks/reference.py")
+    page = (ROOT / "docs/changelog.md").read_text()
+    assert hook.on_page_markdown(page) == (ROOT / "CHANGELOG.md").read_text() + "\n"
+    figures = {p.name for p in hook.figures()}
+    assert {"comm_window.png", "privacy.png", "rounds_vs_clients.png"} <= figures
+    shown = set(re.findall(r"\]\(results/([\w.]+\.png)\)", (ROOT / "docs/results.md").read_text()))
+    assert shown and shown <= figures, shown - figures
+
+
+def test_the_glossary_names_real_fields():
+    from fdam_ray.config import FIELD_BY_NAME
+
+    rows = [line.split("|") for line in (ROOT / "docs/glossary.md").read_text().splitlines()
+            if line.startswith("| **")]
+    assert len(rows) > 20
+    named = {n for row in rows for n in re.findall(r"`(\w+)`", row[3])}
+    assert {"num_clients", "clients_per_round", "local_steps", "global_lr", "stage_length", "dp_epsilon"} <= named
+    assert named <= set(FIELD_BY_NAME), named - set(FIELD_BY_NAME)
+
+
+def test_the_troubleshooting_messages_are_the_packages_own():
+    """Each message quoted on the troubleshooting page (a paragraph that is one backticked line) is, away from its
+    example values, text of the package's source: most of its words lie in runs of three found there."""
+    source = "\n".join(p.read_text(encoding="utf-8") for p in (ROOT / "fdam_ray").rglob("*.py"))
+    source = re.sub(r"\"\s*\n\s*f?\"", "", source)  # adjacent string literals, joined
+    page = (ROOT / "docs/troubleshooting.md").read_text()
+    messages = [m.strip() for m in re.findall(r"^(``?)(.{40,})\1$", page, re.M) for m in m[1:]]
+    assert len(messages) >= 12
+    for message in messages:
+        words = message.split()
+        plain = [bool(re.fullmatch(r"[A-Za-z_,;:()^.-]+", w)) for w in words]
+        covered = set()
+        for i in range(len(words) - 2):
+            if all(plain[i : i + 3]) and " ".join(words[i : i + 3]) in source:
+                covered |= set(range(i, i + 3))
+        assert len(covered) >= 0.6 * sum(plain), (message, [w for i, w in enumerate(words) if plain[i] and
+                                                            i not in covered])
