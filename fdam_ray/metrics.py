@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from sklearn.metrics import roc_auc_score
 
 
 def task_aucs(scores: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """AUC of every task over its labelled samples; NaN where a task lacks a positive or a negative."""
+    from sklearn.metrics import roc_auc_score  # here, not at import: scikit-learn takes a second or more to load,
+    # and every Ray worker and site process imports this module (through the histograms) without calling it
+
     scores = np.asarray(scores).reshape(len(scores), -1)
     labels = np.asarray(labels).reshape(scores.shape)
     out = np.full(scores.shape[1], np.nan)
