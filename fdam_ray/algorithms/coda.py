@@ -14,13 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fdam_ray.algorithms.base import (
-    AUC_OBJECTIVES,
-    PRIMAL_DUAL_OBJECTIVES,
-    Algorithm,
-    closed_form_stage_alpha,
-    preset,
-)
+from fdam_ray.algorithms.base import PRIMAL_DUAL_OBJECTIVES as AUC_OBJECTIVES  # AUC and partial AUC (s.1, s.1b)
+from fdam_ray.algorithms.base import Algorithm, closed_form_stage_alpha, preset
 from fdam_ray.core.state import ScoreSums
 from fdam_ray.pauc import PAUC_OBJECTIVES
 
@@ -40,15 +35,15 @@ class CodaClosedForm(Coda):
 
 
 PRESETS = (
-    preset("codasca", Coda, PRIMAL_DUAL_OBJECTIVES, "control_variates",
+    preset("codasca", Coda, AUC_OBJECTIVES, "control_variates",
            "CODASCA: local primal-dual steps with control variates on v and alpha, server step eta_g."),
-    preset("coda_plus", Coda, PRIMAL_DUAL_OBJECTIVES, "none",
+    preset("coda_plus", Coda, AUC_OBJECTIVES, "none",
            "CODA+: local primal-dual steps, periodic averaging of v and alpha."),
-    preset("npa", Coda, PRIMAL_DUAL_OBJECTIVES, "none",
+    preset("npa", Coda, AUC_OBJECTIVES, "none",
            "Naive parallel algorithm: averaging after every step (I = 1) with local batch M.",
            fixed={"local_steps": 1, "schedule": "stagewise"}),
-    preset("coda", CodaClosedForm, AUC_OBJECTIVES, "none",
+    preset("coda", CodaClosedForm, ("auc_square", "auc_margin"), "none",
            "CODA: CODA+ plus alpha recomputed in closed form from v at every stage end."),
-    preset("centralized", Coda, (*AUC_OBJECTIVES, "bce", *PAUC_OBJECTIVES), "none",
+    preset("centralized", Coda, ("auc_square", "auc_margin", "bce", *PAUC_OBJECTIVES), "none",
            "One client holding all the data (PESG-style reference).", fixed={"num_clients": 1}),
 )
