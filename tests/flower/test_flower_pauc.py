@@ -72,3 +72,15 @@ def test_the_count_pass_runs_every_round_and_under_secagg_only_its_sum_arrives(f
         assert len(summed) == 1 and summed[0].client_id == -1 and summed[0].samples == 120
         assert np.array_equal(summed[0].counts, sum(h.counts for h in parts))
     np.testing.assert_allclose(secure.state.v, clear.state.v, rtol=0, atol=1e-4)  # SecAgg+ quantises updates
+
+
+def test_a_site_without_a_test_split_still_sends_its_training_counts(folder, monkeypatch, tmp_path):
+    """The count pass asks every site (the evaluation only those with a test split of their own)."""
+    with np.load(folder / "site2.npz") as npz:
+        np.savez(tmp_path / "site2.npz", x=npz["x"], y=npz["y"])
+    for k in (0, 1):
+        (tmp_path / f"site{k}.npz").write_bytes((folder / f"site{k}.npz").read_bytes())
+    result, passes = flower_run(tmp_path, monkeypatch)
+    assert len(passes) == result.history[-1]["round"] == 4
+    assert all(sorted(h.samples for h in got) == [30, 40, 50] for got, _ in passes)
+    assert all(h["test_samples"] == 50 for h in result.history)  # sites 0 and 1's test splits only

@@ -136,3 +136,29 @@ def test_the_objective_takes_p_and_then_its_normalisers_from_one_vector():
         Objective("pauc_one_way", num_tasks=1, temperature=0)
     with pytest.raises(ValueError, match="positive ratio p"):
         Objective("auc_margin", num_tasks=2).configure(np.zeros(6) + 0.5)  # 3T values only under pAUC
+
+
+@pytest.mark.parametrize(("given", "words"), [
+    ({"objective": "pauc_one_way", "dp": "client"}, "'objective': 'pauc_one_way' is not allowed (not with dp: client"),
+    ({"objective": "pauc_two_way", "algorithm": "coda"}, "'objective': 'pauc_two_way' is not allowed (algorithm "
+                                                         "'coda' takes one of auc_square, auc_margin)"),
+    ({"objective": "pauc_one_way", "pauc_temperature": -1.0}, "'pauc_temperature': -1.0 is not allowed (> 0)"),
+])
+def test_a_config_the_objectives_cannot_run_is_refused_in_one_line_naming_the_field(given, words):
+    from fdam_ray.config import build_config
+
+    with pytest.raises(ValueError, match="config field") as refused:
+        build_config(given)
+    assert words in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_the_algorithms_build_the_pauc_objective_with_its_temperature_and_alpha_kept_nonnegative():
+    from fdam_ray.algorithms import build_algorithm
+    from fdam_ray.config import build_config
+
+    for name in ("codasca", "coda_plus", "npa", "centralized"):
+        algorithm = build_algorithm(build_config({"algorithm": name, "objective": "pauc_two_way",
+                                                  "pauc_temperature": 0.3}))
+        objective = algorithm.objective(2)
+        assert objective.name == "pauc_two_way" and objective.temperature == pytest.approx(0.3)
+        assert algorithm.server_step() is None or algorithm.server_step().alpha_nonnegative
