@@ -162,3 +162,26 @@ def test_the_algorithms_build_the_pauc_objective_with_its_temperature_and_alpha_
         objective = algorithm.objective(2)
         assert objective.name == "pauc_two_way" and objective.temperature == pytest.approx(0.3)
         assert algorithm.server_step() is None or algorithm.server_step().alpha_nonnegative
+
+
+@pytest.mark.parametrize("two_way", [False, True])
+def test_the_public_loss_is_the_objective_with_the_batch_or_a_given_normaliser(two_way):
+    from fdam_ray.losses import PartialAUCLoss
+    from fdam_ray.pauc import tilted
+
+    rng = np.random.default_rng(3)
+    h = torch.tensor(rng.uniform(0.01, 0.99, (50, 1)), dtype=torch.float32)
+    y = torch.tensor((rng.uniform(size=(50, 1)) < 0.3).astype(np.float32))
+    loss = PartialAUCLoss(temperature=0.2, two_way=two_way, imratio=0.3)
+    with torch.no_grad():
+        loss.a.fill_(0.6), loss.b.fill_(0.3), loss.alpha.fill_(0.2)
+    hn, yn = h.double().numpy()[:, 0], y.numpy()[:, 0]
+    batch = exact_log_normalisers(hn, yn, 0.2)[0]  # the batch's own: the same as tilted's by-batch Z
+    assert float(tilted(h.double(), (y == 0).double(), 1.0, 0.2, None)[yn == 0].mean()) == pytest.approx(1.0)
+    want, _, _ = numpy_f(hn, yn, 0.3, 0.6, 0.3, 0.2, 1.0, 0.2, batch[0], batch[1], two_way)
+    assert float(loss(h, y).detach()) == pytest.approx(want, rel=1e-5)
+    loss.set_log_normalisers([[1.5, -2.5]])
+    want, _, _ = numpy_f(hn, yn, 0.3, 0.6, 0.3, 0.2, 1.0, 0.2, 1.5, -2.5, two_way)
+    assert float(loss(h, y).detach()) == pytest.approx(want, rel=1e-5)
+    with pytest.raises(ValueError, match="temperature: 0"):
+        PartialAUCLoss(temperature=0)
