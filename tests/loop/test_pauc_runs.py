@@ -132,3 +132,24 @@ def test_two_ray_actors_train_the_inline_runs_model_exactly(inline):
     np.testing.assert_array_equal(remote.state.v, result.state.v)
     np.testing.assert_array_equal(remote.state.alpha, result.state.alpha)
     assert [h["test_auc"] for h in remote.history] == [h["test_auc"] for h in result.history]
+
+
+def test_the_collective_transport_takes_one_count_pass_per_run_of_rounds(monkeypatch):
+    """Rounds the actors run back to back share the normaliser of the pass before them: fewer passes than rounds,
+    one at least per run (a run ends at an evaluation, a stage start or collective_rounds)."""
+    from raytest import ray_session
+
+    states: list[int] = []
+    original = pauc.refresh
+
+    def keep(executor, state, *rest):
+        states.append(state.round)
+        return original(executor, state, *rest)
+
+    monkeypatch.setattr(pauc, "refresh", keep)
+    with ray_session():
+        result = pauc_run(executor="ray", cpus_per_actor=0.5, transport="collective", collective_rounds=4)
+    rounds = result.history[-1]["round"]
+    assert rounds == 10 and 3 <= len(states) < rounds and states[0] == 0
+    assert states == sorted(set(states))  # each pass from the state a run of rounds starts at
+    assert np.isfinite(result.state.v).all() and result.history[-1]["test_auc"] > result.history[0]["test_auc"]
