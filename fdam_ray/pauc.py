@@ -110,15 +110,15 @@ def pauc_objective(name: str, h: torch.Tensor, labels: torch.Tensor, p: torch.Te
 def tilted(h: torch.Tensor, member: torch.Tensor, sign: float, temperature: float,
            log_norm: torch.Tensor | None) -> torch.Tensor:
     """``member`` (0/1, (B, T)) times exp(sign h / lambda - log Z) (detached); with ``log_norm`` None, Z is the
-    batch's own mean over the members (per task; weights 1 where a task has no member in the batch)."""
+    batch's own mean over the members, per task (logsumexp; a task without a member in the batch weighs none)."""
     e = sign * h.detach() / temperature
     if log_norm is None:
         masked = torch.where(member > 0, e, torch.full_like(e, -torch.inf))
         count = member.sum(0)
         top = masked.max(0).values
         top = torch.where(count > 0, top, torch.zeros_like(top))
-        log_norm = top + torch.log((torch.exp(masked - top) * member).sum(0).clamp_min(1e-30)) - \
-            torch.log(count.clamp_min(1))
+        total = (torch.exp(masked - top) * member).sum(0).clamp_min(1e-30)
+        log_norm = top + torch.log(total) - torch.log(count.clamp_min(1))
     return member * torch.exp(torch.where(member > 0, e - log_norm.to(h.dtype), torch.zeros_like(e)))
 
 
