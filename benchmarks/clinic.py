@@ -1,4 +1,5 @@
-"""The clinical read-out's DeLong SE and 95 % interval from histograms against exact DeLong and a bootstrap.
+"""The clinical read-out's DeLong SE and 95 % interval from histograms against exact DeLong and a bootstrap (a);
+partial AUC of models trained for it (b).
 
 Each test evaluation of a ``test_scores: histogram``, ``clinical: on`` run is read three ways on the same global
 state: the histogram figures (the finest cells the refinement passes resolve, what the record reports; where the
@@ -7,11 +8,20 @@ would be), exact DeLong on the pooled scores (this file's own implementation, by
 library's bins), and a stratified bootstrap of the pooled scores (the SE and the 2.5/97.5 % percentiles). One
 training run per job, the inline executor.
 
-    python benchmarks/clinic.py            # the default job (digits) and the hospitals study
-    python benchmarks/clinic.py --quick    # shorter runs (a quarter of the iterations), 200 resamples
+(b) pAUC(FPR <= 0.1), normalised by 0.1 (in [0, 1]), of the final model of three trainings with paired seeds on
+each study: AUC-M federated (``objective: auc_margin``), the federated pAUC objective (``pauc_one_way``, its
+normaliser from the sites' summed training-score counts) and the same objective on the pooled data (``algorithm:
+centralized``, K = 1 holding every site's training data: the central reference). The read-out is the clinical
+record's (pooled test counts); a figure draws each model's ROC curve from the same counts with the pAUC region
+shaded (``benchmarks/results/clinic_pauc.png``).
 
-Last line: ``RESULT delong_se_rel_err=... delong_ci_abs_err=...`` (the largest over evaluations and tasks of
-|SE_hist / SE_exact - 1| and of the Wald endpoints' |hist - exact|; targets 2 % and 1e-3).
+    python benchmarks/clinic.py            # the default job (digits) and the hospitals study
+    python benchmarks/clinic.py --quick    # shorter runs (a quarter of the iterations), 200 resamples, one seed
+
+Last line: ``RESULT delong_se_rel_err=... delong_ci_abs_err=... pauc_gain_over_aucm=... pauc_gap_to_central=...
+pauc_study=...`` (a: the largest over evaluations and tasks of |SE_hist / SE_exact - 1| and of the Wald endpoints'
+|hist - exact|, targets 2 % and 1e-3; b: the mean over seeds of federated pAUC - AUC-M's and of central - federated
+on the study with the larger gain, targets >= 0.01 and |gap| <= 0.005).
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from pathlib import Path
 
 import _common as C
 import numpy as np
+from _clinic_pauc import pauc_part
 from histogram_error import HOSPITALS
 from scipy.stats import rankdata
 from sklearn.metrics import roc_auc_score
@@ -123,6 +134,29 @@ def hospitals(config: dict, draws: int) -> list[dict]:
                                                   client_tests=tests, progress=False), draws)
 
 
+def digits_run(config: dict):
+    """One training of the default job (part b), clinical read-out on."""
+    import fdam_ray
+
+    return fdam_ray.train({**RUN, **config}, save=False, progress=False)
+
+
+def hospitals_run(config: dict):
+    """One training of the hospitals study (part b); ``config["num_clients"] == 1``: every site's training data
+    pooled into one client (the test splits stay per site; the read-out pools them)."""
+    import fdam_ray
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from hospitals import hospitals as sites
+
+    data = sites()
+    clients, tests = [train for _, train, _ in data], [test for _, _, test in data]
+    if config.get("algorithm") == "centralized":
+        clients, tests = ([(np.concatenate([x for x, _ in part]), np.concatenate([y for _, y in part]))]
+                          for part in (clients, tests))
+    return fdam_ray.train_arrays({**RUN, **HOSPITALS, **config}, clients, None, client_tests=tests, progress=False)
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--job", choices=("digits", "hospitals", "both"), default="both")
@@ -130,6 +164,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--draws", type=int, default=None, help="bootstrap resamples (default 500, --quick 200)")
     parser.add_argument("--out", default="benchmarks/results/clinic.md",
                         help="where the table is written (none: --out '')")
+    parser.add_argument("--seeds", type=int, default=None, help="paired seeds of part (b) (default 3, --quick 1)")
+    parser.add_argument("--skip-a", action="store_true", help="part (b) only")
     args = parser.parse_args(argv)
     draws = args.draws or (200 if args.quick else 500)
     table = ["| job | eval | task | n | AUC exact | SE exact | SE hist | SE bootstrap | Wald CI exact | "
@@ -137,7 +173,7 @@ def main(argv: list[str] | None = None) -> str:
     se_err, ci_err, boot = 0.0, 0.0, []
     started = time.perf_counter()
     for name, job in (("digits", digits), ("hospitals", hospitals)):
-        if args.job not in (name, "both"):
+        if args.job not in (name, "both") or args.skip_a:
             continue
         extra = {}
         if args.quick:
@@ -152,15 +188,19 @@ def main(argv: list[str] | None = None) -> str:
             table.append(f"| {name} | {i} | {r['task']} | {r['n']} | {r['e_auc']:.6f} | {r['e_se']:.3e} | "
                          f"{r['se']:.3e} | {r['b_se']:.3e} | [{r['e_low']:.5f}, {r['e_high']:.5f}] | "
                          f"[{r['low']:.5f}, {r['high']:.5f}] | [{r['b_low']:.5f}, {r['b_high']:.5f}] |")
-    line = f"RESULT delong_se_rel_err={se_err:.2e} delong_ci_abs_err={ci_err:.2e}"
-    note = (f"Bootstrap ({draws} stratified resamples) SE / exact DeLong SE: median {np.median(boot):.3f}, range "
-            f"[{min(boot):.3f}, {max(boot):.3f}]. Wall {time.perf_counter() - started:.0f} s.")
+    note = ("" if not boot else f"Bootstrap ({draws} stratified resamples) SE / exact DeLong SE: median "
+            f"{np.median(boot):.3f}, range [{min(boot):.3f}, {max(boot):.3f}]. ")
+    studies = [n for n in ("digits", "hospitals") if args.job in (n, "both")]
+    b_text, b_result = pauc_part(studies, args.quick, args.seeds or (1 if args.quick else 3), args.out,
+                                 {"digits": digits_run, "hospitals": hospitals_run})
+    line = f"RESULT delong_se_rel_err={se_err:.2e} delong_ci_abs_err={ci_err:.2e} {b_result}"
+    note += f"Wall {time.perf_counter() - started:.0f} s."
     print(note)
     if args.out:
         command = "python benchmarks/clinic.py " + " ".join(argv if argv is not None else sys.argv[1:])
         C.write_results(Path(args.out), "DeLong SE and 95 % interval from histograms, exact and bootstrapped",
                         command.strip(), "B = 4096 bins, the refined cells of every evaluation.\n\n"
-                        + "\n".join(table) + f"\n\n{note}\n\n{line}")
+                        + "\n".join(table) + f"\n\n{note}\n\n{b_text}\n\n{line}")
     print(line)
     return line
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _common as C  # noqa: E402
+import _common as C
 
 ROOT = Path(__file__).resolve().parents[1]
 # The fastest fault tests (a few minutes together), for --quick: a signal to an inline-resumed Ray run, a

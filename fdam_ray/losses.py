@@ -40,7 +40,7 @@ from fdam_ray.objectives import (
 )
 from fdam_ray.settings.redact import short
 
-__all__ = ["AUCLoss", "AUCMLoss", "AUCSquareLoss", "positive_ratio"]
+__all__ = ["AUCLoss", "AUCMLoss", "AUCSquareLoss", "PartialAUCLoss", "positive_ratio"]
 
 
 def _label_tensor(labels: torch.Tensor | np.ndarray | Sequence) -> torch.Tensor:
@@ -175,6 +175,9 @@ class AUCLoss(nn.Module):
             self._update_estimate(y)
         if self.from_logits:
             h = torch.sigmoid(h)
+        return self._objective(h, y)
+
+    def _objective(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return auc_objective(self.objective, h, y, self.p, self.a, self.b, self.alpha, margin=self.margin)
 
 
@@ -189,3 +192,40 @@ class AUCMLoss(AUCLoss):
 
     objective = "auc_margin"
     alpha_nonnegative = True
+
+
+class PartialAUCLoss(AUCLoss):
+    """Partial AUC: AUC-M over KL-DRO-weighted negatives (FPR <= beta), with ``two_way`` also weighted positives
+    (TPR >= alpha); the federation's ``pauc_one_way`` / ``pauc_two_way`` (docs/algorithms.md s.1b), a negative
+    scored h weighing exp(h / temperature) / Z. Z is each batch's own mean over its negatives (positives), or
+    the log normalisers ``(T, 2)`` last given to :meth:`set_log_normalisers` (over the whole training set, say).
+
+    Args:
+        temperature: lambda (> 0); large gives back AUC-M.
+        two_way: weight the positives too.
+        **kwargs: those of :class:`AUCLoss`.
+    """
+
+    objective = "pauc_one_way"
+    alpha_nonnegative = True
+
+    def __init__(self, *, temperature: float = 0.1, two_way: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.temperature = float(number_argument("temperature", temperature, lambda v: v > 0, "a finite number > 0"))
+        if not isinstance(two_way, (bool, np.bool_)):
+            raise ValueError(f"two_way: {short(two_way)} is not allowed (True or False)")
+        self.objective = "pauc_two_way" if two_way else "pauc_one_way"
+        self.log_norms: torch.Tensor | None = None
+
+    def set_log_normalisers(self, log_norms: np.ndarray | torch.Tensor | None) -> None:
+        """``(T, 2)``: per task log Z of the negatives and of the positives (None: each batch's own)."""
+        if log_norms is not None:
+            log_norms = torch.as_tensor(np.asarray(log_norms, dtype=np.float32).reshape(self.num_tasks, 2))
+        self.log_norms = log_norms
+
+    def _objective(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from fdam_ray.pauc import pauc_objective
+
+        norms = None if self.log_norms is None else self.log_norms.to(h.device, h.dtype)
+        return pauc_objective(self.objective, h, y, self.p, self.a, self.b, self.alpha, margin=self.margin,
+                              temperature=self.temperature, log_norms=norms)

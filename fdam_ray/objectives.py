@@ -28,9 +28,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F_nn
 
+from fdam_ray.pauc import PAUC_OBJECTIVES, pauc_objective
 from fdam_ray.settings.redact import short
 
-OBJECTIVES = ("auc_square", "auc_margin", "bce")
+OBJECTIVES = ("auc_square", "auc_margin", "bce", "pauc_one_way", "pauc_two_way")  # pAUC: fdam_ray/pauc.py
 
 
 def number_argument(name: str, value: object, ok: Callable[[float], bool], allowed: str) -> float:
@@ -84,13 +85,16 @@ class Objective:
         margin: m of ``auc_margin``.
     """
 
-    def __init__(self, name: str, *, num_tasks: int, margin: float = 1.0) -> None:
+    def __init__(self, name: str, *, num_tasks: int, margin: float = 1.0, temperature: float = 0.1) -> None:
         if not isinstance(name, str) or name not in OBJECTIVES:
             raise ValueError(f"objective {short(name)} is not one of {', '.join(OBJECTIVES)}")
         self.name = name
         self.num_tasks = whole_argument("num_tasks", num_tasks, lambda v: v >= 1, "a whole number >= 1")
         self.margin = float(number_argument("margin", margin, lambda v: v > 0, "a finite number > 0"))
         self.p: torch.Tensor | None = None
+        self.temperature = float(number_argument("pauc_temperature", temperature, lambda v: v > 0,
+                                                 "a finite number > 0"))
+        self.log_norms: torch.Tensor | None = None  # pAUC: (T, 2) global log normalisers of the last pass
 
     @property
     def has_auxiliary(self) -> bool:
@@ -99,7 +103,18 @@ class Objective:
 
     @property
     def alpha_nonnegative(self) -> bool:
-        return self.name == "auc_margin"
+        return self.name in ("auc_margin", *PAUC_OBJECTIVES)
+
+    def configure(self, values: np.ndarray, device: torch.device | str = "cpu") -> None:
+        """p (T values, or one); under a pAUC objective also 3T values: p, then the log normalisers of the
+        negatives and of the positives (:func:`fdam_ray.pauc.configure_vector`)."""
+        arr = np.asarray(values, dtype=np.float64).reshape(-1)
+        t = self.num_tasks
+        if self.name in PAUC_OBJECTIVES and arr.size == 3 * t and t > 0:
+            self.set_positive_ratio(arr[:t], device)
+            self.log_norms = torch.as_tensor(arr[t:].reshape(2, t).T.copy(), dtype=torch.float32, device=device)
+            return
+        self.set_positive_ratio(values, device)
 
     @property
     def aux_size(self) -> int:
@@ -136,6 +151,9 @@ class Objective:
             return bce_objective(logits, labels)
         if self.p is None:
             raise RuntimeError("set_positive_ratio() must be called before the AUC objective is used")
+        if self.name in PAUC_OBJECTIVES:
+            return pauc_objective(self.name, torch.sigmoid(logits), labels, self.p, a, b, alpha, margin=self.margin,
+                                  temperature=self.temperature, log_norms=self.log_norms)
         return auc_objective(self.name, torch.sigmoid(logits), labels, self.p, a, b, alpha, margin=self.margin)
 
 

@@ -25,7 +25,8 @@ from fdam_ray.algorithms.local import LocalSolver
 from fdam_ray.algorithms.presets import PRESETS
 from fdam_ray.algorithms.server import PartialSum, RoundReducer
 from fdam_ray.algorithms.stages import ServerState
-from fdam_ray.settings.sections import AT_LEAST_ONE, FRACTION, NONNEGATIVE, POSITIVE, Section, fail, setting
+from fdam_ray.pauc import PAUC_OBJECTIVES
+from fdam_ray.settings.sections import AT_LEAST_ONE, FRACTION, NONNEGATIVE, POSITIVE, Section, fail, setting, shared
 
 __all__ = ["PRESETS", "Algorithm", "AlgorithmSection", "LocalSolver", "PartialSum", "Preset", "RoundReducer",
            "ServerState", "build_algorithm"]
@@ -39,9 +40,16 @@ class AlgorithmSection(Section):
 
     algorithm: str = setting("codasca", "Named preset: objective x drift correction (docs/algorithms.md s.4).",
                              choices=tuple(PRESETS))
-    objective: str | None = setting(None, "Loss: auc_square (paper eq. 2), auc_margin (AUC-M) or bce; default "
-                                    "from the algorithm preset.", choices=("auc_square", "auc_margin", "bce"))
-    margin: float = setting(1.0, "m, the margin of auc_margin.", check=POSITIVE)
+    objective: str | None = setting(None, "Loss: auc_square (paper eq. 2), auc_margin (AUC-M), bce, or for partial "
+                                    "AUC pauc_one_way (FPR <= beta: AUC-M over KL-DRO-weighted negatives) or "
+                                    "pauc_two_way (also TPR >= alpha: weighted positives), their global weights "
+                                    "from summed training-score counts (docs/algorithms.md s.1b); default from the "
+                                    "algorithm preset.", choices=("auc_square", "auc_margin", "bce", *PAUC_OBJECTIVES))
+    margin: float = setting(1.0, "m, the margin of auc_margin and of the pAUC objectives.", check=POSITIVE)
+    pauc_temperature: float = setting(0.1, "lambda of pauc_one_way / pauc_two_way: a negative scored h weighs "
+                                      "exp(h / lambda) / Z (a positive exp(-h / lambda) / Z+); smaller = harder "
+                                      "examples only, large = AUC-M.", check=POSITIVE,
+                                      aliases=("pauc_lambda",))
     num_clients: int = setting(4, "K, number of federated clients.", check=AT_LEAST_ONE,
                                aliases=("clients", "n_clients", "k"))
     clients_per_round: int | None = setting(None, "S, clients sampled (uniformly, without replacement, seeded by "
@@ -64,12 +72,16 @@ class AlgorithmSection(Section):
     reference_point: str = setting("average", "Proximal centre of the next stage: average of the stage's "
                                    "round-end global iterates, or the last one.", choices=("average", "last"))
     reset_control_variates: bool = setting(True, "Zero the control variates at each stage start.")
+    dp: str = shared()
 
     def check(self) -> None:
         preset = PRESETS[self.algorithm]
         if self.objective not in preset.objectives:
             raise fail("objective", self.objective,
                        f"algorithm '{self.algorithm}' takes one of {', '.join(preset.objectives)}")
+        if self.objective in PAUC_OBJECTIVES and self.dp != "off":
+            raise fail("objective", self.objective, f"not with dp: {self.dp} (its training-score counts are not "
+                       "noised); one of auc_square, auc_margin")
         if self.clients_per_round is not None and self.clients_per_round > self.num_clients:
             raise fail("clients_per_round", self.clients_per_round,
                        f"at most num_clients = {self.num_clients}, or null for all")

@@ -37,8 +37,10 @@ from fdam_ray.algorithms.stages import ServerState, after_round, after_rounds, c
 from fdam_ray.core.flat import FlatModel
 from fdam_ray.core.state import GlobalState, ScoreSums
 from fdam_ray.objectives import Objective
+from fdam_ray.pauc import PAUC_OBJECTIVES
 
 AUC_OBJECTIVES = ("auc_square", "auc_margin")
+PRIMAL_DUAL_OBJECTIVES = (*AUC_OBJECTIVES, *PAUC_OBJECTIVES)  # the pAUC ones: fdam_ray/pauc.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +95,7 @@ class Algorithm:
     preset: Preset
     objective_name: str
     margin: float = 1.0
+    pauc_temperature: float = 0.1
     prox_weight: float = 0.0
     weight_decay: float = 0.0
     grad_clip: float | None = None
@@ -112,7 +115,8 @@ class Algorithm:
 
     # -- client side: init / step / final ----------------------------------------------
     def objective(self, num_tasks: int) -> Objective:
-        return Objective(self.objective_name, num_tasks=num_tasks, margin=self.margin)
+        return Objective(self.objective_name, num_tasks=num_tasks, margin=self.margin,
+                         temperature=self.pauc_temperature)
 
     def solver(self, flat: FlatModel, objective: Objective) -> LocalSolver:
         """The client phases on one model replica (the drift correction's client half inside)."""
@@ -147,7 +151,8 @@ class Algorithm:
         return self._step() if type(self).reducer is Algorithm.reducer else None
 
     def _step(self) -> ServerStep:
-        return ServerStep(global_lr=self.global_lr, alpha_nonnegative=self.objective_name == "auc_margin",
+        return ServerStep(global_lr=self.global_lr, alpha_nonnegative=self.objective_name in ("auc_margin",
+                                                                                            *PAUC_OBJECTIVES),
                           control_variates=self.control_variates)
 
     def after_round(self, server: ServerState, new_state: GlobalState) -> ServerState:
@@ -157,6 +162,17 @@ class Algorithm:
                      count: int) -> ServerState:
         """After a run of ``count`` rounds (``v_sum``: the sum of their v, needed with ``average``)."""
         return after_rounds(server, new_state, v_sum, count, reference_point=self.reference_point)
+
+    def before_round(self, executor: Any, loop: Any, positive_ratio: np.ndarray) -> None:
+        """At the start of a round (or of a run of rounds) from ``loop.state``: under a pAUC objective the count
+        pass of the sites' training scores and their new global normaliser (:func:`fdam_ray.pauc.refresh`; its
+        bytes are added to the loop's); nothing otherwise."""
+        if self.objective_name in PAUC_OBJECTIVES:
+            from fdam_ray.pauc import refresh
+
+            down, up = refresh(executor, loop.state, positive_ratio, self.objective_name, self.pauc_temperature)
+            loop.bytes_down += down
+            loop.bytes_up += up
 
     # -- stage end ---------------------------------------------------------------------------
     def stage_alpha(self, sums: Sequence[ScoreSums], positive_ratio: np.ndarray,

@@ -14,8 +14,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fdam_ray.algorithms.base import AUC_OBJECTIVES, Algorithm, closed_form_stage_alpha, preset
+from fdam_ray.algorithms.base import PRIMAL_DUAL_OBJECTIVES as AUC_OBJECTIVES  # AUC and partial AUC (s.1, s.1b)
+from fdam_ray.algorithms.base import Algorithm, closed_form_stage_alpha, preset
 from fdam_ray.core.state import ScoreSums
+from fdam_ray.pauc import PAUC_OBJECTIVES
 
 
 class Coda(Algorithm):
@@ -40,8 +42,8 @@ PRESETS = (
     preset("npa", Coda, AUC_OBJECTIVES, "none",
            "Naive parallel algorithm: averaging after every step (I = 1) with local batch M.",
            fixed={"local_steps": 1, "schedule": "stagewise"}),
-    preset("coda", CodaClosedForm, AUC_OBJECTIVES, "none",
+    preset("coda", CodaClosedForm, ("auc_square", "auc_margin"), "none",
            "CODA: CODA+ plus alpha recomputed in closed form from v at every stage end."),
-    preset("centralized", Coda, ("auc_square", "auc_margin", "bce"), "none",
+    preset("centralized", Coda, ("auc_square", "auc_margin", "bce", *PAUC_OBJECTIVES), "none",
            "One client holding all the data (PESG-style reference).", fixed={"num_clients": 1}),
 )

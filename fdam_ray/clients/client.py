@@ -67,6 +67,7 @@ class ClientSection(Section):
     algorithm: str = shared()
     objective: str | None = shared()
     margin: float = shared()
+    pauc_temperature: float = shared()
     prox_weight: float = shared()
     weight_decay: float = shared()
     grad_clip: float | None = shared()
@@ -198,8 +199,9 @@ class TrainingReplica(Replica):
         return loss.detach()
 
     def configure(self, positive_ratio: np.ndarray) -> None:
-        """Set the global p of the objective (the same on every client)."""
-        self.objective.set_positive_ratio(positive_ratio, device=self.device)
+        """Set the global p of the objective (the same on every client); under a pAUC objective also its global
+        normalisers (:func:`fdam_ray.pauc.configure_vector`)."""
+        self.objective.configure(positive_ratio, device=self.device)
 
     def set_reference(self, reference: np.ndarray) -> None:
         """Set the stage's proximal centre v_ref (the same on every client)."""
@@ -329,9 +331,9 @@ class Client:
 
     def evaluate(self, state: GlobalState, split: str = "test") -> Scores | None:
         """Scores of the global model on this client's own test split, or with ``split="val"`` its validation
-        part (None if it has none)."""
-        part = self.val if split == "val" else self.test
-        what = "validation part" if split == "val" else "test split"
+        part, with ``split="train"`` its training part (a pAUC objective's count pass; None if it has none)."""
+        part = {"val": self.val, "train": self.train}.get(split, self.test)
+        what = {"val": "validation part", "train": "training part"}.get(split, "test split")
         return None if part is None else self.replica.scores_of(state, part, self.client_id, what)
 
     def score_histogram(self, state: GlobalState, split: str, bins: int | Binning) -> ScoreHistogram | None:

@@ -321,12 +321,13 @@ class FlowerExecutor(SiteRoster, Executor):
         ``bins`` its score histogram and own AUC per task instead. Under SecAgg+ with ``bins``: ONE histogram,
         the exact sum of every site's through the secure sum (client_id -1, no site's AUC; a site without such a
         part adds zeros), :func:`~fdam_ray.flower.secagg.run_secure_histogram`; no site's own reaches here."""
+        asked = list(range(self.num_sites)) if split == "train" else self.with_tests  # train: a pAUC count pass
         if bins is not None and self.secure_histogram is not None:
-            if not self.with_tests:  # as in the clear: no site holds such a part, none is asked
+            if not asked:  # as in the clear: no site holds such a part, none is asked
                 return []
             summed = self.secure_histogram(self, state, split, bins, self.ensure_synced(range(self.num_sites)))
             return [] if summed is None else [summed]
-        ready = self.ensure_synced(self.with_tests)  # a site without a test split of its own is not asked
+        ready = self.ensure_synced(asked)  # a site without a test split of its own is not asked
         more = {"split": split} if bins is None else {"split": split, **records.binning_header(bins)}
         replies = self.ask("evaluate", {k: records.global_state_content(state, self.header(k, **more))
                                         for k in ready})

@@ -171,10 +171,9 @@ class Federation:
 
     def _round(self, loop: LoopState, plan: RoundPlan) -> None:
         t0 = time.perf_counter()
+        self.algorithm.before_round(self.executor, loop, self.positive_ratio)  # pAUC: the normaliser's count pass
         plan, sampled, clients = self._participants(plan)
-        total = None
-        if clients is not None:
-            total = self.algorithm.drift.total_weight(self.num_clients, self.client_weights)
+        total = None if clients is None else self.algorithm.drift.total_weight(self.num_clients, self.client_weights)
         reducer = self.plug.reducer(self.algorithm.reducer(loop.state, weights=self.client_weights,
                                                            partial_total=total), plan)
 
@@ -223,6 +222,7 @@ class Federation:
         for every applied round, in order; returns how many were applied: all, or none when an actor failed in the
         run (the executor undid it; its rounds then run one at a time, :meth:`_round`)."""
         t0 = time.perf_counter()
+        self.algorithm.before_round(self.executor, loop, self.positive_ratio)  # pAUC: once per run of rounds
         planned = [self._participants(plan)[::2] for plan, _ in run]  # (plan, clients)
         average = self.algorithm.reference_point == "average"
         out = executor.run_rounds(loop.state, planned, average)
