@@ -268,8 +268,9 @@ def test_sigterm_stops_an_inline_run_at_a_round_end_with_a_checkpoint_and_resume
     stop_with_sigterm_and_resume(tmp_path, ["executor=inline"])
 
 
-@pytest.mark.parametrize("transport", ["classic", "compiled", "collective"])
-@pytest.mark.slow
+@pytest.mark.parametrize("transport", [  # classic: CI's one fault case; the others in benchmarks/fault_tests.py
+    pytest.param("classic", marks=pytest.mark.slow), pytest.param("compiled", marks=pytest.mark.fault),
+    pytest.param("collective", marks=pytest.mark.fault)])
 def test_sigterm_stops_a_ray_run_the_same_way(tmp_path, transport):
     # fold_order=client (and the compiled transport's actor order) make the Ray run the inline run bit for bit,
     # so the inline reference holds
@@ -325,7 +326,7 @@ except ValueError as exc:
 
 
 @pytest.mark.parametrize("transport", ["classic", "compiled", "collective"])
-@pytest.mark.slow
+@pytest.mark.fault  # in benchmarks/fault_tests.py, not the CI tiers
 def test_a_clients_data_error_mid_round_under_ray_prints_one_error_and_no_unhandled_ray_tracebacks(tmp_path,
                                                                                                    transport):
     # every client's files turn out damaged within a few rounds: the first error stops the run, and the calls

@@ -76,7 +76,7 @@ def test_sigterm_to_the_process_group_with_dataloader_workers_checkpoints_and_ex
 
 # -- a second Ctrl+C ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("transport", ["classic", "compiled"])
-@pytest.mark.slow  # about a minute each: a private Ray, then an inline resume
+@pytest.mark.fault  # about a minute each (benchmarks/fault_tests.py): a private Ray, then an inline resume
 def test_a_second_ctrl_c_exits_at_once_quietly_and_the_first_ones_checkpoint_resumes(tmp_path, transport):
     """The second Ctrl+C lands while Ray shuts down at exit: it used to print Ray's KeyboardInterrupt traceback
     and, with the compiled transport, crash the process (rc 139)."""
@@ -107,7 +107,7 @@ def tune_reports(sweep: Path) -> int:
     return max((int(p.name.split("_")[-1]) for p in sweep.glob("trial_*/checkpoint_*")), default=0)
 
 
-@pytest.mark.slow  # a few minutes: a sweep stopped, a resume refused, the sweep resumed to its end
+@pytest.mark.fault  # a few minutes: a sweep stopped, a resume refused, the sweep resumed to its end
 def test_sigterm_stops_fdam_tune_with_the_resume_line_and_a_live_sweep_is_not_resumed_twice(tmp_path):
     space = write_space(tmp_path, {"lr": {"grid": [0.2, 0.05]}}, {"name": "live", "driver_cpus": 1,
                                                                     "max_concurrent_trials": 1},

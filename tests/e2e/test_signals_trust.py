@@ -23,7 +23,7 @@ from test_signals import assert_quiet, fdam_env, start
 from fdam_ray.checkpoint import load_checkpoint
 
 
-@pytest.mark.slow  # a private Ray each time, about 40 s; three times, since it failed one run in two
+@pytest.mark.fault  # a private Ray each time, about 40 s; three times, since it failed one run in two
 @pytest.mark.parametrize("attempt", [1, 2, 3])
 def test_process_group_sigterm_under_ray_with_data_workers_checkpoints_and_prints_the_resume_line(tmp_path, attempt):
     """The private Ray's processes (GCS, raylet, its workers: the actors) must not get the job's SIGTERM: they
@@ -48,7 +48,7 @@ def test_process_group_sigterm_under_ray_with_data_workers_checkpoints_and_print
     assert load_checkpoint(run / "checkpoint.pt").loop.state.iteration >= 10
 
 
-@pytest.mark.slow  # a private Ray, about 40 s
+@pytest.mark.fault  # benchmarks/fault_tests.py; a private Ray, about 40 s
 def test_a_second_ctrl_c_under_the_classic_transport_exits_at_once(tmp_path):
     """The docs say a second Ctrl+C exits at once; under the classic transport it used to take 25 s."""
     run = tmp_path / "cut"
@@ -74,7 +74,7 @@ def test_a_second_ctrl_c_under_the_classic_transport_exits_at_once(tmp_path):
     assert_quiet(output)
 
 
-@pytest.mark.slow  # a private Ray, about 40 s
+@pytest.mark.fault  # benchmarks/fault_tests.py; a private Ray, about 40 s
 def test_no_process_of_the_private_ray_outlives_a_compiled_run(tmp_path):
     """Ray's agents (children of the raylet) used to outlive a compiled run by a minute."""
     ray_tmp = Path(tempfile.mkdtemp(prefix="fdo", dir="/tmp"))  # short: Ray's socket paths live under it

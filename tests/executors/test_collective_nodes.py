@@ -130,7 +130,7 @@ class RemoveNodeDuringRound(Collective):
         super().run_round(state, plan, fold, clients)
 
 
-@pytest.mark.slow
+@pytest.mark.fault  # in benchmarks/fault_tests.py, not the CI tiers
 def test_a_node_lost_mid_round_is_named_and_the_group_is_rebuilt_over_the_others(cluster, tmp_path):
     from raytest import SlowClientSource
 

@@ -227,7 +227,7 @@ def test_a_state_that_overflows_inside_a_run_stops_it_with_the_round_at_a_time_e
                        test)
 
 
-@pytest.mark.slow  # three Ray runs, two with a replacement, 30 s
+@pytest.mark.fault  # three Ray runs, two with a replacement, 30 s (benchmarks/fault_tests.py)
 def test_a_client_that_dies_inside_a_run_undoes_it_and_the_run_recovers_as_from_its_first_round(ray_module,
                                                                                                 tmp_path):
     clients, test = gaussian_clients(num_clients=3)

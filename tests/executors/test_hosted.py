@@ -323,7 +323,7 @@ def test_a_killed_actor_hosting_three_clients_is_rebuilt_and_the_run_goes_on(ray
     assert abs(got.summary["final_test_auc"] - undisturbed.summary["final_test_auc"]) <= 0.01
 
 
-@pytest.mark.slow
+@pytest.mark.fault  # in benchmarks/fault_tests.py, not the CI tiers
 def test_a_ray_run_with_hosted_clients_stopped_and_resumed_equals_the_uninterrupted_run(ray_session, tmp_path):
     from fdam_ray.executors.ray.executor import RayExecutor
 
@@ -344,7 +344,7 @@ def test_a_ray_run_with_hosted_clients_stopped_and_resumed_equals_the_uninterrup
     assert_same_state(resumed, whole, exact=True)
 
 
-@pytest.mark.slow
+@pytest.mark.fault  # in benchmarks/fault_tests.py, not the CI tiers
 def test_drop_leaves_out_only_the_failing_client_of_an_actor_and_its_neighbour_goes_on(ray_session):
     from fdam_ray.executors.ray.executor import RayExecutor
 

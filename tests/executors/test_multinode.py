@@ -227,7 +227,7 @@ def add_site_node(cluster, site: int):
 
 
 @pytest.mark.parametrize("transport", ["classic", "compiled"])
-@pytest.mark.slow
+@pytest.mark.fault  # in benchmarks/fault_tests.py, not the CI tiers
 def test_a_lost_node_s_reducer_and_clients_are_replaced_and_the_run_ends_near_the_undisturbed_one(cluster,
                                                                                                 tmp_path,
                                                                                                 transport):
@@ -262,7 +262,7 @@ def test_a_lost_node_s_reducer_and_clients_are_replaced_and_the_run_ends_near_th
 
 
 @pytest.mark.parametrize("transport", ["classic", "compiled"])
-@pytest.mark.slow
+@pytest.mark.fault  # in benchmarks/fault_tests.py, not the CI tiers
 def test_a_lost_node_s_clients_are_rebuilt_on_the_others_and_the_run_ends_near_the_undisturbed_one(cluster,
                                                                                                   tmp_path,
                                                                                                   transport):
@@ -291,7 +291,7 @@ def test_a_lost_node_s_clients_are_rebuilt_on_the_others_and_the_run_ends_near_t
     assert f"node {executor.removed}" in log and "was lost in round 3" in log and "(replacement)" in log
 
 
-@pytest.mark.slow
+@pytest.mark.fault  # in benchmarks/fault_tests.py, not the CI tiers
 def test_clients_pinned_to_a_lost_site_stop_the_run_with_a_checkpoint_of_that_round_and_resume_rebuilds_them(
         cluster, tmp_path):
     clients, test = gaussian_clients(num_clients=2, n=60)

@@ -194,7 +194,7 @@ VANISHING_SCRIPT = textwrap.dedent("""
 
 
 
-@pytest.mark.slow  # a cluster of its own, killed: about a minute here
+@pytest.mark.fault  # a cluster of its own, killed: about a minute here (benchmarks/fault_tests.py)
 def test_a_joined_cluster_that_goes_away_mid_placement_is_one_line():
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["RAY_TMPDIR"] = temp = tempfile.mkdtemp(prefix="fdv", dir="/tmp")  # short: Ray's socket paths
@@ -272,7 +272,7 @@ def _wait_for_line(lines: list[str], start: str | None, contains: str, timeout_s
     pytest.fail(f"no such line within {timeout_s:g} s: {''.join(lines)[-3000:]}")
 
 
-@pytest.mark.slow  # a Ray of its own and an fdam train process: about 20 s in CI
+@pytest.mark.fault  # a Ray of its own and an fdam train process: about 20 s in CI (benchmarks/fault_tests.py)
 def test_sigterm_to_fdam_train_waiting_for_its_placement_ends_it_within_seconds(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     proc = subprocess.Popen([sys.executable, "-c", WAITING_TRAIN, str(tmp_path / "runs")], env=env,

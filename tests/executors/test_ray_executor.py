@@ -128,7 +128,7 @@ class KillDuringRound(RayExecutor):
 
 
 @TRANSPORTS
-@pytest.mark.slow
+@pytest.mark.fault  # in benchmarks/fault_tests.py, not the CI tiers
 def test_a_killed_client_process_is_replaced_and_the_run_ends_near_the_undisturbed_one(transport, caplog):
     cfg = dict(dataset="digits", num_clients=4, model="cnn", model_width=8, batch_size=32, local_steps=25,
                iterations=200, eval_every=100, seed=3, algorithm="codasca", lr=0.1, **HALF)
@@ -424,7 +424,7 @@ class StopInRound(RayExecutor):
         super().run_round(state, plan, fold)
 
 
-@pytest.mark.slow  # two Ray runs and a resume: about 15 s in CI
+@pytest.mark.fault  # two Ray runs and a resume (benchmarks/fault_tests.py)
 def test_a_ray_run_stopped_and_resumed_ends_within_1e6_of_an_uninterrupted_run(tmp_path):
     clients, test = gaussian_clients(num_clients=3, n=50)
     cfg = dict(ARRAYS, algorithm="codasca", batch_size=8, local_steps=3, iterations=30, stage_length=12,
@@ -527,7 +527,7 @@ def test_in_memory_arrays_reach_only_their_own_client():
 
 
 @TRANSPORTS
-@pytest.mark.slow
+@pytest.mark.fault  # in benchmarks/fault_tests.py, not the CI tiers
 def test_a_replaced_client_and_why_a_run_stopped_are_in_train_log(transport, tmp_path):
     clients, test = gaussian_clients(3)
     config = build_config(dict(ARRAYS, dataset="arrays", num_clients=3, iterations=8, out_dir=str(tmp_path),

@@ -155,7 +155,7 @@ def test_mlflow_tags_and_wandb_config_carry_the_versions(tmp_path, monkeypatch):
     assert wandb_run(tmp_path / "wb")["config"]["versions"] == run_versions()
 
 
-@pytest.mark.slow
+@pytest.mark.fault  # in benchmarks/fault_tests.py, not the CI tiers
 def test_under_ray_a_replaced_client_and_the_placements_are_named_in_train_log(tmp_path):
     from raytest import ray_session
     from sample_clients import gaussian_clients as make_clients

@@ -733,3 +733,51 @@ def test_privacy_independent_epsilon_matches_the_accountant_where_it_is_exact():
     assert P.epsilon_from_rdp([8.0], [1e-12], 1e-5) == 0.0  # the KL bound
     # quadrature and binomial sum agree: A_3 from the integral of the fractional path at 3 - 1e-9
     assert P._log_a_poisson(0.1, 1.1, 3 - 1e-9) == pytest.approx(P._log_a_poisson(0.1, 1.1, 3), rel=1e-6)
+
+
+def test_fault_tests_script_tables_each_fault_test_and_counts_the_survivors(tmp_path, monkeypatch):
+    import subprocess
+
+    import fault_tests
+
+    seen = {}
+
+    def fake_pytest(command, **kw):  # writes the JUnit report pytest would
+        seen["command"] = command
+        report = next(a for a in command if a.startswith("--junitxml=")).split("=", 1)[1]
+        Path(report).write_text(
+            '<testsuites><testsuite name="pytest">'
+            '<testcase classname="tests.e2e.test_faults" name="test_a[classic]" time="12.5"/>'
+            '<testcase classname="tests.e2e.test_signals" name="test_b" time="3.0"><failure message="x"/></testcase>'
+            '<testcase classname="tests.executors.test_hosted" name="test_c" time="1.0"/>'
+            "</testsuite></testsuites>")
+        return subprocess.CompletedProcess(command, 1)
+
+    monkeypatch.setattr(fault_tests.subprocess, "run", fake_pytest)
+    out = tmp_path / "faults.md"
+    line = fault_tests.main(["--quick", "--out", str(out)])
+    assert parse_result(line)["faults"] == 3 and parse_result(line)["survived"] == 2
+    assert parse_result(line)["failed"] == 1
+    assert seen["command"][3:7] == ["-k", fault_tests.QUICK, "-m", "fault"]
+    text = out.read_text()
+    assert "| `tests/e2e/test_faults.py::test_a[classic]` | passed | 12.5 |" in text
+    assert "| `tests/e2e/test_signals.py::test_b` | failed | 3.0 |" in text
+    assert "python benchmarks/fault_tests.py --quick --out" in text
+
+
+def test_every_fault_test_is_out_of_both_ci_tiers_but_one_sigterm_case():
+    # the fault suite's tests carry the `fault` mark only: `pytest` and `pytest -m slow` leave them out, except
+    # the classic SIGTERM case that CI keeps in the slow tier
+    import subprocess
+
+    def collected(*marks: str) -> set[str]:
+        out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *marks,
+                              "tests/e2e/test_faults.py", "tests/e2e/test_signals.py"], cwd=BENCH.parent,
+                             capture_output=True, text=True, timeout=300).stdout
+        return {x for x in out.splitlines() if "::" in x}
+
+    fault, slow = collected("-m", "fault"), collected("-m", "slow")
+    assert not fault & slow and len(fault) >= 7
+    assert "tests/e2e/test_faults.py::test_sigterm_stops_a_ray_run_the_same_way[classic]" in slow
+    assert "tests/e2e/test_faults.py::test_sigterm_stops_a_ray_run_the_same_way[compiled]" in fault
+    assert not fault & collected()

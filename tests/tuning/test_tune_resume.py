@@ -26,7 +26,7 @@ def reports(sweep: Path) -> int:
     return max((int(p.name.split("_")[-1]) for p in sweep.glob("trial_*/checkpoint_*")), default=0)
 
 
-@pytest.mark.slow
+@pytest.mark.fault  # in benchmarks/fault_tests.py, not the CI tiers
 def test_a_stopped_sweep_resumes_and_finishes_every_trial(tmp_path):
     space = write_space(tmp_path, {"lr": {"grid": [0.2, 0.05, 0.01, 0.002]}},
                         {"name": "stopme", "driver_cpus": 1, "max_concurrent_trials": 2},
