@@ -11,7 +11,7 @@
     checkpoint.pt    the latest checkpoint (atomic, versioned; see fdam_ray.checkpoint)
     model.pt         the final model: {"model": state_dict, "a", "b", "alpha", "task_names"}
     best_model.pt    with val_fraction > 0: the model at the best validation AUC (model.pt's format)
-    summary.json     best and final test AUC (with val_fraction > 0: best_* selected by val_auc), rounds, bytes
+    summary.json     best and final test AUC (with val_fraction > 0: best_* selected by select_by), rounds, bytes
                      moved, wall time, samples/s; strict JSON: a number that is not defined (the AUC of samples of
                      one class, NaN) is null, and its key in ``notes`` says why
     .lock            who writes the folder now (pid, host, start); see :mod:`fdam_ray.files.runlock`
