@@ -143,8 +143,8 @@ def test_flower_logs_a_refusal_as_its_line_and_any_other_exception_with_its_trac
         for refusal in (SiteSilent("site 2 did not answer within flower.connect_timeout_s=120 s"),
                         ConfigError("config field 'lr': -1 is not allowed (> 0)")):
             # as flwr's run_serverapp logs an exception that ended the ServerApp
-            out = flower_output(lambda: FLOWER_LOG.error("%s raised an exception", "ServerApp",
-                                                         exc_info=raised(refusal)))
+            caught = raised(refusal)
+            out = flower_output(lambda c=caught: FLOWER_LOG.error("%s raised an exception", "ServerApp", exc_info=c))
             assert out == f"ERROR ServerApp stopped: {refusal}\n"
         out = flower_output(lambda: FLOWER_LOG.error("%s raised an exception", "ServerApp",
                                                      exc_info=raised(ValueError("a bug"))))
