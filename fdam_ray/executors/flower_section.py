@@ -122,9 +122,9 @@ def catalog_rows() -> list[tuple[str, str, str, str, str]]:
         text = re.sub(r":\w+:`~?([^`]*)`", r"\1", text).replace("``", "")
         return text[:1].upper() + text[1:]
 
-    return [(SECTION_KEY, f"{SECTION_KEY}.{f.name}",
-             str(f.default if f.default is not dataclasses.MISSING else f.default_factory()),  # type: ignore[misc]
-             plain(meaning[f.name]), _ALLOWED[f.name]) for f in dataclasses.fields(FlowerSection)]
+    defaults = FlowerSection()  # every field has a default: the defaults as the section holds them
+    return [(SECTION_KEY, f"{SECTION_KEY}.{f.name}", str(getattr(defaults, f.name)), plain(meaning[f.name]),
+             _ALLOWED[f.name]) for f in dataclasses.fields(FlowerSection)]
 
 
 def _number(name: str, value: Any, rule: Callable[[float], bool], allowed: str) -> None:
