@@ -178,3 +178,24 @@ def test_under_dp_the_progress_line_carries_epsilon():
     record = {"round": 7, "iteration": 140, "test_auc": 0.81234, "dp_epsilon": 1.23456, "dp_delta": 1e-5}
     out = flower_output(lambda: progress.record(record, lambda: None))
     assert out == "INFO fdam-ray: round 7, iteration 140 of 400: test AUC 0.8123, epsilon 1.235 (delta 1e-05)\n"
+
+
+def test_the_serverapps_main_shows_progress_and_the_final_line_in_flowers_log(folder, tmp_path):
+    import json
+
+    import yaml
+
+    from fdam_ray.flower.client_app import app
+    from fdam_ray.flower.inprocess import InProcessGrid, server_context
+    from fdam_ray.flower.server_app import main
+
+    run_dir = tmp_path / "study"
+    study = {**CODASCA, "num_clients": 3}
+    out = flower_output(lambda: main(InProcessGrid(app, configs(folder)), server_context(run_config={
+        "study": yaml.safe_dump(study), "run-dir": str(run_dir)})))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    shown = [line for line in out.splitlines() if "test AUC" in line and "final" not in line]
+    assert len(shown) == len([r for r in rows if "test_auc" in r]) == 3
+    assert shown[-1].endswith(f"iteration 12 of 12: test AUC {summary['final_test_auc']:.4f}")
+    assert f"final test AUC {summary['final_test_auc']:.4f}; run folder {run_dir}" in out
