@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fdam_ray.config import FIELDS, NAMES, SECTIONS, row_of
+from fdam_ray.config import NAMES, catalog_table
 from fdam_ray.settings.catalog import STORED
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 
 def live() -> dict[str, Any]:
     """The table as the sections declare it now, in the form of ``fields.json``."""
-    return {"sections": list(SECTIONS), "fields": [list(row_of(f)) for f in FIELDS],
+    sections, rows = catalog_table()
+    return {"sections": sections, "fields": [list(row) for row in rows],
             "names": {"aliases": dict(sorted(NAMES.aliases.items())), "renamed": sorted(NAMES.renamed),
                       "records": sorted(NAMES.records)}}
 

@@ -345,7 +345,16 @@ def row_of(field: Field) -> catalog.Row:
     return catalog.Row(field.section, field.name, str(field.default), field.doc, allowed)
 
 
+def catalog_table() -> tuple[list[str], list[catalog.Row]]:
+    """(section names, rows) of ``fdam fields``: every field of :data:`FIELDS`, then the ``flower:`` section's
+    (``flower.<name>``: read by a consortium's server, checked by every run)."""
+    from fdam_ray.executors.flower_section import SECTION_KEY, catalog_rows  # imports no Flower
+
+    return [*SECTIONS, SECTION_KEY], [*(row_of(f) for f in FIELDS), *(catalog.Row(*r) for r in catalog_rows())]
+
+
 def describe_fields(terms: list[str] | tuple[str, ...] = ()) -> str:
     """A plain-text table of every field (or those ``terms`` select), its default and its meaning (for `fdam
     fields`); a term that selects nothing is a [`ConfigError`][fdam_ray.config.ConfigError] naming the sections."""
-    return catalog.describe([row_of(f) for f in FIELDS], list(SECTIONS), terms)
+    sections, rows = catalog_table()
+    return catalog.describe(rows, sections, terms)

@@ -214,7 +214,7 @@ class PartialAUCLoss(AUCLoss):
         self.temperature = float(number_argument("temperature", temperature, lambda v: v > 0, "a finite number > 0"))
         if not isinstance(two_way, (bool, np.bool_)):
             raise ValueError(f"two_way: {short(two_way)} is not allowed (True or False)")
-        self.objective = "pauc_two_way" if two_way else "pauc_one_way"
+        self.kind = "pauc_two_way" if two_way else "pauc_one_way"  # (the class's objective: one-way)
         self.log_norms: torch.Tensor | None = None
 
     def set_log_normalisers(self, log_norms: np.ndarray | torch.Tensor | None) -> None:
@@ -227,5 +227,5 @@ class PartialAUCLoss(AUCLoss):
         from fdam_ray.pauc import pauc_objective
 
         norms = None if self.log_norms is None else self.log_norms.to(h.device, h.dtype)
-        return pauc_objective(self.objective, h, y, self.p, self.a, self.b, self.alpha, margin=self.margin,
+        return pauc_objective(self.kind, h, y, self.p, self.a, self.b, self.alpha, margin=self.margin,
                               temperature=self.temperature, log_norms=norms)

@@ -56,7 +56,15 @@ def config_reference() -> str:
             resume = "may change" if f.resume else ""
             out.append(f"| `{f.name}` | `{_cell(default)}` | {_cell(_allowed(f))} | {resume} | {_cell(f.doc)} |")
         out.append("")
-    return "\n".join(out)
+    from fdam_ray.executors.flower_section import catalog_rows
+
+    out += ["## `flower`", "", "The `flower:` section of the same file, read by a consortium's server "
+            "(`fdam_ray.executors.flower_section.FlowerSection`; checked by every run, ignored by simulations; the "
+            "server's own, so a resume may change it); `fdam fields flower` prints these.", "",
+            "| field | default | allowed | on resume | meaning |", "|---|---|---|---|---|"]
+    out += [f"| `{name}` | `{_cell(default)}` | {_cell(allowed)} | may change | {_cell(doc)} |"
+            for _, name, default, doc, allowed in catalog_rows()]
+    return "\n".join([*out, ""])
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

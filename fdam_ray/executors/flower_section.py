@@ -99,6 +99,34 @@ class FlowerSection:
         return cls(**values)
 
 
+_ALLOWED = {"connect_timeout_s": "> 0 (seconds)", "round_timeout_s": "> 0 (seconds)", "secagg": "true, false",
+            "secagg_clipping_range": "> 0", "secagg_quantization_range": "an integer in [2, 2**26]",
+            "secagg_num_shares": "a fraction in (0, 1], or a whole count >= 3",
+            "secagg_reconstruction_threshold": "a fraction in (0, 1], or a whole count >= 2 below the shares",
+            "test_data": "an .npz path, or null", "bind_sites": "true, false",
+            "site_keys": "{site: 'SHA256:<43 base64 characters>'}"}
+
+
+def catalog_rows() -> list[tuple[str, str, str, str, str]]:
+    """The section's fields as ``fdam fields`` lists them: (``flower``, ``flower.<name>``, default, meaning,
+    allowed), the meaning read from :class:`FlowerSection`'s docstring (one source for both)."""
+    meaning: dict[str, str] = {}
+    name = None
+    for line in (FlowerSection.__doc__ or "").split("Attributes:", 1)[-1].splitlines():
+        head = re.match(r"^ {8}(\w+): (.*)$", line)
+        if head:
+            name, meaning[head.group(1)] = head.group(1), head.group(2).strip()
+        elif name and line.startswith(" " * 12):
+            meaning[name] += " " + line.strip()
+    def plain(text: str) -> str:  # as the other rows read: no reST markup, a capital first letter
+        text = re.sub(r":\w+:`~?([^`]*)`", r"\1", text).replace("``", "")
+        return text[:1].upper() + text[1:]
+
+    defaults = FlowerSection()  # every field has a default: the defaults as the section holds them
+    return [(SECTION_KEY, f"{SECTION_KEY}.{f.name}", str(getattr(defaults, f.name)), plain(meaning[f.name]),
+             _ALLOWED[f.name]) for f in dataclasses.fields(FlowerSection)]
+
+
 def _number(name: str, value: Any, rule: Callable[[float], bool], allowed: str) -> None:
     """A number of the section: a real number (not a bool or text), finite, and within ``rule``; else one line."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and rule(value)

@@ -12,7 +12,9 @@ the server binds a site number to (:mod:`.identity`).
 
 Run as ``python -m fdam_ray.flower.certs --folder consortium-certs --name superlink.example.org --ip 10.0.0.5
 --sites 3``. Private keys are written 0600, and nothing is overwritten: an existing file stops the command
-before anything is written.
+before anything is written. The authority outlives the certificates it signs (``--ca-days`` 3650, ``--days``
+365 by default); later, ``renew`` signs the SuperLink's certificate again with it, ``rotate-site`` gives one
+site a new key pair and ``check`` warns of a certificate that expires within 30 days (:mod:`.renewal`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-DEFAULT_DAYS = 365
+DEFAULT_DAYS = 365  # the SuperLink's certificate
+DEFAULT_CA_DAYS = 3650  # the authority's: it signs the next server certificates
+MAX_DAYS, MAX_CA_DAYS = 3650, 10950
+WARN_DAYS = 30  # `check` warns of a certificate expiring this soon
+COMMANDS = ("renew", "rotate-site", "check")  # the later commands (:mod:`.renewal`)
 MAX_SITES = 10_000  # a consortium's site count; more is a slip of the keyboard (each key takes milliseconds)
 MAX_NAME = 64  # characters of a host name on the certificate (the common name's limit in RFC 5280)
 _LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
@@ -146,18 +152,38 @@ def check_sites(sites: Any) -> None:
         raise ValueError(f"--sites {sites!r} is not allowed (a count of sites in [0, {MAX_SITES}])")
 
 
+def check_days(days: Any, ca_days: Any = None) -> None:
+    """A server certificate's ``days`` in (0, :data:`MAX_DAYS`] and an authority's ``ca_days`` in (0,
+    :data:`MAX_CA_DAYS`], at least ``days`` (an authority that expires first ends TLS with it); else one line."""
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+    def shown(v: Any) -> str:
+        return f"{v:g}" if number(v) else repr(v)
+
+    if not number(days) or not 0 < days <= MAX_DAYS:
+        raise ValueError(f"--days {shown(days)} is not allowed (a number of days in (0, {MAX_DAYS}])")
+    if ca_days is not None and (not number(ca_days) or not 0 < ca_days <= MAX_CA_DAYS):
+        raise ValueError(f"--ca-days {shown(ca_days)} is not allowed (a number of days in (0, {MAX_CA_DAYS}])")
+    if ca_days is not None and ca_days < days:
+        raise ValueError(f"--ca-days {ca_days:g} is not allowed (at least --days {days:g}: the authority must outlive "
+                         "the server certificate it signs)")
+
+
 def make_certificates(folder: str | Path, *, dns: Sequence[str] = ("localhost",), ips: Sequence[str] = ("127.0.0.1",),
-                      days: float = DEFAULT_DAYS, authority: str = "fdam consortium CA") -> Certificates:
-    """A new certificate authority (``ca.crt``, its key ``ca.key``) and a server certificate for ``dns`` and
-    ``ips`` (``server.pem``, ``server.key``) signed by it, both valid ``days`` from now; files already there stop
-    it before anything is written."""
+                      days: float = DEFAULT_DAYS, authority: str = "fdam consortium CA",
+                      ca_days: float | None = None) -> Certificates:
+    """A new certificate authority (``ca.crt``, its key ``ca.key``), valid ``ca_days`` (default the larger of
+    :data:`DEFAULT_CA_DAYS` and ``days``), and a server certificate for ``dns`` and ``ips`` (``server.pem``,
+    ``server.key``) signed by it, valid ``days`` from now; files already there stop it before anything is
+    written."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    from cryptography.x509.oid import NameOID
 
-    if not isinstance(days, (int, float)) or isinstance(days, bool) or not 0 < days <= 3650:
-        raise ValueError(f"days: {days!r} is not allowed (a number of days in (0, 3650])")
+    ca_days = max(DEFAULT_CA_DAYS, days) if ca_days is None and isinstance(days, (int, float)) else ca_days
+    check_days(days, ca_days)
     sans = x509.SubjectAlternativeName(_names(dns, ips))
     folder = Path(folder)
     out = Certificates(folder / "ca.crt", folder / "server.pem", folder / "server.key")
@@ -169,25 +195,18 @@ def make_certificates(folder: str | Path, *, dns: Sequence[str] = ("localhost",)
         return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, text)])
 
     now = datetime.datetime.now(datetime.UTC)
-    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
+    start = now - datetime.timedelta(minutes=5)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (x509.CertificateBuilder().subject_name(name(authority)).issuer_name(name(authority))
           .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(start).not_valid_after(end)
+          .not_valid_before(start).not_valid_after(now + datetime.timedelta(days=ca_days))
           .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
           .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
                                        data_encipherment=False, key_agreement=False, key_cert_sign=True,
                                        crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
           .sign(ca_key, hashes.SHA256()))
     key = ec.generate_private_key(ec.SECP256R1())
-    first = next((n.value for n in sans if isinstance(n, x509.DNSName)), str(next(iter(sans)).value))
-    cert = (x509.CertificateBuilder().subject_name(name(first)).issuer_name(ca.subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(start).not_valid_after(end)
-            .add_extension(sans, critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    cert = _server_cert(ca, ca_key, key.public_key(), sans, days)
 
     def pkcs8(k: Any) -> bytes:
         return k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
@@ -198,6 +217,23 @@ def make_certificates(folder: str | Path, *, dns: Sequence[str] = ("localhost",)
     _write_new(out.server_key, pkcs8(key), private=True)
     _write_new(out.server_cert, cert.public_bytes(serialization.Encoding.PEM), private=False)
     return out
+
+
+def _server_cert(ca: Any, ca_key: Any, public_key: Any, sans: Any, days: float) -> Any:
+    """A server certificate for ``sans`` signed by the authority ``ca``, valid ``days`` from now."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    first = next((n.value for n in sans if isinstance(n, x509.DNSName)), str(next(iter(sans)).value))
+    return (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, first)]))
+            .issuer_name(ca.subject).public_key(public_key).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(sans, critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
 
 
 def make_node_key(folder: str | Path, name: str) -> NodeKey:
@@ -234,8 +270,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="a DNS name of the SuperLink (repeat for more)")
     p.add_argument("--ip", action="append", default=[], metavar="ADDRESS",
                    help="an IP address of the SuperLink (repeat for more)")
-    p.add_argument("--days", type=float, default=DEFAULT_DAYS, help=f"validity in days (default {DEFAULT_DAYS})")
+    p.add_argument("--days", type=float, default=DEFAULT_DAYS,
+                   help=f"the SuperLink certificate's validity in days (default {DEFAULT_DAYS})")
+    p.add_argument("--ca-days", type=float, default=DEFAULT_CA_DAYS,
+                   help=f"the authority's validity in days, at least --days (default {DEFAULT_CA_DAYS})")
     p.add_argument("--sites", type=int, default=0, help="how many site key pairs to make (site0 .. site<N-1>)")
+    p.epilog = ("Later: `renew --folder F [--days N]` signs the SuperLink's certificate again with the folder's "
+                "authority; `rotate-site --folder F --site K` makes site K a new key pair; `check FILE ...` warns "
+                f"of a certificate that expires within {WARN_DAYS} days.")
     return p
 
 
@@ -258,15 +300,21 @@ def _undo(folder: Path, made: Sequence[Path], sites: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line: writes the files and prints what goes where, with each site key's fingerprint."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMMANDS:
+        from fdam_ray.flower.renewal import command
+
+        return command(argv[0], argv[1:])
     args = _parser().parse_args(argv)
     folder = Path(args.folder)
     made: list[Path] = []
     try:
         check_sites(args.sites)  # before a path is formed: a huge count would take minutes and memory
+        check_days(args.days, args.ca_days)
         _names(args.name, args.ip)
         _refuse_existing([folder / "keys" / f"site{k}{e}" for k in range(args.sites) for e in ("", ".pub")])
         made = _make_folder(folder)
-        certs = make_certificates(folder, dns=args.name, ips=args.ip, days=args.days)
+        certs = make_certificates(folder, dns=args.name, ips=args.ip, days=args.days, ca_days=args.ca_days)
         keys = make_site_keys(folder / "keys", args.sites)
     except (ValueError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -275,10 +323,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         _undo(folder, made, args.sites)
         print(f"error: {exc.filename or folder}: {exc.strerror or exc} (nothing was written)", file=sys.stderr)
         return 2
-    print(f"certificate authority: {certs.ca} (give it to every SuperNode and flwr user; keep {folder / 'ca.key'} "
-          "offline)")
+    print(f"certificate authority: {certs.ca} (valid {args.ca_days:g} days; give it to every SuperNode and flwr "
+          f"user; keep {folder / 'ca.key'} offline: it signs the renewed server certificates)")
     print(f"SuperLink: --ssl-ca-certfile {certs.ca} --ssl-certfile {certs.server_cert} --ssl-keyfile "
-          f"{certs.server_key} (valid {args.days:g} days for {', '.join([*args.name, *args.ip])})")
+          f"{certs.server_key} (valid {args.days:g} days for {', '.join([*args.name, *args.ip])}; renew: "
+          f"python -m fdam_ray.flower.certs renew --folder {folder})")
     for k, key in enumerate(keys):
         print(f"site {k}: --auth-supernode-private-key {key.private}; register {key.public} "
               f"(fingerprint {key.fingerprint})")

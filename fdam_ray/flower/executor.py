@@ -47,9 +47,9 @@ from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.executors.base import Executor, ExecutorSetup
 from fdam_ray.flower import records
 from fdam_ray.flower.identity import NodeIdentity, SiteBindings
-from fdam_ray.flower.roster import SiteRefused, SiteRoster, SiteShapes, _first_line
+from fdam_ray.flower.roster import SiteRefused, SiteRoster, SiteShapes, SiteSilent, _first_line
 
-__all__ = ["FlowerExecutor", "SiteRefused", "SiteShapes"]
+__all__ = ["FlowerExecutor", "SiteRefused", "SiteShapes", "SiteSilent"]
 from fdam_ray.core.state import (
     ClientInfo,
     ClientState,
@@ -108,6 +108,7 @@ class FlowerExecutor(SiteRoster, Executor):
         self.replaced: set[int] = set()  # sites that lost their state mid-run (they start from the global c)
         self.with_tests: list[int] = []  # sites holding a test split of their own
         self.unusable: dict[int, str] = {}  # node id -> why it cannot take part (said once, not asked again)
+        self.silent: dict[int, str] = {}  # node id -> how it failed to answer (listed, its SuperNode gone)
         self.failures: dict[int, int] = {}  # site -> messages it failed in a row
         self.last_error: dict[int, str] = {}  # site -> its last failure, in one line
         self.dropped: set[int] = set()  # sites dropped under on_client_failure=drop (until their node restarts)

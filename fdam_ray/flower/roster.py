@@ -13,7 +13,10 @@ versions named) or one that claims a site bound to another node's public key
 (:mod:`fdam_ray.flower.identity`: the first node to take a site binds it to its
 key; only ``flower.site_keys`` changes that); with every site there, such a
 node is refused in one log line (on the server and on the node) and asked
-nothing more.
+nothing more. A site whose SuperNode is down, or cannot reach the SuperLink,
+is not a misconfigured one: when it has not answered within
+``flower.connect_timeout_s``, the run stops with one line (:class:`SiteSilent`)
+naming it and saying it did not answer.
 """
 
 from __future__ import annotations
@@ -39,6 +42,13 @@ log = logging.getLogger("fdam_ray.flower.executor")  # one logger for the server
 
 class SiteRefused(RuntimeError):
     """A site or node that can never take part in this run: one line naming it and what to do; the run stops."""
+
+
+class SiteSilent(SiteRefused):
+    """A site that did not answer before the start (its SuperNode down or cut off): one line naming it."""
+
+
+_UNAVAILABLE = (3, 4, 5)  # Flower's ErrorCode MESSAGE_, REPLY_MESSAGE_ and NODE_UNAVAILABLE: nobody answered
 
 
 def _first_line(text: object) -> str:
@@ -67,6 +77,7 @@ class SiteRoster:
     shapes: SiteShapes | None
     replaced: set[int]
     unusable: dict[int, str]  # node id -> why it cannot take part (said once, not asked again)
+    silent: dict[int, str]  # node id -> how it failed to answer (listed, but its SuperNode is gone)
     failures: dict[int, int]
     dropped: set[int]
     bindings: SiteBindings | None
@@ -90,10 +101,18 @@ class SiteRoster:
                 self._refuse(f"sites {missing} have not connected and {nodes}: fix that node's config (site = "
                              f"0..{self.num_sites - 1}, its data) and restart its SuperNode; the run stops")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"sites {missing} did not connect within flower.connect_timeout_s="
-                                   f"{self.flower.connect_timeout_s:g} s ({len(self.node_of)} of {self.num_sites} "
-                                   "did)")
+                self._refuse(self._silent_line(missing), silent=True)
             time.sleep(0.5)
+
+    def _silent_line(self, missing: list[int]) -> str:
+        """The one line of sites that never answered before the start: who, for how long, and what to do."""
+        who = f"site {missing[0]}" if len(missing) == 1 else f"sites {', '.join(map(str, missing))}"
+        quiet = "; ".join(f"node {n} was listed but did not answer: {why}" for n, why in sorted(self.silent.items()))
+        return (f"{who} did not answer within flower.connect_timeout_s={self.flower.connect_timeout_s:g} s "
+                f"({len(self.node_of)} of {self.num_sites} sites did{'; ' + quiet if quiet else ''}): start "
+                f"{'its SuperNode' if len(missing) == 1 else 'their SuperNodes'}, check that "
+                f"{'it reaches' if len(missing) == 1 else 'they reach'} the SuperLink, and submit the study again; "
+                "the run stops")
 
     def refresh(self) -> None:
         """Ask nodes not seen before which site they are; forget nodes that left. A site two listed nodes claim,
@@ -167,11 +186,19 @@ class SiteRoster:
         out: dict[int, ConfigRecord] = {}
         for reply in self.grid.send_and_receive(messages, timeout=self.flower.round_timeout_s):
             node = reply.metadata.src_node_id
+            if reply.has_error() and reply.error.code in _UNAVAILABLE:  # nobody there: not the node's config
+                self.silent[node] = _first_line(reply.error.reason)
+                continue
             if reply.has_error():
                 if not quiet:
                     self._unusable(node, f"could not say which site it is ({_first_line(reply.error.reason)})")
                 continue
             out[node] = reply.content.config_records[records.CONFIG]
+            self.silent.pop(node, None)
+        for node in nodes:  # listed, and no reply within the wait: its SuperNode is gone or cut off
+            if node not in out and node not in self.unusable and not quiet:
+                self.silent.setdefault(node, "no reply within flower.round_timeout_s="
+                                             f"{self.flower.round_timeout_s:g} s")
         return out
 
     def _unusable(self, node: int, why: str, *, tell: bool = False) -> None:
@@ -192,11 +219,11 @@ class SiteRoster:
                   "stop the extra one, and start the run again")
         self._refuse(f"the run stops: {reason}", tell=nodes)
 
-    def _refuse(self, line: str, tell: Sequence[int] = ()) -> NoReturn:
+    def _refuse(self, line: str, tell: Sequence[int] = (), *, silent: bool = False) -> NoReturn:
         """Stop the run with one line (logged here, and on the nodes in ``tell``: each site's log names it)."""
         log.error("%s", line)
         self._tell(tell, line)
-        raise SiteRefused(line)
+        raise (SiteSilent if silent else SiteRefused)(line)
 
     def _tell(self, nodes: Sequence[int], line: str) -> None:
         """Send ``line`` to ``nodes`` (``query.refused``: each logs it), whether or not they hear it."""

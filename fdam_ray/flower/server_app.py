@@ -10,6 +10,11 @@ The run config of ``flwr run`` carries the study:
   checkpoints, trackers. When it holds a checkpoint, the study continues from it. Empty: a new folder under the
   config's ``out_dir`` (named ``run_name`` when set).
 - ``result``: optionally an ``.npz`` file the final global state and history are written to.
+
+The study's progress goes to the log Flower shows (``flwr log``, the SuperLink's journal): one line per evaluation
+(round, iteration, test AUC, and epsilon under dp) and per stage switch (:class:`FlowerLog`). A study fdam-ray
+stops on purpose (a config it refuses, a site refused or silent: one line each) is logged as that line, without
+the traceback Flower prints for an app's exception (:func:`quiet_refusals`).
 """
 
 from __future__ import annotations
@@ -40,14 +45,54 @@ from fdam_ray.executors.base import ExecutorSection
 from fdam_ray.executors.flower_section import split_config
 from fdam_ray.executors.inline import inline_threads
 from fdam_ray.flower import records, secagg, server_folder
-from fdam_ray.flower.executor import SiteShapes
+from fdam_ray.flower.executor import SiteRefused, SiteShapes
 from fdam_ray.loop.summary import RunResult
-from fdam_ray.outputs import Observer, Observers
+from fdam_ray.outputs import Observer, Observers, RunStart, Snapshot
 from fdam_ray.outputs.trackers import check_usable as trackers_usable
 from fdam_ray.privacy.driver import TrainSizesElsewhere
 from fdam_ray.settings.yamlio import load_yaml
 
 log = logging.getLogger(__name__)
+FLOWER_LOG = logging.getLogger("flwr")  # the logger whose lines `flwr log` and the SuperLink's output show
+ONE_LINE = (ConfigError, SiteRefused)  # fdam-ray's refusals: their message is the whole story
+
+
+class FlowerLog(Observer):
+    """The study's progress in Flower's log: one line per evaluation and per stage switch."""
+
+    def __init__(self) -> None:
+        self.iterations = 0
+
+    def start(self, run: RunStart) -> None:
+        self.iterations = run.iterations
+        FLOWER_LOG.info("fdam-ray: %s at round %d, iteration %d of %d", "resumed" if run.resumed else "started",
+                        run.round, run.iteration, run.iterations)
+
+    def record(self, record: dict, snapshot: Snapshot) -> None:
+        dp = record.get("dp_epsilon")
+        FLOWER_LOG.info("fdam-ray: round %d, iteration %d of %d: test AUC %.4f%s", record["round"],
+                        record["iteration"], self.iterations, record["test_auc"],
+                        "" if dp is None else f", epsilon {dp:.4g} (delta {record.get('dp_delta', 0):g})")
+
+    def event(self, message: str, *args: object, level: int = logging.INFO) -> None:
+        FLOWER_LOG.log(level, "fdam-ray: " + message, *args)
+
+
+class _OneLine(logging.Filter):
+    """Flower logs an exception that ends a ServerApp with its traceback; one of fdam-ray's refusals keeps its
+    line only (the reason is in it; a traceback would bury it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, ONE_LINE):
+            record.msg, record.args, record.exc_info, record.exc_text = "ServerApp stopped: %s", (str(exc),), None, None
+        return True
+
+
+def quiet_refusals() -> None:
+    """Install :class:`_OneLine` on Flower's logger (once)."""
+    if not any(isinstance(f, _OneLine) for f in FLOWER_LOG.filters):
+        FLOWER_LOG.addFilter(_OneLine())
 
 app = ServerApp()
 
@@ -154,9 +199,12 @@ def write_result(result: RunResult, path: str | Path) -> None:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    quiet_refusals()
     run = context.run_config
-    result = run_federation(grid, context, study_values(run), save=True, run_dir=str(run.get("run-dir", "") or ""))
-    log.info("final test AUC %.4f; run folder %s", result.summary["final_test_auc"], result.run_dir)
+    result = run_federation(grid, context, study_values(run), save=True, run_dir=str(run.get("run-dir", "") or ""),
+                            observers=(FlowerLog(),))
+    FLOWER_LOG.info("fdam-ray: final test AUC %.4f; run folder %s (model.pt there)", result.summary["final_test_auc"],
+                    result.run_dir)
     out = run.get("result")
     if out:
         write_result(result, str(out))

@@ -92,7 +92,8 @@ def stored_names() -> Names:
     train`` checks every key's name with it before torch is imported."""
     data = json.loads(STORED.read_text(encoding="utf-8"))
     names = data["names"]
-    return Names(frozenset(row[1] for row in data["fields"]), dict(names["aliases"]), frozenset(names["renamed"]),
+    fields = frozenset(row[1] for row in data["fields"] if "." not in row[1])  # flower.<name>: not a top-level key
+    return Names(fields, dict(names["aliases"]), frozenset(names["renamed"]),
                  frozenset(names["records"]))
 
 

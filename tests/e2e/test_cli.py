@@ -151,6 +151,9 @@ def test_fields_filters_by_section_or_word(capsys):
         return [line.split()[0] for line in capsys.readouterr().out.splitlines()]
 
     everything = listed()
+    flower = [n for n in everything if n.startswith("flower.")]  # the consortium's section, listed last
+    assert flower == listed("flower") and "flower.site_keys" in flower and "flower.connect_timeout_s" in flower
+    everything = everything[:len(everything) - len(flower)]
     assert everything == [f.name for f in FIELDS]
     assert listed("ray") == ["address", "cpus_per_actor", "gpus_per_actor", "placement_strategy", "client_resources",
                              "reduce", "transport", "collective_rounds", "collective_backend", "channel_wait",
