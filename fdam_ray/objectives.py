@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F_nn
 
-from fdam_ray.pauc import PAUC_OBJECTIVES, pauc_objective
+from fdam_ray.pauc import PAUC_OBJECTIVES, pauc_objective, task_mean
 from fdam_ray.settings.redact import short
 
 OBJECTIVES = ("auc_square", "auc_margin", "bce", "pauc_one_way", "pauc_two_way")  # pAUC: fdam_ray/pauc.py
@@ -196,15 +196,6 @@ def auc_objective(
         raise ValueError(f"AUC objective {name!r} is not one of auc_square, auc_margin")
     per = per - q * alpha**2 * valid
     return task_mean(per, count)
-
-
-def task_mean(per: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """Mean over the tasks with a labelled sample of each task's mean of ``per`` (B, T) over its ``count``."""
-    has = count > 0
-    if not bool(has.any()):  # no labelled sample in this batch: nothing to learn from it
-        return (per * 0).sum()
-    task_means = per.sum(0)[has] / count[has]
-    return task_means.mean()
 
 
 def closed_form_alpha(

@@ -83,14 +83,22 @@ def normaliser_bound(counts: np.ndarray, temperature: float) -> np.ndarray:
                      for t in range(counts.shape[0])])
 
 
+def task_mean(per: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Mean over the tasks with a labelled sample of each task's mean of ``per`` (B, T) over its ``count`` (the
+    last step of every objective, fdam_ray.objectives' too)."""
+    has = count > 0
+    if not bool(has.any()):  # no labelled sample in this batch: nothing to learn from it
+        return (per * 0).sum()
+    task_means = per.sum(0)[has] / count[has]
+    return task_means.mean()
+
+
 def pauc_objective(name: str, h: torch.Tensor, labels: torch.Tensor, p: torch.Tensor, a: torch.Tensor,
                    b: torch.Tensor, alpha: torch.Tensor, *, margin: float, temperature: float,
                    log_norms: torch.Tensor | None) -> torch.Tensor:
     """The module docstring's F on (B, T) scores and labels (0, 1, NaN), as the mean over tasks of each task's
     sample mean. ``log_norms`` ``(T, 2)``: the global log Z~ of the last pass; None weights by the batch's own
     normaliser (a model trained on its own data, :mod:`fdam_ray.losses`)."""
-    from fdam_ray.objectives import task_mean
-
     if name not in PAUC_OBJECTIVES:
         raise ValueError(f"pAUC objective {name!r} is not one of {', '.join(PAUC_OBJECTIVES)}")
     valid = ~torch.isnan(labels)

@@ -77,7 +77,7 @@ MUTATIONS: list[Mutation] = [
              "per = per - q * alpha**2 * valid",
              "per = per - alpha**2 * valid",
              (OBJ, ORACLE), "the -p(1-p) alpha^2 term loses its p(1-p)"),
-    Mutation("obj_missing_labels_counted", "fdam_ray/objectives.py",
+    Mutation("obj_missing_labels_counted", "fdam_ray/pauc.py",
              "task_means = per.sum(0)[has] / count[has]",
              "task_means = per.sum(0)[has] / len(per)",
              (OBJ,), "a task's mean divides by the batch size, counting samples without a label for it"),

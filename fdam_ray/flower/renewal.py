@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from fdam_ray.flower.certs import (
+from fdam_ray.flower.pki import (
     DEFAULT_DAYS,
     MAX_SITES,
     WARN_DAYS,

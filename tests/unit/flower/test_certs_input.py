@@ -44,9 +44,9 @@ def test_a_folder_that_cannot_be_made_is_one_line_and_nothing_is_written(tmp_pat
 
 
 def test_a_write_that_fails_half_way_leaves_no_file_behind(tmp_path, capsys, monkeypatch):
-    from fdam_ray.flower import certs
+    from fdam_ray.flower import pki
 
-    real, calls = certs._write_new, []
+    real, calls = pki._write_new, []
 
     def full_disk(path, data, *, private):
         calls.append(path)
@@ -54,7 +54,7 @@ def test_a_write_that_fails_half_way_leaves_no_file_behind(tmp_path, capsys, mon
             raise OSError(28, "No space left on device", str(path))
         real(path, data, private=private)
 
-    monkeypatch.setattr(certs, "_write_new", full_disk)
+    monkeypatch.setattr(pki, "_write_new", full_disk)
     folder = tmp_path / "certs"
     assert main(["--folder", str(folder), "--name", "localhost", "--sites", "1"]) == 2
     assert "No space left" in _one_line_error(capsys)
