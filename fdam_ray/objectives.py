@@ -107,7 +107,7 @@ class Objective:
 
     def configure(self, values: np.ndarray, device: torch.device | str = "cpu") -> None:
         """p (T values, or one); under a pAUC objective also 3T values: p, then the log normalisers of the
-        negatives and of the positives (:func:`fdam_ray.pauc.configure_vector`)."""
+        negatives and of the positives (`fdam_ray.pauc.configure_vector`)."""
         arr = np.asarray(values, dtype=np.float64).reshape(-1)
         t = self.num_tasks
         if self.name in PAUC_OBJECTIVES and arr.size == 3 * t and t > 0:

@@ -766,18 +766,25 @@ def test_fault_tests_script_tables_each_fault_test_and_counts_the_survivors(tmp_
 
 
 def test_every_fault_test_is_out_of_both_ci_tiers_but_one_sigterm_case():
-    # the fault suite's tests carry the `fault` mark only: `pytest` and `pytest -m slow` leave them out, except
-    # the classic SIGTERM case that CI keeps in the slow tier
+    # the fault suite's tests carry the `fault` mark only: `pytest` ("not slow and not fault") and `pytest -m slow`
+    # leave them out, except the classic SIGTERM case that CI keeps in the slow tier. One collection, every item's
+    # marks read before any -m deselects it.
+    import json
     import subprocess
 
-    def collected(*marks: str) -> set[str]:
-        out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *marks,
-                              "tests/e2e/test_faults.py", "tests/e2e/test_signals.py"], cwd=BENCH.parent,
-                             capture_output=True, text=True, timeout=300).stdout
-        return {x for x in out.splitlines() if "::" in x}
-
-    fault, slow = collected("-m", "fault"), collected("-m", "slow")
-    assert not fault & slow and len(fault) >= 7
-    assert "tests/e2e/test_faults.py::test_sigterm_stops_a_ray_run_the_same_way[classic]" in slow
+    script = (
+        "import json, sys, pytest\n"
+        "class Grab:\n"
+        "    marks = {}\n"
+        "    @pytest.hookimpl(tryfirst=True)\n"
+        "    def pytest_collection_modifyitems(self, items):\n"
+        "        Grab.marks = {i.nodeid: sorted({m.name for m in i.iter_markers()}) for i in items}\n"
+        "pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', *sys.argv[1:]], plugins=[Grab()])\n"
+        "print('MARKS ' + json.dumps(Grab.marks))\n")
+    out = subprocess.run([sys.executable, "-c", script, "tests/e2e/test_faults.py", "tests/e2e/test_signals.py"],
+                         cwd=BENCH.parent, capture_output=True, text=True, timeout=300).stdout
+    marks = json.loads(next(x for x in out.splitlines() if x.startswith("MARKS "))[6:])
+    fault = {n for n, m in marks.items() if "fault" in m}
+    assert len(fault) >= 7 and not any("slow" in marks[n] for n in fault)
+    assert "slow" in marks["tests/e2e/test_faults.py::test_sigterm_stops_a_ray_run_the_same_way[classic]"]
     assert "tests/e2e/test_faults.py::test_sigterm_stops_a_ray_run_the_same_way[compiled]" in fault
-    assert not fault & collected()
