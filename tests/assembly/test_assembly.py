@@ -72,6 +72,7 @@ def test_sweep_trials_start_from_model_weights(tmp_path, ray_session):
         assert first_auc(run) == direct
 
 
+@pytest.mark.slow  # in CI's slow tier: a Tune sweep, 15 s
 def test_sweep_trials_run_the_pretraining_stage(tmp_path, ray_session):
     base = {"pretrain_iterations": 10, "pretrain_lr": 0.5}
     direct = fdam_ray.train(build_config(BASE, **base), save=False)

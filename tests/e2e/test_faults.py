@@ -264,6 +264,7 @@ def stop_with_sigterm_and_resume(tmp_path: Path, executor: list[str]) -> None:
             == [{k: v for k, v in r.items() if k not in timing} for r in records(tmp_path / "whole")])
 
 
+@pytest.mark.slow  # in CI's slow tier: the default run keeps the SIGINT case below
 def test_sigterm_stops_an_inline_run_at_a_round_end_with_a_checkpoint_and_resume_ends_bit_identical(tmp_path):
     stop_with_sigterm_and_resume(tmp_path, ["executor=inline"])
 

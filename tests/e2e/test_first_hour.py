@@ -97,6 +97,7 @@ def test_a_module_the_current_folder_lacks_is_still_one_line_naming_it(tmp_path,
 
 
 # -- one fdam run on a private local Ray: own module from the current folder, 60 columns, no token warning ----
+@pytest.mark.slow  # in CI's slow tier: a private Ray and an fdam process, 19 s
 def test_a_private_ray_run_from_the_modules_folder_fits_60_columns_without_the_token_warning(tmp_path):
     folder = own_module_folder(tmp_path)
     out = subprocess.run([FDAM, "train", "model=mymod:make", "executor=ray", "address=local", *SMALL,

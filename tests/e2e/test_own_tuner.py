@@ -159,6 +159,7 @@ def _listening_addresses_of_children() -> list[tuple[int, str]]:
     return found
 
 
+@pytest.mark.slow  # in CI's slow tier: an ASHA sweep, 11 s
 def test_the_own_tuner_example_runs_asha_and_its_callback_over_federations(tmp_path, no_ray_yet, capsys):
     from test_examples import load
 

@@ -143,7 +143,8 @@ def arrays_run(cfg: dict, clients, test, executor=None, source=None):
 
 
 @pytest.mark.parametrize("extra", [
-    dict(algorithm="codasca", global_lr=1.1),
+    pytest.param(dict(algorithm="codasca", global_lr=1.1), marks=pytest.mark.slow),  # 17 s; test_collective's
+    # collective-equals-classic run stays in the default run
     pytest.param(dict(algorithm="codasca", clients_per_round=3, client_weighting="samples", clients_per_actor=2),
                  marks=pytest.mark.slow),  # three Ray runs, 20 s
 ], ids=["codasca", "sampled-hosted"])
@@ -207,6 +208,7 @@ class PoisonedSource(OneClientWrapped):
 POISON = dict(RAY, batch_size=4, eval_every=12, stage_length=100, algorithm="codasca")
 
 
+@pytest.mark.slow  # in CI's slow tier: 10 s; tests/loop/test_runs.py stops a diverged run in the default run
 def test_a_nan_update_inside_a_run_stops_it_with_the_round_at_a_time_error(ray_module, tmp_path):
     clients, test = gaussian_clients(num_clients=3)
     source = lambda: PoisonedSource(ArraysSource(clients, test), 1, 8 * 4 + 3, "nan", "")

@@ -8,6 +8,7 @@ test part); the record still has the pooled and per-site clinical figures, read 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from sample_clients import arrays_in, gaussian_clients
 
 from fdam_ray.assembly.recipe import run
@@ -106,6 +107,7 @@ class Recording(RayExecutor):
     fleet_type = RecordingFleet
 
 
+@pytest.mark.slow  # in CI's slow tier: a Ray session of its own, 12 s
 def test_ray_actors_return_counts_only():
     from raytest import ray_session
 

@@ -34,7 +34,7 @@ def config_of(**values):
                              error_feedback=True, fold_order="client", **values))
 
 
-@pytest.mark.parametrize("reduce", ["star", "node"])
+@pytest.mark.parametrize("reduce", ["star", pytest.param("node", marks=pytest.mark.slow)])  # node: 13 s
 def test_the_driver_and_every_actor_hold_the_same_master(reduce):
     clients, test = gaussian_clients(num_clients=K, n=40)
     source, config = ArraysSource(clients, test), config_of(executor="ray", reduce=reduce)

@@ -95,6 +95,7 @@ def test_a_resume_continues_the_clip_sequence(tmp_path):
     assert summaries[0]["dp_clip_final"] == summaries[1]["dp_clip_final"] == whole[10]
 
 
+@pytest.mark.slow  # in CI's slow tier: a Ray session of its own, 10 s
 def test_ray_actors_clip_to_the_drivers_clip_as_inline():
     # the round's plan travels to the actors with C_r; their clients' bits reach the driver in the partial sums'
     # stats: the same clip sequence as inline (bits are exact; the sums differ in float32 order only)

@@ -125,6 +125,7 @@ def test_a_batchnorm_network_is_refused_before_any_step():
         dp_run(dp="sample", dp_noise_multiplier=1.0, model="cnn")
 
 
+@pytest.mark.slow  # in CI's slow tier: 14 s; test_dp_client's Ray run stays in the default run
 def test_two_ray_actors_run_the_inline_run_exactly(seeded):
     from raytest import ray_session
 

@@ -84,6 +84,7 @@ def test_the_pooled_auc_is_within_the_bound_of_its_histogram_at_every_evaluation
     assert any(b is not None for b in chosen)
 
 
+@pytest.mark.slow  # in CI's slow tier: a Ray session of its own, 11 s
 def test_two_ray_actors_send_the_inline_runs_histograms_exactly(histogram):
     from raytest import ray_session
 

@@ -123,6 +123,7 @@ def test_two_way_runs_and_a_task_without_positives_is_refused_in_one_line(monkey
         pauc.refresh(NegativesOnly(), result.state, np.array([0.3]), "pauc_two_way", 0.1)
 
 
+@pytest.mark.slow  # in CI's slow tier: a Ray session, 10 s
 def test_two_ray_actors_train_the_inline_runs_model_exactly(inline):
     from raytest import ray_session
 
@@ -134,6 +135,7 @@ def test_two_ray_actors_train_the_inline_runs_model_exactly(inline):
     assert [h["test_auc"] for h in remote.history] == [h["test_auc"] for h in result.history]
 
 
+@pytest.mark.slow  # in CI's slow tier: a Ray session, 8 s
 def test_the_collective_transport_takes_one_count_pass_per_run_of_rounds(monkeypatch):
     """Rounds the actors run back to back share the normaliser of the pass before them: fewer passes than rounds,
     one at least per run (a run ends at an evaluation, a stage start or collective_rounds)."""

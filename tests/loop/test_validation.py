@@ -317,6 +317,7 @@ def test_a_short_validated_sweep_reports_val_auc_and_writes_the_best_config(tmp_
 
 # -- Ray ------------------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # in CI's slow tier: a Ray session of its own, 11 s
 def test_the_ray_executor_scores_the_validation_parts_as_inline_does(clients_and_test):
     import raytest
 
