@@ -209,6 +209,7 @@ def test_a_recipe_whose_stage_2_failed_to_start_reruns_stage_2_from_stage_1s_fol
     assert_same_model(final_model(cut / "rec"), final_model(tmp_path / "whole" / "rec"))
 
 
+@pytest.mark.slow  # in CI's slow tier: an fdam process signalled, 11 s
 def test_sigterm_to_fdam_train_in_pretraining_prints_a_resume_that_runs_stage_2(tmp_path):
     import signal
 

@@ -148,6 +148,7 @@ def test_ray_job_submit_runs_a_federation_on_the_cluster(cluster):
     assert summary["rounds"] == 4
 
 
+@pytest.mark.slow  # in CI's slow tier: a private Ray, 10 s
 def test_without_an_address_a_local_ray_starts_with_its_dashboard_on_localhost():
     code = (
         "import ray\n"

@@ -46,6 +46,7 @@ def assert_quiet(output: str) -> None:
 
 
 # -- SIGTERM to a process group whose DataLoader workers read the clients' data ----------------------------
+@pytest.mark.slow  # in CI's slow tier: an fdam process group signalled, 9 s
 def test_sigterm_to_the_process_group_with_dataloader_workers_checkpoints_and_exits_143(tmp_path):
     """Slurm signals every process of the job: the DataLoader workers must outlive the signal so that the
     driver stops at a round end with its checkpoint, as for a SIGTERM to the driver alone."""

@@ -55,6 +55,7 @@ def arrays_run(clients, test, runner=None, **values):
     return run(config, source=ArraysSource(clients, test), executor=runner, save=False)
 
 
+@pytest.mark.slow  # in CI's slow tier: a multi-node cluster, 8 s to start
 def test_across_nodes_a_collective_run_is_the_rank_order_fold_to_rounding_and_the_members_hold_the_drivers_state(
         cluster):
     """Against the inline executor (the rank-order fold, no actors): the node-order sums differ by float32

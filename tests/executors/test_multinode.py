@@ -56,6 +56,7 @@ class Recording(RayExecutor):
 
 
 # -- placement -----------------------------------------------------------------------------
+@pytest.mark.slow  # in CI's slow tier: a multi-node cluster of the module's, 10 s to start
 def test_spread_puts_clients_on_distinct_nodes_and_logs_where_each_runs(cluster, tmp_path):
     clients, test = gaussian_clients(num_clients=3)
     executor = Recording()
@@ -85,6 +86,7 @@ def test_pack_puts_clients_on_as_few_nodes_as_fit(cluster):
 
 
 # -- clients pinned to their site ------------------------------------------------------------
+@pytest.mark.slow  # in CI's slow tier: a multi-node cluster of the module's, 10 s to start
 def test_each_client_runs_on_its_site_and_reads_only_its_own_folder(cluster, tmp_path):
     sizes = {0: 6, 1: 9, 2: 12}  # training images per class, so each client's count shows its folder
     for k, n in sizes.items():
@@ -108,6 +110,7 @@ def test_each_client_runs_on_its_site_and_reads_only_its_own_folder(cluster, tmp
     assert result.state.round == 2 and 0 <= result.summary["final_test_auc"] <= 1
 
 
+@pytest.mark.slow  # in CI's slow tier: a multi-node cluster of the module's, 10 s to start
 def test_a_resource_no_node_offers_is_named_with_the_client_at_once(cluster):
     clients, test = gaussian_clients(num_clients=3)
     config = arrays_config(clients, iterations=2,

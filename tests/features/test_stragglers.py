@@ -136,7 +136,8 @@ def ray_session():
 
 
 # (rounded sums are merged on a node differently from star's: each reduce is its own case; about 13 s each)
-@pytest.mark.parametrize("reduce", ["star", pytest.param("node", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("reduce", [pytest.param("star", marks=pytest.mark.slow),  # 8 s each
+                                    pytest.param("node", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("transfer", [{}, pytest.param(dict(transfer_precision="bf16", error_feedback=True),
                                                       marks=pytest.mark.slow)])
 def test_a_deadline_no_client_misses_changes_nothing_bit_for_bit(ray_session, transfer, reduce):

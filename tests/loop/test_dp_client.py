@@ -126,6 +126,7 @@ def test_budget_stop_exits_0_with_a_checkpoint_and_a_resume_may_only_raise_it(tm
     assert ck.loop.state.round == 9 and json.loads((run / "summary.json").read_text())["dp_epsilon"] == eps[8]
 
 
+@pytest.mark.slow  # in CI's slow tier: 9 s; test_dp_poisson's Ray run stays in the default run
 def test_ray_two_actors_equal_inline_under_dp():
     # 4 clients on 2 actors (2 each): the actors clip and noise (shares keyed by site) where the clients run; the
     # driver sums the actors' partial sums ((u0 + u1) + (u2 + u3)), inline folds u0..u3 in turn: float32 sums in
