@@ -284,6 +284,7 @@ def _fdam(args: list[str], tmp_path: Path) -> subprocess.Popen:
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow  # in CI's slow tier: 8 s; the other refused addresses stay in the default run
 def test_an_address_that_speaks_grpc_but_is_no_gcs_fails_within_seconds_in_one_line(tmp_path):
     mute = MuteGrpc()
     try:

@@ -51,7 +51,7 @@ def assert_same_run(got, want, atol=1e-6):
 
 
 @pytest.mark.parametrize("extra", [
-    dict(algorithm="codasca", global_lr=1.1),
+    pytest.param(dict(algorithm="codasca", global_lr=1.1), marks=pytest.mark.slow),  # 13 s; hosted stays default
     dict(algorithm="coda_plus", clients_per_actor=2),
     pytest.param(dict(algorithm="codasca", clients_per_round=2, client_weighting="samples"),
                  marks=pytest.mark.slow),  # two Ray runs, 14 s; the oracle test below samples by default

@@ -62,6 +62,7 @@ def test_compiled_runs_match_the_numpy_oracle(case):
     assert_matches(result, v, alpha, c_v, c_a)
 
 
+@pytest.mark.slow  # in CI's slow tier: 8 s; the compiled-equals-classic run above stays in the default run
 def test_the_graph_ends_with_the_run():
     clients, test = sized_clients()
     executor = RayExecutor()

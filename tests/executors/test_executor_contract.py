@@ -13,7 +13,6 @@ client's update.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import re
 import subprocess
@@ -75,6 +74,13 @@ def assert_update_equal(got: ClientUpdate, want: ClientUpdate) -> None:
     assert got.stats.loss == pytest.approx(want.stats.loss, rel=1e-5)
 
 
+@pytest.fixture(scope="module")
+def one_ray():
+    """One Ray session for the Ray classes below (started by the first of them, shut down with the module)."""
+    with ray_session():
+        yield
+
+
 class ExecutorContract:
     """What every executor must do; subclasses name the executor."""
 
@@ -85,13 +91,14 @@ class ExecutorContract:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def started(cls):
-        with ray_session() if cls.executor_name == "ray" else contextlib.nullcontext():
-            source, config = make_source(), make_config(cls.executor_name, transport=cls.transport, reduce=cls.reduce)
-            executor = make_executor(cls.executor_name)
-            infos = executor.start(ExecutorSetup.for_config(config, executor.section), source)
-            yield executor, source, config, infos
-            executor.shutdown()
+    def started(cls, request):
+        if cls.executor_name == "ray":
+            request.getfixturevalue("one_ray")  # the module's Ray session: each class starts its own executor
+        source, config = make_source(), make_config(cls.executor_name, transport=cls.transport, reduce=cls.reduce)
+        executor = make_executor(cls.executor_name)
+        infos = executor.start(ExecutorSetup.for_config(config, executor.section), source)
+        yield executor, source, config, infos
+        executor.shutdown()
 
     @pytest.fixture
     def ready(self, started):

@@ -233,6 +233,7 @@ def test_drop_goes_on_without_the_failing_client(transport):
     assert got.summary["final_test_auc"] == pytest.approx(without.summary["final_test_auc"], abs=1e-6)
 
 
+@pytest.mark.slow  # in CI's slow tier: an fdam process on a private Ray, 12 s
 def test_bad_client_input_is_not_retried_and_the_cli_says_it_in_one_line(tmp_path, capsys):
     rc = main(["train", f"out_dir={tmp_path / 'runs'}", "imratio=0.001", "cpus_per_client=0.5"])
     err = capsys.readouterr().err
