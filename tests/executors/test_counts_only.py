@@ -16,8 +16,6 @@ from fdam_ray.clients.client import Client
 from fdam_ray.config import build_config
 from fdam_ray.core.state import ScoreHistogram, Scores
 from fdam_ray.data.arrays import ArraysSource
-from fdam_ray.executors.ray.executor import RayExecutor
-from fdam_ray.executors.ray.fleet import Fleet
 
 TRAIN, TEST, BINS = 61, 23, 256  # per site; no model vector, bin count or task count has these lengths
 CONFIG = dict(model="linear", batch_size=8, eval_every=4, seed=2, lr=0.2, local_steps=2, iterations=12,
@@ -90,21 +88,7 @@ def test_inline_clients_hand_back_counts_only(monkeypatch):
     check_counts_only(returned, result)
 
 
-class RecordingFleet(Fleet):
-    """Keeps every object an actor returned to the driver."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.returned: list = []
-
-    def each(self, action, submit, actors=None, **kwargs):
-        for k, result in super().each(action, submit, actors, **kwargs):
-            self.returned.append((action, result))
-            yield k, result
-
-
-class Recording(RayExecutor):
-    fleet_type = RecordingFleet
+from test_ray_executor import Recording  # noqa: E402 (the Ray executor that keeps what actors returned)
 
 
 @pytest.mark.slow  # in CI's slow tier: a Ray session of its own, 12 s
