@@ -270,7 +270,7 @@ def test_the_flower_section_is_its_own_section_of_the_same_config():
 
 
 @needs_flower
-@pytest.mark.slow
+@pytest.mark.fault  # in benchmarks/fault_tests.py (about 5 min); CI's slow tier runs the consortium example below
 def test_the_deployment_engine_with_tls_equals_the_inline_run(data, tmp_path):
     """A SuperLink and 3 SuperNodes on 127.0.0.1 with TLS and node authentication, started and stopped here by
     pid; ``flwr run`` submits CODASCA (2 stages, eta_g 1.3), CODA+ and CODASCA under SecAgg+ in turn. Two more
