@@ -379,7 +379,66 @@ def driver_kill(study: Study) -> Fault:
     return study.judged(name, what, at, run, killed_wall + resume_s, outcome, rc_resume=rc, resume_out=text)
 
 
-FAULTS: dict[str, Callable[[Study], Fault]] = {"driver_kill": driver_kill}
+def raylet_kill(study: Study) -> Fault:
+    """SIGKILL a worker node's raylet mid-round under ``on_client_failure: abort``: the run stops with one line, its
+    last checkpoint (the round's start: checkpoint_every 1) holds every client's state; ``fdam train --resume`` on
+    the two nodes left. (``retry`` rebuilds the lost clients as replaced ones, fresh samplers and the global
+    control variates: the run finishes, near the baseline only; ``raylet_kill_retry`` measures it.)"""
+    return _raylet_kill(study, "raylet_kill", "abort")
+
+
+def raylet_kill_retry(study: Study) -> Fault:
+    """As :func:`raylet_kill` under ``on_client_failure: retry`` (the default): the lost clients are replaced."""
+    return _raylet_kill(study, "raylet_kill_retry", "retry")
+
+
+def _raylet_kill(study: Study, name: str, policy: str) -> Fault:
+    import random
+
+    cluster = study.cluster
+    r, offset = study.at(name)
+    index = random.Random(f"{study.seed}:{name}:node").randrange(len(cluster.worker_nodes()))
+    out = study.work / "runs"
+    run, log = out / name, study.work / f"{name}.log"
+    t0 = time.monotonic()
+    proc = study.start(out, name, f"on_client_failure={policy}")
+    after = study.strike_at(run, proc, log, r, offset)
+    node = cluster.kill_raylet(index)
+    ip = node.node_ip_address
+    t_kill = time.monotonic()
+    rc = _wait(proc, log, 600)
+    stop_s = time.monotonic() - t_kill
+    wall = time.monotonic() - t0
+    text = log.read_text()
+    lines, held = _fdam_lines(text), checkpoint_round(run)
+    cluster.remove(node)  # what is left of the node (its agents); the node stays lost
+    at = f"round {r} + {after:.2f} s"
+    what = (f"worker node {ip}'s raylet SIGKILLed {after:.2f} s into round {r} (on_client_failure={policy}); ")
+    try:
+        if policy == "retry":
+            what += f"the run went on and ended {stop_s:.1f} s later (exit {rc})"
+            replaced = text.count("(replacement)") + (run / "train.log").read_text().count("replaced")
+            outcome = BIT_FOR_BIT if rc == 0 else f"exit {rc}: {_last_line(text)}"
+            study.progress(f"[ray] {name}: {ip} killed at {at}; exit {rc} after {stop_s:.1f} s ({replaced} "
+                           "replacement lines)")
+            return study.judged(name, what, at, run, wall, outcome, rc_resume=rc, resume_out=text)
+        what += (f"the run stopped {stop_s:.1f} s later (exit {rc}, checkpoint round {held}); then fdam train "
+                 "--resume on the two worker nodes left")
+        study.progress(f"[ray] {name}: {ip} killed at {at}; exit {rc} after {stop_s:.1f} s, checkpoint round "
+                       f"{held}; {len(lines)} fdam: lines; resuming on the nodes left")
+        message = lines[0] if lines else _last_line(text)
+        rc2, resume_s, resumed = study.resume(run, name)
+        if rc == 0 or len(lines) != 1:
+            outcome = f"did not stop with one line (exit {rc}, {len(lines)} fdam: lines)"
+        else:
+            outcome = f"{RESUMED} (from round {held}, on the two worker nodes left)"
+        return study.judged(name, what, at, run, wall + resume_s, outcome, message, rc2, resumed)
+    finally:
+        cluster.add_worker()  # the lab's three worker nodes again, for what follows
+
+
+FAULTS: dict[str, Callable[[Study], Fault]] = {"driver_kill": driver_kill, "raylet_kill": raylet_kill,
+                                               "raylet_kill_retry": raylet_kill_retry}
 QUICK = ["driver_kill"]
 
 
