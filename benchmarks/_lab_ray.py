@@ -437,7 +437,94 @@ def _raylet_kill(study: Study, name: str, policy: str) -> Fault:
         cluster.add_worker()  # the lab's three worker nodes again, for what follows
 
 
-FAULTS: dict[str, Callable[[Study], Fault]] = {"driver_kill": driver_kill, "raylet_kill": raylet_kill,
+def disk_full(study: Study) -> Fault:
+    """The run folder on a small tmpfs, filled (a filler file takes every free byte) once round r-1's checkpoint
+    is written: round r's writes fail. Expected: one line naming the folder and the failure, a non-zero exit, the
+    previous checkpoint intact, no temporary file and no half-written metric row left; then the filler removed and
+    ``fdam train --resume``."""
+    name = "disk_full"
+    r, offset = study.at(name)
+    mnt = study.work / "tmpfs"
+    mnt.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)], check=True, timeout=30)
+    proc = None
+    try:
+        out = mnt / "runs"
+        run, log = out / name, study.work / f"{name}.log"
+        t0 = time.monotonic()
+        proc = study.start(out, name)
+        _until(lambda: (checkpoint_round(run) or -1) >= r - 1, proc, log)
+        time.sleep(offset * study.round_s)
+        filled = fill(mnt / "filler")
+        before = (run / "checkpoint.pt").read_bytes()
+        held_before = checkpoint_round(run)
+        rc = _wait(proc, log, 300)
+        wall = time.monotonic() - t0
+        text = log.read_text()
+        lines, held = _fdam_lines(text), checkpoint_round(run)
+        damage = folder_damage(run)
+        if (run / "checkpoint.pt").read_bytes() != before and held != r:
+            damage.append("the checkpoint changed but does not hold round r")
+        at = f"round {r} + {offset * study.round_s:.2f} s"
+        what = (f"the run folder's tmpfs (6 MB) filled ({filled / 1e6:.2f} MB filler) {offset * study.round_s:.2f} s "
+                f"after round {r - 1}'s checkpoint (round {held_before}); the run stopped (exit {rc}, checkpoint "
+                f"round {held}); the filler removed, then fdam train --resume")
+        study.progress(f"[ray] {name}: filled at {at}; exit {rc}; {len(lines)} fdam: lines; checkpoint round {held}; "
+                       f"damage {damage}")
+        message = lines[0] if lines else _last_line(text)
+        (mnt / "filler").unlink()
+        rc2, resume_s, resumed = study.resume(run, name)
+        if rc == 0 or len(lines) != 1 or str(run) not in message or damage:
+            outcome = f"did not stop cleanly (exit {rc}, {len(lines)} fdam: lines, damage: {damage})"
+        else:
+            outcome = f"{RESUMED} (from round {held}, after the space was freed)"
+        fault = study.judged(name, what, at, run, wall + resume_s, outcome, message, rc2, resumed)
+        fault.lost = [*damage, *fault.lost]
+        fault.survived = fault.survived and not damage
+        return fault
+    finally:
+        if proc is not None:
+            kill_tree(proc)
+        for proc_ in study.cluster.drivers:  # a resume still writing there
+            kill_tree(proc_)
+        if subprocess.run(["umount", str(mnt)], timeout=30).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], timeout=30)
+
+
+def fill(path: Path) -> int:
+    """A file taking every free byte of ``path``'s filesystem; its size."""
+    st = os.statvfs(path.parent)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with contextlib.suppress(OSError):
+            os.posix_fallocate(fd, 0, st.f_bavail * st.f_frsize)
+        os.lseek(fd, 0, os.SEEK_END)
+        chunk = bytes(4096)
+        with contextlib.suppress(OSError):
+            while os.write(fd, chunk) > 0:
+                pass
+    finally:
+        os.close(fd)
+    return path.stat().st_size
+
+
+def folder_damage(run: Path) -> list[str]:
+    """What a stopped run left damaged in its folder: temporary files, a checkpoint that does not load, a metric
+    row half-written."""
+    found = [f"a temporary file left: {p.name}" for p in run.iterdir() if p.name.endswith(".tmp")]
+    if checkpoint_round(run) is None:
+        found.append("checkpoint.pt does not load")
+    for fname in ("metrics.jsonl", "metrics.csv"):
+        path = run / fname
+        if path.exists():
+            data = path.read_bytes()
+            tail = data.rsplit(b"\n", 1)[-1]
+            if tail:
+                found.append(f"{fname}: its last row half-written ({len(tail)} bytes)")
+    return found
+
+
+FAULTS: dict[str, Callable[[Study], Fault]] = {"driver_kill": driver_kill, "disk_full": disk_full, "raylet_kill": raylet_kill,
                                                "raylet_kill_retry": raylet_kill_retry}
 QUICK = ["driver_kill"]
 
