@@ -16,7 +16,7 @@ Nothing here is imported by the package or the default tests.
 from __future__ import annotations
 
 import contextlib
-import json
+import itertools
 import os
 import shutil
 import signal
@@ -309,7 +309,7 @@ class Study:
         self.base_rows = metric_rows(self.base_dir)
         self.base_state = final_state(self.base_dir)
         walls = [r["wall_s"] for r in self.base_rows]
-        steps = sorted(b - a for a, b in zip(walls[1:], walls[2:]))
+        steps = sorted(b - a for a, b in itertools.pairwise(walls[1:]))
         self.round_s = steps[len(steps) // 2]
         self.base_wall = wall
         what = (f"CODASCA, synthetic data, 6 clients (2 per actor, one actor per worker node: SPREAD), {ROUNDS} "
@@ -524,8 +524,9 @@ def folder_damage(run: Path) -> list[str]:
     return found
 
 
-FAULTS: dict[str, Callable[[Study], Fault]] = {"driver_kill": driver_kill, "disk_full": disk_full, "raylet_kill": raylet_kill,
-                                               "raylet_kill_retry": raylet_kill_retry}
+FAULTS: dict[str, Callable[[Study], Fault]] = {"driver_kill": driver_kill, "disk_full": disk_full,
+                                               "raylet_kill": raylet_kill, "raylet_kill_retry": raylet_kill_retry}
+DEFAULT = ["driver_kill", "disk_full", "raylet_kill"]  # raylet_kill_retry by name: the default policy's contrast
 QUICK = ["driver_kill"]
 
 
@@ -536,7 +537,7 @@ def run_ray_faults(netlab: Path, work: Path, seed: int, *, quick: bool, names: l
     The cluster (head 127.0.0.6, workers .7-.9, no shaping) is started, the uninterrupted study run, then each
     fault of ``names`` (default: every fault, ``driver_kill`` only when ``quick``); everything is stopped after,
     and the lab fails when a process it started is left running."""
-    chosen = names or (QUICK if quick else list(FAULTS))
+    chosen = names or (QUICK if quick else DEFAULT)
     unknown = [n for n in chosen if n not in FAULTS]
     if unknown:
         raise ValueError(f"unknown Ray faults {unknown}: choose from {', '.join(FAULTS)}")
