@@ -376,6 +376,7 @@ def driver_kill(study: Study) -> Fault:
     rc, resume_s, text = study.resume(run, name)
     outcome = (f"{BIT_FOR_BIT} (after fdam train --resume from round {held}; a SIGKILLed driver prints "
                "nothing, and its lock did not block the resume)")
+    what += f" (the killed run {killed_wall:.1f} s, the resume {resume_s:.1f} s)"
     return study.judged(name, what, at, run, killed_wall + resume_s, outcome, rc_resume=rc, resume_out=text)
 
 
@@ -432,6 +433,7 @@ def _raylet_kill(study: Study, name: str, policy: str) -> Fault:
             outcome = f"did not stop with one line (exit {rc}, {len(lines)} fdam: lines)"
         else:
             outcome = f"{RESUMED} (from round {held}, on the two worker nodes left)"
+        what += f" (the stopped run {wall:.1f} s, the resume {resume_s:.1f} s)"
         return study.judged(name, what, at, run, wall + resume_s, outcome, message, rc2, resumed)
     finally:
         cluster.add_worker()  # the lab's three worker nodes again, for what follows
@@ -478,6 +480,7 @@ def disk_full(study: Study) -> Fault:
             outcome = f"did not stop cleanly (exit {rc}, {len(lines)} fdam: lines, damage: {damage})"
         else:
             outcome = f"{RESUMED} (from round {held}, after the space was freed)"
+        what += f" (the stopped run {wall:.1f} s, the resume {resume_s:.1f} s)"
         fault = study.judged(name, what, at, run, wall + resume_s, outcome, message, rc2, resumed)
         fault.lost = [*damage, *fault.lost]
         fault.survived = fault.survived and not damage
