@@ -11,6 +11,15 @@ drivers joining it by address, and three faults injected at seeded points of a s
 No tc shaping here (``start_cluster`` only): the network faults are another part of the lab's. Everything this
 module starts is stopped by its pid; :class:`LabRayCluster` is reusable (a soak drives it round after round).
 Nothing here is imported by the package or the default tests.
+
+Use (a soak)::
+
+    with LabRayCluster(netlab) as cluster:            # head 127.0.0.6, workers .7-.9, 1 CPU and 200 MB each
+        study = Study(cluster, work, seed)
+        study.baseline()                              # the uninterrupted study: rows, final state, round time
+        fault = driver_kill(study)                    # or disk_full / raylet_kill (which adds a fresh node after)
+        proc = cluster.driver([...fdam train args...], work / "x.log")   # any driver; cluster.pids() to sample
+        node = cluster.kill_raylet(0); cluster.remove(node); cluster.add_worker()
 """
 
 from __future__ import annotations
@@ -183,8 +192,9 @@ class LabRayCluster:
             head = self.cluster.head_node
             if head is not None:
                 out["head"] = sorted({p.process.pid for procs in head.all_processes.values() for p in procs})
-            for node in self.worker_nodes():
-                out["workers"].extend(net.tree(self.raylet_pid(node)))
+            for node in self.worker_nodes():  # the node's own processes, the raylet's workers and agents below it
+                mine = {p.process.pid for procs in node.all_processes.values() for p in procs}
+                out["workers"].extend(sorted(mine | set(net.tree(self.raylet_pid(node)))))
         for proc in self.drivers:
             if proc.poll() is None:
                 out["drivers"].extend(net.tree(proc.pid))
@@ -314,7 +324,7 @@ class Study:
         self.base_wall = wall
         what = (f"CODASCA, synthetic data, 6 clients (2 per actor, one actor per worker node: SPREAD), {ROUNDS} "
                 f"rounds of {LOCAL_STEPS} local steps, evaluated and checkpointed every round, reduce=star, "
-                f"fold_order=client, seed 0; a head and 3 worker nodes at {', '.join(self.cluster.ips)}; "
+                f"fold_order=client, training seed 0; a head and 3 worker nodes at {', '.join(self.cluster.ips)}; "
                 f"a round {self.round_s:.2f} s")
         self.progress(f"[ray] baseline: {wall:.1f} s ({what})")
         return {"wall_s": round(wall, 2), "what": what, "round_s": round(self.round_s, 3)}
