@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
+import io
 import json
 import logging
 import os
@@ -61,15 +63,33 @@ class _LogFile(logging.FileHandler):
         pass
 
 
+def _append_whole(parts: list[tuple[io.RawIOBase, bytes]]) -> None:
+    """Append each ``(file, bytes)`` whole, or, when a write fails (a disk full mid-row), none of them: every file
+    is cut back to where it ended, so the metric files never hold half a row, nor a row one has and the other not."""
+    starts = [fh.tell() for fh, _ in parts]
+    try:
+        for fh, data in parts:
+            view = memoryview(data)
+            while view:
+                view = view[fh.write(view):]
+    except BaseException:
+        for (fh, _), start in zip(parts, starts, strict=True):
+            with contextlib.suppress(OSError):
+                fh.truncate(start)
+                fh.seek(start)
+        raise
+
+
 class RunWriter:
     """Writes a run's files as the run goes; on resume, rewrites the metric files from the checkpoint's history."""
 
     def __init__(self, run_dir: Path, *, tensorboard: bool | str, history: list[dict] | None = None) -> None:
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.dir / "metrics.jsonl", "w", encoding="utf-8")
-        self._csv_file = open(self.dir / "metrics.csv", "w", encoding="utf-8", newline="")
-        self._csv: csv.DictWriter | None = None
+        # unbuffered: a row goes to the file whole or not at all (_append_whole)
+        self._jsonl = open(self.dir / "metrics.jsonl", "wb", buffering=0)
+        self._csv_file = open(self.dir / "metrics.csv", "wb", buffering=0)
+        self._csv_fields: list[str] | None = None
         self.log = logging.getLogger(f"fdam_ray.run.{id(self)}")
         self.log.propagate = False
         self.log.setLevel(logging.INFO)
@@ -110,14 +130,16 @@ class RunWriter:
             raise error from None
 
     def _append_metrics(self, rec: dict) -> None:
-        self._jsonl.write(json.dumps(finite_or_null(rec), allow_nan=False) + "\n")  # strict: NaN as null
-        self._jsonl.flush()
+        line = json.dumps(finite_or_null(rec), allow_nan=False) + "\n"  # strict: NaN as null
         flat = flatten_record(rec)
-        if self._csv is None:
-            self._csv = csv.DictWriter(self._csv_file, fieldnames=list(flat), extrasaction="ignore")
-            self._csv.writeheader()
-        self._csv.writerow(flat)
-        self._csv_file.flush()
+        fields = self._csv_fields or list(flat)
+        text = io.StringIO(newline="")
+        table = csv.DictWriter(text, fieldnames=fields, extrasaction="ignore")
+        if self._csv_fields is None:
+            table.writeheader()
+        table.writerow(flat)
+        _append_whole([(self._jsonl, line.encode("utf-8")), (self._csv_file, text.getvalue().encode("utf-8"))])
+        self._csv_fields = fields
 
     def record(self, rec: dict) -> None:
         """Write one evaluation record to every output."""
