@@ -41,6 +41,8 @@ from _lab_common import Fault
 
 FLOWER_FAULTS = ("supernode_kill", "superlink_kill", "link_cut_short", "link_cut_long", "site_state_damaged")
 RAY_FAULTS = ("raylet_kill", "driver_kill", "disk_full")
+# by name only: what the default on_client_failure (retry) makes of a lost node (replaced clients: near, not equal)
+BY_NAME = ("raylet_kill_retry",)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -49,15 +51,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="one fault of each deployment, shorter cuts")
     p.add_argument("--seed", type=int, default=0, help="draws each fault's point in its study (default 0)")
     p.add_argument("--faults", nargs="+", default=None, metavar="NAME",
-                   help=f"only these faults: {', '.join(FLOWER_FAULTS + RAY_FAULTS)}")
+                   help=f"only these faults: {', '.join(FLOWER_FAULTS + RAY_FAULTS + BY_NAME)}")
     p.add_argument("--soak", type=float, default=None, metavar="MINUTES",
                    help="run the soak for this many minutes instead of the table")
     p.add_argument("--work", default=None, help="folder for the lab's files (default: a temporary one, removed)")
     p.add_argument("--out", default=None, help="results file (default benchmarks/results/faults.md)")
     args = p.parse_args(argv)
-    unknown = sorted(set(args.faults or ()) - set(FLOWER_FAULTS + RAY_FAULTS))
+    known = FLOWER_FAULTS + RAY_FAULTS + BY_NAME
+    unknown = sorted(set(args.faults or ()) - set(known))
     if unknown:
-        p.error(f"--faults: unknown fault {unknown[0]!r} (known: {', '.join(FLOWER_FAULTS + RAY_FAULTS)})")
+        p.error(f"--faults: unknown fault {unknown[0]!r} (known: {', '.join(known)})")
     if args.soak is not None and not 1 <= args.soak <= 240:
         p.error(f"--soak: {args.soak:g} minutes is not allowed (1 to 240)")
     return args
@@ -118,7 +121,7 @@ def run_table(args: argparse.Namespace, netlab: Path, work: Path) -> str:
     faults: list[Fault] = []
     baselines: dict[str, dict] = {}
     flower = [n for n in FLOWER_FAULTS if n in wanted]
-    ray = [n for n in RAY_FAULTS if n in wanted]
+    ray = [n for n in RAY_FAULTS + BY_NAME if n in wanted]
     if flower:
         info, got = _lab_flower.run_flower_faults(netlab, work / "flower", args.seed, quick=args.quick,
                                                   names=None if args.quick and not args.faults else flower,

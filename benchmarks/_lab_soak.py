@@ -1,0 +1,207 @@
+"""The fault lab's soak: the lab's consortium and Ray cluster kept up for ``--soak`` minutes, studies back to back
+with a fault in each, and what their long-lived processes hold sampled all along.
+
+The consortium (benchmarks/_lab_flower.py: a SuperLink on 127.0.0.2 and three SuperNodes on 127.0.0.3-5, TLS,
+node authentication) runs the lab's six-round CODASCA again and again, each study with one fault at a point drawn
+from the study's number: a site's links cut for 15 s mid-round (healed), or site 2's SuperNode SIGKILLed mid-round
+and started again. Between two studies the Ray cluster (benchmarks/_lab_ray.py: a head on 127.0.0.6, workers on
+127.0.0.7-9) runs the lab's twelve-round study whose driver is SIGKILLed mid-round and resumed. So a fault every
+six to twelve rounds. Every study is judged as the table's are (bit for bit, or its replay; nothing lost). Every
+10 s the resident memory and open file descriptors of the SuperLink and of each SuperNode (with the processes
+below them), of the Ray nodes' own processes (GCS, raylets, agents; not the per-run workers below a raylet) and
+of this driver process are sampled. Growth is measured on the
+processes that lived through the whole soak (a restarted SuperNode starts over): the median of the last five
+samples over the median of the samples of minute 5 to 6, as the issue of a year's operation asks (memory under
+10% growth after the first 5 minutes). It stops by itself: no study starts past the soak's end, and a study
+waits at most its timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import _common as C
+import _lab_flower as LF
+import _lab_ray as LR
+from _lab_common import Fault, metric_rows
+from _lab_net import Links, holds, load_netlab
+
+SAMPLE_EVERY_S = 10.0
+WARMUP_S = 300.0  # growth is measured from minute 5
+GROWTH_BOUND = 0.10
+
+
+class Sampler:
+    """Samples (seconds since start, pids, resident bytes, open fds) per process name in a thread; ``pids()`` gives
+    each name's process (with everything below it) or list of processes."""
+
+    def __init__(self, pids: Callable[[], dict[str, int | list[int]]]) -> None:
+        self.pids, self.samples = pids, {}  # name -> [(t, pid key, rss, fds)]
+        self.start = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="soak-sampler", daemon=True)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(Exception):  # a process gone between listing and reading: next sample
+                self.sample()
+            self._stop.wait(SAMPLE_EVERY_S)
+
+    def sample(self) -> None:
+        now = time.monotonic() - self.start
+        for name, pid in {**self.pids(), "driver": os.getpid()}.items():
+            if isinstance(pid, int):
+                key, (rss, fds) = pid, holds(pid)
+            else:
+                key, rss, fds = hash(tuple(sorted(pid))), 0, 0
+                for p in pid:  # the listed processes themselves, not what runs below them
+                    r, f = own(p)
+                    rss, fds = rss + r, fds + f
+            if rss:
+                self.samples.setdefault(name, []).append((now, key, rss, fds))
+
+
+def own(pid: int) -> tuple[int, int]:
+    """(resident bytes, open fds) of ``pid`` alone; (0, 0) when gone."""
+    with contextlib.suppress(OSError, AttributeError, ValueError):
+        status = Path(f"/proc/{pid}/status").read_text()
+        rss = int(status.split("VmRSS:")[1].split()[0]) * 1024
+        return rss, len(os.listdir(f"/proc/{pid}/fd"))
+    return 0, 0
+
+
+def growth(samples: list[tuple[float, int, int, int]], end_s: float) -> dict | None:
+    """Growth of one process (or set of processes) over the soak, or None when it did not live through it
+    (restarted, or started after minute 5): memory and fds, the median of the last five samples over the median
+    of minute 5 to 6."""
+    if not samples:
+        return None
+    key = samples[-1][1]
+    mine = [s for s in samples if s[1] == key]
+    early = [s for s in mine if WARMUP_S <= s[0] < WARMUP_S + 60]
+    if not early or mine[0][0] > WARMUP_S or end_s - WARMUP_S < 120:
+        return None
+    late = mine[-5:]
+    rss0, rss1 = statistics.median(s[2] for s in early), statistics.median(s[2] for s in late)
+    fd0, fd1 = statistics.median(s[3] for s in early), statistics.median(s[3] for s in late)
+    return {"rss_mb_at_5min": rss0 / 2**20, "rss_mb_end": rss1 / 2**20, "rss_growth": rss1 / rss0 - 1,
+            "fds_at_5min": fd0, "fds_end": fd1, "peak_mb": max(s[2] for s in mine) / 2**20}
+
+
+def soak(netlab: Path, work: Path, args: argparse.Namespace, *, progress: Callable[[str], None]) -> str:
+    minutes = float(args.soak)
+    netcluster = load_netlab(netlab)
+    folder = Path(work) / "soak"
+    studies: list[Fault] = []
+    started = time.monotonic()
+    end = started + minutes * 60
+    with Links(netcluster, [LF.SUPERLINK_IP, *(LF.site_ip(k) for k in range(3))]) as links, \
+            LR.nothing_left_of(LR.cluster_ips(LR.FIRST_OCTET, 3)):
+        lab = LF.LabConsortium(folder / "flower", links, progress=progress)
+        cluster = LR.LabRayCluster(netlab)
+        try:
+            lab.start()
+            cluster.start()
+            with Sampler(lambda: {**lab.pids(), **ray_nodes(cluster)}) as sampler:
+                progress("[soak] the baselines: a consortium study and a Ray study")
+                state, run_dir, wall = lab.run_study(name="baseline")
+                base = LF.Baseline(state, metric_rows(run_dir), wall)
+                lab.study_timeout = 2 * wall + 240
+                study = LR.Study(cluster, folder / "ray" / "baseline", args.seed, progress)
+                study.baseline()
+                i = 0
+                while time.monotonic() + base.wall + study.base_wall < end:
+                    i += 1
+                    name = "link_cut_short" if i % 2 else "supernode_kill"
+                    progress(f"[soak] round of studies {i} ({(time.monotonic() - started) / 60:.1f} of "
+                             f"{minutes:g} min): {name}, then driver_kill")
+                    studies.append(_guarded(lab, name, _flower, lab, base, name, args.seed * 1000 + i))
+                    study.work, study.seed = folder / "ray" / f"study{i}", args.seed * 1000 + i
+                    study.work.mkdir(parents=True, exist_ok=True)
+                    studies.append(_guarded(None, "driver_kill", LR.driver_kill, study))
+                sampler.sample()
+                end_s = time.monotonic() - sampler.start
+        finally:
+            cluster.stop()
+            lab.stop()
+    time.sleep(1.0)
+    left = lab.left_running()
+    wall = time.monotonic() - started
+    grown = {name: growth(s, end_s) for name, s in sorted(sampler.samples.items())}
+    return _write(args, studies, grown, left, wall, {"consortium": base.wall, "Ray cluster": study.base_wall})
+
+
+def ray_nodes(cluster: LR.LabRayCluster) -> dict[str, list[int]]:
+    """The Ray nodes' own processes (GCS, raylet, agents), per node; not the workers a run starts below them."""
+    out: dict[str, list[int]] = {}
+    if cluster.cluster is None:
+        return out
+    nodes = [("ray-head", cluster.cluster.head_node)] + [(f"ray-worker{i}", n)
+                                                         for i, n in enumerate(cluster.worker_nodes())]
+    for name, node in nodes:
+        if node is not None:
+            out[name] = sorted({p.process.pid for procs in node.all_processes.values() for p in procs})
+    return out
+
+
+def _guarded(lab: LF.LabConsortium | None, name: str, run: Callable[..., Fault], *args: object) -> Fault:
+    """``run(*args)``; a study the lab could not finish is a row that did not survive (the consortium healed)."""
+    try:
+        return run(*args)
+    except Exception as exc:
+        line = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        if lab is not None:
+            lab.heal()
+        return Fault(name, name, "?", f"the lab failed: {line}", False, 0.0, ["the study did not finish"])
+
+
+def _flower(lab: LF.LabConsortium, base: LF.Baseline, name: str, seed: int) -> Fault:
+    if name == "supernode_kill":  # site 2 only: sites 0 and 1 live through the soak and their growth is measured
+        return LF.supernode_kill(lab, base, seed, True, site=2)
+    return LF.link_cut_short(lab, base, seed, True)
+
+
+def _write(args: argparse.Namespace, studies: list[Fault], grown: dict, left: list[int], wall: float,
+           base_walls: dict[str, float]) -> str:
+    lost_rounds = sum(len(f.lost) for f in studies)
+    survived = sum(f.survived for f in studies)
+    measured = {n: g for n, g in grown.items() if g is not None}
+    worst = max((g["rss_growth"] for g in measured.values()), default=float("nan"))
+    rows = [(f"{i + 1}", f"`{f.name}`", f.at, f.outcome, "yes" if f.survived else "**no**",
+             "nothing" if not f.lost else "; ".join(f.lost)) for i, f in enumerate(studies)]
+    body = C.table(["study", "fault", "injected at", "outcome", "survived", "lost"], rows)
+    mem = [(f"`{n}`", f"{g['rss_mb_at_5min']:.1f}", f"{g['rss_mb_end']:.1f}", f"{100 * g['rss_growth']:+.1f}%",
+            f"{g['peak_mb']:.1f}", f"{g['fds_at_5min']:.0f} -> {g['fds_end']:.0f}") for n, g in measured.items()]
+    body += ("\n\nWhat the long-lived processes held (resident memory with the processes below each; medians of "
+             "minute 5-6 and of the last five samples):\n\n"
+             + C.table(["process", "MB at 5 min", "MB at the end", "growth", "peak MB", "open fds"], mem))
+    skipped = [n for n, g in grown.items() if g is None]
+    if skipped:
+        body += f"\n\nNot measured (restarted during the soak, or the soak too short): {', '.join(skipped)}."
+    bases = ", ".join(f"{n} {w:.0f} s" for n, w in base_walls.items())
+    body += (f"\n\n{len(studies)} studies after the baselines ({bases}), each with one fault; "
+             f"{survived} survived, {lost_rounds} items lost; worst memory growth {100 * worst:+.1f}% (bound "
+             f"{100 * GROWTH_BOUND:.0f}%); processes left running after it: {len(left)}; {wall / 60:.1f} min "
+             "in all.\n")
+    out = Path(args.out) if args.out else C.RESULTS_DIR / "faults_soak.md"
+    C.write_results(out, f"The soak ({args.soak:g} minutes)", C.command_line("faults.py", sys.argv[1:]), body)
+    line = C.result_line(studies=len(studies), survived=survived, data_lost=lost_rounds,
+                         memory_growth_max=round(worst, 4), left_running=len(left), minutes=round(wall / 60, 1))
+    print(line)
+    return line
