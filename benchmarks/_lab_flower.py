@@ -21,9 +21,11 @@ study's mean round, after that round began, i.e. after the previous round's metr
   Expected: bit for bit.
 - ``link_cut_long``: a site's links cut for longer than round_timeout_s, then healed: the site is left out of that
   round (recorded) and rejoins. Expected: REPLAYED.
-- ``site_state_damaged``: between rounds, a site's state file (site-k.pt) overwritten with garbage: the site sets
-  it aside and rejoins as a replaced client (c^k = c, a fresh sampler). Neither the baseline nor a replay: the row
-  says what the run did (survived=False).
+- ``site_state_damaged``: between rounds, a site's SuperNode SIGKILLed, its state file (site-k.pt) overwritten with
+  garbage, the SuperNode restarted (a running SuperNode keeps the state in its node state and never rereads the
+  file): the site sets the file aside and rejoins as a replaced client (c^k = c, a fresh sampler). Neither the
+  baseline nor a replay (the site's c^k and sampler position are gone): the row says what the run did
+  (survived=False).
 """
 
 from __future__ import annotations
@@ -349,9 +351,14 @@ def site_state_damaged(lab: LabConsortium, base: Baseline, seed: int, quick: boo
     seen: list[str] = []
 
     def fault(run_dir: Path) -> None:
+        # a running SuperNode keeps the site's state in its node state and rewrites the file after each round:
+        # the file is read (and found damaged) only by a SuperNode that starts without it
         wait_rows(run_dir, r + 1)  # rows of rounds 0..r
+        lab.kill_site(k)
         path.write_bytes(b"not a state file" * 8)
-        lab.progress(f"[flower] site_state_damaged: {path} overwritten after round {r}'s row")
+        lab.progress(f"[flower] site_state_damaged: site {k}'s SuperNode killed after round {r}'s row, {path} "
+                     "overwritten, the SuperNode restarted")
+        lab.restart_site(k)
 
     before = set(lab.state_dir.glob(f"site-{k}.pt.damaged*"))
     got, run_dir, wall = lab.run_study(name="site_state_damaged", during=fault)
@@ -360,7 +367,8 @@ def site_state_damaged(lab: LabConsortium, base: Baseline, seed: int, quick: boo
     seen = [line.strip() for line in log if "damaged" in line]
     note = (f"site {k} set the file aside as {aside[0].name} and rejoined as a replaced client" if aside else
             f"site {k} never read the damaged file (it was rewritten first)")
-    return _judge(lab, "site_state_damaged", f"site {k}'s state file overwritten with garbage between rounds",
+    return _judge(lab, "site_state_damaged", f"site {k}'s SuperNode SIGKILLed between rounds, its state file "
+                  "overwritten with garbage, the SuperNode restarted",
                   f"after round {r}", got, run_dir, wall, base, message=seen[-1][-300:] if seen else "", note=note)
 
 

@@ -84,6 +84,7 @@ class FlowerExecutor(SiteRoster, Executor):
     # each site builds its client from the run config; the driver puts the privacy settings it resolves (sigma)
     # into that config (fdam_ray/privacy/driver.py), so every dp mode runs here
     clients_from_setup = False
+    leaves_clients_out = True  # a site past round_timeout_s: its rounds are recorded, the run replayable from them
 
     def __init__(self, grid: Grid, flower: FlowerSection, *, run_key: str, num_sites: int,
                  bindings_dir: str | Path | None = None) -> None:

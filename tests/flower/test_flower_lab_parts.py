@@ -3,6 +3,7 @@ environments its processes get, without starting any."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from cryptography import x509
 from flower_helpers import HAVE_FLOWER
@@ -52,3 +53,38 @@ def test_without_the_new_options_everything_stays_on_127_0_0_1_in_memory(tmp_pat
     assert _after(c.site_args(0), "--host") == "127.0.0.1"
     assert _after(c.site_args(0), "--superlink") == f"127.0.0.1:{c.port}"
     assert c.site_host(0) == "127.0.0.1"
+
+
+def test_a_round_a_site_missed_on_flower_is_recorded_and_the_run_equals_its_replay(tmp_path):
+    """Site 2's reply of round 7 is lost (past round_timeout_s): the round completes without it, the checkpoint
+    and the next metrics record name the round's sites, and the inline run forced to those sets
+    (participation_record) is the Flower run."""
+    import fdam_ray
+    from fdam_ray.checkpoint import load_checkpoint
+    from fdam_ray.flower.client_app import app as client_app
+    from fdam_ray.flower.inprocess import InProcessGrid, server_context
+    from fdam_ray.flower.server_app import run_federation
+    from flower_helpers import write_three_sites
+
+    clients, test, folder = write_three_sites(tmp_path)
+    case = dict(algorithm="codasca", model="linear", batch_size=8, seed=3, executor="inline", local_steps=3,
+                iterations=24, lr=0.2, global_lr=1.3, prox_weight=0.01, stage_length=9, eval_every=6)
+
+    def lose(msg):
+        cfg = msg.content.config_records.get("config")
+        return (msg.metadata.message_type == "train.round" and cfg is not None and "plan_round" in cfg
+                and int(cfg["plan_round"]) == 7 and msg.metadata.dst_node_id == 103)
+
+    sites = [{"site": k, "data": str(folder / f"site{k}.npz")} for k in range(3)]
+    run = run_federation(InProcessGrid(client_app, sites, lose_reply=lose), server_context(),
+                         {**case, "num_clients": 3, "flower": {"test_data": str(folder / "test.npz")}},
+                         run_dir=tmp_path / "run")
+    assert load_checkpoint(tmp_path / "run" / "checkpoint.pt").loop.participation == {"7": [0, 1]}
+    assert [h.get("participation") for h in run.history] == ["", "", "", "", "r7=0,1"]  # rounds 0, 2, 4, 6, 8
+    replay = fdam_ray.train_arrays(dict(case, participation_record=str(tmp_path / "run")), clients, test)
+    inline = fdam_ray.train_arrays(case, clients, test)
+    gap = max(float(np.abs(x.astype(np.float64) - replay.state.vectors()[n]).max())
+              for n, x in run.state.vectors().items() if x is not None and x.size)
+    assert gap <= 1e-6
+    assert max(float(np.abs(x.astype(np.float64) - inline.state.vectors()[n]).max())
+               for n, x in run.state.vectors().items() if x is not None and x.size) > 1e-4  # round 7 lacked site 2
