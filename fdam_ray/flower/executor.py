@@ -14,7 +14,8 @@ round: the others' updates make the round (their weights renormalised) and the
 global c moves by their changes of c^k over the total weight of all K sites
 (SCAFFOLD's rule for partial participation), so c stays the weighted mean of
 every site's c^k. The site is told at its next message that its round was not
-counted, and goes on from its state before it. A site whose node restarts is
+counted, and goes on from its state before it. The round is recorded (the loop's participation
+record), so the run equals its replay from that record. A site whose node restarts is
 found again by its site number; it keeps its state if it kept a file of it
 (``state-dir``), else (or when that file is damaged) it starts as a replaced
 client (its c^k set to the global c, a fresh sampler).
