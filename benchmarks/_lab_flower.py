@@ -287,9 +287,13 @@ def _point(seed: int, name: str, base: Baseline) -> tuple[int, float, int, str]:
     return r, frac * base.round_s, site, f"round {r} + {frac * base.round_s:.1f} s"
 
 
-def _into_round(run_dir: Path, r: int, offset: float) -> None:
-    wait_rows(run_dir, r)  # round r began when round r-1's row was written (rows: rounds 0..r-1)
+def _into_round(run_dir: Path, r: int, offset: float, where: list[str] | None = None) -> None:
+    """``offset`` seconds after round r began (round r-1's row written; rows: rounds 0..r-1); ``where`` gets the
+    round then in progress (rounds are shorter than the mean the offset is drawn from: later ones may have begun)."""
+    wait_rows(run_dir, r)
     time.sleep(offset)
+    if where is not None:
+        where.append(f" (in round {len(metric_rows(run_dir))})")
 
 
 def _judge(lab: LabConsortium, name: str, what: str, at: str, got: dict, run_dir: Path, wall: float,
@@ -319,17 +323,18 @@ def supernode_kill(lab: LabConsortium, base: Baseline, seed: int, quick: bool) -
     r, offset, k, at = _point(seed, "supernode_kill", base)
 
     def fault(run_dir: Path) -> None:
-        _into_round(run_dir, r, offset)
+        _into_round(run_dir, r, offset, where)
         killed = lab.kill_site(k)
         lab.progress(f"[flower] supernode_kill: site {k}'s SuperNode killed at {at} (pids {killed})")
         time.sleep(5.0)
         took.append(lab.restart_site(k))
 
     took: list[float] = []
+    where: list[str] = []
     got, run_dir, wall = lab.run_study(name="supernode_kill", during=fault)
     return _judge(lab, "supernode_kill", f"site {k}'s SuperNode and its process tree SIGKILLed, started again 5 s "
                   f"later with the same state-dir, and every 5 s until the SuperLink let its key in again (up after "
-                  f"{took[0] if took else float('nan'):.0f} s)", at, got, run_dir, wall, base)
+                  f"{took[0] if took else float('nan'):.0f} s)", at + "".join(where), got, run_dir, wall, base)
 
 
 def superlink_kill(lab: LabConsortium, base: Baseline, seed: int, quick: bool) -> Fault:
@@ -339,7 +344,8 @@ def superlink_kill(lab: LabConsortium, base: Baseline, seed: int, quick: bool) -
     config = lab.study_config(CASE, name)
     t0 = time.monotonic()
     lab.submit(config, result, run_dir)
-    _into_round(run_dir, r, offset)
+    where: list[str] = []
+    _into_round(run_dir, r, offset, where)
     killed = lab.kill_superlink()
     lab.progress(f"[flower] superlink_kill: SuperLink killed at {at} (pids {killed})")
     time.sleep(3.0)
@@ -351,22 +357,24 @@ def superlink_kill(lab: LabConsortium, base: Baseline, seed: int, quick: bool) -
     resumed = [line.strip() for line in server_log if "fdam-ray: resumed" in line]
     message = resumed[-1] if resumed else f"none (flwr run said: {out.strip().splitlines()[-1][:200]})"
     return _judge(lab, name, "the SuperLink and its process tree (the ServerApp) SIGKILLed, restarted 3 s later on "
-                  "its port and database; flwr run again into the same run folder", at, load_result(result), run_dir,
-                  wall, base, resumed=True, message=message)
+                  "its port and database; flwr run again into the same run folder", at + "".join(where),
+                  load_result(result),
+                  run_dir, wall, base, resumed=True, message=message)
 
 
 def _link_cut(lab: LabConsortium, base: Baseline, seed: int, name: str, seconds: float) -> Fault:
     r, offset, k, at = _point(seed, name, base)
     assert lab.links is not None
+    where: list[str] = []
 
     def fault(run_dir: Path) -> None:
-        _into_round(run_dir, r, offset)
+        _into_round(run_dir, r, offset, where)
         lab.progress(f"[flower] {name}: site {k}'s links cut for {seconds:g} s at {at}")
         lab.links.cut_for(site_ip(k), seconds).join()  # type: ignore[union-attr]
 
     got, run_dir, wall = lab.run_study(name=name, during=fault)
     return _judge(lab, name, f"site {k}'s links ({site_ip(k)}) cut for {seconds:g} s, then healed "
-                  f"(round_timeout_s={ROUND_TIMEOUT_S:g})", at, got, run_dir, wall, base)
+                  f"(round_timeout_s={ROUND_TIMEOUT_S:g})", at + "".join(where), got, run_dir, wall, base)
 
 
 def link_cut_short(lab: LabConsortium, base: Baseline, seed: int, quick: bool) -> Fault:
