@@ -353,8 +353,8 @@ def superlink_kill(lab: LabConsortium, base: Baseline, seed: int, quick: bool) -
     out = lab.submit(config, result, run_dir)
     lab.wait_result(result, lab.study_timeout)
     wall = time.monotonic() - t0
-    server_log = (lab.consortium.folder / "superlink.log").read_text(errors="replace").splitlines()
-    resumed = [line.strip() for line in server_log if "fdam-ray: resumed" in line]
+    train_log = (run_dir / "train.log").read_text(errors="replace").splitlines()  # the ServerApp's log is Flower's
+    resumed = [line.split(" INFO ", 1)[-1].strip() for line in train_log if " resumed at round " in line]
     message = resumed[-1] if resumed else f"none (flwr run said: {out.strip().splitlines()[-1][:200]})"
     return _judge(lab, name, "the SuperLink and its process tree (the ServerApp) SIGKILLed, restarted 3 s later on "
                   "its port and database; flwr run again into the same run folder", at + "".join(where),
