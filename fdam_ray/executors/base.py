@@ -169,6 +169,9 @@ class Executor(abc.ABC):
     # whether its clients are built from ``ExecutorSetup.client`` (settings the driver resolves, such as the privacy
     # noise of dp: client, reach them); False for one whose clients are built elsewhere from the plain config
     clients_from_setup: ClassVar[bool] = True
+    # whether a round may lack a client on its own (Flower: a site past round_timeout_s); its rounds are then recorded
+    # (the participation record, fdam_ray/executors/deadlines.py) as under a deadline
+    leaves_clients_out: ClassVar[bool] = False
 
     @abc.abstractmethod
     def start(self, setup: ExecutorSetup, source: DataSource) -> list[ClientInfo]:

@@ -1,11 +1,12 @@
-"""A consortium on one machine: TLS certificates, a SuperLink and one SuperNode per site on 127.0.0.1.
+"""A consortium on one machine: TLS certificates, a SuperLink and one SuperNode per site on loopback.
 
 What a real consortium runs on several machines (the SuperLink at the
 coordinating centre, a SuperNode at each hospital, ``flwr run`` from a study
 member's laptop), started here as local processes for the example and the
-tests. Every process listens on 127.0.0.1 only and every connection is TLS with
+tests. Every process listens on a loopback address only (127.0.0.1 unless given
+one: ``superlink_host``, ``site_hosts``) and every connection is TLS with
 certificates this module makes (a throw-away certificate authority and a server
-certificate for 127.0.0.1 and localhost). Node authentication is on, as a real
+certificate for 127.0.0.1, localhost and the SuperLink's address). Node authentication is on, as a real
 consortium runs it: the SuperLink admits only registered SuperNodes
 (``--enable-supernode-auth``), each site gets its own EC key pair, its public key
 is registered (``flwr supernode register``) and its SuperNode signs with the
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,17 +43,17 @@ APP_NAME = "fdam-consortium"
 STOP_GRACE_S = 20.0  # a process stopped with SIGTERM gets this long (or the consortium's timeout if shorter)
 
 
-def make_certificates(folder: str | Path) -> Certificates:
-    """A new certificate authority and a server certificate for 127.0.0.1 and localhost signed by it, valid one
-    day, in ``folder`` (which must not hold them already; :func:`fdam_ray.flower.certs.make_certificates` makes
-    a real consortium's)."""
-    return certs.make_certificates(folder, dns=["localhost"], ips=[LOOPBACK], days=1)
+def make_certificates(folder: str | Path, ips: Sequence[str] = ()) -> Certificates:
+    """A new certificate authority and a server certificate for 127.0.0.1, localhost and ``ips`` signed by it,
+    valid one day, in ``folder`` (which must not hold them already; :func:`fdam_ray.flower.certs.make_certificates`
+    makes a real consortium's)."""
+    return certs.make_certificates(folder, dns=["localhost"], ips=list(dict.fromkeys([LOOPBACK, *ips])), days=1)
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port free on ``host`` (a loopback address) now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -113,22 +114,32 @@ class Consortium:
         node_auth: the SuperLink admits only SuperNodes whose public key was registered (each site's key pair is
             made here, in ``credentials-*/keys``, and registered when the consortium starts). False: any SuperNode
             that trusts the certificate authority gets in.
+        superlink_host: the loopback address the SuperLink listens on (the certificate covers it).
+        site_hosts: each site's SuperNode's loopback address (default: 127.0.0.1 for every site).
+        host_env: (address, environment) -> the environment of a process of that address (e.g. one that makes
+            it send from that address); None: every process gets the consortium's environment.
+        database: the SuperLink's state file (``flower-superlink --database``): its registered keys, nodes and
+            runs outlive a SuperLink restart (:meth:`restart_superlink`). None: in memory.
 
     Nothing differs on the nodes with SecAgg+ (the ClientApp always carries the SecAgg+ mod).
     """
 
     def __init__(self, folder: str | Path, sites: Sequence[Mapping[str, Any]], *, timeout: float = 900.0,
-                 node_auth: bool = True) -> None:
+                 node_auth: bool = True, superlink_host: str = LOOPBACK, site_hosts: Sequence[str] = (),
+                 host_env: Callable[[str, dict[str, str]], dict[str, str]] | None = None,
+                 database: str | Path | None = None) -> None:
         self.timeout = _seconds(timeout)
+        self.host, self.site_hosts, self.host_env = superlink_host, list(site_hosts), host_env
+        self.database = None if database is None else Path(database)
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.node_auth = node_auth
         self.credentials = Path(tempfile.mkdtemp(prefix="credentials-", dir=self.folder))  # new ones every time
-        self.certs = make_certificates(self.credentials / "tls")
+        self.certs = make_certificates(self.credentials / "tls", ips=[superlink_host])
         self.sites: list[dict[str, Any]] = []
         self.keys: list[NodeKey | None] = []
         self.node_ids: dict[int, int] = {}  # site index -> the node id its registration got
-        self.port = free_port()
+        self.port = free_port(superlink_host)
         self.processes: dict[str, subprocess.Popen] = {}
         self.home = self.folder / "flwr-home"
         bin_dir = str(Path(sys.executable).parent)  # Flower's processes start Flower's other commands by name
@@ -139,10 +150,12 @@ class Consortium:
         for site in sites:
             self.add_site(site)
 
-    def add_site(self, node_config: Mapping[str, Any]) -> int:
-        """Another SuperNode (its key pair made now, under node authentication); its index for :meth:`register`
-        and :meth:`start_site`."""
+    def add_site(self, node_config: Mapping[str, Any], host: str | None = None) -> int:
+        """Another SuperNode (its key pair made now, under node authentication) on ``host`` (default: its entry of
+        ``site_hosts``, else 127.0.0.1); its index for :meth:`register` and :meth:`start_site`."""
         index = len(self.sites)
+        if host is not None:
+            self.site_hosts = [self.site_host(i) for i in range(index)] + [host]
         self.sites.append(dict(node_config))
         self.keys.append(certs.make_node_key(self.credentials / "keys", f"node{index}") if self.node_auth else None)
         return index
@@ -175,7 +188,7 @@ class Consortium:
 default = "consortium"
 
 [superlink.consortium]
-address = "{LOOPBACK}:{self.port}"
+address = "{self.host}:{self.port}"
 root-certificates = "{self.certs.ca}"
 """, encoding="utf-8")
 
@@ -186,30 +199,48 @@ root-certificates = "{self.certs.ca}"
             raise FileNotFoundError(f"'{name}' is not installed: {extra_hint('flower', 'flwr')}")
         return found
 
-    def _start(self, key: str, args: list[str]) -> subprocess.Popen:
+    def site_host(self, index: int) -> str:
+        return self.site_hosts[index] if index < len(self.site_hosts) else LOOPBACK
+
+    def _start(self, key: str, args: list[str], host: str = LOOPBACK) -> subprocess.Popen:
         logfile = open(self.folder / f"{key}.log", "ab")  # the process holds it; closed here after the start
-        proc = subprocess.Popen(args, stdout=logfile, stderr=subprocess.STDOUT, env=self.env, cwd=self.folder,
+        env = self.env if self.host_env is None else self.host_env(host, dict(self.env))
+        proc = subprocess.Popen(args, stdout=logfile, stderr=subprocess.STDOUT, env=env, cwd=self.folder,
                                 start_new_session=True)
         logfile.close()
         self.processes[key] = proc
         log.info("%s started (pid %d)", key, proc.pid)
         return proc
 
+    def superlink_args(self) -> list[str]:
+        database = [] if self.database is None else ["--database", str(self.database)]
+        return [self._bin("flower-superlink"), "--host", self.host, "--port", str(self.port), "--ssl-ca-certfile",
+                str(self.certs.ca), "--ssl-certfile", str(self.certs.server_cert), "--ssl-keyfile",
+                str(self.certs.server_key), *database, *(["--enable-supernode-auth"] if self.node_auth else [])]
+
     def start_superlink(self) -> None:
-        self._start("superlink", [self._bin("flower-superlink"), "--host", LOOPBACK, "--port", str(self.port),
-                                  "--ssl-ca-certfile", str(self.certs.ca), "--ssl-certfile",
-                                  str(self.certs.server_cert), "--ssl-keyfile", str(self.certs.server_key),
-                                  *(["--enable-supernode-auth"] if self.node_auth else [])])
+        self._start("superlink", self.superlink_args(), self.host)
         self._wait_port(self.port)
+
+    def restart_superlink(self) -> None:
+        """Start the SuperLink again on its port (after it stopped or was killed: :meth:`kill_process`); with a
+        ``database`` it finds its registered keys there, else the sites are registered again."""
+        self.stop_process("superlink")
+        self.start_superlink()
+        if self.node_auth and self.database is None:
+            for i in list(self.node_ids):
+                self.register(i)
+
+    def site_args(self, index: int) -> list[str]:
+        site, key, host = self.sites[index], self.keys[index], self.site_host(index)
+        auth = [] if key is None else ["--auth-supernode-private-key", str(key.private)]
+        return [self._bin("flower-supernode"), "--superlink", f"{self.host}:{self.port}", "--root-certificates",
+                str(self.certs.ca), "--host", host, "--port", str(free_port(host)), *auth, "--node-config",
+                node_config_text(site)]
 
     def start_site(self, index: int) -> subprocess.Popen:
         """Start SuperNode ``index`` (with its private key under node authentication; registered or not)."""
-        site, key = self.sites[index], self.keys[index]
-        auth = [] if key is None else ["--auth-supernode-private-key", str(key.private)]
-        return self._start(f"site{index}", [self._bin("flower-supernode"), "--superlink", f"{LOOPBACK}:{self.port}",
-                                            "--root-certificates", str(self.certs.ca), "--host", LOOPBACK,
-                                            "--port", str(free_port()), *auth,
-                                            "--node-config", node_config_text(site)])
+        return self._start(f"site{index}", self.site_args(index), self.site_host(index))
 
     def start(self) -> Consortium:
         self.start_superlink()
@@ -244,6 +275,19 @@ root-certificates = "{self.certs.ca}"
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(min(5.0, timeout))
 
+    def kill_process(self, key: str) -> list[int]:
+        """SIGKILL one process and every process below it at once (a crash, not a stop); the pids killed."""
+        proc = self.processes.pop(key, None)
+        if proc is None:
+            return []
+        pids = [proc.pid, *_descendants(proc.pid)]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10.0)
+        return pids
+
     def stop(self) -> None:
         for key in [k for k in self.processes if k != "superlink"]:
             self.stop_process(key)
@@ -263,10 +307,10 @@ root-certificates = "{self.certs.ca}"
                 if proc.poll() is not None:
                     raise RuntimeError(f"{key} exited with code {proc.returncode}; see {self.folder / (key + '.log')}")
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                if s.connect_ex((LOOPBACK, port)) == 0:
+                if s.connect_ex((self.host, port)) == 0:
                     return
             time.sleep(0.5)
-        raise TimeoutError(f"nothing listens on {LOOPBACK}:{port} within the consortium's timeout={timeout:g} s; see "
+        raise TimeoutError(f"nothing listens on {self.host}:{port} within the consortium's timeout={timeout:g} s; see "
                            f"{self.folder / 'superlink.log'} (on a busy machine, give a longer timeout)")
 
     def run(self, app: str | Path, config: str | Path, result: str | Path, *, timeout: float | None = None,

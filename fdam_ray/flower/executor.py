@@ -14,7 +14,8 @@ round: the others' updates make the round (their weights renormalised) and the
 global c moves by their changes of c^k over the total weight of all K sites
 (SCAFFOLD's rule for partial participation), so c stays the weighted mean of
 every site's c^k. The site is told at its next message that its round was not
-counted, and goes on from its state before it. A site whose node restarts is
+counted, and goes on from its state before it. The round is recorded (the loop's participation
+record), so the run equals its replay from that record. A site whose node restarts is
 found again by its site number; it keeps its state if it kept a file of it
 (``state-dir``), else (or when that file is damaged) it starts as a replaced
 client (its c^k set to the global c, a fresh sampler).
@@ -84,6 +85,7 @@ class FlowerExecutor(SiteRoster, Executor):
     # each site builds its client from the run config; the driver puts the privacy settings it resolves (sigma)
     # into that config (fdam_ray/privacy/driver.py), so every dp mode runs here
     clients_from_setup = False
+    leaves_clients_out = True  # a site past round_timeout_s: its rounds are recorded, the run replayable from them
 
     def __init__(self, grid: Grid, flower: FlowerSection, *, run_key: str, num_sites: int,
                  bindings_dir: str | Path | None = None) -> None:

@@ -191,7 +191,7 @@ class Federation:
             drift = self.algorithm.drift
             as_sampled_round(reducer, self.executor, plan.round,
                              drift.total_weight(self.num_clients, self.client_weights), drift)
-        if self.deadlines.tolerant:
+        if self.deadlines.tolerant or self.executor.leaves_clients_out:
             self._note_participants(loop, plan.round, sampled, clients, [st.client_id for st in reducer.stats])
         state = reducer.finish(steps=plan.steps)
         if not all_finite([torch.from_numpy(x) for x in (state.v, state.alpha, state.buffers)]):
@@ -268,7 +268,7 @@ class Federation:
         }
         rec.update(self.plug.record())  # dp: dp_epsilon, dp_delta
         loop.privacy = self.plug.state()  # an evaluation may have counted releases (dp_eval)
-        if self.deadlines.tolerant:  # rounds since the last record that ran other clients than planned
+        if self.deadlines.tolerant or self.executor.leaves_clients_out:  # rounds since the last record, not as planned
             rec["participation"] = " ".join(f"r{r}={','.join(map(str, ks))}" for r, ks in self._unrecorded.items())
             self._unrecorded = {}
         loop.loss_sum, loop.loss_rounds = 0.0, 0
