@@ -319,8 +319,10 @@ def _judge(lab: LabConsortium, name: str, what: str, at: str, got: dict, run_dir
     return Fault(name, what, at, outcome, ok, round(wall - base.wall, 1), lost, message, diff)
 
 
-def supernode_kill(lab: LabConsortium, base: Baseline, seed: int, quick: bool) -> Fault:
+def supernode_kill(lab: LabConsortium, base: Baseline, seed: int, quick: bool, site: int | None = None) -> Fault:
+    """``site``: this site's SuperNode (default: one drawn from the seed)."""
     r, offset, k, at = _point(seed, "supernode_kill", base)
+    k = k if site is None else site
 
     def fault(run_dir: Path) -> None:
         _into_round(run_dir, r, offset, where)

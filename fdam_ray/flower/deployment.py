@@ -289,9 +289,29 @@ root-certificates = "{self.certs.ca}"
         return pids
 
     def stop(self) -> None:
+        """Stop every process; then any process of this consortium that outlived the one that started it (a
+        SuperNode that crashed leaves its detached SuperExec behind), found by this consortium's FLWR_HOME."""
         for key in [k for k in self.processes if k != "superlink"]:
             self.stop_process(key)
         self.stop_process("superlink")
+        for pid in self.strays():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def strays(self) -> list[int]:
+        """Live processes whose environment holds this consortium's FLWR_HOME and that no process it holds
+        started."""
+        mark = f"FLWR_HOME={self.home}".encode()
+        held = {p for proc in self.processes.values() if proc.poll() is None
+                for p in (proc.pid, *_descendants(proc.pid))}
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) in held or int(entry.name) == os.getpid():
+                continue
+            with contextlib.suppress(OSError):
+                if _alive(int(entry.name)) and mark in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+        return found
 
     def __enter__(self) -> Consortium:
         return self.start()

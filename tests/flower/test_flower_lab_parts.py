@@ -55,16 +55,41 @@ def test_without_the_new_options_everything_stays_on_127_0_0_1_in_memory(tmp_pat
     assert c.site_host(0) == "127.0.0.1"
 
 
+def test_stop_also_ends_a_process_of_the_consortium_that_outlived_its_parent(tmp_path):
+    """A SuperNode that crashed leaves its detached SuperExec: stop() finds it by the consortium's FLWR_HOME and
+    ends it; a process of another FLWR_HOME is left alone."""
+    import subprocess
+    import time
+
+    from fdam_ray.flower.deployment import Consortium, _alive
+
+    c = Consortium(tmp_path / "c", [{"site": 0, "data": "a.npz"}])
+    other = Consortium(tmp_path / "other", [{"site": 0, "data": "a.npz"}])
+    stray = subprocess.Popen(["sleep", "60"], env=c.env, start_new_session=True)
+    bystander = subprocess.Popen(["sleep", "60"], env=other.env, start_new_session=True)
+    try:
+        time.sleep(0.2)
+        assert stray.pid in c.strays() and bystander.pid not in c.strays()
+        c.stop()
+        stray.wait(10)
+        assert not _alive(stray.pid) and bystander.poll() is None
+    finally:
+        for proc in (stray, bystander):
+            proc.kill()
+            proc.wait(10)
+
+
 def test_a_round_a_site_missed_on_flower_is_recorded_and_the_run_equals_its_replay(tmp_path):
     """Site 2's reply of round 7 is lost (past round_timeout_s): the round completes without it, the checkpoint
     and the next metrics record name the round's sites, and the inline run forced to those sets
     (participation_record) is the Flower run."""
+    from flower_helpers import write_three_sites
+
     import fdam_ray
     from fdam_ray.checkpoint import load_checkpoint
     from fdam_ray.flower.client_app import app as client_app
     from fdam_ray.flower.inprocess import InProcessGrid, server_context
     from fdam_ray.flower.server_app import run_federation
-    from flower_helpers import write_three_sites
 
     clients, test, folder = write_three_sites(tmp_path)
     case = dict(algorithm="codasca", model="linear", batch_size=8, seed=3, executor="inline", local_steps=3,
