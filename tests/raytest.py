@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -172,3 +173,13 @@ class FoldCounting(RayExecutor):
 
         super().run_round(state, plan, counted, clients)
         self.folds.append(count[0])
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on 127.0.0.1 now (held open together while chosen: one at a time, the kernel
+    may hand the same port out twice)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]

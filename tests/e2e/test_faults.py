@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from raytest import free_ports
 from testpath import TEST_PATH
 
 from fdam_ray.checkpoint import load_checkpoint
@@ -81,12 +82,6 @@ def test_a_second_writer_on_a_live_run_folder_is_refused_and_a_killed_runs_lock_
     assert [r["iteration"] for r in lines] == sorted({r["iteration"] for r in lines})  # no duplicate, no stray line
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclasses.dataclass
 class Head:
     env: dict  # the environment of a process of this cluster's machine (its RAY_TMPDIR, its HOME)
@@ -114,15 +109,17 @@ def ray_head(request):
     ports = ["--port", "--ray-client-server-port", "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
              "--runtime-env-agent-port", "--metrics-export-port", "--node-manager-port", "--object-manager-port"]
     dashboard = None
+    chosen = free_ports(len(ports) + 1)  # the last one: the dashboard's
     if getattr(request, "param", False):
-        dashboard = f"http://127.0.0.1:{free_port()}"
+        dashboard = f"http://127.0.0.1:{chosen[-1]}"
         ports_and_dashboard = ["--include-dashboard=true", "--dashboard-host=127.0.0.1",
                                f"--dashboard-port={dashboard.rsplit(':', 1)[1]}"]
     else:
         ports_and_dashboard = ["--include-dashboard=false"]
     ray_cli = str(Path(sys.executable).with_name("ray"))
     head = subprocess.Popen([ray_cli, "start", "--head", "--block", *ports_and_dashboard, "--num-cpus=2",
-                             "--disable-usage-stats", *(f"{p}={free_port()}" for p in ports)],
+                             "--disable-usage-stats",
+                             *(f"{p}={port}" for p, port in zip(ports, chosen[:-1], strict=True))],
                             env=env, cwd=tmp, stdout=(tmp / "head.log").open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     recorded = tmp / "ray" / "ray_current_cluster"

@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from raytest import pids_using
+from raytest import free_ports, pids_using
 
 import fdam_ray
 from fdam_ray.cli import main
@@ -219,10 +218,6 @@ def test_the_chestxray_fixtures_pass_the_drivers_check(tmp_path):
 
 
 # -- a joined cluster too small for the actors ------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 
@@ -260,7 +255,8 @@ def test_fdam_joining_a_2_cpu_ray_start_head_fails_within_30_s_saying_what_fits(
              "--runtime-env-agent-port", "--metrics-export-port", "--node-manager-port", "--object-manager-port"]
     head = subprocess.Popen([str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
                              "--include-dashboard=false", "--num-cpus=2", "--node-ip-address=127.0.0.1",
-                             "--disable-usage-stats", *(f"{p}={free_port()}" for p in ports)],
+                             "--disable-usage-stats",
+                             *(f"{p}={port}" for p, port in zip(ports, free_ports(len(ports)), strict=True))],
                             env=env, cwd=temp, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     recorded = Path(temp) / "ray" / "ray_current_cluster"
