@@ -90,7 +90,7 @@ def _member(rank: int, world: int, port: int, rounds: int, in_place: bool, backe
     if rank == 0:
         port = member.open("127.0.0.1", 30)
         out.put(("port", port))
-    member.join("127.0.0.1", port, rank, world, backend, 5.0, STEP)
+    member.join("127.0.0.1", port, rank, world, backend, 60.0, STEP)  # spawned members import torch: slow when busy
     state = _state(0)
     got: list = []
     last = time.monotonic()

@@ -158,7 +158,7 @@ def wandb_run(where: Path) -> dict:
         where = files[0]
     # W&B's service process may still be writing the file after run.finish() returns: wait for its run and exit
     # records (both must be there to read the run)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180
     records = read_wandb_records(where)
     while not {"run", "exit"} <= {r.WhichOneof("record_type") for r in records} and time.monotonic() < deadline:
         time.sleep(0.2)
