@@ -172,8 +172,10 @@ def holds(pid: int) -> tuple[int, int]:
     rss = fds = 0
     for p in tree(pid):
         with contextlib.suppress(OSError, ValueError, IndexError):
-            status = Path(f"/proc/{p}/status").read_text()
-            rss += int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024  # type: ignore[union-attr]
+            found = re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{p}/status").read_text())
+            if found is None:  # a zombie holds no memory
+                continue
+            rss += int(found.group(1)) * 1024
             fds += len(os.listdir(f"/proc/{p}/fd"))
     return rss, fds
 

@@ -79,7 +79,7 @@ class Sampler:
 
 def own(pid: int) -> tuple[int, int]:
     """(resident bytes, open fds) of ``pid`` alone; (0, 0) when gone."""
-    with contextlib.suppress(OSError, AttributeError, ValueError):
+    with contextlib.suppress(OSError, AttributeError, ValueError, IndexError):
         status = Path(f"/proc/{pid}/status").read_text()
         rss = int(status.split("VmRSS:")[1].split()[0]) * 1024
         return rss, len(os.listdir(f"/proc/{pid}/fd"))
@@ -135,7 +135,8 @@ def soak(netlab: Path, work: Path, args: argparse.Namespace, *, progress: Callab
                     study.work, study.seed = folder / "ray" / f"study{i}", args.seed * 1000 + i
                     study.work.mkdir(parents=True, exist_ok=True)
                     studies.append(_guarded(None, "driver_kill", LR.driver_kill, study))
-                sampler.sample()
+                with contextlib.suppress(Exception):  # the last sample; the thread's are taken the same way
+                    sampler.sample()
                 end_s = time.monotonic() - sampler.start
         finally:
             cluster.stop()
