@@ -31,6 +31,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -77,6 +78,10 @@ class LabRayCluster:
 
     # -- up and down ----------------------------------------------------------------------------------------
     def start(self) -> LabRayCluster:
+        # a Ray temp folder of the lab's own: Ray records the cluster it starts as the machine's current one in its
+        # temp folder, and in the shared /tmp/ray every `fdam train` without an address would join the lab's nodes
+        self._saved_tmpdir = os.environ.get("RAY_TMPDIR")
+        os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="fdl", dir="/tmp")  # short: Ray's socket paths
         self.shim = self.nc.build_shim()
         self.cluster, self.ips = self.nc.start_cluster(self.workers, self.cpus_per_worker,
                                                        object_store_bytes=self.object_store_bytes,
@@ -90,15 +95,28 @@ class LabRayCluster:
             kill_tree(proc)
         self.drivers = []
         if self.cluster is None:
+            self._own_tmpdir_back()
             return
         left = [p for n in self.nodes() for p in net.tree(n.all_processes["raylet"][0].process.pid)] \
             if self.cluster else []
         with contextlib.suppress(Exception):
             self.cluster.shutdown()
         self.cluster = None
+        self._own_tmpdir_back()
         for pid in left:  # workers of a node that outlived its raylet
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+    def _own_tmpdir_back(self) -> None:
+        """RAY_TMPDIR as it was before :meth:`start`; the lab's Ray folder removed."""
+        if not hasattr(self, "_saved_tmpdir"):
+            return
+        mine = os.environ.pop("RAY_TMPDIR", None)
+        if self._saved_tmpdir is not None:
+            os.environ["RAY_TMPDIR"] = self._saved_tmpdir
+        del self._saved_tmpdir
+        if mine:
+            shutil.rmtree(mine, ignore_errors=True)
 
     def __enter__(self) -> LabRayCluster:
         return self.start()
