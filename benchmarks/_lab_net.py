@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -178,19 +178,6 @@ def holds(pid: int) -> tuple[int, int]:
             rss += int(found.group(1)) * 1024
             fds += len(os.listdir(f"/proc/{p}/fd"))
     return rss, fds
-
-
-@contextlib.contextmanager
-def nothing_left(before: set[int] | None = None) -> Iterator[set[int]]:
-    """Yields the pids alive before; at the end, raises when a process started inside is still alive (a lab that
-    leaves a process behind fails)."""
-    alive_before = before if before is not None else set(_children_pids())
-    yield alive_before
-    time.sleep(1.0)
-    me = set(tree(os.getpid()))
-    left = [p for p in _children_pids() if p not in alive_before and p not in me and _is_ours(p)]
-    if left:
-        raise RuntimeError(f"processes left running after the lab: {sorted(left)[:10]}")
 
 
 def _children_pids() -> list[int]:

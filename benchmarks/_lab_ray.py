@@ -246,8 +246,8 @@ def _node_of(pid: int) -> str | None:
 
 @contextlib.contextmanager
 def nothing_left_of(ips: Sequence[str]) -> Iterator[None]:
-    """:func:`_lab_net.nothing_left` for this lab's nodes only: at the end, raises when a Ray or fdam process
-    running as one of ``ips`` (other parts of the lab run their own nodes meanwhile) is still alive."""
+    """At the end, raises when a Ray or fdam process running as one of ``ips`` is still alive (this lab's nodes
+    only: other processes of the machine, and other parts of the lab, are not its own)."""
     before = set(net._children_pids())
     yield
     deadline = time.monotonic() + 10  # the workers of a stopped node take a moment to notice
