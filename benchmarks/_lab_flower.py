@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import yaml
 from _lab_common import BIT_FOR_BIT, REPLAYED, RESUMED, Fault, audit, max_difference, metric_rows, seeded_point
-from _lab_net import Links, load_netlab, tree
+from _lab_net import Links, load_netlab
 
 SUPERLINK_IP = "127.0.0.2"
 ROUNDS = 6
@@ -127,19 +127,10 @@ class LabConsortium:
             for ip in list(self.links.cut_now):
                 self.links.heal(ip)
 
-    def left_running(self, also: str = "") -> list[int]:
-        """Live processes started by this consortium (their environment names its FLWR_HOME; and ``also``)."""
-        mark = f"FLWR_HOME={self.consortium.home}".encode()
-        found = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and int(entry.name) != os.getpid():
-                with contextlib.suppress(OSError, IndexError):
-                    if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                        continue
-                    env = (entry / "environ").read_bytes().split(b"\0")
-                    if mark in env and (not also or also.encode() in env):
-                        found.append(int(entry.name))
-        return found
+    def left_running(self) -> list[int]:
+        """Live processes of this consortium that none of its running processes started (after :meth:`stop`: every
+        one left)."""
+        return self.consortium.strays()
 
     def pids(self) -> dict[str, int]:
         """The pid of each process the consortium started (superlink, site0..2), for memory sampling."""
@@ -171,14 +162,9 @@ class LabConsortium:
     def _kill_orphans(self, ip: str) -> None:
         """This consortium's processes of node ``ip`` that no running process of it started (left by one that
         exited)."""
-        ours: set[int] = set()
-        for proc in self.consortium.processes.values():
-            if proc.poll() is None:
-                ours.update(tree(proc.pid))
-        for pid in self.left_running(f"NETCLUSTER_SRC={ip}"):
-            if pid not in ours:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        for pid in self.consortium.strays(f"NETCLUSTER_SRC={ip}"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def kill_superlink(self) -> list[int]:
         return self.consortium.kill_process("superlink")

@@ -298,10 +298,10 @@ root-certificates = "{self.certs.ca}"
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
-    def strays(self) -> list[int]:
-        """Live processes whose environment holds this consortium's FLWR_HOME and that no process it holds
-        started."""
-        mark = f"FLWR_HOME={self.home}".encode()
+    def strays(self, also: str = "") -> list[int]:
+        """Live processes whose environment holds this consortium's FLWR_HOME (and the entry ``also``, e.g.
+        ``NAME=value``) and that no process it holds started."""
+        marks = [f"FLWR_HOME={self.home}".encode(), *([also.encode()] if also else [])]
         held = {p for proc in self.processes.values() if proc.poll() is None
                 for p in (proc.pid, *_descendants(proc.pid))}
         found = []
@@ -309,7 +309,8 @@ root-certificates = "{self.certs.ca}"
             if not entry.name.isdigit() or int(entry.name) in held or int(entry.name) == os.getpid():
                 continue
             with contextlib.suppress(OSError):
-                if _alive(int(entry.name)) and mark in (entry / "environ").read_bytes().split(b"\0"):
+                env = (entry / "environ").read_bytes().split(b"\0")
+                if _alive(int(entry.name)) and all(m in env for m in marks):
                     found.append(int(entry.name))
         return found
 
