@@ -7,8 +7,8 @@ address through netlab's shim, so netlab's tc filters are the links between them
 local steps, a stage every 3 rounds, one evaluation per round, so the metric rows are the completed rounds), with
 the server's run folder given (``run-dir``) so it can be audited and resumed.
 
-Faults (each at ``seeded_point(seed, name, first, last)``: a round and an offset, as a share of the uninterrupted
-study's mean round, after that round began, i.e. after the previous round's metric row appeared):
+Faults (each at ``seeded_point(seed, name, first, last)``: a round and an offset, as a share of the study's own
+previous round, after that round began, i.e. after the previous round's metric row appeared):
 
 - baseline: the uninterrupted study; its final state against ``fdam_ray.train_arrays`` inline (<= 1e-6).
 - ``supernode_kill``: a site's SuperNode and its process tree SIGKILLed mid-round, restarted 5 s later with the same
@@ -23,9 +23,9 @@ study's mean round, after that round began, i.e. after the previous round's metr
   round (recorded) and rejoins. Expected: REPLAYED.
 - ``site_state_damaged``: between rounds, a site's SuperNode SIGKILLed, its state file (site-k.pt) overwritten with
   garbage, the SuperNode restarted (a running SuperNode keeps the state in its node state and never rereads the
-  file): the site sets the file aside and rejoins as a replaced client (c^k = c, a fresh sampler). Neither the
-  baseline nor a replay (the site's c^k and sampler position are gone): the row says what the run did
-  (survived=False).
+  file): the site sets the file aside and rejoins as a replaced client (a fresh client, c^k = the global c of the
+  first round it trains, recorded in the checkpoint's ``rebuilt``). Expected: REPLAYED (the inline replay
+  rebuilds the site in that round), or bit for bit when the site trained no round after it rejoined.
 """
 
 from __future__ import annotations
@@ -99,6 +99,8 @@ class LabConsortium:
                                      database=self.folder / "consortium" / "superlink.db")
         self.studies = 0
         self.study_timeout = 900.0  # a study's wait for its result (the lab sets it from the baseline's wall time)
+        self.resume_stopped = True  # a study the server stopped in one line: flwr run again into its folder
+        self.stopped: dict[str, str] = {}  # study name -> the line its server stopped it with (then resumed)
 
     # -- processes -------------------------------------------------------------------------------
     def start(self) -> LabConsortium:
@@ -193,16 +195,22 @@ class LabConsortium:
             raise RuntimeError(f"flwr run failed ({out.returncode}): {(out.stderr + out.stdout).strip()[-300:]}")
         return out.stdout + out.stderr
 
-    def wait_result(self, result: Path, timeout: float = 900.0, stop: threading.Event | None = None) -> bool:
+    def wait_result(self, result: Path, timeout: float = 900.0, stop: threading.Event | None = None,
+                    run_dir: Path | None = None, seen: int = 0) -> str | None:
+        """Until the study's result is written (None), or, with ``run_dir``, until the server stops the study: its
+        train.log gains a ``run stopped:`` line past the ``seen`` ones (that line)."""
         deadline = time.monotonic() + timeout
         while not result.exists():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no result {result} within {timeout:g} s; see {self.consortium.folder}")
             if stop is not None and stop.is_set():
-                return False
+                return None
+            stops = [] if run_dir is None else stop_lines(run_dir)
+            if len(stops) > seen:
+                return stops[-1]
             time.sleep(0.5)
         time.sleep(0.3)  # np.savez has finished writing when the name appears? give it a moment
-        return True
+        return None
 
     def run_study(self, case: dict[str, Any] | None = None, name: str | None = None,
                   during: Callable[[Path], None] | None = None) -> tuple[dict[str, np.ndarray], Path, float]:
@@ -224,14 +232,34 @@ class LabConsortium:
                     errors.append(exc)
             thread = threading.Thread(target=go, name=f"fault-{name}", daemon=True)
             thread.start()
+        seen = len(stop_lines(run_dir))
         self.submit(config, result, run_dir)
-        self.wait_result(result, self.study_timeout)
+        stopped = self.wait_result(result, self.study_timeout, run_dir=run_dir, seen=seen)
+        if stopped is not None and self.resume_stopped:  # a study stopped in one line: continued from its folder
+            self.progress(f"[flower] {name}: the server stopped the study ({stopped.split('run stopped: ')[-1]}); "
+                          "flwr run again into its run folder")
+            self.stopped[name] = stopped.split("run stopped: ")[-1]
+            if thread is not None:
+                thread.join(120)
+            self.heal()
+            self.submit(config, result, run_dir)
+            stopped = self.wait_result(result, self.study_timeout, run_dir=run_dir, seen=seen + 1)
+        if stopped is not None:
+            raise RuntimeError(f"the server stopped study {name}: {stopped}")
         wall = time.monotonic() - t0
         if thread is not None:
             thread.join(120)
         if errors:
             raise errors[0]
         return load_result(result), run_dir, wall
+
+
+def stop_lines(run_dir: Path) -> list[str]:
+    """The ``run stopped:`` lines of a server run folder's train.log (one per time the server stopped the study)."""
+    path = run_dir / "train.log"
+    if not path.exists():
+        return []
+    return [line.strip() for line in path.read_text(errors="replace").splitlines() if "run stopped:" in line]
 
 
 def load_result(path: Path) -> dict[str, np.ndarray]:
@@ -246,13 +274,14 @@ def inline_state(case: dict[str, Any], clients: list, test: tuple) -> dict[str, 
     return {k: v for k, v in run.state.vectors().items() if v is not None}
 
 
-def wait_rows(run_dir: Path, n: int, timeout: float = 900.0) -> None:
-    """Until the run folder holds ``n`` metric rows (n rounds done)."""
+def wait_rows(run_dir: Path, n: int, timeout: float = 900.0) -> list[dict]:
+    """Until the run folder holds ``n`` metric rows (n rounds done); the rows then."""
     deadline = time.monotonic() + timeout
-    while len(metric_rows(run_dir)) < n:
+    while len(rows := metric_rows(run_dir)) < n:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{run_dir}: {n} metric rows not written within {timeout:g} s")
         time.sleep(0.2)
+    return rows
 
 
 # -- the faults ------------------------------------------------------------------------------------
@@ -267,19 +296,23 @@ class Baseline:
 
 
 def _point(seed: int, name: str, base: Baseline) -> tuple[int, float, int, str]:
-    """(round, seconds into it, site, its words) of a fault."""
+    """(round, share of a round into it, site, its words) of a fault."""
     r, frac = seeded_point(seed, name, 2, ROUNDS - 2)
     site = seeded_point(seed, name + ":site", 0, 2)[0]
-    return r, frac * base.round_s, site, f"round {r} + {frac * base.round_s:.1f} s"
+    return r, frac, site, f"round {r} + {frac:.2f} of a round"
 
 
-def _into_round(run_dir: Path, r: int, offset: float, where: list[str] | None = None) -> None:
-    """``offset`` seconds after round r began (round r-1's row written; rows: rounds 0..r-1); ``where`` gets the
-    round then in progress (rounds are shorter than the mean the offset is drawn from: later ones may have begun)."""
-    wait_rows(run_dir, r)
+def _into_round(run_dir: Path, r: int, frac: float, where: list[str] | None = None) -> None:
+    """``frac`` of a round after round r began (round r-1's row written; rows: rounds 0..r-1), a round being this
+    study's own round r-1 (the time between its last two rows: a loaded machine's rounds vary several-fold from
+    study to study, so a share of another study's round can miss this one); ``where`` gets the seconds and the
+    round then in progress."""
+    rows = wait_rows(run_dir, r)
+    walls = [float(row["wall_s"]) for row in rows[-2:]]
+    offset = frac * (walls[-1] - walls[0]) if len(walls) == 2 else 0.0
     time.sleep(offset)
     if where is not None:
-        where.append(f" (in round {len(metric_rows(run_dir))})")
+        where.append(f" (+{offset:.1f} s, in round {len(metric_rows(run_dir))})")
 
 
 def _judge(lab: LabConsortium, name: str, what: str, at: str, got: dict, run_dir: Path, wall: float,
@@ -287,12 +320,19 @@ def _judge(lab: LabConsortium, name: str, what: str, at: str, got: dict, run_dir
     from fdam_ray.checkpoint import load_checkpoint
 
     checkpoint = load_checkpoint(run_dir / "checkpoint.pt")
+    if name in lab.stopped:  # the server stopped it in one line; the lab resumed it
+        resumed, message = True, message or lab.stopped[name]
     recorded = dict(checkpoint.loop.participation or {})
-    if recorded:
+    rebuilt = dict(checkpoint.loop.rebuilt or {})
+    if recorded or rebuilt:
         replay = inline_state(dict(CASE, participation_record=str(run_dir)), lab.clients, lab.test)
         diff, same = max_difference(got, replay), False
-        outcome = (f"{REPLAYED} (rounds without every site: {recorded})" if diff <= 1e-6 else
-                   f"finished with rounds {recorded} recorded, but {diff:.3g} from their replay")
+        said = "; ".join(([f"rounds without every site: {recorded}"] if recorded else [])
+                         + ([f"sites rebuilt (round: sites): {rebuilt}"] if rebuilt else []))
+        outcome = (f"{REPLAYED} ({said})" if diff <= 1e-6 else
+                   f"finished with {said} recorded, but {diff:.3g} from their replay")
+        if resumed:
+            outcome += "; stopped with one line and resumed from its folder first"
     else:
         diff, same = max_difference(got, base.state), True
         outcome = ((RESUMED if resumed else BIT_FOR_BIT) if diff == 0.0 else
@@ -373,8 +413,10 @@ def link_cut_long(lab: LabConsortium, base: Baseline, seed: int, quick: bool) ->
     return _link_cut(lab, base, seed, "link_cut_long", LONG_CUT_S)
 
 
-def site_state_damaged(lab: LabConsortium, base: Baseline, seed: int, quick: bool) -> Fault:
+def site_state_damaged(lab: LabConsortium, base: Baseline, seed: int, quick: bool, site: int | None = None) -> Fault:
+    """``site``: this site's state file (default: one drawn from the seed)."""
     r, _, k, _ = _point(seed, "site_state_damaged", base)
+    k = k if site is None else site
     path = lab.state_dir / f"site-{k}.pt"
     seen: list[str] = []
 

@@ -158,6 +158,9 @@ class LoopState:
     # str(round) -> its clients, for each round whose participants were not the plan's (a missed round deadline,
     # fdam_ray.executors.deadlines); written only when it holds one, and older checkpoints read it as empty
     participation: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    # str(round) -> the clients that ran it as rebuilt clients (a fresh client from its shard, c^k = that round's
+    # global c: an actor replaced, a site that lost its state); written only when it holds one, read as empty
+    rebuilt: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     transfer: dict | None = None  # transfer_precision bf16/fp16: the broadcast's master and residual (transfer.py)
     privacy: dict | None = None  # dp: client: the accountant's state (privacy/accountant.py); None = no DP
 
@@ -252,7 +255,7 @@ def _loop_payload(loop: LoopState) -> dict:
     out["state"] = _fields(loop.state)
     out.update((name, value) for name, value in _fields(loop).items()
                if name != "server" and not (name in _LOOP_ADDED and value is None)  # unset: written as before
-               and not (name == "participation" and not value))
+               and not (name in ("participation", "rebuilt") and not value))
     out["position"] = _fields(loop.position)
     if loop.best_val_state is not None:
         out["best_val_state"] = _fields(loop.best_val_state)
@@ -290,6 +293,7 @@ def _loop_from(payload: dict, path: str | Path) -> LoopState:
     for name in _LOOP_ADDED:  # absent from files written before they were added
         values.setdefault(name, None)
     values.setdefault("participation", {})
+    values.setdefault("rebuilt", {})
     if isinstance(values["best_val_state"], dict):
         values["best_val_state"] = _build(GlobalState, values["best_val_state"], path, "best state", defaults=True)
     return _build(LoopState, {"server": _build(ServerState, server, path, "server state"), **values}, path,

@@ -15,7 +15,8 @@ from fdam_ray.core.schedules import ScheduleSection
 from fdam_ray.data import DataSource
 from fdam_ray.data.balanced import objective_positive_ratio
 from fdam_ray.executors.base import Executor, ExecutorSetup
-from fdam_ray.executors.deadlines import ReplaySection, read_record
+from fdam_ray.executors.deadlines import ReplaySection
+from fdam_ray.executors.rebuilds import read_replay, refuse_unreplayable
 from fdam_ray.loop.federation import Federation
 from fdam_ray.outputs import Observer, OutputSection
 from fdam_ray.outputs.trackers import TrackedRun
@@ -34,9 +35,11 @@ def federation(config: Config, *, source: DataSource, executor: Executor, driver
     cut, the plugs the config asks for, a participation record read and checked, the objective's fixed p."""
     setup = ExecutorSetup.cut(config, build_algorithm(AlgorithmSection.of(config)), executor.section)
     record = config.participation_record
+    forced, rebuilds = ({}, {}) if record is None else read_replay(record, ReplaySection.of(config),
+                                                                   ScheduleSection.of(config))
+    refuse_unreplayable(rebuilds, executor)
     return Federation(source=source, executor=executor, setup=setup, schedule=ScheduleSection.of(config),
                       eval_every=config.eval_every, driver_device=driver_device, observer=observer,
                       plug=run_plug(config), histogram_bins=PrivacySection.of(config).histogram_bins,
-                      forced=None if record is None else read_record(record, ReplaySection.of(config),
-                                                                     ScheduleSection.of(config)),
-                      positive_ratio=objective_positive_ratio(config), select_by=config.select_by)
+                      forced=forced, rebuilds=rebuilds, positive_ratio=objective_positive_ratio(config),
+                      select_by=config.select_by)

@@ -172,6 +172,9 @@ class Executor(abc.ABC):
     # whether a round may lack a client on its own (Flower: a site past round_timeout_s); its rounds are then recorded
     # (the participation record, fdam_ray/executors/deadlines.py) as under a deadline
     leaves_clients_out: ClassVar[bool] = False
+    # whether a replay can rebuild a client at a given round (:meth:`rebuild`): a record of rebuilt clients is refused
+    # before the run otherwise
+    rebuilds_clients: ClassVar[bool] = False
 
     @abc.abstractmethod
     def start(self, setup: ExecutorSetup, source: DataSource) -> list[ClientInfo]:
@@ -217,6 +220,20 @@ class Executor(abc.ABC):
         of c^k of the hosts that made it, in the order their partial sums were folded
         (`as_sampled_round`). Only an executor with round deadlines has them."""
         raise NotImplementedError(f"{type(self).__name__} has no round deadlines (round_deadline needs executor=ray)")
+
+    def take_rebuilt(self) -> dict[int, list[int]]:
+        """Round -> the clients whose update it folded as a rebuilt client's first (a fresh client from its shard,
+        c^k = that round's global c: its actor was replaced, its site lost its state), for the rounds since the
+        last call; the loop records them (``LoopState.rebuilt``) and a replay rebuilds them then
+        ([`rebuild`][fdam_ray.executors.base.Executor.rebuild], ``fdam_ray.executors.rebuilds``)."""
+        return {}
+
+    def rebuild(self, client_ids: Sequence[int], state: GlobalState) -> None:
+        """A replay: clients ``client_ids`` run the next round, from ``state``, as rebuilt clients (a fresh client
+        from its shard: fresh sampler, zero optimiser buffers, c^k = the global c of ``state``)."""
+        raise ValueError(f"config field 'participation_record': the record rebuilds clients {list(client_ids)} "
+                         f"(their actor replaced or their site's state lost) and {type(self).__name__} cannot "
+                         "rebuild a client at a given round: replay it with executor=inline")
 
     @abc.abstractmethod
     def evaluate(self, state: GlobalState, split: str = "test",

@@ -335,7 +335,7 @@ def _null(value: Any) -> str:
 
 
 def check_record(record: dict[int, list[int]], run: ReplaySection, schedule: ScheduleSection, *, where: str,
-                 recorded: Mapping[str, Any], reached: int | None = None) -> None:
+                 recorded: Mapping[str, Any], reached: int | None = None, rebuilds: bool = False) -> None:
     """Refuse a record this run cannot replay, in one line naming the round and the value.
 
     A replayed round runs the recorded set; a round the record does not name runs the run's plan (its sample
@@ -347,11 +347,15 @@ def check_record(record: dict[int, list[int]], run: ReplaySection, schedule: Sch
     round the recorded run finished; a round past it was never run. A round past this run's last round is not
     replayed: said once (a replay may be shorter than its record, e.g. to be resumed with more iterations), as
     is an empty record of a run with a deadline (no client missed one; the replay runs every round as planned).
+    ``rebuilds``: the record names rebuilt clients (:mod:`fdam_ray.executors.rebuilds`): an empty one is no
+    refusal.
     """
     k = int(run.num_clients)
     s = _sampling(run, k)
     _check_recorded_run(run, k, s, where=where, recorded=recorded)
     if not record:
+        if rebuilds:
+            return
         if recorded and recorded.get("round_deadline") is None and recorded.get("participation_record") is None:
             raise _refuse(where, "that run ran without round_deadline: every round ran its plan, so it recorded "
                           "nothing and a replay would force nothing (it is the run itself): remove "

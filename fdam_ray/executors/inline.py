@@ -68,6 +68,8 @@ def inline_threads(config: ExecutorSection) -> int | None:
 
 
 class InlineExecutor(Executor):
+    rebuilds_clients = True
+
     def __init__(self) -> None:
         self.clients: list[Client] = []
         self.groups: list[list[int]] = []
@@ -83,6 +85,7 @@ class InlineExecutor(Executor):
             torch.set_num_threads(threads)
         device = resolve_device(config.device)
         self.clients = host_clients(setup.client, source, range(source.num_clients), device=device, face=setup.face)
+        self._build = (setup.client, source, device)  # what rebuild() builds a fresh client from
         self.groups = actor_groups(source.num_clients, config.clients_per_actor)
         self.downlink = Downlink.of(setup.transfer)  # bf16/fp16: the rounding a Ray run's transfers take
         self.residuals = {} if self.downlink is not None and self.downlink.error_feedback else None
@@ -121,6 +124,13 @@ class InlineExecutor(Executor):
                 sent = compress(run_hosted(hosted, master, plan), master, downlink.precision, sampled=plan.partial,
                                 residual=residual)
                 fold(expand(sent, master, sampled=plan.partial))
+
+    def rebuild(self, client_ids: Sequence[int], state: GlobalState) -> None:
+        config, source, device = self._build
+        for k in client_ids:  # a fresh client on the same replica (p and the stage's reference live there)
+            fresh = self.clients[k] = Client(config, source, k, device=device, replica=self.clients[k].replica)
+            if state.c_v is not None and state.c_alpha is not None:
+                fresh.set_control_variate(state.c_v, state.c_alpha)
 
     def evaluate(self, state: GlobalState, split: str = "test",
                  bins: Binning | None = None) -> list[Scores] | list[ScoreHistogram]:

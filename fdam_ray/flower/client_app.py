@@ -153,9 +153,8 @@ def sync(msg: Message, context: Context) -> Message:
     stage = records.integer(cfg, "stage")
     if stage > kept.stage:
         kept.reference = arrays["reference"]
-        if cfg["reset"]:
+        if cfg["reset"]:  # the stage starts every kept c^k at zero; a replaced client still adopts c (local_round)
             zero_control_variate(kept)
-            kept.replaced = False  # the stage starts every c^k at zero
         kept.stage = stage
     kept.version = records.integer(cfg, "version")
     info = build_client(call.site, call.source, kept).info()

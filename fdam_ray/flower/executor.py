@@ -108,6 +108,8 @@ class FlowerExecutor(SiteRoster, Executor):
         self.secure: Callable[..., PartialSum | None] | None = None  # set by secagg.enable
         self.secure_histogram: Callable[..., ScoreHistogram | None] | None = None  # set by secagg.enable
         self.replaced: set[int] = set()  # sites that lost their state mid-run (they start from the global c)
+        self.rebuilding: set[int] = set()  # replaced sites whose first update has not been folded yet
+        self.rebuilt: dict[int, list[int]] = {}  # round -> sites folded as rebuilt clients' first (take_rebuilt)
         self.with_tests: list[int] = []  # sites holding a test split of their own
         self.unusable: dict[int, str] = {}  # node id -> why it cannot take part (said once, not asked again)
         self.silent: dict[int, str] = {}  # node id -> how it failed to answer (listed, its SuperNode gone)
@@ -256,7 +258,9 @@ class FlowerExecutor(SiteRoster, Executor):
             total = self.secure(self, state, plan, ready, sampled=clients is not None)
             if total is None:
                 raise RuntimeError(f"round {plan.round}: no site's update reached the server")
-            self._note_left_out(plan.round, wanted, [k for k in ready if self.counted[k] == plan.round])
+            came = [k for k in ready if self.counted[k] == plan.round]
+            self._note_left_out(plan.round, wanted, came)
+            self._note_rebuilt(plan.round, came)
             fold(total)
             return
         contents = {k: records.global_state_content(state, {**self.header(k), **records.plan_config(plan)})
@@ -275,6 +279,18 @@ class FlowerExecutor(SiteRoster, Executor):
             part.fold(updates[k], None if self.weights is None else float(self.weights[k]))
             fold(part)
             self.counted[k] = plan.round
+        self._note_rebuilt(plan.round, came)
+
+    def _note_rebuilt(self, round_: int, came: list[int]) -> None:
+        """Sites folded in ``round_`` whose state was lost before it: their first round as rebuilt clients."""
+        first = [k for k in came if k in self.rebuilding]
+        if first:
+            self.rebuilt[round_] = sorted(first)
+            self.rebuilding.difference_update(first)
+
+    def take_rebuilt(self) -> dict[int, list[int]]:
+        got, self.rebuilt = self.rebuilt, {}
+        return got
 
     def _update_of(self, site: int, content: RecordDict) -> ClientUpdate:
         stats = records.stats_of(content.config_records[records.CONFIG])

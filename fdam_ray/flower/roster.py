@@ -76,6 +76,7 @@ class SiteRoster:
     config_json: str
     shapes: SiteShapes | None
     replaced: set[int]
+    rebuilding: set[int]  # sites replaced whose first update as a rebuilt client has not been folded yet
     unusable: dict[int, str]  # node id -> why it cannot take part (said once, not asked again)
     silent: dict[int, str]  # node id -> how it failed to answer (listed, but its SuperNode is gone)
     failures: dict[int, int]
@@ -265,6 +266,7 @@ class SiteRoster:
         lost = str(said.get("lost_state", "") or "")
         if self.config_json and self.synced[site] == 0:
             self.replaced.add(site)
+            self.rebuilding.add(site)
             log.warning("site %d (node %d) kept no state of this run%s: it rejoins as a replaced client (c^k = the "
                         "global c, a fresh sampler)", site, node, f" ({lost})" if lost else "")
         elif lost:

@@ -33,10 +33,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fdam_ray.algorithms.drift import DriftCorrection
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.algorithms.stages import score_sums_nbytes
-from fdam_ray.checkpoint import Checkpoint, ClientState, LoopState
+from fdam_ray.checkpoint import Checkpoint, LoopState
 from fdam_ray.clients.client import Replica
 from fdam_ray.clients.inputs import all_finite
 from fdam_ray.core.schedules import Position, Schedule, ScheduleSection
@@ -59,7 +58,7 @@ from fdam_ray.loop.summary import (
     selected_evaluation,
     warn_if_test_set_changed,
 )
-from fdam_ray.loop.unplaced import checkpoint_unplaced
+from fdam_ray.loop.unplaced import checkpoint_unplaced, note_rebuilt, rebuilt_states
 from fdam_ray.models import network_record
 from fdam_ray.objectives import global_positive_ratio
 from fdam_ray.outputs import Observer, RunStart, Snapshot
@@ -88,6 +87,7 @@ class Federation:
             hooks; the default does nothing.
         histogram_bins: B when the clients send score histograms (``test_scores: histogram``), else None.
         forced: a participation record to replay (round -> clients), read and checked at the top.
+        rebuilds: the record's rebuilt clients (round -> clients, :mod:`fdam_ray.executors.rebuilds`), rebuilt then.
         positive_ratio: the objective's p where the config fixes it, else None (the global p from the clients').
         select_by: the validation figure selecting the best evaluation (``val_auc``, ``val_pauc``, ``val_tpauc``).
     """
@@ -95,7 +95,8 @@ class Federation:
     def __init__(self, *, source: DataSource, executor: Executor, setup: ExecutorSetup, schedule: ScheduleSection,
                  eval_every: int, driver_device: torch.device, observer: Observer, plug: Plug | None = None,
                  histogram_bins: int | None = None, forced: dict[int, list[int]] | None = None,
-                 positive_ratio: float | None = None, select_by: str = "val_auc") -> None:
+                 rebuilds: dict[int, list[int]] | None = None, positive_ratio: float | None = None,
+                 select_by: str = "val_auc") -> None:
         self.source = source
         self.executor = executor
         self.setup, self.client, self.algorithm = setup, setup.client, setup.algorithm
@@ -106,7 +107,7 @@ class Federation:
         self.replica = Replica(setup.client, source, device=driver_device)
         self.validation, self.select_by = setup.client.val_fraction > 0, select_by  # select on validation parts
         self.deadlines = setup.deadline
-        self.forced = forced or {}
+        self.forced, self.rebuilds = forced or {}, rebuilds or {}
         self.missed = MissedRounds()
         self._unrecorded: dict[str, list[int]] = {}  # rounds recorded since the last metrics record
         self.plug, self.histogram_bins = Plug() if plug is None else plug, histogram_bins
@@ -182,6 +183,8 @@ class Federation:
             reducer.fold(update)
 
         asked = self.executor.active_clients
+        if plan.round in self.rebuilds:  # a replayed record's rebuilt clients: fresh, c^k = this round's c
+            self.executor.rebuild(self.rebuilds[plan.round], loop.state)
         if clients is None:
             self.executor.run_round(loop.state, plan, fold)
         else:
@@ -193,6 +196,7 @@ class Federation:
                              drift.total_weight(self.num_clients, self.client_weights), drift)
         if self.deadlines.tolerant or self.executor.leaves_clients_out:
             self._note_participants(loop, plan.round, sampled, clients, [st.client_id for st in reducer.stats])
+        note_rebuilt(loop, self.executor)
         state = reducer.finish(steps=plan.steps)
         if not all_finite([torch.from_numpy(x) for x in (state.v, state.alpha, state.buffers)]):
             raise _state_diverged(plan.round)
@@ -232,6 +236,7 @@ class Federation:
             self._count(loop, clients, out.counts[i], out.bytes_up[i], stats)
         if out.stop == "stale":  # the state after the last applied round: not adopted, as a round at a time
             raise _state_diverged(planned[out.applied - 1][0].round)
+        note_rebuilt(loop, self.executor)
         if out.applied:
             assert out.state is not None
             self.algorithm.after_rounds(loop.server, out.state, out.ref_sum, out.applied)
@@ -311,8 +316,8 @@ class Federation:
             self.executor.begin_stage(loop.server.reference, True)
             loop.bytes_down += self.executor.active_clients * loop.server.reference.nbytes
         else:
-            loop = dataclasses.replace(resume.loop, participation=dict(resume.loop.participation))  # its counters
-            # change; the checkpoint keeps its own
+            loop = dataclasses.replace(resume.loop, participation=dict(resume.loop.participation),  # its counters
+                                       rebuilt=dict(resume.loop.rebuilt))  # change; the checkpoint keeps its own
             self.executor.begin_stage(loop.server.reference, False)
             # the executors take None for a client that starts afresh (annotated list[dict])
             self.executor.restore_client_states(rebuilt_states(resume.clients, loop.state, self.algorithm.drift))
@@ -440,11 +445,3 @@ def _state_diverged(round_index: int) -> DivergenceError:
     return DivergenceError(f"round {round_index}: the global state became NaN or infinite after the server step; "
                            "lower lr or global_lr")
 
-
-def rebuilt_states(states: list[ClientState | None], state: GlobalState,
-                   drift: DriftCorrection) -> list[ClientState | None]:
-    """A checkpoint's client states, where a client marked ``rebuild`` (its actor could not be placed when the
-    checkpoint was written) starts as a replaced actor's client does (the drift correction's rule,
-    :meth:`~fdam_ray.algorithms.drift.DriftCorrection.replaced`: the global c of ``state``, a fresh sampler)."""
-    typed = [None if s is None else ClientState.of(s) for s in states]  # (a mapping in the file's layout is read)
-    return [drift.replaced(k, state) if s is not None and s.rebuild else s for k, s in enumerate(typed)]

@@ -21,6 +21,7 @@ from sample_clients import arrays_in, gaussian_clients
 
 import fdam_ray
 from fdam_ray.assembly.recipe import run
+from fdam_ray.checkpoint import load_checkpoint, save_checkpoint
 from fdam_ray.cli import main
 from fdam_ray.clients.client import ClientSection
 from fdam_ray.config import build_config
@@ -116,6 +117,12 @@ class KillDuringRound(RayExecutor):
     def __init__(self, victim: int, at_round: int, how: str) -> None:
         super().__init__()
         self.victim, self.at_round, self.how = victim, at_round, how
+        self.rebuilt: dict[int, list[int]] = {}  # what the loop recorded (LoopState.rebuilt)
+
+    def take_rebuilt(self):
+        got = super().take_rebuilt()
+        self.rebuilt.update(got)
+        return got
 
     def run_round(self, state, plan, fold):
         if plan.round == self.at_round:
@@ -165,7 +172,7 @@ class AdoptGlobalC(InlineExecutor):
 
 
 @TRANSPORTS_CLASSIC_FIRST
-def test_a_replaced_client_restarts_from_the_global_control_variate(transport):
+def test_a_replaced_client_restarts_from_the_global_control_variate_recorded_and_replayed(transport, tmp_path):
     clients, test = gaussian_clients(num_clients=3)
     cfg = dict(ARRAYS, algorithm="codasca", iterations=10, positive_ratio=0.3)
     executor = KillDuringRound(victim=2, at_round=3, how="ray.kill")
@@ -173,6 +180,15 @@ def test_a_replaced_client_restarts_from_the_global_control_variate(transport):
     want = arrays_run(dict(cfg, executor="inline"), clients, test, executor=AdoptGlobalC(victim=2, at_round=3))
     plain = arrays_run(dict(cfg, executor="inline"), clients, test)
     assert [(e["client"], e["round"]) for e in executor.events] == [(2, 3)]
+    assert executor.rebuilt == {3: [2]}  # recorded: client 2 ran round 3 as a rebuilt client
+    folder = run(build_config(dict(cfg, dataset="arrays", num_clients=3, executor="inline", out_dir=str(tmp_path))),
+                 source=ArraysSource(clients, test)).run_dir  # a record of this run: rebuilt = {3: [2]}
+    checkpoint = load_checkpoint(folder / "checkpoint.pt")
+    checkpoint.loop.rebuilt = {"3": [2]}
+    save_checkpoint(folder / "checkpoint.pt", checkpoint)
+    replay = arrays_run(dict(cfg, executor="inline", participation_record=str(folder)), clients, test)
+    np.testing.assert_allclose(got.state.v, replay.state.v, atol=1e-6)
+    np.testing.assert_allclose(got.state.c_v, replay.state.c_v, atol=1e-6)
     if transport == "compiled":  # built for the first actors, then once more over the replaced one
         assert executor.graph.actor_sets == 2
     if transport == "collective":  # the group formed over the first actors, then once more over the replaced one

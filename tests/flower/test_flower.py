@@ -218,10 +218,11 @@ def test_after_a_round_a_site_dropped_out_of_c_is_the_mean_of_every_sites_c_k(da
 
 
 class RestartingGrid(InProcessGrid):
-    """Site 1's SuperNode restarts (new node id, empty node state) between rounds 3 and 4."""
+    """Site 1's SuperNode restarts (new node id, empty node state) between rounds ``after`` (3) and the next."""
 
     done = False
     last_round = 0
+    after = 3
 
     def push_messages(self, messages):
         messages = list(messages)
@@ -229,7 +230,7 @@ class RestartingGrid(InProcessGrid):
         return super().push_messages(messages)
 
     def get_node_ids(self):
-        if self.last_round == 3 and not self.done:
+        if self.last_round == self.after and not self.done:
             self.done = True
             self.restart_node(self.node_of_site(1))
         return super().get_node_ids()
@@ -248,15 +249,27 @@ def test_a_site_keeps_its_state_across_a_supernode_restart_in_its_state_file(dat
 
 
 @needs_flower
-def test_a_site_that_lost_its_state_rejoins_as_a_replaced_client(data, caplog):
+def test_a_site_that_lost_its_state_rejoins_as_a_replaced_client_recorded_and_replayed(data, tmp_path, caplog):
+    """Site 1's node restarts without its state after round 4, mid-stage (stages of 3 rounds: the global c is not
+    zero there): it rejoins as a fresh client adopting the global c in round 5 (recorded in the checkpoint's
+    ``rebuilt``), and the inline run replaying that record is the Flower run, while the run without the fault
+    is not."""
+    from fdam_ray.checkpoint import load_checkpoint
+
     clients, test, folder = data
     grid = RestartingGrid(client_app, node_configs(folder))  # no state-dir: the node state was all it had
+    grid.after = 4
     with caplog.at_level(logging.WARNING):
-        result = flower_run(folder, CODASCA, grid)
+        result = run_federation(grid, server_context(), {**CODASCA, "num_clients": 3, "flower": {
+            "test_data": str(folder / "test.npz")}}, run_dir=tmp_path / "run")
     assert "kept no state of this run: it rejoins as a replaced client" in caplog.text
     assert f"site 1 (node {grid.node_of_site(1)}) kept no state" in caplog.text
     assert result.state.iteration == CODASCA["iterations"]
-    assert max_difference(result, fdam_ray.train_arrays(CODASCA, clients, test)) > 1e-6
+    loop = load_checkpoint(tmp_path / "run" / "checkpoint.pt").loop
+    assert loop.rebuilt == {"5": [1]} and loop.participation == {}
+    assert max_difference(result, fdam_ray.train_arrays(CODASCA, clients, test)) > 1e-4
+    replay = fdam_ray.train_arrays(dict(CODASCA, participation_record=str(tmp_path / "run")), clients, test)
+    assert max_difference(result, replay) <= 1e-6
 
 
 @needs_flower

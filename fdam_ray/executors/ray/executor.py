@@ -264,6 +264,10 @@ class RayExecutor(Executor, RunsOfRounds):
         self.fold_order = []
         return self.transport.run_rounds(state, [plan for plan, _ in plans], chosen, average)
 
+    def take_rebuilt(self) -> dict[int, list[int]]:
+        got, self._fleet.rebuilt = self._fleet.rebuilt, {}
+        return got
+
     def round_changes(self, round_index: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """After a round with a deadline that some client missed: each actor that made it sends the weighted sum
         of its clients' changes of c^k (:meth:`ClientShell.round_changes`), in the order their partial sums were

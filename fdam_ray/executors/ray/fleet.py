@@ -125,6 +125,7 @@ class Fleet:
         self.positive_ratio: np.ndarray | None = None
         self.reference_ref: Any = None
         self.adopt_global_c: set[int] = set()  # replacement clients that set c^k to the global c next round
+        self.rebuilt: dict[int, list[int]] = {}  # round -> clients folded as replacements' first (take_rebuilt)
         self.in_flight: dict[Any, tuple[int, float]] = {}
         self.source_refs: dict[int, Any] = {}
         self.test_size = 0
@@ -222,7 +223,15 @@ class Fleet:
     def folded(self, partial: PartialSum, fold: Fold) -> None:
         """Hand a round's partial sum to ``fold``; its clients have now adopted the global c."""
         fold(partial)
-        self.adopt_global_c.difference_update(s.client_id for s in partial.stats)
+        self.adopted(self.round, [s.client_id for s in partial.stats])
+
+    def adopted(self, round_index: int, clients: list[int]) -> None:
+        """Round ``round_index`` folded these clients' updates: a replacement among them has adopted the global c
+        (its first round as a rebuilt client, recorded)."""
+        first = sorted(k for k in clients if k in self.adopt_global_c)
+        if first:
+            self.rebuilt[round_index] = sorted(set(self.rebuilt.get(round_index, [])) | set(first))
+            self.adopt_global_c.difference_update(first)
 
     def rerun(self, failed: dict[int, BaseException], call: Submit, fold: Fold, again: Sequence[int] = ()) -> None:
         """After a round that did not go through :meth:`each`: apply the failure policy to the ``failed`` actors

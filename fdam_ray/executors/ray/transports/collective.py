@@ -192,7 +192,8 @@ class CollectiveTransport(Transport):
             return RoundsRun(stats=[], counts=[], bytes_up=[], state=None, stop="failed")
         shares = [runs[a] for a in members]
         out = self._run_result(state, shares, average)
-        self.fleet.adopt_global_c.difference_update(st.client_id for rnd in out.stats for st in rnd)
+        for plan, rnd in zip(plans, out.stats, strict=False):
+            self.fleet.adopted(plan.round, [st.client_id for st in rnd])
         keys = {share.key for share in shares}
         self.held_key = keys.pop() if len(keys) == 1 else None
         if stops == {"diverged"}:  # the driver's check names the client; the round is not applied
