@@ -212,12 +212,21 @@ class LabConsortium:
         time.sleep(0.3)  # np.savez has finished writing when the name appears? give it a moment
         return None
 
+    def fresh_name(self, name: str) -> str:
+        """``name``, or ``name-2``, ``name-3``, ... when a study of that name ran before: a study submitted into a
+        run folder that holds a checkpoint continues it (a finished one returns its stored result at once)."""
+        n, out = 1, name
+        while (self.folder / "runs" / out).exists() or (self.folder / "results" / f"{out}.npz").exists():
+            n += 1
+            out = f"{name}-{n}"
+        return out
+
     def run_study(self, case: dict[str, Any] | None = None, name: str | None = None,
                   during: Callable[[Path], None] | None = None) -> tuple[dict[str, np.ndarray], Path, float]:
         """One study (``case``, default the lab's CODASCA) into a new run folder; ``during(run_dir)`` runs in a thread
         while it goes. Returns (the final state's arrays, the server's run folder, wall seconds)."""
         self.studies += 1
-        name = name or f"study{self.studies}"
+        name = self.fresh_name(name or f"study{self.studies}")
         run_dir, result = self.folder / "runs" / name, self.folder / "results" / f"{name}.npz"
         result.parent.mkdir(parents=True, exist_ok=True)
         config = self.study_config(case or CASE, name)
@@ -316,16 +325,19 @@ def _into_round(run_dir: Path, r: int, frac: float, where: list[str] | None = No
 
 
 def _judge(lab: LabConsortium, name: str, what: str, at: str, got: dict, run_dir: Path, wall: float,
-           base: Baseline, *, resumed: bool = False, message: str = "", note: str = "") -> Fault:
+           base: Baseline, *, resumed: bool = False, message: str = "", note: str = "",
+           case: dict[str, Any] = CASE) -> Fault:
+    """The fault's row. ``case``: the study's config when it is not the lab's (its ``base`` is then the inline
+    run of it, which a Flower study equals within 1e-6, not bit for bit)."""
     from fdam_ray.checkpoint import load_checkpoint
 
     checkpoint = load_checkpoint(run_dir / "checkpoint.pt")
-    if name in lab.stopped:  # the server stopped it in one line; the lab resumed it
-        resumed, message = True, message or lab.stopped[name]
+    if run_dir.name in lab.stopped:  # the server stopped it in one line; the lab resumed it
+        resumed, message = True, message or lab.stopped[run_dir.name]
     recorded = dict(checkpoint.loop.participation or {})
     rebuilt = dict(checkpoint.loop.rebuilt or {})
     if recorded or rebuilt:
-        replay = inline_state(dict(CASE, participation_record=str(run_dir)), lab.clients, lab.test)
+        replay = inline_state(dict(case, participation_record=str(run_dir)), lab.clients, lab.test)
         diff, same = max_difference(got, replay), False
         said = "; ".join(([f"rounds without every site: {recorded}"] if recorded else [])
                          + ([f"sites rebuilt (round: sites): {rebuilt}"] if rebuilt else []))
@@ -333,6 +345,10 @@ def _judge(lab: LabConsortium, name: str, what: str, at: str, got: dict, run_dir
                    f"finished with {said} recorded, but {diff:.3g} from their replay")
         if resumed:
             outcome += "; stopped with one line and resumed from its folder first"
+    elif case is not CASE:  # against the inline run of its config
+        diff, same = max_difference(got, base.state), False
+        outcome = (f"{REPLAYED} (nothing recorded: the replay is the inline run of its config)" if diff <= 1e-6
+                   else f"finished, nothing recorded, but {diff:.3g} from the inline run of its config")
     else:
         diff, same = max_difference(got, base.state), True
         outcome = ((RESUMED if resumed else BIT_FOR_BIT) if diff == 0.0 else
@@ -367,7 +383,7 @@ def supernode_kill(lab: LabConsortium, base: Baseline, seed: int, quick: bool, s
 
 def superlink_kill(lab: LabConsortium, base: Baseline, seed: int, quick: bool) -> Fault:
     r, offset, _, at = _point(seed, "superlink_kill", base)
-    name = "superlink_kill"
+    name = lab.fresh_name("superlink_kill")
     run_dir, result = lab.folder / "runs" / name, lab.folder / "results" / f"{name}.npz"
     config = lab.study_config(CASE, name)
     t0 = time.monotonic()
@@ -384,8 +400,8 @@ def superlink_kill(lab: LabConsortium, base: Baseline, seed: int, quick: bool) -
     train_log = (run_dir / "train.log").read_text(errors="replace").splitlines()  # the ServerApp's log is Flower's
     resumed = [line.split(" INFO ", 1)[-1].strip() for line in train_log if " resumed at round " in line]
     message = resumed[-1] if resumed else f"none (flwr run said: {out.strip().splitlines()[-1][:200]})"
-    return _judge(lab, name, "the SuperLink and its process tree (the ServerApp) SIGKILLed, restarted 3 s later on "
-                  "its port and database; flwr run again into the same run folder", at + "".join(where),
+    return _judge(lab, "superlink_kill", "the SuperLink and its process tree (the ServerApp) SIGKILLed, restarted 3 s "
+                  "later on its port and database; flwr run again into the same run folder", at + "".join(where),
                   load_result(result),
                   run_dir, wall, base, resumed=True, message=message)
 
@@ -413,10 +429,18 @@ def link_cut_long(lab: LabConsortium, base: Baseline, seed: int, quick: bool) ->
     return _link_cut(lab, base, seed, "link_cut_long", LONG_CUT_S)
 
 
+LONG_ROUNDS = 14  # site_state_damaged's study: a restarted SuperNode is let in ~70 s later, so it trains again
+
+
 def site_state_damaged(lab: LabConsortium, base: Baseline, seed: int, quick: bool, site: int | None = None) -> Fault:
-    """``site``: this site's state file (default: one drawn from the seed)."""
-    r, _, k, _ = _point(seed, "site_state_damaged", base)
+    """``site``: this site's state file (default: one drawn from the seed). A study of LONG_ROUNDS rounds, the
+    fault after round 2 or 3, so that the restarted site trains again as a rebuilt client (recorded, replayed)."""
+    _, _, k, _ = _point(seed, "site_state_damaged", base)
+    r = seeded_point(seed, "site_state_damaged", 2, 3)[0]
     k = k if site is None else site
+    case = dict(CASE, iterations=2 * LONG_ROUNDS)
+    inline = Baseline(inline_state(case, lab.clients, lab.test), [{"round": i} for i in range(LONG_ROUNDS + 1)],
+                      base.wall * LONG_ROUNDS / ROUNDS)
     path = lab.state_dir / f"site-{k}.pt"
     seen: list[str] = []
 
@@ -431,7 +455,7 @@ def site_state_damaged(lab: LabConsortium, base: Baseline, seed: int, quick: boo
         lab.restart_site(k)
 
     before = set(lab.state_dir.glob(f"site-{k}.pt.damaged*"))
-    got, run_dir, wall = lab.run_study(name="site_state_damaged", during=fault)
+    got, run_dir, wall = lab.run_study(case, name="site_state_damaged", during=fault)
     aside = sorted(set(lab.state_dir.glob(f"site-{k}.pt.damaged*")) - before)
     log = (lab.consortium.folder / f"site{k}.log").read_text(errors="replace").splitlines()
     seen = [line.strip() for line in log if "damaged" in line]
@@ -439,7 +463,8 @@ def site_state_damaged(lab: LabConsortium, base: Baseline, seed: int, quick: boo
             f"site {k} never read the damaged file (it was rewritten first)")
     return _judge(lab, "site_state_damaged", f"site {k}'s SuperNode SIGKILLed between rounds, its state file "
                   "overwritten with garbage, the SuperNode restarted",
-                  f"after round {r}", got, run_dir, wall, base, message=seen[-1][-300:] if seen else "", note=note)
+                  f"after round {r} (of {LONG_ROUNDS})", got, run_dir, wall, inline,
+                  message=seen[-1][-300:] if seen else "", note=note, case=case)
 
 
 FAULTS = {f.__name__: f for f in (supernode_kill, superlink_kill, link_cut_short, link_cut_long, site_state_damaged)}

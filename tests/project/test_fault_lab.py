@@ -87,3 +87,30 @@ def test_the_lab_refuses_in_one_line_where_it_cannot_run(tmp_path, capsys):
     with pytest.raises(SystemExit):
         F.parse_args(["--netlab", str(tmp_path), "--soak", "0"])
     assert "--soak: 0 minutes is not allowed" in capsys.readouterr().err
+
+
+def test_a_study_name_used_before_gets_a_fresh_folder_and_a_stop_line_ends_the_wait(tmp_path):
+    """A study submitted into a folder holding a checkpoint continues it (a finished one returns at once), so a
+    name that ran before gets ``-2``, ``-3``; the wait for a result ends on the server's ``run stopped:`` line."""
+    from types import SimpleNamespace
+
+    import _lab_flower as LF
+
+    lab = SimpleNamespace(folder=tmp_path)
+    assert LF.LabConsortium.fresh_name(lab, "supernode_kill") == "supernode_kill"
+    (tmp_path / "runs" / "supernode_kill").mkdir(parents=True)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "supernode_kill-2.npz").write_bytes(b"")
+    assert LF.LabConsortium.fresh_name(lab, "supernode_kill") == "supernode_kill-3"
+
+    run_dir = tmp_path / "runs" / "study"
+    run_dir.mkdir()
+    (run_dir / "train.log").write_text("12:00:00 INFO round 3\n12:01:00 ERROR run stopped: round 4: no site's "
+                                       "update reached the server (sites [0, 1, 2] were asked)\n")
+    assert LF.stop_lines(run_dir) == ["12:01:00 ERROR run stopped: round 4: no site's update reached the server "
+                                      "(sites [0, 1, 2] were asked)"]
+    waiter = SimpleNamespace(consortium=SimpleNamespace(folder=tmp_path))
+    line = LF.LabConsortium.wait_result(waiter, tmp_path / "never.npz", 5.0, run_dir=run_dir, seen=0)
+    assert line is not None and line.endswith("were asked)")
+    with pytest.raises(TimeoutError):  # a stop line seen before the submission does not end the wait
+        LF.LabConsortium.wait_result(waiter, tmp_path / "never.npz", 1.0, run_dir=run_dir, seen=1)
