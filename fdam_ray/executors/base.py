@@ -231,9 +231,8 @@ class Executor(abc.ABC):
     def rebuild(self, client_ids: Sequence[int], state: GlobalState) -> None:
         """A replay: clients ``client_ids`` run the next round, from ``state``, as rebuilt clients (a fresh client
         from its shard: fresh sampler, zero optimiser buffers, c^k = the global c of ``state``)."""
-        raise ValueError(f"config field 'participation_record': the record rebuilds clients {list(client_ids)} "
-                         f"(their actor replaced or their site's state lost) and {type(self).__name__} cannot "
-                         "rebuild a client at a given round: replay it with executor=inline")
+        raise NotImplementedError(f"{type(self).__name__} cannot rebuild a client at a given round (such a record "
+                                  "is refused before the run: fdam_ray.executors.rebuilds.refuse_unreplayable)")
 
     @abc.abstractmethod
     def evaluate(self, state: GlobalState, split: str = "test",

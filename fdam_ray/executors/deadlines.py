@@ -256,16 +256,7 @@ def read_record(where: str, run: ReplaySection | None = None,
     checked (:func:`parse_record`); with ``run`` and ``schedule``, the run that replays it, the whole record is
     checked against that run as well (:func:`check_record`). One line when there is none to read, or when it
     cannot be replayed."""
-    from fdam_ray.checkpoint import CheckpointError, load_checkpoint  # the checkpoint imports the algorithms
-
-    path = Path(where)
-    if path.is_dir():
-        path = path / "checkpoint.pt"
-    try:
-        checkpoint = load_checkpoint(path)
-    except CheckpointError as exc:
-        raise ValueError(f"config field 'participation_record': {short(where)} holds no record to replay "
-                         f"({exc})") from None
+    checkpoint = record_checkpoint(where)
     record = parse_record(checkpoint.loop.participation, where)
     if run is not None:
         if schedule is None:
@@ -273,6 +264,21 @@ def read_record(where: str, run: ReplaySection | None = None,
         recorded = checkpoint.config if isinstance(checkpoint.config, Mapping) else {}
         check_record(record, run, schedule, where=where, recorded=recorded, reached=checkpoint.loop.state.round)
     return record
+
+
+def record_checkpoint(where: str) -> Any:
+    """The checkpoint of a run folder (or the checkpoint file) a ``participation_record`` names; one line when
+    there is none to read."""
+    from fdam_ray.checkpoint import CheckpointError, load_checkpoint  # the checkpoint imports the algorithms
+
+    path = Path(where)
+    if path.is_dir():
+        path = path / "checkpoint.pt"
+    try:
+        return load_checkpoint(path)
+    except CheckpointError as exc:
+        raise ValueError(f"config field 'participation_record': {short(where)} holds no record to replay "
+                         f"({exc})") from None
 
 
 def _refuse(where: str, why: str) -> ValueError:

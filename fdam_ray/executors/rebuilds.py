@@ -25,12 +25,11 @@ bf16/fp16 and error feedback a replay of a rebuilt client is near, not equal.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from fdam_ray.core.schedules import ScheduleSection
 from fdam_ray.executors.base import Executor
-from fdam_ray.executors.deadlines import ReplaySection, check_record, parse_record
+from fdam_ray.executors.deadlines import ReplaySection, check_record, parse_record, record_checkpoint
 from fdam_ray.settings.redact import short
 
 
@@ -40,16 +39,7 @@ def read_replay(where: str, run: ReplaySection,
     checkpoint file, checked against the run that replays them (:func:`~fdam_ray.executors.deadlines.check_record`;
     a rebuilt client must be one of this run's clients and its round one the recorded run finished). One line
     when there is nothing to read or it cannot be replayed."""
-    from fdam_ray.checkpoint import CheckpointError, load_checkpoint  # the checkpoint imports the algorithms
-
-    path = Path(where)
-    if path.is_dir():
-        path = path / "checkpoint.pt"
-    try:
-        checkpoint = load_checkpoint(path)
-    except CheckpointError as exc:
-        raise ValueError(f"config field 'participation_record': {short(where)} holds no record to replay "
-                         f"({exc})") from None
+    checkpoint = record_checkpoint(where)
     reached = checkpoint.loop.state.round
     rebuilt = parse_record(checkpoint.loop.rebuilt, where)
     for r, clients in sorted(rebuilt.items()):
