@@ -46,6 +46,7 @@ from fdam_ray.executors.ray.placement import Placement
 from fdam_ray.executors.ray.session import ensure_ray
 from fdam_ray.executors.ray.transports import Round, Transport, transport_for
 from fdam_ray.executors.ray.transports.compiled import CompiledRounds, CompiledTransport
+from fdam_ray.executors.ray.transports.pending import held_ref
 from fdam_ray.executors.ray_section import RayExecutorSection
 from fdam_ray.executors.transfer import Downlink, decoding, sent_nbytes
 from fdam_ray.features.sites import client_label
@@ -173,7 +174,12 @@ class RayExecutor(Executor, RunsOfRounds):
     def _state_ref(self, state: GlobalState) -> Any:
         """The object-store copy of ``state`` for the scoring calls that follow a round (evaluation on the
         clients' splits and on the test set, CODA's score sums): put once for all of them. A round puts its
-        state afresh, since the driver changes a state in place only between scoring and the next round."""
+        state afresh, since the driver changes a state in place only between scoring and the next round. The
+        state after a run of collective rounds that the driver has not read is scored from the object the
+        group's lowest rank returned (:mod:`.transports.pending`): it is not read to be put again."""
+        held = held_ref(state)
+        if held is not None:
+            return held
         if self._put_state is not state:
             self._put_state, self._put_ref = state, ray.put(state)
         return self._put_ref

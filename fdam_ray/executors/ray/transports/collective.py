@@ -1,71 +1,55 @@
 """``transport: collective``: the actors all-reduce their partial sums among themselves, as the paper's code does.
 
-The fleet's actors form one collective group (``torch.distributed``: NCCL
-when every actor holds a GPU of its own, NCCL taking one rank per GPU; else,
-with ``collective_backend: auto`` and every actor on one node, backend
-``shm``: a shared-memory block, :mod:`.shared`; with the actors on several
-nodes, backend ``hier``: a block per node and one leader per node reducing
-with the other nodes' leaders, :mod:`.hierarchy`; else gloo), built once per
-set of actors and built again when that set changes (a replacement, a
-dropped actor, a lost node). A round is one call per actor: its local round, then
-:meth:`~fdam_ray.executors.ray.transports.group.GroupMember.reduce`: the
-all-reduce of the weighted partial sums (every vector with its rule: sums for
-v, alpha, BatchNorm statistics and control variates, max for integer
-buffers), then the server step on every actor. The driver receives each
-actor's step statistics and, from the lowest rank only, the round's reduced
-sums, which it folds once (its reducer then computes the state every actor
-already holds, bit for bit). The driver sends the global state only when the
-actors' copy is not the one it holds (the first round, a new stage, a rebuilt
-group, a resume; :func:`~fdam_ray.executors.ray.transports.collective_messages.state_key`),
-so a round moves one state up and none down instead of K up and K down.
+The fleet's actors form one collective group (``torch.distributed``: NCCL when every actor holds a GPU of its
+own, NCCL taking one rank per GPU; else, with ``collective_backend: auto`` and every actor on one node, backend
+``shm``: a shared-memory block, :mod:`.shared`; with the actors on several nodes, backend ``hier``: a block per
+node and one leader per node reducing with the other nodes' leaders, :mod:`.hierarchy`; else gloo), built once
+per set of actors and built again when that set changes (a replacement, a dropped actor, a lost node). A round
+is one call per actor: its local round, then
+:meth:`~fdam_ray.executors.ray.transports.group.GroupMember.reduce`: the all-reduce of the weighted partial sums
+(every vector with its rule: sums for v, alpha, BatchNorm statistics and control variates, max for integer
+buffers), then the server step on every actor. The driver receives each actor's step statistics and, from the
+lowest rank only, the round's reduced sums, which it folds once (its reducer then computes the state every actor
+already holds, bit for bit). The driver sends the global state only when the actors' copy is not the one it
+holds (the first round, a new stage, a rebuilt group, a resume;
+:func:`~fdam_ray.executors.ray.transports.collective_messages.state_key`), so a round moves one state up and
+none down instead of K up and K down.
 
-Runs of rounds (``collective_rounds`` > 1, the default): the federation hands
-the transport the rounds up to the next point where it needs the global
-state (an evaluation, a checkpoint, a stage end, the last round; at most
-``collective_rounds``), and one call per actor runs them all back to back
-(:meth:`run_rounds`): no Ray call, no sum to the driver and no fold there
-between them. The driver receives each round's step statistics and, once,
-the state after the run from the lowest rank. What the loop does on the
-driver every round moves to the members: each checks its slice of every new
-state for NaN or infinity (a non-finite update or state stops the run at
-once, on every member, with the driver's error for that round), and with
-``reference_point: average`` each sums its slice of every new v in float64
-for the stage's running sum. A run that an actor's failure breaks does not
-count: the live actors put their clients back to their states before it, the
-failure policy runs, and its rounds run again one at a time, so the failure
-is recovered as one in the run's first round.
+Runs of rounds (``collective_rounds`` > 1, the default): the federation hands the transport the rounds up to the
+next point where it needs the global state (an evaluation, a checkpoint, a stage end, the last round; at most
+``collective_rounds``), and one call per actor runs them all back to back (:meth:`run_rounds`): no Ray call, no
+sum to the driver and no fold there between them. The driver receives each round's step statistics at once, and
+the state after the run from the lowest rank when it reads it (:mod:`.pending`: pulled while the next run's
+rounds run). What the loop does on the driver every round moves to the members: each checks its slice of every
+new state for NaN or infinity (a non-finite update or state stops the run at once, on every member, with the
+driver's error for that round), and with ``reference_point: average`` each sums its slice of every new v in
+float64 for the stage's running sum. A run that an actor's failure breaks does not count: the live actors put
+their clients back to their states before it, the failure policy runs, and its rounds run again one at a time,
+so the failure is recovered as one in the run's first round.
 
-Sampled-out actors are in the group and contribute zeros. The group is the
-fleet's actors, not the round's: building a group costs a rendezvous (far
-more than an all-reduce of zeros), and every actor then holds the new global
-state, so whichever actors the next round samples start from it without the
-driver sending it. Hosted clients (``clients_per_actor`` > 1) are folded
-into their actor's partial sum first, as under the other transports.
+Sampled-out actors are in the group and contribute zeros. The group is the fleet's actors, not the round's:
+building a group costs a rendezvous (far more than an all-reduce of zeros), and every actor then holds the new
+global state, so whichever actors the next round samples start from it without the driver sending it. Hosted
+clients (``clients_per_actor`` > 1) are folded into their actor's partial sum first, as under the other
+transports.
 
-Backend ``shm`` sums in rank order, the driver's order of folding the actors'
-sums, so a run equals a classic ``fold_order: client`` run bit for bit;
-backend ``hier`` sums each node's actors in rank order, then the nodes in
-node order, so a run equals a classic ``reduce: node, fold_order: client``
-run bit for bit (and, with ``transfer_precision`` bf16/fp16, rounds what
-crosses between nodes, :mod:`.hierarchy`); gloo
-and NCCL sum in their own order (equal to float32 rounding, about 1e-7
-relative). ``reduce: node`` is refused: the actors reduce
+Backend ``shm`` sums in rank order, the driver's order of folding the actors' sums, so a run equals a classic
+``fold_order: client`` run bit for bit; backend ``hier`` sums each node's actors in rank order, then the nodes
+in node order, so a run equals a classic ``reduce: node, fold_order: client`` run bit for bit (and, with
+``transfer_precision`` bf16/fp16, rounds what crosses between nodes, :mod:`.hierarchy`); gloo and NCCL sum in
+their own order (equal to float32 rounding, about 1e-7 relative). ``reduce: node`` is refused: the actors reduce
 among themselves, so there is nothing left for a node's reducer to fold.
 
-Failures. Every wait is bounded by ``ray_timeout_s``: the driver's wait for
-a round, and every collective call inside the group (the group's timeout). An
-actor whose client raised flags it in the first (small) all-reduce, so every
-member stops before the large one and the group stays sound; an actor that
-dies breaks its peers' all-reduce at once (gloo sees the connection close;
-a shared-memory wait looks at the peers' processes every 50 ms), and they
-return. An actor that does not answer in time is told from the
-peers it blocks by the group's store, where each member checks in before its
-all-reduce: the late one is ended (which releases the others) and counts as
-failed. Then, as under the other transports, the failure policy
-(``on_client_failure``) applies to the failed actors, the group is built
-again over the actors now live, and the round is finished: the actors whose
-local round is done all-reduce the partial sums they kept, the replacements
-run theirs first, and the state is sent again.
+Failures. Every wait is bounded by ``ray_timeout_s``: the driver's wait for a round, and every collective call
+inside the group (the group's timeout). An actor whose client raised flags it in the first (small) all-reduce,
+so every member stops before the large one and the group stays sound; an actor that dies breaks its peers'
+all-reduce at once (gloo sees the connection close; a shared-memory wait looks at the peers' processes every 50
+ms), and they return. An actor that does not answer in time is told from the peers it blocks by the group's
+store, where each member checks in before its all-reduce: the late one is ended (which releases the others) and
+counts as failed. Then, as under the other transports, the failure policy (``on_client_failure``) applies to the
+failed actors, the group is built again over the actors now live, and the round is finished: the actors whose
+local round is done all-reduce the partial sums they kept, the replacements run theirs first, and the state is
+sent again.
 """
 
 from __future__ import annotations
@@ -86,9 +70,10 @@ from fdam_ray.executors.errors import ClientError
 from fdam_ray.executors.ray import compat
 from fdam_ray.executors.ray.transports.base import Round, Transport
 from fdam_ray.executors.ray.transports.collective_backend import choose_backend, store_host
-from fdam_ray.executors.ray.transports.collective_messages import RoundShare, RunShare, state_key
+from fdam_ray.executors.ray.transports.collective_messages import RoundShare, RunShare
 from fdam_ray.executors.ray.transports.hierarchy import BACKEND as HIERARCHICAL
 from fdam_ray.executors.ray.transports.hierarchy import spec as hierarchical_spec
+from fdam_ray.executors.ray.transports.pending import PendingState, held_by, key_of
 from fdam_ray.features.capabilities import CAPABILITIES
 
 if TYPE_CHECKING:
@@ -153,7 +138,7 @@ class CollectiveTransport(Transport):
         for _ in range(BUILD_TRIES * (1 + self.config.max_client_retries) * max(1, len(fleet.actors))):
             self._ensure_group(attempts)
             members = sorted(fleet.actors)
-            send = self.held_key is None or self.held_key != state_key(round.state, round.plan.stage)
+            send = self.held_key is None or self.held_key != key_of(round.state, round.plan.stage)
             shares, failed = self._attempt(round, members, kept, send)
             if not failed and all(not shares[a].broken for a in members):
                 self._fold(round, members, shares)
@@ -170,20 +155,21 @@ class CollectiveTransport(Transport):
     def run_rounds(self, state: GlobalState, plans: Sequence[RoundPlan], chosen: Sequence[set[int]],
                    average: bool) -> RoundsRun:
         """One call per actor for all of ``plans``: the actors run them back to back
-        (:meth:`~.collective_actor.CollectiveActor.collective_rounds`), and the driver receives each
-        round's step statistics and, at the end, the state from the lowest rank.
+        (:meth:`~.collective_actor.CollectiveActor.collective_rounds`); the driver receives each round's step
+        statistics and the state after the run (:meth:`_run_result`).
 
         A run in which an actor fails does not count: the live actors put their clients back to their states
-        before it (:meth:`~.collective_actor.CollectiveActor.undo_run`), the failure policy runs for the
-        failed actors, and the run's rounds are left to :meth:`run_round`, one at a time (so a failure inside a
-        run is recovered as one in its first round would be under ``collective_rounds: 1``). The driver does not
-        hold the states inside a run, so nothing short of that keeps the round's record exact (the stage's
-        running sum of v is summed in slices, one per actor)."""
+        before it (:meth:`~.collective_actor.CollectiveActor.undo_run`), the failure policy runs for the failed
+        actors, and the run's rounds are left to :meth:`run_round`, one at a time (a failure inside a run is
+        recovered as one in its first round would be under ``collective_rounds: 1``)."""
         attempts: dict[int, int] = {}
         members, token, state_ref = self._start_run(state, plans, attempts)
         works = self._works(members, plans, chosen)
-        refs = {a: self.fleet.actors[a].collective_rounds.remote(state_ref, works[a], token, average)
-                for a in members}
+        refs, held = {}, None  # each member's share; the lowest rank's state, an object of its own
+        for a in members:
+            refs[a], kept = self.fleet.actors[a].collective_rounds.options(num_returns=2).remote(
+                state_ref, works[a], token, average)
+            held = kept if held is None else held
         runs, failed = self._collect_runs(refs, len(plans))
         alive = [a for a in members if a in runs and a not in failed]
         stops = {runs[a].stop for a in alive}
@@ -191,7 +177,7 @@ class CollectiveTransport(Transport):
             self._undo(token, alive, failed, attempts)
             return RoundsRun(stats=[], counts=[], bytes_up=[], state=None, stop="failed")
         shares = [runs[a] for a in members]
-        out = self._run_result(state, shares, average)
+        out = self._run_result(state, shares, average, held)
         for plan, rnd in zip(plans, out.stats, strict=False):
             self.fleet.adopted(plan.round, [st.client_id for st in rnd])
         keys = {share.key for share in shares}
@@ -210,7 +196,7 @@ class CollectiveTransport(Transport):
         try's token and the state's ref (None: the members hold the state)."""
         self._ensure_group(attempts)
         members = sorted(self.fleet.actors)
-        send = self.held_key is None or self.held_key != state_key(state, plans[0].stage)
+        send = self.held_key is None or self.held_key != key_of(state, plans[0].stage)
         state_ref = ray.put(state) if send else None
         self.rounds_sent += send
         token = f"{plans[0].round}.{self._tries}"
@@ -234,24 +220,28 @@ class CollectiveTransport(Transport):
             adopted.update(clients)
         return works
 
-    @staticmethod
-    def _run_result(state: GlobalState, shares: list[RunShare], average: bool) -> RoundsRun:
+    def _run_result(self, state: GlobalState, shares: list[RunShare], average: bool, held: Any) -> RoundsRun:
         """What a run that counts hands the loop, from the members' ``shares`` in rank order: each applied
         round's step statistics (in actor order), client counts and bytes, the state after the run (the lowest
-        rank's) and, with ``average``, the float64 sum of v over the applied rounds put together from the
-        members' slices."""
+        rank's object ``held``, read when used: :mod:`.pending`; at once after a run that stopped early) and,
+        with ``average``, the float64 sum of v over the applied rounds from the members' slices."""
         first = shares[0]
         applied = first.done
+        after: GlobalState | None = None
+        if applied:
+            after = (PendingState.waiting(held, first.key, held_by(self.fleet), state.nbytes) if first.key is not None
+                     else ray.get(held, timeout=self.fleet.timeout))
         out = RoundsRun(stats=[[st for share in shares for st in share.rounds[i].stats] for i in range(applied)],
                         counts=[r.count for r in first.rounds[:applied]],
-                        bytes_up=[r.bytes_up for r in first.rounds[:applied]],
-                        state=first.state if applied else None)
+                        bytes_up=[r.bytes_up for r in first.rounds[:applied]], state=after)
         if average and applied:
-            ref_sum = np.zeros(state.v.size, dtype=np.float64)
+            assert after is not None
+            shape = after.v.shape if first.key is None else first.key[3][0]  # v's, from the key: nothing read
+            ref_sum = np.zeros(int(np.prod(shape)), dtype=np.float64)
             for share in shares:
                 lo, hi = share.ref_slice
                 ref_sum[lo:hi] = share.ref_sum
-            out.ref_sum = ref_sum.reshape(state.v.shape)
+            out.ref_sum = ref_sum.reshape(shape)
         return out
 
     def _collect_runs(self, refs: dict[int, Any], rounds: int) -> tuple[dict[int, RunShare], dict[int, BaseException]]:

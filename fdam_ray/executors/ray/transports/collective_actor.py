@@ -6,8 +6,10 @@ all-reduce and server step are the actor's :class:`~.group.GroupMember`.
 Remote methods: :meth:`CollectiveActor.open_group` and
 :meth:`CollectiveActor.join_group` (build the group),
 :meth:`CollectiveActor.collective_round` (one round a call),
-:meth:`CollectiveActor.collective_rounds` (a run of rounds a call) and
-:meth:`CollectiveActor.undo_run` (a run that does not count).
+:meth:`CollectiveActor.collective_rounds` (a run of rounds a call),
+:meth:`CollectiveActor.undo_run` (a run that does not count) and
+:meth:`CollectiveActor.held_state` (the held state, when the copy a run
+returned was lost).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from fdam_ray.algorithms.server import PartialSum, ServerStep
 from fdam_ray.core.state import GlobalState, RoundPlan
-from fdam_ray.executors.ray.transports.collective_messages import RoundShare, RunShare
+from fdam_ray.executors.ray.transports.collective_messages import RoundShare, RunShare, state_key
 from fdam_ray.executors.ray.transports.group import GroupMember
 
 if TYPE_CHECKING:
@@ -120,7 +122,7 @@ class CollectiveActor:
 
     def collective_rounds(self, state: GlobalState | None,
                           works: Sequence[tuple[RoundPlan, Sequence[int], Sequence[int], float | None]], token: str,
-                          average: bool) -> RunShare:
+                          average: bool) -> tuple[RunShare, GlobalState | None]:
         """A run of rounds under ``transport: collective`` with no call between them: for each of ``works``
         (plan, this actor's clients in the round, those of them that first adopt the global c, a sampled round's
         total weight or None) the local round, the group's all-reduce and the server step, as
@@ -134,7 +136,9 @@ class CollectiveActor:
         (``reference_point: average``), sums its slice of each new v in float64 for the stage's running sum.
         Its clients' states before the run are kept, so a run that does not count can be undone
         (:meth:`undo_run`).
-        The lowest rank returns the state after the last applied round.
+        Returns the share and, from the lowest rank, the state after the last applied round (None from the
+        others): two objects (the driver calls this with ``num_returns=2``), so the driver reads the share at
+        once and the state when it needs it (:mod:`.pending`).
         """
         member = self._member()
         run = RunShare(rounds=[])
@@ -167,12 +171,18 @@ class CollectiveActor:
                 np.add(ref, current.v.reshape(-1)[start:stop], out=ref)
             stale = not member.slice_finite(current)
         run.stale = stale and not run.stop
-        if run.done and member.rank == 0:
-            run.state = current
         if run.stop:
             run.key = None
         run.ref_sum, run.ref_slice = ref, (start, stop)
-        return run
+        return run, (current if run.done and member.rank == 0 else None)
+
+    def held_state(self, key: tuple) -> GlobalState | None:
+        """The global state this actor holds when its :func:`~.collective_messages.state_key` is ``key`` (the
+        state after a run whose returned copy was lost), else None."""
+        held = self._group.held if self._group is not None else None
+        if held is None or state_key(held, key[2]) != key:
+            return None
+        return held
 
     def undo_run(self, token: str) -> list[int]:
         """The run of rounds ``token`` does not count (a member failed in it): this actor's clients go back to

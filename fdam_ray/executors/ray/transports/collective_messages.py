@@ -74,8 +74,7 @@ class RunShare:
             the round is not applied) or ``stale`` (the state after round ``done - 1`` is not finite).
         failure: this member's own error when its local round raised.
         stale: this member's slice of the state after the run's last round is not finite.
-        key: :func:`state_key` of the state held after the run (None: none held).
-        state: that state (the lowest rank only).
+        key: :func:`state_key` of the state held after the run (None: none held, or the run stopped).
         ref_sum: with the ``average`` reference point, this member's slice of the float64 sum of v over the
             applied rounds, else None.
         ref_slice: (start, stop) of that slice in v.
@@ -87,6 +86,5 @@ class RunShare:
     failure: BaseException | None = None
     stale: bool = False
     key: tuple | None = None
-    state: GlobalState | None = None
     ref_sum: np.ndarray | None = None
     ref_slice: tuple[int, int] = (0, 0)
