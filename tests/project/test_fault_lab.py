@@ -114,3 +114,45 @@ def test_a_study_name_used_before_gets_a_fresh_folder_and_a_stop_line_ends_the_w
     assert line is not None and line.endswith("were asked)")
     with pytest.raises(TimeoutError):  # a stop line seen before the submission does not end the wait
         LF.LabConsortium.wait_result(waiter, tmp_path / "never.npz", 1.0, run_dir=run_dir, seen=1)
+
+
+def test_the_soak_bounds_the_drivers_peaks_across_studies_and_gives_a_trend():
+    import _lab_soak as S
+
+    hour = 3600.0
+    assert S.slope_mb_per_hour([(0.0, 0), (hour, 2**20 * 6)]) == pytest.approx(6.0)
+    assert S.slope_mb_per_hour([(0.0, 5 * 2**20)]) != S.slope_mb_per_hour([(0.0, 5 * 2**20)])  # nan: one time
+    mb = 2**20
+    # drivers before minute 5 do not count; of the six after it, the last third's median over the first third's
+    peaks = [(10.0, 900 * mb), *[(S.WARMUP_S + 60 * i, (400 + (50 if i >= 4 else 0)) * mb) for i in range(6)]]
+    grown = S.driver_growth(peaks)
+    assert grown["drivers"] == 6 and grown["rss_growth"] == pytest.approx(0.125) and grown["peak_mb"] == 450
+    assert S.driver_growth(peaks[:3]) is None  # two after minute 5: too few to tell a trend
+
+
+def test_the_soak_reads_a_live_drivers_peak_and_keeps_only_those_that_finished():
+    import subprocess
+
+    import _lab_soak as S
+
+    grow = "b = bytearray(60 * 2**20); import time; time.sleep(1.5)"
+    ok = subprocess.Popen([sys.executable, "-c", grow])
+    failed = subprocess.Popen([sys.executable, "-c", grow + "; raise SystemExit(3)"])
+    sampler = S.Sampler(dict, lambda: [ok, failed])
+    import time
+
+    time.sleep(1.0)
+    sampler.sample_drivers()
+    ok.wait(), failed.wait()
+    peaks = sampler.driver_peaks()
+    assert len(peaks) == 1 and peaks[0][1] > 60 * 2**20  # the bytearray is resident; the failed driver is left out
+
+
+def test_a_long_lived_processs_trend_is_its_floor_not_the_studies_peaks():
+    import _lab_soak as S
+
+    mb = 2**20
+    # 100 MB rising 16 KiB every 10 s (5.6 MB an hour), with a 500 MB study below it every 70 s
+    points = [(300.0 + 10 * i, 100 * mb + (500 * mb if i % 7 == 0 else 0) + i * 2**14) for i in range(150)]
+    assert S.slope_mb_per_hour(S.floors(points)) == pytest.approx(5.76, abs=0.5)
+    assert [round(v / mb) for _, v in S.floors(points)] == [100, 100, 101, 101, 102]
