@@ -115,16 +115,16 @@ def store_pressure() -> tuple[float, float] | None:
         return None
 
 
-def start_executor(nodes: int, clients_per_node: int, state_floats: int):
+def start_executor(nodes: int, clients_per_node: int, state_floats: int, source=None):
     """A started Ray executor over ``nodes`` x ``clients_per_node`` clients (client c pinned to node c //
-    clients_per_node), its algorithm, the initial state, and what a transport's ``started`` hook takes
-    (:func:`use_transport`)."""
+    clients_per_node; ``source``: theirs, default a :class:`WideSource` of ``state_floats``), its algorithm, the
+    initial state, and what a transport's ``started`` hook takes (:func:`use_transport`)."""
     k = nodes * clients_per_node
     config = build_config(dict(
         dataset="arrays", num_clients=k, model="linear", algorithm="coda_plus", batch_size="full", local_steps=1,
         lr=0.01, executor="ray", eval_on="driver", cpus_per_actor=1.0, threads_per_actor=1,
         client_resources=[{f"site_{c // clients_per_node}": 0.01} for c in range(k)], reduce="star"))
-    source = WideSource(k, state_floats - 3)
+    source = WideSource(k, state_floats - 3) if source is None else source
     executor = RayExecutor()
     setup = ExecutorSetup.for_config(config, executor.section)
     infos = executor.start(setup, source)
@@ -188,17 +188,22 @@ def use_transport(executor: RayExecutor, block: tuple, kept: dict, started: tupl
     executor.downlink = kept.get(precision) if precision != "fp32" else None
     executor.deadline = (None if deadline is None
                          else Deadline.of(build_config(dict(executor="ray", round_deadline=deadline))))
+    # a transport that keeps the deadline in its runs of rounds (the collective's members) is told it, as at start
+    if hasattr(executor.transport, "deadline"):
+        executor.transport.deadline = None
+    executor._deadline_in_runs = executor.deadline is not None and executor.transport.takes_deadline(executor.deadline)
 
 
-def plan_after(state, ahead: int = 0) -> RoundPlan:
-    """The plan of the round ``ahead`` rounds after the one that follows ``state`` (one local step each)."""
-    return RoundPlan(round=state.round + 1 + ahead, stage=1, steps=1, lr=0.01, iteration=state.iteration + ahead)
+def plan_after(state, ahead: int = 0, steps: int = 1) -> RoundPlan:
+    """The plan of the round ``ahead`` rounds after the one that follows ``state`` (``steps`` local steps each)."""
+    return RoundPlan(round=state.round + 1 + ahead, stage=1, steps=steps, lr=0.01,
+                     iteration=state.iteration + ahead * steps)
 
 
-def run_of_rounds(executor, state, count: int):
+def run_of_rounds(executor, state, count: int, steps: int = 1):
     """``count`` rounds in one run (``transport: collective``: one call per actor for all of them); the state
     after them, as the actors computed it."""
-    out = executor.run_rounds(state, [(plan_after(state, i), None) for i in range(count)], False)
+    out = executor.run_rounds(state, [(plan_after(state, i, steps), None) for i in range(count)], False)
     if out.applied != count or out.state is None:
         raise RuntimeError(f"a run of {count} rounds applied {out.applied} (stop: {out.stop or 'none'})")
     return out.state
@@ -237,17 +242,19 @@ class Block:
 
 
 def rounds(executor, algorithm, state, count: int, warmup: int = 1,
-           counters: Callable[[], dict[str, int]] | None = None) -> tuple[object, Block]:
+           counters: Callable[[], dict[str, int]] | None = None, steps: int = 1) -> tuple[object, Block]:
     """``count`` timed rounds (after ``warmup``, which also builds a compiled graph or a collective group) with
     the executor's transport; in runs of up to ``executor.rounds_ahead()`` rounds where it takes more than one
     (each run's time split evenly over its rounds). Returns (state, :class:`Block`); ``counters``: bytes into
-    each node's link so far (netlab's shaping)."""
+    each node's link so far (netlab's shaping); ``steps``: local steps a round (runs of rounds only)."""
     ahead = executor.rounds_ahead()
+    if steps != 1 and ahead == 1:
+        raise ValueError("rounds: more than one local step a round needs a transport that runs rounds ahead")
     walls: list[float] = []
     ingress: list[int] = []
     received: list[int] = []
     if ahead > 1:
-        state = run_of_rounds(executor, state, warmup)
+        state = run_of_rounds(executor, state, warmup, steps)
     else:
         for _ in range(warmup):
             state, _ = one_round(executor, algorithm, state)
@@ -257,7 +264,7 @@ def rounds(executor, algorithm, state, count: int, warmup: int = 1,
         n = min(ahead, count - done)
         t0 = time.perf_counter()
         if ahead > 1:
-            state = run_of_rounds(executor, state, n)
+            state = run_of_rounds(executor, state, n, steps)
         else:
             state, received = one_round(executor, algorithm, state)
             ingress.append(sum(received))

@@ -8,9 +8,10 @@ transport and precision is fitted to round ms = a + b x (x = ns a bit takes on e
 Then one node at ``--slow-rate`` among the others at ``--rate``, with no deadline and with ``round_deadline``
 ``--deadline``, per transport (float32): the round, and the x at which the all-nodes line gives that round.
 
-A setting the config refuses (bf16 or a deadline under the collective transport, where it refuses them) is
-reported as refused with the config's line. Blocks are sized in time (``--block-seconds``): a block runs as
-many rounds as fit, from the setting's last measured round, between 2 and ``--rounds``.
+Last, one node's local steps slowed by a benchmark-only pace, the collective with and without a deadline
+(:mod:`_node_reduce_compute`). A setting the config refuses is reported as refused with the config's line.
+Blocks are sized in time (``--block-seconds``): a block runs as many rounds as fit, from the setting's last
+measured round, between 2 and ``--rounds``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 import _common as C
+import _node_reduce_compute as compute
 from _netlab_fit import LineFit, fit_line, ns_per_bit, ring_bound_ms, state_ms
 from _node_reduce_core import (
     _warmups,
@@ -119,6 +121,10 @@ def measure(netcluster, args: argparse.Namespace) -> dict:
         finally:
             end_graphs(executor, kept)
             executor.shutdown()
+        if args.compute_steps and (args.transports is None or "collective" in args.transports):
+            print(f"one node's compute slow, {time.monotonic() - started_at:.0f} s into the run", file=sys.stderr,
+                  flush=True)
+            out["slowcompute"] = compute.measure(netcluster, nc, args)
     out["wall_s"] = time.monotonic() - started_at
     return out
 
@@ -179,6 +185,9 @@ def values(args: argparse.Namespace, results: dict) -> dict:
         name = next(n for n, t, red in TRANSPORTS if (t, red) == combo[:2])
         if (name, "fp32") in lines:
             out[f"straggler_x_{name}_{'none' if combo[3] is None else 'deadline'}"] = lines[name, "fp32"].x_at(r["ms"])
+    late = results.get("straggler", {}).get("rows", {}).get(combo_of("collective", "fp32", args.deadline))
+    out["straggler_round_ratio_collective"] = late["ms"] / coll["ms"] if late and coll else nan
+    out["slowcompute_round_ratio_collective"] = compute.ratio(results)
     return out
 
 
@@ -241,6 +250,8 @@ least a ring all-reduce moves into every node), one state = {one:.0f}; residuals
 {_ingress_table(args, results, lines)}
 
 {_straggler_text(args, results, lines)}
+
+{compute.text(args, results)}
 """
     if png is not None:
         text += f"\n![round ms against ns a bit]({png.name})\n"

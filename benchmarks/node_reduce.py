@@ -55,9 +55,11 @@ straggler_ratio_deadline=... straggler_ratio_none=...`` (at that rate; the bf16 
 the straggler ratios against the ``reduce: node`` round with every node at the rate); with --precision-rates
 ``RESULT b_star_fp32=... b_star_bf16=... b_node_fp32=... b_node_bf16=... b_collective_fp32=... b_collective_bf16=...
 b_ring_fp32=... a_collective_fp32=... round_ratio_collective_node_<rate>=... round_ratio_collective_ring_<rate>=...
-resid_max_<transport>_<precision>=... straggler_x_<transport>_<none|deadline>=...`` (b in ms per ns a bit, nan
-where a setting was refused; the ratios at --rate; the ring ratio = the collective round over a_collective +
-b_ring x, the best this machine's compute allows; x_eff of the slow-node rounds on each transport's line).
+resid_max_<transport>_<precision>=... straggler_x_<transport>_<none|deadline>=... straggler_round_ratio_collective=...
+slowcompute_round_ratio_collective=...`` (b in ms per ns a bit, nan where a setting was refused; the ratios at
+--rate; the ring ratio = the collective round over a_collective + b_ring x, the best this machine's compute
+allows; x_eff of the slow-node rounds on each transport's line; the collective with its deadline and one node at
+--slow-rate, and with one node's steps --compute-factor times slower, each over the all-fast collective round).
 """
 
 from __future__ import annotations
@@ -337,6 +339,14 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--block-seconds", type=float, default=10.0,
                         help="--precision-rates: a block runs as many rounds (2 to --rounds) as this many seconds "
                              "hold at its setting's last round time")
+    parser.add_argument("--compute-steps", type=int, default=8,
+                        help="--precision-rates: local steps a round in the slow-compute phase (0: skip it)")
+    parser.add_argument("--compute-pace", type=float, default=0.05,
+                        help="--precision-rates: seconds each of those steps sleeps on every client")
+    parser.add_argument("--compute-factor", type=float, default=3.0,
+                        help="--precision-rates: how many times slower the last node's steps are")
+    parser.add_argument("--compute-deadline", default="1.25x",
+                        help="--precision-rates: round_deadline of the collective in the slow-compute phase")
     args = parser.parse_args(argv)
     if args.precision_rates and not args.netlab:
         parser.error("--precision-rates needs --netlab (the rates are netlab's shaping)")

@@ -53,6 +53,10 @@ reads_store_arrays(__name__)  # control variates and moments from the object sto
 log = logging.getLogger(__name__)
 
 
+class LateSteps(Exception):
+    """A client's local steps ran past the round's deadline (``transport: collective`` with ``round_deadline``)."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ClientSection(Section):
     """What a client (and the driver's replica) reads of the config: the algorithm's local side, the network,
@@ -289,11 +293,14 @@ class Client:
             for t in self.cv:
                 t.zero_()
 
-    def local_round(self, state: GlobalState, plan: RoundPlan, *, copy: bool = True) -> ClientUpdate:
+    def local_round(self, state: GlobalState, plan: RoundPlan, *, copy: bool = True,
+                    until: float | None = None) -> ClientUpdate:
         """Run ``plan.steps`` local steps from the global state and return the end point.
 
         ``copy=False`` returns views of the replica's and the client's buffers (valid until the replica's
         next call), for a caller that folds or serialises the update at once: one copy of the state fewer.
+        ``until`` (a ``time.monotonic()`` time): a step that would start after it raises :class:`LateSteps`
+        instead (the client's state is then mid-round: its host puts it back).
         """
         solver, replica = self.solver, self.replica
         self.guard.begin_round(plan.round, plan)
@@ -304,6 +311,8 @@ class Client:
         x = None
         try:
             for _ in range(plan.steps):  # client steps
+                if until is not None and time.monotonic() > until:
+                    raise LateSteps(f"client {self.label}: local steps past the round's deadline")
                 x, y = self.sampler.next()
                 loss_sum += replica.train_step(x, y, plan.lr)
                 samples += x.shape[0]
@@ -422,7 +431,7 @@ def begin_stage_hosted(clients: Sequence[Client], reference: np.ndarray, reset_c
 
 
 def run_hosted(clients: Sequence[Client], state: GlobalState, plan: RoundPlan,
-               into: PartialSum | None = None) -> PartialSum:
+               into: PartialSum | None = None, until: float | None = None) -> PartialSum:
     """Run the round of ``clients`` one after another and fold their updates, weighted, into ``into`` (an
     empty partial sum when None).
 
@@ -432,5 +441,5 @@ def run_hosted(clients: Sequence[Client], state: GlobalState, plan: RoundPlan,
     if into is None:
         into = PartialSum.zeros(state, control_variates=state.c_v is not None and clients[0].cv is not None)
     for client in clients:
-        into.fold(client.local_round(state, plan, copy=False), client.weight)
+        into.fold(client.local_round(state, plan, copy=False, until=until), client.weight)
     return into

@@ -287,6 +287,11 @@ class RunsOfRounds(abc.ABC):
         round at a time (the federation then calls [`Executor.run_round`][fdam_ray.executors.base.Executor.run_round]
         for every round)."""
 
+    def runs_every_round(self) -> bool:
+        """Whether a round alone goes through [`run_rounds`][fdam_ray.executors.base.RunsOfRounds.run_rounds] too (a
+        round deadline kept where the clients are); the default: no."""
+        return False
+
     @abc.abstractmethod
     def run_rounds(self, state: GlobalState, plans: Sequence[tuple[RoundPlan, Sequence[int] | None]],
                    average: bool) -> RoundsRun:

@@ -1,25 +1,23 @@
 """Straggler-tolerant rounds: a round deadline, the clients that made it, and the record that replays a run.
 
-With ``round_deadline`` a round folds the partial sums that arrived in time
-(at least ``min_clients`` clients' worth: past the deadline the round waits
-until that many have reported) and goes on without the rest. A client that
-misses the deadline does not take part in that round, under the
-partial-participation rule of docs/algorithms.md s.3b, exactly as a client that
-client sampling left out: its c^k and sampler position stay as they were
-(its actor rolls the round back once the late call ends, and the late result
-is discarded, never folded later), the means of v, alpha and BatchNorm
-statistics renormalise over the clients that made it, and c moves by their
-changes over the total weight of all clients. A round every client was
-asked to run sends c^k as usual (so a deadline no client misses changes
-nothing, bit for bit); when a client misses it, each actor that made it sends
-the weighted sum of its clients' changes of c^k (it kept their states from
-before the round), folded in the order and arithmetic of a sampled round of
-the clients that made it (:func:`as_sampled_round`): under ``reduce: star``
-with ``fold_order: client`` and float32 transfers the run equals its replay
-bit for bit. With ``transfer_precision`` bf16/fp16 and control variates it
-does not: the missed round folds the float32 changes of c^k its actors kept,
-while the replay's sampled round sends them rounded to 16 bits (the two
-differ by that rounding, within the 16-bit transfer's own error).
+With ``round_deadline`` a round folds the partial sums that arrived in time (at least ``min_clients`` clients'
+worth: past the deadline the round waits until that many have reported) and goes on without the rest. A client
+that misses the deadline does not take part in that round, under the partial-participation rule of
+docs/algorithms.md s.3b, exactly as a client that client sampling left out: its c^k and sampler position stay
+as they were (its actor rolls the round back once the late call ends, and the late result is discarded, never
+folded later), the means of v, alpha and BatchNorm statistics renormalise over the clients that made it, and c
+moves by their changes over the total weight of all clients. A round every client was asked to run sends c^k
+as usual (so a deadline no client misses changes nothing, bit for bit); when a client misses it, each actor
+that made it sends the weighted sum of its clients' changes of c^k (it kept their states from before the
+round), folded in the order and arithmetic of a sampled round of the clients that made it
+(:func:`as_sampled_round`): under ``reduce: star`` with ``fold_order: client`` and float32 transfers the run
+equals its replay bit for bit. With ``transfer_precision`` bf16/fp16 and control variates it does not: the
+missed round folds the float32 changes of c^k its actors kept, while the replay's sampled round sends them
+rounded to 16 bits (the two differ by that rounding, within the 16-bit transfer's own error).
+
+Under ``transport: collective`` no driver waits on the round: each member cuts
+its own late local steps and the members agree on who made it before their
+all-reduce (:mod:`fdam_ray.executors.ray.transports.collective_deadline`).
 
 Each round whose participants differ from the plan (the sampled set, or every
 client) is recorded (round -> its clients) in the checkpoint and in the next
@@ -40,27 +38,20 @@ would force nothing) are each one line naming the round and the value.
 Recorded rounds past this run's last round are not replayed, with a warning
 (a shorter replay, to be resumed with more iterations, is a use).
 
-What a factor deadline tells apart (:meth:`Deadline.due`). ``'<f>x'`` is due
-at f * m, m being the lower median of the times at which the actors' calls
-ended, counted from when the round's calls went out (known once half the
-actors have reported). An actor's time is its download of the state, its
-local steps and its export: t_k = c_k + n_k (steps, the rest). It is left
-out when t_k > f * m, that is when it is later than the median by more than
-(f - 1) * m: the factor is the lateness tolerated, as a share of the median
-round. Where the local steps make up most of every actor's time (slow or
-shared cores: m close to c), a client slowed by its link alone is left out
-only once its link costs (f - 1) times a whole round: with rounds of 1.3 s
-on two shared cores and one node at 100 Mbit/s, ``'2x'`` is due after about
-2.5 s and never leaves the slow node out. No rule on the round's times alone can
-tell that node from an even one: a late link and local steps that ran slow this
-round look the same until the call ends (a classic call reports nothing
-before), so a deadline that left out a client 0.2 s behind the median would
-leave out every even client whose steps varied by 0.2 s. When compute
-dominates, a factor near 1 (``'1.1x'`` tolerates a tenth of the median
-round) fits only where the even clients' times vary by less than that
-(cores of their own); on shared cores, where they vary by a tenth or more
-from round to round, it leaves even clients out: use seconds there (the
-even round's time and the margin tolerated), or accept the wait.
+What a factor deadline tells apart (:meth:`Deadline.due`). ``'<f>x'`` is due at f * m, m being the lower
+median of the times at which the actors' calls ended, counted from when the round's calls went out (known once
+half the actors have reported). An actor's time is its download of the state, its local steps and its export:
+t_k = c_k + n_k (steps, the rest). It is left out when t_k > f * m, that is when it is later than the median
+by more than (f - 1) * m: the factor is the lateness tolerated, as a share of the median round. Where the
+local steps make up most of every actor's time (slow or shared cores: m close to c), a client slowed by its
+link alone is left out only once its link costs (f - 1) times a whole round: with rounds of 1.3 s on two
+shared cores and one node at 100 Mbit/s, ``'2x'`` is due after about 2.5 s and never leaves the slow node out.
+No rule on a classic round's times tells that node from an even one: a late link and slow steps look the same
+until the call ends, so a deadline that left out a client 0.2 s behind the median would leave out every even
+client whose steps varied by 0.2 s. When compute dominates, a factor near 1 (``'1.1x'`` tolerates a tenth of
+the median round) fits only where the even clients' times vary by less than that (cores of their own); on
+shared cores, where they vary by a tenth or more from round to round, it leaves even clients out: use seconds
+there (the even round's time and the margin tolerated), or accept the wait.
 """
 
 from __future__ import annotations
@@ -128,7 +119,9 @@ class DeadlineSection(Section):
         "factor of the round's median client time (e.g. '2x': late once (factor - 1) median times behind the "
         "median, so where local compute fills the round only seconds or a factor near 1 leave a slow link out); "
         "a client that misses it sits the round out as a sampled-out client does (its c^k and sampler "
-        "unchanged) and its late result is discarded; null = wait for every client.", kind="deadline", allowed=_ALLOWED)
+        "unchanged) and its late result is discarded. transport=collective: each member cuts its own local steps "
+        "at it (seconds, or the factor times the members' median step time of the previous round), a slow link "
+        "is waited for; null = wait for every client.", kind="deadline", allowed=_ALLOWED)
     min_clients: int = setting(1, "With round_deadline: a round waits past the deadline until at least this many "
                                "clients have reported (refused without round_deadline).", check=AT_LEAST_ONE)
     participation_record: str | None = setting(
@@ -139,10 +132,11 @@ class DeadlineSection(Section):
     clients_per_round: int | None = shared()
     executor: str = shared()
     transport: str = shared()
+    dp: str = shared()
 
     def check(self) -> None:
-        """min_clients within K and S, and only with a deadline; a deadline needs the Ray executor's classic
-        transport."""
+        """min_clients within K and S, and only with a deadline; a deadline needs the Ray executor and a transport
+        that leaves a late client out."""
         if self.min_clients > self.num_clients:
             raise fail("min_clients", self.min_clients, f"at most num_clients = {self.num_clients}")
         if self.clients_per_round is not None and self.min_clients > self.clients_per_round:
@@ -162,9 +156,18 @@ class DeadlineSection(Section):
         refused = no_deadline(self.transport)  # a transport that cannot leave a late client out, as it declares
         if refused:
             raise fail("round_deadline", self.round_deadline, f"null with transport={self.transport} ({refused})")
+        if self.transport == "collective" and self.dp != "off":
+            raise fail("round_deadline", self.round_deadline, f"null with transport=collective and dp={self.dp} (the "
+                       "members keep the deadline in runs of rounds, and under dp each round is accounted on the "
+                       "driver, one at a time); use transport=classic")
         if self.participation_record is not None:
             raise fail("round_deadline", self.round_deadline, "null with participation_record (a replay runs the "
                        "recorded sets and waits for every client)")
+
+    @property
+    def cut_by(self) -> str:
+        """What a late client was late by, in train.log: its local steps (collective), else its call's end."""
+        return f"its {'local steps ran past' if self.transport == 'collective' else 'call ended after'} the deadline"
 
     @property
     def tolerant(self) -> bool:
@@ -230,10 +233,11 @@ class Deadline:
 
 
 class MissedRounds:
-    """Counts the rounds each client missed in a row; names one in train.log when it reaches ``in_a_row``."""
+    """Counts the rounds each client missed in a row; names one in train.log when it reaches ``in_a_row``, with
+    what the deadline measured (``cut_by``, :attr:`DeadlineSection.cut_by`)."""
 
-    def __init__(self, in_a_row: int = MISSED_IN_A_ROW) -> None:
-        self.in_a_row = in_a_row
+    def __init__(self, in_a_row: int = MISSED_IN_A_ROW, cut_by: str = "") -> None:
+        self.in_a_row, self.cut_by = in_a_row, cut_by
         self.streak: dict[int, int] = {}
 
     def round(self, round_index: int, planned: Sequence[int], took_part: Sequence[int], label: Any = str) -> None:
@@ -245,9 +249,9 @@ class MissedRounds:
                 continue
             self.streak[k] = self.streak.get(k, 0) + 1
             if self.streak[k] == self.in_a_row:
-                log.warning("client %s missed the round deadline %d rounds in a row (rounds %d-%d); it keeps being "
-                            "asked each round", label(k), self.in_a_row, round_index - self.in_a_row + 1,
-                            round_index)
+                log.warning("client %s missed the round deadline %d rounds in a row (rounds %d-%d)%s; it keeps "
+                            "being asked each round", label(k), self.in_a_row, round_index - self.in_a_row + 1,
+                            round_index, f"; {self.cut_by}" if self.cut_by else "")
 
 
 def read_record(where: str, run: ReplaySection | None = None,

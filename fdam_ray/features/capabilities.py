@@ -80,7 +80,6 @@ CAPABILITIES: dict[tuple[str, str], Capabilities] = {c.serves: c for c in (
                  "several rounds a call",
                  gpu="NCCL when every actor holds a GPU of its own; else shared memory on one node, and between "
                  "nodes shared memory in each node and gloo between one actor per node (16-bit with bf16/fp16)",
-                 no_deadline="every actor's all-reduce waits for every other",
                  no_node_reduce="reduces the actors' partial sums among the actors themselves"),
 )}
 

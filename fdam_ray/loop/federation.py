@@ -108,7 +108,7 @@ class Federation:
         self.validation, self.select_by = setup.client.val_fraction > 0, select_by  # select on validation parts
         self.deadlines = setup.deadline
         self.forced, self.rebuilds = forced or {}, rebuilds or {}
-        self.missed = MissedRounds()
+        self.missed = MissedRounds(cut_by=self.deadlines.cut_by)
         self._unrecorded: dict[str, list[int]] = {}  # rounds recorded since the last metrics record
         self.plug, self.histogram_bins = Plug() if plug is None else plug, histogram_bins
 
@@ -227,13 +227,15 @@ class Federation:
         run (the executor undid it; its rounds then run one at a time, :meth:`_round`)."""
         t0 = time.perf_counter()
         self.algorithm.before_round(self.executor, loop, self.positive_ratio)  # pAUC: once per run of rounds
-        planned = [self._participants(plan)[::2] for plan, _ in run]  # (plan, clients)
-        average = self.algorithm.reference_point == "average"
-        out = executor.run_rounds(loop.state, planned, average)
+        drawn = [self._participants(plan) for plan, _ in run]  # (plan, sampled, clients)
+        planned = [(plan, clients) for plan, _, clients in drawn]
+        out = executor.run_rounds(loop.state, planned, self.algorithm.reference_point == "average")
         for i in range(out.applied):
             (plan, clients), stats = planned[i], out.stats[i]
             self._check_updates(plan.round, stats)
             self._count(loop, clients, out.counts[i], out.bytes_up[i], stats)
+            if self.deadlines.tolerant:  # a deadline the members keep (transport: collective), or a replay
+                self._note_participants(loop, plan.round, drawn[i][1], clients, [st.client_id for st in stats])
         if out.stop == "stale":  # the state after the last applied round: not adopted, as a round at a time
             raise _state_diverged(planned[out.applied - 1][0].round)
         note_rebuilt(loop, self.executor)
@@ -341,8 +343,7 @@ class Federation:
                 observer.record(self._record(loop, evaluator, 0, 1, self.schedule.lr, started), snapshot)
             schedule = Schedule(self.schedule, loop.position)
             plans = schedule.plans()
-            runs = (self.executor if isinstance(self.executor, RunsOfRounds) and not self.deadlines.tolerant
-                    and self.plug.runs_of_rounds else None)
+            runs = self.executor if isinstance(self.executor, RunsOfRounds) and self.plug.runs_of_rounds else None
             ahead = 1 if runs is None else runs.rounds_ahead()
 
             def pull() -> tuple[RoundPlan, bool, Position] | None:
@@ -375,7 +376,8 @@ class Federation:
                         break
                     run.append(waiting[::2])
                     waiting = None
-                applied = self._rounds(runs, loop, run, done) if runs is not None and len(run) > 1 else 0
+                applied = (self._rounds(runs, loop, run, done)
+                           if runs is not None and (len(run) > 1 or runs.runs_every_round()) else 0)
                 for plan, position in run[applied:]:  # one at a time (also a run that an actor's failure undid)
                     try:
                         self._round(loop, plan)

@@ -15,6 +15,7 @@ import pickle
 import numpy as np
 import pytest
 import ray
+import raytest
 from oracle import assert_matches, run_oracle
 from raytest import ray_session
 from sample_clients import gaussian_clients
@@ -358,3 +359,46 @@ def test_a_run_reads_the_state_only_where_the_loop_needs_it(monkeypatch, tmp_pat
         assert (a is None) == (b is None), name
         if b is not None:
             np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+# -- round_deadline inside the collective (fdam_ray/executors/ray/transports/collective_deadline.py) --------------
+DEADLINE = dict(ARRAYS, batch_size=8, algorithm="codasca", dataset="arrays", num_clients=3, iterations=8,
+                eval_every=4, executor="ray", transport="collective", threads_per_actor=1)
+
+
+def test_a_deadline_cuts_a_slow_members_steps_records_it_and_replays(tmp_path):
+    """Client 2 reads 0.8 s of samples a step; with a 0.6 s deadline its member abandons the round before its
+    second step, sits it out (its c^k and sampler as they were) and the others' round folds as a sampled round of
+    theirs: recorded, replayed by the collective bit for bit and by an inline run to float32 rounding."""
+    clients, test = gaussian_clients(num_clients=3)
+    slow = raytest.SlowClientSource(ArraysSource(clients, test), slow=2, delay_s=0.1)
+    cfg = dict(DEADLINE, out_dir=str(tmp_path))
+    live = run(build_config(dict(cfg, run_name="live", round_deadline=0.6)), source=slow, save=True)
+    record = load_checkpoint(live.run_dir / "checkpoint.pt").loop.participation
+    assert record == {str(r): [0, 1] for r in range(1, 5)}
+    assert [h["participation"] for h in live.history] == ["", "r1=0,1 r2=0,1", "r3=0,1 r4=0,1"]
+    assert ("client 2 missed the round deadline 3 rounds in a row (rounds 1-3); its local steps ran past the "
+            "deadline" in (live.run_dir / "train.log").read_text())
+    replay = dict(cfg, participation_record=str(live.run_dir))
+    again = run(build_config(dict(replay, run_name="again")), source=ArraysSource(clients, test), save=False)
+    for name in FIELDS:
+        a, b = getattr(again.state, name), getattr(live.state, name)
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    inline = run(build_config(dict(replay, executor="inline", transport="classic", run_name="inline")),
+                 source=ArraysSource(clients, test), save=False)
+    assert_same_run(inline, live, atol=1e-6)
+    plain = run(build_config(dict(cfg, run_name="plain")), source=ArraysSource(clients, test), save=False)
+    assert np.abs(plain.state.c_v - live.state.c_v).max() > 1e-4  # the cut rounds changed the run
+
+
+@pytest.mark.slow  # two Ray runs, about 10 s
+def test_too_few_in_time_runs_the_round_again_without_the_deadline():
+    """min_clients=3 of 3: every round someone is late, so every member puts its clients back and runs the round
+    again without the deadline: the run is the plain one bit for bit (the put-back state is the state before)."""
+    clients, test = gaussian_clients(num_clients=3)
+    slow = raytest.SlowClientSource(ArraysSource(clients, test), slow=2, delay_s=0.1)
+    cut = run(build_config(dict(DEADLINE, round_deadline=0.6, min_clients=3)), source=slow, save=False)
+    plain = run(build_config(DEADLINE), source=ArraysSource(clients, test), save=False)
+    for name in FIELDS:
+        np.testing.assert_array_equal(getattr(cut.state, name), getattr(plain.state, name), err_msg=name)
+    assert [h["participation"] for h in cut.history] == ["", "", ""]

@@ -16,10 +16,12 @@ import threading
 import numpy as np
 import pytest
 import ray
+import raytest
 from multinode import OBJECT_STORE_BYTES, add_loopback_node, multi_node_cluster
 from sample_clients import gaussian_clients
 
 from fdam_ray.assembly.recipe import federate, run
+from fdam_ray.checkpoint import load_checkpoint
 from fdam_ray.config import build_config
 from fdam_ray.data.arrays import ArraysSource
 from fdam_ray.executors.ray.executor import RayExecutor
@@ -161,3 +163,24 @@ def test_a_node_lost_mid_round_is_named_and_the_group_is_rebuilt_over_the_others
     assert result.state.round == 3 and executor.transport.builds >= 2  # 12 iterations of 4 local steps
     log = (tmp_path / "run" / "train.log").read_text()
     assert f"node {executor.removed}" in log and "was lost in round 2" in log
+
+
+@pytest.mark.slow  # two multi-node Ray runs, about 40 s
+def test_across_nodes_a_deadline_cuts_a_slow_member_and_the_run_replays_bit_for_bit(cluster, tmp_path):
+    """Client 1 (alone on its node) reads 0.8 s of samples a step: with a 0.6 s deadline its member sits every
+    round out through the hierarchy (zeros into its node's block, its leader still in the exchange); the
+    recorded run replayed by the collective over the same nodes is the same run bit for bit."""
+    clients, test = gaussian_clients(num_clients=4)
+    cfg = {**SMALL, "dataset": "arrays", "num_clients": 4, "batch_size": 8, "transport": "collective",
+           "client_resources": SITES, "out_dir": str(tmp_path)}
+    slow = raytest.SlowClientSource(ArraysSource(clients, test), slow=1, delay_s=0.1)
+    executor = Collective()
+    live = run(build_config(dict(cfg, run_name="live", round_deadline=0.6)), source=slow, executor=executor,
+               save=True)
+    assert executor.transport.backend == "hier"
+    assert load_checkpoint(live.run_dir / "checkpoint.pt").loop.participation == {
+        str(r): [0, 2, 3] for r in range(1, 5)}
+    again = run(build_config(dict(cfg, run_name="again", participation_record=str(live.run_dir))),
+                source=ArraysSource(clients, test), executor=Collective(), save=False)
+    for name in FLOATS:
+        np.testing.assert_array_equal(getattr(again.state, name), getattr(live.state, name), err_msg=name)

@@ -39,7 +39,8 @@ SMALL = dict(model="mlp", model_width=8, batch_size="full", eval_every=1000, see
     (dict(min_clients=0), r"'min_clients': 0 is not allowed"),
     (dict(round_deadline=5, executor="inline"), r"null with executor=inline"),
     (dict(round_deadline=5, transport="compiled"), r"null with transport=compiled"),
-    (dict(round_deadline="2x", transport="collective"), r"null with transport=collective \(every actor's all-reduce"),
+    (dict(round_deadline="2x", transport="collective", dp="client", dp_clip=1.0, dp_noise_multiplier=1.0),
+     r"null with transport=collective and dp=client"),
     (dict(round_deadline=5, participation_record="runs/x"), r"null with participation_record"),
 ])
 def test_bad_values_are_one_line_errors(fields, match):
@@ -200,7 +201,7 @@ def test_a_run_with_a_straggler_records_its_sets_warns_and_replays(ray_session, 
     record = load_checkpoint(live.run_dir / "checkpoint.pt").loop.participation
     assert set(record) == {"1", "2", "3", "4"} and all(ks == [0, 1] for ks in record.values())
     assert [h["participation"] for h in live.history] == ["", "r1=0,1 r2=0,1", "r3=0,1 r4=0,1"]
-    assert "client 2 missed the round deadline 3 rounds in a row (rounds 1-3)" in caplog.text
+    assert "client 2 missed the round deadline 3 rounds in a row (rounds 1-3); its call ended after the" in caplog.text
     assert "missed the round deadline" in (live.run_dir / "train.log").read_text()
     # replayed from its record (inline, no straggler, no deadline): the same run
     replay = run(build_config(dict(cfg, executor="inline", run_name="replay",

@@ -783,3 +783,20 @@ def test_every_fault_test_is_out_of_both_ci_tiers_but_one_sigterm_case():
     assert len(fault) >= 7 and not any("slow" in marks[n] for n in fault)
     assert "slow" in marks["tests/e2e/test_faults.py::test_sigterm_stops_a_ray_run_the_same_way[classic]"]
     assert "tests/e2e/test_faults.py::test_sigterm_stops_a_ray_run_the_same_way[compiled]" in fault
+
+
+def test_the_slow_compute_pace_is_read_from_its_control_file_and_only_slows_the_last_nodes_clients(tmp_path):
+    import time
+
+    from _node_reduce_compute import PacedDataset, read_pace
+
+    control = tmp_path / "pace"
+    assert read_pace(str(control), 0) == 0.0  # no file: no pace
+    control.write_text("")
+    assert read_pace(str(control), 5) == 0.0  # emptied after the phase: no pace
+    control.write_text("0.05 12 3")
+    assert read_pace(str(control), 11) == 0.05 and read_pace(str(control), 12) == pytest.approx(0.15)
+    data = PacedDataset(np.zeros((1, 3), np.float32), np.ones((1, 1), np.float32), 12, str(control))
+    t0 = time.monotonic()
+    x, y = data[0]
+    assert time.monotonic() - t0 >= 0.15 and x.shape == (3,) and float(y[0]) == 1.0

@@ -30,7 +30,14 @@ import ray
 import torch
 
 from fdam_ray.algorithms.server import PartialSum
-from fdam_ray.clients.client import Client, ClientSection, TrainingReplica, begin_stage_hosted, run_hosted
+from fdam_ray.clients.client import (
+    Client,
+    ClientSection,
+    LateSteps,
+    TrainingReplica,
+    begin_stage_hosted,
+    run_hosted,
+)
 from fdam_ray.clients.face import NO_FACE, ClientFace
 from fdam_ray.core.state import ClientInfo, ClientState, GlobalState, RoundPlan, ScoreHistogram, Scores, ScoreSums
 from fdam_ray.data import AnySplit, DatasetSplit, Split
@@ -113,6 +120,8 @@ class ClientShell(CompiledActor, CollectiveActor):
     def _call(self, action: str, fn: Callable[[], T], client_id: int | None = None) -> T:
         try:
             return fn()
+        except LateSteps:  # not an error: the collective's deadline cut the round (collective_actor)
+            raise
         except Exception as exc:  # every client error goes back typed, naming the client it happened in
             k = self.client_ids[0] if client_id is None else client_id
             raise client_error(k, self.round, action, exc, traceback.format_exc()) from None
@@ -201,9 +210,11 @@ class ClientShell(CompiledActor, CollectiveActor):
         return self._receiver.version, self._receiver.master
 
     def _local_round(self, state: GlobalState, plan: RoundPlan, client_ids: Sequence[int],
-                     adopt_global_c: Sequence[int], into: PartialSum | None = None) -> PartialSum:
+                     adopt_global_c: Sequence[int], into: PartialSum | None = None,
+                     until: float | None = None) -> PartialSum:
         """The clients' updates folded into ``into`` (default: this actor's kept partial sum, reused: Ray
-        serialises the returned sum before this actor runs again)."""
+        serialises the returned sum before this actor runs again); ``until``: a step starting after it raises
+        :class:`~fdam_ray.clients.client.LateSteps`."""
         if into is None:
             if self._partial is None:
                 self._partial = PartialSum.zeros(state, control_variates=state.c_v is not None)
@@ -213,7 +224,7 @@ class ClientShell(CompiledActor, CollectiveActor):
         def run(client: Client) -> None:
             if client.client_id in adopt_global_c and state.c_v is not None and state.c_alpha is not None:
                 client.set_control_variate(state.c_v, state.c_alpha)
-            run_hosted([client], state, plan, partial)
+            run_hosted([client], state, plan, partial, until)
 
         self._each("local_round", client_ids, run)
         return partial.settle()

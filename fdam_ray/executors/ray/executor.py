@@ -98,6 +98,7 @@ class RayExecutor(Executor, RunsOfRounds):
         self._put_state: GlobalState | None = None
         self._put_ref: Any = None
         self.deadline: Deadline | None = None
+        self._deadline_in_runs = False  # the transport keeps the deadline inside its runs of rounds
         self.late: dict[int, Any] = {}  # actor -> the roll-back queued behind its late round call
         self.fold_order: list[int] = []  # with a deadline: the actors whose sums the last round folded, in order
 
@@ -169,6 +170,7 @@ class RayExecutor(Executor, RunsOfRounds):
         self.placement.place(groups, local=started_here)
         infos = self.fleet.start(groups, source)
         self.transport.started(setup.algorithm, infos)
+        self._deadline_in_runs = self.deadline is not None and self.transport.takes_deadline(self.deadline)
         return infos
 
     def _state_ref(self, state: GlobalState) -> Any:
@@ -255,9 +257,12 @@ class RayExecutor(Executor, RunsOfRounds):
                 self.late[a] = fleet.actors[a].discard_round.remote(plan.round)
 
     def rounds_ahead(self) -> int:
-        if self.transport is None or self.deadline is not None or self.downlink is not None:
+        if self.transport is None or self.downlink is not None or (self.deadline and not self._deadline_in_runs):
             return 1
         return self.transport.rounds_ahead()
+
+    def runs_every_round(self) -> bool:
+        return self._deadline_in_runs
 
     def run_rounds(self, state: GlobalState, plans: Sequence[tuple[RoundPlan, Sequence[int] | None]],
                    average: bool) -> RoundsRun:

@@ -2,16 +2,19 @@
 seconds are due at once; a factor f is due at f times the lower median arrival, which leaves an actor out only when
 it is more than (f - 1) median times behind the median. Rounds whose local steps dominate every actor's time are
 therefore cut only with a factor near 1 (the module's docstring says why no rule on the round's times can do
-better); and the transport that cannot leave an actor out of a round refuses a deadline in one line."""
+better). Under transport: collective the members agree on a round's late members, its clients in time and the
+median step time from one exact all-reduce of their flags, and each member's deadline runs from its own start."""
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from fdam_ray.config import ConfigError, build_config
 from fdam_ray.executors.deadlines import Deadline
+from fdam_ray.executors.ray.transports.collective_deadline import Agreement, DeadlineSpec, MemberClock, agree
 
 
 def _left_out(deadline: Deadline, times: list[float]) -> list[float]:
@@ -74,11 +77,59 @@ def test_where_the_link_dominates_the_factor_leaves_the_slow_node_out():
     assert _left_out(Deadline(None, 2.0, 1), times) == [1.1]
 
 
-def test_the_collective_transport_refuses_a_deadline_saying_why_and_what_to_use():
+def test_the_collective_transport_takes_a_deadline_but_not_under_dp():
+    assert build_config(dict(round_deadline="2x", executor="ray", transport="collective")).round_deadline == "2x"
     with pytest.raises(ConfigError) as info:
-        build_config(dict(round_deadline="2x", executor="ray", transport="collective"))
+        build_config(dict(round_deadline=5, executor="ray", transport="collective", dp="client", dp_clip=1.0,
+                          dp_noise_multiplier=1.0))
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith("config field 'round_deadline': '2x' is not allowed (null with transport=collective")
-    assert "every actor's all-reduce waits for every other" in message and "use transport=classic" in message
-    assert build_config(dict(round_deadline="2x", executor="ray", transport="classic")).round_deadline == "2x"
+    assert message.startswith("config field 'round_deadline': 5.0 is not allowed (null with transport=collective "
+                              "and dp=client")
+    assert "use transport=classic" in message
+
+
+class FlagsGroup:
+    """Members of a group whose flags all-reduce returns ``total`` (each member checks its own slots first)."""
+
+    def __init__(self, total: np.ndarray, rows: list[tuple[bool, float, int, int]]) -> None:
+        self.total, self.rows, self.world = total, rows, len(rows)
+
+    def member(self, rank: int):
+        return FlagsMember(self, rank)
+
+
+class FlagsMember:
+    def __init__(self, group: FlagsGroup, rank: int) -> None:
+        self.group, self.rank, self.world = group, rank, group.world
+
+    def all_reduce_flags(self, flags):
+        w, rank = self.world, self.rank
+        mine = flags[[rank, w + rank, 2 * w + rank, 3 * w + rank]]
+        assert list(mine) == [float(x) for x in self.group.rows[rank]]
+        assert not np.delete(flags.reshape(4, w), rank, axis=1).any()  # its own slots only: the sums are exact
+        flags[:] = self.group.total
+
+
+def test_members_agree_on_the_late_ranks_the_clients_in_time_and_the_lower_median():
+    # (late, step seconds, clients asked, clients in time); rank 2 had no client this round
+    rows = [(False, 0.2, 2, 2), (True, 0.6, 1, 0), (False, 0.0, 0, 0), (False, 0.3, 1, 1)]
+    total = np.array([[r[i] for r in rows] for i in range(4)], dtype=np.float64).reshape(-1)
+    group = FlagsGroup(total, rows)
+    got = [agree(group.member(r), late=rows[r][0], step_s=rows[r][1], asked=rows[r][2], made=rows[r][3])
+           for r in range(4)]
+    assert all(a == got[0] for a in got)  # every member reads the same decision
+    assert got[0] == Agreement(late=(1,), made=3, median_s=0.3)  # of 0.2, 0.3, 0.6 (rank 2 asked nothing)
+    assert got[0].rerun(4) and not got[0].rerun(3)
+    assert not Agreement(late=(), made=0, median_s=None).rerun(5)  # nobody late: never run again
+
+
+def test_a_members_deadline_is_seconds_from_its_start_or_the_factor_of_the_last_median():
+    clock = MemberClock()
+    assert clock.until(DeadlineSpec(2.5, None, 1, 3.0), 100.0) == 102.5
+    factor = DeadlineSpec(None, 2.0, 1, 3.0)
+    assert clock.until(factor, 100.0) is None  # a group's first round: no median known yet
+    clock.median_s = 0.3
+    assert clock.until(factor, 100.0) == pytest.approx(100.6)
+    assert DeadlineSpec.of(Deadline(None, 1.5, 2), 4.0) == DeadlineSpec(None, 1.5, 2, 4.0)
+    assert DeadlineSpec.of(None, 4.0) is None

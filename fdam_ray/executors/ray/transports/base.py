@@ -88,6 +88,11 @@ class Transport(abc.ABC):
         does."""
         return False
 
+    def takes_deadline(self, deadline: Deadline) -> bool:
+        """Whether this transport keeps ``deadline`` inside its runs of rounds (the executor then hands it runs
+        of rounds); the default: no, the driver keeps it, one round at a time (:meth:`Round.collect`)."""
+        return False
+
     def rounds_ahead(self) -> int:
         """The most rounds :meth:`run_rounds` takes in one go (1: this transport runs one round at a time)."""
         return 1

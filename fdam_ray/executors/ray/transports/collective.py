@@ -27,11 +27,10 @@ float64 for the stage's running sum. A run that an actor's failure breaks does n
 their clients back to their states before it, the failure policy runs, and its rounds run again one at a time,
 so the failure is recovered as one in the run's first round.
 
-Sampled-out actors are in the group and contribute zeros. The group is the fleet's actors, not the round's:
-building a group costs a rendezvous (far more than an all-reduce of zeros), and every actor then holds the new
-global state, so whichever actors the next round samples start from it without the driver sending it. Hosted
-clients (``clients_per_actor`` > 1) are folded into their actor's partial sum first, as under the other
-transports.
+Sampled-out actors are in the group and contribute zeros: the group is the fleet's actors, not the round's
+(a rendezvous costs far more than an all-reduce of zeros, and every actor then holds the new state). Hosted
+clients (``clients_per_actor`` > 1) are folded into their actor's partial sum first. With ``round_deadline``
+the members cut their own late local steps in each run of rounds (:mod:`.collective_deadline`).
 
 Backend ``shm`` sums in rank order, the driver's order of folding the actors' sums, so a run equals a classic
 ``fold_order: client`` run bit for bit; backend ``hier`` sums each node's actors in rank order, then the nodes
@@ -70,6 +69,7 @@ from fdam_ray.executors.errors import ClientError
 from fdam_ray.executors.ray import compat
 from fdam_ray.executors.ray.transports.base import Round, Transport
 from fdam_ray.executors.ray.transports.collective_backend import choose_backend, store_host
+from fdam_ray.executors.ray.transports.collective_deadline import DeadlineSpec
 from fdam_ray.executors.ray.transports.collective_messages import RoundShare, RunShare
 from fdam_ray.executors.ray.transports.hierarchy import BACKEND as HIERARCHICAL
 from fdam_ray.executors.ray.transports.hierarchy import spec as hierarchical_spec
@@ -78,6 +78,7 @@ from fdam_ray.features.capabilities import CAPABILITIES
 
 if TYPE_CHECKING:
     from fdam_ray.algorithms import Algorithm
+    from fdam_ray.executors.deadlines import Deadline
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class CollectiveTransport(Transport):
         self.transfer: tuple[str, bool] = ("fp32", False)
         self.step: ServerStep | None = None
         self.total_weight = 0.0
+        self.deadline: DeadlineSpec | None = None  # round_deadline, kept by the members (takes_deadline)
         self._store: Any = None
         self._tries = 0
 
@@ -127,6 +129,15 @@ class CollectiveTransport(Transport):
         self.step = algorithm.server_step()
 
     # -- a round ---------------------------------------------------------------------------
+    def takes_deadline(self, deadline: Deadline) -> bool:
+        """Yes: the members cut their late local steps in each run of rounds (:mod:`.collective_deadline`); an
+        algorithm whose server step runs on the driver (the members then run one round a call) is refused."""
+        if self.step is None:
+            raise ValueError("config field 'round_deadline': null with transport=collective for this algorithm (its "
+                             "server step runs on the driver, so no member is left out); use transport=classic")
+        self.deadline = DeadlineSpec.of(deadline, self.total_weight)
+        return True
+
     def rounds_ahead(self) -> int:
         """``collective_rounds`` when the actors apply the server step, else 1."""
         return self.config.collective_rounds if self.step is not None else 1
@@ -168,7 +179,7 @@ class CollectiveTransport(Transport):
         refs, held = {}, None  # each member's share; the lowest rank's state, an object of its own
         for a in members:
             refs[a], kept = self.fleet.actors[a].collective_rounds.options(num_returns=2).remote(
-                state_ref, works[a], token, average)
+                state_ref, works[a], token, average, self.deadline)
             held = kept if held is None else held
         runs, failed = self._collect_runs(refs, len(plans))
         alive = [a for a in members if a in runs and a not in failed]
@@ -432,8 +443,8 @@ class CollectiveTransport(Transport):
 
 
 def _broken(answer: Any) -> bool:
-    """Whether a member's answer says the group broke: a round's all-reduce broke, or a run stopped because
-    it broke or a member failed (a join answers None)."""
+    """Whether a member's answer says the group broke: a round's all-reduce broke, or a run stopped because it
+    broke or a member failed (a join answers None)."""
     if isinstance(answer, RoundShare):
         return bool(answer.broken)
     return isinstance(answer, RunShare) and answer.stop in ("broken", "failed")

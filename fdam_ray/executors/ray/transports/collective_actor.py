@@ -21,7 +21,9 @@ import numpy as np
 import torch
 
 from fdam_ray.algorithms.server import PartialSum, ServerStep
+from fdam_ray.clients.client import LateSteps
 from fdam_ray.core.state import GlobalState, RoundPlan
+from fdam_ray.executors.ray.transports.collective_deadline import DeadlineSpec, MemberClock, agree, started
 from fdam_ray.executors.ray.transports.collective_messages import RoundShare, RunShare, state_key
 from fdam_ray.executors.ray.transports.group import GroupMember
 
@@ -48,7 +50,8 @@ class CollectiveActor:
             ...
 
         def _local_round(self, state: GlobalState, plan: RoundPlan, client_ids: Sequence[int],
-                         adopt_global_c: Sequence[int], into: PartialSum | None = None) -> PartialSum:
+                         adopt_global_c: Sequence[int], into: PartialSum | None = None,
+                         until: float | None = None) -> PartialSum:
             ...
 
         def _each(self, action: str, ids: Sequence[int], fn: Callable[[Client], T]) -> list[T]:
@@ -61,6 +64,7 @@ class CollectiveActor:
         # runs of rounds: two flat partial sums used in turn (each round's state lives in one)
         self._run_partials: list[PartialSum | None] = [None, None]
         self._before_run: tuple[str, dict] = ("", {})  # clients' states before a run of rounds
+        self._clock = MemberClock()  # round_deadline: the members' last median step time
 
     def _member(self) -> GroupMember:
         if self._group is None:
@@ -122,7 +126,7 @@ class CollectiveActor:
 
     def collective_rounds(self, state: GlobalState | None,
                           works: Sequence[tuple[RoundPlan, Sequence[int], Sequence[int], float | None]], token: str,
-                          average: bool) -> tuple[RunShare, GlobalState | None]:
+                          average: bool, deadline: DeadlineSpec | None = None) -> tuple[RunShare, GlobalState | None]:
         """A run of rounds under ``transport: collective`` with no call between them: for each of ``works``
         (plan, this actor's clients in the round, those of them that first adopt the global c, a sampled round's
         total weight or None) the local round, the group's all-reduce and the server step, as
@@ -135,7 +139,8 @@ class CollectiveActor:
         member checks its slice of each new state (:meth:`GroupMember.slice_finite`) and, with ``average``
         (``reference_point: average``), sums its slice of each new v in float64 for the stage's running sum.
         Its clients' states before the run are kept, so a run that does not count can be undone
-        (:meth:`undo_run`).
+        (:meth:`undo_run`). With ``deadline`` each round's local steps are cut at it and the members agree on who
+        made the round first (:meth:`_cut_round`).
         Returns the share and, from the lowest rank, the state after the last applied round (None from the
         others): two objects (the driver calls this with ``num_returns=2``), so the driver reads the share at
         once and the state when it needs it (:mod:`.pending`).
@@ -151,13 +156,23 @@ class CollectiveActor:
             failure: BaseException | None = None
             self.round = plan.round
             partial = self._run_partial(current)
-            try:
-                self._local_round(current, plan, ids, adopt, into=partial)
-            except Exception as exc:  # a ClientError naming the client: returned once the group knows
-                failure = exc
+            late: tuple[int, ...] = ()
+            if deadline is not None:
+                failure, late, partial_total, broken = self._cut_round(deadline, current, plan, ids, adopt, partial,
+                                                                       partial_total)
+                if broken:
+                    run.rounds.append(RoundShare([], broken=broken))
+                    run.stop = "broken"
+                    break
+            else:
+                try:
+                    self._local_round(current, plan, ids, adopt, into=partial)
+                except Exception as exc:  # a ClientError naming the client: returned once the group knows
+                    failure = exc
             # reduced in place, no check-in (the driver waits for a run as a whole), no sums kept for a re-run
             share = member.reduce(None if failure is not None else partial, current, plan, partial_total, "", stale,
                                   in_place=True)
+            share.late = late
             run.rounds.append(share)
             if failure is not None or share.broken:
                 run.stop, run.failure = ("failed" if failure is not None else "broken"), failure
@@ -175,6 +190,53 @@ class CollectiveActor:
             run.key = None
         run.ref_sum, run.ref_slice = ref, (start, stop)
         return run, (current if run.done and member.rank == 0 else None)
+
+    def _cut_round(self, spec: DeadlineSpec, state: GlobalState, plan: RoundPlan, ids: Sequence[int],
+                   adopt: Sequence[int], partial: PartialSum, partial_total: float | None
+                   ) -> tuple[BaseException | None, tuple[int, ...], float | None, str]:
+        """A round's local steps under the collective's deadline (:mod:`.collective_deadline`): cut at it, the
+        members' flags agreed, the round run again without a deadline when too few clients made it, and
+        ``partial`` made what this member sends of a cut round (zeros when late, else its clients' changes of
+        c^k in a full round with control variates). Returns this member's failure, the late ranks, the round's
+        partial total, and why the group broke ('' when it did not)."""
+        member = self._member()
+        before = {k: self.clients[k].get_state() for k in ids}
+        failure: BaseException | None = None
+        late = False
+        for again in (False, True):
+            start = started()
+            until = None if again else self._clock.until(spec, start)
+            late = False
+            try:
+                self._local_round(state, plan, ids, adopt, into=partial, until=until)
+            except LateSteps:
+                late = True
+            except Exception as exc:  # a ClientError naming the client: returned once the group knows
+                failure = exc
+            if again:  # no deadline: every member made it
+                return failure, (), partial_total, ""
+            try:
+                agreed = agree(member, late=late, step_s=started() - start, asked=len(ids),
+                               made=0 if late or failure is not None else len(ids))
+            except Exception as exc:  # a member died or did not answer: the group is broken
+                member.leave()
+                return failure, (), partial_total, (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            self._clock.median_s = agreed.median_s
+            if not agreed.rerun(spec.min_clients):
+                break
+            self._each("cut_round", list(before), lambda c: c.set_state(before[c.client_id]))
+        if not agreed.late:
+            return failure, (), partial_total, ""
+        if late:  # this member sits the round out: its clients as they were, its sums zeros
+            self._each("cut_round", list(before), lambda c: c.set_state(before[c.client_id]))
+            partial.reset()
+        elif not plan.partial and partial.control_variates and ids:
+            hosted = [self.clients[k] for k in ids]
+            drift = hosted[0].replica.algorithm.drift
+            changes = drift.host_changes((c.control_variate(), before[c.client_id].control, c.weight) for c in hosted)
+            for name, x in zip(drift.names, changes or (), strict=False):
+                getattr(partial, name).reshape(-1)[:] = x.reshape(-1)
+        return failure, agreed.late, spec.total_weight if partial_total is None else partial_total, ""
 
     def held_state(self, key: tuple) -> GlobalState | None:
         """The global state this actor holds when its :func:`~.collective_messages.state_key` is ``key`` (the

@@ -49,6 +49,7 @@ class RoundShare:
         key: :func:`state_key` of the global state the member holds after the round (None: none held).
         total: the round's reduced sums (the lowest rank only; None on the others and on a broken round).
         broken: why the all-reduce did not complete ('' when it did).
+        late: the ranks whose local steps a deadline cut (:mod:`.collective_deadline`).
     """
 
     stats: list[StepStats]
@@ -59,6 +60,7 @@ class RoundShare:
     bytes_up: int = 0
     diverged: bool = False
     stale: bool = False
+    late: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass

@@ -397,6 +397,10 @@ class GroupMember:
                 {k: None if x is None else np.empty_like(x) for k, x in like.vectors().items()})
         return sums
 
+    def all_reduce_flags(self, flags: np.ndarray) -> None:
+        """Sum a small float64 row over the group in place (a deadline's flags, :mod:`.collective_deadline`)."""
+        self._all_reduce(flags)
+
     def _buffer(self, n: int) -> np.ndarray:
         if self._flat.size != n:
             self._flat = np.empty(n, dtype=np.float32)
