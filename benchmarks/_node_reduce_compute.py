@@ -85,7 +85,8 @@ def measure(netcluster, nc, args: argparse.Namespace) -> dict:
         control = str(Path(folder) / "pace")
         Path(control).write_text("")
         source = PacedSource(nodes * per_node, args.state_floats - 3, control)
-        executor, algorithm, state, started = start_executor(nodes, per_node, args.state_floats, source=source)
+        executor, algorithm, state, started = start_executor(nodes, per_node, args.state_floats, source=source,
+                                                             batch_size=1)  # its one sample: read from "disk"
         kept: dict = {}
         got: dict = {s: [] for s in SETTINGS}
         try:

@@ -115,13 +115,14 @@ def store_pressure() -> tuple[float, float] | None:
         return None
 
 
-def start_executor(nodes: int, clients_per_node: int, state_floats: int, source=None):
+def start_executor(nodes: int, clients_per_node: int, state_floats: int, source=None, batch_size="full"):
     """A started Ray executor over ``nodes`` x ``clients_per_node`` clients (client c pinned to node c //
-    clients_per_node; ``source``: theirs, default a :class:`WideSource` of ``state_floats``), its algorithm, the
+    clients_per_node; ``source``: theirs, default a :class:`WideSource` of ``state_floats``; batches of
+    ``batch_size``), its algorithm, the
     initial state, and what a transport's ``started`` hook takes (:func:`use_transport`)."""
     k = nodes * clients_per_node
     config = build_config(dict(
-        dataset="arrays", num_clients=k, model="linear", algorithm="coda_plus", batch_size="full", local_steps=1,
+        dataset="arrays", num_clients=k, model="linear", algorithm="coda_plus", batch_size=batch_size, local_steps=1,
         lr=0.01, executor="ray", eval_on="driver", cpus_per_actor=1.0, threads_per_actor=1,
         client_resources=[{f"site_{c // clients_per_node}": 0.01} for c in range(k)], reduce="star"))
     source = WideSource(k, state_floats - 3) if source is None else source

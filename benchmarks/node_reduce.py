@@ -339,9 +339,9 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--block-seconds", type=float, default=10.0,
                         help="--precision-rates: a block runs as many rounds (2 to --rounds) as this many seconds "
                              "hold at its setting's last round time")
-    parser.add_argument("--compute-steps", type=int, default=8,
+    parser.add_argument("--compute-steps", type=int, default=4,
                         help="--precision-rates: local steps a round in the slow-compute phase (0: skip it)")
-    parser.add_argument("--compute-pace", type=float, default=0.05,
+    parser.add_argument("--compute-pace", type=float, default=0.25,
                         help="--precision-rates: seconds each of those steps sleeps on every client")
     parser.add_argument("--compute-factor", type=float, default=3.0,
                         help="--precision-rates: how many times slower the last node's steps are")
