@@ -366,10 +366,12 @@ DEADLINE = dict(ARRAYS, batch_size=8, algorithm="codasca", dataset="arrays", num
                 eval_every=4, executor="ray", transport="collective", threads_per_actor=1)
 
 
+@pytest.mark.slow  # three runs, about 14 s; the members' agreement is pinned without Ray in the unit tier
 def test_a_deadline_cuts_a_slow_members_steps_records_it_and_replays(tmp_path):
     """Client 2 reads 0.8 s of samples a step; with a 0.6 s deadline its member abandons the round before its
     second step, sits it out (its c^k and sampler as they were) and the others' round folds as a sampled round of
-    theirs: recorded, replayed by the collective bit for bit and by an inline run to float32 rounding."""
+    theirs: recorded (every round without client 2), replayed by the collective bit for bit and by an inline run
+    to float32 rounding."""
     clients, test = gaussian_clients(num_clients=3)
     slow = raytest.SlowClientSource(ArraysSource(clients, test), slow=2, delay_s=0.1)
     cfg = dict(DEADLINE, out_dir=str(tmp_path))
@@ -387,8 +389,6 @@ def test_a_deadline_cuts_a_slow_members_steps_records_it_and_replays(tmp_path):
     inline = run(build_config(dict(replay, executor="inline", transport="classic", run_name="inline")),
                  source=ArraysSource(clients, test), save=False)
     assert_same_run(inline, live, atol=1e-6)
-    plain = run(build_config(dict(cfg, run_name="plain")), source=ArraysSource(clients, test), save=False)
-    assert np.abs(plain.state.c_v - live.state.c_v).max() > 1e-4  # the cut rounds changed the run
 
 
 @pytest.mark.slow  # two Ray runs, about 10 s
