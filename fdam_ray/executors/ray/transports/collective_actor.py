@@ -22,7 +22,7 @@ import torch
 
 from fdam_ray.algorithms.server import PartialSum, ServerStep
 from fdam_ray.clients.client import LateSteps
-from fdam_ray.core.state import GlobalState, RoundPlan
+from fdam_ray.core.state import ClientState, GlobalState, RoundPlan, Rule, vector_names
 from fdam_ray.executors.ray.transports.collective_deadline import DeadlineSpec, MemberClock, agree, started
 from fdam_ray.executors.ray.transports.collective_messages import RoundShare, RunShare, state_key
 from fdam_ray.executors.ray.transports.group import GroupMember
@@ -55,6 +55,15 @@ class CollectiveActor:
             ...
 
         def _each(self, action: str, ids: Sequence[int], fn: Callable[[Client], T]) -> list[T]:
+            ...
+
+        _before: tuple[int | None, dict[int, ClientState]]
+        _residual_before: dict | None
+
+        def discard_round(self, round_index: int) -> list[int]:
+            ...
+
+        def round_changes(self, round_index: int) -> tuple[np.ndarray, ...] | None:
             ...
 
     def _start_collective(self) -> None:
@@ -200,7 +209,8 @@ class CollectiveActor:
         c^k in a full round with control variates). Returns this member's failure, the late ranks, the round's
         partial total, and why the group broke ('' when it did not)."""
         member = self._member()
-        before = {k: self.clients[k].get_state() for k in ids}
+        # the clients' states before the round, where discard_round and round_changes read them
+        self._before, self._residual_before = (plan.round, {k: self.clients[k].get_state() for k in ids}), None
         failure: BaseException | None = None
         late = False
         for again in (False, True):
@@ -224,17 +234,15 @@ class CollectiveActor:
             self._clock.median_s = agreed.median_s
             if not agreed.rerun(spec.min_clients):
                 break
-            self._each("cut_round", list(before), lambda c: c.set_state(before[c.client_id]))
+            self.discard_round(plan.round)
         if not agreed.late:
             return failure, (), partial_total, ""
         if late:  # this member sits the round out: its clients as they were, its sums zeros
-            self._each("cut_round", list(before), lambda c: c.set_state(before[c.client_id]))
+            self.discard_round(plan.round)
             partial.reset()
-        elif not plan.partial and partial.control_variates and ids:
-            hosted = [self.clients[k] for k in ids]
-            drift = hosted[0].replica.algorithm.drift
-            changes = drift.host_changes((c.control_variate(), before[c.client_id].control, c.weight) for c in hosted)
-            for name, x in zip(drift.names, changes or (), strict=False):
+        elif not plan.partial and partial.control_variates:
+            changes = self.round_changes(plan.round)  # in the order the clients were folded
+            for name, x in zip(vector_names(Rule.CONTROL), changes or (), strict=False):
                 getattr(partial, name).reshape(-1)[:] = x.reshape(-1)
         return failure, agreed.late, spec.total_weight if partial_total is None else partial_total, ""
 
