@@ -203,8 +203,9 @@ def plan_after(state, ahead: int = 0, steps: int = 1) -> RoundPlan:
 
 def run_of_rounds(executor, state, count: int, steps: int = 1):
     """``count`` rounds in one run (``transport: collective``: one call per actor for all of them); the state
-    after them, as the actors computed it."""
-    out = executor.run_rounds(state, [(plan_after(state, i, steps), None) for i in range(count)], False)
+    after them, as the actors computed it. The run ends as a federation's run of rounds ends between evaluations
+    (``read=False``): the state stays with the members, as nothing reads it."""
+    out = executor.run_rounds(state, [(plan_after(state, i, steps), None) for i in range(count)], False, read=False)
     if out.applied != count or out.state is None:
         raise RuntimeError(f"a run of {count} rounds applied {out.applied} (stop: {out.stop or 'none'})")
     return out.state

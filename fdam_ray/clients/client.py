@@ -27,6 +27,7 @@ from fdam_ray.algorithms.sampling import client_weights
 from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.clients.face import NO_FACE, ClientFace
 from fdam_ray.clients.inputs import all_finite, check_features, features_refused
+from fdam_ray.clients.late import StepClock
 from fdam_ray.core.flat import FlatModel
 from fdam_ray.core.state import (
     ClientInfo,
@@ -51,10 +52,6 @@ from fdam_ray.settings.sections import AT_LEAST_ONE, Section, setting, shared
 reads_store_arrays(__name__)  # control variates and moments from the object store are only copied in
 
 log = logging.getLogger(__name__)
-
-
-class LateSteps(Exception):
-    """A client's local steps ran past the round's deadline (``transport: collective`` with ``round_deadline``)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -255,6 +252,7 @@ class Client:
             who=f"client {self.label}"))
         self.cv = self.replica.new_control_variate()  # (c_v^k, c_alpha^k) tensors, or None
         self.moments = self.replica.solver.new_moments()  # the local step's momentum / Adam moments, or None
+        self.clock = StepClock()  # its step times under the collective's round_deadline (fdam_ray/clients/late.py)
         weights = client_weights(config.client_weighting, [len(self.train)])
         self.weight: float | None = None if weights is None else float(weights[0])  # w_k of the server's means
 
@@ -299,7 +297,8 @@ class Client:
 
         ``copy=False`` returns views of the replica's and the client's buffers (valid until the replica's
         next call), for a caller that folds or serialises the update at once: one copy of the state fewer.
-        ``until`` (a ``time.monotonic()`` time): a step that would start after it raises :class:`LateSteps`
+        ``until`` (a ``time.monotonic()`` time): a step that would start after it, or that with the steps left
+        would end after it at the client's fastest pace, raises :class:`~fdam_ray.clients.late.LateSteps`
         instead (the client's state is then mid-round: its host puts it back).
         """
         solver, replica = self.solver, self.replica
@@ -309,10 +308,10 @@ class Client:
         loss_sum = torch.zeros((), device=self.device)
         samples = 0
         x = None
+        self.clock.begin(until)
         try:
-            for _ in range(plan.steps):  # client steps
-                if until is not None and time.monotonic() > until:
-                    raise LateSteps(f"client {self.label}: local steps past the round's deadline")
+            for i in range(plan.steps):  # client steps
+                self.clock.before_step(plan.steps - i, self.label)
                 x, y = self.sampler.next()
                 loss_sum += replica.train_step(x, y, plan.lr)
                 samples += x.shape[0]
@@ -322,6 +321,7 @@ class Client:
                 raise
             raise refused from None
         loss = float(loss_sum) / plan.steps  # waits for the steps on a GPU
+        self.clock.end()
         compute_s = time.perf_counter() - start  # the steps alone: loading and exporting the state are transfer
         solver.end(plan.steps, plan.lr, partial=plan.partial)  # client final (a sampled round sends the change)
         stats = StepStats(self.client_id, loss, plan.steps, samples, compute_s, finite=self._finite())

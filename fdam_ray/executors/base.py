@@ -294,8 +294,9 @@ class RunsOfRounds(abc.ABC):
 
     @abc.abstractmethod
     def run_rounds(self, state: GlobalState, plans: Sequence[tuple[RoundPlan, Sequence[int] | None]],
-                   average: bool) -> RoundsRun:
+                   average: bool, *, read: bool = True) -> RoundsRun:
         """Run ``plans`` (each with its sampled clients, or None for every client) back to back from ``state``,
         the server step applied where the clients are, without handing the driver each round's state; for at
         most [`rounds_ahead`][fdam_ray.executors.base.RunsOfRounds.rounds_ahead] plans. ``average``: also return the sum
-        of v over the rounds."""
+        of v over the rounds. ``read``: whether the driver reads the state after the run (an evaluation, a
+        checkpoint, the end); when False the executor may leave it where the clients are until it is read."""

@@ -8,12 +8,10 @@
         the server adopts the new global state (and adds it to the stage's running sum)
         evaluate every eval_every iterations and at the end
 
-This module only orchestrates. Each equation lives in one place under
-:mod:`fdam_ray.algorithms` (see its docstring for the map); the executor runs
-the clients; what is written, shown or reported hangs off one
-:class:`~fdam_ray.outputs.Observer`. Assembling a federation from a config
-(data, executor, initial weights, pre-training, resume, outputs) is
-:mod:`fdam_ray.assembly.recipe`'s job.
+This module only orchestrates. Each equation lives in one place under :mod:`fdam_ray.algorithms` (see
+its docstring for the map); the executor runs the clients; what is written, shown or reported hangs off
+one :class:`~fdam_ray.outputs.Observer`. Assembling a federation from a config (data, executor, initial
+weights, pre-training, resume, outputs) is :mod:`fdam_ray.assembly.recipe`'s job.
 
 Everything the loop carries from round to round is in
 :class:`~fdam_ray.checkpoint.LoopState`; a :class:`~fdam_ray.checkpoint.Checkpoint`
@@ -219,17 +217,18 @@ class Federation:
             loop.loss_rounds += 1
 
     def _rounds(self, executor: RunsOfRounds, loop: LoopState, run: list[tuple[RoundPlan, Position]],
-                done: Callable[[RoundPlan, Position, bool], None]) -> int:
+                done: Callable[[RoundPlan, Position, bool], None], read: bool) -> int:
         """Run ``run`` (plans, each with the schedule's position after it) in one go on the executor
         (:meth:`~fdam_ray.executors.base.Executor.run_rounds`): the server step is applied where the clients are
         and the driver receives the state once, after the last applied round. Calls ``done(plan, position, last)``
         for every applied round, in order; returns how many were applied: all, or none when an actor failed in the
-        run (the executor undid it; its rounds then run one at a time, :meth:`_round`)."""
+        run (the executor undid it; its rounds then run one at a time, :meth:`_round`); ``read``: the driver reads
+        the state after the run (:meth:`_ends_run`, or a stage ends)."""
         t0 = time.perf_counter()
         self.algorithm.before_round(self.executor, loop, self.positive_ratio)  # pAUC: once per run of rounds
         drawn = [self._participants(plan) for plan, _ in run]  # (plan, sampled, clients)
         planned = [(plan, clients) for plan, _, clients in drawn]
-        out = executor.run_rounds(loop.state, planned, self.algorithm.reference_point == "average")
+        out = executor.run_rounds(loop.state, planned, self.algorithm.reference_point == "average", read=read)
         for i in range(out.applied):
             (plan, clients), stats = planned[i], out.stats[i]
             self._check_updates(plan.round, stats)
@@ -376,7 +375,8 @@ class Federation:
                         break
                     run.append(waiting[::2])
                     waiting = None
-                applied = (self._rounds(runs, loop, run, done)
+                read = waiting is not None or self._ends_run(loop, run[-1][0])  # a stage ends, or _ends_run
+                applied = (self._rounds(runs, loop, run, done, read)
                            if runs is not None and (len(run) > 1 or runs.runs_every_round()) else 0)
                 for plan, position in run[applied:]:  # one at a time (also a run that an actor's failure undid)
                     try:

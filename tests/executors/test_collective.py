@@ -329,6 +329,14 @@ def test_a_run_reads_the_state_only_where_the_loop_needs_it(monkeypatch, tmp_pat
         return fetch(self, ref)
 
     monkeypatch.setattr(PendingState, "_fetch", counted)
+    pulled = []  # (round, whether its pull to the driver started when the run ended)
+    waiting = PendingState.waiting.__func__
+
+    def noted(cls, ref, key, fallback=None, nbytes=None, pull=True):
+        pulled.append((int(key[0]), pull))
+        return waiting(cls, ref, key, fallback, nbytes, pull)
+
+    monkeypatch.setattr(PendingState, "waiting", classmethod(noted))
     clients, test = gaussian_clients(num_clients=4)
     cfg = dict(model="mlp", model_width=8, batch_size="full", seed=2, lr=0.2, local_steps=2, cpus_per_actor=0.5,
                executor="ray", eval_every=8, iterations=24, stage_length=100, dataset="arrays", num_clients=4,
@@ -343,6 +351,9 @@ def test_a_run_reads_the_state_only_where_the_loop_needs_it(monkeypatch, tmp_pat
     # the runs ending at rounds 2, 6, 10 (nothing needs the state) and 4 (evaluated by the actors from the lowest
     # rank's object) are not read on the driver; the checkpoint of round 8 is, and the end (round 12)
     assert reads == [8, 12]
+    # the pull starts only after runs that end where the driver may read the state (an evaluation, a checkpoint,
+    # the end), not after those that end at collective_rounds: those would load the lowest rank's link for nothing
+    assert pulled == [(2, False), (4, True), (6, False), (8, True), (10, False), (12, True)]
     # one node: the shared-memory block sums in client order, the in-process run's order
     inline = run(build_config(dict(cfg, executor="inline")), source=ArraysSource(clients, test), save=False)
     for name in FIELDS:

@@ -41,6 +41,7 @@ class InlineRuns(InlineExecutor, RunsOfRounds):
         super().__init__()
         self.ahead = ahead
         self.runs: list[list[int]] = []
+        self.reads: list[bool] = []  # each run's read: whether the driver reads the state after it
 
     def start(self, setup, source):
         infos = super().start(setup, source)
@@ -51,8 +52,9 @@ class InlineRuns(InlineExecutor, RunsOfRounds):
     def rounds_ahead(self) -> int:
         return self.ahead
 
-    def run_rounds(self, state, plans, average):
+    def run_rounds(self, state, plans, average, *, read=True):
         self.runs.append([plan.round for plan, _ in plans])
+        self.reads.append(read)
         out = RoundsRun(stats=[], counts=[], bytes_up=[], state=None,
                         ref_sum=np.zeros(state.v.shape) if average else None)
         for plan, clients in plans:
@@ -96,6 +98,7 @@ def test_runs_end_where_the_driver_needs_the_state_and_equal_the_round_at_a_time
     # 20 rounds of 3 iterations: evaluations end rounds 3, 6, 9, 12, 15, 18, 20; checkpoints 4, 8, 12, 16, 20;
     # stages begin at rounds 8 and 15; at most 3 rounds a run. Rounds alone (4, 7, 8, 9, 15, 16) run one at a time
     assert executor.runs == [[1, 2, 3], [5, 6], [10, 11, 12], [13, 14], [17, 18], [19, 20]]
+    assert executor.reads == [True] * 6  # each ends at an evaluation, a checkpoint, a stage's end (14), the end
     assert_same_states(got, plain)
     strip = lambda h: [{k: v for k, v in r.items() if k not in TIMING} for r in h]
     assert strip(got.history) == strip(plain.history)
@@ -113,6 +116,7 @@ def test_a_run_is_capped_and_a_round_at_a_time_executor_never_runs_one(tmp_path)
     executor = InlineRuns(ahead=2)
     run(inline_cfg(tmp_path, "capped", eval_every=60, checkpoint_every=0, stage_length=60), executor=executor)
     assert executor.runs == [[r, r + 1] for r in range(1, 20, 2)]
+    assert executor.reads == [False] * 9 + [True]  # capped runs: nothing reads their state but the end's
     assert not isinstance(InlineExecutor(), RunsOfRounds)  # the federation runs it a round at a time
     assert isinstance(RayExecutor(), RunsOfRounds)
 

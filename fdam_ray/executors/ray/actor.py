@@ -33,12 +33,12 @@ from fdam_ray.algorithms.server import PartialSum
 from fdam_ray.clients.client import (
     Client,
     ClientSection,
-    LateSteps,
     TrainingReplica,
     begin_stage_hosted,
     run_hosted,
 )
 from fdam_ray.clients.face import NO_FACE, ClientFace
+from fdam_ray.clients.late import LateSteps
 from fdam_ray.core.state import ClientInfo, ClientState, GlobalState, RoundPlan, ScoreHistogram, Scores, ScoreSums
 from fdam_ray.data import AnySplit, DatasetSplit, Split
 from fdam_ray.data.base import set_host_cpus
@@ -214,7 +214,7 @@ class ClientShell(CompiledActor, CollectiveActor):
                      until: float | None = None) -> PartialSum:
         """The clients' updates folded into ``into`` (default: this actor's kept partial sum, reused: Ray
         serialises the returned sum before this actor runs again); ``until``: a step starting after it raises
-        :class:`~fdam_ray.clients.client.LateSteps`."""
+        :class:`~fdam_ray.clients.late.LateSteps`."""
         if into is None:
             if self._partial is None:
                 self._partial = PartialSum.zeros(state, control_variates=state.c_v is not None)

@@ -265,7 +265,7 @@ class RayExecutor(Executor, RunsOfRounds):
         return self._deadline_in_runs
 
     def run_rounds(self, state: GlobalState, plans: Sequence[tuple[RoundPlan, Sequence[int] | None]],
-                   average: bool) -> RoundsRun:
+                   average: bool, *, read: bool = True) -> RoundsRun:
         fleet = self._fleet
         fleet.round = plans[0][0].round
         late = self._still_late()
@@ -273,7 +273,7 @@ class RayExecutor(Executor, RunsOfRounds):
                   for _, clients in plans]
         assert self.transport is not None
         self.fold_order = []
-        return self.transport.run_rounds(state, [plan for plan, _ in plans], chosen, average)
+        return self.transport.run_rounds(state, [plan for plan, _ in plans], chosen, average, read=read)
 
     def take_rebuilt(self) -> dict[int, list[int]]:
         got, self._fleet.rebuilt = self._fleet.rebuilt, {}

@@ -12,6 +12,8 @@ import random
 import numpy as np
 import pytest
 
+from fdam_ray.clients import late
+from fdam_ray.clients.late import LateSteps, StepClock
 from fdam_ray.config import ConfigError, build_config
 from fdam_ray.executors.deadlines import Deadline
 from fdam_ray.executors.ray.transports.collective_deadline import Agreement, DeadlineSpec, MemberClock, agree
@@ -133,3 +135,61 @@ def test_a_members_deadline_is_seconds_from_its_start_or_the_factor_of_the_last_
     assert clock.until(factor, 100.0) == pytest.approx(100.6)
     assert DeadlineSpec.of(Deadline(None, 1.5, 2), 4.0) == DeadlineSpec(None, 1.5, 2, 4.0)
     assert DeadlineSpec.of(None, 4.0) is None
+
+
+# -- a client's steps under the collective's deadline (fdam_ray/clients/late.py) -------------------------------
+class _Now:
+    """A monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _steps(clock: StepClock, now: _Now, until: float | None, times: list[float]) -> tuple[int, float | None]:
+    """Run ``len(times)`` steps of those durations under ``until``; (steps run, the cut's projected end or None)."""
+    clock.begin(until)
+    for i, took in enumerate(times):
+        try:
+            clock.before_step(len(times) - i, "c")
+        except LateSteps as cut:
+            return i, cut.ends
+        now.t += took
+    clock.end()
+    return len(times), None
+
+
+def test_a_client_stops_at_the_first_step_its_fastest_pace_cannot_end_in_time(monkeypatch):
+    now = _Now()
+    monkeypatch.setattr(late.time, "monotonic", now)
+    even, slow = StepClock(), StepClock()
+    assert _steps(even, now, 1.25, [0.25] * 4) == (4, None) and even.pace == pytest.approx(0.25)
+    now.t = 0.0
+    # 4 steps of 0.75 s against 1.25 s: after the first, 3 more would end at 3.0 s; cut then, not at 1.5 s
+    ran, ends = _steps(slow, now, 1.25, [0.75] * 4)
+    assert ran == 1 and ends == pytest.approx(3.0) and slow.pace == pytest.approx(0.75)
+    # without a deadline nothing is timed and nothing cut
+    now.t = 0.0
+    assert _steps(StepClock(), now, None, [5.0] * 3) == (3, None)
+    # the first step starts unless the deadline has passed, whatever the last round's pace said
+    now.t = 0.0
+    assert _steps(slow, now, 1.25, [0.25] * 4) == (4, None)  # recovered: timed again, not cut for its past
+    assert slow.pace == pytest.approx(0.25)
+    now.t = 2.0
+    assert _steps(StepClock(), now, 1.25, [0.1]) == (0, 2.0)  # past the deadline before any step
+
+
+def test_the_last_rounds_pace_keeps_one_slow_step_from_cutting_an_even_client(monkeypatch):
+    now = _Now()
+    monkeypatch.setattr(late.time, "monotonic", now)
+    jitter = [0.35, 0.25, 0.25, 0.25]  # 1.1 s in all: in time for 1.25 s
+    fresh = StepClock()
+    assert _steps(fresh, now, 1.25, jitter) == (1, pytest.approx(0.35 * 4))  # one step known: 0.35 s a step
+    known = StepClock()
+    now.t = 0.0
+    assert _steps(known, now, 10.0, [0.25] * 4) == (4, None)
+    now.t = 0.0
+    assert _steps(known, now, 1.25, jitter) == (4, None)  # min(0.35, last round's 0.25): 1.1 s projected
+    assert known.pace == pytest.approx(0.25)

@@ -98,7 +98,7 @@ class Transport(abc.ABC):
         return 1
 
     def run_rounds(self, state: GlobalState, plans: Sequence[RoundPlan], chosen: Sequence[set[int]],
-                   average: bool) -> RoundsRun:
+                   average: bool, *, read: bool = True) -> RoundsRun:
         """Run ``plans`` back to back (``chosen``: each round's clients), the server step on the actors; see
         :meth:`~fdam_ray.executors.base.RunsOfRounds.run_rounds`."""
         raise NotImplementedError(f"{self.capabilities.label} runs one round at a time")

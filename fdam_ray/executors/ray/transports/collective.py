@@ -15,22 +15,22 @@ holds (the first round, a new stage, a rebuilt group, a resume;
 :func:`~fdam_ray.executors.ray.transports.collective_messages.state_key`), so a round moves one state up and
 none down instead of K up and K down.
 
-Runs of rounds (``collective_rounds`` > 1, the default): the federation hands the transport the rounds up to the
-next point where it needs the global state (an evaluation, a checkpoint, a stage end, the last round; at most
-``collective_rounds``), and one call per actor runs them all back to back (:meth:`run_rounds`): no Ray call, no
-sum to the driver and no fold there between them. The driver receives each round's step statistics at once, and
-the state after the run from the lowest rank when it reads it (:mod:`.pending`: pulled while the next run's
-rounds run). What the loop does on the driver every round moves to the members: each checks its slice of every
-new state for NaN or infinity (a non-finite update or state stops the run at once, on every member, with the
-driver's error for that round), and with ``reference_point: average`` each sums its slice of every new v in
-float64 for the stage's running sum. A run that an actor's failure breaks does not count: the live actors put
-their clients back to their states before it, the failure policy runs, and its rounds run again one at a time,
-so the failure is recovered as one in the run's first round.
+Runs of rounds (``collective_rounds`` > 1, the default): the federation hands the transport the rounds up to the next
+point where it needs the global state (an evaluation, a checkpoint, a stage end, the last round; at most
+``collective_rounds``), and one call per actor runs them all back to back (:meth:`run_rounds`): no Ray call, no sum to
+the driver and no fold there between them. The driver receives each round's step statistics at once, and the state after
+the run from the lowest rank when it reads it (:mod:`.pending`: where it will, pulled while the next run's rounds run).
+What the loop does on the driver every round, the members do: each checks its slice of every new state for NaN or
+infinity (a non-finite update or state stops the run at once, on every member, with the driver's error for that round),
+and with ``reference_point: average`` each sums its slice of every new v in float64 for the stage's running sum. A run
+that an actor's failure breaks does not count: the live actors put their clients back to their states before it, the
+failure policy runs, and its rounds run again one at a time, so the failure is recovered as one in the run's first
+round.
 
-Sampled-out actors are in the group and contribute zeros: the group is the fleet's actors, not the round's
-(a rendezvous costs far more than an all-reduce of zeros, and every actor then holds the new state). Hosted
-clients (``clients_per_actor`` > 1) are folded into their actor's partial sum first. With ``round_deadline``
-the members cut their own late local steps in each run of rounds (:mod:`.collective_deadline`).
+Sampled-out actors are in the group and contribute zeros: the group is the fleet's actors, not the round's (a
+rendezvous costs far more than an all-reduce of zeros, and every actor then holds the new state). Hosted clients
+(``clients_per_actor`` > 1) are folded into their actor's partial sum first. With ``round_deadline`` the members
+cut their own late local steps in each run of rounds (:mod:`.collective_deadline`).
 
 Backend ``shm`` sums in rank order, the driver's order of folding the actors' sums, so a run equals a classic
 ``fold_order: client`` run bit for bit; backend ``hier`` sums each node's actors in rank order, then the nodes
@@ -159,12 +159,11 @@ class CollectiveTransport(Transport):
             for a, exc in sorted(failed.items()):
                 attempts.setdefault(a, 0)
                 fleet.failed(a, "local_round", exc, attempts)  # raises when the policy stops the run
-        raise RuntimeError(f"round {round.plan.round}: the collective all-reduce kept breaking with every actor "
-                           "alive")
+        raise RuntimeError(f"round {round.plan.round}: the collective all-reduce kept breaking, every actor alive")
 
     # -- a run of rounds -------------------------------------------------------------------
     def run_rounds(self, state: GlobalState, plans: Sequence[RoundPlan], chosen: Sequence[set[int]],
-                   average: bool) -> RoundsRun:
+                   average: bool, *, read: bool = True) -> RoundsRun:
         """One call per actor for all of ``plans``: the actors run them back to back
         (:meth:`~.collective_actor.CollectiveActor.collective_rounds`); the driver receives each round's step
         statistics and the state after the run (:meth:`_run_result`).
@@ -188,7 +187,7 @@ class CollectiveTransport(Transport):
             self._undo(token, alive, failed, attempts)
             return RoundsRun(stats=[], counts=[], bytes_up=[], state=None, stop="failed")
         shares = [runs[a] for a in members]
-        out = self._run_result(state, shares, average, held)
+        out = self._run_result(state, shares, average, held, read)
         for plan, rnd in zip(plans, out.stats, strict=False):
             self.fleet.adopted(plan.round, [st.client_id for st in rnd])
         keys = {share.key for share in shares}
@@ -231,17 +230,18 @@ class CollectiveTransport(Transport):
             adopted.update(clients)
         return works
 
-    def _run_result(self, state: GlobalState, shares: list[RunShare], average: bool, held: Any) -> RoundsRun:
-        """What a run that counts hands the loop, from the members' ``shares`` in rank order: each applied
-        round's step statistics (in actor order), client counts and bytes, the state after the run (the lowest
-        rank's object ``held``, read when used: :mod:`.pending`; at once after a run that stopped early) and,
-        with ``average``, the float64 sum of v over the applied rounds from the members' slices."""
+    def _run_result(self, state: GlobalState, shares: list[RunShare], average: bool, held: Any, read: bool
+                    ) -> RoundsRun:
+        """What a run that counts hands the loop, from the members' ``shares`` in rank order: each applied round's
+        statistics (actor order), client counts and bytes, the state after the run (the lowest rank's object ``held``,
+        read when used, :mod:`.pending`, pulled from now on if ``read``; at once after a run that stopped early)
+        and, with ``average``, the float64 sum of v over the applied rounds."""
         first = shares[0]
         applied = first.done
         after: GlobalState | None = None
         if applied:
-            after = (PendingState.waiting(held, first.key, held_by(self.fleet), state.nbytes) if first.key is not None
-                     else ray.get(held, timeout=self.fleet.timeout))
+            after = (PendingState.waiting(held, first.key, held_by(self.fleet), state.nbytes, pull=read)
+                     if first.key is not None else ray.get(held, timeout=self.fleet.timeout))
         out = RoundsRun(stats=[[st for share in shares for st in share.rounds[i].stats] for i in range(applied)],
                         counts=[r.count for r in first.rounds[:applied]],
                         bytes_up=[r.bytes_up for r in first.rounds[:applied]], state=after)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from fdam_ray.algorithms.server import PartialSum, ServerStep
-from fdam_ray.clients.client import LateSteps
+from fdam_ray.clients.late import LateSteps
 from fdam_ray.core.state import ClientState, GlobalState, RoundPlan, Rule, vector_names
 from fdam_ray.executors.ray.transports.collective_deadline import DeadlineSpec, MemberClock, agree, started
 from fdam_ray.executors.ray.transports.collective_messages import RoundShare, RunShare, state_key
@@ -216,17 +216,17 @@ class CollectiveActor:
         for again in (False, True):
             start = started()
             until = None if again else self._clock.until(spec, start)
-            late = False
+            late, ends = False, None
             try:
                 self._local_round(state, plan, ids, adopt, into=partial, until=until)
-            except LateSteps:
-                late = True
+            except LateSteps as cut:  # its projected end: what its steps would have taken, at least
+                late, ends = True, cut.ends
             except Exception as exc:  # a ClientError naming the client: returned once the group knows
                 failure = exc
             if again:  # no deadline: every member made it
                 return failure, (), partial_total, ""
             try:
-                agreed = agree(member, late=late, step_s=started() - start, asked=len(ids),
+                agreed = agree(member, late=late, step_s=max(started(), ends or 0.0) - start, asked=len(ids),
                                made=0 if late or failure is not None else len(ids))
             except Exception as exc:  # a member died or did not answer: the group is broken
                 member.leave()

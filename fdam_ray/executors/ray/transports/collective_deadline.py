@@ -5,15 +5,18 @@ Under the collective transport no driver waits on the round: the members reduce 
 deadline is kept where the steps run. Each member starts its local round with a time after which no step of it
 starts (:meth:`MemberClock.until`): ``round_deadline`` seconds after the member's round began, or, for a factor
 ``'<f>x'``, f times the lower median of the members' local-step times in the group's previous round (the first
-round of a group has no deadline: nothing is known of its members yet). A member whose steps run past it
-abandons its round (:class:`~fdam_ray.clients.client.LateSteps`): its clients are put back to their states
+round of a group has no deadline: nothing is known of its members yet). A member's client stops as soon as
+its fastest pace says its steps cannot end by then (:mod:`fdam_ray.clients.late`: before each step after its
+first), or when a step would start past it; the member then abandons its round
+(:class:`~fdam_ray.clients.late.LateSteps`): its clients are put back to their states
 before the round, as clients that did not take part (c^k, sampler position, moments, loss scale), and it
 contributes zeros. The times are the members' local steps alone, measured by each member on its own clock; the
 exchange is not part of them, so a deadline acts on slow compute, not on a slow link (where a member's steps
 end in time and its link is slow, the round waits for the link).
 
 Then every member writes a few numbers into one small float64 all-reduce (:func:`agree`): whether it was late,
-its step time, how many clients it was asked to run and how many made it. Every member reads the same sums,
+its step time (a late member's projected end, at least the time it ran), how many clients it was asked to run
+and how many made it. Every member reads the same sums,
 so all take the same decision:
 
 - nobody late: the round goes on as without a deadline (bit for bit: a deadline no member misses changes

@@ -8,14 +8,17 @@ an object of its own (the driver owns it; it sits in that member's node's
 object store), and the driver gets a :class:`PendingState`: a
 :class:`~fdam_ray.core.state.GlobalState` whose round, iteration and
 :func:`~.collective_messages.state_key` are known at once and whose vectors
-are read from the object store the first time one is read. The pull to the
-driver's node starts when the run ends (``ray.wait`` with ``fetch_local``,
-which the raylet keeps serving after it returns), so it runs while the next
-run's rounds do, instead of before them: the driver's link is off the rounds'
-critical path. A run that ends where nothing reads the state (a run of
-``collective_rounds`` in the middle of an evaluation interval) hands the
-next run a :class:`PendingState` whose key says the members hold it, so no
-state goes down either.
+are read from the object store the first time one is read. When the run ends
+where the driver reads the state (an evaluation's checkpoint, a stage end,
+the end), the pull to the driver's node starts then (``ray.wait`` with
+``fetch_local``, which the raylet keeps serving after it returns), so it runs
+while the next run's rounds do, instead of before them: the driver's link is
+off the rounds' critical path. A run that ends where nothing reads the state
+(a run of ``collective_rounds`` in the middle of an evaluation interval, a
+round under a deadline) pulls nothing: a state through the lowest rank's link
+would slow the next run's exchange for nothing; it hands the next run a
+:class:`PendingState` whose key says the members hold it, so no state goes
+down either.
 
 If the object is lost before it is read (the lowest rank's node gone), the
 state is taken from any live member that still holds a state with that key
@@ -51,17 +54,18 @@ class PendingState(GlobalState):
 
     @classmethod
     def waiting(cls, ref: Any, key: tuple, fallback: Callable[[tuple], GlobalState | None] | None = None,
-                nbytes: int | None = None) -> PendingState:
-        """The state of object ``ref`` (key ``key``, from a member: round, iteration, stage, shapes, CRC); its
-        pull to this node starts now. ``fallback(key)``: the state from a member that holds it, or None;
-        ``nbytes``: its vectors' bytes (those of the state the run started from: the same vectors), so that
+                nbytes: int | None = None, pull: bool = True) -> PendingState:
+        """The state of object ``ref`` (key ``key``, from a member: round, iteration, stage, shapes, CRC); with
+        ``pull``, its pull to this node starts now. ``fallback(key)``: the state from a member that holds it, or
+        None; ``nbytes``: its vectors' bytes (those of the state the run started from: the same vectors), so that
         counting what a round sends reads nothing."""
         out = cls.__new__(cls)
         for name, value in zip(_OWN, (ref, key, fallback, nbytes), strict=True):
             object.__setattr__(out, name, value)
         object.__setattr__(out, "round", int(key[0]))
         object.__setattr__(out, "iteration", int(key[1]))
-        ray.wait([ref], num_returns=1, timeout=0, fetch_local=True)  # the pull starts; the raylet keeps it going
+        if pull:
+            ray.wait([ref], num_returns=1, timeout=0, fetch_local=True)  # the pull starts; the raylet keeps it going
         return out
 
     def __getattribute__(self, name: str) -> Any:
