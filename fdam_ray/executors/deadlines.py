@@ -120,8 +120,9 @@ class DeadlineSection(Section):
         "median, so where local compute fills the round only seconds or a factor near 1 leave a slow link out); "
         "a client that misses it sits the round out as a sampled-out client does (its c^k and sampler "
         "unchanged) and its late result is discarded. transport=collective: each member cuts its own local steps "
-        "at it (seconds, or the factor times the members' median step time of the previous round), a slow link "
-        "is waited for; null = wait for every client.", kind="deadline", allowed=_ALLOWED)
+        "at it (seconds, or the factor times the members' median step time of the previous round; a client stops "
+        "once its fastest step says the rest cannot end in time), a slow link is waited for; null = wait for "
+        "every client.", kind="deadline", allowed=_ALLOWED)
     min_clients: int = setting(1, "With round_deadline: a round waits past the deadline until at least this many "
                                "clients have reported (refused without round_deadline).", check=AT_LEAST_ONE)
     participation_record: str | None = setting(
