@@ -172,6 +172,7 @@ def test_a_ray_start_cluster_of_this_machine_is_joined_and_address_local_starts_
     assert "joining" not in private.stderr
 
 
+@pytest.mark.slow
 def test_an_address_where_something_else_listens_fails_fast_saying_what_answered(tmp_path):
     import threading
 
@@ -276,6 +277,7 @@ def test_sigterm_stops_a_ray_run_the_same_way(tmp_path, transport):
                                             f"transport={transport}"])
 
 
+@pytest.mark.slow
 def test_sigint_stops_a_run_and_resume_from_its_last_checkpoint_ends_bit_identical(tmp_path):
     import numpy as np
     import torch

@@ -304,6 +304,7 @@ def test_an_address_that_speaks_grpc_but_is_no_gcs_fails_within_seconds_in_one_l
     assert took < 60 and "Traceback" not in err and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_sigterm_while_joining_an_address_is_acted_on(tmp_path):
     mute = MuteGrpc()
     try:

@@ -35,6 +35,7 @@ def session():
         yield
 
 
+@pytest.mark.slow
 def test_compiled_equals_classic_in_client_order_bit_for_bit_and_compiles_once():
     # client sampling (a different sample every round), hosted clients, weights by samples and two stage
     # changes: all inputs of the one graph, never a recompilation

@@ -62,6 +62,7 @@ def arrays_run(cfg: dict, clients, test, executor=None, source=None):
 
 
 # -- same math ------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_three_rounds_of_codasca_on_digits_equal_the_inline_run():
     cfg = dict(dataset="digits", num_clients=3, model="cnn", model_width=8, batch_size=16, local_steps=4,
                iterations=12, eval_every=4, seed=7, algorithm="codasca", global_lr=1.1, **HALF)
@@ -92,6 +93,7 @@ def test_with_eval_on_driver_the_driver_scores_the_global_test_set():
                                                                         abs=1e-9)
 
 
+@pytest.mark.slow
 def test_updates_are_folded_one_at_a_time():
     clients, test = gaussian_clients(num_clients=3)
     source = ArraysSource(clients, test)
@@ -171,6 +173,7 @@ class AdoptGlobalC(InlineExecutor):
         super().run_round(state, plan, fold)
 
 
+@pytest.mark.slow
 @TRANSPORTS_CLASSIC_FIRST
 def test_a_replaced_client_restarts_from_the_global_control_variate_recorded_and_replayed(transport, tmp_path):
     clients, test = gaussian_clients(num_clients=3)

@@ -167,7 +167,7 @@ def test_members_hold_the_drivers_states_bit_for_bit(world, in_place):
     assert _leftovers() == before  # the block's file and FIFOs were unlinked once every member held them
 
 
-@pytest.mark.parametrize("die_at", [2, 0], ids=["in-a-run", "before-the-block"])
+@pytest.mark.parametrize("die_at", [2, pytest.param(0, marks=pytest.mark.slow)], ids=["in-a-run", "before-the-block"])
 def test_a_member_that_dies_releases_the_others_within_the_check_interval(die_at):
     """Mid-run (the others wait in the block) or before its first reduce (the others wait in the block's
     set-up): they are released, and the block's names are gone from /dev/shm either way."""

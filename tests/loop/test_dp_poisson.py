@@ -5,6 +5,7 @@ noise generator) and is accounted, epsilon is the Poisson PLD's, full participat
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from sample_clients import gaussian_clients
 
 import fdam_ray
@@ -104,6 +105,7 @@ def test_full_participation_is_unchanged_whatever_dp_sampling_says(monkeypatch):
     assert runs[0].summary["dp_epsilon"] == gaussian.epsilon()
 
 
+@pytest.mark.slow
 def test_ray_runs_an_empty_round_as_inline_does():
     # two actors of two clients; rounds 1 and 2 call no actor, round 3 calls both (clients 1 and 3)
     clients, test = gaussian_clients(4, seed=2)
