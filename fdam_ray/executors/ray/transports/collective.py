@@ -15,17 +15,17 @@ holds (the first round, a new stage, a rebuilt group, a resume;
 :func:`~fdam_ray.executors.ray.transports.collective_messages.state_key`), so a round moves one state up and
 none down instead of K up and K down.
 
-Runs of rounds (``collective_rounds`` > 1, the default): the federation hands the transport the rounds up to the next
-point where it needs the global state (an evaluation, a checkpoint, a stage end, the last round; at most
-``collective_rounds``), and one call per actor runs them all back to back (:meth:`run_rounds`): no Ray call, no sum to
-the driver and no fold there between them. The driver receives each round's step statistics at once, and the state after
-the run from the lowest rank when it reads it (:mod:`.pending`: where it will, pulled while the next run's rounds run).
-What the loop does on the driver every round, the members do: each checks its slice of every new state for NaN or
-infinity (a non-finite update or state stops the run at once, on every member, with the driver's error for that round),
-and with ``reference_point: average`` each sums its slice of every new v in float64 for the stage's running sum. A run
-that an actor's failure breaks does not count: the live actors put their clients back to their states before it, the
-failure policy runs, and its rounds run again one at a time, so the failure is recovered as one in the run's first
-round.
+Runs of rounds (``collective_rounds`` > 1, the default): the federation hands the transport the rounds up to the
+next point where it needs the global state (an evaluation, a checkpoint, a stage end, the last round; at most
+``collective_rounds``), and one call per actor runs them all back to back (:meth:`run_rounds`): no Ray call, no sum
+to the driver and no fold there between them. The driver receives each round's step statistics at once, and the
+state after the run from the lowest rank when it reads it (:mod:`.pending`; after a run that ends where the driver
+reads it, pulled while the next run's rounds run). What the loop does on the driver every round, the members do:
+each checks its slice of every new state for NaN or infinity (a non-finite update or state stops the run at once, on
+every member, with the driver's error for that round), and with ``reference_point: average`` each sums its slice of
+every new v in float64 for the stage's running sum. A run that an actor's failure breaks does not count: the live
+actors put their clients back to their states before it, the failure policy runs, and its rounds run again one at a
+time (recovered as in the run's first round).
 
 Sampled-out actors are in the group and contribute zeros: the group is the fleet's actors, not the round's (a
 rendezvous costs far more than an all-reduce of zeros, and every actor then holds the new state). Hosted clients

@@ -9,7 +9,7 @@ object store), and the driver gets a :class:`PendingState`: a
 :class:`~fdam_ray.core.state.GlobalState` whose round, iteration and
 :func:`~.collective_messages.state_key` are known at once and whose vectors
 are read from the object store the first time one is read. When the run ends
-where the driver reads the state (an evaluation's checkpoint, a stage end,
+where the driver may read the state (an evaluation, a checkpoint, a stage end,
 the end), the pull to the driver's node starts then (``ray.wait`` with
 ``fetch_local``, which the raylet keeps serving after it returns), so it runs
 while the next run's rounds do, instead of before them: the driver's link is
