@@ -194,9 +194,7 @@ class ClientShell(CompiledActor, CollectiveActor):
         differences (:mod:`fdam_ray.executors.transfer`).
         """
         self.round = plan.round
-        self._before = (plan.round, {k: self.clients[k].get_state() for k in client_ids if k in self.clients}
-                        if undoable else {})
-        self._residual_before = {k: v.copy() for k, v in self._residual.items()} if undoable else None
+        self.keep_before(plan.round, client_ids if undoable else (), residual=undoable)
         if isinstance(state, Broadcast):
             message = state
             master = self._call("local_round", lambda: self._receiver.receive(message, ray.get))
@@ -228,6 +226,12 @@ class ClientShell(CompiledActor, CollectiveActor):
 
         self._each("local_round", client_ids, run)
         return partial.settle()
+
+    def keep_before(self, round_index: int, client_ids: Sequence[int], residual: bool) -> None:
+        """Keep ``client_ids``' own states as they are before round ``round_index`` (and, with ``residual``, the
+        upload residual), where :meth:`discard_round` and :meth:`round_changes` read them."""
+        self._before = (round_index, {k: self.clients[k].get_state() for k in client_ids if k in self.clients})
+        self._residual_before = {k: v.copy() for k, v in self._residual.items()} if residual else None
 
     def discard_round(self, round_index: int) -> list[int]:
         """Round ``round_index`` was folded without this actor (it missed the deadline): its clients' own states

@@ -22,7 +22,7 @@ import torch
 
 from fdam_ray.algorithms.server import PartialSum, ServerStep
 from fdam_ray.clients.late import LateSteps
-from fdam_ray.core.state import ClientState, GlobalState, RoundPlan, Rule, vector_names
+from fdam_ray.core.state import GlobalState, RoundPlan, Rule, vector_names
 from fdam_ray.executors.ray.transports.collective_deadline import DeadlineSpec, MemberClock, agree, started
 from fdam_ray.executors.ray.transports.collective_messages import RoundShare, RunShare, state_key
 from fdam_ray.executors.ray.transports.group import GroupMember
@@ -57,8 +57,8 @@ class CollectiveActor:
         def _each(self, action: str, ids: Sequence[int], fn: Callable[[Client], T]) -> list[T]:
             ...
 
-        _before: tuple[int | None, dict[int, ClientState]]
-        _residual_before: dict | None
+        def keep_before(self, round_index: int, client_ids: Sequence[int], residual: bool) -> None:
+            ...
 
         def discard_round(self, round_index: int) -> list[int]:
             ...
@@ -209,8 +209,7 @@ class CollectiveActor:
         c^k in a full round with control variates). Returns this member's failure, the late ranks, the round's
         partial total, and why the group broke ('' when it did not)."""
         member = self._member()
-        # the clients' states before the round, where discard_round and round_changes read them
-        self._before, self._residual_before = (plan.round, {k: self.clients[k].get_state() for k in ids}), None
+        self.keep_before(plan.round, ids, residual=False)  # what discard_round and round_changes read
         failure: BaseException | None = None
         late = False
         for again in (False, True):
