@@ -110,6 +110,47 @@ class SlowClientSource(OneClientWrapped):
         return SleepyDataset(x, y, self.delay_s)
 
 
+class SlowLinkSource(OneClientWrapped):
+    """Wraps a source; the actor process that loads client ``client`` (alone on its node, so its node's leader in
+    the hierarchical collective) sends its first ``exchanges`` reduce-scatters ``delay_s`` late and finds its
+    first ``probes`` probes ``delay_s`` slower, as a leader behind a slow link would (the hierarchy's leaders
+    are patched in that process only; the data are the inner source's)."""
+
+    def __init__(self, inner: DataSource, client: int, delay_s: float, exchanges: int, probes: int) -> None:
+        super().__init__(inner, client)
+        self.delay_s, self.exchanges, self.probes = delay_s, exchanges, probes
+
+    def client_shard(self, client_id: int) -> Shard:
+        if client_id == self.client:
+            _slow_leader(self.delay_s, self.exchanges, self.probes)
+        return self.inner.client_shard(client_id)
+
+
+def _slow_leader(delay_s: float, exchanges: int, probes: int) -> None:
+    from fdam_ray.executors.ray.transports import hierarchy
+
+    leaders = hierarchy.Leaders
+    if getattr(leaders, "slowed", False):
+        return
+    exchange, receive = leaders._exchange, leaders.receive_probe
+    seen = {"exchanges": 0, "probes": 0}
+
+    def late_exchange(self, rows, active):
+        seen["exchanges"] += 1
+        if seen["exchanges"] <= exchanges:
+            time.sleep(delay_s)
+        return exchange(self, rows, active)
+
+    def slow_probe(self, source, nbytes):
+        receive(self, source, nbytes)
+        seen["probes"] += 1
+        if seen["probes"] <= probes:
+            time.sleep(delay_s)
+            self.probe_s += delay_s
+
+    leaders._exchange, leaders.receive_probe, leaders.slowed = late_exchange, slow_probe, True
+
+
 class DamagedDataset(torch.utils.data.Dataset):
     """Samples of which every read after the first ``good`` fails, as a damaged image file does mid-run."""
 

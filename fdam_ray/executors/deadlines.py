@@ -15,28 +15,23 @@ equals its replay bit for bit. With ``transfer_precision`` bf16/fp16 and control
 missed round folds the float32 changes of c^k its actors kept, while the replay's sampled round sends them
 rounded to 16 bits (the two differ by that rounding, within the 16-bit transfer's own error).
 
-Under ``transport: collective`` no driver waits on the round: each member cuts
-its own late local steps and the members agree on who made it before their
-all-reduce (:mod:`fdam_ray.executors.ray.transports.collective_deadline`).
+Under ``transport: collective`` no driver waits on the round: each member cuts its own late local steps and
+the members agree on who made it before their all-reduce (:mod:`fdam_ray.executors.ray.transports.collective_deadline`;
+a node behind a slow link sits out, :mod:`fdam_ray.executors.ray.transports.collective_links`).
 
-Each round whose participants differ from the plan (the sampled set, or every
-client) is recorded (round -> its clients) in the checkpoint and in the next
-evaluation's metrics record. ``participation_record`` (a run folder or its
-``checkpoint.pt``) forces those sets in a new run: a replay waits for every
-client it runs (no deadline), so the run is repeatable from its record.
+Each round whose participants differ from the plan (the sampled set, or every client) is recorded (round -> its
+clients) in the checkpoint and in the next evaluation's metrics record. ``participation_record`` (a run folder or
+its ``checkpoint.pt``) forces those sets in a new run: a replay waits for every client it runs (no deadline), so
+the run is repeatable from its record.
 
-The record is checked whole against the run that replays it before any
-client starts (:func:`check_record`). A round the record does not name runs
-the replay's own plan, so the sampling rule of s.3b decides what a record
-means: it must come from a run of the same ``num_clients``, the same
-``clients_per_round`` and, when sampling, the same ``seed``, and each
-recorded set must lie inside that round's sample S_r (a client that missed a
-deadline was one the round asked). Ids outside 0..K-1, a client named twice,
-an empty set, a round key that is not a round, a round the recorded run never
-reached, or a record of a run that had no deadline (an empty record: it
-would force nothing) are each one line naming the round and the value.
-Recorded rounds past this run's last round are not replayed, with a warning
-(a shorter replay, to be resumed with more iterations, is a use).
+The record is checked whole against the run that replays it before any client starts (:func:`check_record`). A
+round the record does not name runs the replay's own plan, so the sampling rule of s.3b decides what a record
+means: it must come from a run of the same ``num_clients``, the same ``clients_per_round`` and, when sampling, the
+same ``seed``, and each recorded set must lie inside that round's sample S_r (a client that missed a deadline was
+one the round asked). Ids outside 0..K-1, a client named twice, an empty set, a round key that is not a round, a
+round the recorded run never reached, or a record of a run that had no deadline (an empty record: it would force
+nothing) are each one line naming the round and the value. Recorded rounds past this run's last round are not
+replayed, with a warning (a shorter replay, to be resumed with more iterations, is a use).
 
 What a factor deadline tells apart (:meth:`Deadline.due`). ``'<f>x'`` is due at f * m, m being the lower
 median of the times at which the actors' calls ended, counted from when the round's calls went out (known once
@@ -121,8 +116,9 @@ class DeadlineSection(Section):
         "a client that misses it sits the round out as a sampled-out client does (its c^k and sampler "
         "unchanged) and its late result is discarded. transport=collective: each member cuts its own local steps "
         "at it (seconds, or the factor times the members' median step time of the previous round; a client stops "
-        "once its fastest step says the rest cannot end in time), a slow link is waited for; null = wait for "
-        "every client.", kind="deadline", allowed=_ALLOWED)
+        "once its fastest step says the rest cannot end in time); across three nodes or more a node whose link is "
+        "slow sits out of the exchange until a probe finds it fast; null = wait for every client.",
+        kind="deadline", allowed=_ALLOWED)
     min_clients: int = setting(1, "With round_deadline: a round waits past the deadline until at least this many "
                                "clients have reported (refused without round_deadline).", check=AT_LEAST_ONE)
     participation_record: str | None = setting(
@@ -167,8 +163,9 @@ class DeadlineSection(Section):
 
     @property
     def cut_by(self) -> str:
-        """What a late client was late by, in train.log: its local steps (collective), else its call's end."""
-        return f"its {'local steps ran past' if self.transport == 'collective' else 'call ended after'} the deadline"
+        """What a late client was late by, in train.log: its steps or its node's link (collective), or its call."""
+        return "its local steps ran past the deadline, or its node sat out for a slow link (named above)" \
+            if self.transport == "collective" else "its call ended after the deadline"
 
     @property
     def tolerant(self) -> bool:

@@ -184,3 +184,35 @@ def test_across_nodes_a_deadline_cuts_a_slow_member_and_the_run_replays_bit_for_
                 source=ArraysSource(clients, test), executor=Collective(), save=False)
     for name in FLOATS:
         np.testing.assert_array_equal(getattr(again.state, name), getattr(live.state, name), err_msg=name)
+
+
+@pytest.mark.slow  # two multi-node Ray runs, about 40 s
+def test_across_nodes_a_node_behind_a_slow_link_sits_out_rejoins_and_the_run_replays_bit_for_bit(cluster, tmp_path):
+    """Rank 0, alone on its node (the node's leader, the group's store), sends its first reduce-scatter 0.6 s late
+    and finds its first probe slow (raytest.SlowLinkSource): from round 2 its node sits out of the leaders'
+    exchange (its client does not take part), the driver reads the state from rank 1 and sends rank 0 nothing;
+    the probe of round 8 finds the link fast, rank 0 says so after the run of rounds 9-10 and is sent the state
+    with the next run: its client takes part again from round 11. The recorded run replayed by the collective
+    is the same run bit for bit, and the classic node reduce replaying it equals it to float32 rounding."""
+    clients, test = gaussian_clients(num_clients=4)
+    sites = [{"site_1": 0.01}, {"site_0": 0.01}, {"site_0": 0.01}, {"head": 0.01}]  # rank 0 alone on site_1
+    cfg = {**SMALL, "dataset": "arrays", "num_clients": 4, "batch_size": 8, "transport": "collective",
+           "client_resources": sites, "out_dir": str(tmp_path), "iterations": 24, "stage_length": 24}
+    slow = raytest.SlowLinkSource(ArraysSource(clients, test), 0, delay_s=0.6, exchanges=1, probes=1)
+    executor = Collective()
+    live = run(build_config(dict(cfg, run_name="live", round_deadline=5.0)), source=slow, executor=executor,
+               save=True)
+    assert executor.transport.backend == "hier"
+    record = load_checkpoint(live.run_dir / "checkpoint.pt").loop.participation
+    assert record == {str(r): [1, 2, 3] for r in range(2, 11)}  # the rounds not every client took part in
+    assert not executor.transport.behind
+    again = run(build_config(dict(cfg, run_name="again", participation_record=str(live.run_dir))),
+                source=ArraysSource(clients, test), executor=Collective(), save=False)
+    for name in FLOATS:
+        np.testing.assert_array_equal(getattr(again.state, name), getattr(live.state, name), err_msg=name)
+    classic = run(build_config(dict(cfg, run_name="classic", transport="classic", reduce="node",
+                                    participation_record=str(live.run_dir))),
+                  source=ArraysSource(clients, test), executor=Collective(), save=False)
+    for name in FLOATS:
+        np.testing.assert_allclose(getattr(classic.state, name), getattr(live.state, name), rtol=0, atol=1e-6,
+                                   err_msg=name)

@@ -121,7 +121,7 @@ def test_members_agree_on_the_late_ranks_the_clients_in_time_and_the_lower_media
     got = [agree(group.member(r), late=rows[r][0], step_s=rows[r][1], asked=rows[r][2], made=rows[r][3])
            for r in range(4)]
     assert all(a == got[0] for a in got)  # every member reads the same decision
-    assert got[0] == Agreement(late=(1,), made=3, median_s=0.3)  # of 0.2, 0.3, 0.6 (rank 2 asked nothing)
+    assert got[0] == Agreement(late=(1,), made=3, median_s=0.3, asked=4)  # of 0.2, 0.3, 0.6 (rank 2 asked nothing)
     assert got[0].rerun(4) and not got[0].rerun(3)
     assert not Agreement(late=(), made=0, median_s=None).rerun(5)  # nobody late: never run again
 

@@ -1,19 +1,18 @@
 """``transport: collective``: the actors all-reduce their partial sums among themselves, as the paper's code does.
 
-The fleet's actors form one collective group (``torch.distributed``: NCCL when every actor holds a GPU of its
-own, NCCL taking one rank per GPU; else, with ``collective_backend: auto`` and every actor on one node, backend
-``shm``: a shared-memory block, :mod:`.shared`; with the actors on several nodes, backend ``hier``: a block per
-node and one leader per node reducing with the other nodes' leaders, :mod:`.hierarchy`; else gloo), built once
-per set of actors and built again when that set changes (a replacement, a dropped actor, a lost node). A round
-is one call per actor: its local round, then
-:meth:`~fdam_ray.executors.ray.transports.group.GroupMember.reduce`: the all-reduce of the weighted partial sums
-(every vector with its rule: sums for v, alpha, BatchNorm statistics and control variates, max for integer
-buffers), then the server step on every actor. The driver receives each actor's step statistics and, from the
-lowest rank only, the round's reduced sums, which it folds once (its reducer then computes the state every actor
-already holds, bit for bit). The driver sends the global state only when the actors' copy is not the one it
+The fleet's actors form one collective group (``torch.distributed``: NCCL when every actor holds a GPU of its own,
+NCCL taking one rank per GPU; else, with ``collective_backend: auto`` and every actor on one node, backend ``shm``:
+a shared-memory block, :mod:`.shared`; with the actors on several nodes, backend ``hier``: a block per node and one
+leader per node reducing with the other nodes' leaders, :mod:`.hierarchy`; else gloo), built once per set of actors
+and built again when that set changes (a replacement, a dropped actor, a lost node). A round is one call per actor:
+its local round, then :meth:`~fdam_ray.executors.ray.transports.group.GroupMember.reduce`: the all-reduce of the
+weighted partial sums (every vector with its rule: sums for v, alpha, BatchNorm statistics and control variates, max
+for integer buffers), then the server step on every actor. The driver receives each actor's step statistics and,
+from the lowest rank only, the round's reduced sums, which it folds once (its reducer then computes the state every
+actor already holds, bit for bit). The driver sends the global state only when the actors' copy is not the one it
 holds (the first round, a new stage, a rebuilt group, a resume;
-:func:`~fdam_ray.executors.ray.transports.collective_messages.state_key`), so a round moves one state up and
-none down instead of K up and K down.
+:func:`~fdam_ray.executors.ray.transports.collective_messages.state_key`), so a round moves one state up and none
+down instead of K up and K down.
 
 Runs of rounds (``collective_rounds`` > 1, the default): the federation hands the transport the rounds up to the
 next point where it needs the global state (an evaluation, a checkpoint, a stage end, the last round; at most
@@ -29,26 +28,26 @@ time (recovered as in the run's first round).
 
 Sampled-out actors are in the group and contribute zeros: the group is the fleet's actors, not the round's (a
 rendezvous costs far more than an all-reduce of zeros, and every actor then holds the new state). Hosted clients
-(``clients_per_actor`` > 1) are folded into their actor's partial sum first. With ``round_deadline`` the members
-cut their own late local steps in each run of rounds (:mod:`.collective_deadline`).
+(``clients_per_actor`` > 1) are folded into their actor's partial sum first. With ``round_deadline`` the members cut
+their own late local steps in each run of rounds (:mod:`.collective_deadline`), and under backend ``hier`` a node
+whose link is slow sits out of the leaders' exchange while it stays slow (:mod:`.collective_links`).
 
 Backend ``shm`` sums in rank order, the driver's order of folding the actors' sums, so a run equals a classic
-``fold_order: client`` run bit for bit; backend ``hier`` sums each node's actors in rank order, then the nodes
-in node order, so a run equals a classic ``reduce: node, fold_order: client`` run bit for bit (and, with
-``transfer_precision`` bf16/fp16, rounds what crosses between nodes, :mod:`.hierarchy`); gloo and NCCL sum in
-their own order (equal to float32 rounding, about 1e-7 relative). ``reduce: node`` is refused: the actors reduce
-among themselves, so there is nothing left for a node's reducer to fold.
+``fold_order: client`` run bit for bit; backend ``hier`` sums each node's actors in rank order, then the nodes in
+node order, so a run equals a classic ``reduce: node, fold_order: client`` run bit for bit (and, with
+``transfer_precision`` bf16/fp16, rounds what crosses between nodes, :mod:`.hierarchy`); gloo and NCCL sum in their
+own order (equal to float32 rounding, about 1e-7 relative). ``reduce: node`` is refused: the actors reduce among
+themselves, so there is nothing left for a node's reducer to fold.
 
 Failures. Every wait is bounded by ``ray_timeout_s``: the driver's wait for a round, and every collective call
-inside the group (the group's timeout). An actor whose client raised flags it in the first (small) all-reduce,
-so every member stops before the large one and the group stays sound; an actor that dies breaks its peers'
-all-reduce at once (gloo sees the connection close; a shared-memory wait looks at the peers' processes every 50
-ms), and they return. An actor that does not answer in time is told from the peers it blocks by the group's
-store, where each member checks in before its all-reduce: the late one is ended (which releases the others) and
-counts as failed. Then, as under the other transports, the failure policy (``on_client_failure``) applies to the
-failed actors, the group is built again over the actors now live, and the round is finished: the actors whose
-local round is done all-reduce the partial sums they kept, the replacements run theirs first, and the state is
-sent again.
+inside the group (the group's timeout). An actor whose client raised flags it in the first (small) all-reduce, so
+every member stops before the large one and the group stays sound; an actor that dies breaks its peers' all-reduce
+at once (gloo sees the connection close; a shared-memory wait looks at the peers' processes every 50 ms), and they
+return. An actor that does not answer in time is told from the peers it blocks by the group's store, where each
+member checks in before its all-reduce: the late one is ended (which releases the others) and counts as failed.
+Then, as under the other transports, the failure policy (``on_client_failure``) applies to the failed actors, the
+group is built again over the actors now live, and the round is finished: the actors whose local round is done
+all-reduce the partial sums they kept, the replacements run theirs first, and the state is sent again.
 """
 
 from __future__ import annotations
@@ -70,7 +69,8 @@ from fdam_ray.executors.ray import compat
 from fdam_ray.executors.ray.transports.base import Round, Transport
 from fdam_ray.executors.ray.transports.collective_backend import choose_backend, store_host
 from fdam_ray.executors.ray.transports.collective_deadline import DeadlineSpec
-from fdam_ray.executors.ray.transports.collective_messages import RoundShare, RunShare
+from fdam_ray.executors.ray.transports.collective_links import note_sitting
+from fdam_ray.executors.ray.transports.collective_messages import RoundShare, RunShare, member_works
 from fdam_ray.executors.ray.transports.hierarchy import BACKEND as HIERARCHICAL
 from fdam_ray.executors.ray.transports.hierarchy import spec as hierarchical_spec
 from fdam_ray.executors.ray.transports.pending import PendingState, held_by, key_of
@@ -117,6 +117,8 @@ class CollectiveTransport(Transport):
         self.step: ServerStep | None = None
         self.total_weight = 0.0
         self.deadline: DeadlineSpec | None = None  # round_deadline, kept by the members (takes_deadline)
+        self.behind: set[int] = set()  # members whose node sat out a round since they were last sent the state
+        self.rejoin: set[int] = set()  # those of them whose link a probe found fast again
         self._store: Any = None
         self._tries = 0
 
@@ -149,8 +151,8 @@ class CollectiveTransport(Transport):
         for _ in range(BUILD_TRIES * (1 + self.config.max_client_retries) * max(1, len(fleet.actors))):
             self._ensure_group(attempts)
             members = sorted(fleet.actors)
-            send = self.held_key is None or self.held_key != key_of(round.state, round.plan.stage)
-            shares, failed = self._attempt(round, members, kept, send)
+            send = self.held_key is None or self.held_key != key_of(round.state, round.plan.stage) or self.behind
+            shares, failed = self._attempt(round, members, kept, bool(send))
             if not failed and all(not shares[a].broken for a in members):
                 self._fold(round, members, shares)
                 return
@@ -173,13 +175,12 @@ class CollectiveTransport(Transport):
         actors, and the run's rounds are left to :meth:`run_round`, one at a time (a failure inside a run is
         recovered as one in its first round would be under ``collective_rounds: 1``)."""
         attempts: dict[int, int] = {}
-        members, token, state_ref = self._start_run(state, plans, attempts)
-        works = self._works(members, plans, chosen)
-        refs, held = {}, None  # each member's share; the lowest rank's state, an object of its own
+        members, token, state_ref, sent = self._start_run(state, plans, attempts)
+        works = member_works(self.fleet, members, plans, chosen, self.total_weight)
+        refs, helds = {}, {}  # each member's share; its state (from the holder alone), an object of its own
         for a in members:
-            refs[a], kept = self.fleet.actors[a].collective_rounds.options(num_returns=2).remote(
-                state_ref, works[a], token, average, self.deadline)
-            held = kept if held is None else held
+            refs[a], helds[a] = self.fleet.actors[a].collective_rounds.options(num_returns=2).remote(
+                state_ref if a in sent else None, works[a], token, average, self.deadline)
         runs, failed = self._collect_runs(refs, len(plans))
         alive = [a for a in members if a in runs and a not in failed]
         stops = {runs[a].stop for a in alive}
@@ -187,11 +188,11 @@ class CollectiveTransport(Transport):
             self._undo(token, alive, failed, attempts)
             return RoundsRun(stats=[], counts=[], bytes_up=[], state=None, stop="failed")
         shares = [runs[a] for a in members]
-        out = self._run_result(state, shares, average, held, read)
+        holder = shares[0].holder  # the lowest rank whose node took part in the last round
+        out = self._run_result(state, shares, average, helds[members[holder]], read)
         for plan, rnd in zip(plans, out.stats, strict=False):
             self.fleet.adopted(plan.round, [st.client_id for st in rnd])
-        keys = {share.key for share in shares}
-        self.held_key = keys.pop() if len(keys) == 1 else None
+        self._note_run(runs, members, sent, plans)
         if stops == {"diverged"}:  # the driver's check names the client; the round is not applied
             out.stop = "diverged"
             out.stats.append([st for share in shares for st in share.rounds[shares[0].done].stats])
@@ -199,36 +200,35 @@ class CollectiveTransport(Transport):
             out.stop = "stale"
         return out
 
+    def _note_run(self, runs: dict[int, RunShare], members: list[int], sent: set[int],
+                  plans: Sequence[RoundPlan]) -> None:
+        """After a run that counts: who is behind (:mod:`.collective_links`), and the state the others hold."""
+        behind, self.behind = self.behind, {a for a in members if runs[a].behind}
+        note_sitting(behind, self.behind, sent, self.fleet.hosted, [plan.round for plan in plans])
+        self.rejoin = {a for a in members if runs[a].rejoin}
+        keys = {runs[a].key for a in members if a not in self.behind}
+        self.held_key = keys.pop() if len(keys) == 1 else None
+
     def _start_run(self, state: GlobalState, plans: Sequence[RoundPlan], attempts: dict[int, int]
-                   ) -> tuple[list[int], str, Any]:
+                   ) -> tuple[list[int], str, Any, set[int]]:
         """A run's start: the group (built when the actors changed), the state put in the object store when the
-        members' copy is stale, the run's try named and its rounds recorded; the members in rank order, the
-        try's token and the state's ref (None: the members hold the state)."""
+        members' copy is stale (to every member but those behind, :mod:`.collective_links`, which sit out), and
+        for the members behind whose link is fast again (every member behind when the run has no deadline), the
+        run's try named and its rounds recorded; the members in rank order, the try's token, the state's ref and
+        the members sent it."""
         self._ensure_group(attempts)
         members = sorted(self.fleet.actors)
         send = self.held_key is None or self.held_key != key_of(state, plans[0].stage)
-        state_ref = ray.put(state) if send else None
+        if self.deadline is not None:  # the members behind sit out unless their link is fast again
+            sent = (set(members) - self.behind if send else set()) | (self.rejoin & set(members))
+        else:
+            sent = set(members) if send else self.behind & set(members)
+        state_ref = ray.put(state) if sent else None
         self.rounds_sent += send
         token = f"{plans[0].round}.{self._tries}"
         self._tries += 1
         self.runs.append([plan.round for plan in plans])
-        return members, token, state_ref
-
-    def _works(self, members: list[int], plans: Sequence[RoundPlan], chosen: Sequence[set[int]]
-               ) -> dict[int, list[tuple[RoundPlan, list[int], list[int], float | None]]]:
-        """Each member's part of every round of a run: the plan, the member's clients in the round, those of them
-        that first adopt the global c (a replacement client adopts it in its first round only) and a sampled
-        round's total weight (None in a full round)."""
-        fleet = self.fleet
-        works: dict[int, list[tuple[RoundPlan, list[int], list[int], float | None]]] = {a: [] for a in members}
-        adopted: set[int] = set()
-        for plan, clients in zip(plans, chosen, strict=True):
-            for a in members:
-                ids = [k for k in fleet.hosted.get(a, ()) if k in clients]
-                adopt = [k for k in ids if k in fleet.adopt_global_c and k not in adopted]
-                works[a].append((plan, ids, adopt, self.total_weight if plan.partial else None))
-            adopted.update(clients)
-        return works
+        return members, token, state_ref, sent
 
     def _run_result(self, state: GlobalState, shares: list[RunShare], average: bool, held: Any, read: bool
                     ) -> RoundsRun:
@@ -236,7 +236,7 @@ class CollectiveTransport(Transport):
         statistics (actor order), client counts and bytes, the state after the run (the lowest rank's object ``held``,
         read when used, :mod:`.pending`, pulled from now on if ``read``; at once after a run that stopped early)
         and, with ``average``, the float64 sum of v over the applied rounds."""
-        first = shares[0]
+        first = shares[shares[0].holder]  # the member that returned the state
         applied = first.done
         after: GlobalState | None = None
         if applied:
@@ -249,9 +249,9 @@ class CollectiveTransport(Transport):
             assert after is not None
             shape = after.v.shape if first.key is None else first.key[3][0]  # v's, from the key: nothing read
             ref_sum = np.zeros(int(np.prod(shape)), dtype=np.float64)
-            for share in shares:
-                lo, hi = share.ref_slice
-                ref_sum[lo:hi] = share.ref_sum
+            for share in shares:  # one slice a member; more where nodes sat out (:mod:`.collective_links`)
+                for lo, hi, part in share.ref_sums:
+                    ref_sum[lo:hi] += part
             out.ref_sum = ref_sum.reshape(shape)
         return out
 
@@ -370,7 +370,7 @@ class CollectiveTransport(Transport):
             raise RuntimeError("the lowest rank of the collective group returned no sums")
         total.stats = [s for a in members for s in shares[a].stats]
         keys = {shares[a].key for a in members}
-        self.held_key = keys.pop() if len(keys) == 1 else None
+        self.held_key, self.behind, self.rejoin = (keys.pop() if len(keys) == 1 else None), set(), set()
         self.fleet.folded(total, round.fold)
 
     # -- the group ---------------------------------------------------------------------------
@@ -435,7 +435,7 @@ class CollectiveTransport(Transport):
 
     def _forget(self) -> None:
         """Drop the group on the driver's side (the members leave it when they join the next one, or end)."""
-        self.key, self.held_key, self._store = (), None, None
+        self.key, self.held_key, self._store, self.behind, self.rejoin = (), None, None, set(), set()
 
     def close(self, end_actors) -> None:
         end_actors()

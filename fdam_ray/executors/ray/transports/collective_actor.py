@@ -15,7 +15,7 @@ returned was lost).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -23,9 +23,18 @@ import torch
 from fdam_ray.algorithms.server import PartialSum, ServerStep
 from fdam_ray.clients.late import LateSteps
 from fdam_ray.core.state import GlobalState, RoundPlan, Rule, vector_names
-from fdam_ray.executors.ray.transports.collective_deadline import DeadlineSpec, MemberClock, agree, started
+from fdam_ray.executors.ray.transports.collective_deadline import (
+    Agreement,
+    DeadlineSpec,
+    LinkReport,
+    MemberClock,
+    agree,
+    started,
+)
+from fdam_ray.executors.ray.transports.collective_links import Links, link_factor
 from fdam_ray.executors.ray.transports.collective_messages import RoundShare, RunShare, state_key
 from fdam_ray.executors.ray.transports.group import GroupMember
+from fdam_ray.executors.ray.transports.hierarchy import Place, slice_of
 
 if TYPE_CHECKING:
     from fdam_ray.clients.client import Client
@@ -74,6 +83,9 @@ class CollectiveActor:
         self._run_partials: list[PartialSum | None] = [None, None]
         self._before_run: tuple[str, dict] = ("", {})  # clients' states before a run of rounds
         self._clock = MemberClock()  # round_deadline: the members' last median step time
+        # backend hier under a deadline (:mod:`.collective_links`): this member's node sat out a round since it was
+        # last sent the state (its held state is behind); its node's last probe found the link fast again
+        self._behind, self._fast = False, False
 
     def _member(self) -> GroupMember:
         if self._group is None:
@@ -107,6 +119,7 @@ class CollectiveActor:
                    step: ServerStep | None) -> None:
         """Join the collective group whose store is at ``host:port`` as ``rank`` of ``world``."""
         self._member().join(host, port, rank, world, backend, timeout_s, step)
+        self._behind, self._fast = False, False
 
     def collective_round(self, state: GlobalState | None, plan: RoundPlan, client_ids: Sequence[int],
                          adopt_global_c: Sequence[int], reduce_only: bool, partial_total: float | None,
@@ -118,7 +131,7 @@ class CollectiveActor:
         A client's error is flagged to the group first (so no member waits for this one), then raised.
         """
         member = self._member()
-        start = member.state_for(state)
+        start = self._start_state(state)
         failure: BaseException | None = None
         if not reduce_only:
             try:
@@ -144,9 +157,10 @@ class CollectiveActor:
         The run stops at the first round that does not go through, on every member at the same round (the
         reasons travel in the all-reduce): a failed local round (its error is in the share, not raised; the
         driver then has the run undone), a broken all-reduce, a client's non-finite update, or a non-finite
-        state. Each
-        member checks its slice of each new state (:meth:`GroupMember.slice_finite`) and, with ``average``
-        (``reference_point: average``), sums its slice of each new v in float64 for the stage's running sum.
+        state. Each member checks its slice of each new state (:meth:`GroupMember.slice_finite`) and, with
+        ``average`` (``reference_point: average``), sums its slice of each new v in float64 for the stage's
+        running sum; in a round with a node out (:mod:`.collective_links`) the members of the nodes in it share v
+        among themselves (the share returns one sum per slice).
         Its clients' states before the run are kept, so a run that does not count can be undone
         (:meth:`undo_run`). With ``deadline`` each round's local steps are cut at it and the members agree on who
         made the round first (:meth:`_cut_round`).
@@ -156,31 +170,29 @@ class CollectiveActor:
         """
         member = self._member()
         run = RunShare(rounds=[])
-        current = member.state_for(state)
+        current = self._start_state(state, deadline is not None)
+        links = self._links_on(deadline)
         self._before_run = (token, {k: c.get_state() for k, c in self.clients.items()})  # for undo_run
-        start, stop = member.my_slice(current.v.size)
-        ref = np.zeros(stop - start, dtype=np.float64) if average else None
+        ref: dict[tuple[int, int], np.ndarray] | None = {} if average else None  # (start, stop) -> float64 sum
         stale = False
         for plan, ids, adopt, partial_total in works:
             failure: BaseException | None = None
             self.round = plan.round
             partial = self._run_partial(current)
             late: tuple[int, ...] = ()
+            round_links: Links | None = None
             if deadline is not None:
-                failure, late, partial_total, broken = self._cut_round(deadline, current, plan, ids, adopt, partial,
-                                                                       partial_total)
+                failure, late, partial_total, broken, round_links = self._cut_round(
+                    deadline, current, plan, ids, adopt, partial, partial_total, links)
                 if broken:
                     run.rounds.append(RoundShare([], broken=broken))
                     run.stop = "broken"
                     break
             else:
-                try:
-                    self._local_round(current, plan, ids, adopt, into=partial)
-                except Exception as exc:  # a ClientError naming the client: returned once the group knows
-                    failure = exc
+                failure = self._steps(current, plan, ids, adopt, partial, None)[2]
             # reduced in place, no check-in (the driver waits for a run as a whole), no sums kept for a re-run
             share = member.reduce(None if failure is not None else partial, current, plan, partial_total, "", stale,
-                                  in_place=True)
+                                  in_place=True, links=round_links)
             share.late = late
             run.rounds.append(share)
             if failure is not None or share.broken:
@@ -189,61 +201,157 @@ class CollectiveActor:
             if share.stale or share.diverged:
                 run.stop = "stale" if share.stale else "diverged"
                 break
+            ins = self._holding(round_links)
+            run.holder = ins[0]
             assert member.held is not None
             current, run.done, run.key = member.held, run.done + 1, share.key
-            if ref is not None:
-                np.add(ref, current.v.reshape(-1)[start:stop], out=ref)
-            stale = not member.slice_finite(current)
+            stale = self._check_and_sum(current, ins, ref)
         run.stale = stale and not run.stop
+        run.behind, run.rejoin = self._behind, self._behind and self._fast
         if run.stop:
             run.key = None
-        run.ref_sum, run.ref_slice = ref, (start, stop)
-        return run, (current if run.done and member.rank == 0 else None)
+        run.ref_sums = [] if ref is None else [(a, b, x) for (a, b), x in ref.items()]
+        return run, (current if run.done and member.rank == run.holder else None)
+
+    def _holding(self, links: Links | None) -> list[int]:
+        """The ranks holding a round's new state, in rank order: those of the nodes in ``links`` (all without)."""
+        member = self._member()
+        place = member.nodes.place if member.nodes is not None else None
+        if links is None or place is None:
+            return list(range(member.world))
+        return [r for r, n in enumerate(place.node_of) if n in links.active]
+
+    def _check_and_sum(self, state: GlobalState, ins: list[int], ref: dict[tuple[int, int], np.ndarray] | None
+                       ) -> bool:
+        """After an applied round: this member's share of v among the members holding ``state`` (``ins``) checked
+        (:meth:`GroupMember.slice_finite`; alpha and the buffers on the first of them) and, with ``ref``, added to
+        its float64 running sum of that slice; whether the share is not finite (False: none held)."""
+        member = self._member()
+        if member.rank not in ins:
+            return False
+        start, stop = slice_of(state.v.size, ins.index(member.rank), len(ins))
+        if ref is not None and stop > start:
+            kept = ref.setdefault((start, stop), np.zeros(stop - start, dtype=np.float64))
+            np.add(kept, state.v.reshape(-1)[start:stop], out=kept)
+        return not member.slice_finite(state, (start, stop), member.rank == ins[0])
+
+    def _steps(self, state: GlobalState, plan: RoundPlan, ids: Sequence[int], adopt: Sequence[int],
+               partial: PartialSum, until: float | None) -> tuple[bool, float | None, BaseException | None]:
+        """A round's local steps into ``partial`` (stopped at ``until``): whether a deadline cut them, their
+        projected end then, and a client's error (returned, raised once the group knows)."""
+        try:
+            self._local_round(state, plan, ids, adopt, into=partial, until=until)
+        except LateSteps as stopped:  # its projected end: what its steps would have taken, at least
+            return True, stopped.ends, None
+        except Exception as exc:  # a ClientError naming the client
+            return False, None, exc
+        return False, None, None
+
+    def _start_state(self, given: GlobalState | None, may_sit_out: bool = False) -> GlobalState:
+        """A call's starting state: the one sent (this member is then current again), else the one held; a
+        member behind (:mod:`.collective_links`) that was sent none goes on sitting out, in a run under a
+        deadline only."""
+        if given is not None:
+            self._behind, self._fast = False, False
+        elif self._behind and not may_sit_out:
+            raise RuntimeError(f"actor {self.actor} holds a state behind the group's and was sent none")
+        return self._member().state_for(given)
+
+    def _links_on(self, deadline: DeadlineSpec | None) -> Place | None:
+        """This member's place when its node may sit out for a slow link in this run (backend hier over three
+        nodes or more, a deadline, no 16-bit residuals), else None."""
+        nodes = self._member().nodes
+        if deadline is None or nodes is None or nodes.place.nodes < 3 or nodes.error_feedback:
+            return None
+        return nodes.place
+
+    def _link_report(self, place: Place | None, spec: DeadlineSpec) -> LinkReport | None:
+        """What this member writes of the links into the round's flags; its leader's measures are then cleared."""
+        if place is None:
+            return None
+        nodes = self._member().nodes
+        leaders = nodes.leaders if nodes is not None else None
+        report = LinkReport(place.node_of, place.nodes, None if leaders is None else leaders.rates.copy(),
+                            0 if leaders is None else leaders.chunk_bytes,
+                            float("nan") if leaders is None else leaders.probe_s, self._behind,
+                            link_factor(spec.factor))
+        if leaders is not None:
+            leaders.rates[:], leaders.probe_s = np.nan, float("nan")
+        return report
 
     def _cut_round(self, spec: DeadlineSpec, state: GlobalState, plan: RoundPlan, ids: Sequence[int],
-                   adopt: Sequence[int], partial: PartialSum, partial_total: float | None
-                   ) -> tuple[BaseException | None, tuple[int, ...], float | None, str]:
+                   adopt: Sequence[int], partial: PartialSum, partial_total: float | None, place: Place | None
+                   ) -> tuple[BaseException | None, tuple[int, ...], float | None, str, Links | None]:
         """A round's local steps under the collective's deadline (:mod:`.collective_deadline`): cut at it, the
         members' flags agreed, the round run again without a deadline when too few clients made it, and
-        ``partial`` made what this member sends of a cut round (zeros when late, else its clients' changes of
-        c^k in a full round with control variates). Returns this member's failure, the late ranks, the round's
-        partial total, and why the group broke ('' when it did not)."""
+        ``partial`` made what this member sends of a cut round (zeros when late or its node is out, else its
+        clients' changes of c^k in a full round with control variates). A member behind runs no steps
+        (:mod:`.collective_links`, with ``place``). Returns this member's failure, the ranks that sit the round
+        out, the round's partial total, why the group broke ('' when it did not) and the round's leaders'
+        exchange (None: every node, no link measured)."""
         member = self._member()
         self.keep_before(plan.round, ids, residual=False)  # what discard_round and round_changes read
         failure: BaseException | None = None
-        late = False
+        late, ran = False, not self._behind
         for again in (False, True):
             start = started()
             until = None if again else self._clock.until(spec, start)
             late, ends = False, None
-            try:
-                self._local_round(state, plan, ids, adopt, into=partial, until=until)
-            except LateSteps as cut:  # its projected end: what its steps would have taken, at least
-                late, ends = True, cut.ends
-            except Exception as exc:  # a ClientError naming the client: returned once the group knows
-                failure = exc
-            if again:  # no deadline: every member made it
-                return failure, (), partial_total, ""
-            try:
-                agreed = agree(member, late=late, step_s=max(started(), ends or 0.0) - start, asked=len(ids),
-                               made=0 if late or failure is not None else len(ids))
-            except Exception as exc:  # a member died or did not answer: the group is broken
-                member.leave()
-                return failure, (), partial_total, (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            self._clock.median_s = agreed.median_s
+            if ran:
+                late, ends, failure = self._steps(state, plan, ids, adopt, partial, until)
+            if again:  # no deadline: every member of a node in the round made it
+                break
+            made = 0 if late or failure is not None or not ran else len(ids)
+            agreed, broken = self._agree(spec, place, plan.round, late=late,
+                                         step_s=max(started(), ends or 0.0) - start, asked=len(ids), made=made)
+            if broken:
+                return failure, (), partial_total, broken, None
             if not agreed.rerun(spec.min_clients):
                 break
-            self.discard_round(plan.round)
-        if not agreed.late:
-            return failure, (), partial_total, ""
-        if late:  # this member sits the round out: its clients as they were, its sums zeros
-            self.discard_round(plan.round)
+            if ran:
+                self.discard_round(plan.round)
+        links = None if place is None else self._note_links(agreed, place, plan.round)
+        cut = agreed.late
+        if again:  # a rerun: every member of a node in the round made it
+            cut = tuple(r for r, n in enumerate(place.node_of) if n in agreed.out) if place is not None else ()
+        if not cut:
+            return failure, (), partial_total, "", links
+        if member.rank in cut:  # this member sits the round out: its clients as they were, its sums zeros
+            if ran:
+                self.discard_round(plan.round)
             partial.reset()
         elif not plan.partial and partial.control_variates:
             changes = self.round_changes(plan.round)  # in the order the clients were folded
             for name, x in zip(vector_names(Rule.CONTROL), changes or (), strict=False):
                 getattr(partial, name).reshape(-1)[:] = x.reshape(-1)
-        return failure, agreed.late, spec.total_weight if partial_total is None else partial_total, ""
+        return failure, cut, spec.total_weight if partial_total is None else partial_total, "", links
+
+    def _agree(self, spec: DeadlineSpec, place: Place | None, round_index: int, **flags: Any
+               ) -> tuple[Agreement, str]:
+        """The round's flags agreed (:func:`~.collective_deadline.agree`, ``flags``: this member's), the clock's
+        median kept; and why the group broke ('' when it did not: a member died or did not answer, or a rerun
+        needs more clients than the nodes holding the state have)."""
+        member = self._member()
+        try:
+            agreed = agree(member, **flags, links=self._link_report(place, spec), min_clients=spec.min_clients)
+        except Exception as exc:  # a member died or did not answer: the group is broken
+            member.leave()
+            return Agreement((), 0, None), (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        self._clock.median_s = agreed.median_s
+        if agreed.rerun(spec.min_clients) and agreed.out and agreed.asked < spec.min_clients:
+            member.leave()
+            return agreed, (f"round {round_index}: {agreed.asked} clients on the nodes holding the state, fewer "
+                            f"than min_clients={spec.min_clients}")
+        return agreed, ""
+
+    def _note_links(self, agreed: Agreement, place: Place, round_index: int) -> Links:
+        """This member's node out of the round (it is then behind) or probed fast again, from the agreement;
+        the round's leaders' exchange."""
+        if place.node in agreed.probed:
+            self._fast = place.node in agreed.fast
+        if place.node in agreed.out:
+            self._behind = True
+        return Links.of(place.nodes, agreed.out, round_index)
 
     def held_state(self, key: tuple) -> GlobalState | None:
         """The global state this actor holds when its :func:`~.collective_messages.state_key` is ``key`` (the

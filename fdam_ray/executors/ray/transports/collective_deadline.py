@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from fdam_ray.executors.ray.transports.collective_links import probe_fast, slow_nodes
+
 if TYPE_CHECKING:
     from fdam_ray.executors.deadlines import Deadline
     from fdam_ray.executors.ray.transports.group import GroupMember
@@ -84,18 +86,43 @@ class MemberClock:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinkReport:
+    """What a member adds to a round's flags under backend ``hier`` (:mod:`.collective_links`): every rank's node,
+    the number of nodes, its leader's receive rates of the last exchange and the bytes of each chunk in it (None
+    and 0 on the other members), the seconds of the last probe its leader received (NaN: none), whether the member
+    is behind, and the link factor."""
+
+    node_of: tuple[int, ...]
+    nodes: int
+    rates: np.ndarray | None
+    chunk_bytes: int
+    probe_s: float
+    behind: bool
+    factor: float
+
+
+@dataclasses.dataclass(frozen=True)
 class Agreement:
     """What every member reads from the round's flags (:func:`agree`).
 
     Attributes:
-        late: the ranks whose local steps ran past the deadline.
-        made: clients whose round ended in time.
-        median_s: the lower median of the local-step times of the members that had clients (None: none had).
+        late: the ranks that sit the round out: their local steps ran past the deadline, or their node is out.
+        made: clients whose round ended in time, on the nodes in the round.
+        median_s: the lower median of the local-step times of the members in the round that had clients (None:
+            none had).
+        out: the nodes out of the round's exchange (:mod:`.collective_links`): behind, or their link found slow.
+        probed: the nodes out whose probe of the last round is in the flags; ``fast``: those of them whose probe
+            found their link fast again.
+        asked: clients asked to run on the nodes in the round.
     """
 
     late: tuple[int, ...]
     made: int
     median_s: float | None
+    out: tuple[int, ...] = ()
+    probed: tuple[int, ...] = ()
+    fast: tuple[int, ...] = ()
+    asked: int = 0
 
     def rerun(self, min_clients: int) -> bool:
         """Whether the round runs again without a deadline: someone was late and fewer than ``min_clients``
@@ -103,17 +130,65 @@ class Agreement:
         return bool(self.late) and self.made < min_clients
 
 
-def agree(member: GroupMember, *, late: bool, step_s: float, asked: int, made: int) -> Agreement:
+def agree(member: GroupMember, *, late: bool, step_s: float, asked: int, made: int,
+          links: LinkReport | None = None, min_clients: int = 1) -> Agreement:
     """The members' flags summed over the group (one float64 all-reduce of 4 numbers a member, each in its own
     slot: exact): whether this member was ``late``, its local-step time, the clients it was ``asked`` to run and
-    those of them that ``made`` it. Raises when the group is broken."""
+    those of them that ``made`` it; with ``links``, whether it is behind, and its leader's receive rates and
+    probe time (a node's leader alone writes its node's slots), from which every member reads the same nodes
+    out and fast again (:func:`_links_read`). Raises when the group is broken."""
     world, rank = member.world, member.rank
-    flags = np.zeros(4 * world, dtype=np.float64)
+    p = links.nodes if links is not None else 0
+    flags = np.zeros(4 * world + (world + p * p + 2 * p if links is not None else 0), dtype=np.float64)
     flags[rank], flags[world + rank], flags[2 * world + rank], flags[3 * world + rank] = late, step_s, asked, made
+    if links is not None:
+        _links_write(flags, links, world, rank)
     member.all_reduce_flags(flags)
-    times = sorted(float(flags[world + r]) for r in range(world) if flags[2 * world + r] > 0)
-    return Agreement(late=tuple(r for r in range(world) if flags[r] > 0), made=int(flags[3 * world:].sum()),
-                     median_s=times[(len(times) + 1) // 2 - 1] if times else None)
+    out: set[int] = set()
+    probed: tuple[int, ...] = ()
+    fast: tuple[int, ...] = ()
+    if links is not None:
+        out, probed, fast = _links_read(flags, links, world, min_clients)
+    ins = [r for r in range(world) if links is None or links.node_of[r] not in out]
+    times = sorted(float(flags[world + r]) for r in ins if flags[2 * world + r] > 0)
+    return Agreement(late=tuple(r for r in range(world) if flags[r] > 0 or r not in ins),
+                     made=int(sum(flags[3 * world + r] for r in ins)),
+                     median_s=times[(len(times) + 1) // 2 - 1] if times else None, out=tuple(sorted(out)),
+                     probed=probed, fast=fast, asked=int(sum(flags[2 * world + r] for r in ins)))
+
+
+def _links_write(flags: np.ndarray, links: LinkReport, world: int, rank: int) -> None:
+    """A member's link slots: its behind flag; on a node's leader, the node's rates row, probe time and chunk
+    bytes (after the 5 slots a member: p x p rates, p probe times, p chunk sizes)."""
+    p, node = links.nodes, links.node_of[rank]
+    flags[4 * world + rank] = links.behind
+    if links.rates is not None:
+        flags[5 * world + node * p:5 * world + (node + 1) * p] = np.nan_to_num(links.rates, nan=0.0)
+        flags[5 * world + p * p + node] = 0.0 if np.isnan(links.probe_s) else links.probe_s
+        flags[5 * world + p * p + p + node] = links.chunk_bytes
+
+
+def _links_read(flags: np.ndarray, links: LinkReport, world: int, min_clients: int
+                ) -> tuple[set[int], tuple[int, ...], tuple[int, ...]]:
+    """From the summed flags: the nodes out (behind, or found slow by
+    :func:`~.collective_links.slow_nodes` while ``min_clients`` clients made it without them), those of them
+    probed, and those whose probe found them fast (:func:`~.collective_links.probe_fast`)."""
+    p = links.nodes
+    out = {links.node_of[r] for r in range(world) if flags[4 * world + r] > 0}
+    rates = flags[5 * world:5 * world + p * p].reshape(p, p)
+    made_on = [0.0] * p
+    for r in range(world):
+        made_on[links.node_of[r]] += flags[3 * world + r]
+    made_in = sum(made_on[n] for n in range(p) if n not in out)
+    chunk = float(flags[5 * world + p * p + p:].max())
+    for n in slow_nodes(rates, [n for n in range(p) if n not in out], links.factor, chunk):
+        if made_in - made_on[n] >= min_clients:
+            out.add(n)
+            made_in -= made_on[n]
+    probes = flags[5 * world + p * p:5 * world + p * p + p]
+    probed = tuple(n for n in sorted(out) if probes[n] > 0)
+    control = min((float(probes[n]) for n in range(p) if n not in out and probes[n] > 0), default=float("nan"))
+    return out, probed, tuple(n for n in probed if probe_fast(float(probes[n]), control, links.factor))
 
 
 def started() -> float:

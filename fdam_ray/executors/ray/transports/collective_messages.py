@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from fdam_ray.algorithms.server import PartialSum
-from fdam_ray.core.state import GlobalState, StepStats, vector_fields
+from fdam_ray.core.state import GlobalState, RoundPlan, StepStats, vector_fields
 
 KEY_STRIDE = 997  # every this-many-th value of the long vectors enters a state's key (the short ones whole)
 
@@ -77,9 +79,12 @@ class RunShare:
         failure: this member's own error when its local round raised.
         stale: this member's slice of the state after the run's last round is not finite.
         key: :func:`state_key` of the state held after the run (None: none held, or the run stopped).
-        ref_sum: with the ``average`` reference point, this member's slice of the float64 sum of v over the
-            applied rounds, else None.
-        ref_slice: (start, stop) of that slice in v.
+        ref_sums: with the ``average`` reference point, this member's slices of the float64 sum of v over the
+            applied rounds, ``(start, stop, sum)`` (one slice, unless nodes sat out: the members in a round share v
+            among themselves), else none.
+        holder: the lowest rank whose node took part in the run's last round (it returns the state).
+        behind: this member's node sat out a round and was not sent the state since
+            (:mod:`.collective_links`); ``rejoin``: and its last probe found its link fast again.
     """
 
     rounds: list[RoundShare]
@@ -88,5 +93,23 @@ class RunShare:
     failure: BaseException | None = None
     stale: bool = False
     key: tuple | None = None
-    ref_sum: np.ndarray | None = None
-    ref_slice: tuple[int, int] = (0, 0)
+    ref_sums: list[tuple[int, int, np.ndarray]] = dataclasses.field(default_factory=list)
+    holder: int = 0
+    behind: bool = False
+    rejoin: bool = False
+
+
+def member_works(fleet: Any, members: list[int], plans: Sequence[RoundPlan], chosen: Sequence[set[int]],
+                 total_weight: float) -> dict[int, list[tuple[RoundPlan, list[int], list[int], float | None]]]:
+    """Each member's part of every round of a run (what the driver sends it): the plan, the member's clients in
+    the round, those of them that first adopt the global c (a replacement client adopts it in its first round
+    only) and a sampled round's total weight (None in a full round)."""
+    works: dict[int, list[tuple[RoundPlan, list[int], list[int], float | None]]] = {a: [] for a in members}
+    adopted: set[int] = set()
+    for plan, clients in zip(plans, chosen, strict=True):
+        for a in members:
+            ids = [k for k in fleet.hosted.get(a, ()) if k in clients]
+            adopt = [k for k in ids if k in fleet.adopt_global_c and k not in adopted]
+            works[a].append((plan, ids, adopt, total_weight if plan.partial else None))
+        adopted.update(clients)
+    return works

@@ -45,6 +45,7 @@ import torch
 
 from fdam_ray.algorithms.server import PartialSum, ServerStep, same_shapes
 from fdam_ray.core.state import GlobalState, RoundPlan
+from fdam_ray.executors.ray.transports.collective_links import Links
 from fdam_ray.executors.ray.transports.collective_messages import RoundShare, state_key
 from fdam_ray.executors.ray.transports.collective_sums import (
     finish_slice,
@@ -193,7 +194,7 @@ class GroupMember:
 
     # -- a round --------------------------------------------------------------------------
     def reduce(self, mine: PartialSum | None, state: GlobalState, plan: RoundPlan, partial_total: float | None,
-               token: str, stale: bool = False, in_place: bool = False) -> RoundShare:
+               token: str, stale: bool = False, in_place: bool = False, links: Links | None = None) -> RoundShare:
         """All-reduce ``mine`` (None: this member failed; it contributes nothing and flags the failure) with the
         group's, apply the server step, keep the new state; a broken all-reduce ends the process group and says
         why in the share. ``token`` names this try of the round in the store (the driver reads who arrived).
@@ -206,7 +207,8 @@ class GroupMember:
         Flags every member reads in the share: ``diverged`` (a member's client sent a non-finite update or loss:
         the step is not applied, the lowest rank still returns the sums, whose fold raises on the driver) and
         ``stale`` (a member found its slice of ``state`` not finite, :meth:`slice_finite`; the step is not
-        applied)."""
+        applied). ``links`` (backend hier, a run under a deadline): the nodes in the leaders' exchange; a member
+        whose node is out applies nothing (:mod:`.collective_links`)."""
 
         world, rank = self.world, self.rank
         order = layout(state)
@@ -214,7 +216,7 @@ class GroupMember:
         mine_stats = [] if mine is None else list(mine.stats)
         size = sum(n for _, n in order)
         if self.shared:
-            return self._reduce_shared(mine, state, plan, partial_total, token, small, order, size, in_place)
+            return self._reduce_shared(mine, state, plan, partial_total, token, small, order, size, in_place, links)
         mine_flat = mine.flat if in_place and mine is not None else None
         own = mine_flat is not None and mine_flat.size == size
         flat = mine_flat if own and mine_flat is not None else self._buffer(size)
@@ -246,7 +248,7 @@ class GroupMember:
 
     def _reduce_shared(self, mine: PartialSum | None, state: GlobalState, plan: RoundPlan,
                        partial_total: float | None, token: str, small: np.ndarray, order: list[tuple[str, int]],
-                       size: int, in_place: bool) -> RoundShare:
+                       size: int, in_place: bool, links: Links | None = None) -> RoundShare:
         """:meth:`reduce` through the group's shared-memory block (backend ``shm``, see :mod:`.shared`): the
         members' sums in rank order, each member's slice finished by it (``in_place``: the new state is then
         held in the block's result buffer, no copy of it anywhere), else the whole sums read from the block and
@@ -270,13 +272,14 @@ class GroupMember:
             if self.nodes is not None:
                 summed = block.result_for(state.v)
                 small = self.nodes.round(block, small, summed, state, order, world, plan.partial,
-                                         lambda rows: self._goes_on(rows, in_place))
+                                         lambda rows: self._goes_on(rows, in_place), links)
             if small[3 * world:4 * world].any():
                 return RoundShare(mine_stats, broken="a member failed in its local round")
             diverged, stale = bool(small[4 * world:5 * world].any()), bool(small[5 * world:6 * world].any())
-            apply = self.step is not None and not diverged and not stale
+            sitting = self._sits_out(links)
+            apply = self.step is not None and not diverged and not stale and not sitting
             total: PartialSum | None = None
-            if apply or not in_place:  # in place with no step: nothing to sum
+            if apply or not (in_place or sitting):  # in place with no step, or a node out: nothing to sum
                 out = block.result_for(state.v)
                 start, stop = self.my_slice(size) if self.nodes is None else self.nodes.my_slice(size)
                 if summed is None:
@@ -302,6 +305,10 @@ class GroupMember:
             self.held = self.step.apply(state, total, plan.steps, partial_total, self._server_sums(total))
         share.key = state_key(self.held, plan.stage)
         return share
+
+    def _sits_out(self, links: Links | None) -> bool:
+        """Whether this member's node is out of the round's leaders' exchange (:mod:`.collective_links`)."""
+        return links is not None and self.nodes is not None and self.nodes.place.node not in links.active
 
     def _goes_on(self, small: np.ndarray, in_place: bool) -> bool:
         """Whether a round whose members' rows sum to ``small`` needs its summed vectors (no member failed, and
@@ -374,13 +381,14 @@ class GroupMember:
         one shorter)."""
         return slice_of(n, self.rank if rank is None else rank, self.world)
 
-    def slice_finite(self, state: GlobalState) -> bool:
-        """Whether this member's slice of v (and, on the lowest rank, alpha and the float buffers) is finite: each
-        member checks its share of the state once, not the whole state on every member (a dot product first,
-        exact only where that is not finite)."""
-        start, stop = self.my_slice(state.v.size)
+    def slice_finite(self, state: GlobalState, share: tuple[int, int] | None = None, lowest: bool | None = None
+                     ) -> bool:
+        """Whether this member's slice of v (``share``, else :meth:`my_slice`) and, on the lowest rank (or where
+        ``lowest``), alpha and the float buffers are finite: each member checks its share of the state once, not
+        the whole state on every member (a dot product first, exact only where that is not finite)."""
+        start, stop = share if share is not None else self.my_slice(state.v.size)
         parts = [state.v.reshape(-1)[start:stop]]
-        if self.rank == 0:
+        if self.rank == 0 if lowest is None else lowest:
             parts += [state.alpha.reshape(-1), state.buffers.reshape(-1)]
         for x in parts:
             if x.size and not math.isfinite(float(np.dot(x, x))) and not np.isfinite(x).all():

@@ -11,9 +11,12 @@ no NCCL), a round's sums move in three steps:
    sit on the node's own address: a reduce-scatter (S_n cut into p equal
    chunks, p the number of nodes; leader j receives chunk j of every node, one
    direct message each, and sums them in node order) and an all-gather (every
-   leader receives every summed chunk). Each node's link carries (p-1)/p of a
+   leader receives every summed chunk), both as point-to-point messages, each
+   receive timed (:class:`Leaders`). Each node's link carries (p-1)/p of a
    state out and (p-1)/p in per step, 2(p-1)/p of a state each way a round,
-   whatever the number of members on the node;
+   whatever the number of members on the node. Under a deadline a node whose
+   link is slow sits out (:mod:`.collective_links`): the others' leaders
+   exchange among themselves, p then their number;
 3. the leader writes the all-node sum into the node's block, and the node's
    members read it there.
 
@@ -45,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import re
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,6 +56,7 @@ import numpy as np
 import torch
 
 from fdam_ray.core.state import GlobalState, Rule, vector_fields
+from fdam_ray.executors.ray.transports.collective_links import Links
 from fdam_ray.executors.ray.transports.shared import SharedBlock, SharedBroken
 from fdam_ray.executors.transfer import decode, encode
 
@@ -80,6 +85,7 @@ class Place:
         size: the node's number of members.
         nodes: the number of nodes.
         addresses: each node's address (in node order), for messages.
+        node_of: each rank's node index.
     """
 
     node: int
@@ -87,6 +93,7 @@ class Place:
     size: int
     nodes: int
     addresses: tuple[str, ...]
+    node_of: tuple[int, ...] = ()
 
     @property
     def leader(self) -> bool:
@@ -97,8 +104,9 @@ class Place:
         """Rank ``rank``'s place; ``where[r]``: rank r's (node id, node address)."""
         groups = node_groups([node for node, _ in where])
         node = next(i for i, g in enumerate(groups) if rank in g)
+        node_of = {r: i for i, g in enumerate(groups) for r in g}
         return cls(node, groups[node].index(rank), len(groups[node]), len(groups),
-                   tuple(where[g[0]][1] for g in groups))
+                   tuple(where[g[0]][1] for g in groups), tuple(node_of[r] for r in range(len(where))))
 
 
 def spec(precision: str, error_feedback: bool) -> str:
@@ -201,12 +209,20 @@ def simulate(node_sums: Sequence[np.ndarray], precision: str = "fp32",
 class Leaders:
     """The gloo group of the nodes' leaders (one member per node), its sockets on this node's ``host``.
 
+    The reduce-scatter and the all-gather are point-to-point messages among the round's active leaders (a node
+    whose link is slow may sit a round out, :mod:`.collective_links`), each receive timed: after an exchange,
+    :attr:`rates` holds the bytes a second at which this leader received each active peer's chunk of the
+    reduce-scatter (counted from the exchange's start, which the round's flags all-reduce lines up on every
+    leader; NaN for itself and for nodes out of the exchange).
+
     Args:
         store: the collective group's store (the leaders meet under ``prefix`` there).
         index: this leader's node index; ``count``: the number of nodes.
         host: this node's address (the gloo device listens and sends there).
         timeout_s: the longest wait of any exchange.
     """
+
+    SCATTER, GATHER, PROBE = 1, 2, 3  # message tags (gloo's collectives use slots of their own)
 
     def __init__(self, store: Any, prefix: str, index: int, count: int, host: str, timeout_s: float) -> None:
         import torch.distributed as dist
@@ -216,37 +232,96 @@ class Leaders:
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         opts._timeout = datetime.timedelta(seconds=timeout_s)
         self.group: Any = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), index, count, opts)
+        self.rates = np.full(count, np.nan)
+        self.chunk_bytes = 0  # the bytes of each chunk of the last reduce-scatter
+        self.probe_s = np.nan  # seconds the last probe this leader received took (NaN: none)
+        self._sending: list[tuple[Any, torch.Tensor | None]] = []  # probes sent, not yet waited for
 
     def add_rows(self, small: np.ndarray) -> np.ndarray:
         """``small`` (float64, one slot per member) summed over the nodes, in place."""
         self.group.allreduce([torch.from_numpy(small)]).wait()
         return small
 
-    def _exchange(self, rows: np.ndarray) -> np.ndarray:
-        """Reduce-scatter's transfer: ``rows[j]`` (this node's chunk j) goes to leader j; the chunks this leader
-        owns, one row per node in node order."""
+    def _exchange(self, rows: np.ndarray, active: Sequence[int]) -> np.ndarray:
+        """Reduce-scatter's transfer among the ``active`` nodes (in node order): ``rows[k]`` (this node's chunk k)
+        goes to the k-th active leader; the chunk this leader owns, one row per active node in node order. Each
+        receive is timed into :attr:`rates`."""
+        self.finish_sends()
+        me = active.index(self.index)
         got = np.empty_like(rows)
-        self.group.alltoall_base(_bytes(got), _bytes(rows), [], []).wait()
+        got[me] = rows[me]
+        start = time.monotonic()
+        sends = [self.group.send([_bytes(rows[k])], node, self.SCATTER) for k, node in enumerate(active)
+                 if node != self.index]
+        self.rates[:], self.chunk_bytes = np.nan, rows[0].nbytes
+        self._receive(got, active, me, self.SCATTER, start, timed=True)
+        for work in sends:
+            work.wait()
         return got
 
-    def _gather(self, mine: np.ndarray) -> np.ndarray:
-        """All-gather: every leader's owned chunk, in node order."""
-        out = np.empty((self.count, mine.size), dtype=mine.dtype)
-        self.group._allgather_base(_bytes(out), _bytes(mine)).wait()
+    def _receive(self, into: np.ndarray, active: Sequence[int], me: int, tag: int, start: float, timed: bool
+                 ) -> None:
+        """One equal-sized message from every other active leader into ``into``'s row of its node, in the order
+        they arrive (each wait returns the next arrival, so each is timed when it lands)."""
+        spare = [np.empty_like(into[0]) for _ in range(len(active) - 1)]
+        works = [self.group.recv_anysource([_bytes(b)], tag) for b in spare]
+        for work, buf in zip(works, spare, strict=True):
+            work.wait()
+            node = int(work._source_rank())
+            into[active.index(node)] = buf
+            if timed:
+                self.rates[node] = buf.nbytes / max(time.monotonic() - start, 1e-9)
+
+    def _gather(self, mine: np.ndarray, active: Sequence[int]) -> np.ndarray:
+        """All-gather among the ``active`` nodes: every active leader's owned chunk, in node order."""
+        me = active.index(self.index)
+        out = np.empty((len(active), mine.size), dtype=mine.dtype)
+        out[me] = mine
+        sends = [self.group.send([_bytes(mine)], node, self.GATHER) for node in active if node != self.index]
+        self._receive(out, active, me, self.GATHER, time.monotonic(), timed=False)
+        for work in sends:
+            work.wait()
         return out.reshape(-1)
 
-    def all_reduce(self, flat: np.ndarray) -> None:
-        """``flat`` (float32: this node's sum) becomes the sum over the nodes, in node order, in place."""
-        mine = fold_rows(self._exchange(padded(flat, self.count)))
-        flat[:] = self._gather(mine)[:flat.size]
+    def all_reduce(self, flat: np.ndarray, active: Sequence[int] | None = None) -> None:
+        """``flat`` (float32: this node's sum) becomes the sum over the ``active`` nodes (None: all), in node
+        order, in place."""
+        active = list(range(self.count)) if active is None else list(active)
+        mine = fold_rows(self._exchange(padded(flat, len(active)), active))
+        flat[:] = self._gather(mine, active)[:flat.size]
 
-    def all_reduce16(self, bits: np.ndarray, precision: str) -> np.ndarray:
-        """This node's 16-bit difference ``bits`` exchanged for the nodes' summed, rounded differences (16-bit
-        patterns, :func:`owner_sum`)."""
-        mine = owner_sum(self._exchange(padded(bits, self.count)), precision)
-        return self._gather(mine)[:bits.size]
+    def all_reduce16(self, bits: np.ndarray, precision: str, active: Sequence[int] | None = None) -> np.ndarray:
+        """This node's 16-bit difference ``bits`` exchanged for the ``active`` nodes' (None: all) summed,
+        rounded differences (16-bit patterns, :func:`owner_sum`)."""
+        active = list(range(self.count)) if active is None else list(active)
+        mine = owner_sum(self._exchange(padded(bits, len(active)), active), precision)
+        return self._gather(mine, active)[:bits.size]
+
+    def send_probe(self, targets: Sequence[int], nbytes: int) -> None:
+        """From the lowest active leader, after its exchange: a probe (a header, then ``nbytes``) to each of
+        ``targets`` (the nodes out and one active node, the control). Waited for at the next exchange."""
+        payload = torch.zeros(nbytes, dtype=torch.uint8)
+        for node in targets:
+            self._sending += [(self.group.send([torch.zeros(8, dtype=torch.uint8)], node, self.PROBE), None),
+                              (self.group.send([payload], node, self.PROBE), payload)]
+
+    def receive_probe(self, source: int, nbytes: int) -> None:
+        """A probe from ``source`` (:meth:`send_probe`): the time from its header's arrival to its end into
+        :attr:`probe_s` (so neither the sender's exchange nor the header's latency is counted)."""
+        header, buf = torch.empty(8, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        self.group.recv([header], source, self.PROBE).wait()
+        start = time.monotonic()
+        self.group.recv([buf], source, self.PROBE).wait()
+        self.probe_s = time.monotonic() - start
+
+    def finish_sends(self) -> None:
+        """Wait for the probes this leader sent (their buffers are kept until then)."""
+        for work, _ in self._sending:
+            work.wait()
+        self._sending = []
 
     def close(self) -> None:
+        self._sending = []
         self.group = None  # its sockets close with it
 
 
@@ -295,21 +370,32 @@ class NodeLink:
 
     def round(self, block: SharedBlock, small: np.ndarray, out: np.ndarray, state: GlobalState,
               layout: Sequence[tuple[str, int]], world: int, sampled: bool,
-              needs_sums: Callable[[np.ndarray], bool]) -> np.ndarray:
+              needs_sums: Callable[[np.ndarray], bool], links: Links | None = None) -> np.ndarray:
         """One round's reduce after the members' rows and slots are in the node's ``block`` (its rows, ``small``,
         summed): the node's sum into ``out`` (each member its slice, in rank order), the leaders' exchange (the
-        rows over every node; the sums when ``needs_sums`` of those rows says the round goes on), the all-node
-        rows and sums written into the block; the all-node rows. A broken exchange marks the block broken (its
-        members stop too) and raises :class:`SharedBroken` naming the node when it can."""
+        rows over every node; the sums, among the nodes ``links`` keeps in the round, when ``needs_sums`` of those
+        rows says the round goes on), the all-node rows and sums written into the block; the all-node rows. A
+        node out of the round's exchange gets the rows and, in a probe round, its leader times the probe; the sums
+        in its block are then not the round's. A broken exchange marks the block broken (its members stop too)
+        and raises :class:`SharedBroken` naming the node when it can."""
         start, stop = self.my_slice(out.size)
         block.reduce_slice(out, start, stop)
         block.barrier()  # the node's sum is whole
         if self.leaders is not None:
+            active = list(range(self.place.nodes)) if links is None else list(links.active)
             try:
                 node_weight = _weight(small, world)
                 small = self.leaders.add_rows(small.copy())
-                if needs_sums(small):
-                    self._sums(out, state, layout, node_weight, _weight(small, world), sampled)
+                if self.place.node not in active:
+                    if links is not None and links.probe and needs_sums(small):
+                        self.leaders.receive_probe(active[0], links.probe)
+                elif needs_sums(small):
+                    self._sums(out, state, layout, node_weight, _weight(small, world), sampled, active)
+                    if links is not None and links.probe:  # after the exchange: the control's link is quiet
+                        if self.place.node == active[0]:
+                            self.leaders.send_probe([*links.out, active[1]], links.probe)
+                        elif self.place.node == active[1]:
+                            self.leaders.receive_probe(active[0], links.probe)
             except Exception as exc:  # a leader died or did not answer: every node's members stop
                 block.mark_broken()
                 why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -320,11 +406,12 @@ class NodeLink:
         return block.sum_rows()
 
     def _sums(self, out: np.ndarray, state: GlobalState, layout: Sequence[tuple[str, int]], node_weight: float,
-              weight: float, sampled: bool) -> None:
-        """The leaders' exchange of the node's sum ``out`` (float32, or 16-bit differences from W M)."""
+              weight: float, sampled: bool, active: Sequence[int]) -> None:
+        """The leaders' exchange of the node's sum ``out`` (float32, or 16-bit differences from W M) among the
+        ``active`` nodes."""
         assert self.leaders is not None
         if self.precision == "fp32":
-            self.leaders.all_reduce(out)
+            self.leaders.all_reduce(out, active)
             return
         residual = None
         if self.error_feedback:
@@ -332,7 +419,7 @@ class NodeLink:
                 self.residual = np.zeros(out.size, dtype=np.float32)
             residual = self.residual
         bits = node_difference(out, master_times(state, layout, node_weight, sampled), self.precision, residual)
-        got = self.leaders.all_reduce16(bits, self.precision)
+        got = self.leaders.all_reduce16(bits, self.precision, active)
         np.add(decode(got, self.precision), master_times(state, layout, weight, sampled), out=out)
 
     def close(self) -> None:
