@@ -290,9 +290,9 @@ class CollectiveActor:
         out, the round's partial total, why the group broke ('' when it did not) and the round's leaders'
         exchange (None: every node, no link measured)."""
         member = self._member()
-        self.keep_before(plan.round, ids, residual=False)  # what discard_round and round_changes read
         failure: BaseException | None = None
         late, ran = False, not self._behind
+        self._keep_before(plan.round, ids)
         for again in (False, True):
             start = started()
             until = None if again else self._clock.until(spec, start)
@@ -325,6 +325,12 @@ class CollectiveActor:
             for name, x in zip(vector_names(Rule.CONTROL), changes or (), strict=False):
                 getattr(partial, name).reshape(-1)[:] = x.reshape(-1)
         return failure, cut, spec.total_weight if partial_total is None else partial_total, "", links
+
+    def _keep_before(self, round_index: int, ids: Sequence[int]) -> None:
+        """Keep the clients' states before the round, which discard_round and round_changes read (not on a member
+        behind: it runs no steps, so nothing is put back)."""
+        if not self._behind:
+            self.keep_before(round_index, ids, residual=False)
 
     def _agree(self, spec: DeadlineSpec, place: Place | None, round_index: int, **flags: Any
                ) -> tuple[Agreement, str]:

@@ -254,31 +254,30 @@ class Leaders:
         sends = [self.group.send([_bytes(rows[k])], node, self.SCATTER) for k, node in enumerate(active)
                  if node != self.index]
         self.rates[:], self.chunk_bytes = np.nan, rows[0].nbytes
-        self._receive(got, active, me, self.SCATTER, start, timed=True)
+        self._receive(got, active, start)
         for work in sends:
             work.wait()
         return got
 
-    def _receive(self, into: np.ndarray, active: Sequence[int], me: int, tag: int, start: float, timed: bool
-                 ) -> None:
+    def _receive(self, into: np.ndarray, active: Sequence[int], start: float) -> None:
         """One equal-sized message from every other active leader into ``into``'s row of its node, in the order
-        they arrive (each wait returns the next arrival, so each is timed when it lands)."""
+        they arrive (each wait returns the next arrival, so each is timed into :attr:`rates` when it lands)."""
         spare = [np.empty_like(into[0]) for _ in range(len(active) - 1)]
-        works = [self.group.recv_anysource([_bytes(b)], tag) for b in spare]
+        works = [self.group.recv_anysource([_bytes(b)], self.SCATTER) for b in spare]
         for work, buf in zip(works, spare, strict=True):
             work.wait()
             node = int(work._source_rank())
             into[active.index(node)] = buf
-            if timed:
-                self.rates[node] = buf.nbytes / max(time.monotonic() - start, 1e-9)
+            self.rates[node] = buf.nbytes / max(time.monotonic() - start, 1e-9)
 
     def _gather(self, mine: np.ndarray, active: Sequence[int]) -> np.ndarray:
         """All-gather among the ``active`` nodes: every active leader's owned chunk, in node order."""
-        me = active.index(self.index)
         out = np.empty((len(active), mine.size), dtype=mine.dtype)
-        out[me] = mine
+        out[active.index(self.index)] = mine
         sends = [self.group.send([_bytes(mine)], node, self.GATHER) for node in active if node != self.index]
-        self._receive(out, active, me, self.GATHER, time.monotonic(), timed=False)
+        for work in [self.group.recv([_bytes(out[k])], node, self.GATHER) for k, node in enumerate(active)
+                     if node != self.index]:  # untimed: straight into each node's row
+            work.wait()
         for work in sends:
             work.wait()
         return out.reshape(-1)
